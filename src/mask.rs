@@ -23,7 +23,11 @@ pub struct PackMask<'a> {
 
 impl<'a> PackMask<'a> {
     /// Checks the invariants every op relies on and returns the mask:
-    /// equal lengths, `k < kv_end[k] <= L` for every key.
+    /// equal lengths and `k <= kv_end[k] <= L` for every key.
+    ///
+    /// `kv_end[k] == k` marks a *padding* key that no query sees, not even its
+    /// own row; a query row with no visible key gets `O = 0`, `LSE = −inf`.
+    /// Packs built from rollouts always have `kv_end[k] > k`.
     pub fn new(kv_end: &'a [u32], position_ids: &'a [u32]) -> Result<Self> {
         let l = kv_end.len();
         if position_ids.len() != l {
@@ -36,9 +40,9 @@ impl<'a> PackMask<'a> {
             return Err(Error::Pack(format!("pack of {l} tokens exceeds u32 indexing")));
         }
         for (k, &e) in kv_end.iter().enumerate() {
-            if (e as usize) <= k || (e as usize) > l {
+            if (e as usize) < k || (e as usize) > l {
                 return Err(Error::Pack(format!(
-                    "kv_end[{k}] = {e} breaks {k} < kv_end[k] <= {l} (a key must see itself and stay inside the pack)"
+                    "kv_end[{k}] = {e} breaks {k} <= kv_end[k] <= {l} (a key's range starts at itself and stays inside the pack)"
                 )));
             }
         }
@@ -88,8 +92,10 @@ mod tests {
 
     #[test]
     fn rejects_kv_end_that_does_not_cover_its_key() {
-        let err = PackMask::new(&[2, 1], &[0, 1]).unwrap_err();
-        assert!(err.to_string().contains("kv_end[1] = 1"), "{err}");
+        let err = PackMask::new(&[2, 0], &[0, 1]).unwrap_err();
+        assert!(err.to_string().contains("kv_end[1] = 0"), "{err}");
+        // kv_end[k] == k is a padding key, allowed.
+        assert!(PackMask::new(&[2, 1], &[0, 1]).is_ok());
         assert!(PackMask::new(&[3, 2], &[0, 1]).is_err());
         assert!(PackMask::new(&[2, 2], &[0]).is_err());
     }

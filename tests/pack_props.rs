@@ -518,3 +518,30 @@ fn the_entry_check_catches_a_wrong_mask_or_row() {
     naive.position_ids = good.position_ids.clone();
     assert!(std::panic::catch_unwind(|| check_entries(&naive, rs, "naive")).is_err());
 }
+
+#[test]
+fn batching_is_first_fit_decreasing() {
+    // Trie sizes 3, 6, 4, 5 (input order) with a budget of 9: decreasing
+    // order 6, 5, 4, 3; 6 opens pack 0, 5 opens pack 1, 4 joins pack 1,
+    // 3 joins pack 0.
+    let rs: Vec<Rollout> = [3u32, 6, 4, 5]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let ctx: Vec<u32> = (0..n - 1).map(|t| 1000 * i as u32 + t).collect();
+            Rollout::new(format!("s{n}"), vec![Call::new(ctx, vec![7])]).unwrap()
+        })
+        .collect();
+    let b = batch(&rs, 9, false, Layout::Trie).unwrap();
+    let members: Vec<Vec<u32>> = b.iter().map(|x| x.rollouts.clone()).collect();
+    assert_eq!(members, vec![vec![0, 1], vec![2, 3]]);
+    assert_eq!(
+        b.iter().map(|x| x.pack.len()).collect::<Vec<_>>(),
+        vec![9, 9]
+    );
+    // Loss entries keep input rollout indices.
+    assert_eq!(
+        b[1].pack.loss.iter().map(|e| e.rollout).collect::<Vec<_>>(),
+        vec![2, 3]
+    );
+}

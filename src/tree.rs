@@ -420,8 +420,15 @@ impl Tree {
         self.rollouts.len()
     }
 
+    /// The rollout index (as used in loss entries) of the `slot`-th rollout
+    /// of the tree. Panics if `slot >= rollout_count()`.
+    pub fn rollout_index(&self, slot: usize) -> u32 {
+        self.rollouts[slot].index
+    }
+
     /// The pre-order nodes of call `call` of the `slot`-th rollout of the
-    /// tree, one per position of `context ++ completion`.
+    /// tree, one per position of `context ++ completion`. Panics if `slot`
+    /// or `call` is out of range.
     pub fn call_nodes(&self, slot: usize, call: usize) -> &[u32] {
         &self.rollouts[slot].calls[call].nodes
     }

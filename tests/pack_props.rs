@@ -533,6 +533,9 @@ fn batching_is_first_fit_decreasing() {
         })
         .collect();
     let b = batch(&rs, 9, false, Layout::Trie).unwrap();
+    // A tree of a subset keeps the input indices.
+    let t = Tree::build_indexed(&[(1, &rs[1]), (3, &rs[3])], false).unwrap();
+    assert_eq!((t.rollout_index(0), t.rollout_index(1)), (1, 3));
     let members: Vec<Vec<u32>> = b.iter().map(|x| x.rollouts.clone()).collect();
     assert_eq!(members, vec![vec![0, 1], vec![2, 3]]);
     assert_eq!(

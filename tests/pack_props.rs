@@ -15,7 +15,7 @@ use treeattn::mask::{dense_mask, PackMask, TileClass, TileMap};
 use treeattn::pack::{batch, Layout, Pack};
 use treeattn::rollout::{Call, Rollout};
 use treeattn::safetensors::{deserialize, pack_from_tensors, pack_tensors, serialize};
-use treeattn::tree::{RolloutStats, Tree};
+use treeattn::tree::{align_blocks, RolloutStats, Tree, MIN_BLOCK};
 
 /// One step of a harness script.
 #[derive(Clone, Debug)]
@@ -386,6 +386,47 @@ proptest! {
         let st = deserialize(&serialize(&t, &Default::default()).unwrap()).unwrap();
         prop_assert_eq!(pack_from_tensors(&st, &base).unwrap(), pack);
         prop_assert_eq!(st.get("sdcc_student_rows").unwrap().to_i64().unwrap().len(), pairs.len());
+    }
+
+    #[test]
+    fn alignment_is_a_one_to_one_matching_of_equal_blocks(
+        a in prop::collection::vec(0u32..4, 0..60), b in prop::collection::vec(0u32..4, 0..60)
+    ) {
+        let al = align_blocks(&a, &b, MIN_BLOCK);
+        prop_assert_eq!(al.len(), b.len());
+        let mut used = vec![false; a.len()];
+        for (j, x) in al.iter().enumerate() {
+            if let Some(i) = *x {
+                let i = i as usize;
+                prop_assert_eq!(a[i], b[j]);
+                prop_assert!(!used[i], "a[{}] matched twice", i);
+                used[i] = true;
+            }
+        }
+        // Every run of consecutive aligned positions on one diagonal is a
+        // block of at least MIN_BLOCK tokens.
+        let mut j = 0;
+        while j < b.len() {
+            if let Some(i) = al[j] {
+                let mut n = 1;
+                while j + n < b.len() && al[j + n] == Some(i + n as u32) {
+                    n += 1;
+                }
+                prop_assert!(n >= MIN_BLOCK, "block of {} at b[{}]", n, j);
+                j += n;
+            } else {
+                j += 1;
+            }
+        }
+        // A sequence aligns to itself and to its extensions position by position.
+        let mut ext = a.clone();
+        ext.extend(&b);
+        let self_al = align_blocks(&a, &ext, MIN_BLOCK);
+        if a.len() >= MIN_BLOCK {
+            for i in 0..a.len() {
+                prop_assert_eq!(self_al[i], Some(i as u32));
+            }
+        }
     }
 
     #[test]

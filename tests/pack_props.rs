@@ -423,9 +423,8 @@ proptest! {
         ext.extend(&b);
         let self_al = align_blocks(&a, &ext, MIN_BLOCK);
         if a.len() >= MIN_BLOCK {
-            for i in 0..a.len() {
-                prop_assert_eq!(self_al[i], Some(i as u32));
-            }
+            let want: Vec<Option<u32>> = (0..a.len() as u32).map(Some).collect();
+            prop_assert_eq!(&self_al[..a.len()], &want[..]);
         }
     }
 

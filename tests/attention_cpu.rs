@@ -973,3 +973,41 @@ fn ops_backward_rejects_another_pack_and_other_shapes() {
         "v is",
     );
 }
+
+/// Finite inputs whose scores overflow f32, and unchecked NaN inputs: an
+/// error naming the result, never a silent NaN.
+#[test]
+fn overflow_and_unchecked_nan_are_errors_not_nan() {
+    let (shape, params, m, q, kv) = small();
+    let big = |x: &[f64]| x.iter().map(|&v| (v * 1e20) as f32).collect::<Vec<f32>>();
+    let (q32, k32) = (big(&q), big(&kv));
+    let v32: Vec<f32> = kv.iter().map(|&v| v as f32).collect();
+    let r = cpu::attention_forward(&q32, &k32, &v32, shape, m.view(), &params);
+    assert!(
+        matches!(&r, Err(Error::NonFinite { what, .. }) if what.contains("f32")),
+        "{r:?}"
+    );
+    let mut q_nan = q.clone();
+    q_nan[3] = f64::NAN;
+    let r = cpu::attention_forward(&q_nan, &kv, &kv, shape, m.view(), &params);
+    assert!(matches!(r, Err(Error::NonFinite { .. })), "{r:?}");
+    // Backward: a NaN in d_o (unchecked) surfaces as an error on the gradients.
+    let fwd = cpu::attention_forward(&q, &kv, &kv, shape, m.view(), &params).unwrap();
+    let mut d_o = q.clone();
+    d_o[0] = f64::NAN;
+    let r = cpu::attention_backward(
+        &q,
+        &kv,
+        &kv,
+        &fwd.o,
+        &fwd.lse,
+        &d_o,
+        shape,
+        m.view(),
+        &params,
+    );
+    assert!(
+        matches!(&r, Err(Error::NonFinite { what, .. }) if what.starts_with("d")),
+        "{r:?}"
+    );
+}

@@ -4,8 +4,8 @@
 use super::kernels::{accumulate, has_avx2_fma, scores};
 use super::layout::{Layout, RopeTable};
 use super::{
-    check_finite, check_len, check_qkv, num_threads, run_parallel, AttnGrads, CpuFloat,
-    KeyTileBounds, TileClass, TILE,
+    check_finite, check_len, check_qkv, check_result, num_threads, run_parallel, AttnGrads,
+    CpuFloat, KeyTileBounds, TileClass, TILE,
 };
 use crate::backend::{AttnParams, AttnShape};
 use crate::mask::PackMask;
@@ -27,7 +27,8 @@ use crate::{Error, Result};
 ///
 /// Errors: everything [`super::attention_forward`] rejects, plus `o`, `d_o`,
 /// `lse` of the wrong length, a NaN or `+inf` in `lse`, and (with
-/// `params.check_finite`) a NaN or ±inf in `o` or `d_o`.
+/// `params.check_finite`) a NaN or ±inf in `o` or `d_o`; and a NaN or ±inf
+/// in the gradients (overflow of `T`, or non-finite inputs left unchecked).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<T: CpuFloat>(
     q: &[T],
@@ -164,11 +165,15 @@ pub fn attention_backward<T: CpuFloat>(
         query_tile(&ctx, s, item)
     });
 
-    Ok(AttnGrads {
+    let grads = AttnGrads {
         dq: lay.token_major(&dqh, hq, rope.as_ref()),
         dk: lay.token_major(&dkh, hkv, rope.as_ref()),
         dv: lay.token_major(&dvh, hkv, None),
-    })
+    };
+    check_result("dq", &grads.dq)?;
+    check_result("dk", &grads.dk)?;
+    check_result("dv", &grads.dv)?;
+    Ok(grads)
 }
 
 struct BwdCtx<'a, T> {

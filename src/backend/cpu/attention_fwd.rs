@@ -3,11 +3,12 @@
 use super::kernels::{accumulate, has_avx2_fma, scores};
 use super::layout::{Layout, RopeTable};
 use super::{
-    check_qkv, num_threads, run_parallel, AttnOut, CpuFloat, KeyTileBounds, TileClass, TILE,
+    check_qkv, check_result, num_threads, run_parallel, AttnOut, CpuFloat, KeyTileBounds,
+    TileClass, TILE,
 };
 use crate::backend::{AttnParams, AttnShape};
 use crate::mask::PackMask;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Attention forward on a pack: `O = softmax(scale · Q Kᵀ masked) V` and
 /// `LSE = ln Σ exp(scale · Q Kᵀ masked)` per query row and head (see the
@@ -21,7 +22,8 @@ use crate::Result;
 /// Errors: slice lengths that do not match `shape`, `q_heads` not a multiple
 /// of `kv_heads`, a mask of another length or with `kv_end[k] < k` or
 /// `> tokens`, unsupported rotary dims, and (with `params.check_finite`) a
-/// NaN or ±inf in q, k or v.
+/// NaN or ±inf in q, k or v; and a NaN or ±inf in the result (scores that
+/// overflow `T`, or non-finite inputs when they were not checked).
 pub fn attention_forward<T: CpuFloat>(
     q: &[T],
     k: &[T],
@@ -86,6 +88,17 @@ pub fn attention_forward<T: CpuFloat>(
     });
 
     let o = lay.token_major(&oh, shape.q_heads, None);
+    check_result("o", &o)?;
+    // −inf is a legitimate LSE (no visible key); NaN and +inf are not.
+    let bad_lse = lse
+        .iter()
+        .position(|x| x.partial_cmp(&T::INFINITY) != Some(std::cmp::Ordering::Less));
+    if let Some(index) = bad_lse {
+        return Err(Error::NonFinite {
+            what: format!("lse (scores overflowed {})", T::NAME),
+            index,
+        });
+    }
     Ok(AttnOut { o, lse })
 }
 
@@ -186,13 +199,16 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
                 continue;
             }
             let q = q0 + i;
-            if class == TileClass::Full {
+            let mut any_visible = class == TileClass::Full;
+            if any_visible {
                 for x in live.iter_mut() {
                     *x *= ctx.scale;
                 }
             } else {
                 for (j, (x, &end)) in live.iter_mut().zip(kv_end).enumerate() {
-                    *x = if k0 + j <= q && q < end as usize {
+                    let visible = k0 + j <= q && q < end as usize;
+                    any_visible |= visible;
+                    *x = if visible {
                         *x * ctx.scale
                     } else {
                         T::NEG_INFINITY
@@ -201,6 +217,11 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
             }
             let row_max = T::max_all(live);
             if row_max == T::NEG_INFINITY {
+                if any_visible {
+                    // Visible scores that are all NaN or −inf: an overflow,
+                    // not an empty row. Poison the row (reported below).
+                    sum[i] = T::NEG_INFINITY;
+                }
                 live.fill(T::ZERO);
                 continue;
             }
@@ -231,9 +252,14 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
                 *y *= inv;
             }
             lse[i] = m[i] + sum[i].ln();
-        } else {
+        } else if sum[i] == T::ZERO {
+            // No visible key.
             row.fill(T::ZERO);
             lse[i] = T::NEG_INFINITY;
+        } else {
+            // Poisoned by non-finite scores (a NaN sum, or marked above):
+            // +inf makes the caller's scan report it.
+            lse[i] = T::INFINITY;
         }
     }
 }

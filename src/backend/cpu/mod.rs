@@ -231,6 +231,22 @@ pub(crate) fn check_finite<T: CpuFloat>(what: &str, x: &[T]) -> Result<()> {
     }
 }
 
+/// `Err(NonFinite)` at the first NaN or ±inf of a result. Finite inputs can
+/// still overflow `T` (e.g. `scale · q·k` beyond f32 range); this linear scan
+/// turns that into an error instead of a silent NaN.
+pub(crate) fn check_result<T: CpuFloat>(what: &str, x: &[T]) -> Result<()> {
+    match x.iter().position(|v| !v.is_finite()) {
+        Some(index) => Err(Error::NonFinite {
+            what: format!(
+                "{what} (the result overflowed {}: inputs too large or non-finite)",
+                T::NAME
+            ),
+            index,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Validation shared by forward and backward: shape, params, mask (re-checked,
 /// since `PackMask`'s fields are public), and the q, k, v lengths.
 pub(crate) fn check_qkv<T: CpuFloat>(
@@ -251,6 +267,17 @@ pub(crate) fn check_qkv<T: CpuFloat>(
         )));
     }
     PackMask::new(mask.kv_end, mask.position_ids)?;
+    let elements = |heads: usize| {
+        shape
+            .tokens
+            .checked_mul(heads)
+            .and_then(|x| x.checked_mul(shape.head_dim))
+    };
+    if elements(shape.q_heads).is_none() || elements(shape.kv_heads).is_none() {
+        return Err(Error::Shape(format!(
+            "attention shape {shape:?} overflows usize"
+        )));
+    }
     let q_how = "tokens · q_heads · head_dim";
     let kv_how = "tokens · kv_heads · head_dim";
     check_len("q", q.len(), shape.q_len(), q_how)?;

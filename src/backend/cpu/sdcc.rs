@@ -54,8 +54,8 @@ pub struct SdccOut<T> {
 ///
 /// Errors: `vocab == 0` or logits not a whole number of rows; `weights` not
 /// one per pair, non-finite or negative; `temperature` non-finite or `<= 0`;
-/// a pair naming a row out of range; a used row containing NaN or `+inf`, or
-/// entirely `−inf`. When several pairs are bad, the lowest pair index is
+/// a pair naming a row out of range; a used row containing NaN or `+inf`,
+/// entirely `−inf`, or overflowing f64 once divided by `τ`. When several pairs are bad, the lowest pair index is
 /// reported.
 pub fn sdcc_forward_kl<T: CpuFloat>(
     student: &[T],
@@ -273,6 +273,13 @@ fn row_stats<T: CpuFloat>(
             max_b = max_b.max(x);
         }
         let (new_a, new_b) = (m_a.max(max_a * inv_tau), m_b.max(max_b * inv_tau));
+        if new_a == f64::INFINITY || new_b == f64::INFINITY {
+            let (what, row) = if new_a == f64::INFINITY { ("teacher", t) } else { ("student", s) };
+            return Err(Error::NonFinite {
+                what: format!("SDCC {what} logits row {row} divided by the temperature (overflows f64)"),
+                index: row * vocab + c * CHUNK,
+            });
+        }
         if z_a > 0.0 {
             let alpha = (m_a - new_a).exp();
             if !infinite {

@@ -41,6 +41,23 @@ pub fn attention_backward<T: CpuFloat>(
     mask: PackMask<'_>,
     params: &AttnParams,
 ) -> Result<AttnGrads<T>> {
+    backward_on_threads(q, k, v, o, lse, d_o, shape, mask, params, num_threads())
+}
+
+/// [`attention_backward`] on `threads` threads.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_on_threads<T: CpuFloat>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    lse: &[T],
+    d_o: &[T],
+    shape: AttnShape,
+    mask: PackMask<'_>,
+    params: &AttnParams,
+    threads: usize,
+) -> Result<AttnGrads<T>> {
     check_qkv(q, k, v, &shape, &mask, params)?;
     let q_how = "tokens · q_heads · head_dim, like q";
     check_len("o", o.len(), shape.q_len(), q_how)?;
@@ -72,7 +89,7 @@ pub fn attention_backward<T: CpuFloat>(
             dv: Vec::new(),
         });
     }
-    let lay = Layout::new(l, shape.head_dim, num_threads());
+    let lay = Layout::new(l, shape.head_dim, threads);
     let (lpad, dp, d) = (lay.lpad, lay.dp, lay.d);
     let (hq, hkv) = (shape.q_heads, shape.kv_heads);
     let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids));

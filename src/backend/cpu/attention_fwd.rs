@@ -32,6 +32,19 @@ pub fn attention_forward<T: CpuFloat>(
     mask: PackMask<'_>,
     params: &AttnParams,
 ) -> Result<AttnOut<T>> {
+    forward_on_threads(q, k, v, shape, mask, params, num_threads())
+}
+
+/// [`attention_forward`] on `threads` threads.
+pub(crate) fn forward_on_threads<T: CpuFloat>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: AttnShape,
+    mask: PackMask<'_>,
+    params: &AttnParams,
+    threads: usize,
+) -> Result<AttnOut<T>> {
     check_qkv(q, k, v, &shape, &mask, params)?;
     let l = shape.tokens;
     if l == 0 {
@@ -40,7 +53,7 @@ pub fn attention_forward<T: CpuFloat>(
             lse: Vec::new(),
         });
     }
-    let lay = Layout::new(l, shape.head_dim, num_threads());
+    let lay = Layout::new(l, shape.head_dim, threads);
     let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids));
     let qh = lay.head_major(q, shape.q_heads, rope.as_ref());
     let kh = lay.head_major(k, shape.kv_heads, rope.as_ref());

@@ -324,6 +324,63 @@ mod tests {
         }
     }
 
+    /// Each output block is written by one work item in a fixed order, so
+    /// results are bit-identical whatever the thread count.
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        let l = 300;
+        let kv_end: Vec<u32> = (0..l as u32)
+            .map(|k| {
+                if k < 100 {
+                    l as u32
+                } else if k < 180 {
+                    180
+                } else {
+                    l as u32
+                }
+            })
+            .collect();
+        let pos: Vec<u32> = (0..l as u32)
+            .map(|k| if k < 180 { k } else { k - 80 })
+            .collect();
+        let mask = PackMask::new(&kv_end, &pos).unwrap();
+        let shape = AttnShape {
+            tokens: l,
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 40,
+        };
+        let mut params = AttnParams::new(40);
+        params.rope = Some(super::super::Rope {
+            base: 500.0,
+            dims: 40,
+        });
+        let data = |n: usize, salt: u32| -> Vec<f32> {
+            (0..n as u32)
+                .map(|i| ((i.wrapping_mul(2_654_435_761) ^ salt) % 1000) as f32 / 500.0 - 1.0)
+                .collect()
+        };
+        let (q, k, v) = (
+            data(shape.q_len(), 1),
+            data(shape.kv_len(), 2),
+            data(shape.kv_len(), 3),
+        );
+        let d_o = data(shape.q_len(), 4);
+        let run = |threads: usize| {
+            let f = attention_fwd::forward_on_threads(&q, &k, &v, shape, mask, &params, threads)
+                .unwrap();
+            let g = attention_bwd::backward_on_threads(
+                &q, &k, &v, &f.o, &f.lse, &d_o, shape, mask, &params, threads,
+            )
+            .unwrap();
+            (f, g)
+        };
+        let one = run(1);
+        for threads in [2, 5] {
+            assert!(run(threads) == one, "{threads} threads");
+        }
+    }
+
     /// DESIGN §5's rules on a pack with a trunk `[0, 64)` seen by all, a
     /// branch `[64, 128)` and a sibling branch `[128, 192)`.
     #[test]

@@ -274,9 +274,15 @@ fn row_stats<T: CpuFloat>(
         }
         let (new_a, new_b) = (m_a.max(max_a * inv_tau), m_b.max(max_b * inv_tau));
         if new_a == f64::INFINITY || new_b == f64::INFINITY {
-            let (what, row) = if new_a == f64::INFINITY { ("teacher", t) } else { ("student", s) };
+            let (what, row) = if new_a == f64::INFINITY {
+                ("teacher", t)
+            } else {
+                ("student", s)
+            };
             return Err(Error::NonFinite {
-                what: format!("SDCC {what} logits row {row} divided by the temperature (overflows f64)"),
+                what: format!(
+                    "SDCC {what} logits row {row} divided by the temperature (overflows f64)"
+                ),
                 index: row * vocab + c * CHUNK,
             });
         }

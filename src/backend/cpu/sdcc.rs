@@ -119,21 +119,18 @@ pub fn sdcc_forward_kl<T: CpuFloat>(
     {
         let mut rest_order: &[usize] = &order;
         let mut rest_kl: &mut [f64] = &mut kl_sorted;
-        let mut rows = grad.chunks_mut(vocab).enumerate();
-        while let Some(&first) = rest_order.first() {
-            let row = pairs[first].0 as usize;
+        for (row, grad_row) in grad.chunks_mut(vocab).enumerate() {
             let n = rest_order
                 .iter()
                 .take_while(|&&i| pairs[i].0 as usize == row)
                 .count();
+            if n == 0 {
+                continue;
+            }
             let (ids, tail) = rest_order.split_at(n);
             let (kls, kl_tail) = std::mem::take(&mut rest_kl).split_at_mut(n);
             rest_order = tail;
             rest_kl = kl_tail;
-            let grad_row = rows
-                .find(|(r, _)| *r == row)
-                .map(|(_, g)| g)
-                .unwrap_or_default();
             work.push(RowItem {
                 grad: grad_row,
                 pairs: ids,

@@ -37,7 +37,9 @@ impl<'a> PackMask<'a> {
             )));
         }
         if l > u32::MAX as usize {
-            return Err(Error::Pack(format!("pack of {l} tokens exceeds u32 indexing")));
+            return Err(Error::Pack(format!(
+                "pack of {l} tokens exceeds u32 indexing"
+            )));
         }
         for (k, &e) in kv_end.iter().enumerate() {
             if (e as usize) < k || (e as usize) > l {
@@ -46,7 +48,10 @@ impl<'a> PackMask<'a> {
                 )));
             }
         }
-        Ok(PackMask { kv_end, position_ids })
+        Ok(PackMask {
+            kv_end,
+            position_ids,
+        })
     }
 
     /// Number of packed tokens `L`.
@@ -68,7 +73,11 @@ impl<'a> PackMask<'a> {
     /// Number of visible (query, key) pairs: `Σ_k (kv_end[k] − k)`. This is
     /// the FLOP-count basis of DESIGN §7 (4·d FLOPs per pair per head forward).
     pub fn visible_pairs(&self) -> u64 {
-        self.kv_end.iter().enumerate().map(|(k, &e)| e as u64 - k as u64).sum()
+        self.kv_end
+            .iter()
+            .enumerate()
+            .map(|(k, &e)| e as u64 - k as u64)
+            .sum()
     }
 
     /// A 64-bit FNV-1a fingerprint of `kv_end` and `position_ids`. Ops store
@@ -83,6 +92,141 @@ impl<'a> PackMask<'a> {
             }
         }
         h ^ (self.kv_end.len() as u64)
+    }
+}
+
+/// The dense boolean mask `[L, L]`, row-major `[q][k]`: entry `q * L + k` is
+/// `k <= q < kv_end[k]`. For frameworks that take a 4D attention mask
+/// (broadcast it over batch and heads); `O(L²)` memory, so for interop and
+/// tests, not for long packs.
+pub fn dense_mask(kv_end: &[u32]) -> Vec<bool> {
+    let l = kv_end.len();
+    let mut m = vec![false; l * l];
+    for (k, &e) in kv_end.iter().enumerate() {
+        for q in k..(e as usize).min(l) {
+            m[q * l + k] = true;
+        }
+    }
+    m
+}
+
+/// How a (query tile, key tile) block of the mask is handled (DESIGN §5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TileClass {
+    /// No visible pair: the block is not computed.
+    Skip,
+    /// Every pair visible: no per-element mask needed.
+    Full,
+    /// Mixed: mask element-wise.
+    Partial,
+}
+
+/// Per-tile classification of a pack's mask for tile sizes
+/// `(q_tile, k_tile)`. With query tile `[q0, q1)` and key tile `[k0, k1)`
+/// (the last tiles may be short):
+///
+/// - `Skip` when `k0 > q1 − 1` or `max(kv_end[k0..k1]) <= q0`;
+/// - `Full` when `k1 − 1 <= q0` and `min(kv_end[k0..k1]) >= q1`;
+/// - `Partial` otherwise.
+///
+/// Skip is exact (no pair is visible) and Full is exact (all pairs are);
+/// Partial may be conservative (a block with all or no pairs visible).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TileMap {
+    q_tile: usize,
+    k_tile: usize,
+    len: usize,
+    key_min: Vec<u32>,
+    key_max: Vec<u32>,
+    classes: Vec<TileClass>,
+}
+
+impl TileMap {
+    /// Classifies every block of `mask`; tile sizes must be positive.
+    pub fn new(mask: &PackMask<'_>, q_tile: usize, k_tile: usize) -> Result<TileMap> {
+        if q_tile == 0 || k_tile == 0 {
+            return Err(Error::Shape(format!(
+                "tile sizes must be positive, got q_tile = {q_tile}, k_tile = {k_tile}"
+            )));
+        }
+        let l = mask.len();
+        let (key_min, key_max): (Vec<u32>, Vec<u32>) = mask
+            .kv_end
+            .chunks(k_tile)
+            .map(|c| {
+                (
+                    *c.iter().min().expect("chunks are non-empty"),
+                    *c.iter().max().expect("chunks are non-empty"),
+                )
+            })
+            .unzip();
+        let nq = l.div_ceil(q_tile);
+        let mut classes = Vec::with_capacity(nq * key_min.len());
+        for qt in 0..nq {
+            let (q0, q1) = (qt * q_tile, ((qt + 1) * q_tile).min(l));
+            for kt in 0..key_min.len() {
+                let (k0, k1) = (kt * k_tile, ((kt + 1) * k_tile).min(l));
+                classes.push(if k0 > q1 - 1 || key_max[kt] as usize <= q0 {
+                    TileClass::Skip
+                } else if k1 - 1 <= q0 && key_min[kt] as usize >= q1 {
+                    TileClass::Full
+                } else {
+                    TileClass::Partial
+                });
+            }
+        }
+        Ok(TileMap {
+            q_tile,
+            k_tile,
+            len: l,
+            key_min,
+            key_max,
+            classes,
+        })
+    }
+
+    /// Query tile size.
+    pub fn q_tile(&self) -> usize {
+        self.q_tile
+    }
+
+    /// Key tile size.
+    pub fn k_tile(&self) -> usize {
+        self.k_tile
+    }
+
+    /// Number of query tiles, `ceil(L / q_tile)`.
+    pub fn q_tiles(&self) -> usize {
+        self.len.div_ceil(self.q_tile)
+    }
+
+    /// Number of key tiles, `ceil(L / k_tile)`.
+    pub fn k_tiles(&self) -> usize {
+        self.key_min.len()
+    }
+
+    /// `min(kv_end[k0..k1])` of each key tile.
+    pub fn key_min(&self) -> &[u32] {
+        &self.key_min
+    }
+
+    /// `max(kv_end[k0..k1])` of each key tile.
+    pub fn key_max(&self) -> &[u32] {
+        &self.key_max
+    }
+
+    /// Class of block (query tile `qt`, key tile `kt`); `None` out of range.
+    pub fn class(&self, qt: usize, kt: usize) -> Option<TileClass> {
+        (qt < self.q_tiles() && kt < self.k_tiles()).then(|| self.classes[qt * self.k_tiles() + kt])
+    }
+
+    /// Number of (skip, full, partial) blocks.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        self.classes.iter().fold((0, 0, 0), |(s, f, p), c| match c {
+            TileClass::Skip => (s + 1, f, p),
+            TileClass::Full => (s, f + 1, p),
+            TileClass::Partial => (s, f, p + 1),
+        })
     }
 }
 
@@ -107,5 +251,32 @@ mod tests {
         assert!(m.visible(3, 0) && !m.visible(0, 3));
         let other = PackMask::new(&[2, 2, 4, 4], &[0, 1, 0, 1]).unwrap();
         assert_ne!(m.fingerprint(), other.fingerprint());
+    }
+
+    #[test]
+    fn dense_mask_of_the_worked_example_branches() {
+        // Two chains [0,2) and [2,4): block diagonal lower triangles.
+        let m = dense_mask(&[2, 2, 4, 4]);
+        let rows: Vec<Vec<bool>> = m.chunks(4).map(|r| r.to_vec()).collect();
+        assert_eq!(rows[0], vec![true, false, false, false]);
+        assert_eq!(rows[1], vec![true, true, false, false]);
+        assert_eq!(rows[2], vec![false, false, true, false]);
+        assert_eq!(rows[3], vec![false, false, true, true]);
+    }
+
+    #[test]
+    fn tile_map_rejects_zero_tiles_and_classifies_chains() {
+        let kv = [2, 2, 4, 4];
+        let pos = [0, 1, 0, 1];
+        let m = PackMask::new(&kv, &pos).unwrap();
+        assert!(TileMap::new(&m, 0, 2).is_err());
+        let t = TileMap::new(&m, 2, 2).unwrap();
+        assert_eq!(t.class(0, 0), Some(TileClass::Partial)); // diagonal triangle
+        assert_eq!(t.class(1, 0), Some(TileClass::Skip)); // other chain
+        assert_eq!(t.class(0, 1), Some(TileClass::Skip)); // above the diagonal
+        assert_eq!(t.class(2, 0), None);
+        let t1 = TileMap::new(&m, 1, 1).unwrap();
+        assert_eq!(t1.class(1, 0), Some(TileClass::Full));
+        assert_eq!(t1.counts(), (10, 6, 0));
     }
 }

@@ -1,1 +1,522 @@
-//! (module under construction)
+//! Packs: the conditioning tree serialized for one forward pass (DESIGN §4).
+//!
+//! Every layout is the same plain struct [`Pack`] of flat vectors: tokens,
+//! position ids, the interval mask `kv_end` (query `q` sees key `k` iff
+//! `k <= q < kv_end[k]`) and explicit loss entries. Loss targets are not
+//! "row i predicts token i+1": the first token of a child node is predicted by
+//! the last row of its parent, and one row may predict several labels, so a
+//! pack lists `(row, label, weight)` per sampled token.
+//!
+//! Layouts built from a [`Tree`]:
+//!
+//! | method | layout | exact |
+//! |---|---|---|
+//! | [`Tree::trie_pack`] | trie in pre-order, `kv_end` = subtree end, position = depth | yes |
+//! | [`Tree::replicated_pack`] | branches concatenated, `kv_end` = end of branch (the paper's 4D layout) | yes |
+//! | [`Tree::logittree_packs`] | one causal pack per branch (K+1 passes) | yes |
+//! | [`Tree::naive_full_pack`] | trie pre-order tokens, plain causal mask, contiguous positions | no |
+//! | [`Tree::naive_compressed_pack`] | the final call's sequence alone | no |
+//!
+//! **Loss entry order**: in every layout the entries are sorted by
+//! `(rollout, call, offset)`; [`Pack::loss_index`] finds an entry by that key.
+//! The exact layouts hold one entry per sampled completion token (a completion
+//! token that later reappears as context of an extending call is the same
+//! trie node and is not scored again; two calls that sampled the same token at
+//! the same node each keep their own entry). In the per-branch layouts a
+//! target is scored on the first branch (in pre-order) through its node; every
+//! branch through a node gives it the same prefix. Naive-Compressed holds
+//! only the targets present on the final call's sequence (see [`crate::tree`])
+//! at a position >= 1, scored there.
+
+use std::collections::HashMap;
+
+use crate::mask::PackMask;
+use crate::rollout::Rollout;
+use crate::tree::{Tree, TrieBuilder};
+use crate::{Error, Result};
+
+/// One scored target: row `row`'s logits predict `label`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossEntry {
+    /// Packed row whose logits predict the label.
+    pub row: u32,
+    /// The sampled token.
+    pub label: u32,
+    /// Loss weight (1.0 for every sampled token).
+    pub weight: f32,
+    /// Index of the rollout (as given to the tree / batch).
+    pub rollout: u32,
+    /// Call index within its rollout.
+    pub call: u32,
+    /// Offset within the call's completion.
+    pub offset: u32,
+    /// The rollout policy's log-prob of the label, when the input had it.
+    pub logprob: Option<f32>,
+}
+
+impl LossEntry {
+    /// The canonical sort key `(rollout, call, offset)`.
+    pub fn key(&self) -> (u32, u32, u32) {
+        (self.rollout, self.call, self.offset)
+    }
+}
+
+/// A packed sequence with its interval mask and loss entries.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pack {
+    pub tokens: Vec<u32>,
+    pub position_ids: Vec<u32>,
+    pub kv_end: Vec<u32>,
+    /// Sorted by `(rollout, call, offset)`.
+    pub loss: Vec<LossEntry>,
+}
+
+impl Pack {
+    /// The attention view: `kv_end` and position ids.
+    pub fn mask(&self) -> PackMask<'_> {
+        PackMask {
+            kv_end: &self.kv_end,
+            position_ids: &self.position_ids,
+        }
+    }
+
+    /// Packed length `L`.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// True for an empty pack.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Fingerprint of the mask (see [`PackMask::fingerprint`]).
+    pub fn fingerprint(&self) -> u64 {
+        self.mask().fingerprint()
+    }
+
+    /// Index of the loss entry for completion token `offset` of call `call`
+    /// of rollout `rollout`, if this layout scores it.
+    pub fn loss_index(&self, rollout: u32, call: u32, offset: u32) -> Option<usize> {
+        self.loss
+            .binary_search_by_key(&(rollout, call, offset), LossEntry::key)
+            .ok()
+    }
+
+    /// Checks the pack's invariants: equal lengths, a valid interval mask,
+    /// loss rows inside the pack, strictly increasing loss keys, finite
+    /// weights.
+    pub fn validate(&self) -> Result<()> {
+        if self.tokens.len() != self.kv_end.len() {
+            return Err(Error::Pack(format!(
+                "{} tokens but {} kv_end entries",
+                self.tokens.len(),
+                self.kv_end.len()
+            )));
+        }
+        PackMask::new(&self.kv_end, &self.position_ids)?;
+        for (i, e) in self.loss.iter().enumerate() {
+            if e.row as usize >= self.len() {
+                return Err(Error::Pack(format!(
+                    "loss entry {i}: row {} outside a pack of {}",
+                    e.row,
+                    self.len()
+                )));
+            }
+            if !e.weight.is_finite() {
+                return Err(Error::NonFinite {
+                    what: "loss weight".into(),
+                    index: i,
+                });
+            }
+            if i > 0 && self.loss[i - 1].key() >= e.key() {
+                return Err(Error::Pack(format!(
+                    "loss entry {i}: key {:?} is not after {:?}",
+                    e.key(),
+                    self.loss[i - 1].key()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A diverging target's SDCC pair, rows in trie-pack coordinates: the
+/// student row predicts the target on the rightmost branch (the compressed
+/// stream), the teacher row is its loss row on its live branch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SdccPair {
+    pub student_row: u32,
+    pub teacher_row: u32,
+    pub rollout: u32,
+    pub call: u32,
+    pub offset: u32,
+    pub label: u32,
+}
+
+/// The exact layouts a batch can be packed in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Deduplicated trie in pre-order.
+    Trie,
+    /// Branches concatenated (the paper's 4D-mask layout).
+    Replicated,
+}
+
+impl Layout {
+    /// `"trie"` or `"replicated"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Trie => "trie",
+            Layout::Replicated => "replicated",
+        }
+    }
+}
+
+impl Tree {
+    /// Visits every sampled token: (rollout index, call, offset, predicting
+    /// node, target node, logprob).
+    fn for_each_target(&self, mut f: impl FnMut(u32, u32, u32, u32, u32, Option<f32>)) {
+        for tr in &self.rollouts {
+            for (c, call) in tr.calls.iter().enumerate() {
+                let ctx = call.ctx_len as usize;
+                for j in 0..call.nodes.len() - ctx {
+                    let lp = call.logprobs.as_ref().map(|l| l[j]);
+                    f(
+                        tr.index,
+                        c as u32,
+                        j as u32,
+                        call.nodes[ctx + j - 1],
+                        call.nodes[ctx + j],
+                        lp,
+                    );
+                }
+            }
+        }
+    }
+
+    fn entries(&self, mut place: impl FnMut(u32, u32) -> u32) -> Vec<LossEntry> {
+        let mut loss = Vec::new();
+        self.for_each_target(|rollout, call, offset, row, target, logprob| {
+            loss.push(LossEntry {
+                row: place(row, target),
+                label: self.tokens()[target as usize],
+                weight: 1.0,
+                rollout,
+                call,
+                offset,
+                logprob,
+            })
+        });
+        loss.sort_by_key(LossEntry::key);
+        loss
+    }
+
+    /// The exact deduplicated pack: trie tokens in pre-order, position =
+    /// depth, `kv_end` = end of the node's subtree, one loss entry per
+    /// sampled token with `row` = trie node of the token before it in its
+    /// call's `context ++ completion`.
+    pub fn trie_pack(&self) -> Pack {
+        Pack {
+            tokens: self.tokens().to_vec(),
+            position_ids: self.depths().to_vec(),
+            kv_end: self.subtree_ends().to_vec(),
+            loss: self.entries(|row, _| row),
+        }
+    }
+
+    /// Offsets of each branch in the replicated layout, keyed by leaf.
+    fn branch_offsets(&self) -> (Vec<(u32, u32)>, HashMap<u32, usize>) {
+        let mut off = 0;
+        let mut spans = Vec::new();
+        let mut slot = HashMap::new();
+        for (s, b) in self.branches().into_iter().enumerate() {
+            spans.push((b.leaf, off));
+            slot.insert(b.leaf, s);
+            off += b.len;
+        }
+        (spans, slot)
+    }
+
+    /// The paper's branch-replicated 4D layout: every root-to-leaf path
+    /// (pre-order of leaves) as its own chain, positions `0..len` per branch,
+    /// `kv_end` = end of the branch. Each target is on the first branch
+    /// through its node.
+    pub fn replicated_pack(&self) -> Pack {
+        let (spans, slot) = self.branch_offsets();
+        let first_leaf = self.first_leaf();
+        let mut p = Pack {
+            tokens: Vec::new(),
+            position_ids: Vec::new(),
+            kv_end: Vec::new(),
+            loss: Vec::new(),
+        };
+        for &(leaf, off) in &spans {
+            let path = self.path_to(leaf as usize);
+            let end = off + path.len() as u32;
+            for (d, &n) in path.iter().enumerate() {
+                p.tokens.push(self.tokens()[n as usize]);
+                p.position_ids.push(d as u32);
+                p.kv_end.push(end);
+            }
+        }
+        p.loss = self.entries(|row, target| {
+            spans[slot[&first_leaf[target as usize]]].1 + self.depths()[row as usize]
+        });
+        p
+    }
+
+    /// LogitTree: one causal pack per branch (pre-order of leaves), each
+    /// target scored on the first branch through its node.
+    pub fn logittree_packs(&self) -> Vec<Pack> {
+        let (spans, slot) = self.branch_offsets();
+        let first_leaf = self.first_leaf();
+        let mut packs: Vec<Pack> = spans
+            .iter()
+            .map(|&(leaf, _)| {
+                let path = self.path_to(leaf as usize);
+                let l = path.len() as u32;
+                Pack {
+                    tokens: path.iter().map(|&n| self.tokens()[n as usize]).collect(),
+                    position_ids: (0..l).collect(),
+                    kv_end: vec![l; path.len()],
+                    loss: Vec::new(),
+                }
+            })
+            .collect();
+        let mut assigned = Vec::new();
+        self.for_each_target(|rollout, call, offset, row, target, logprob| {
+            assigned.push((
+                slot[&first_leaf[target as usize]],
+                LossEntry {
+                    row: self.depths()[row as usize],
+                    label: self.tokens()[target as usize],
+                    weight: 1.0,
+                    rollout,
+                    call,
+                    offset,
+                    logprob,
+                },
+            ))
+        });
+        assigned.sort_by_key(|(_, e)| e.key());
+        for (b, e) in assigned {
+            packs[b].loss.push(e);
+        }
+        packs
+    }
+
+    /// For each node, the start of its top-level subtree and that subtree's
+    /// end: one rollout (or one shared group) per top-level subtree.
+    fn top_level_spans(&self) -> Vec<(u32, u32)> {
+        let mut spans = Vec::with_capacity(self.len());
+        let mut i = 0;
+        while i < self.len() {
+            let end = self.subtree_ends()[i];
+            spans.extend(std::iter::repeat((i as u32, end)).take((end as usize) - i));
+            i = end as usize;
+        }
+        spans
+    }
+
+    /// Naive-Full: the trie's pre-order tokens replayed with a plain causal
+    /// mask and contiguous positions (per top-level subtree: one rollout, or
+    /// one group of rollouts sharing a prefix), loss entries as in the trie
+    /// pack. Inexact: later tokens see content that was already evicted.
+    pub fn naive_full_pack(&self) -> Pack {
+        let spans = self.top_level_spans();
+        Pack {
+            tokens: self.tokens().to_vec(),
+            position_ids: spans
+                .iter()
+                .enumerate()
+                .map(|(i, &(s, _))| i as u32 - s)
+                .collect(),
+            kv_end: spans.iter().map(|&(_, e)| e).collect(),
+            loss: self.entries(|row, _| row),
+        }
+    }
+
+    /// Naive-Compressed: each rollout's final call sequence alone (causal,
+    /// positions `0..n`), scoring the targets present there (see
+    /// [`crate::tree`]) at positions >= 1, in place. Inexact: earlier
+    /// tokens are scored without content they saw (time-travel leakage).
+    pub fn naive_compressed_pack(&self) -> Pack {
+        let mut p = Pack {
+            tokens: Vec::new(),
+            position_ids: Vec::new(),
+            kv_end: Vec::new(),
+            loss: Vec::new(),
+        };
+        for tr in &self.rollouts {
+            let fin = tr.calls.last().expect("validated rollouts have calls");
+            let off = p.tokens.len() as u32;
+            let n = fin.nodes.len() as u32;
+            p.tokens
+                .extend(fin.nodes.iter().map(|&x| self.tokens()[x as usize]));
+            p.position_ids.extend(0..n);
+            p.kv_end.extend(std::iter::repeat(off + n).take(n as usize));
+            for pr in &tr.present {
+                let lp = tr.calls[pr.call as usize]
+                    .logprobs
+                    .as_ref()
+                    .map(|l| l[pr.offset as usize]);
+                p.loss.push(LossEntry {
+                    row: off + pr.pos - 1,
+                    label: self.tokens()[fin.nodes[pr.pos as usize] as usize],
+                    weight: 1.0,
+                    rollout: tr.index,
+                    call: pr.call,
+                    offset: pr.offset,
+                    logprob: lp,
+                });
+            }
+        }
+        p.loss.sort_by_key(LossEntry::key);
+        p
+    }
+
+    /// SDCC pairs for the diverging targets: present targets (on the final
+    /// call's sequence, position >= 1) whose predicting row there differs
+    /// from their loss row, i.e. whose prefix differs from the live one.
+    /// Rows are trie-pack rows; sorted by `(rollout, call, offset)`.
+    pub fn sdcc_pairs(&self) -> Vec<SdccPair> {
+        let mut out = Vec::new();
+        for tr in &self.rollouts {
+            let fin = &tr
+                .calls
+                .last()
+                .expect("validated rollouts have calls")
+                .nodes;
+            for pr in &tr.present {
+                let student = fin[pr.pos as usize - 1];
+                let teacher = tr.loss_row(pr.call as usize, pr.offset as usize);
+                if student != teacher {
+                    out.push(SdccPair {
+                        student_row: student,
+                        teacher_row: teacher,
+                        rollout: tr.index,
+                        call: pr.call,
+                        offset: pr.offset,
+                        label: self.tokens()[fin[pr.pos as usize] as usize],
+                    });
+                }
+            }
+        }
+        out.sort_by_key(|p| (p.rollout, p.call, p.offset));
+        out
+    }
+
+    /// The pack of an exact layout.
+    pub fn pack(&self, layout: Layout) -> Pack {
+        match layout {
+            Layout::Trie => self.trie_pack(),
+            Layout::Replicated => self.replicated_pack(),
+        }
+    }
+}
+
+/// One pack of a batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    pub pack: Pack,
+    /// Input indices of the rollouts in this pack, increasing.
+    pub rollouts: Vec<u32>,
+    /// SDCC pairs in this pack's rows (trie layout only; `None` for the
+    /// replicated layout, whose student rows are not defined here).
+    pub sdcc: Option<Vec<SdccPair>>,
+}
+
+/// Packs `rollouts` into packs of at most `budget_tokens` tokens each.
+///
+/// Greedy first-fit decreasing: rollouts sorted by their own size in the
+/// layout (trie nodes, or sum of branch lengths), largest first, ties by input
+/// index; each goes into the first pack it still fits in, else a new pack.
+/// With `share_prefixes` (trie layout), a rollout's size in a pack is the
+/// number of trie nodes it adds there, so rollouts sharing a prompt (a GRPO
+/// group) cost their prompt once. Loss entries carry input indices. A
+/// rollout that alone exceeds the budget is an error.
+pub fn batch(
+    rollouts: &[Rollout],
+    budget_tokens: usize,
+    share_prefixes: bool,
+    layout: Layout,
+) -> Result<Vec<Batch>> {
+    if budget_tokens == 0 {
+        return Err(Error::Pack(
+            "the token budget per pack must be positive".into(),
+        ));
+    }
+    let mut sizes = Vec::with_capacity(rollouts.len());
+    for r in rollouts {
+        let tree = Tree::build(std::slice::from_ref(r), false)?;
+        sizes.push(match layout {
+            Layout::Trie => tree.len(),
+            Layout::Replicated => tree.branches().iter().map(|b| b.len as usize).sum(),
+        });
+    }
+    let mut order: Vec<usize> = (0..rollouts.len()).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(sizes[i]), i));
+    let share_trie = share_prefixes && layout == Layout::Trie;
+    struct Bin {
+        used: usize,
+        members: Vec<u32>,
+        trie: TrieBuilder,
+    }
+    let mut bins: Vec<Bin> = Vec::new();
+    for i in order {
+        let r = &rollouts[i];
+        if sizes[i] > budget_tokens {
+            return Err(Error::Pack(format!(
+                "rollout {:?} (index {i}) needs {} tokens in the {} layout, more than the budget of {budget_tokens} per pack",
+                r.id(),
+                sizes[i],
+                layout.name()
+            )));
+        }
+        let cost = |b: &Bin| {
+            if share_trie {
+                b.trie.added_by(0, r)
+            } else {
+                sizes[i]
+            }
+        };
+        let slot = match bins.iter().position(|b| b.used + cost(b) <= budget_tokens) {
+            Some(s) => s,
+            None => {
+                bins.push(Bin {
+                    used: 0,
+                    members: Vec::new(),
+                    trie: TrieBuilder::default(),
+                });
+                bins.len() - 1
+            }
+        };
+        let b = &mut bins[slot];
+        if share_trie {
+            b.trie.add(0, r)?;
+            b.used = b.trie.len();
+        } else {
+            b.used += sizes[i];
+        }
+        b.members.push(i as u32);
+    }
+    bins.into_iter()
+        .map(|mut b| {
+            b.members.sort_unstable();
+            let members: Vec<(u32, &Rollout)> = b
+                .members
+                .iter()
+                .map(|&i| (i, &rollouts[i as usize]))
+                .collect();
+            let tree = Tree::build_indexed(&members, share_prefixes)?;
+            let pack = tree.pack(layout);
+            let sdcc = (layout == Layout::Trie).then(|| tree.sdcc_pairs());
+            Ok(Batch {
+                pack,
+                rollouts: b.members,
+                sdcc,
+            })
+        })
+        .collect()
+}

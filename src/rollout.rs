@@ -1,1 +1,395 @@
-//! (module under construction)
+//! Rollout input: a rollout is the list of model calls a harness made
+//! (DESIGN §2).
+//!
+//! ```json
+//! {"id": "r17", "calls": [
+//!   {"context": [10, 11, 20], "completion": [30, 31], "logprobs": [-0.5, -1.25]}
+//! ]}
+//! ```
+//!
+//! `context` is the full rendered prompt of the call, `completion` the sampled
+//! tokens (the targets), `logprobs` (optional, may be `null`) the rollout
+//! policy's log-probability of each completion token.
+//!
+//! A valid rollout has a non-empty id, at least one call, and in every call a
+//! non-empty `context` (the first completion token needs a predicting row), a
+//! non-empty `completion`, and, when present, exactly one finite `logprobs`
+//! entry per completion token. Token ids are `u32`.
+//!
+//! JSON Lines: one rollout per line. Blank (whitespace-only) lines are skipped;
+//! every other line must be one rollout object, and rollout ids must be unique
+//! within a file. Unknown keys are ignored (harness logs carry extra fields).
+//! Every problem is reported as an `Err` naming the line (1-based), rollout id,
+//! call index and field.
+
+use std::io::{BufRead, Write};
+
+use serde_json::Value;
+
+use crate::{Error, Result};
+
+/// One model call: the rendered prompt and what the model sampled.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Call {
+    pub context: Vec<u32>,
+    pub completion: Vec<u32>,
+    /// Rollout log-probability of each completion token, if the harness logged it.
+    pub logprobs: Option<Vec<f32>>,
+}
+
+impl Call {
+    /// A call without logged log-probabilities.
+    pub fn new(context: Vec<u32>, completion: Vec<u32>) -> Call {
+        Call {
+            context,
+            completion,
+            logprobs: None,
+        }
+    }
+
+    /// The call's full sequence `context ++ completion` (its branch prefix).
+    pub fn sequence(&self) -> Vec<u32> {
+        let mut s = Vec::with_capacity(self.context.len() + self.completion.len());
+        s.extend_from_slice(&self.context);
+        s.extend_from_slice(&self.completion);
+        s
+    }
+
+    /// Length of `context ++ completion`.
+    pub fn sequence_len(&self) -> usize {
+        self.context.len() + self.completion.len()
+    }
+
+    /// Token at position `i` of `context ++ completion`.
+    #[inline]
+    pub fn token_at(&self, i: usize) -> u32 {
+        if i < self.context.len() {
+            self.context[i]
+        } else {
+            self.completion[i - self.context.len()]
+        }
+    }
+}
+
+/// A validated rollout: an id and its calls in the order they were made.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rollout {
+    id: String,
+    calls: Vec<Call>,
+}
+
+impl Rollout {
+    /// Validates and builds a rollout (see the module docs for the rules).
+    pub fn new(id: impl Into<String>, calls: Vec<Call>) -> Result<Rollout> {
+        let id = id.into();
+        let err = |call: Option<usize>, field: &'static str, msg: String| Error::Rollout {
+            rollout: id.clone(),
+            call,
+            field,
+            msg,
+        };
+        if id.is_empty() {
+            return Err(err(None, "id", "the rollout id is empty".into()));
+        }
+        if calls.is_empty() {
+            return Err(err(
+                None,
+                "calls",
+                "a rollout needs at least one call".into(),
+            ));
+        }
+        for (c, call) in calls.iter().enumerate() {
+            if call.context.is_empty() {
+                return Err(err(
+                    Some(c),
+                    "context",
+                    "empty context: the first completion token would have no predicting row".into(),
+                ));
+            }
+            if call.completion.is_empty() {
+                return Err(err(
+                    Some(c),
+                    "completion",
+                    "empty completion: a call must sample at least one token".into(),
+                ));
+            }
+            if let Some(lp) = &call.logprobs {
+                if lp.len() != call.completion.len() {
+                    return Err(err(
+                        Some(c),
+                        "logprobs",
+                        format!(
+                            "{} logprobs for {} completion tokens",
+                            lp.len(),
+                            call.completion.len()
+                        ),
+                    ));
+                }
+                if let Some(j) = lp.iter().position(|x| !x.is_finite()) {
+                    return Err(err(
+                        Some(c),
+                        "logprobs",
+                        format!("non-finite logprob {} at offset {j}", lp[j]),
+                    ));
+                }
+            }
+            if call.sequence_len() > u32::MAX as usize / 2 {
+                return Err(err(
+                    Some(c),
+                    "context",
+                    format!("sequence of {} tokens is too long", call.sequence_len()),
+                ));
+            }
+        }
+        Ok(Rollout { id, calls })
+    }
+
+    /// The rollout id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The calls, in the order they were made.
+    pub fn calls(&self) -> &[Call] {
+        &self.calls
+    }
+
+    /// Number of sampled (completion) tokens over all calls.
+    pub fn targets(&self) -> usize {
+        self.calls.iter().map(|c| c.completion.len()).sum()
+    }
+
+    /// Whether call `c` (> 0) is a junction: its context does not extend the
+    /// previous call's `context ++ completion`.
+    pub fn is_junction(&self, c: usize) -> bool {
+        if c == 0 || c >= self.calls.len() {
+            return false;
+        }
+        let (prev, cur) = (&self.calls[c - 1], &self.calls[c]);
+        let n = prev.sequence_len();
+        !(cur.context.len() >= n && (0..n).all(|i| prev.token_at(i) == cur.context[i]))
+    }
+
+    /// The rollout as one JSON object (the JSONL line, without newline).
+    pub fn to_json(&self) -> String {
+        let calls: Vec<Value> = self
+            .calls
+            .iter()
+            .map(|c| {
+                let mut m = serde_json::Map::new();
+                m.insert("context".into(), Value::from(c.context.clone()));
+                m.insert("completion".into(), Value::from(c.completion.clone()));
+                if let Some(lp) = &c.logprobs {
+                    // f32 -> f64 is exact, and serde_json prints the shortest
+                    // f64 that round-trips, so reading gives back the same f32.
+                    m.insert(
+                        "logprobs".into(),
+                        Value::from(lp.iter().map(|&x| x as f64).collect::<Vec<_>>()),
+                    );
+                }
+                Value::Object(m)
+            })
+            .collect();
+        let mut obj = serde_json::Map::new();
+        obj.insert("id".into(), Value::from(self.id.clone()));
+        obj.insert("calls".into(), Value::Array(calls));
+        Value::Object(obj).to_string()
+    }
+}
+
+/// Parses one JSONL line (already known to be non-blank) into a rollout.
+fn parse_line(text: &str, line: usize) -> Result<Rollout> {
+    let v: Value = serde_json::from_str(text).map_err(|e| Error::Json {
+        line,
+        msg: e.to_string(),
+    })?;
+    let obj = v.as_object().ok_or_else(|| Error::Json {
+        line,
+        msg: "a rollout line must be a JSON object".into(),
+    })?;
+    let id = match obj.get("id") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Number(n)) => n.to_string(),
+        Some(other) => {
+            return Err(Error::Json {
+                line,
+                msg: format!("field `id` must be a string, got {other}"),
+            })
+        }
+        None => {
+            return Err(Error::Json {
+                line,
+                msg: "missing field `id`".into(),
+            })
+        }
+    };
+    let rerr = |call: Option<usize>, field: &'static str, msg: String| Error::Rollout {
+        rollout: id.clone(),
+        call,
+        field,
+        msg: format!("line {line}: {msg}"),
+    };
+    let calls_v = match obj.get("calls") {
+        Some(Value::Array(a)) => a,
+        Some(_) => {
+            return Err(rerr(
+                None,
+                "calls",
+                "must be an array of call objects".into(),
+            ))
+        }
+        None => return Err(rerr(None, "calls", "missing field".into())),
+    };
+    let mut calls = Vec::with_capacity(calls_v.len());
+    for (c, cv) in calls_v.iter().enumerate() {
+        let co = cv
+            .as_object()
+            .ok_or_else(|| rerr(Some(c), "calls", "a call must be a JSON object".into()))?;
+        let tokens = |field: &'static str| -> Result<Vec<u32>> {
+            let arr = match co.get(field) {
+                Some(Value::Array(a)) => a,
+                Some(_) => {
+                    return Err(rerr(Some(c), field, "must be an array of token ids".into()))
+                }
+                None => return Err(rerr(Some(c), field, "missing field".into())),
+            };
+            arr.iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    t.as_u64()
+                        .filter(|&x| x <= u32::MAX as u64)
+                        .map(|x| x as u32)
+                        .ok_or_else(|| {
+                            rerr(
+                                Some(c),
+                                field,
+                                format!("entry {i} = {t} is not a u32 token id"),
+                            )
+                        })
+                })
+                .collect()
+        };
+        let context = tokens("context")?;
+        let completion = tokens("completion")?;
+        let logprobs = match co.get("logprobs") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(a)) => Some(
+                a.iter()
+                    .enumerate()
+                    .map(|(i, x)| {
+                        x.as_f64().map(|f| f as f32).ok_or_else(|| {
+                            rerr(
+                                Some(c),
+                                "logprobs",
+                                format!("entry {i} = {x} is not a number"),
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<f32>>>()?,
+            ),
+            Some(_) => {
+                return Err(rerr(
+                    Some(c),
+                    "logprobs",
+                    "must be an array of numbers or null".into(),
+                ))
+            }
+        };
+        calls.push(Call {
+            context,
+            completion,
+            logprobs,
+        });
+    }
+    Rollout::new(id, calls).map_err(|e| match e {
+        Error::Rollout {
+            rollout,
+            call,
+            field,
+            msg,
+        } => Error::Rollout {
+            rollout,
+            call,
+            field,
+            msg: format!("line {line}: {msg}"),
+        },
+        other => other,
+    })
+}
+
+/// Reads rollouts from JSON Lines (see the module docs for the rules).
+pub fn read_jsonl<R: BufRead>(reader: R) -> Result<Vec<Rollout>> {
+    let mut out: Vec<Rollout> = Vec::new();
+    let mut seen = std::collections::HashMap::new();
+    for (i, line) in reader.lines().enumerate() {
+        let line_no = i + 1;
+        let text = line.map_err(|e| Error::Json {
+            line: line_no,
+            msg: format!("cannot read line: {e}"),
+        })?;
+        if text.trim().is_empty() {
+            continue;
+        }
+        let r = parse_line(&text, line_no)?;
+        if let Some(first) = seen.insert(r.id().to_string(), line_no) {
+            return Err(Error::Rollout {
+                rollout: r.id().to_string(),
+                call: None,
+                field: "id",
+                msg: format!("line {line_no}: duplicate rollout id (first seen on line {first})"),
+            });
+        }
+        out.push(r);
+    }
+    Ok(out)
+}
+
+/// Parses rollouts from a JSON Lines string (same rules as [`read_jsonl`]).
+pub fn parse_jsonl(text: &str) -> Result<Vec<Rollout>> {
+    read_jsonl(text.as_bytes())
+}
+
+/// Writes rollouts as JSON Lines, one per line.
+pub fn write_jsonl<W: Write>(mut writer: W, rollouts: &[Rollout]) -> Result<()> {
+    for r in rollouts {
+        writeln!(writer, "{}", r.to_json())
+            .map_err(|e| Error::Io(format!("writing rollout {:?}: {e}", r.id())))?;
+    }
+    writer.flush().map_err(|e| Error::Io(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_keeps_tokens_and_logprobs() {
+        let r = Rollout::new(
+            "a",
+            vec![Call {
+                context: vec![1, 2],
+                completion: vec![3, u32::MAX],
+                logprobs: Some(vec![-0.1, -17.25]),
+            }],
+        )
+        .unwrap();
+        let mut buf = Vec::new();
+        write_jsonl(&mut buf, std::slice::from_ref(&r)).unwrap();
+        let back = read_jsonl(&buf[..]).unwrap();
+        assert_eq!(back, vec![r]);
+    }
+
+    #[test]
+    fn junction_is_a_context_that_does_not_extend() {
+        let r = Rollout::new(
+            "j",
+            vec![
+                Call::new(vec![1], vec![2]),
+                Call::new(vec![1, 2, 5], vec![6]),
+                Call::new(vec![1, 5], vec![7]),
+            ],
+        )
+        .unwrap();
+        assert!(!r.is_junction(0) && !r.is_junction(1) && r.is_junction(2));
+    }
+}

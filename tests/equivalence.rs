@@ -1,0 +1,421 @@
+//! One packed pass equals LogitTree's K+1 passes, in f64 to a relative 1e-9,
+//! over random rollouts with edits (several per pack, shared prefixes or
+//! not), GQA and RoPE on and off:
+//!
+//! (a) attention: the output row `O[row_e]` of every loss entry, and dQ, dK,
+//!     dV of the probe objective `Σ_e ⟨g_e, O[row_e]⟩` — for the trie pack a
+//!     node shared by several branches carries the *sum* of its per-branch
+//!     gradients — equal between trie pack, replicated pack and LogitTree;
+//! (b) the tiny transformer: every per-entry log-prob and every parameter
+//!     gradient equal between the same three layouts;
+//!
+//! and, as negative controls, Naive-Full and Naive-Compressed give other
+//! log-probs on trees with an edit.
+//!
+//! Tolerance: every comparison is `|a − b| <= 1e-9 · max(|a|, |b|, s)`
+//! with `s` the largest magnitude in the tensor compared. Exact methods
+//! compute the same sums in another order (other tiles, branch
+//! contributions added separately), so they differ by f64 rounding,
+//! ~1e-15 relative; a leaked or missing key or a dropped branch contribution
+//! changes values by 1e-3 or more.
+
+use proptest::prelude::*;
+use treeattn::backend::{AttnParams, AttnShape, Rope};
+use treeattn::logittree::{compare_entries, run_attention, run_model, AttnInputs};
+use treeattn::model::{CpuAttention, Model, ModelConfig};
+use treeattn::pack::Pack;
+use treeattn::rollout::{Call, Rollout};
+use treeattn::tree::Tree;
+
+const VOCAB: usize = 64;
+
+/// SplitMix64, for the values derived from a proptest seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn uniform(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    }
+    fn values(&mut self, n: usize) -> Vec<f64> {
+        (0..n).map(|_| self.uniform()).collect()
+    }
+}
+
+/// Random rollout of 1–6 calls with edits: a call either extends the previous
+/// sequence with a new turn, or is a junction that evicts a span, or restarts
+/// from the system prompt with a resume marker, a summary and the last turns
+/// kept verbatim. A small alphabet makes coincident tokens (and so merged
+/// trie nodes) common; one rollout in three has long turns, so that packs
+/// span several attention tiles.
+fn random_rollout(rng: &mut Rng, id: usize, system: &[u32]) -> Rollout {
+    let alphabet = if rng.below(2) == 0 { 8 } else { VOCAB - 2 };
+    let turn = if rng.below(3) == 0 { 24 } else { 3 };
+    let tok = |rng: &mut Rng| 2 + rng.below(alphabet) as u32;
+    let mut seq: Vec<u32> = system.to_vec();
+    let mut calls = Vec::new();
+    for c in 0..1 + rng.below(6) {
+        let mut context = match (c, rng.below(3)) {
+            (0, _) | (_, 0) => seq.clone(),
+            (_, 1) => {
+                // Evict a span after the system prompt.
+                let start = system.len() + rng.below(seq.len() - system.len() + 1);
+                let end = start + rng.below(seq.len() - start + 1);
+                let mut ctx = seq[..start].to_vec();
+                ctx.extend_from_slice(&seq[end..]);
+                ctx
+            }
+            _ => {
+                // Compaction: system ++ marker ++ summary ++ kept tail.
+                let mut ctx = system.to_vec();
+                ctx.push(1);
+                ctx.extend((0..rng.below(3)).map(|_| tok(rng)));
+                let keep = rng.below(seq.len().min(4) + 1);
+                ctx.extend_from_slice(&seq[seq.len() - keep..]);
+                ctx
+            }
+        };
+        context.extend((0..rng.below(turn)).map(|_| tok(rng)));
+        let completion: Vec<u32> = (0..1 + rng.below(turn)).map(|_| tok(rng)).collect();
+        seq = [context.as_slice(), &completion].concat();
+        calls.push(Call::new(context, completion));
+    }
+    Rollout::new(format!("r{id}"), calls).expect("generated rollouts are valid")
+}
+
+/// A tree of 1–3 random rollouts (same system prompt or not; prefixes shared
+/// across rollouts or not).
+fn random_tree(rng: &mut Rng) -> Tree {
+    let system: Vec<u32> = (0..1 + rng.below(3))
+        .map(|_| 2 + rng.below(VOCAB - 2) as u32)
+        .collect();
+    let same_system = rng.below(2) == 0;
+    let rollouts: Vec<Rollout> = (0..1 + rng.below(3))
+        .map(|i| {
+            let own: Vec<u32> = (0..1 + rng.below(3))
+                .map(|_| 2 + rng.below(VOCAB - 2) as u32)
+                .collect();
+            random_rollout(rng, i, if same_system { &system } else { &own })
+        })
+        .collect();
+    Tree::build(&rollouts, rng.below(2) == 0).expect("valid rollouts build a tree")
+}
+
+/// For every pass of a branch layout, the trie node of each packed row.
+/// Checked against the packs' tokens and positions, so a changed branch order
+/// fails loudly instead of comparing the wrong rows.
+fn branch_nodes(tree: &Tree, packs: &[&Pack]) -> Vec<Vec<u32>> {
+    let paths: Vec<Vec<u32>> = tree
+        .branches()
+        .iter()
+        .map(|b| tree.path_to(b.leaf as usize))
+        .collect();
+    let per_pack: Vec<Vec<u32>> = if packs.len() == 1 {
+        vec![paths.concat()]
+    } else {
+        paths
+    };
+    for (p, (nodes, pack)) in per_pack.iter().zip(packs).enumerate() {
+        let tokens: Vec<u32> = nodes.iter().map(|&n| tree.tokens()[n as usize]).collect();
+        let depths: Vec<u32> = nodes.iter().map(|&n| tree.depths()[n as usize]).collect();
+        assert_eq!(
+            tokens, pack.tokens,
+            "pass {p}: branch rows are not the tree's paths"
+        );
+        assert_eq!(
+            depths, pack.position_ids,
+            "pass {p}: positions are not depths"
+        );
+    }
+    per_pack
+}
+
+fn assert_close(what: &str, a: &[f64], b: &[f64]) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let s = a.iter().chain(b).fold(0.0f64, |m, v| m.max(v.abs()));
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-9 * s.max(x.abs()).max(y.abs()),
+            "{what}[{i}]: {x} vs {y} (scale {s})"
+        );
+    }
+}
+
+/// Rows gathered from per-node values: `out[r] = node_values[nodes[r]]`.
+fn gather(values: &[f64], nodes: &[u32], width: usize) -> Vec<f64> {
+    nodes
+        .iter()
+        .flat_map(|&n| &values[n as usize * width..(n as usize + 1) * width])
+        .copied()
+        .collect()
+}
+
+/// Per-row gradients summed into their trie nodes.
+fn scatter(grads: &[&[f64]], nodes: &[Vec<u32>], n_nodes: usize, width: usize) -> Vec<f64> {
+    let mut out = vec![0.0; n_nodes * width];
+    for (g, rows) in grads.iter().zip(nodes) {
+        for (r, &n) in rows.iter().enumerate() {
+            for j in 0..width {
+                out[n as usize * width + j] += g[r * width + j];
+            }
+        }
+    }
+    out
+}
+
+fn check_attention(seed: u64, q_heads: usize, group: usize, head_dim: usize, rope: bool) {
+    let mut rng = Rng(seed);
+    let tree = random_tree(&mut rng);
+    let (trie, replicated, logittree) = (
+        tree.trie_pack(),
+        tree.replicated_pack(),
+        tree.logittree_packs(),
+    );
+    let kv_heads = q_heads / group;
+    let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
+    let n = tree.len();
+    // Inputs live on the trie nodes; every layout gathers its rows from them.
+    let (q, k, v) = (rng.values(n * qw), rng.values(n * kw), rng.values(n * kw));
+    let cotangent = rng.values(trie.loss.len() * qw);
+    let params = AttnParams {
+        rope: rope.then_some(Rope {
+            base: 10_000.0,
+            dims: head_dim,
+        }),
+        ..AttnParams::new(head_dim)
+    };
+
+    let identity: Vec<u32> = (0..n as u32).collect();
+    let layouts: [(&str, Vec<&Pack>, Vec<Vec<u32>>); 3] = [
+        ("trie", vec![&trie], vec![identity]),
+        (
+            "replicated",
+            vec![&replicated],
+            branch_nodes(&tree, &[&replicated]),
+        ),
+        (
+            "logittree",
+            logittree.iter().collect(),
+            branch_nodes(&tree, &logittree.iter().collect::<Vec<_>>()),
+        ),
+    ];
+    let mut results = Vec::new();
+    for (name, packs, nodes) in &layouts {
+        let gathered: Vec<[Vec<f64>; 3]> = nodes
+            .iter()
+            .map(|rows| {
+                [
+                    gather(&q, rows, qw),
+                    gather(&k, rows, kw),
+                    gather(&v, rows, kw),
+                ]
+            })
+            .collect();
+        let inputs: Vec<AttnInputs<f64>> = gathered
+            .iter()
+            .zip(packs)
+            .map(|([q, k, v], p)| AttnInputs {
+                q,
+                k,
+                v,
+                shape: AttnShape {
+                    tokens: p.len(),
+                    q_heads,
+                    kv_heads,
+                    head_dim,
+                },
+            })
+            .collect();
+        let owned: Vec<Pack> = packs.iter().map(|&p| p.clone()).collect();
+        let run = run_attention(&CpuAttention, &owned, &inputs, &params, &cotangent).unwrap();
+        let dq: Vec<&[f64]> = run.grads.iter().map(|g| g.dq.as_slice()).collect();
+        let dk: Vec<&[f64]> = run.grads.iter().map(|g| g.dk.as_slice()).collect();
+        let dv: Vec<&[f64]> = run.grads.iter().map(|g| g.dv.as_slice()).collect();
+        let node_grads = [
+            scatter(&dq, nodes, n, qw),
+            scatter(&dk, nodes, n, kw),
+            scatter(&dv, nodes, n, kw),
+        ];
+        results.push((*name, run.entries, run.outputs, node_grads));
+    }
+    let (_, trie_entries, trie_out, trie_grads) = &results[0];
+    assert!(trie_out.iter().all(|x| x.is_finite()));
+    for (name, entries, out, grads) in &results[1..] {
+        let keys = |e: &[treeattn::pack::LossEntry]| e.iter().map(|e| e.key()).collect::<Vec<_>>();
+        assert_eq!(keys(trie_entries), keys(entries), "{name}: entry keys");
+        assert_close(&format!("{name}: O at loss rows"), trie_out, out);
+        for (g, (t, o)) in ["dQ", "dK", "dV"].iter().zip(trie_grads.iter().zip(grads)) {
+            assert_close(&format!("{name}: {g} per trie node"), t, o);
+        }
+    }
+}
+
+fn model_config(rng: &mut Rng, rope: bool) -> ModelConfig {
+    let kv_heads = [1, 2, 4][rng.below(3)];
+    ModelConfig {
+        vocab: VOCAB,
+        d_model: 16,
+        layers: 1 + rng.below(2),
+        q_heads: 4,
+        kv_heads,
+        head_dim: 4,
+        ffn_dim: 24,
+        rope: rope.then_some(Rope {
+            base: 10_000.0,
+            dims: 4,
+        }),
+        tied_embeddings: rng.below(2) == 0,
+        rms_eps: 1e-6,
+    }
+}
+
+/// Whether some loss row of the trie pack has, before it in its top-level
+/// subtree (one rollout, or one group sharing a prefix), a key it may not
+/// see: then a plain causal replay (Naive-Full) gives that row another
+/// context.
+fn sees_evicted_content(trie: &Pack) -> bool {
+    let mut top_start = vec![0usize; trie.len()];
+    let mut i = 0;
+    while i < trie.len() {
+        let end = trie.kv_end[i] as usize;
+        top_start[i..end].iter_mut().for_each(|s| *s = i);
+        i = end;
+    }
+    trie.loss.iter().any(|e| {
+        let r = e.row as usize;
+        (top_start[r]..r).any(|k| trie.kv_end[k] as usize <= r)
+    })
+}
+
+fn check_model(seed: u64, rope: bool) {
+    let mut rng = Rng(seed);
+    let tree = random_tree(&mut rng);
+    let model = Model::<f64>::new(model_config(&mut rng, rope), seed ^ 0xabcd).unwrap();
+    let trie = run_model(&model, &[tree.trie_pack()]).unwrap();
+    let replicated = run_model(&model, &[tree.replicated_pack()]).unwrap();
+    let logittree = run_model(&model, &tree.logittree_packs()).unwrap();
+    assert!(trie.logprobs.iter().all(|x| x.is_finite()));
+    assert_eq!(logittree.passes, tree.branches().len());
+    for (name, other) in [("replicated", &replicated), ("logittree", &logittree)] {
+        let keys = |r: &treeattn::logittree::ModelRun<f64>| {
+            r.entries.iter().map(|e| e.key()).collect::<Vec<_>>()
+        };
+        assert_eq!(keys(&trie), keys(other), "{name}: entry keys");
+        assert_close(
+            &format!("{name}: log-probs"),
+            &trie.logprobs,
+            &other.logprobs,
+        );
+        for ((tensor, a), (_, b)) in trie.grads.tensors().iter().zip(other.grads.tensors()) {
+            assert_close(&format!("{name}: ∂J/∂{tensor}"), a, b);
+        }
+    }
+
+    // Negative controls. Naive-Full replays the pre-order tokens causally:
+    // an entry whose row comes after a finished sibling subtree (content
+    // evicted before its call) sees that content.
+    if sees_evicted_content(&tree.trie_pack()) {
+        let naive = run_model(&model, &[tree.naive_full_pack()]).unwrap();
+        let d = compare_entries(
+            &trie.entries,
+            &trie.logprobs,
+            &naive.entries,
+            &naive.logprobs,
+            1,
+        )
+        .unwrap();
+        assert_eq!(d.compared, trie.entries.len());
+        assert!(
+            d.max_abs > 1e-6,
+            "naive-full matched the exact log-probs on a tree with an edit: {d:?}"
+        );
+    }
+    // Naive-Compressed scores the present targets on the final sequence; the
+    // diverging ones (an SDCC pair each) had another live prefix.
+    if !tree.sdcc_pairs().is_empty() {
+        let naive = run_model(&model, &[tree.naive_compressed_pack()]).unwrap();
+        let d = compare_entries(
+            &trie.entries,
+            &trie.logprobs,
+            &naive.entries,
+            &naive.logprobs,
+            1,
+        )
+        .unwrap();
+        assert_eq!(
+            d.only_second, 0,
+            "naive-compressed scores only real targets"
+        );
+        assert!(
+            d.max_abs > 1e-6,
+            "naive-compressed matched the exact log-probs at diverging targets: {d:?}"
+        );
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn attention_trie_equals_replicated_and_logittree(
+        seed in any::<u64>(),
+        (q_heads, group) in prop_oneof![Just((2, 1)), Just((4, 2)), Just((4, 4)), Just((6, 3))],
+        head_dim in prop_oneof![Just(4usize), Just(8)],
+        rope in any::<bool>(),
+    ) {
+        check_attention(seed, q_heads, group, head_dim, rope);
+    }
+
+    #[test]
+    fn model_trie_equals_replicated_and_logittree(seed in any::<u64>(), rope in any::<bool>()) {
+        check_model(seed, rope);
+    }
+}
+
+/// The worked example of DESIGN §4 (K = 1, D = 3): all three exact layouts
+/// agree, both naive ones do not — fixed, so it runs the same way every time.
+#[test]
+fn worked_example_three_exact_layouts_two_naive() {
+    let calls = vec![
+        Call::new(vec![10, 11, 20], vec![30, 31]),
+        Call::new(vec![10, 11, 20, 30, 31, 40], vec![32]),
+        Call::new(vec![10, 11, 20, 30, 31, 40, 32, 1], vec![50, 51]),
+        Call::new(vec![10, 11, 3, 50, 51, 40, 32], vec![33]),
+    ];
+    let tree = Tree::build(&[Rollout::new("example", calls).unwrap()], false).unwrap();
+    assert_eq!(tree.sdcc_pairs().len(), 3);
+    for rope in [false, true] {
+        check_model_on(&tree, rope);
+    }
+}
+
+fn check_model_on(tree: &Tree, rope: bool) {
+    let model = Model::<f64>::new(model_config(&mut Rng(3), rope), 17).unwrap();
+    let trie = run_model(&model, &[tree.trie_pack()]).unwrap();
+    let lt = run_model(&model, &tree.logittree_packs()).unwrap();
+    assert_close("example log-probs", &trie.logprobs, &lt.logprobs);
+    for ((name, a), (_, b)) in trie.grads.tensors().iter().zip(lt.grads.tensors()) {
+        assert_close(name, a, b);
+    }
+    let naive = run_model(&model, &[tree.naive_compressed_pack()]).unwrap();
+    let d = compare_entries(
+        &trie.entries,
+        &trie.logprobs,
+        &naive.entries,
+        &naive.logprobs,
+        1,
+    )
+    .unwrap();
+    // Naive-Compressed scores 50, 51, 32 and 33 (DESIGN §4), not 30 and 31.
+    assert_eq!((d.compared, d.only_first, d.only_second), (4, 2, 0));
+    assert!(d.max_abs > 1e-6);
+}

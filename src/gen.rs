@@ -1,1 +1,772 @@
-//! (module under construction)
+//! Seeded generators of agent rollouts with context edits, for tests,
+//! benchmarks and the sample data in `data/`.
+//!
+//! Each generator simulates a harness: it keeps the model's *live view* (a
+//! token vector), makes a call whose `context` is that view (plus a request
+//! marker when the harness asks for a summary), appends the sampled
+//! completion and a tool output, and edits the view the way the harness
+//! would. Contexts are therefore exactly what the harness rendered, and every
+//! rollout is valid input for [`crate::rollout::Rollout::new`].
+//!
+//! Content tokens are drawn uniformly from `CONTENT_MIN..VOCAB`; ids below
+//! `CONTENT_MIN` are reserved for the harness markers below. Every call's
+//! completion carries finite, negative rollout log-probs.
+//!
+//! Shapes ([`Shape`]): compaction, stack pop, fold, memex, GRPO group,
+//! no-edit control, and the worked example of DESIGN §4. Each parameter
+//! struct has CPU-sized defaults (hundreds to a few thousand tokens) and a
+//! `paper_scale()` constructor with the sizes of DESIGN §1.
+
+use crate::rollout::{Call, Rollout};
+use crate::{Error, Result};
+
+/// Token ids are drawn below this.
+pub const VOCAB: u32 = 32000;
+/// First content token; ids below are reserved markers.
+pub const CONTENT_MIN: u32 = 100;
+/// Start of the system prompt.
+pub const SYSTEM: u32 = 1;
+/// Start of the user's task.
+pub const USER: u32 = 2;
+/// Start of a tool output.
+pub const TOOL_OUTPUT: u32 = 3;
+/// The harness asks for a summary of the conversation (compaction).
+pub const SUMMARY_REQUEST: u32 = 4;
+/// The resumed context after a compaction starts its summary with this.
+pub const RESUME: u32 = 5;
+/// A re-rendered turn after a compaction.
+pub const TURN: u32 = 6;
+/// A sub-task frame is pushed.
+pub const FRAME_PUSH: u32 = 7;
+/// A frame was popped; its return value follows.
+pub const FRAME_POP: u32 = 8;
+/// The harness asks the model to fold recent turns; the fold summary follows.
+pub const FOLD: u32 = 9;
+/// The model asks to re-expand an evicted span (followed by its index token).
+pub const EXPAND: u32 = 10;
+/// Memex index tokens `INDEX_BASE + i` stand for the `i`-th evicted span.
+pub const INDEX_BASE: u32 = 32;
+
+/// SplitMix64: a small, fast, seedable generator (Steele, Lea, Flood 2014).
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from a seed.
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi` (multiply-shift; the bias is below 2^-32 for the
+    /// ranges used here).
+    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
+        let span = (hi - lo + 1) as u64;
+        lo + (((self.next_u64() >> 32) * span) >> 32) as usize
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// `n` content tokens.
+    pub fn tokens(&mut self, n: usize) -> Vec<u32> {
+        (0..n)
+            .map(|_| self.range(CONTENT_MIN as usize, VOCAB as usize - 1) as u32)
+            .collect()
+    }
+
+    /// Uniform in an inclusive `(lo, hi)` range.
+    fn pick(&mut self, r: (usize, usize)) -> usize {
+        self.range(r.0, r.1.max(r.0))
+    }
+}
+
+/// A simulated harness: the live view and the calls made so far.
+struct Harness<'a> {
+    rng: &'a mut Rng,
+    view: Vec<u32>,
+    calls: Vec<Call>,
+}
+
+impl<'a> Harness<'a> {
+    fn new(rng: &'a mut Rng, view: Vec<u32>) -> Self {
+        Harness {
+            rng,
+            view,
+            calls: Vec::new(),
+        }
+    }
+
+    /// A call on `view ++ request`; the completion (forced to start with
+    /// `lead`) is appended to the view and returned.
+    fn call(&mut self, request: &[u32], lead: &[u32], len: usize) -> Vec<u32> {
+        self.view.extend_from_slice(request);
+        let mut completion = lead.to_vec();
+        let rest = len
+            .saturating_sub(lead.len())
+            .max(usize::from(completion.is_empty()));
+        completion.extend(self.rng.tokens(rest));
+        // Rollout log-probs: finite and negative, mostly confident.
+        let logprobs = completion
+            .iter()
+            .map(|_| -(0.01 + 4.0 * self.rng.unit().powi(3)) as f32)
+            .collect();
+        self.calls.push(Call {
+            context: self.view.clone(),
+            completion: completion.clone(),
+            logprobs: Some(logprobs),
+        });
+        self.view.extend_from_slice(&completion);
+        completion
+    }
+
+    /// Appends a tool output; returns its span in the view.
+    fn tool(&mut self, len: usize) -> (usize, usize) {
+        let start = self.view.len();
+        self.view.push(TOOL_OUTPUT);
+        let out = self.rng.tokens(len);
+        self.view.extend(out);
+        (start, self.view.len())
+    }
+
+    /// One turn: a call and its tool output; returns the turn's tokens.
+    fn turn(&mut self, completion: (usize, usize), tool: (usize, usize)) -> Vec<u32> {
+        let start = self.view.len();
+        let n = self.rng.pick(completion);
+        self.call(&[], &[], n);
+        let t = self.rng.pick(tool);
+        self.tool(t);
+        self.view[start..].to_vec()
+    }
+
+    fn finish(self, id: String) -> Result<Rollout> {
+        Rollout::new(id, self.calls)
+    }
+}
+
+/// The system prompt and task every shape starts from.
+fn opening(rng: &mut Rng, system: (usize, usize), task: (usize, usize)) -> (Vec<u32>, Vec<u32>) {
+    let mut sys = vec![SYSTEM];
+    let n = rng.pick(system);
+    sys.extend(rng.tokens(n));
+    let mut view = sys.clone();
+    view.push(USER);
+    let n = rng.pick(task);
+    view.extend(rng.tokens(n));
+    (sys, view)
+}
+
+/// Compaction (CompactionRL / slime style): when fewer than `reserve` tokens
+/// of the `window` remain, the harness asks for a summary (a call on the view
+/// plus [`SUMMARY_REQUEST`]) and resumes from `system ++ RESUME ++ summary ++
+/// (TURN ++ turn) for the last `keep_turns` turns`; at most `compactions`
+/// times, then `final_turns` more turns.
+#[derive(Clone, Debug)]
+pub struct CompactionParams {
+    pub system_len: (usize, usize),
+    pub task_len: (usize, usize),
+    pub completion_len: (usize, usize),
+    pub tool_len: (usize, usize),
+    pub window: usize,
+    pub reserve: usize,
+    pub compactions: usize,
+    pub summary_len: (usize, usize),
+    pub keep_turns: usize,
+    pub final_turns: usize,
+}
+
+impl Default for CompactionParams {
+    fn default() -> Self {
+        CompactionParams {
+            system_len: (24, 40),
+            task_len: (6, 12),
+            completion_len: (6, 16),
+            tool_len: (10, 30),
+            window: 256,
+            reserve: 64,
+            compactions: 3,
+            summary_len: (10, 20),
+            keep_turns: 2,
+            final_turns: 2,
+        }
+    }
+}
+
+impl CompactionParams {
+    /// DESIGN §1: 80k window, compaction below 10,240 free tokens, 3
+    /// compactions, summaries up to 2k, system prompt 10–20k, last 2 turns kept.
+    pub fn paper_scale() -> Self {
+        CompactionParams {
+            system_len: (10_000, 20_000),
+            task_len: (200, 1_000),
+            completion_len: (200, 1_500),
+            tool_len: (1_000, 6_000),
+            window: 80_000,
+            reserve: 10_240,
+            compactions: 3,
+            summary_len: (1_000, 2_000),
+            keep_turns: 2,
+            final_turns: 2,
+        }
+    }
+}
+
+/// Generates one compaction rollout.
+pub fn compaction(p: &CompactionParams, rng: &mut Rng, id: &str) -> Result<Rollout> {
+    let (sys, view) = opening(rng, p.system_len, p.task_len);
+    let mut h = Harness::new(rng, view);
+    let mut turns: Vec<Vec<u32>> = Vec::new();
+    let mut done = 0;
+    let mut after_last = 0;
+    loop {
+        if done == p.compactions && after_last >= p.final_turns {
+            break;
+        }
+        if done < p.compactions && h.view.len() + p.reserve >= p.window && !turns.is_empty() {
+            let n = h.rng.pick(p.summary_len);
+            let summary = h.call(&[SUMMARY_REQUEST], &[], n);
+            let mut v = sys.clone();
+            v.push(RESUME);
+            v.extend(&summary);
+            let kept = &turns[turns.len().saturating_sub(p.keep_turns)..];
+            for t in kept {
+                v.push(TURN);
+                v.extend(t);
+            }
+            turns = kept.to_vec();
+            h.view = v;
+            done += 1;
+            continue;
+        }
+        turns.push(h.turn(p.completion_len, p.tool_len));
+        if done == p.compactions {
+            after_last += 1;
+        }
+    }
+    h.finish(id.to_string())
+}
+
+/// Stack pop (TC-RAG style): a sub-task frame is pushed, worked in for a few
+/// calls, then popped: its tokens are evicted and only a short return value
+/// (the last frame call's completion) is kept after [`FRAME_POP`].
+#[derive(Clone, Debug)]
+pub struct StackPopParams {
+    pub system_len: (usize, usize),
+    pub task_len: (usize, usize),
+    pub completion_len: (usize, usize),
+    pub tool_len: (usize, usize),
+    /// Frames pushed and popped (the junctions K).
+    pub frames: (usize, usize),
+    pub turns_before_frame: (usize, usize),
+    pub frame_turns: (usize, usize),
+    pub return_len: (usize, usize),
+    pub final_turns: usize,
+}
+
+impl Default for StackPopParams {
+    fn default() -> Self {
+        StackPopParams {
+            system_len: (24, 40),
+            task_len: (6, 12),
+            completion_len: (6, 14),
+            tool_len: (10, 24),
+            frames: (1, 2),
+            turns_before_frame: (1, 2),
+            frame_turns: (1, 3),
+            return_len: (3, 6),
+            final_turns: 1,
+        }
+    }
+}
+
+impl StackPopParams {
+    /// DESIGN §1, TC-RAG: K ≈ 0.87, |E| ≈ 156, D ≈ 29.
+    pub fn paper_scale() -> Self {
+        StackPopParams {
+            system_len: (2_000, 4_000),
+            task_len: (100, 400),
+            completion_len: (20, 40),
+            tool_len: (40, 60),
+            frames: (0, 2),
+            turns_before_frame: (1, 3),
+            frame_turns: (1, 3),
+            return_len: (15, 30),
+            final_turns: 1,
+        }
+    }
+}
+
+/// Generates one stack-pop rollout.
+pub fn stack_pop(p: &StackPopParams, rng: &mut Rng, id: &str) -> Result<Rollout> {
+    let (_, view) = opening(rng, p.system_len, p.task_len);
+    let mut h = Harness::new(rng, view);
+    let frames = h.rng.pick(p.frames);
+    for _ in 0..frames {
+        for _ in 0..h.rng.pick(p.turns_before_frame) {
+            h.turn(p.completion_len, p.tool_len);
+        }
+        let base = h.view.clone();
+        h.view.push(FRAME_PUSH);
+        let n = h.rng.pick(p.tool_len);
+        let sub = h.rng.tokens(n);
+        h.view.extend(sub);
+        for _ in 0..h.rng.pick(p.frame_turns) {
+            h.turn(p.completion_len, p.tool_len);
+        }
+        let n = h.rng.pick(p.return_len);
+        let ret = h.call(&[], &[], n);
+        h.view = base;
+        h.view.push(FRAME_POP);
+        h.view.extend(ret);
+    }
+    for _ in 0..p.final_turns {
+        h.turn(p.completion_len, p.tool_len);
+    }
+    let n = h.rng.pick(p.completion_len);
+    h.call(&[], &[], n);
+    h.finish(id.to_string())
+}
+
+/// Fold (AgentFold style): after some turns the harness asks the model to
+/// fold them ([`FOLD`] request); the folded turns are replaced in the view by
+/// `FOLD ++ summary`, earlier content is kept verbatim.
+#[derive(Clone, Debug)]
+pub struct FoldParams {
+    pub system_len: (usize, usize),
+    pub task_len: (usize, usize),
+    pub completion_len: (usize, usize),
+    pub tool_len: (usize, usize),
+    pub folds: (usize, usize),
+    pub turns_per_fold: (usize, usize),
+    pub summary_len: (usize, usize),
+    pub final_turns: usize,
+}
+
+impl Default for FoldParams {
+    fn default() -> Self {
+        FoldParams {
+            system_len: (24, 40),
+            task_len: (6, 12),
+            completion_len: (6, 14),
+            tool_len: (10, 24),
+            folds: (2, 2),
+            turns_per_fold: (2, 3),
+            summary_len: (6, 10),
+            final_turns: 1,
+        }
+    }
+}
+
+impl FoldParams {
+    /// DESIGN §1, AgentFold: K ≈ 1.94, |E| ≈ 84, D ≈ 58.
+    pub fn paper_scale() -> Self {
+        FoldParams {
+            system_len: (2_000, 4_000),
+            task_len: (100, 400),
+            completion_len: (10, 20),
+            tool_len: (20, 30),
+            folds: (1, 3),
+            turns_per_fold: (2, 3),
+            summary_len: (15, 30),
+            final_turns: 1,
+        }
+    }
+}
+
+/// Generates one fold rollout.
+pub fn fold(p: &FoldParams, rng: &mut Rng, id: &str) -> Result<Rollout> {
+    let (_, view) = opening(rng, p.system_len, p.task_len);
+    let mut h = Harness::new(rng, view);
+    for _ in 0..h.rng.pick(p.folds) {
+        let start = h.view.len();
+        for _ in 0..h.rng.pick(p.turns_per_fold) {
+            h.turn(p.completion_len, p.tool_len);
+        }
+        let n = h.rng.pick(p.summary_len);
+        let summary = h.call(&[FOLD], &[], n);
+        h.view.truncate(start);
+        h.view.push(FOLD);
+        h.view.extend(summary);
+    }
+    for _ in 0..p.final_turns {
+        h.turn(p.completion_len, p.tool_len);
+    }
+    let n = h.rng.pick(p.completion_len);
+    h.call(&[], &[], n);
+    h.finish(id.to_string())
+}
+
+/// Memex (MemexRL style): an old tool output is evicted from the view and
+/// replaced by an index token `INDEX_BASE + i`; later the model asks to
+/// re-expand it (its completion starts with `EXPAND, index`) and the span
+/// comes back as a tool output.
+#[derive(Clone, Debug)]
+pub struct MemexParams {
+    pub system_len: (usize, usize),
+    pub task_len: (usize, usize),
+    pub completion_len: (usize, usize),
+    pub tool_len: (usize, usize),
+    pub evictions: (usize, usize),
+    pub turns_between: (usize, usize),
+    pub final_turns: usize,
+}
+
+impl Default for MemexParams {
+    fn default() -> Self {
+        MemexParams {
+            system_len: (24, 40),
+            task_len: (6, 12),
+            completion_len: (6, 14),
+            tool_len: (10, 24),
+            evictions: (2, 2),
+            turns_between: (2, 3),
+            final_turns: 1,
+        }
+    }
+}
+
+impl MemexParams {
+    /// DESIGN §1, MemexRL: K ≈ 2.00, |E| ≈ 41, D ≈ 125.
+    pub fn paper_scale() -> Self {
+        MemexParams {
+            system_len: (2_000, 4_000),
+            task_len: (100, 400),
+            completion_len: (20, 40),
+            tool_len: (35, 47),
+            evictions: (2, 2),
+            turns_between: (2, 3),
+            final_turns: 1,
+        }
+    }
+}
+
+/// Generates one memex rollout.
+pub fn memex(p: &MemexParams, rng: &mut Rng, id: &str) -> Result<Rollout> {
+    let (_, view) = opening(rng, p.system_len, p.task_len);
+    let mut h = Harness::new(rng, view);
+    // Tool-output spans still in the view, oldest first.
+    let mut spans: Vec<(usize, usize)> = Vec::new();
+    let evictions = h.rng.pick(p.evictions);
+    for e in 0..evictions {
+        for _ in 0..h.rng.pick(p.turns_between).max(1) {
+            let n = h.rng.pick(p.completion_len);
+            h.call(&[], &[], n);
+            let t = h.rng.pick(p.tool_len);
+            spans.push(h.tool(t));
+        }
+        // Evict the oldest span; later spans shift left.
+        let (s, end) = spans.remove(0);
+        let evicted = h.view[s..end].to_vec();
+        let index = INDEX_BASE + e as u32;
+        h.view.splice(s..end, [index]);
+        for sp in spans.iter_mut() {
+            sp.0 -= end - s - 1;
+            sp.1 -= end - s - 1;
+        }
+        // One more turn, then the model asks for the span back.
+        let n = h.rng.pick(p.completion_len);
+        h.call(&[], &[], n);
+        let t = h.rng.pick(p.tool_len);
+        spans.push(h.tool(t));
+        let n = h.rng.pick(p.completion_len);
+        h.call(&[], &[EXPAND, index], n);
+        let start = h.view.len();
+        h.view.extend(evicted);
+        spans.push((start, h.view.len()));
+    }
+    for _ in 0..p.final_turns {
+        h.turn(p.completion_len, p.tool_len);
+    }
+    let n = h.rng.pick(p.completion_len);
+    h.call(&[], &[], n);
+    h.finish(id.to_string())
+}
+
+/// A GRPO group: `group` rollouts answering the same prompt, each with a
+/// few tool turns and no edits. Packed with shared prefixes, the prompt is
+/// stored once.
+#[derive(Clone, Debug)]
+pub struct GrpoParams {
+    pub group: usize,
+    pub system_len: (usize, usize),
+    pub task_len: (usize, usize),
+    pub completion_len: (usize, usize),
+    pub tool_len: (usize, usize),
+    pub turns: (usize, usize),
+}
+
+impl Default for GrpoParams {
+    fn default() -> Self {
+        GrpoParams {
+            group: 16,
+            system_len: (24, 40),
+            task_len: (6, 12),
+            completion_len: (4, 10),
+            tool_len: (6, 12),
+            turns: (0, 1),
+        }
+    }
+}
+
+impl GrpoParams {
+    /// A group of 16 on a 2–4k prompt with a few tool turns.
+    pub fn paper_scale() -> Self {
+        GrpoParams {
+            group: 16,
+            system_len: (2_000, 4_000),
+            task_len: (100, 400),
+            completion_len: (100, 600),
+            tool_len: (200, 1_000),
+            turns: (1, 4),
+        }
+    }
+}
+
+/// Generates a GRPO group; ids are `{id}-00`, `{id}-01`, ...
+pub fn grpo(p: &GrpoParams, rng: &mut Rng, id: &str) -> Result<Vec<Rollout>> {
+    let (_, prompt) = opening(rng, p.system_len, p.task_len);
+    (0..p.group)
+        .map(|i| {
+            let mut h = Harness::new(rng, prompt.clone());
+            for _ in 0..h.rng.pick(p.turns) {
+                h.turn(p.completion_len, p.tool_len);
+            }
+            let n = h.rng.pick(p.completion_len);
+            h.call(&[], &[], n);
+            h.finish(format!("{id}-{i:02}"))
+        })
+        .collect()
+}
+
+/// The no-edit control: turns that only ever extend the view (K = 0).
+#[derive(Clone, Debug)]
+pub struct PlainParams {
+    pub system_len: (usize, usize),
+    pub task_len: (usize, usize),
+    pub completion_len: (usize, usize),
+    pub tool_len: (usize, usize),
+    pub turns: (usize, usize),
+}
+
+impl Default for PlainParams {
+    fn default() -> Self {
+        PlainParams {
+            system_len: (24, 40),
+            task_len: (6, 12),
+            completion_len: (6, 14),
+            tool_len: (10, 24),
+            turns: (2, 4),
+        }
+    }
+}
+
+impl PlainParams {
+    /// Long multi-turn rollout without edits.
+    pub fn paper_scale() -> Self {
+        PlainParams {
+            system_len: (10_000, 20_000),
+            task_len: (200, 1_000),
+            completion_len: (200, 1_500),
+            tool_len: (1_000, 6_000),
+            turns: (5, 10),
+        }
+    }
+}
+
+/// Generates one rollout without edits.
+pub fn plain(p: &PlainParams, rng: &mut Rng, id: &str) -> Result<Rollout> {
+    let (_, view) = opening(rng, p.system_len, p.task_len);
+    let mut h = Harness::new(rng, view);
+    for _ in 0..h.rng.pick(p.turns) {
+        h.turn(p.completion_len, p.tool_len);
+    }
+    let n = h.rng.pick(p.completion_len);
+    h.call(&[], &[], n);
+    h.finish(id.to_string())
+}
+
+/// The worked example of DESIGN §4 (id `"golden"`), without log-probs.
+pub fn golden() -> Rollout {
+    let calls = vec![
+        Call::new(vec![10, 11, 20], vec![30, 31]),
+        Call::new(vec![10, 11, 20, 30, 31, 40], vec![32]),
+        Call::new(vec![10, 11, 20, 30, 31, 40, 32, 1], vec![50, 51]),
+        Call::new(vec![10, 11, 3, 50, 51, 40, 32], vec![33]),
+    ];
+    Rollout::new("golden", calls).expect("the worked example is a valid rollout")
+}
+
+/// The rollout shapes of the generators.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    Golden,
+    Compaction,
+    StackPop,
+    Fold,
+    Memex,
+    Grpo,
+    Plain,
+}
+
+impl Shape {
+    /// Every shape, in the order `data/sample.jsonl` lists them.
+    pub const ALL: [Shape; 7] = [
+        Shape::Golden,
+        Shape::Compaction,
+        Shape::StackPop,
+        Shape::Fold,
+        Shape::Memex,
+        Shape::Grpo,
+        Shape::Plain,
+    ];
+
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Shape::Golden => "golden",
+            Shape::Compaction => "compaction",
+            Shape::StackPop => "stack-pop",
+            Shape::Fold => "fold",
+            Shape::Memex => "memex",
+            Shape::Grpo => "grpo",
+            Shape::Plain => "plain",
+        }
+    }
+
+    /// Parses a command-line name.
+    pub fn parse(s: &str) -> Result<Shape> {
+        Shape::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Shape::ALL.iter().map(|x| x.name()).collect();
+                Error::Usage(format!(
+                    "unknown shape {s:?}; expected one of {}",
+                    names.join(", ")
+                ))
+            })
+    }
+}
+
+/// Generates the rollouts of `shape` from `seed`, CPU-sized or at paper
+/// scale; ids are `{shape}-{seed}` (GRPO: `grpo-{seed}-{i}`; golden: `golden`).
+pub fn generate(shape: Shape, seed: u64, paper_scale: bool) -> Result<Vec<Rollout>> {
+    let mut rng = Rng::new(seed);
+    let id = format!("{}-{seed}", shape.name());
+    Ok(match shape {
+        Shape::Golden => vec![golden()],
+        Shape::Compaction => {
+            let p = if paper_scale {
+                CompactionParams::paper_scale()
+            } else {
+                CompactionParams::default()
+            };
+            vec![compaction(&p, &mut rng, &id)?]
+        }
+        Shape::StackPop => {
+            let p = if paper_scale {
+                StackPopParams::paper_scale()
+            } else {
+                StackPopParams::default()
+            };
+            vec![stack_pop(&p, &mut rng, &id)?]
+        }
+        Shape::Fold => {
+            let p = if paper_scale {
+                FoldParams::paper_scale()
+            } else {
+                FoldParams::default()
+            };
+            vec![fold(&p, &mut rng, &id)?]
+        }
+        Shape::Memex => {
+            let p = if paper_scale {
+                MemexParams::paper_scale()
+            } else {
+                MemexParams::default()
+            };
+            vec![memex(&p, &mut rng, &id)?]
+        }
+        Shape::Grpo => {
+            let p = if paper_scale {
+                GrpoParams::paper_scale()
+            } else {
+                GrpoParams::default()
+            };
+            grpo(&p, &mut rng, &id)?
+        }
+        Shape::Plain => {
+            let p = if paper_scale {
+                PlainParams::paper_scale()
+            } else {
+                PlainParams::default()
+            };
+            vec![plain(&p, &mut rng, &id)?]
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tree::RolloutStats;
+
+    #[test]
+    fn rng_is_deterministic_and_in_range() {
+        let (mut a, mut b) = (Rng::new(7), Rng::new(7));
+        for _ in 0..1000 {
+            let x = a.range(3, 9);
+            assert_eq!(x, b.range(3, 9));
+            assert!((3..=9).contains(&x));
+        }
+        assert_ne!(Rng::new(1).next_u64(), Rng::new(2).next_u64());
+    }
+
+    #[test]
+    fn shapes_have_the_edits_they_promise() {
+        for seed in 0..8 {
+            let st = |s| RolloutStats::of(&generate(s, seed, false).unwrap()[0]).unwrap();
+            let c = st(Shape::Compaction);
+            assert_eq!(c.junctions, 3, "3 compactions");
+            assert!(
+                c.diverging > 0,
+                "the summary and the kept turns are re-rendered"
+            );
+            let s = st(Shape::StackPop);
+            assert!((1..=2).contains(&s.junctions) && s.diverging > 0);
+            assert_eq!(st(Shape::Fold).junctions, 2);
+            let m = st(Shape::Memex);
+            assert_eq!(m.junctions, 2);
+            assert!(m.junction_list.iter().all(|j| j.evicted >= 10));
+            let p = st(Shape::Plain);
+            assert_eq!((p.junctions, p.branches, p.diverging), (0, 1, 0));
+            let g = generate(Shape::Grpo, seed, false).unwrap();
+            assert_eq!(g.len(), 16);
+            assert!(g
+                .iter()
+                .all(|r| r.calls()[0].context == g[0].calls()[0].context));
+        }
+    }
+
+    #[test]
+    fn compaction_resumes_from_summary_and_last_two_turns() {
+        let r = &generate(Shape::Compaction, 3, false).unwrap()[0];
+        let j = (1..r.calls().len()).find(|&c| r.is_junction(c)).unwrap();
+        let (summary_call, resumed) = (&r.calls()[j - 1], &r.calls()[j]);
+        assert_eq!(*summary_call.context.last().unwrap(), SUMMARY_REQUEST);
+        let at = resumed.context.iter().position(|&t| t == RESUME).unwrap();
+        let s = &summary_call.completion;
+        assert_eq!(&resumed.context[at + 1..at + 1 + s.len()], &s[..]);
+        assert_eq!(resumed.context.iter().filter(|&&t| t == TURN).count(), 2);
+    }
+}

@@ -19,9 +19,9 @@
 
 use std::collections::HashSet;
 
-use crate::backend::cpu::AttnGrads;
+use crate::backend::cpu::{AttnGrads, CpuFloat};
 use crate::backend::AttnParams;
-use crate::model::{AttentionBackend, Float, Model, Params, Target};
+use crate::model::{AttentionBackend, Model, Params, Target};
 use crate::pack::{LossEntry, Pack};
 use crate::{Error, Result};
 
@@ -83,7 +83,7 @@ pub struct ModelRun<T> {
 /// when `packs` is [`crate::tree::Tree::logittree_packs`], one pass for a
 /// single pack. Entries are merged into canonical order and the gradients
 /// summed.
-pub fn run_model<T: Float, A: AttentionBackend<T>>(
+pub fn run_model<T: CpuFloat, A: AttentionBackend<T>>(
     model: &Model<T, A>,
     packs: &[Pack],
 ) -> Result<ModelRun<T>> {
@@ -136,7 +136,7 @@ pub struct AttnRun<T> {
 /// row of every loss entry, and runs backward with `dO[r] = Σ_{e: row_e = r}
 /// g_e`, where `cotangent` holds `g_e` (`q_heads · head_dim` values) per
 /// entry in canonical order of all packs' entries.
-pub fn run_attention<T: Float, A: AttentionBackend<T>>(
+pub fn run_attention<T: CpuFloat, A: AttentionBackend<T>>(
     attention: &A,
     packs: &[Pack],
     inputs: &[AttnInputs<'_, T>],
@@ -242,7 +242,7 @@ pub struct EntryDiff {
 /// Matches two methods' entries by `(rollout, call, offset)` (both lists in
 /// canonical order, as every pack and every run keeps them) and compares
 /// their `width` values per entry.
-pub fn compare_entries<T: Float>(
+pub fn compare_entries<T: CpuFloat>(
     first: &[LossEntry],
     first_values: &[T],
     second: &[LossEntry],
@@ -296,7 +296,7 @@ pub fn compare_entries<T: Float>(
                 let a = &first_values[i * width..(i + 1) * width];
                 let b = &second_values[j * width..(j + 1) * width];
                 for (&x, &y) in a.iter().zip(b) {
-                    let (x, y) = (x.f64(), y.f64());
+                    let (x, y) = (x.to_f64(), y.to_f64());
                     let d = (x - y).abs();
                     diff.max_abs = diff.max_abs.max(d);
                     diff.scale = diff.scale.max(x.abs()).max(y.abs());

@@ -41,78 +41,12 @@
 //! The attention call goes through [`AttentionBackend`], so the same model runs
 //! on any backend; [`CpuAttention`] (the crate's reference op) is the default.
 
-use std::fmt;
-use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::backend::cpu::{self, AttnGrads, AttnOut, CpuFloat};
 use crate::backend::{AttnParams, AttnShape, Rope};
 use crate::mask::PackMask;
 use crate::{Error, Result};
-
-/// The scalar arithmetic the model needs; implemented for `f32` and `f64`.
-pub trait Float:
-    Copy
-    + Send
-    + Sync
-    + Default
-    + PartialOrd
-    + fmt::Debug
-    + fmt::Display
-    + 'static
-    + Add<Output = Self>
-    + Sub<Output = Self>
-    + Mul<Output = Self>
-    + Div<Output = Self>
-    + Neg<Output = Self>
-    + AddAssign
-    + SubAssign
-    + MulAssign
-{
-    const ZERO: Self;
-    const ONE: Self;
-    fn of(x: f64) -> Self;
-    fn f64(self) -> f64;
-    fn exp(self) -> Self;
-    fn ln(self) -> Self;
-    fn sqrt(self) -> Self;
-    fn is_finite(self) -> bool;
-}
-
-macro_rules! impl_float {
-    ($t:ty) => {
-        impl Float for $t {
-            const ZERO: Self = 0.0;
-            const ONE: Self = 1.0;
-            #[inline]
-            fn of(x: f64) -> Self {
-                x as $t
-            }
-            #[inline]
-            fn f64(self) -> f64 {
-                self as f64
-            }
-            #[inline]
-            fn exp(self) -> Self {
-                <$t>::exp(self)
-            }
-            #[inline]
-            fn ln(self) -> Self {
-                <$t>::ln(self)
-            }
-            #[inline]
-            fn sqrt(self) -> Self {
-                <$t>::sqrt(self)
-            }
-            #[inline]
-            fn is_finite(self) -> bool {
-                <$t>::is_finite(self)
-            }
-        }
-    };
-}
-impl_float!(f32);
-impl_float!(f64);
 
 /// The attention op the model calls, in the varlen layout of
 /// [`crate::backend`]: Q `[tokens, q_heads, head_dim]`, K and V
@@ -347,7 +281,7 @@ enum Init {
     Gain,
 }
 
-impl<T: Float> Params<T> {
+impl<T: CpuFloat> Params<T> {
     /// Builds every tensor of `cfg` with `make(len, init)`, in a fixed order.
     fn build(cfg: &ModelConfig, mut make: impl FnMut(usize, Init) -> Vec<T>) -> Self {
         let (d, f, qw, kw) = (cfg.d_model, cfg.ffn_dim, cfg.q_width(), cfg.kv_width());
@@ -392,7 +326,7 @@ impl<T: Float> Params<T> {
             (0..len)
                 .map(|_| {
                     let u = 2.0 * rng.uniform() - 1.0; // U(−1, 1), std 1/√3
-                    T::of(match init {
+                    T::from_f64(match init {
                         Init::Uniform(std) => u * std * 3f64.sqrt(),
                         Init::Gain => 1.0 + 0.1 * u,
                     })
@@ -527,7 +461,7 @@ pub struct Model<T, A = CpuAttention> {
     version: u64,
 }
 
-impl<T: Float + CpuFloat> Model<T, CpuAttention> {
+impl<T: CpuFloat> Model<T, CpuAttention> {
     /// Random weights from `seed` ([`Params::random`]), CPU attention.
     pub fn new(config: ModelConfig, seed: u64) -> Result<Self> {
         let params = Params::random(&config, seed)?;
@@ -584,7 +518,7 @@ impl<T> Forward<T> {
     }
 }
 
-impl<T: Float, A: AttentionBackend<T>> Model<T, A> {
+impl<T: CpuFloat, A: AttentionBackend<T>> Model<T, A> {
     /// A model from given weights and attention backend; checks the weights
     /// against the configuration.
     pub fn with_attention(config: ModelConfig, params: Params<T>, attention: A) -> Result<Self> {
@@ -828,7 +762,7 @@ impl<T: Float, A: AttentionBackend<T>> Model<T, A> {
         let mut d_logits = vec![T::ZERO; n_rows * vocab];
         let mut row_weight = vec![T::ZERO; n_rows];
         for (t, &u) in fwd.targets.iter().zip(&fwd.row_of_target) {
-            let w = T::of(t.weight);
+            let w = T::from_f64(t.weight);
             row_weight[u] += w;
             d_logits[u * vocab + t.label as usize] += w;
         }
@@ -985,14 +919,14 @@ impl SplitMix64 {
     }
 }
 
-fn add_into<T: Float>(acc: &mut [T], x: &[T]) {
+fn add_into<T: CpuFloat>(acc: &mut [T], x: &[T]) {
     for (a, &b) in acc.iter_mut().zip(x) {
         *a += b;
     }
 }
 
 /// σ(z), without overflow for large |z|.
-fn sigmoid<T: Float>(z: T) -> T {
+fn sigmoid<T: CpuFloat>(z: T) -> T {
     if z >= T::ZERO {
         T::ONE / (T::ONE + (-z).exp())
     } else {
@@ -1001,12 +935,12 @@ fn sigmoid<T: Float>(z: T) -> T {
     }
 }
 
-fn silu<T: Float>(z: T) -> T {
+fn silu<T: CpuFloat>(z: T) -> T {
     z * sigmoid(z)
 }
 
 /// `max + ln Σ exp(z − max)` of one row.
-fn log_sum_exp<T: Float>(z: &[T]) -> T {
+fn log_sum_exp<T: CpuFloat>(z: &[T]) -> T {
     let m = z
         .iter()
         .copied()
@@ -1017,13 +951,13 @@ fn log_sum_exp<T: Float>(z: &[T]) -> T {
 
 /// RMSNorm of each row of `x` (`[rows, d]`): returns `r = 1/sqrt(mean(x²)+ε)`
 /// per row and `y = g ⊙ x · r`.
-fn rms_norm<T: Float>(x: &[T], g: &[T], d: usize, eps: f64) -> (Vec<T>, Vec<T>) {
+fn rms_norm<T: CpuFloat>(x: &[T], g: &[T], d: usize, eps: f64) -> (Vec<T>, Vec<T>) {
     let rows = x.len() / d;
     let mut r = Vec::with_capacity(rows);
     let mut y = Vec::with_capacity(x.len());
     for row in x.chunks_exact(d) {
-        let ms = row.iter().fold(T::ZERO, |a, &v| a + v * v) / T::of(d as f64);
-        let ri = T::ONE / (ms + T::of(eps)).sqrt();
+        let ms = row.iter().fold(T::ZERO, |a, &v| a + v * v) / T::from_f64(d as f64);
+        let ri = T::ONE / T::from_f64((ms + T::from_f64(eps)).to_f64().sqrt());
         r.push(ri);
         y.extend(row.iter().zip(g).map(|(&v, &gj)| gj * v * ri));
     }
@@ -1032,7 +966,7 @@ fn rms_norm<T: Float>(x: &[T], g: &[T], d: usize, eps: f64) -> (Vec<T>, Vec<T>) 
 
 /// Backward of [`rms_norm`]: with `u = g ⊙ dy`,
 /// `dx = r·u − (r³/d)·x·(u·x)` and `dg += Σ_rows dy ⊙ x · r`.
-fn rms_norm_backward<T: Float>(
+fn rms_norm_backward<T: CpuFloat>(
     x: &[T],
     r: &[T],
     g: &[T],
@@ -1047,7 +981,7 @@ fn rms_norm_backward<T: Float>(
             ux += g[j] * dyr[j] * xr[j];
             dg[j] += dyr[j] * xr[j] * ri;
         }
-        let c = ri * ri * ri * ux / T::of(d as f64);
+        let c = ri * ri * ri * ux / T::from_f64(d as f64);
         dx.extend((0..d).map(|j| ri * g[j] * dyr[j] - c * xr[j]));
     }
     dx
@@ -1062,7 +996,7 @@ const ROW_BLOCK: usize = 16;
 const INNER_BLOCK: usize = 128;
 
 /// Splits `out` (rows of `row_len` values) into contiguous row ranges, one per
-/// thread when `work` is large enough, and runs `f(first_row, rows)` on each.
+/// thread ([`cpu::num_threads`]) when `work` is large enough, and runs `f(first_row, rows)` on each.
 fn par_rows<T: Send>(
     out: &mut [T],
     row_len: usize,
@@ -1073,9 +1007,7 @@ fn par_rows<T: Send>(
     let threads = if work < PARALLEL_WORK {
         1
     } else {
-        std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(rows.max(1))
+        cpu::num_threads().min(rows.max(1))
     };
     if threads <= 1 {
         f(0, out);
@@ -1091,7 +1023,7 @@ fn par_rows<T: Send>(
 }
 
 /// `C[m, n] = A[m, k] · B[k, n]`, row-major.
-fn matmul<T: Float>(a: &[T], b: &[T], m: usize, k: usize, n: usize) -> Vec<T> {
+fn matmul<T: CpuFloat>(a: &[T], b: &[T], m: usize, k: usize, n: usize) -> Vec<T> {
     let mut c = vec![T::ZERO; m * n];
     par_rows(&mut c, n, m * k * n, |row0, c| {
         let rows = c.len() / n.max(1);
@@ -1116,7 +1048,7 @@ fn matmul<T: Float>(a: &[T], b: &[T], m: usize, k: usize, n: usize) -> Vec<T> {
 }
 
 /// `C[m, k] = A[m, n] · B[k, n]ᵀ`, row-major (row-by-row dot products).
-fn matmul_a_bt<T: Float>(a: &[T], b: &[T], m: usize, n: usize, k: usize) -> Vec<T> {
+fn matmul_a_bt<T: CpuFloat>(a: &[T], b: &[T], m: usize, n: usize, k: usize) -> Vec<T> {
     let mut c = vec![T::ZERO; m * k];
     par_rows(&mut c, k, m * k * n, |row0, c| {
         let rows = c.len() / k.max(1);
@@ -1134,7 +1066,7 @@ fn matmul_a_bt<T: Float>(a: &[T], b: &[T], m: usize, n: usize, k: usize) -> Vec<
 }
 
 /// `C[k, n] += A[m, k]ᵀ · B[m, n]` (a weight gradient summed over rows).
-fn matmul_at_b_acc<T: Float>(a: &[T], b: &[T], m: usize, k: usize, n: usize, c: &mut [T]) {
+fn matmul_at_b_acc<T: CpuFloat>(a: &[T], b: &[T], m: usize, k: usize, n: usize, c: &mut [T]) {
     par_rows(c, n, m * k * n, |p_first, c| {
         let ps = c.len() / n.max(1);
         for i0 in (0..m).step_by(ROW_BLOCK) {
@@ -1153,7 +1085,7 @@ fn matmul_at_b_acc<T: Float>(a: &[T], b: &[T], m: usize, k: usize, n: usize, c: 
 }
 
 /// Dot product with four independent accumulators (lets the loop pipeline).
-fn dot<T: Float>(x: &[T], y: &[T]) -> T {
+fn dot<T: CpuFloat>(x: &[T], y: &[T]) -> T {
     let mut acc = [T::ZERO; 4];
     let (xc, yc) = (x.chunks_exact(4), y.chunks_exact(4));
     let (xr, yr) = (xc.remainder(), yc.remainder());

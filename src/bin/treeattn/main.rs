@@ -1,0 +1,61 @@
+//! `treeattn`: inspect rollouts, pack them into safetensors, generate sample
+//! data. Hand-written argument parsing; one module per subcommand.
+
+mod args;
+mod gen;
+mod inspect;
+mod pack;
+
+use treeattn::Error;
+
+const HELP: &str = "\
+treeattn — exact, deduplicated packing of agent rollouts with context edits
+
+USAGE:
+    treeattn <COMMAND> [ARGS] [--help]
+
+COMMANDS:
+    inspect FILE.jsonl     per rollout: calls, junctions K, branches, targets,
+                           diverging targets D, evictions, dedup ratio, and a
+                           drawing of the conditioning tree
+    pack FILE.jsonl --out PACK.safetensors [--budget TOKENS] [--share-prefixes]
+                           [--layout trie|replicated]
+                           write the exact pack(s) as safetensors
+    gen SHAPE... [--seed N] [--out FILE.jsonl] [--paper-scale]
+                           generate rollouts (golden, compaction, stack-pop,
+                           fold, memex, grpo, plain)
+    help                   this text
+
+Exit status: 0 on success, 2 for bad usage, 1 for bad input or i/o errors;
+errors are printed to stderr as `error: ...`.";
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let code = match dispatch(args) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            if matches!(e, Error::Usage(_)) {
+                eprintln!("(run `treeattn --help` for usage)");
+                2
+            } else {
+                1
+            }
+        }
+    };
+    std::process::exit(code);
+}
+
+fn dispatch(mut args: Vec<String>) -> treeattn::Result<()> {
+    if args.is_empty() {
+        return Err(Error::Usage("no command given".into()));
+    }
+    let cmd = args.remove(0);
+    match cmd.as_str() {
+        "-h" | "--help" | "help" => args::emit(&format!("{HELP}\n")),
+        "inspect" => inspect::run(args),
+        "pack" => pack::run(args),
+        "gen" => gen::run(args),
+        other => Err(Error::Usage(format!("unknown command {other:?}"))),
+    }
+}

@@ -1,6 +1,6 @@
 //! One packed pass equals LogitTree's K+1 passes, in f64 to a relative 1e-9,
-//! over random rollouts with edits (several per pack, shared prefixes or
-//! not), GQA and RoPE on and off:
+//! over random rollouts with edits from the crate's generators (several per
+//! pack, shared prefixes or not), GQA and RoPE on and off:
 //!
 //! (a) attention: the output row `O[row_e]` of every loss entry, and dQ, dK,
 //!     dV of the probe objective `Σ_e ⟨g_e, O[row_e]⟩` — for the trie pack a
@@ -21,93 +21,66 @@
 
 use proptest::prelude::*;
 use treeattn::backend::{AttnParams, AttnShape, Rope};
+use treeattn::gen::{self, Rng};
 use treeattn::logittree::{compare_entries, run_attention, run_model, AttnInputs};
 use treeattn::model::{CpuAttention, Model, ModelConfig};
 use treeattn::pack::Pack;
 use treeattn::rollout::{Call, Rollout};
 use treeattn::tree::Tree;
 
-const VOCAB: usize = 64;
-
-/// SplitMix64, for the values derived from a proptest seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn uniform(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    }
-    fn values(&mut self, n: usize) -> Vec<f64> {
-        (0..n).map(|_| self.uniform()).collect()
-    }
+/// `n` values uniform in (−1, 1).
+fn values(rng: &mut Rng, n: usize) -> Vec<f64> {
+    (0..n).map(|_| 2.0 * rng.unit() - 1.0).collect()
 }
 
-/// Random rollout of 1–6 calls with edits: a call either extends the previous
-/// sequence with a new turn, or is a junction that evicts a span, or restarts
-/// from the system prompt with a resume marker, a summary and the last turns
-/// kept verbatim. A small alphabet makes coincident tokens (and so merged
-/// trie nodes) common; one rollout in three has long turns, so that packs
-/// span several attention tiles.
-fn random_rollout(rng: &mut Rng, id: usize, system: &[u32]) -> Rollout {
-    let alphabet = if rng.below(2) == 0 { 8 } else { VOCAB - 2 };
-    let turn = if rng.below(3) == 0 { 24 } else { 3 };
-    let tok = |rng: &mut Rng| 2 + rng.below(alphabet) as u32;
-    let mut seq: Vec<u32> = system.to_vec();
-    let mut calls = Vec::new();
-    for c in 0..1 + rng.below(6) {
-        let mut context = match (c, rng.below(3)) {
-            (0, _) | (_, 0) => seq.clone(),
-            (_, 1) => {
-                // Evict a span after the system prompt.
-                let start = system.len() + rng.below(seq.len() - system.len() + 1);
-                let end = start + rng.below(seq.len() - start + 1);
-                let mut ctx = seq[..start].to_vec();
-                ctx.extend_from_slice(&seq[end..]);
-                ctx
-            }
-            _ => {
-                // Compaction: system ++ marker ++ summary ++ kept tail.
-                let mut ctx = system.to_vec();
-                ctx.push(1);
-                ctx.extend((0..rng.below(3)).map(|_| tok(rng)));
-                let keep = rng.below(seq.len().min(4) + 1);
-                ctx.extend_from_slice(&seq[seq.len() - keep..]);
-                ctx
-            }
-        };
-        context.extend((0..rng.below(turn)).map(|_| tok(rng)));
-        let completion: Vec<u32> = (0..1 + rng.below(turn)).map(|_| tok(rng)).collect();
-        seq = [context.as_slice(), &completion].concat();
-        calls.push(Call::new(context, completion));
-    }
-    Rollout::new(format!("r{id}"), calls).expect("generated rollouts are valid")
+/// Uniform in `0..n`.
+fn below(rng: &mut Rng, n: usize) -> usize {
+    rng.range(0, n - 1)
 }
 
-/// A tree of 1–3 random rollouts (same system prompt or not; prefixes shared
-/// across rollouts or not).
+/// Content tokens are folded into this many ids so that coincident tokens
+/// (and so merged trie nodes) are common; marker ids stay as they are.
+const CONTENT_IDS: u32 = 60;
+const VOCAB_USED: u32 = gen::CONTENT_MIN + CONTENT_IDS;
+
+/// A tree of 1–3 rollouts drawn from the crate's generators ([`gen`]:
+/// compaction, stack pop, fold, memex, GRPO members, no-edit, the worked
+/// example) at their CPU-sized defaults, tokens folded into the test
+/// vocabulary, packed with or without prefix sharing across rollouts.
 fn random_tree(rng: &mut Rng) -> Tree {
-    let system: Vec<u32> = (0..1 + rng.below(3))
-        .map(|_| 2 + rng.below(VOCAB - 2) as u32)
-        .collect();
-    let same_system = rng.below(2) == 0;
-    let rollouts: Vec<Rollout> = (0..1 + rng.below(3))
-        .map(|i| {
-            let own: Vec<u32> = (0..1 + rng.below(3))
-                .map(|_| 2 + rng.below(VOCAB - 2) as u32)
-                .collect();
-            random_rollout(rng, i, if same_system { &system } else { &own })
-        })
-        .collect();
-    Tree::build(&rollouts, rng.below(2) == 0).expect("valid rollouts build a tree")
+    let mut rollouts: Vec<Rollout> = Vec::new();
+    for _ in 0..1 + below(rng, 3) {
+        let shape = gen::Shape::ALL[below(rng, gen::Shape::ALL.len())];
+        let generated =
+            gen::generate(shape, rng.next_u64(), false).expect("generators produce valid rollouts");
+        // A GRPO group holds 16 rollouts; a few members keep the case small.
+        let take = 1 + below(rng, 3);
+        for r in generated.iter().take(take) {
+            rollouts.push(fold_tokens(r, rollouts.len()));
+        }
+    }
+    Tree::build(&rollouts, below(rng, 2) == 0).expect("valid rollouts build a tree")
+}
+
+fn fold_tokens(r: &Rollout, index: usize) -> Rollout {
+    let fold = |t: &Vec<u32>| -> Vec<u32> {
+        t.iter()
+            .map(|&x| {
+                if x < gen::CONTENT_MIN {
+                    x
+                } else {
+                    gen::CONTENT_MIN + x % CONTENT_IDS
+                }
+            })
+            .collect()
+    };
+    let calls = r.calls().iter().map(|c| Call {
+        context: fold(&c.context),
+        completion: fold(&c.completion),
+        logprobs: c.logprobs.clone(),
+    });
+    Rollout::new(format!("{}#{index}", r.id()), calls.collect())
+        .expect("folding tokens keeps a rollout valid")
 }
 
 /// For every pass of a branch layout, the trie node of each packed row.
@@ -173,7 +146,7 @@ fn scatter(grads: &[&[f64]], nodes: &[Vec<u32>], n_nodes: usize, width: usize) -
 }
 
 fn check_attention(seed: u64, q_heads: usize, group: usize, head_dim: usize, rope: bool) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let tree = random_tree(&mut rng);
     let (trie, replicated, logittree) = (
         tree.trie_pack(),
@@ -184,8 +157,12 @@ fn check_attention(seed: u64, q_heads: usize, group: usize, head_dim: usize, rop
     let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
     let n = tree.len();
     // Inputs live on the trie nodes; every layout gathers its rows from them.
-    let (q, k, v) = (rng.values(n * qw), rng.values(n * kw), rng.values(n * kw));
-    let cotangent = rng.values(trie.loss.len() * qw);
+    let (q, k, v) = (
+        values(&mut rng, n * qw),
+        values(&mut rng, n * kw),
+        values(&mut rng, n * kw),
+    );
+    let cotangent = values(&mut rng, trie.loss.len() * qw);
     let params = AttnParams {
         rope: rope.then_some(Rope {
             base: 10_000.0,
@@ -260,11 +237,11 @@ fn check_attention(seed: u64, q_heads: usize, group: usize, head_dim: usize, rop
 }
 
 fn model_config(rng: &mut Rng, rope: bool) -> ModelConfig {
-    let kv_heads = [1, 2, 4][rng.below(3)];
+    let kv_heads = [1, 2, 4][below(rng, 3)];
     ModelConfig {
-        vocab: VOCAB,
+        vocab: VOCAB_USED as usize,
         d_model: 16,
-        layers: 1 + rng.below(2),
+        layers: 1 + below(rng, 2),
         q_heads: 4,
         kv_heads,
         head_dim: 4,
@@ -273,7 +250,7 @@ fn model_config(rng: &mut Rng, rope: bool) -> ModelConfig {
             base: 10_000.0,
             dims: 4,
         }),
-        tied_embeddings: rng.below(2) == 0,
+        tied_embeddings: below(rng, 2) == 0,
         rms_eps: 1e-6,
     }
 }
@@ -297,7 +274,7 @@ fn sees_evicted_content(trie: &Pack) -> bool {
 }
 
 fn check_model(seed: u64, rope: bool) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let tree = random_tree(&mut rng);
     let model = Model::<f64>::new(model_config(&mut rng, rope), seed ^ 0xabcd).unwrap();
     let trie = run_model(&model, &[tree.trie_pack()]).unwrap();
@@ -363,7 +340,7 @@ fn check_model(seed: u64, rope: bool) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
 
     #[test]
     fn attention_trie_equals_replicated_and_logittree(
@@ -399,7 +376,7 @@ fn worked_example_three_exact_layouts_two_naive() {
 }
 
 fn check_model_on(tree: &Tree, rope: bool) {
-    let model = Model::<f64>::new(model_config(&mut Rng(3), rope), 17).unwrap();
+    let model = Model::<f64>::new(model_config(&mut Rng::new(3), rope), 17).unwrap();
     let trie = run_model(&model, &[tree.trie_pack()]).unwrap();
     let lt = run_model(&model, &tree.logittree_packs()).unwrap();
     assert_close("example log-probs", &trie.logprobs, &lt.logprobs);

@@ -313,3 +313,59 @@ pub fn compare_entries<T: CpuFloat>(
     }
     Ok(diff)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(rollout: u32, call: u32, offset: u32, row: u32) -> LossEntry {
+        LossEntry {
+            row,
+            label: 0,
+            weight: 1.0,
+            rollout,
+            call,
+            offset,
+            logprob: None,
+        }
+    }
+
+    fn pack(loss: Vec<LossEntry>) -> Pack {
+        Pack {
+            tokens: vec![0; 4],
+            position_ids: (0..4).collect(),
+            kv_end: vec![4; 4],
+            loss,
+        }
+    }
+
+    #[test]
+    fn passes_merge_into_canonical_order() {
+        let a = pack(vec![entry(0, 0, 1, 1), entry(1, 0, 0, 2)]);
+        let b = pack(vec![entry(0, 0, 0, 0), entry(0, 2, 0, 3)]);
+        let (entries, slots) = canonical_order(&[a, b]).unwrap();
+        let keys: Vec<_> = entries.iter().map(LossEntry::key).collect();
+        assert_eq!(keys, [(0, 0, 0), (0, 0, 1), (0, 2, 0), (1, 0, 0)]);
+        assert_eq!(slots, [vec![1, 3], vec![0, 2]]);
+    }
+
+    #[test]
+    fn a_target_scored_by_two_passes_is_an_error() {
+        let a = pack(vec![entry(0, 1, 0, 1)]);
+        let b = pack(vec![entry(0, 1, 0, 2)]);
+        let err = canonical_order(&[a, b]).unwrap_err();
+        assert!(err.to_string().contains("(0, 1, 0)"), "{err}");
+    }
+
+    #[test]
+    fn comparison_matches_by_key_and_counts_the_rest() {
+        let first = [entry(0, 0, 0, 0), entry(0, 0, 1, 0), entry(0, 1, 0, 0)];
+        let second = [entry(0, 0, 1, 5), entry(0, 1, 0, 6), entry(0, 2, 0, 7)];
+        let d = compare_entries(&first, &[1.0f64, 2.0, 3.0], &second, &[2.5, 2.0, 9.0], 1).unwrap();
+        assert_eq!((d.compared, d.only_first, d.only_second), (2, 1, 1));
+        assert_eq!((d.max_abs, d.mean_abs, d.scale), (1.0, 0.75, 3.0));
+        let unsorted = [entry(0, 1, 0, 0), entry(0, 0, 0, 0)];
+        assert!(compare_entries(&unsorted, &[0.0f64; 2], &second, &[0.0; 3], 1).is_err());
+        assert!(compare_entries(&first, &[0.0f64; 2], &second, &[0.0; 3], 1).is_err());
+    }
+}

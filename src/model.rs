@@ -52,7 +52,7 @@ use crate::{Error, Result};
 /// [`crate::backend`]: Q `[tokens, q_heads, head_dim]`, K and V
 /// `[tokens, kv_heads, head_dim]`, LSE `[q_heads, tokens]`. Rotary embedding,
 /// when `params.rope` is set, is applied inside the op.
-pub trait AttentionBackend<T>: Sync {
+pub trait AttentionBackend<T> {
     /// `O = softmax(scale · Q Kᵀ masked) V` and its log-sum-exp.
     fn forward(
         &self,
@@ -509,13 +509,6 @@ pub struct Forward<T> {
     row_logits: Vec<T>,
     row_lse: Vec<T>,
     model: (u64, u64),
-}
-
-impl<T> Forward<T> {
-    /// Number of packed tokens of the forward pass.
-    pub fn tokens(&self) -> usize {
-        self.tokens.len()
-    }
 }
 
 impl<T: CpuFloat, A: AttentionBackend<T>> Model<T, A> {
@@ -1003,7 +996,7 @@ fn par_rows<T: Send>(
     work: usize,
     f: impl Fn(usize, &mut [T]) + Sync,
 ) {
-    let rows = if row_len == 0 { 0 } else { out.len() / row_len };
+    let rows = out.len().checked_div(row_len).unwrap_or(0);
     let threads = if work < PARALLEL_WORK {
         1
     } else {

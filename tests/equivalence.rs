@@ -145,6 +145,9 @@ fn scatter(grads: &[&[f64]], nodes: &[Vec<u32>], n_nodes: usize, width: usize) -
     out
 }
 
+/// A layout's name, its passes, and the trie node of every row of each pass.
+type Layout<'a> = (&'a str, Vec<&'a Pack>, Vec<Vec<u32>>);
+
 fn check_attention(seed: u64, q_heads: usize, group: usize, head_dim: usize, rope: bool) {
     let mut rng = Rng::new(seed);
     let tree = random_tree(&mut rng);
@@ -172,7 +175,7 @@ fn check_attention(seed: u64, q_heads: usize, group: usize, head_dim: usize, rop
     };
 
     let identity: Vec<u32> = (0..n as u32).collect();
-    let layouts: [(&str, Vec<&Pack>, Vec<Vec<u32>>); 3] = [
+    let layouts: [Layout; 3] = [
         ("trie", vec![&trie], vec![identity]),
         (
             "replicated",

@@ -235,3 +235,49 @@ fn padding_rows_are_inert_and_finite() {
         .iter()
         .all(|(_, t)| t.iter().all(|v| v.is_finite())));
 }
+
+/// The same weights (f32 = f64 rounded) give the same log-probs and
+/// gradients in f32 and f64, up to f32 rounding: ~1e-7 relative per
+/// operation, amplified by depth and softmax to ~1e-5; 1e-3 (gradients,
+/// normwise per tensor) and 1e-4 (log-probs, absolute, |log p| ~ 5) are loose
+/// enough for rounding and far below a missing term.
+#[test]
+fn f32_and_f64_agree() {
+    let cfg = config(true, false, 2);
+    let m64 = Model::<f64>::new(cfg.clone(), 21).unwrap();
+    let m32 = Model::<f32>::new(cfg, 21).unwrap();
+    let mask = PackMask::new(&TRIE_KV_END, &TRIE_POS).unwrap();
+    let t = targets(&TRIE_TARGETS, &[1.0; 6]);
+    let f64_fwd = m64.forward(&TRIE_TOKENS, mask, &t).unwrap();
+    let f32_fwd = m32.forward(&TRIE_TOKENS, mask, &t).unwrap();
+    for (a, b) in f64_fwd.logprobs.iter().zip(&f32_fwd.logprobs) {
+        assert!((a - *b as f64).abs() < 1e-4, "{a} vs {b}");
+    }
+    let (g64, g32) = (
+        m64.backward(&f64_fwd).unwrap(),
+        m32.backward(&f32_fwd).unwrap(),
+    );
+    for ((name, a), (_, b)) in g64.tensors().iter().zip(g32.tensors()) {
+        let scale = a.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        let diff = a
+            .iter()
+            .zip(b.iter())
+            .fold(0.0f64, |m, (x, y)| m.max((x - *y as f64).abs()));
+        assert!(
+            diff <= 1e-3 * scale,
+            "{name}: max |Δ| {diff:e} at scale {scale:e}"
+        );
+    }
+}
+
+/// An empty pack is valid input: no log-probs, all-zero gradients.
+#[test]
+fn empty_pack_gives_zero_gradients() {
+    let model = Model::<f64>::new(config(true, false, 2), 2).unwrap();
+    let fwd = model
+        .forward(&[], PackMask::new(&[], &[]).unwrap(), &[])
+        .unwrap();
+    assert!(fwd.logprobs.is_empty());
+    let g = model.backward(&fwd).unwrap();
+    assert!(g.tensors().iter().all(|(_, t)| t.iter().all(|&v| v == 0.0)));
+}

@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use crate::backend::cpu::sdcc_forward_kl;
 use crate::backend::Rope;
-use crate::logittree::{compare_entries, run_model, targets, ModelRun};
+use crate::logittree::{compare_entries, run_model, ModelRun};
 use crate::model::{Model, ModelConfig};
 use crate::pack::Pack;
 use crate::rollout::{read_jsonl, Rollout};
@@ -301,7 +301,7 @@ pub fn run(opts: &DemoOptions) -> Result<Report> {
         kl_max: 0.0,
     };
     if !pairs.is_empty() {
-        let fwd = model.forward(&trie.tokens, trie.mask(), &targets(&trie))?;
+        let fwd = model.forward_pack(&trie)?;
         let vocab = config.vocab;
         let rows: Vec<u32> = pairs
             .iter()

@@ -21,21 +21,9 @@ use std::collections::HashSet;
 
 use crate::backend::cpu::{AttnGrads, CpuFloat};
 use crate::backend::AttnParams;
-use crate::model::{AttentionBackend, Model, Params, Target};
+use crate::model::{AttentionBackend, Model, Params};
 use crate::pack::{LossEntry, Pack};
 use crate::{Error, Result};
-
-/// A pack's loss entries as model targets, in the pack's (canonical) order.
-pub fn targets(pack: &Pack) -> Vec<Target> {
-    pack.loss
-        .iter()
-        .map(|e| Target {
-            row: e.row,
-            label: e.label,
-            weight: e.weight as f64,
-        })
-        .collect()
-}
 
 /// Merges the entries of separate passes into canonical order. Returns, for
 /// each pass, the canonical index of each of its entries. A key scored by two
@@ -92,8 +80,7 @@ pub fn run_model<T: CpuFloat, A: AttentionBackend<T>>(
     let mut grads = Params::zeros(model.config());
     let (mut tokens, mut visible_pairs) = (0, 0);
     for (pack, slot) in packs.iter().zip(&slots) {
-        pack.validate()?;
-        let fwd = model.forward(&pack.tokens, pack.mask(), &targets(pack))?;
+        let fwd = model.forward_pack(pack)?;
         for (&lp, &c) in fwd.logprobs.iter().zip(slot) {
             logprobs[c] = lp;
         }

@@ -46,6 +46,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::backend::cpu::{self, AttnGrads, AttnOut, CpuFloat};
 use crate::backend::{AttnParams, AttnShape, Rope};
 use crate::mask::PackMask;
+use crate::pack::Pack;
 use crate::{Error, Result};
 
 /// The attention op the model calls, in the varlen layout of
@@ -678,6 +679,22 @@ impl<T: CpuFloat, A: AttentionBackend<T>> Model<T, A> {
             row_lse,
             model: (self.id, self.version),
         })
+    }
+
+    /// [`Model::forward`] on a [`Pack`] of any layout, scoring its loss
+    /// entries in their (canonical) order with their weights.
+    pub fn forward_pack(&self, pack: &Pack) -> Result<Forward<T>> {
+        pack.validate()?;
+        let targets: Vec<Target> = pack
+            .loss
+            .iter()
+            .map(|e| Target {
+                row: e.row,
+                label: e.label,
+                weight: e.weight as f64,
+            })
+            .collect();
+        self.forward(&pack.tokens, pack.mask(), &targets)
     }
 
     /// The LM-head matrix `[vocab, d_model]`.

@@ -1,0 +1,206 @@
+//! Bad input: every validation error of the calls format names the rollout,
+//! the call, the field and (for JSONL) the line; nothing panics and nothing
+//! is skipped silently except blank lines.
+
+use treeattn::rollout::{parse_jsonl, read_jsonl, Call, Rollout};
+use treeattn::Error;
+
+const GOOD: &str =
+    r#"{"id": "a", "calls": [{"context": [1, 2], "completion": [3], "logprobs": [-0.5]}]}"#;
+
+/// The error of parsing `GOOD` on line 1 followed by `bad` on line 2.
+fn second_line(bad: &str) -> Error {
+    parse_jsonl(&format!("{GOOD}\n{bad}\n")).unwrap_err()
+}
+
+fn assert_rollout_err(e: Error, id: &str, call: Option<usize>, field: &str, line: usize) {
+    match &e {
+        Error::Rollout {
+            rollout,
+            call: c,
+            field: f,
+            msg,
+        } => {
+            assert_eq!((rollout.as_str(), *c, *f), (id, call, field), "{e}");
+            assert!(msg.contains(&format!("line {line}")), "{e}");
+        }
+        other => panic!("expected a rollout error, got {other:?}"),
+    }
+}
+
+#[test]
+fn empty_call_list() {
+    assert_rollout_err(
+        second_line(r#"{"id": "b", "calls": []}"#),
+        "b",
+        None,
+        "calls",
+        2,
+    );
+    let e = Rollout::new("b", vec![]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Rollout {
+                call: None,
+                field: "calls",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn empty_context() {
+    let bad = r#"{"id": "b", "calls": [{"context": [1], "completion": [2]}, {"context": [], "completion": [3]}]}"#;
+    assert_rollout_err(second_line(bad), "b", Some(1), "context", 2);
+}
+
+#[test]
+fn empty_completion() {
+    let bad = r#"{"id": "b", "calls": [{"context": [1], "completion": []}]}"#;
+    assert_rollout_err(second_line(bad), "b", Some(0), "completion", 2);
+    let e = Rollout::new("c", vec![Call::new(vec![1], vec![])]).unwrap_err();
+    assert!(
+        e.to_string().contains("call 0") && e.to_string().contains("completion"),
+        "{e}"
+    );
+}
+
+#[test]
+fn logprobs_length_differs_from_completion() {
+    let bad =
+        r#"{"id": "b", "calls": [{"context": [1], "completion": [2, 3], "logprobs": [-1.0]}]}"#;
+    let e = second_line(bad);
+    assert!(
+        e.to_string().contains("1 logprobs for 2 completion tokens"),
+        "{e}"
+    );
+    assert_rollout_err(e, "b", Some(0), "logprobs", 2);
+}
+
+#[test]
+fn non_finite_logprobs() {
+    // JSON has no NaN or infinity literal; 1e39 overflows f32 to infinity.
+    let bad = r#"{"id": "b", "calls": [{"context": [1], "completion": [2], "logprobs": [-1e39]}]}"#;
+    assert_rollout_err(second_line(bad), "b", Some(0), "logprobs", 2);
+    let nan = Call {
+        context: vec![1],
+        completion: vec![2, 3],
+        logprobs: Some(vec![-0.1, f32::NAN]),
+    };
+    let e = Rollout::new("c", vec![nan]).unwrap_err();
+    assert!(e.to_string().contains("offset 1"), "{e}");
+    let text = r#"{"id": "b", "calls": [{"context": [1], "completion": [2], "logprobs": [NaN]}]}"#;
+    assert!(matches!(second_line(text), Error::Json { line: 2, .. }));
+}
+
+#[test]
+fn invalid_json_names_its_line() {
+    for bad in [
+        "{\"id\": \"b\", \"calls\": [",
+        "not json",
+        "[1, 2]",
+        "\"just a string\"",
+    ] {
+        match second_line(bad) {
+            Error::Json { line, .. } => assert_eq!(line, 2, "{bad}"),
+            other => panic!("{bad}: expected a JSON error, got {other:?}"),
+        }
+    }
+    // Line numbers count blank lines too.
+    let e = parse_jsonl(&format!("\n{GOOD}\n   \n{{oops\n")).unwrap_err();
+    assert!(matches!(e, Error::Json { line: 4, .. }), "{e}");
+    assert!(e.to_string().starts_with("line 4"), "{e}");
+}
+
+#[test]
+fn missing_and_mistyped_fields() {
+    assert!(matches!(
+        second_line(r#"{"calls": []}"#),
+        Error::Json { line: 2, .. }
+    ));
+    assert_rollout_err(second_line(r#"{"id": "b"}"#), "b", None, "calls", 2);
+    assert_rollout_err(
+        second_line(r#"{"id": "b", "calls": [{"completion": [2]}]}"#),
+        "b",
+        Some(0),
+        "context",
+        2,
+    );
+    assert_rollout_err(
+        second_line(r#"{"id": "b", "calls": [{"context": [1]}]}"#),
+        "b",
+        Some(0),
+        "completion",
+        2,
+    );
+    assert_rollout_err(
+        second_line(r#"{"id": "b", "calls": [{"context": [1, -2], "completion": [2]}]}"#),
+        "b",
+        Some(0),
+        "context",
+        2,
+    );
+    assert_rollout_err(
+        second_line(r#"{"id": "b", "calls": [{"context": [1], "completion": [4294967296]}]}"#),
+        "b",
+        Some(0),
+        "completion",
+        2,
+    );
+    assert_rollout_err(
+        second_line(r#"{"id": "b", "calls": [{"context": [1.5], "completion": [2]}]}"#),
+        "b",
+        Some(0),
+        "context",
+        2,
+    );
+    assert_rollout_err(
+        second_line(
+            r#"{"id": "b", "calls": [{"context": [1], "completion": [2], "logprobs": "x"}]}"#,
+        ),
+        "b",
+        Some(0),
+        "logprobs",
+        2,
+    );
+    assert_rollout_err(
+        second_line(r#"{"id": "b", "calls": [7]}"#),
+        "b",
+        Some(0),
+        "calls",
+        2,
+    );
+    assert!(matches!(
+        second_line(r#"{"id": ["b"], "calls": []}"#),
+        Error::Json { line: 2, .. }
+    ));
+}
+
+#[test]
+fn blank_lines_are_skipped_and_ids_must_be_unique() {
+    let ok = parse_jsonl(&format!("\n\n{GOOD}\n\t\n")).unwrap();
+    assert_eq!(ok.len(), 1);
+    assert_eq!(ok[0].calls()[0].logprobs, Some(vec![-0.5]));
+    assert!(parse_jsonl("").unwrap().is_empty());
+    let e = parse_jsonl(&format!("{GOOD}\n\n{GOOD}\n")).unwrap_err();
+    assert_rollout_err(e.clone(), "a", None, "id", 3);
+    assert!(e.to_string().contains("first seen on line 1"), "{e}");
+    // null logprobs are the same as absent ones.
+    let r = parse_jsonl(
+        r#"{"id": "n", "calls": [{"context": [1], "completion": [2], "logprobs": null}]}"#,
+    )
+    .unwrap();
+    assert_eq!(r[0].calls()[0].logprobs, None);
+}
+
+#[test]
+fn invalid_utf8_is_an_error_not_a_panic() {
+    let bytes: &[u8] = b"{\"id\": \"\xff\", \"calls\": []}\n";
+    assert!(matches!(
+        read_jsonl(bytes).unwrap_err(),
+        Error::Json { line: 1, .. }
+    ));
+}

@@ -178,15 +178,18 @@ fn load(opts: &DemoOptions) -> Result<(String, Vec<Rollout>)> {
 /// Re-indexes token ids densely (`ids[i]` becomes `i`) in a pack's tokens and
 /// labels: the model's vocabulary is the set of ids that occur, so a 32k- or
 /// 150k-id tokenizer does not make the LM head the whole cost.
-fn reindex(pack: &Pack, ids: &[u32]) -> Pack {
-    let dense = |t: u32| {
-        ids.binary_search(&t)
-            .expect("every token of a pack is a tree token") as u32
+fn reindex(pack: &Pack, ids: &[u32]) -> Result<Pack> {
+    let dense = |t: &mut u32| -> Result<()> {
+        *t = ids
+            .binary_search(t)
+            .map_err(|_| Error::Pack(format!("token {t} of a pack is not a token of its tree")))?
+            as u32;
+        Ok(())
     };
     let mut p = pack.clone();
-    p.tokens.iter_mut().for_each(|t| *t = dense(*t));
-    p.loss.iter_mut().for_each(|e| e.label = dense(e.label));
-    p
+    p.tokens.iter_mut().try_for_each(dense)?;
+    p.loss.iter_mut().try_for_each(|e| dense(&mut e.label))?;
+    Ok(p)
 }
 
 /// Runs the demo (see the module docs).
@@ -202,20 +205,23 @@ pub fn run(opts: &DemoOptions) -> Result<Report> {
     let config = demo_config(ids.len());
     let model = Model::<f32>::new(config.clone(), opts.seed)?;
     let pack = |p: Pack| reindex(&p, &ids);
-    let trie = pack(tree.trie_pack());
+    let trie = pack(tree.trie_pack())?;
     let methods: Vec<(&'static str, bool, Vec<Pack>)> = vec![
         ("trie pack", true, vec![trie.clone()]),
-        ("replicated pack", true, vec![pack(tree.replicated_pack())]),
+        ("replicated pack", true, vec![pack(tree.replicated_pack())?]),
         (
             "LogitTree (K+1)",
             true,
-            tree.logittree_packs().into_iter().map(pack).collect(),
+            tree.logittree_packs()
+                .into_iter()
+                .map(pack)
+                .collect::<Result<_>>()?,
         ),
-        ("Naive-Full", false, vec![pack(tree.naive_full_pack())]),
+        ("Naive-Full", false, vec![pack(tree.naive_full_pack())?]),
         (
             "Naive-Compressed",
             false,
-            vec![pack(tree.naive_compressed_pack())],
+            vec![pack(tree.naive_compressed_pack())?],
         ),
     ];
 

@@ -167,9 +167,14 @@ fn check_attention(seed: u64, q_heads: usize, group: usize, head_dim: usize, rop
     );
     let cotangent = values(&mut rng, trie.loss.len() * qw);
     let params = AttnParams {
+        // All lanes rotated, or only the first half (the rest pass through).
         rope: rope.then_some(Rope {
             base: 10_000.0,
-            dims: head_dim,
+            dims: if below(&mut rng, 2) == 0 {
+                head_dim
+            } else {
+                head_dim / 2
+            },
         }),
         ..AttnParams::new(head_dim)
     };
@@ -250,8 +255,8 @@ fn model_config(rng: &mut Rng, rope: bool) -> ModelConfig {
         head_dim: 4,
         ffn_dim: 24,
         rope: rope.then_some(Rope {
-            base: 10_000.0,
-            dims: 4,
+            base: [100.0, 10_000.0][below(rng, 2)],
+            dims: [2, 4][below(rng, 2)],
         }),
         tied_embeddings: below(rng, 2) == 0,
         rms_eps: 1e-6,

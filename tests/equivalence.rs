@@ -43,8 +43,8 @@ fn below(rng: &mut Rng, n: usize) -> usize {
 const CONTENT_IDS: u32 = 60;
 const VOCAB_USED: u32 = gen::CONTENT_MIN + CONTENT_IDS;
 
-/// A tree of 1–3 rollouts drawn from the crate's generators ([`gen`]:
-/// compaction, stack pop, fold, memex, GRPO members, no-edit, the worked
+/// A forest of 1–3 draws from the crate's generators ([`gen`]: compaction,
+/// stack pop, fold, memex, 1–3 members of a GRPO group, no-edit, the worked
 /// example) at their CPU-sized defaults, tokens folded into the test
 /// vocabulary, packed with or without prefix sharing across rollouts.
 fn random_tree(rng: &mut Rng) -> Tree {

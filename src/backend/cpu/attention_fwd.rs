@@ -1,6 +1,6 @@
 //! Tiled attention forward with an online softmax.
 
-use super::kernels::{accumulate, has_avx2, scores};
+use super::kernels::{accumulate, has_avx2_fma, scores};
 use super::layout::{Layout, RopeTable};
 use super::{
     check_qkv, num_threads, run_parallel, AttnOut, CpuFloat, KeyTileBounds, TileClass, TILE,
@@ -133,26 +133,30 @@ impl<T: CpuFloat> FwdScratch<T> {
 
 fn query_tile<T: CpuFloat>(ctx: &FwdCtx<'_, T>, s: &mut FwdScratch<T>, item: FwdItem<'_, T>) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the running CPU supports AVX2 (checked at run time).
+    if has_avx2_fma() {
+        // SAFETY: the running CPU supports AVX2 and FMA (checked at run time).
         unsafe { query_tile_avx2(ctx, s, item) };
         return;
     }
-    query_tile_body(ctx, s, item)
+    query_tile_body::<T, false>(ctx, s, item)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn query_tile_avx2<T: CpuFloat>(
     ctx: &FwdCtx<'_, T>,
     s: &mut FwdScratch<T>,
     item: FwdItem<'_, T>,
 ) {
-    query_tile_body(ctx, s, item)
+    query_tile_body::<T, true>(ctx, s, item)
 }
 
 #[inline(always)]
-fn query_tile_body<T: CpuFloat>(ctx: &FwdCtx<'_, T>, sc: &mut FwdScratch<T>, item: FwdItem<'_, T>) {
+fn query_tile_body<T: CpuFloat, const FMA: bool>(
+    ctx: &FwdCtx<'_, T>,
+    sc: &mut FwdScratch<T>,
+    item: FwdItem<'_, T>,
+) {
     let Layout { l, lpad, dp, .. } = ctx.lay;
     let FwdItem { h, qt, o, lse } = item;
     let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
@@ -173,7 +177,7 @@ fn query_tile_body<T: CpuFloat>(ctx: &FwdCtx<'_, T>, sc: &mut FwdScratch<T>, ite
         let k0 = kt * TILE;
         let bk = (k0 + TILE).min(l) - k0;
         let kv_end = &ctx.kv_end[k0..k0 + bk];
-        scores(q_rows, &kt_head[k0..], lpad, dp, s);
+        scores::<T, FMA>(q_rows, &kt_head[k0..], lpad, dp, s);
         for (i, row) in s.chunks_exact_mut(TILE).enumerate() {
             let (live, pad) = row.split_at_mut(bk);
             pad.fill(T::ZERO);
@@ -182,11 +186,9 @@ fn query_tile_body<T: CpuFloat>(ctx: &FwdCtx<'_, T>, sc: &mut FwdScratch<T>, ite
                 continue;
             }
             let q = q0 + i;
-            let mut row_max = T::NEG_INFINITY;
             if class == TileClass::Full {
                 for x in live.iter_mut() {
-                    *x = *x * ctx.scale;
-                    row_max = row_max.max_of(*x);
+                    *x *= ctx.scale;
                 }
             } else {
                 for (j, (x, &end)) in live.iter_mut().zip(kv_end).enumerate() {
@@ -195,9 +197,9 @@ fn query_tile_body<T: CpuFloat>(ctx: &FwdCtx<'_, T>, sc: &mut FwdScratch<T>, ite
                     } else {
                         T::NEG_INFINITY
                     };
-                    row_max = row_max.max_of(*x);
                 }
             }
+            let row_max = T::max_all(live);
             if row_max == T::NEG_INFINITY {
                 live.fill(T::ZERO);
                 continue;
@@ -212,14 +214,13 @@ fn query_tile_body<T: CpuFloat>(ctx: &FwdCtx<'_, T>, sc: &mut FwdScratch<T>, ite
                 }
                 m[i] = m_new;
             }
-            let mut row_sum = T::ZERO;
             for x in live.iter_mut() {
-                *x = (*x - m_new).exp();
-                row_sum += *x;
+                *x -= m_new;
             }
-            sum[i] += row_sum;
+            T::exp_in_place(live);
+            sum[i] += T::sum(live);
         }
-        accumulate(s, &v_head[k0 * dp..], dp, o);
+        accumulate::<T, FMA>(s, &v_head[k0 * dp..], dp, o);
     }
 
     for i in 0..bq {

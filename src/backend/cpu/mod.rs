@@ -263,3 +263,69 @@ pub(crate) fn check_qkv<T: CpuFloat>(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_parallel_visits_every_item_once() {
+        for threads in [1, 3, 64] {
+            let mut out = vec![0u32; 100];
+            let work: Vec<_> = out.chunks_mut(7).enumerate().collect();
+            run_parallel(
+                work,
+                threads,
+                || 0u32,
+                |calls, (i, chunk)| {
+                    *calls += 1;
+                    chunk.iter_mut().for_each(|x| *x += i as u32 + 1);
+                },
+            );
+            assert!(
+                out.iter()
+                    .enumerate()
+                    .all(|(j, &x)| x == (j / 7) as u32 + 1),
+                "{threads} threads"
+            );
+        }
+    }
+
+    /// DESIGN §5's rules on a pack with a trunk `[0, 64)` seen by all, a
+    /// branch `[64, 128)` and a sibling branch `[128, 192)`.
+    #[test]
+    fn classification_follows_the_design_rules() {
+        let kv_end: Vec<u32> = (0..192)
+            .map(|k| {
+                if k < 64 {
+                    192
+                } else if k < 128 {
+                    128
+                } else {
+                    192
+                }
+            })
+            .collect();
+        let b = KeyTileBounds::new(&kv_end);
+        assert_eq!(b.classify(64, 128, 0), TileClass::Full);
+        assert_eq!(b.classify(128, 192, 1), TileClass::Skip, "sibling branch");
+        assert_eq!(b.classify(128, 192, 0), TileClass::Full);
+        assert_eq!(b.classify(0, 64, 0), TileClass::Partial, "diagonal");
+        assert_eq!(b.classify(0, 64, 1), TileClass::Skip, "above the diagonal");
+        assert_eq!(
+            (
+                b.query_tile_end(0),
+                b.query_tile_end(1),
+                b.query_tile_end(2)
+            ),
+            (3, 2, 3)
+        );
+        // A padding key makes an otherwise full block partial.
+        let mut padded = kv_end.clone();
+        padded[5] = 5;
+        assert_eq!(
+            KeyTileBounds::new(&padded).classify(64, 128, 0),
+            TileClass::Partial
+        );
+    }
+}

@@ -263,10 +263,10 @@ fn row_stats<T: CpuFloat>(
         let (mut max_a, mut max_b) = (ninf, ninf);
         for (j, (&x, &y)) in sc.iter().zip(tc).enumerate() {
             let (x, y) = (x.to_f64(), y.to_f64());
-            if !(x < f64::INFINITY) {
+            if x.is_nan() || x == f64::INFINITY {
                 return Err(bad_logit("student", s, vocab, c * CHUNK + j));
             }
-            if !(y < f64::INFINITY) {
+            if y.is_nan() || y == f64::INFINITY {
                 return Err(bad_logit("teacher", t, vocab, c * CHUNK + j));
             }
             max_a = max_a.max(y);

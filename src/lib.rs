@@ -29,5 +29,6 @@ pub mod ops;
 pub mod backend;
 pub mod logittree;
 pub mod model;
+pub mod demo;
 
 pub use error::{Error, Result};

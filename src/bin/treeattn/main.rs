@@ -2,6 +2,7 @@
 //! data. Hand-written argument parsing; one module per subcommand.
 
 mod args;
+mod demo;
 mod gen;
 mod inspect;
 mod pack;
@@ -15,6 +16,9 @@ USAGE:
     treeattn <COMMAND> [ARGS] [--help]
 
 COMMANDS:
+    demo [--input FILE.jsonl] [--seed N] [--repeats N]
+                           the main job: trie pack vs LogitTree vs naive
+                           methods on a tiny model (bundled sample by default)
     inspect FILE.jsonl     per rollout: calls, junctions K, branches, targets,
                            diverging targets D, evictions, dedup ratio, and a
                            drawing of the conditioning tree
@@ -53,6 +57,7 @@ fn dispatch(mut args: Vec<String>) -> treeattn::Result<()> {
     let cmd = args.remove(0);
     match cmd.as_str() {
         "-h" | "--help" | "help" => args::emit(&format!("{HELP}\n")),
+        "demo" => demo::run(args),
         "inspect" => inspect::run(args),
         "pack" => pack::run(args),
         "gen" => gen::run(args),

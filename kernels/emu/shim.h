@@ -1,0 +1,195 @@
+// SIMT shim: lets the CUDA C++ kernels of kernels/*.cu compile as host C++
+// and run on the CPU, one fiber per CUDA thread (see runtime.cpp).
+//
+// What a kernel may use (and nothing else from CUDA):
+//   threadIdx, blockIdx, blockDim, gridDim        (dim3, per fiber / per block)
+//   __syncthreads()                                (block barrier; divergence is an error)
+//   __syncwarp(mask)                               (warp convergence point)
+//   __shfl_sync / __shfl_xor_sync / __shfl_up_sync / __shfl_down_sync   (4- and 8-byte types)
+//   __ballot_sync / __any_sync / __all_sync
+//   atomicAdd (float, unsigned, int, unsigned long long), atomicMax / atomicMin (int, unsigned)
+//   __trap()                                       (fails the launch with an error)
+//   __float_as_uint / __uint_as_float / __float_as_int / __int_as_float
+//   math from <cmath> (exp2f, log2f, fmaxf, ...)
+//   TA_DYNAMIC_SMEM(name)   declares the block's dynamic shared memory (the only
+//                           kind allowed: static __shared__ does not compile here)
+//   and the primitives of kernels/common.cuh (ldmatrix, mma, cp.async, ...).
+//
+// Every warp collective must name the full mask 0xffffffff and be reached by
+// all 32 lanes of the warp at the same collective; anything else fails the
+// launch with a message (on hardware it would be undefined behaviour).
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+    dim3() = default;
+    constexpr dim3(unsigned x_, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+namespace ta_emu {
+
+struct Fiber;
+// Gathers the inputs of the 32 lanes of a warp (lanes[i]->op.in) and writes
+// their outputs (lanes[i]->op.out); runs once all 32 lanes have arrived.
+using WarpFn = void (*)(Fiber* const* lanes);
+
+struct WarpOp {
+    WarpFn fn = nullptr;
+    const char* name = "";
+    unsigned mask = 0;
+    const void* in = nullptr;
+    void* out = nullptr;
+};
+
+// The calling fiber's view of the launch.
+const dim3& thread_idx();
+const dim3& block_idx();
+const dim3& block_dim();
+const dim3& grid_dim();
+unsigned lane_id();
+unsigned char* dynamic_smem();
+size_t dynamic_smem_bytes();
+
+// Fails the whole launch with `msg` (prefixed with the block and thread).
+[[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+
+void syncthreads();
+// Deposits `in`, waits for the other 31 lanes, lets `fn` compute, returns with
+// `out` written. `name` identifies the collective in error messages.
+void warp_collective(WarpFn fn, const char* name, unsigned mask, const void* in, void* out);
+const WarpOp& lane_op(Fiber* f);
+
+// cp.async model: the source is read at issue, the destination written when a
+// cp.async.wait_group retires the copy's group (never earlier), so a kernel
+// that reads shared memory before the matching wait sees the poison.
+void cp_async_16(void* smem_dst, const void* gmem_src, bool fill);
+void cp_async_commit();
+void cp_async_wait(int newest_pending_allowed);
+
+// ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans].shared.b16, exact PTX lane layout.
+void ldmatrix(uint32_t* regs, int count, bool trans, const void* row_addr);
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 with D == C.
+void mma_m16n8k16(bool bf16, float* acc4, const uint32_t* a4, const uint32_t* b2);
+
+uint64_t shfl(int mode, unsigned mask, uint64_t v, int arg, int width);
+unsigned ballot(unsigned mask, int pred);
+void syncwarp(unsigned mask);
+
+// Round-to-nearest-even conversions with the hardware's NaN / inf handling.
+float bf16_to_f32(uint16_t h);
+uint16_t f32_to_bf16(float f);
+float f16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float f);
+
+}  // namespace ta_emu
+
+#define threadIdx (::ta_emu::thread_idx())
+#define blockIdx (::ta_emu::block_idx())
+#define blockDim (::ta_emu::block_dim())
+#define gridDim (::ta_emu::grid_dim())
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+// Static shared memory would silently become per-thread memory here: refuse it.
+#define __shared__ static_assert(false, "use TA_DYNAMIC_SMEM: static __shared__ is not emulated");
+#define TA_DYNAMIC_SMEM(name) unsigned char* name = ::ta_emu::dynamic_smem()
+
+inline void __syncthreads() { ::ta_emu::syncthreads(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { ::ta_emu::syncwarp(mask); }
+[[noreturn]] inline void __trap() { ::ta_emu::fail("__trap() called"); }
+
+namespace ta_emu {
+template <class T>
+inline T shfl_t(int mode, unsigned mask, T v, int arg, int width) {
+    static_assert(std::is_trivially_copyable<T>::value && sizeof(T) <= 8, "shuffle of a 4- or 8-byte value");
+    uint64_t bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    bits = shfl(mode, mask, bits, arg, width);
+    T r;
+    std::memcpy(&r, &bits, sizeof(T));
+    return r;
+}
+enum { SHFL_IDX = 0, SHFL_UP = 1, SHFL_DOWN = 2, SHFL_XOR = 3 };
+}  // namespace ta_emu
+
+template <class T>
+inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+    return ::ta_emu::shfl_t(::ta_emu::SHFL_IDX, mask, v, src_lane, width);
+}
+template <class T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    return ::ta_emu::shfl_t(::ta_emu::SHFL_UP, mask, v, (int)delta, width);
+}
+template <class T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    return ::ta_emu::shfl_t(::ta_emu::SHFL_DOWN, mask, v, (int)delta, width);
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+    return ::ta_emu::shfl_t(::ta_emu::SHFL_XOR, mask, v, lane_mask, width);
+}
+inline unsigned __ballot_sync(unsigned mask, int pred) { return ::ta_emu::ballot(mask, pred); }
+inline int __any_sync(unsigned mask, int pred) { return ::ta_emu::ballot(mask, pred) != 0; }
+inline int __all_sync(unsigned mask, int pred) { return ::ta_emu::ballot(mask, pred) == 0xffffffffu; }
+
+// CUDA's overloaded min / max for the integer types (floats use fminf / fmaxf).
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+// Blocks run concurrently on several OS threads: global atomics are real atomics.
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+inline float atomicAdd(float* p, float v) {
+    unsigned* u = reinterpret_cast<unsigned*>(p);
+    unsigned old = __atomic_load_n(u, __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n(u, &old, __float_as_uint(__uint_as_float(old) + v), true, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED)) {
+    }
+    return __uint_as_float(old);
+}
+template <class T>
+inline T ta_emu_atomic_minmax(T* p, T v, bool is_max) {
+    T old = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while ((is_max ? v > old : v < old) &&
+           !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+    return old;
+}
+inline int atomicMax(int* p, int v) { return ta_emu_atomic_minmax(p, v, true); }
+inline unsigned atomicMax(unsigned* p, unsigned v) { return ta_emu_atomic_minmax(p, v, true); }
+inline int atomicMin(int* p, int v) { return ta_emu_atomic_minmax(p, v, false); }
+inline unsigned atomicMin(unsigned* p, unsigned v) { return ta_emu_atomic_minmax(p, v, false); }
+
+// ---- host side: launching a kernel on the emulator ------------------------
+namespace ta_emu {
+struct Launch {
+    dim3 grid, block;
+    size_t smem_bytes = 0;
+    void (*body)(void* ctx) = nullptr;  // runs once per CUDA thread
+    void* ctx = nullptr;
+    unsigned workers = 0;  // OS threads for blocks; 0 = all cores
+};
+// Runs every block; returns 0, or nonzero with a message in err (NUL-terminated).
+int launch(const Launch& l, char* err, size_t err_len);
+}  // namespace ta_emu

@@ -17,7 +17,11 @@ use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const EMU_SOURCES: &[&str] = &["kernels/emu/runtime.cpp", "kernels/emu/fwd_entry.cpp", "kernels/emu/shim_selftest.cpp"];
+const EMU_SOURCES: &[&str] = &[
+    "kernels/emu/runtime.cpp",
+    "kernels/emu/fwd_entry.cpp",
+    "kernels/emu/shim_selftest.cpp",
+];
 const CUDA_SOURCES: &[&str] = &["kernels/tree_attn_fwd.cu"];
 const HEADERS: &[&str] = &["kernels/common.cuh", "kernels/emu/shim.h"];
 
@@ -65,7 +69,10 @@ fn build_cuda() {
     let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
     let mut report = String::new();
     for src in CUDA_SOURCES {
-        let stem = Path::new(src).file_stem().and_then(|s| s.to_str()).expect("kernel file name");
+        let stem = Path::new(src)
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .expect("kernel file name");
         let fatbin = out.join(format!("{stem}.fatbin"));
         let o = Command::new(&nvcc)
             .args(nvcc_args())
@@ -77,7 +84,11 @@ fn build_cuda() {
             .unwrap_or_else(|e| panic!("cannot run {}: {e}", nvcc.display()));
         let log = String::from_utf8_lossy(&o.stderr);
         if !o.status.success() {
-            panic!("nvcc failed on {src} ({}):\n{log}{}", nvcc.display(), String::from_utf8_lossy(&o.stdout));
+            panic!(
+                "nvcc failed on {src} ({}):\n{log}{}",
+                nvcc.display(),
+                String::from_utf8_lossy(&o.stdout)
+            );
         }
         report.push_str(&format!("== {src}\n{log}"));
     }
@@ -100,7 +111,11 @@ fn nvcc_args() -> Vec<&'static str> {
 }
 
 fn runs(nvcc: &Path) -> bool {
-    Command::new(nvcc).arg("--version").output().map(|o| o.status.success()).unwrap_or(false)
+    Command::new(nvcc)
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
 }
 
 /// The first working nvcc, or a description of everything tried.
@@ -120,7 +135,11 @@ fn find_nvcc() -> Result<PathBuf, String> {
         let script = "import nvidia, os\nfor p in nvidia.__path__: print(os.path.join(p, 'cu13', 'bin', 'nvcc'))";
         if let Ok(o) = Command::new(py).args(["-c", script]).output() {
             if o.status.success() {
-                candidates.extend(String::from_utf8_lossy(&o.stdout).lines().map(PathBuf::from));
+                candidates.extend(
+                    String::from_utf8_lossy(&o.stdout)
+                        .lines()
+                        .map(PathBuf::from),
+                );
                 break;
             }
         }

@@ -13,9 +13,15 @@ use treeattn::backend::emu::shim_selftest::{run, Kernel};
 struct Rng(u64);
 impl Rng {
     fn new() -> (Self, u64) {
-        let seed = std::env::var("TREEATTN_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-        });
+        let seed = std::env::var("TREEATTN_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
         (Rng(seed), seed)
     }
     fn next(&mut self) -> u64 {
@@ -37,7 +43,9 @@ fn u16s_to_bytes(x: &[u16]) -> Vec<u8> {
     x.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 fn bytes_to_u32s(x: &[u8]) -> Vec<u32> {
-    x.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    x.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 const POISON: u32 = 0xffff_ffff;
@@ -52,7 +60,19 @@ fn ldmatrix_lane_layouts_follow_the_ptx_isa() {
             let mut out: Vec<u8> = SENTINEL.to_le_bytes().repeat(32 * 4);
             let arg = count | (u32::from(trans) << 8);
             // SAFETY: the kernel reads 256 u16 and writes 4 u32 per lane of one warp.
-            unsafe { run(Kernel::LdmatrixDump, &u16s_to_bytes(&m), &mut out, arg, 1, 32, 512, 1) }.unwrap();
+            unsafe {
+                run(
+                    Kernel::LdmatrixDump,
+                    &u16s_to_bytes(&m),
+                    &mut out,
+                    arg,
+                    1,
+                    32,
+                    512,
+                    1,
+                )
+            }
+            .unwrap();
             let out = bytes_to_u32s(&out);
             for t in 0..32usize {
                 for j in 0..4usize {
@@ -65,8 +85,15 @@ fn ldmatrix_lane_layouts_follow_the_ptx_isa() {
                     // matrix j (of its transpose with .trans).
                     let (r, c) = (t / 4, 2 * (t % 4));
                     let at = |row: usize, col: usize| m[64 * j + row * 8 + col] as u32;
-                    let want = if trans { at(c, r) | (at(c + 1, r) << 16) } else { at(r, c) | (at(r, c + 1) << 16) };
-                    assert_eq!(got, want, "seed {seed}: x{count} trans={trans} lane {t} register {j}");
+                    let want = if trans {
+                        at(c, r) | (at(c + 1, r) << 16)
+                    } else {
+                        at(r, c) | (at(r, c + 1) << 16)
+                    };
+                    assert_eq!(
+                        got, want,
+                        "seed {seed}: x{count} trans={trans} lane {t} register {j}"
+                    );
                 }
             }
         }
@@ -82,7 +109,10 @@ fn mma_chain(a: &[u16], b: &[u16], c: &[f32], bf16_inputs: bool, b_k_major: bool
     let arg = u32::from(bf16_inputs) | (u32::from(b_k_major) << 1);
     // SAFETY: the kernel reads A (256 u16), B (128 u16), C (128 f32) and writes 128 f32.
     unsafe { run(Kernel::MmaChain, &input, &mut out, arg, 1, 32, 768, 1) }.unwrap();
-    bytes_to_u32s(&out).into_iter().map(f32::from_bits).collect()
+    bytes_to_u32s(&out)
+        .into_iter()
+        .map(f32::from_bits)
+        .collect()
 }
 
 #[test]
@@ -102,7 +132,7 @@ fn mma_m16n8k16_matches_a_scalar_matmul() {
             let a: Vec<(u16, f64)> = (0..256).map(|_| round(rng.unit() * 3.0)).collect(); // [16][16]
             let b: Vec<(u16, f64)> = (0..128).map(|_| round(rng.unit() * 3.0)).collect(); // [k 16][n 8]
             let c: Vec<f32> = (0..128).map(|_| rng.unit() * 4.0).collect(); // [16][8]
-            // B is stored k-major ([16][8]) for the .trans path, n-major otherwise.
+                                                                            // B is stored k-major ([16][8]) for the .trans path, n-major otherwise.
             let b_store: Vec<u16> = if b_k_major {
                 b.iter().map(|x| x.0).collect()
             } else {
@@ -132,7 +162,10 @@ fn mma_m16n8k16_matches_a_scalar_matmul() {
                 }
             }
             // Negative control: the check above can tell A from Aᵀ.
-            assert!(worst_wrong_layout > 0.5, "seed {seed}: inputs too degenerate to test the layout");
+            assert!(
+                worst_wrong_layout > 0.5,
+                "seed {seed}: inputs too degenerate to test the layout"
+            );
         }
     }
 }
@@ -154,14 +187,22 @@ fn shuffles_and_ballot_follow_cuda_semantics() {
             let o = &out[i * 7..i * 7 + 7];
             let ctx = format!("seed {seed}: thread {i}, arg {arg}");
             assert_eq!(o[0], v[w + (l ^ a)], "{ctx}: xor");
-            assert_eq!(o[1], if l + a < 32 { v[i + a] } else { v[i] }, "{ctx}: down");
+            assert_eq!(
+                o[1],
+                if l + a < 32 { v[i + a] } else { v[i] },
+                "{ctx}: down"
+            );
             assert_eq!(o[2], if l >= a { v[i - a] } else { v[i] }, "{ctx}: up");
             assert_eq!(o[3], v[w + a], "{ctx}: idx");
             let ballot = (0..32).fold(0u32, |b, j| b | ((v[w + j] & 1) << j));
             assert_eq!(o[4], ballot, "{ctx}: ballot");
             // width 16: lanes may read earlier groups, not later ones.
             let src = l ^ a;
-            let want = if src >= (l / 16 + 1) * 16 { v[i] } else { v[w + src] };
+            let want = if src >= (l / 16 + 1) * 16 {
+                v[i]
+            } else {
+                v[w + src]
+            };
             assert_eq!(o[5], want, "{ctx}: xor width 16");
             let q = (0..4).map(|j| v[w + l / 4 * 4 + j]).max().unwrap() as f32;
             assert_eq!(f32::from_bits(o[6]), q, "{ctx}: quad max");
@@ -173,17 +214,38 @@ fn expect_err(kernel: Kernel, arg: u32, grid: u32, block: u32, needles: &[&str])
     let input = vec![0u8; 4096];
     let mut out = vec![0u8; 4096];
     // SAFETY: the error kernels touch at most one u32 per thread (< 1024 threads).
-    let e = unsafe { run(kernel, &input, &mut out, arg, grid, block, 256, 1) }.unwrap_err().to_string();
+    let e = unsafe { run(kernel, &input, &mut out, arg, grid, block, 256, 1) }
+        .unwrap_err()
+        .to_string();
     for n in needles {
-        assert!(e.contains(n), "{kernel:?}: error {e:?} does not mention {n:?}");
+        assert!(
+            e.contains(n),
+            "{kernel:?}: error {e:?} does not mention {n:?}"
+        );
     }
 }
 
 #[test]
 fn divergent_barriers_are_errors_not_hangs() {
-    expect_err(Kernel::DivergentBarrier, 0, 3, 64, &["divergent __syncthreads", "63 threads wait", "1 have exited"]);
+    expect_err(
+        Kernel::DivergentBarrier,
+        0,
+        3,
+        64,
+        &[
+            "divergent __syncthreads",
+            "63 threads wait",
+            "1 have exited",
+        ],
+    );
     // Odd threads pass one more barrier than even ones (2 against 3).
-    expect_err(Kernel::UnevenBarriers, 2 | (1 << 8), 1, 128, &["divergent __syncthreads", "64 threads wait"]);
+    expect_err(
+        Kernel::UnevenBarriers,
+        2 | (1 << 8),
+        1,
+        128,
+        &["divergent __syncthreads", "64 threads wait"],
+    );
     // Positive control: the same kernel with a uniform count of 3 barriers.
     let mut out = [0u8; 4];
     // SAFETY: this kernel touches no memory.
@@ -192,16 +254,36 @@ fn divergent_barriers_are_errors_not_hangs() {
 
 #[test]
 fn warp_collectives_need_full_masks_and_converged_lanes() {
-    expect_err(Kernel::PartialMask, 0, 1, 32, &["__shfl_xor_sync", "mask 0x0000ffff"]);
-    expect_err(Kernel::NotConverged, 0, 1, 32, &["not converged", "__shfl_xor_sync", "__ballot_sync"]);
-    expect_err(Kernel::NotConverged, 1, 1, 64, &["not converged", "__syncthreads"]);
+    expect_err(
+        Kernel::PartialMask,
+        0,
+        1,
+        32,
+        &["__shfl_xor_sync", "mask 0x0000ffff"],
+    );
+    expect_err(
+        Kernel::NotConverged,
+        0,
+        1,
+        32,
+        &["not converged", "__shfl_xor_sync", "__ballot_sync"],
+    );
+    expect_err(
+        Kernel::NotConverged,
+        1,
+        1,
+        64,
+        &["not converged", "__syncthreads"],
+    );
 }
 
 #[test]
 fn launches_with_partial_warps_are_rejected() {
     let mut out = [0u8; 4];
     // SAFETY: nothing runs: the launch is rejected.
-    let e = unsafe { run(Kernel::Shuffles, &[], &mut out, 1, 1, 48, 0, 1) }.unwrap_err().to_string();
+    let e = unsafe { run(Kernel::Shuffles, &[], &mut out, 1, 1, 48, 0, 1) }
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("multiple of 32"), "{e}");
 }
 
@@ -215,7 +297,11 @@ fn shared_memory_is_poisoned_fresh_for_every_block() {
     for (i, w) in bytes_to_u32s(&out).into_iter().enumerate() {
         assert_eq!(w, POISON, "word {i} (block {}, thread {})", i / 64, i % 64);
     }
-    assert!(f32::from_bits(POISON).is_nan() && bf16::from_bits(0xffff).is_nan() && f16::from_bits(0xffff).is_nan());
+    assert!(
+        f32::from_bits(POISON).is_nan()
+            && bf16::from_bits(0xffff).is_nan()
+            && f16::from_bits(0xffff).is_nan()
+    );
 }
 
 #[test]
@@ -225,7 +311,19 @@ fn cp_async_lands_at_its_wait_group() {
         let input: Vec<u8> = (0..32 * 32).map(|_| rng.next() as u8).collect();
         let mut out = vec![0u8; 32 * 12 * 4];
         // SAFETY: 32 threads read 32 bytes each and write 12 u32 each; smem 1024.
-        unsafe { run(Kernel::CpAsyncGroups, &input, &mut out, u32::from(zero_fill), 1, 32, 1024, 1) }.unwrap();
+        unsafe {
+            run(
+                Kernel::CpAsyncGroups,
+                &input,
+                &mut out,
+                u32::from(zero_fill),
+                1,
+                32,
+                1024,
+                1,
+            )
+        }
+        .unwrap();
         let out = bytes_to_u32s(&out);
         let data = bytes_to_u32s(&input);
         for t in 0..32 {
@@ -233,7 +331,11 @@ fn cp_async_lands_at_its_wait_group() {
             for i in 0..4 {
                 let ctx = format!("seed {seed}: thread {t} word {i} zero_fill {zero_fill}");
                 assert_eq!(o[i], POISON, "{ctx}: visible before any wait");
-                assert_eq!(o[4 + i], data[t * 8 + i] ^ POISON, "{ctx}: after wait_group 1");
+                assert_eq!(
+                    o[4 + i],
+                    data[t * 8 + i] ^ POISON,
+                    "{ctx}: after wait_group 1"
+                );
                 let second = if zero_fill { 0 } else { data[t * 8 + 4 + i] };
                 assert_eq!(o[8 + i], second, "{ctx}: after wait_group 0");
             }

@@ -61,7 +61,10 @@ fn emu_result(what: &str, rc: i32, err: &[u8]) -> Result<()> {
         return Ok(());
     }
     let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
-    Err(Error::Cuda(format!("emulated {what}: {}", String::from_utf8_lossy(&err[..end]))))
+    Err(Error::Cuda(format!(
+        "emulated {what}: {}",
+        String::from_utf8_lossy(&err[..end])
+    )))
 }
 
 /// Output of a GPU-backend forward on host memory.
@@ -79,7 +82,10 @@ pub struct GpuAttnOut<T> {
 /// device.
 pub fn kv_tile_bounds(kv_end: &[u32], tile: usize) -> Result<(Vec<u32>, Vec<u32>)> {
     if tile == 0 || tile > u32::MAX as usize || kv_end.len() > u32::MAX as usize {
-        return Err(Error::Shape(format!("kv tile bounds: tile {tile} over {} keys", kv_end.len())));
+        return Err(Error::Shape(format!(
+            "kv tile bounds: tile {tile} over {} keys",
+            kv_end.len()
+        )));
     }
     let n = kv_end.len().div_ceil(tile);
     if n == 0 {
@@ -100,7 +106,16 @@ pub fn kv_tile_bounds(kv_end: &[u32], tile: usize) -> Result<(Vec<u32>, Vec<u32>
     let mut err = [0u8; 1024];
     // SAFETY: the pointers in `p` are valid for the lengths they describe for
     // the whole (synchronous) call; `err` is writable for its length.
-    let rc = unsafe { ffi::ta_emu_kv_tile_bounds(&p, plan.grid.0, plan.block.0, 0, err.as_mut_ptr(), err.len()) };
+    let rc = unsafe {
+        ffi::ta_emu_kv_tile_bounds(
+            &p,
+            plan.grid.0,
+            plan.block.0,
+            0,
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
     emu_result("tree_attn_kv_tile_bounds", rc, &err)?;
     Ok((lo, hi))
 }
@@ -158,7 +173,10 @@ pub fn attention_forward_into<T: KernelElem>(
     if params.check_finite {
         for (name, x) in [("q", q), ("k", k), ("v", v)] {
             if let Some(i) = x.iter().position(|e| !e.to_f32().is_finite()) {
-                return Err(Error::NonFinite { what: name.into(), index: i });
+                return Err(Error::NonFinite {
+                    what: name.into(),
+                    index: i,
+                });
             }
         }
     }
@@ -209,7 +227,15 @@ pub fn kernel_traits(head_dim: u32) -> Option<(u32, u32, u32, u32, u32)> {
     let mut out = [0i32; 5];
     // SAFETY: `out` has the 5 slots the function writes.
     let rc = unsafe { ffi::ta_emu_fwd_traits(head_dim, out.as_mut_ptr()) };
-    (rc == 0).then(|| (out[0] as u32, out[1] as u32, out[2] as u32, out[3] as u32, out[4] as u32))
+    (rc == 0).then(|| {
+        (
+            out[0] as u32,
+            out[1] as u32,
+            out[2] as u32,
+            out[3] as u32,
+            out[4] as u32,
+        )
+    })
 }
 
 /// Kernels that test the SIMT shim itself (`kernels/emu/shim_selftest.cpp`),

@@ -90,7 +90,13 @@ impl FwdTraits {
         match head_dim {
             64 | 128 => {
                 let d = head_dim as u32;
-                Ok(FwdTraits { head_dim: d, block_m: 64, block_n: 64, threads: 128, row_stride: d + 8 })
+                Ok(FwdTraits {
+                    head_dim: d,
+                    block_m: 64,
+                    block_n: 64,
+                    threads: 128,
+                    row_stride: d + 8,
+                })
             }
             _ => Err(Error::Unsupported(format!(
                 "the GPU attention kernels have head dims 64 and 128, not {head_dim}"
@@ -138,10 +144,18 @@ pub fn plan_forward(
     }
     let traits = FwdTraits::for_head_dim(shape.head_dim)?;
     if mask.len() != shape.tokens {
-        return Err(Error::Pack(format!("pack has {} tokens but the attention shape has {}", mask.len(), shape.tokens)));
+        return Err(Error::Pack(format!(
+            "pack has {} tokens but the attention shape has {}",
+            mask.len(),
+            shape.tokens
+        )));
     }
     let (q, k, v) = lens;
-    for (name, got, want) in [("q", q, shape.q_len()), ("k", k, shape.kv_len()), ("v", v, shape.kv_len())] {
+    for (name, got, want) in [
+        ("q", q, shape.q_len()),
+        ("k", k, shape.kv_len()),
+        ("v", v, shape.kv_len()),
+    ] {
         if got != want {
             return Err(Error::Shape(format!(
                 "{name} has {got} elements, expected {want} for {shape:?} ([tokens, heads, head_dim])"
@@ -149,10 +163,18 @@ pub fn plan_forward(
         }
     }
     if shape.q_heads > 65_535 {
-        return Err(Error::Unsupported(format!("{} query heads exceed the grid's y limit 65535", shape.q_heads)));
+        return Err(Error::Unsupported(format!(
+            "{} query heads exceed the grid's y limit 65535",
+            shape.q_heads
+        )));
     }
-    if shape.q_len() > (i32::MAX as usize) * 8 || shape.tokens >= u32::MAX as usize - traits.block_m as usize {
-        return Err(Error::Unsupported(format!("pack of {} tokens is too large for one launch", shape.tokens)));
+    if shape.q_len() > (i32::MAX as usize) * 8
+        || shape.tokens >= u32::MAX as usize - traits.block_m as usize
+    {
+        return Err(Error::Unsupported(format!(
+            "pack of {} tokens is too large for one launch",
+            shape.tokens
+        )));
     }
     let grid_x = shape.tokens.div_ceil(traits.block_m as usize) as u32;
     let plan = LaunchPlan {
@@ -220,12 +242,23 @@ mod tests {
 
     #[test]
     fn plans_cover_every_token_and_head() {
-        let shape = AttnShape { tokens: 130, q_heads: 6, kv_heads: 2, head_dim: 128 };
+        let shape = AttnShape {
+            tokens: 130,
+            q_heads: 6,
+            kv_heads: 2,
+            head_dim: 128,
+        };
         let kv_end = vec![130u32; 130];
         let pos: Vec<u32> = (0..130).collect();
         let mask = PackMask::new(&kv_end, &pos).unwrap();
         let p = AttnParams::new(128);
-        let (t, plan) = plan_forward(&shape, &mask, &p, (shape.q_len(), shape.kv_len(), shape.kv_len())).unwrap();
+        let (t, plan) = plan_forward(
+            &shape,
+            &mask,
+            &p,
+            (shape.q_len(), shape.kv_len(), shape.kv_len()),
+        )
+        .unwrap();
         assert_eq!(plan.grid, (3, 6, 1));
         assert_eq!(plan.block, (128, 1, 1));
         assert_eq!(plan.shared_mem_bytes, 87_040);
@@ -239,18 +272,41 @@ mod tests {
         let kv_end = vec![4u32; 4];
         let pos = vec![0u32; 4];
         let mask = PackMask::new(&kv_end, &pos).unwrap();
-        let shape = AttnShape { tokens: 4, q_heads: 1, kv_heads: 1, head_dim: 96 };
+        let shape = AttnShape {
+            tokens: 4,
+            q_heads: 1,
+            kv_heads: 1,
+            head_dim: 96,
+        };
         let lens = (shape.q_len(), shape.kv_len(), shape.kv_len());
-        assert!(matches!(plan_forward(&shape, &mask, &AttnParams::new(96), lens), Err(Error::Unsupported(_))));
-        let shape = AttnShape { head_dim: 64, ..shape };
+        assert!(matches!(
+            plan_forward(&shape, &mask, &AttnParams::new(96), lens),
+            Err(Error::Unsupported(_))
+        ));
+        let shape = AttnShape {
+            head_dim: 64,
+            ..shape
+        };
         let lens = (shape.q_len(), shape.kv_len(), shape.kv_len());
         let mut p = AttnParams::new(64);
-        p.rope = Some(super::super::Rope { base: 10_000.0, dims: 64 });
+        p.rope = Some(super::super::Rope {
+            base: 10_000.0,
+            dims: 64,
+        });
         let e = plan_forward(&shape, &mask, &p, lens).unwrap_err();
         assert!(e.to_string().contains("rotary"), "{e}");
-        let e = plan_forward(&shape, &mask, &AttnParams::new(64), (lens.0, lens.1 - 1, lens.2)).unwrap_err();
+        let e = plan_forward(
+            &shape,
+            &mask,
+            &AttnParams::new(64),
+            (lens.0, lens.1 - 1, lens.2),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("k has"), "{e}");
         let short = PackMask::new(&[3, 3, 3], &pos[..3]).unwrap();
-        assert!(matches!(plan_forward(&shape, &short, &AttnParams::new(64), lens), Err(Error::Pack(_))));
+        assert!(matches!(
+            plan_forward(&shape, &short, &AttnParams::new(64), lens),
+            Err(Error::Pack(_))
+        ));
     }
 }

@@ -52,7 +52,7 @@ fn build_emulator() {
 }
 
 fn build_cuda() {
-    for v in ["TREEATTN_NVCC", "CUDA_HOME", "PATH"] {
+    for v in ["TREEATTN_NVCC", "CUDA_HOME", "PATH", "PYTHONPATH"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
     let nvcc = find_nvcc().unwrap_or_else(|tried| {

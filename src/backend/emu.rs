@@ -160,7 +160,8 @@ pub fn attention_forward_into<T: KernelElem>(
     o: &mut [T],
     lse: &mut [f32],
 ) -> Result<()> {
-    let (traits, plan) = launch::plan_forward(&shape, &mask, params, (q.len(), k.len(), v.len()))?;
+    let (traits, plan) =
+        launch::plan_forward(&shape, mask.len(), params, (q.len(), k.len(), v.len()))?;
     if o.len() != shape.q_len() || lse.len() != shape.q_heads * shape.tokens {
         return Err(Error::Shape(format!(
             "outputs hold {} (o) and {} (lse) elements, expected {} and {}",

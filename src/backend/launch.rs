@@ -9,7 +9,6 @@
 //! `(64 + 4 · 64) · (d + 8) · 2` bytes (46,080 for d = 64, 87,040 for d = 128).
 
 use super::{AttnParams, AttnShape};
-use crate::mask::PackMask;
 use crate::{Error, Result};
 
 mod sealed {
@@ -127,10 +126,11 @@ pub struct LaunchPlan {
 
 /// Checks one forward call and returns the kernel tiling and launch plan:
 /// grid `(ceil(tokens / block_m), q_heads)`, one block per (query tile, head).
-/// `lens` are the element counts of q, k, v.
+/// `pack_tokens` is the length of the pack's `kv_end`; `lens` are the element
+/// counts of q, k, v.
 pub fn plan_forward(
     shape: &AttnShape,
-    mask: &PackMask<'_>,
+    pack_tokens: usize,
     params: &AttnParams,
     lens: (usize, usize, usize),
 ) -> Result<(FwdTraits, LaunchPlan)> {
@@ -143,10 +143,9 @@ pub fn plan_forward(
         ));
     }
     let traits = FwdTraits::for_head_dim(shape.head_dim)?;
-    if mask.len() != shape.tokens {
+    if pack_tokens != shape.tokens {
         return Err(Error::Pack(format!(
-            "pack has {} tokens but the attention shape has {}",
-            mask.len(),
+            "pack has {pack_tokens} tokens but the attention shape has {}",
             shape.tokens
         )));
     }
@@ -248,13 +247,10 @@ mod tests {
             kv_heads: 2,
             head_dim: 128,
         };
-        let kv_end = vec![130u32; 130];
-        let pos: Vec<u32> = (0..130).collect();
-        let mask = PackMask::new(&kv_end, &pos).unwrap();
         let p = AttnParams::new(128);
         let (t, plan) = plan_forward(
             &shape,
-            &mask,
+            130,
             &p,
             (shape.q_len(), shape.kv_len(), shape.kv_len()),
         )
@@ -269,9 +265,6 @@ mod tests {
 
     #[test]
     fn rejects_what_the_kernel_cannot_do() {
-        let kv_end = vec![4u32; 4];
-        let pos = vec![0u32; 4];
-        let mask = PackMask::new(&kv_end, &pos).unwrap();
         let shape = AttnShape {
             tokens: 4,
             q_heads: 1,
@@ -280,7 +273,7 @@ mod tests {
         };
         let lens = (shape.q_len(), shape.kv_len(), shape.kv_len());
         assert!(matches!(
-            plan_forward(&shape, &mask, &AttnParams::new(96), lens),
+            plan_forward(&shape, 4, &AttnParams::new(96), lens),
             Err(Error::Unsupported(_))
         ));
         let shape = AttnShape {
@@ -293,19 +286,18 @@ mod tests {
             base: 10_000.0,
             dims: 64,
         });
-        let e = plan_forward(&shape, &mask, &p, lens).unwrap_err();
+        let e = plan_forward(&shape, 4, &p, lens).unwrap_err();
         assert!(e.to_string().contains("rotary"), "{e}");
         let e = plan_forward(
             &shape,
-            &mask,
+            4,
             &AttnParams::new(64),
             (lens.0, lens.1 - 1, lens.2),
         )
         .unwrap_err();
         assert!(e.to_string().contains("k has"), "{e}");
-        let short = PackMask::new(&[3, 3, 3], &pos[..3]).unwrap();
         assert!(matches!(
-            plan_forward(&shape, &short, &AttnParams::new(64), lens),
+            plan_forward(&shape, 3, &AttnParams::new(64), lens),
             Err(Error::Pack(_))
         ));
     }

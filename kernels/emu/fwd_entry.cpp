@@ -20,8 +20,8 @@ void run_kernel(void* ctx) {
 }
 
 template <class P>
-int launch_kernel(void (*kernel)(const P), const P& params, dim3 grid, dim3 block, size_t smem, unsigned workers,
-                  char* err, size_t err_len) {
+int launch_kernel(void (*kernel)(const P), const P& params, dim3 grid, dim3 block, size_t smem,
+                  const ta_emu::Config& config, char* err, size_t err_len) {
     KernelCall<P> call{kernel, params};
     ta_emu::Launch l;
     l.grid = grid;
@@ -29,7 +29,7 @@ int launch_kernel(void (*kernel)(const P), const P& params, dim3 grid, dim3 bloc
     l.smem_bytes = smem;
     l.body = run_kernel<P>;
     l.ctx = &call;
-    l.workers = workers;
+    l.config = config;
     return ta_emu::launch(l, err, err_len);
 }
 
@@ -66,13 +66,13 @@ extern "C" int ta_emu_fwd_traits(uint32_t head_dim, int32_t* out) {
 }
 
 extern "C" int ta_emu_tree_attn_fwd(uint32_t dtype, uint32_t head_dim, const TreeAttnFwdParams* p, uint32_t grid_x,
-                                    uint32_t grid_y, uint32_t block_threads, size_t smem, uint32_t workers, char* err,
+                                    uint32_t grid_y, uint32_t block_threads, size_t smem, const ta_emu::Config* config, char* err,
                                     size_t err_len) {
     const dim3 grid(grid_x, grid_y), block(block_threads);
 #define TA_CASE(DT, HD, E, NAME)                                                                      \
     if (dtype == DT && head_dim == HD) {                                                             \
         if (check_plan<FwdTraits<E, HD>>(block_threads, smem, err, err_len)) return 1;               \
-        return launch_kernel<TreeAttnFwdParams>(NAME, *p, grid, block, smem, workers, err, err_len); \
+        return launch_kernel<TreeAttnFwdParams>(NAME, *p, grid, block, smem, *config, err, err_len); \
     }
     TA_CASE(0, 64, ta_bf16, tree_attn_fwd_bf16_d64)
     TA_CASE(0, 128, ta_bf16, tree_attn_fwd_bf16_d128)
@@ -84,7 +84,7 @@ extern "C" int ta_emu_tree_attn_fwd(uint32_t dtype, uint32_t head_dim, const Tre
 }
 
 extern "C" int ta_emu_kv_tile_bounds(const KvTileBoundsParams* p, uint32_t grid_x, uint32_t block_threads,
-                                     uint32_t workers, char* err, size_t err_len) {
+                                     const ta_emu::Config* config, char* err, size_t err_len) {
     return launch_kernel<KvTileBoundsParams>(tree_attn_kv_tile_bounds, *p, dim3(grid_x), dim3(block_threads), 0,
-                                             workers, err, err_len);
+                                             *config, err, err_len);
 }

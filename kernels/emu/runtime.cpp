@@ -272,6 +272,13 @@ void cp_async_16(void* smem_dst, const void* gmem_src, bool fill) {
              g_block->launch->smem_bytes);
     if ((reinterpret_cast<uintptr_t>(smem_dst) | reinterpret_cast<uintptr_t>(gmem_src)) & 15u)
         fail("cp.async of 16 bytes needs 16-byte aligned addresses (dst %p, src %p)", smem_dst, gmem_src);
+    if (g_block->launch->config.cp_async_eager) {
+        if (fill)
+            std::memcpy(smem_dst, gmem_src, 16);
+        else
+            std::memset(smem_dst, 0, 16);
+        return;
+    }
     PendingCopy c;
     c.dst = static_cast<unsigned char*>(smem_dst);
     c.group = f->groups_committed;
@@ -501,11 +508,48 @@ static bool run_block(Block& b) {
     for (Fiber& f : b.fibers) init_fiber(f);
     std::memset(b.smem, 0xff, b.launch->smem_bytes);  // NaN in f32, bf16 and f16
     g_block = &b;
+    const uint32_t schedule = b.launch->config.schedule;
+    Fiber* lanes[32];
+    // Computes warp w's collective if all 32 lanes wait at one; false if not
+    // ready, or with b.error set when the lanes wait at different ones.
+    auto resolve_warp = [&](unsigned w) {
+        for (unsigned l = 0; l < 32; l++) {
+            lanes[l] = &b.fibers[w * 32 + l];
+            if (lanes[l]->st != St::WaitWarp) return false;
+        }
+        for (unsigned l = 1; l < 32; l++) {
+            if (lanes[l]->op.fn != lanes[0]->op.fn) {
+                sched_error(lanes[l], "warp %u not converged: lane 0 is at %s while lane %u is at %s", w,
+                            lanes[0]->op.name, l, lanes[l]->op.name);
+                return false;
+            }
+        }
+        lanes[0]->op.fn(lanes);
+        if (!b.error.empty()) return false;
+        for (unsigned l = 0; l < 32; l++) lanes[l]->st = St::Runnable;
+        return true;
+    };
     for (;;) {
-        for (unsigned i = 0; i < n; i++) {
-            if (b.fibers[i].st != St::Runnable) continue;
-            to_fiber(b, b.fibers[i]);
-            if (!b.error.empty()) return false;
+        if (schedule == SCHEDULE_LOCKSTEP) {
+            for (unsigned i = 0; i < n; i++) {
+                if (b.fibers[i].st != St::Runnable) continue;
+                to_fiber(b, b.fibers[i]);
+                if (!b.error.empty()) return false;
+            }
+        } else {
+            // Each warp alone, up to its next __syncthreads or its exit.
+            for (unsigned k = 0; k < warps; k++) {
+                const unsigned w = schedule == SCHEDULE_WARP_SERIAL_REVERSE ? warps - 1 - k : k;
+                do {
+                    for (unsigned l = 0; l < 32; l++) {
+                        Fiber& f = b.fibers[w * 32 + l];
+                        if (f.st != St::Runnable) continue;
+                        to_fiber(b, f);
+                        if (!b.error.empty()) return false;
+                    }
+                } while (resolve_warp(w));
+                if (!b.error.empty()) return false;
+            }
         }
         unsigned done = 0, bar = 0;
         for (const Fiber& f : b.fibers) {
@@ -514,25 +558,9 @@ static bool run_block(Block& b) {
         }
         if (done == n) return true;
         bool released = false;
-        Fiber* lanes[32];
         for (unsigned w = 0; w < warps; w++) {
-            unsigned waiting = 0;
-            for (unsigned l = 0; l < 32; l++) {
-                lanes[l] = &b.fibers[w * 32 + l];
-                waiting += lanes[l]->st == St::WaitWarp;
-            }
-            if (waiting != 32) continue;
-            for (unsigned l = 1; l < 32; l++) {
-                if (lanes[l]->op.fn != lanes[0]->op.fn) {
-                    sched_error(lanes[l], "warp %u not converged: lane 0 is at %s while lane %u is at %s", w,
-                                lanes[0]->op.name, l, lanes[l]->op.name);
-                    return false;
-                }
-            }
-            lanes[0]->op.fn(lanes);
+            released |= resolve_warp(w);
             if (!b.error.empty()) return false;
-            for (unsigned l = 0; l < 32; l++) lanes[l]->st = St::Runnable;
-            released = true;
         }
         if (released) continue;
         if (bar > 0 && bar + done == n) {
@@ -620,7 +648,9 @@ int launch(const Launch& l, char* err, size_t err_len) {
     if (l.smem_bytes > 228 * 1024)
         return report("emulator launch: " + std::to_string(l.smem_bytes) +
                       " bytes of dynamic shared memory exceed the 227 KB of a block on sm_90");
-    unsigned workers = l.workers ? l.workers : std::max(1u, std::thread::hardware_concurrency());
+    if (l.config.schedule > SCHEDULE_WARP_SERIAL_REVERSE)
+        return report("emulator launch: unknown schedule " + std::to_string(l.config.schedule));
+    unsigned workers = l.config.workers ? l.config.workers : std::max(1u, std::thread::hardware_concurrency());
     workers = unsigned(std::min<uint64_t>(workers, blocks));
 
     std::atomic<uint64_t> next{0};

@@ -28,6 +28,9 @@
 // so a thread holds rows g and g+8 of its warp's 16 rows; row statistics
 // (max, sum) are reduced over the quad of lanes 4g..4g+3.
 //
+// Epilogue: each warp normalises its O rows, stages them in its own 16 rows
+// of the Q tile and writes them out as 16-byte row-contiguous stores.
+//
 // Pipeline. cp.async with two buffers: while tile j is computed, the next
 // non-skipped tile is in flight; one commit group per tile (an empty group
 // when there is no next tile, so wait_group 1 is always right).
@@ -270,19 +273,31 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
         buf ^= 1;
     }
 
+    // Epilogue: O = acc / l goes through this warp's own 16 rows of the Q
+    // tile in shared memory (only this warp ever read them), so that the
+    // global stores are 16-byte and row-contiguous; rows past L are dropped.
+    uint16_t* const so = sq + warp * 16 * RS;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float l = ta_quad_sum(row_sum[r]);
-        const uint32_t row = rows[r];
-        if (row >= L) continue;
         const float inv = l > 0.f ? 1.f / l : 0.f;
-        uint16_t* orow = p.o + ((size_t)row * p.q_heads + head) * D;
 #pragma unroll
         for (int n = 0; n < kDTiles; ++n)
-            *reinterpret_cast<uint32_t*>(orow + n * 8 + 2 * c) = ta_pack2<E>(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
-        if (c == 0)
-            p.lse[(size_t)head * L + row] =
+            *reinterpret_cast<uint32_t*>(so + (g + 8 * r) * RS + n * 8 + 2 * c) =
+                ta_pack2<E>(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+        if (c == 0 && rows[r] < L)
+            p.lse[(size_t)head * L + rows[r]] =
                 l > 0.f ? (row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
+    }
+    __syncwarp();
+    constexpr int kChunks = D / 8;  // 16-byte chunks per row
+#pragma unroll
+    for (int it = 0; it < 16 * kChunks / 32; ++it) {
+        const int i = it * 32 + lane, r = i / kChunks, ch = i % kChunks;
+        const uint32_t row = q0 + warp * 16 + r;
+        if (row < L)
+            *reinterpret_cast<ta_vec16*>(p.o + ((size_t)row * p.q_heads + head) * D + ch * 8) =
+                *reinterpret_cast<const ta_vec16*>(so + r * RS + ch * 8);
     }
 }
 

@@ -18,6 +18,13 @@
 // Every warp collective must name the full mask 0xffffffff and be reached by
 // all 32 lanes of the warp at the same collective; anything else fails the
 // launch with a message (on hardware it would be undefined behaviour).
+//
+// Host side (bottom of this file): ta_emu::launch_kernel(kernel, params,
+// grid, block, smem_bytes, config, err, err_len) runs a kernel that takes one
+// parameter struct by value; ta_emu::Config picks the worker threads, the
+// thread schedule and when cp.async copies land (run kernel tests under all
+// of them: races show up as wrong numbers under some). Blocks need whole
+// warps (blockDim a multiple of 32).
 #pragma once
 
 #include <cmath>
@@ -213,4 +220,29 @@ struct Launch {
 };
 // Runs every block; returns 0, or nonzero with a message in err (NUL-terminated).
 int launch(const Launch& l, char* err, size_t err_len);
+
+// Launches `kernel(params)` — a kernel taking one parameter struct by value,
+// the convention of the treeattn kernels — on the emulator. A host entry
+// point (see kernels/emu/fwd_entry.cpp) checks its launch plan, then calls
+// this; Rust reaches the entry point through FFI.
+template <class P>
+int launch_kernel(void (*kernel)(const P), const P& params, dim3 grid, dim3 block, size_t smem_bytes,
+                  const Config& config, char* err, size_t err_len) {
+    struct Call {
+        void (*kernel)(const P);
+        P params;
+        static void run(void* ctx) {
+            const Call* c = static_cast<const Call*>(ctx);
+            c->kernel(c->params);
+        }
+    } call{kernel, params};
+    Launch l;
+    l.grid = grid;
+    l.block = block;
+    l.smem_bytes = smem_bytes;
+    l.body = Call::run;
+    l.ctx = &call;
+    l.config = config;
+    return launch(l, err, err_len);
+}
 }  // namespace ta_emu

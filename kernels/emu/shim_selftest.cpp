@@ -177,15 +177,6 @@ const SelfTestKernel kKernels[] = {ldmatrix_dump, mma_chain,     shuffles,      
                                    partial_mask,  not_converged, poison_read,     cp_async_groups,
                                    uneven_barriers, missing_barrier};
 
-struct Call {
-    SelfTestKernel k;
-    SelfTestParams p;
-};
-void run_call(void* ctx) {
-    const Call* c = static_cast<const Call*>(ctx);
-    c->k(c->p);
-}
-
 }  // namespace
 
 extern "C" int ta_emu_selftest(uint32_t which, const void* in, void* out, uint32_t arg, uint32_t grid,
@@ -194,13 +185,6 @@ extern "C" int ta_emu_selftest(uint32_t which, const void* in, void* out, uint32
         snprintf(err, err_len, "no self-test kernel %u", which);
         return 1;
     }
-    Call call{kKernels[which], SelfTestParams{in, out, arg}};
-    ta_emu::Launch l;
-    l.grid = dim3(grid);
-    l.block = dim3(block);
-    l.smem_bytes = smem;
-    l.body = run_call;
-    l.ctx = &call;
-    l.config = *config;
-    return ta_emu::launch(l, err, err_len);
+    return ta_emu::launch_kernel<SelfTestParams>(kKernels[which], SelfTestParams{in, out, arg}, dim3(grid),
+                                                 dim3(block), smem, *config, err, err_len);
 }

@@ -310,22 +310,17 @@ fn check_case<T: KernelElem + DeviceRepr>(
     Ok(((num / den.max(f64::MIN_POSITIVE)).sqrt(), lse_err, tol))
 }
 
-/// Timing of one pack: median milliseconds over `reps` launches, rotating
-/// over input sets so that inputs never sit in L2.
-fn time_pack<T: KernelElem + DeviceRepr>(
+/// Random device input sets (q, k, v) for timing: enough of them that one
+/// pass over the sets is several times a 60 MB L2.
+fn timing_inputs<T: KernelElem + DeviceRepr>(
     be: &CudaBackend,
     rng: &mut Rng,
-    pack: &Pack,
     shape: AttnShape,
-    reps: usize,
-) -> Result<f64> {
+) -> Result<Vec<[CudaSlice<T>; 3]>> {
     let s = be.stream();
-    let ctx = be.context();
-    let dp = be.upload_pack(pack.mask()?)?;
-    // Enough sets that one pass over them exceeds a 60 MB L2 several times.
-    let set_bytes = (shape.q_len() * 2 + shape.kv_len() * 2) * 2;
+    let set_bytes = (shape.q_len() + 2 * shape.kv_len()) * 2;
     let sets = (240usize << 20).div_ceil(set_bytes).clamp(2, 16);
-    let mut inputs: Vec<[CudaSlice<T>; 3]> = Vec::new();
+    let mut inputs = Vec::with_capacity(sets);
     for _ in 0..sets {
         let mut mk = |n: usize| -> Result<CudaSlice<T>> {
             let h: Vec<T> = (0..n).map(|_| T::from_f32(rng.unit() * 2.0)).collect();
@@ -333,6 +328,23 @@ fn time_pack<T: KernelElem + DeviceRepr>(
         };
         inputs.push([mk(shape.q_len())?, mk(shape.kv_len())?, mk(shape.kv_len())?]);
     }
+    Ok(inputs)
+}
+
+/// Timing of one pack: median milliseconds over `reps` launches (after 5
+/// warm-up launches), each timed by a pair of CUDA events, rotating over the
+/// input sets so that inputs never sit in L2.
+fn time_pack<T: KernelElem + DeviceRepr>(
+    be: &CudaBackend,
+    inputs: &[[CudaSlice<T>; 3]],
+    pack: &Pack,
+    shape: AttnShape,
+    reps: usize,
+) -> Result<f64> {
+    let s = be.stream();
+    let ctx = be.context();
+    let dp = be.upload_pack(pack.mask()?)?;
+    let sets = inputs.len();
     let mut out: CudaSlice<T> = s
         .clone_htod(&vec![T::from_f32(0.0); shape.q_len()])
         .map_err(cerr("alloc o"))?;
@@ -342,7 +354,7 @@ fn time_pack<T: KernelElem + DeviceRepr>(
     let params = AttnParams::new(shape.head_dim);
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let mut times = Vec::with_capacity(reps);
-    for i in 0..reps + 5 {
+    for i in 0..reps.max(1) + 5 {
         let [q, k, v] = &inputs[i % sets];
         let start = ctx.new_event(flags).map_err(cerr("event"))?;
         let end = ctx.new_event(flags).map_err(cerr("event"))?;
@@ -480,9 +492,10 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
     );
     for d in [128usize, 64] {
         let sh = shape(n, hq, hk, d);
+        let inputs = timing_inputs::<half::bf16>(&be, &mut rng, sh)?;
         let mut causal = Pack::default();
         causal.push_sequence(n);
-        let causal_ms = time_pack::<half::bf16>(&be, &mut rng, &causal, sh, opts.reps)?;
+        let causal_ms = time_pack(&be, &inputs, &causal, sh, opts.reps)?;
         let pairs_c = causal.mask()?.visible_pairs();
         let tflops =
             |pairs: u64, ms: f64| 4.0 * d as f64 * hq as f64 * pairs as f64 / (ms * 1e-3) / 1e12;
@@ -499,7 +512,7 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
             1.0
         );
         for (name, pack) in &timing {
-            let ms = time_pack::<half::bf16>(&be, &mut rng, pack, sh, opts.reps)?;
+            let ms = time_pack(&be, &inputs, pack, sh, opts.reps)?;
             let pairs = pack.mask()?.visible_pairs();
             let _ = writeln!(
                 table,
@@ -531,5 +544,82 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
             "gpu-check failed ({}):\n{rep}",
             failures.join(", ")
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::emu;
+
+    /// The generators give valid packs and the threaded reference agrees with
+    /// the emulated kernel (so a gpu-check failure points at the GPU, not at
+    /// this file).
+    #[test]
+    fn generators_and_reference_agree_with_the_emulator() {
+        let mut rng = Rng(0x5eed ^ std::process::id() as u64);
+        let mut packs = Vec::new();
+        let mut p = Pack::default();
+        p.push_tree(&mut rng, 0, 20, 3, true);
+        p.pad(5);
+        packs.push(p);
+        let mut p = Pack::default();
+        p.push_fan(30, 16, 7);
+        packs.push(p);
+        let mut p = Pack::default();
+        p.push_sequence(70);
+        p.push_sequence(9);
+        packs.push(p);
+        for p in &packs {
+            let m = p.mask().unwrap();
+            let shape = AttnShape {
+                tokens: m.len(),
+                q_heads: 4,
+                kv_heads: 2,
+                head_dim: 64,
+            };
+            let q: Vec<half::f16> = (0..shape.q_len())
+                .map(|_| half::f16::from_f32(rng.unit() * 2.0))
+                .collect();
+            let k: Vec<half::f16> = (0..shape.kv_len())
+                .map(|_| half::f16::from_f32(rng.unit() * 2.0))
+                .collect();
+            let v: Vec<half::f16> = (0..shape.kv_len())
+                .map(|_| half::f16::from_f32(rng.unit()))
+                .collect();
+            let f = |x: &[half::f16]| x.iter().map(|e| e.to_f64()).collect::<Vec<f64>>();
+            let params = AttnParams::new(64);
+            let out = emu::attention_forward(&q, &k, &v, shape, m, &params).unwrap();
+            let (ro, rl) = reference(
+                &f(&q),
+                &f(&k),
+                &f(&v),
+                shape,
+                &p.kv_end,
+                params.softmax_scale,
+            );
+            let (mut num, mut den) = (0.0, 0.0);
+            for (x, r) in out.o.iter().zip(&ro) {
+                num += (x.to_f64() - r).powi(2);
+                den += r * r;
+            }
+            assert!((num / den).sqrt() < 2e-3, "O error {}", (num / den).sqrt());
+            for (x, r) in out.lse.iter().zip(&rl) {
+                assert!(
+                    (*x as f64 == *r) || ((*x as f64) - r).abs() < 1e-3,
+                    "LSE {x} vs {r}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn without_a_driver_the_check_says_so() {
+        // SAFETY: only probes for the library.
+        if unsafe { cudarc::driver::sys::is_culib_present() } {
+            return; // a GPU machine: scripts/gpu-check.sh runs the real thing
+        }
+        let e = run(&CheckOptions::default()).unwrap_err();
+        assert!(e.to_string().contains("no CUDA driver"), "{e}");
     }
 }

@@ -17,7 +17,8 @@
 // never hangs or aborts.
 //
 // Context switch: a hand-written x86-64 switch (callee-saved registers, MXCSR
-// and the x87 control word; no syscall), with a ucontext fallback elsewhere.
+// and the x87 control word; no syscall), with a ucontext fallback elsewhere
+// (or when built with -DTA_EMU_UCONTEXT, which is how the fallback is tested).
 // Fiber stacks are mmap'd with a guard page below each.
 #include "shim.h"
 
@@ -33,7 +34,10 @@
 #include <thread>
 #include <vector>
 
-#if !defined(__x86_64__)
+#if defined(__x86_64__) && !defined(TA_EMU_UCONTEXT)
+#define TA_EMU_ASM_SWITCH 1
+#else
+#define TA_EMU_ASM_SWITCH 0
 #include <ucontext.h>
 #endif
 
@@ -50,7 +54,7 @@ struct PendingCopy {
 struct Block;
 
 struct Fiber {
-#if defined(__x86_64__)
+#if TA_EMU_ASM_SWITCH
     void* sp = nullptr;
 #else
     ucontext_t uc;
@@ -75,7 +79,7 @@ struct Block {
     std::vector<unsigned char> smem_storage;
     unsigned char* smem = nullptr;
     std::string error;
-#if defined(__x86_64__)
+#if TA_EMU_ASM_SWITCH
     void* main_sp = nullptr;
 #else
     ucontext_t main_uc;
@@ -90,7 +94,7 @@ const WarpOp& lane_op(Fiber* f) { return f->op; }
 }  // namespace ta_emu
 
 // ---------------------------------------------------------------- switching
-#if defined(__x86_64__)
+#if TA_EMU_ASM_SWITCH
 extern "C" void ta_emu_ctx_switch(void** save_sp, void* load_sp);
 extern "C" void ta_emu_fiber_trampoline();
 extern "C" [[noreturn]] void ta_emu_fiber_main(ta_emu::Fiber* f);
@@ -141,7 +145,7 @@ ta_emu_fiber_trampoline:
 namespace ta_emu {
 
 static void to_scheduler(Fiber* f) {
-#if defined(__x86_64__)
+#if TA_EMU_ASM_SWITCH
     ta_emu_ctx_switch(&f->sp, f->block->main_sp);
 #else
     swapcontext(&f->uc, &f->block->main_uc);
@@ -150,7 +154,7 @@ static void to_scheduler(Fiber* f) {
 
 static void to_fiber(Block& b, Fiber& f) {
     g_cur = &f;
-#if defined(__x86_64__)
+#if TA_EMU_ASM_SWITCH
     ta_emu_ctx_switch(&b.main_sp, f.sp);
 #else
     swapcontext(&b.main_uc, &f.uc);
@@ -167,7 +171,7 @@ extern "C" [[noreturn]] void ta_emu_fiber_main(ta_emu::Fiber* f) {
     __builtin_trap();  // a finished fiber is never resumed
 }
 
-#if !defined(__x86_64__)
+#if !TA_EMU_ASM_SWITCH
 static void ta_emu_uc_entry(unsigned hi, unsigned lo) {
     uintptr_t p = ((uintptr_t)hi << 32) | lo;
     ta_emu_fiber_main(reinterpret_cast<ta_emu::Fiber*>(p));
@@ -181,7 +185,7 @@ static void init_fiber(Fiber& f) {
     f.op = WarpOp{};
     f.pending.clear();
     f.groups_committed = 0;
-#if defined(__x86_64__)
+#if TA_EMU_ASM_SWITCH
     uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack) + f.stack_bytes) & ~uintptr_t(15);
     uint64_t* a = reinterpret_cast<uint64_t*>(top - 24);  // return address slot
     a[0] = reinterpret_cast<uint64_t>(&ta_emu_fiber_trampoline);

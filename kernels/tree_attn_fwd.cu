@@ -10,10 +10,13 @@
 //
 // Tiling. One block per (query tile of kBlockM = 64 rows, query head): grid
 // (ceil(L / 64), q_heads), 4 warps; warp w owns query rows 16w..16w+15 of
-// the tile. The block stages Q (64 x D), and K and V tiles (64 x D, two
-// buffers each) in dynamic shared memory, rows padded by 8 elements (16 bytes)
-// so that the 8 row addresses of an ldmatrix fall in distinct bank groups.
-// Q goes to registers once (A fragments); for each key tile:
+// the tile. The block stages K and V tiles (64 x D, two buffers each) in
+// dynamic shared memory, rows padded by 8 elements (16 bytes) so that the 8
+// row addresses of an ldmatrix fall in distinct bank groups: 4·64·(D+8)·2
+// bytes (36,864 for D = 64, 69,632 for D = 128: two blocks per SM on A100,
+// where a separate Q tile would have allowed one). The Q tile passes through
+// K buffer 1 before the first prefetch into it, and goes to registers once
+// (A fragments); for each key tile:
 //   S (16 x 64 per warp)  = Q Kᵀ : ldmatrix.x4 on K rows gives the B
 //                           fragments (K row-major is Kᵀ column-major);
 //   online softmax on S in registers (exp2 with scale·log2 e folded in);
@@ -29,7 +32,7 @@
 // (max, sum) are reduced over the quad of lanes 4g..4g+3.
 //
 // Epilogue: each warp normalises its O rows, stages them in its own 16 rows
-// of the Q tile and writes them out as 16-byte row-contiguous stores.
+// of the Q tile's space and writes them out as 16-byte row-contiguous stores.
 //
 // Pipeline. cp.async with two buffers: while tile j is computed, the next
 // non-skipped tile is in flight; one commit group per tile (an empty group
@@ -93,10 +96,12 @@ struct FwdTraits {
     static constexpr int kWarps = 4;
     static constexpr int kThreads = kWarps * 32;
     static constexpr int kRowStride = D + 8;  // elements; +16 bytes against bank conflicts
-    static constexpr int kQElems = kBlockM * kRowStride;
     static constexpr int kKvElems = kBlockN * kRowStride;
-    static constexpr int kSmemBytes = (kQElems + 4 * kKvElems) * 2;  // Q, K[2], V[2]
+    // K[2], V[2]; the Q tile lives in K buffer 1 until its fragments are in
+    // registers, and the O tile passes through it at the end.
+    static constexpr int kSmemBytes = 4 * kKvElems * 2;
     static_assert(D % 16 == 0 && kBlockM == 16 * kWarps && kBlockN % 16 == 0, "tile shape");
+    static_assert(kBlockM <= kBlockN, "the Q tile must fit in a K buffer");
 };
 
 // Stages rows [row0, row0 + rows) of one head of a [tokens, heads, D] tensor
@@ -128,9 +133,9 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     constexpr int kNSteps = BN / 16;  // k-steps of P V
 
     TA_DYNAMIC_SMEM(smem_raw);
-    uint16_t* const sq = reinterpret_cast<uint16_t*>(smem_raw);
-    uint16_t* const sk = sq + Tr::kQElems;      // two buffers of kKvElems
-    uint16_t* const sv = sk + 2 * Tr::kKvElems;  // two buffers of kKvElems
+    uint16_t* const sk = reinterpret_cast<uint16_t*>(smem_raw);  // two buffers of kKvElems
+    uint16_t* const sv = sk + 2 * Tr::kKvElems;                   // two buffers of kKvElems
+    uint16_t* const sq = sk + Tr::kKvElems;                       // aliases K buffer 1
 
     const uint32_t L = p.tokens;
     const uint32_t q0 = blockIdx.x * BM;
@@ -164,6 +169,7 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
 #pragma unroll
     for (int kk = 0; kk < kDSteps; ++kk)
         ta_ldmatrix_x4(qf[kk], sq + (warp * 16 + ri + 8 * (mi & 1)) * RS + kk * 16 + 8 * (mi >> 1));
+    __syncthreads();  // every warp holds its Q fragments before K buffer 1 is refilled
 
     float acc[kDTiles][4];
 #pragma unroll
@@ -274,8 +280,9 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     }
 
     // Epilogue: O = acc / l goes through this warp's own 16 rows of the Q
-    // tile in shared memory (only this warp ever read them), so that the
-    // global stores are 16-byte and row-contiguous; rows past L are dropped.
+    // tile (K buffer 1: idle since the loop's last barrier, no copy in
+    // flight), so that the global stores are 16-byte and row-contiguous; rows
+    // past L are dropped.
     uint16_t* const so = sq + warp * 16 * RS;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -8,7 +8,7 @@
 # nvcc is found like build.rs finds it: $TREEATTN_NVCC, $CUDA_HOME/bin/nvcc,
 # nvcc on PATH, then the PyPI compiler (<site-packages>/nvidia/cu13/bin/nvcc).
 # Dynamic shared memory is not in ptxas's numbers: the forward kernels take
-# (64 + 4*64) * (d + 8) * 2 bytes at launch (46080 for d=64, 87040 for d=128).
+# 4 * 64 * (d + 8) * 2 bytes at launch (36864 for d=64, 69632 for d=128).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

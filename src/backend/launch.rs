@@ -5,8 +5,9 @@
 //!
 //! Forward tiling (see the top of `kernels/tree_attn_fwd.cu`): one block of
 //! 4 warps per (query tile of 64 rows, query head), key tiles of 64; shared
-//! memory holds Q and two buffers each of K and V, rows padded by 8 elements:
-//! `(64 + 4 · 64) · (d + 8) · 2` bytes (46,080 for d = 64, 87,040 for d = 128).
+//! memory holds two buffers each of K and V (the Q tile passes through one of
+//! them), rows padded by 8 elements: `4 · 64 · (d + 8) · 2` bytes (36,864 for
+//! d = 64, 69,632 for d = 128).
 
 use super::{AttnParams, AttnShape};
 use crate::{Error, Result};
@@ -102,9 +103,10 @@ impl FwdTraits {
             ))),
         }
     }
-    /// Dynamic shared memory: Q tile, two K and two V tiles of 16-bit elements.
+    /// Dynamic shared memory: two K and two V tiles of 16-bit elements (the
+    /// Q tile borrows K buffer 1, so `block_m <= block_n`).
     pub fn smem_bytes(&self) -> u32 {
-        (self.block_m + 4 * self.block_n) * self.row_stride * 2
+        4 * self.block_n * self.row_stride * 2
     }
     /// The kernel's symbol for an element type.
     pub fn kernel_name(&self, dtype: Dtype) -> String {
@@ -257,7 +259,7 @@ mod tests {
         .unwrap();
         assert_eq!(plan.grid, (3, 6, 1));
         assert_eq!(plan.block, (128, 1, 1));
-        assert_eq!(plan.shared_mem_bytes, 87_040);
+        assert_eq!(plan.shared_mem_bytes, 69_632);
         assert_eq!(t.kernel_name(Dtype::F16), "tree_attn_fwd_f16_d128");
         assert_eq!(plan_kv_tile_bounds(t.key_tiles(130)).grid, (1, 1, 1));
         assert_eq!(plan_kv_tile_bounds(5).grid, (2, 1, 1));

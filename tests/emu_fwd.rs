@@ -453,6 +453,15 @@ fn unsupported_and_bad_inputs_are_errors() {
         emu::attention_forward(&x[1..], &x, &x, shape, mask, &p),
         Err(Error::Shape(_))
     ));
+    // A tensor that does not start on a 16-byte boundary.
+    let wide = vec![bf16::from_f32(0.5); 3 * 64 + 2];
+    let off = if (wide.as_ptr() as usize + 2) % 16 == 0 {
+        2
+    } else {
+        1
+    };
+    let e = emu::attention_forward(&wide[off..off + 3 * 64], &x, &x, shape, mask, &p).unwrap_err();
+    assert!(e.to_string().contains("16-byte aligned"), "{e}");
     let mut bad = x.clone();
     bad[70] = bf16::NAN;
     let checked = AttnParams {

@@ -276,6 +276,20 @@ pub fn attention_forward_into<T: KernelElem>(
     if shape.tokens == 0 {
         return Ok(());
     }
+    // The kernel moves rows in 16-byte vectors (cp.async, the O stores), as on
+    // the GPU, where device allocations are 256-byte aligned.
+    for (name, addr) in [
+        ("q", q.as_ptr() as usize),
+        ("k", k.as_ptr() as usize),
+        ("v", v.as_ptr() as usize),
+        ("o", o.as_ptr() as usize),
+    ] {
+        if addr % 16 != 0 {
+            return Err(Error::Unsupported(format!(
+                "{name} starts at {addr:#x}: the kernel needs 16-byte aligned tensors (copy it into a fresh Vec)"
+            )));
+        }
+    }
     let (tile_min, tile_max) = kv_tile_bounds(mask.kv_end, traits.block_n as usize)?;
     let p = FwdParams {
         q: q.as_ptr() as u64,

@@ -402,3 +402,21 @@ fn warp_serial_schedules_expose_a_missing_barrier() {
         }
     }
 }
+
+#[test]
+fn cp_async_outside_the_inputs_is_an_error() {
+    // The kernel copies 32 bytes per thread from the input; give it 16 bytes
+    // too few: the last thread's second copy leaves the buffer.
+    let input = vec![7u8; 32 * 32 - 16];
+    let mut out = vec![0u8; 32 * 12 * 4];
+    // SAFETY: the kernel reads the input only with cp.async (checked against
+    // its length) and writes 12 u32 per thread.
+    let e = unsafe { run(Kernel::CpAsyncGroups, &input, &mut out, 0, 1, 32, 1024) }
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("offset 1008 of the input, a buffer of 1008 bytes"),
+        "{e}"
+    );
+    assert!(e.contains("thread (31,0,0)"), "{e}");
+}

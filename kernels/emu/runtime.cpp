@@ -269,13 +269,35 @@ static bool in_smem(const void* p, size_t bytes) {
     return c >= b.smem && c + bytes <= b.smem + b.launch->smem_bytes;
 }
 
+static void cp_async_land(void* smem_dst, const void* gmem_src, bool fill);
+
 void cp_async_16(void* smem_dst, const void* gmem_src, bool fill) {
-    Fiber* f = g_cur;
     if (!in_smem(smem_dst, 16))
         fail("cp.async destination %p is outside the block's %zu bytes of dynamic shared memory", smem_dst,
              g_block->launch->smem_bytes);
     if ((reinterpret_cast<uintptr_t>(smem_dst) | reinterpret_cast<uintptr_t>(gmem_src)) & 15u)
         fail("cp.async of 16 bytes needs 16-byte aligned addresses (dst %p, src %p)", smem_dst, gmem_src);
+    const Launch& l = *g_block->launch;
+    if (fill && l.ranges) {
+        const unsigned char* src = static_cast<const unsigned char*>(gmem_src);
+        const GlobalRange* below = nullptr;  // the buffer starting closest below src
+        for (size_t i = 0; i < l.num_ranges; i++) {
+            const GlobalRange& r = l.ranges[i];
+            const unsigned char* b = static_cast<const unsigned char*>(r.begin);
+            if (src >= b && src + 16 <= b + r.bytes) return cp_async_land(smem_dst, gmem_src, fill);
+            if (src >= b && (!below || b > static_cast<const unsigned char*>(below->begin))) below = &r;
+        }
+        if (below)
+            fail("cp.async reads 16 bytes at offset %zd of %s, a buffer of %zu bytes",
+                 src - static_cast<const unsigned char*>(below->begin), below->name, below->bytes);
+        fail("cp.async reads 16 bytes at %p, before every input buffer of the launch", gmem_src);
+    }
+    cp_async_land(smem_dst, gmem_src, fill);
+}
+
+// Queues (or, eagerly, performs) one checked 16-byte copy.
+static void cp_async_land(void* smem_dst, const void* gmem_src, bool fill) {
+    Fiber* f = g_cur;
     if (g_block->launch->config.cp_async_eager) {
         if (fill)
             std::memcpy(smem_dst, gmem_src, 16);

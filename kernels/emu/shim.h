@@ -211,12 +211,23 @@ struct Config {
     uint32_t cp_async_eager;  // 0: a copy lands at its wait_group (latest), 1: at issue (earliest)
     uint32_t reserved;
 };
+// A global buffer the kernel may read with cp.async.
+struct GlobalRange {
+    const void* begin;
+    size_t bytes;
+    const char* name;
+};
 struct Launch {
     dim3 grid, block;
     size_t smem_bytes = 0;
     void (*body)(void* ctx) = nullptr;  // runs once per CUDA thread
     void* ctx = nullptr;
     Config config = {0, SCHEDULE_LOCKSTEP, 0, 0};
+    // When set, every cp.async source must lie inside one of these buffers
+    // (an out-of-bounds read is an error instead of a silent read of host
+    // memory, or a fault on the GPU).
+    const GlobalRange* ranges = nullptr;
+    size_t num_ranges = 0;
 };
 // Runs every block; returns 0, or nonzero with a message in err (NUL-terminated).
 int launch(const Launch& l, char* err, size_t err_len);
@@ -227,7 +238,8 @@ int launch(const Launch& l, char* err, size_t err_len);
 // this; Rust reaches the entry point through FFI.
 template <class P>
 int launch_kernel(void (*kernel)(const P), const P& params, dim3 grid, dim3 block, size_t smem_bytes,
-                  const Config& config, char* err, size_t err_len) {
+                  const Config& config, char* err, size_t err_len, const GlobalRange* ranges = nullptr,
+                  size_t num_ranges = 0) {
     struct Call {
         void (*kernel)(const P);
         P params;
@@ -243,6 +255,8 @@ int launch_kernel(void (*kernel)(const P), const P& params, dim3 grid, dim3 bloc
     l.body = Call::run;
     l.ctx = &call;
     l.config = config;
+    l.ranges = ranges;
+    l.num_ranges = num_ranges;
     return launch(l, err, err_len);
 }
 }  // namespace ta_emu

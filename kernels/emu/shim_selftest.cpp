@@ -179,12 +179,15 @@ const SelfTestKernel kKernels[] = {ldmatrix_dump, mma_chain,     shuffles,      
 
 }  // namespace
 
-extern "C" int ta_emu_selftest(uint32_t which, const void* in, void* out, uint32_t arg, uint32_t grid,
-                               uint32_t block, size_t smem, const ta_emu::Config* config, char* err, size_t err_len) {
+// `in` is registered as the one buffer cp.async may read (in_bytes long).
+extern "C" int ta_emu_selftest(uint32_t which, const void* in, size_t in_bytes, void* out, uint32_t arg,
+                               uint32_t grid, uint32_t block, size_t smem, const ta_emu::Config* config, char* err,
+                               size_t err_len) {
     if (which >= sizeof kKernels / sizeof kKernels[0]) {
         snprintf(err, err_len, "no self-test kernel %u", which);
         return 1;
     }
+    const ta_emu::GlobalRange input{in, in_bytes, "the input"};
     return ta_emu::launch_kernel<SelfTestParams>(kKernels[which], SelfTestParams{in, out, arg}, dim3(grid),
-                                                 dim3(block), smem, *config, err, err_len);
+                                                 dim3(block), smem, *config, err, err_len, &input, 1);
 }

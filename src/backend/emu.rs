@@ -135,6 +135,7 @@ mod ffi {
         pub fn ta_emu_selftest(
             which: u32,
             input: *const u8,
+            input_len: usize,
             output: *mut u8,
             arg: u32,
             grid: u32,
@@ -372,9 +373,13 @@ pub mod shim_selftest {
     /// writes `output`; the caller sizes both for the kernel (see the C++
     /// comments).
     ///
+    /// `input` is the only buffer the kernel's `cp.async` may read: a copy
+    /// from outside it fails the launch.
+    ///
     /// # Safety
-    /// `input` and `output` must be at least as large as the kernel reads and
-    /// writes for this `grid`, `block` and `arg`.
+    /// `output` must be at least as large as the kernel writes, and `input`
+    /// as large as it reads with plain loads, for this `grid`, `block` and
+    /// `arg`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn run(
         kernel: Kernel,
@@ -392,6 +397,7 @@ pub mod shim_selftest {
             ffi::ta_emu_selftest(
                 kernel as u32,
                 input.as_ptr(),
+                input.len(),
                 output.as_mut_ptr(),
                 arg,
                 grid,

@@ -186,6 +186,70 @@ pub fn plan_forward(
     Ok((traits, plan))
 }
 
+/// How the forward kernel treats one (query tile, key tile) pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TileClass {
+    /// Never loaded: no query of the tile sees a key of the tile.
+    Skip,
+    /// Computed without an element mask: every pair is visible.
+    Full,
+    /// Computed with the element mask.
+    Partial,
+}
+
+/// The forward kernel's rule (DESIGN §5) for the query tile `[q0, q0 +
+/// block_m)` and key tile `[k0, k0 + block_n)` of a pack of `tokens` tokens,
+/// given min and max of `kv_end` over the key tile; with `q1` the query tile's
+/// end clipped to the pack:
+///
+/// ```text
+/// skip     k0 > q1 − 1  or  max kv_end <= q0
+/// full     k0 + block_n <= tokens  and  k0 + block_n − 1 <= q0  and  min kv_end >= q1
+/// partial  otherwise
+/// ```
+pub fn tile_class(
+    traits: &FwdTraits,
+    tokens: usize,
+    q0: usize,
+    k0: usize,
+    kv_min: u32,
+    kv_max: u32,
+) -> TileClass {
+    let (bm, bn) = (traits.block_m as usize, traits.block_n as usize);
+    let q1 = (q0 + bm).min(tokens);
+    if k0 + 1 > q1 || kv_max as usize <= q0 {
+        TileClass::Skip
+    } else if k0 + bn <= tokens && k0 + bn - 1 <= q0 && kv_min as usize >= q1 {
+        TileClass::Full
+    } else {
+        TileClass::Partial
+    }
+}
+
+/// Counts of [`TileClass`] over all (query tile, key tile) pairs of a pack:
+/// `(skipped, full, partial)` — how much of the square the kernel never
+/// touches, and how much it computes without a mask.
+pub fn count_tiles(kv_end: &[u32], traits: &FwdTraits) -> (u64, u64, u64) {
+    let (bm, bn, l) = (
+        traits.block_m as usize,
+        traits.block_n as usize,
+        kv_end.len(),
+    );
+    let mut n = (0u64, 0u64, 0u64);
+    for (t, c) in kv_end.chunks(bn).enumerate() {
+        let lo = c.iter().copied().min().unwrap_or(0);
+        let hi = c.iter().copied().max().unwrap_or(0);
+        for q0 in (0..l).step_by(bm) {
+            match tile_class(traits, l, q0, t * bn, lo, hi) {
+                TileClass::Skip => n.0 += 1,
+                TileClass::Full => n.1 += 1,
+                TileClass::Partial => n.2 += 1,
+            }
+        }
+    }
+    n
+}
+
 /// Warps (key tiles) per block of the per-tile kv_end bounds kernel.
 pub const KV_BOUNDS_TILES_PER_BLOCK: u32 = 4;
 
@@ -263,6 +327,64 @@ mod tests {
         assert_eq!(t.kernel_name(Dtype::F16), "tree_attn_fwd_f16_d128");
         assert_eq!(plan_kv_tile_bounds(t.key_tiles(130)).grid, (1, 1, 1));
         assert_eq!(plan_kv_tile_bounds(5).grid, (2, 1, 1));
+    }
+
+    /// The tile rule against brute force on random varlen packs with
+    /// padding keys: a skipped tile has no visible pair, a full tile only
+    /// visible pairs inside the pack.
+    #[test]
+    fn tile_classes_match_brute_force() {
+        let mut seed = std::process::id() as u64 | 1;
+        let mut next = move |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        let t = FwdTraits::for_head_dim(64).unwrap();
+        let (bm, bn) = (t.block_m as usize, t.block_n as usize);
+        let mut seen = [0usize; 3];
+        for _ in 0..30 {
+            let mut kv_end: Vec<u32> = Vec::new();
+            let target = 1 + next(400);
+            while kv_end.len() < target {
+                let (start, len) = (kv_end.len(), 1 + next(150));
+                if next(4) == 0 {
+                    kv_end.extend((start..start + len).map(|k| k as u32)); // padding keys
+                } else {
+                    kv_end.extend(std::iter::repeat((start + len) as u32).take(len));
+                }
+            }
+            let l = kv_end.len();
+            for k0 in (0..l).step_by(bn) {
+                let keys = k0..(k0 + bn).min(l);
+                let lo = kv_end[keys.clone()].iter().copied().min().unwrap();
+                let hi = kv_end[keys.clone()].iter().copied().max().unwrap();
+                for q0 in (0..l).step_by(bm) {
+                    let rows = q0..(q0 + bm).min(l);
+                    let visible = rows
+                        .clone()
+                        .flat_map(|q| keys.clone().map(move |k| (q, k)))
+                        .filter(|&(q, k)| k <= q && q < kv_end[k] as usize)
+                        .count();
+                    let class = tile_class(&t, l, q0, k0, lo, hi);
+                    let ctx =
+                        format!("tile q0={q0} k0={k0} of L={l}: {class:?}, {visible} visible");
+                    match class {
+                        TileClass::Skip => assert_eq!(visible, 0, "{ctx}"),
+                        TileClass::Full => assert_eq!(visible, bm.min(l - q0) * bn, "{ctx}"),
+                        TileClass::Partial => {}
+                    }
+                    seen[class as usize] += 1;
+                }
+            }
+            let (s, f, p) = count_tiles(&kv_end, &t);
+            assert_eq!(s + f + p, (l.div_ceil(bm) * l.div_ceil(bn)) as u64);
+        }
+        assert!(
+            seen.iter().all(|&n| n > 0),
+            "every class exercised: {seen:?}"
+        );
     }
 
     #[test]

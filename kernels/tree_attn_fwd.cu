@@ -141,6 +141,7 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     // Last query tile first: with a causal-like mask the late tiles carry the
     // most keys, and starting them first shortens the tail of the grid.
     const uint32_t q0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    if (q0 >= p.tokens) return;  // a grid larger than the pack (whole block: no barrier skipped)
     const uint32_t head = blockIdx.y;
     const uint32_t kv_head = head / (p.q_heads / p.kv_heads);
     const uint32_t q1 = q0 + BM < L ? q0 + BM : L;  // exclusive, clipped

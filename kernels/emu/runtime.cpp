@@ -45,6 +45,19 @@ namespace ta_emu {
 
 enum class St : uint8_t { Runnable, WaitBar, WaitWarp, Done };
 
+struct Fiber;
+// Gathers the inputs of the 32 lanes of a warp (lanes[i]->op.in) and writes
+// their outputs (lanes[i]->op.out); runs once all 32 lanes have arrived.
+using WarpFn = void (*)(Fiber* const* lanes);
+
+struct WarpOp {
+    WarpFn fn = nullptr;
+    const char* name = "";
+    unsigned mask = 0;
+    const void* in = nullptr;
+    void* out = nullptr;
+};
+
 struct PendingCopy {
     unsigned char* dst;
     uint32_t group;
@@ -88,8 +101,6 @@ struct Block {
 
 static thread_local Fiber* g_cur = nullptr;
 static thread_local Block* g_block = nullptr;
-
-const WarpOp& lane_op(Fiber* f) { return f->op; }
 
 }  // namespace ta_emu
 
@@ -212,9 +223,7 @@ const dim3& thread_idx() { return g_cur->tid; }
 const dim3& block_idx() { return g_block->idx; }
 const dim3& block_dim() { return g_block->launch->block; }
 const dim3& grid_dim() { return g_block->launch->grid; }
-unsigned lane_id() { return g_cur->linear & 31u; }
 unsigned char* dynamic_smem() { return g_block->smem; }
-size_t dynamic_smem_bytes() { return g_block->launch->smem_bytes; }
 
 static void set_error_v(const Fiber* f, const char* fmt, va_list ap) {
     Block& b = *g_block;
@@ -254,7 +263,9 @@ void syncthreads() {
     to_scheduler(f);
 }
 
-void warp_collective(WarpFn fn, const char* name, unsigned mask, const void* in, void* out) {
+// Deposits `in`, waits for the other 31 lanes, lets `fn` compute, returns with
+// `out` written. `name` identifies the collective in error messages.
+static void warp_collective(WarpFn fn, const char* name, unsigned mask, const void* in, void* out) {
     Fiber* f = g_cur;
     if (mask != 0xffffffffu)
         fail("%s with mask 0x%08x: the kernels must use full-warp masks (0xffffffff)", name, mask);

@@ -41,36 +41,17 @@ struct dim3 {
 
 namespace ta_emu {
 
-struct Fiber;
-// Gathers the inputs of the 32 lanes of a warp (lanes[i]->op.in) and writes
-// their outputs (lanes[i]->op.out); runs once all 32 lanes have arrived.
-using WarpFn = void (*)(Fiber* const* lanes);
-
-struct WarpOp {
-    WarpFn fn = nullptr;
-    const char* name = "";
-    unsigned mask = 0;
-    const void* in = nullptr;
-    void* out = nullptr;
-};
-
 // The calling fiber's view of the launch.
 const dim3& thread_idx();
 const dim3& block_idx();
 const dim3& block_dim();
 const dim3& grid_dim();
-unsigned lane_id();
 unsigned char* dynamic_smem();
-size_t dynamic_smem_bytes();
 
 // Fails the whole launch with `msg` (prefixed with the block and thread).
 [[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
 void syncthreads();
-// Deposits `in`, waits for the other 31 lanes, lets `fn` compute, returns with
-// `out` written. `name` identifies the collective in error messages.
-void warp_collective(WarpFn fn, const char* name, unsigned mask, const void* in, void* out);
-const WarpOp& lane_op(Fiber* f);
 
 // cp.async model: the source is read at issue; the destination is written
 // when a cp.async.wait_group retires the copy's group (the latest moment), so

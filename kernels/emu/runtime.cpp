@@ -92,6 +92,7 @@ struct Block {
     std::vector<unsigned char> smem_storage;
     unsigned char* smem = nullptr;
     std::string error;
+    uint64_t cp_async_bytes = 0;  // over every block this worker ran
 #if TA_EMU_ASM_SWITCH
     void* main_sp = nullptr;
 #else
@@ -289,11 +290,12 @@ void cp_async_16(void* smem_dst, const void* gmem_src, bool fill) {
     if ((reinterpret_cast<uintptr_t>(smem_dst) | reinterpret_cast<uintptr_t>(gmem_src)) & 15u)
         fail("cp.async of 16 bytes needs 16-byte aligned addresses (dst %p, src %p)", smem_dst, gmem_src);
     const Launch& l = *g_block->launch;
-    if (fill && l.ranges) {
+    g_block->cp_async_bytes += 16;
+    if (fill && l.io.ranges) {
         const unsigned char* src = static_cast<const unsigned char*>(gmem_src);
         const GlobalRange* below = nullptr;  // the buffer starting closest below src
-        for (size_t i = 0; i < l.num_ranges; i++) {
-            const GlobalRange& r = l.ranges[i];
+        for (size_t i = 0; i < l.io.num_ranges; i++) {
+            const GlobalRange& r = l.io.ranges[i];
             const unsigned char* b = static_cast<const unsigned char*>(r.begin);
             if (src >= b && src + 16 <= b + r.bytes) return cp_async_land(smem_dst, gmem_src, fill);
             if (src >= b && (!below || b > static_cast<const unsigned char*>(below->begin))) below = &r;
@@ -691,6 +693,7 @@ int launch(const Launch& l, char* err, size_t err_len) {
     workers = unsigned(std::min<uint64_t>(workers, blocks));
 
     std::atomic<uint64_t> next{0};
+    std::atomic<uint64_t> total_cp_async_bytes{0};
     std::atomic<bool> stop{false};
     std::mutex err_mu;
     std::string first_error;
@@ -719,6 +722,7 @@ int launch(const Launch& l, char* err, size_t err_len) {
         }
         g_block = nullptr;
         munmap(b.mapping, b.mapping_bytes);
+        total_cp_async_bytes += b.cp_async_bytes;
     };
     if (workers == 1) {
         work();
@@ -728,6 +732,7 @@ int launch(const Launch& l, char* err, size_t err_len) {
         for (auto& t : ts) t.join();
     }
     if (!first_error.empty()) return report(first_error);
+    if (l.io.cp_async_bytes) *l.io.cp_async_bytes = total_cp_async_bytes;
     return 0;
 }
 

@@ -198,17 +198,25 @@ struct GlobalRange {
     size_t bytes;
     const char* name;
 };
+// Optional checks and counters of a launch.
+struct LaunchIo {
+    // When set, every cp.async source must lie inside one of these buffers
+    // (an out-of-bounds read is an error instead of a silent read of host
+    // memory, or a fault on the GPU).
+    const GlobalRange* ranges = nullptr;
+    size_t num_ranges = 0;
+    // When set, receives the bytes moved by cp.async over the whole launch
+    // (zero-fills included): what the kernel loads, e.g. to check that
+    // skipped tiles are never loaded.
+    uint64_t* cp_async_bytes = nullptr;
+};
 struct Launch {
     dim3 grid, block;
     size_t smem_bytes = 0;
     void (*body)(void* ctx) = nullptr;  // runs once per CUDA thread
     void* ctx = nullptr;
     Config config = {0, SCHEDULE_LOCKSTEP, 0, 0};
-    // When set, every cp.async source must lie inside one of these buffers
-    // (an out-of-bounds read is an error instead of a silent read of host
-    // memory, or a fault on the GPU).
-    const GlobalRange* ranges = nullptr;
-    size_t num_ranges = 0;
+    LaunchIo io;
 };
 // Runs every block; returns 0, or nonzero with a message in err (NUL-terminated).
 int launch(const Launch& l, char* err, size_t err_len);
@@ -219,8 +227,7 @@ int launch(const Launch& l, char* err, size_t err_len);
 // this; Rust reaches the entry point through FFI.
 template <class P>
 int launch_kernel(void (*kernel)(const P), const P& params, dim3 grid, dim3 block, size_t smem_bytes,
-                  const Config& config, char* err, size_t err_len, const GlobalRange* ranges = nullptr,
-                  size_t num_ranges = 0) {
+                  const Config& config, char* err, size_t err_len, const LaunchIo& io = LaunchIo()) {
     struct Call {
         void (*kernel)(const P);
         P params;
@@ -236,8 +243,7 @@ int launch_kernel(void (*kernel)(const P), const P& params, dim3 grid, dim3 bloc
     l.body = Call::run;
     l.ctx = &call;
     l.config = config;
-    l.ranges = ranges;
-    l.num_ranges = num_ranges;
+    l.io = io;
     return launch(l, err, err_len);
 }
 }  // namespace ta_emu

@@ -188,6 +188,9 @@ extern "C" int ta_emu_selftest(uint32_t which, const void* in, size_t in_bytes, 
         return 1;
     }
     const ta_emu::GlobalRange input{in, in_bytes, "the input"};
+    ta_emu::LaunchIo io;
+    io.ranges = &input;
+    io.num_ranges = 1;
     return ta_emu::launch_kernel<SelfTestParams>(kKernels[which], SelfTestParams{in, out, arg}, dim3(grid),
-                                                 dim3(block), smem, *config, err, err_len, &input, 1);
+                                                 dim3(block), smem, *config, err, err_len, io);
 }

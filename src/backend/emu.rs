@@ -3,8 +3,9 @@
 //! CUDA thread, blocks over OS threads — with the same launch plans as the
 //! CUDA backend ([`super::launch`]). It exists to test the kernel code without
 //! a GPU: the fragment layouts of `mma`/`ldmatrix`, the `cp.async` pipeline
-//! (a copy lands only at its `wait_group`), barriers (a divergent one is an
-//! error) and shared memory (poisoned with NaN before every block) are all
+//! (a copy lands at its `wait_group`, or at issue), barriers (a divergent one
+//! is an error), warp schedules that expose missing barriers ([`Schedule`]),
+//! and shared memory (poisoned with NaN before every block) are all
 //! modelled, so a kernel bug shows up as a wrong number or an `Err`.
 
 use super::launch::{self, FwdParams, KvBoundsParams};

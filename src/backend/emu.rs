@@ -390,6 +390,7 @@ pub mod shim_selftest {
         CpAsyncGroups = 7,
         UnevenBarriers = 8,
         MissingBarrier = 9,
+        Atomics = 10,
     }
 
     /// Launches a self-test kernel on `grid` blocks of `block` threads with

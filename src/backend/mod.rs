@@ -14,6 +14,11 @@ pub mod cpu;
 
 use crate::{Error, Result};
 
+pub mod emu;
+pub mod launch;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 /// Sizes of one attention call on a pack of `tokens` tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnShape {

@@ -1,0 +1,346 @@
+// Tree-attention forward: FlashAttention-2 on a pack with the interval mask
+// of DESIGN §4 (query q sees key k iff k <= q < kv_end[k]).
+//
+//   S = scale · Q Kᵀ (masked),  P = softmax(S) row-wise,  O = P V,
+//   LSE = log Σ_k exp(S) (natural log; −inf and O = 0 for a row with no key).
+//
+// Layout. Q, O: [tokens, q_heads, D]; K, V: [tokens, kv_heads, D], 16-bit
+// elements, row-major; LSE: [q_heads, tokens] f32; GQA: query head h reads kv
+// head h / (q_heads / kv_heads).
+//
+// Tiling. One block per (query tile of kBlockM = 64 rows, query head): grid
+// (ceil(L / 64), q_heads), the last query tile first; 4 warps, warp w owns
+// query rows 16w..16w+15 of the tile. The block stages K and V tiles (64 x D,
+// two buffers each) in
+// dynamic shared memory, rows padded by 8 elements (16 bytes) so that the 8
+// row addresses of an ldmatrix fall in distinct bank groups: 4·64·(D+8)·2
+// bytes (36,864 for D = 64, 69,632 for D = 128: two blocks per SM on A100,
+// where a separate Q tile would have allowed one). The Q tile passes through
+// K buffer 1 before the first prefetch into it, and goes to registers once
+// (A fragments); for each key tile:
+//   S (16 x 64 per warp)  = Q Kᵀ : ldmatrix.x4 on K rows gives the B
+//                           fragments (K row-major is Kᵀ column-major);
+//   online softmax on S in registers (exp2 with scale·log2 e folded in);
+//   O (16 x D per warp)  += P V  : the S accumulators, rounded to 16 bits, are
+//                           already the A fragments of P (C layout of two
+//                           n-tiles = A layout of one k-step); ldmatrix.x4.trans
+//                           on V rows gives the B fragments.
+// Fragment layouts (PTX ISA, mma.m16n8k16; g = lane/4, c = lane%4):
+//   A 16x16: a[r] half h = A[g + 8(r&1)][2c + h + 8(r>>1)]
+//   B 16x8:  b[r] half h = B[2c + h + 8r][g]
+//   C 16x8:  acc[i]      = C[g + 8(i>>1)][2c + (i&1)]
+// so a thread holds rows g and g+8 of its warp's 16 rows; row statistics
+// (max, sum) are reduced over the quad of lanes 4g..4g+3.
+//
+// Epilogue: each warp normalises its O rows, stages them in its own 16 rows
+// of the Q tile's space and writes them out as 16-byte row-contiguous stores.
+//
+// Pipeline. cp.async with two buffers: while tile j is computed, the next
+// non-skipped tile is in flight; one commit group per tile (an empty group
+// when there is no next tile, so wait_group 1 is always right).
+//
+// Mask. Per key tile t = [k0, k1) the pack precomputes min and max of kv_end
+// over its keys (tree_attn_kv_tile_bounds below). For the query tile
+// [q0, q1) (q1 clipped to L):
+//   skip    when k0 > q1 − 1 or max kv_end <= q0: no query of the tile sees a
+//           key of the tile; the tile is never loaded: the loop walks only
+//           the non-skipped tiles and prefetches the next one;
+//   full    when the tile lies inside the pack (k0 + 64 <= L), k1 − 1 <= q0
+//           and min kv_end >= q1: every pair is visible, no element mask;
+//   partial otherwise: S[q][k] = −inf unless k < L and k <= q < kv_end[k].
+// Padding keys (kv_end[k] == k) are seen by nobody, their tiles are partial.
+// Rows and keys past L are zero-filled on load, masked, and never stored.
+//
+// Online softmax (per row, over tiles): m = running max of S (raw units),
+// l = running Σ exp2(S·c − m·c) with c = scale·log2 e. For a new tile:
+// m' = max(m, max S); base = m'·c, or 0 while m' = −inf (nothing visible yet,
+// so that −inf − −inf never occurs); α = exp2(m·c − base); P = exp2(S·c −
+// base); l = α l + Σ P; O = α O + P V. At the end O /= l and
+// LSE = (m·c + log2 l) · ln 2; a row with l = 0 gets O = 0, LSE = −inf.
+#include "common.cuh"
+
+// Kernel arguments (one struct by value). Mirrored by
+// `crate::backend::launch::FwdParams` in Rust: keep the two in step.
+struct TreeAttnFwdParams {
+    const uint16_t* q;
+    const uint16_t* k;
+    const uint16_t* v;
+    uint16_t* o;
+    float* lse;
+    const uint32_t* kv_end;       // [tokens]
+    const uint32_t* tile_kv_min;  // [num_key_tiles]
+    const uint32_t* tile_kv_max;  // [num_key_tiles]
+    uint32_t tokens;
+    uint32_t q_heads;
+    uint32_t kv_heads;
+    uint32_t num_key_tiles;
+    float scale_log2;  // softmax_scale · log2(e)
+    uint32_t reserved;
+};
+
+struct KvTileBoundsParams {
+    const uint32_t* kv_end;
+    uint32_t* tile_kv_min;
+    uint32_t* tile_kv_max;
+    uint32_t tokens;
+    uint32_t tile;  // keys per tile
+    uint32_t num_tiles;
+    uint32_t reserved;
+};
+
+template <class E, int D>
+struct FwdTraits {
+    using Elem = E;
+    static constexpr int kHeadDim = D;
+    static constexpr int kBlockM = 64;
+    static constexpr int kBlockN = 64;
+    static constexpr int kWarps = 4;
+    static constexpr int kThreads = kWarps * 32;
+    static constexpr int kRowStride = D + 8;  // elements; +16 bytes against bank conflicts
+    static constexpr int kKvElems = kBlockN * kRowStride;
+    // K[2], V[2]; the Q tile lives in K buffer 1 until its fragments are in
+    // registers, and the O tile passes through it at the end.
+    static constexpr int kSmemBytes = 4 * kKvElems * 2;
+    static_assert(D % 16 == 0 && kBlockM == 16 * kWarps && kBlockN % 16 == 0, "tile shape");
+    static_assert(kBlockM <= kBlockN, "the Q tile must fit in a K buffer");
+};
+
+// Stages rows [row0, row0 + rows) of one head of a [tokens, heads, D] tensor
+// into shared memory (row stride RowStride), 16 bytes per cp.async; rows at or
+// past `tokens` are zero-filled.
+template <int Rows, int D, int RowStride, int Threads>
+__device__ __forceinline__ void ta_load_tile(uint16_t* smem, const uint16_t* __restrict__ g, uint32_t row0,
+                                             uint32_t tokens, uint32_t heads, uint32_t head) {
+    constexpr int kChunks = D / 8;
+    static_assert((Rows * kChunks) % Threads == 0, "whole copy rounds per tile");
+#pragma unroll
+    for (int it = 0; it < Rows * kChunks / Threads; ++it) {
+        const int i = it * Threads + threadIdx.x;
+        const int r = i / kChunks, c = i % kChunks;
+        const uint32_t row = row0 + r;
+        const bool ok = row < tokens;
+        const uint16_t* src = ok ? g + ((size_t)row * heads + head) * D + c * 8 : g;
+        ta_cp_async_16(smem + r * RowStride + c * 8, src, ok);
+    }
+}
+
+template <class Tr>
+__device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
+    using E = typename Tr::Elem;
+    constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN, RS = Tr::kRowStride;
+    constexpr int kNTiles = BN / 8;   // n-tiles of S per warp
+    constexpr int kDTiles = D / 8;    // n-tiles of O per warp
+    constexpr int kDSteps = D / 16;   // k-steps of Q Kᵀ
+    constexpr int kNSteps = BN / 16;  // k-steps of P V
+
+    TA_DYNAMIC_SMEM(smem_raw);
+    uint16_t* const sk = reinterpret_cast<uint16_t*>(smem_raw);  // two buffers of kKvElems
+    uint16_t* const sv = sk + 2 * Tr::kKvElems;                   // two buffers of kKvElems
+    uint16_t* const sq = sk + Tr::kKvElems;                       // aliases K buffer 1
+
+    const uint32_t L = p.tokens;
+    // Last query tile first: with a causal-like mask the late tiles carry the
+    // most keys, and starting them first shortens the tail of the grid.
+    const uint32_t q0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    if (q0 >= p.tokens) return;  // a grid larger than the pack (whole block: no barrier skipped)
+    const uint32_t head = blockIdx.y;
+    const uint32_t kv_head = head / (p.q_heads / p.kv_heads);
+    const uint32_t q1 = q0 + BM < L ? q0 + BM : L;  // exclusive, clipped
+    const unsigned lane = ta_lane(), warp = threadIdx.x / 32;
+    const unsigned g = lane >> 2, c = lane & 3;
+    // ldmatrix row-address roles of this lane: matrix mi = lane/8, row ri.
+    const unsigned mi = lane >> 3, ri = lane & 7;
+
+    // Key tiles that can hold a visible key: k0 <= q1 - 1.
+    const uint32_t t_end = min(p.num_key_tiles, (q1 - 1) / BN + 1);
+    auto next_tile = [&](uint32_t t) {
+        while (t < t_end && p.tile_kv_max[t] <= q0) ++t;
+        return t;
+    };
+
+    ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
+    ta_cp_async_commit();
+    uint32_t t = next_tile(0);
+    if (t < t_end) {
+        ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, t * BN, L, p.kv_heads, kv_head);
+        ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head);
+    }
+    ta_cp_async_commit();
+    ta_cp_async_wait<1>();  // Q has landed (this thread's part)
+    __syncthreads();
+
+    uint32_t qf[kDSteps][4];
+#pragma unroll
+    for (int kk = 0; kk < kDSteps; ++kk)
+        ta_ldmatrix_x4(qf[kk], sq + (warp * 16 + ri + 8 * (mi & 1)) * RS + kk * 16 + 8 * (mi >> 1));
+    __syncthreads();  // every warp holds its Q fragments before K buffer 1 is refilled
+
+    float acc[kDTiles][4];
+#pragma unroll
+    for (int n = 0; n < kDTiles; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.f, 0.f};  // partial over this lane's columns
+    const uint32_t rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+
+    int buf = 0;
+    while (t < t_end) {
+        const uint32_t tn = next_tile(t + 1);
+        if (tn < t_end) {
+            ta_load_tile<BN, D, RS, Tr::kThreads>(sk + (buf ^ 1) * Tr::kKvElems, p.k, tn * BN, L, p.kv_heads,
+                                                  kv_head);
+            ta_load_tile<BN, D, RS, Tr::kThreads>(sv + (buf ^ 1) * Tr::kKvElems, p.v, tn * BN, L, p.kv_heads,
+                                                  kv_head);
+        }
+        ta_cp_async_commit();
+        ta_cp_async_wait<1>();  // tile t has landed
+        __syncthreads();
+
+        const uint16_t* kt = sk + buf * Tr::kKvElems;
+        const uint16_t* vt = sv + buf * Tr::kKvElems;
+        const uint32_t k0 = t * BN;
+
+        // S = Q Kᵀ for this warp's 16 rows and the tile's BN keys.
+        float s[kNTiles][4];
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kDSteps; ++kk) {
+#pragma unroll
+            for (int np = 0; np < kNTiles / 2; ++np) {
+                uint32_t b[4];
+                ta_ldmatrix_x4(b, kt + (np * 16 + ri + 8 * (mi >> 1)) * RS + kk * 16 + 8 * (mi & 1));
+                ta_mma_16816<E>(s[2 * np], qf[kk], b[0], b[1]);
+                ta_mma_16816<E>(s[2 * np + 1], qf[kk], b[2], b[3]);
+            }
+        }
+
+        const bool full = k0 + BN <= L && k0 + BN - 1 <= q0 && p.tile_kv_min[t] >= q1;
+        if (!full) {
+#pragma unroll
+            for (int n = 0; n < kNTiles; ++n) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const uint32_t col = k0 + n * 8 + 2 * c + j;
+                    const uint32_t end = col < L ? p.kv_end[col] : 0u;
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        if (!(col <= rows[r] && rows[r] < end)) s[n][2 * r + j] = -INFINITY;
+                }
+            }
+        }
+
+        // Online softmax, rows g (r = 0) and g + 8 (r = 1).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = row_max[r];
+#pragma unroll
+            for (int n = 0; n < kNTiles; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+            mx = ta_quad_max(mx);
+            const float base = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+            const float alpha = ta_exp2(row_max[r] * p.scale_log2 - base);
+            row_max[r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < kNTiles; ++n) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const float e = ta_exp2(s[n][2 * r + j] * p.scale_log2 - base);
+                    s[n][2 * r + j] = e;
+                    sum += e;
+                }
+            }
+            row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+            for (int n = 0; n < kDTiles; ++n) {
+                acc[n][2 * r] *= alpha;
+                acc[n][2 * r + 1] *= alpha;
+            }
+        }
+
+        // O += P V: P's A fragment for k-step kk is S n-tiles 2kk and 2kk+1.
+#pragma unroll
+        for (int kk = 0; kk < kNSteps; ++kk) {
+            const uint32_t a[4] = {
+                ta_pack2<E>(s[2 * kk][0], s[2 * kk][1]),
+                ta_pack2<E>(s[2 * kk][2], s[2 * kk][3]),
+                ta_pack2<E>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                ta_pack2<E>(s[2 * kk + 1][2], s[2 * kk + 1][3]),
+            };
+#pragma unroll
+            for (int dp = 0; dp < kDTiles / 2; ++dp) {
+                uint32_t b[4];
+                ta_ldmatrix_x4_trans(b, vt + (kk * 16 + ri + 8 * (mi & 1)) * RS + dp * 16 + 8 * (mi >> 1));
+                ta_mma_16816<E>(acc[2 * dp], a, b[0], b[1]);
+                ta_mma_16816<E>(acc[2 * dp + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with buffer `buf` before it is refilled
+        t = tn;
+        buf ^= 1;
+    }
+
+    // Epilogue: O = acc / l goes through this warp's own 16 rows of the Q
+    // tile (K buffer 1: idle since the loop's last barrier, no copy in
+    // flight), so that the global stores are 16-byte and row-contiguous; rows
+    // past L are dropped.
+    uint16_t* const so = sq + warp * 16 * RS;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = ta_quad_sum(row_sum[r]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int n = 0; n < kDTiles; ++n)
+            *reinterpret_cast<uint32_t*>(so + (g + 8 * r) * RS + n * 8 + 2 * c) =
+                ta_pack2<E>(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+        if (c == 0 && rows[r] < L)
+            p.lse[(size_t)head * L + rows[r]] =
+                l > 0.f ? (row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
+    }
+    __syncwarp();
+    constexpr int kChunks = D / 8;  // 16-byte chunks per row
+#pragma unroll
+    for (int it = 0; it < 16 * kChunks / 32; ++it) {
+        const int i = it * 32 + lane, r = i / kChunks, ch = i % kChunks;
+        const uint32_t row = q0 + warp * 16 + r;
+        if (row < L)
+            *reinterpret_cast<ta_vec16*>(p.o + ((size_t)row * p.q_heads + head) * D + ch * 8) =
+                *reinterpret_cast<const ta_vec16*>(so + r * RS + ch * 8);
+    }
+}
+
+#define TA_FWD_KERNEL(NAME, E, D)                                                                       \
+    extern "C" __global__ void __launch_bounds__(FwdTraits<E, D>::kThreads) NAME(const TreeAttnFwdParams p) { \
+        tree_attn_fwd_body<FwdTraits<E, D>>(p);                                                        \
+    }
+TA_FWD_KERNEL(tree_attn_fwd_bf16_d64, ta_bf16, 64)
+TA_FWD_KERNEL(tree_attn_fwd_bf16_d128, ta_bf16, 128)
+TA_FWD_KERNEL(tree_attn_fwd_f16_d64, ta_f16, 64)
+TA_FWD_KERNEL(tree_attn_fwd_f16_d128, ta_f16, 128)
+
+// Per-key-tile min and max of kv_end: one warp per tile of `tile` keys,
+// 4 warps per block (grid = ceil(num_tiles / 4)). Runs once per pack.
+extern "C" __global__ void __launch_bounds__(128) tree_attn_kv_tile_bounds(const KvTileBoundsParams p) {
+    const uint32_t t = blockIdx.x * 4 + threadIdx.x / 32;
+    if (t >= p.num_tiles) return;  // whole warps leave together
+    const uint32_t k0 = t * p.tile;
+    const uint32_t k1 = k0 + p.tile < p.tokens ? k0 + p.tile : p.tokens;
+    uint32_t lo = 0xffffffffu, hi = 0u;
+    for (uint32_t k = k0 + ta_lane(); k < k1; k += 32) {
+        const uint32_t e = p.kv_end[k];
+        lo = min(lo, e);
+        hi = max(hi, e);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        lo = min(lo, __shfl_xor_sync(TA_FULL_MASK, lo, o));
+        hi = max(hi, __shfl_xor_sync(TA_FULL_MASK, hi, o));
+    }
+    if (ta_lane() == 0) {
+        p.tile_kv_min[t] = lo;
+        p.tile_kv_max[t] = hi;
+    }
+}

@@ -1,0 +1,439 @@
+//! The `emu` backend: the CUDA kernels of `kernels/` compiled as host C++
+//! against the SIMT shim of `kernels/emu/` and run on the CPU — one fiber per
+//! CUDA thread, blocks over OS threads — with the same launch plans as the
+//! CUDA backend ([`super::launch`]). It exists to test the kernel code without
+//! a GPU: the fragment layouts of `mma`/`ldmatrix`, the `cp.async` pipeline
+//! (a copy lands at its `wait_group`, or at issue), barriers (a divergent one
+//! is an error), warp schedules that expose missing barriers ([`Schedule`]),
+//! and shared memory (poisoned with NaN before every block) are all
+//! modelled, so a kernel bug shows up as a wrong number or an `Err`.
+
+use super::launch::{self, FwdParams, KvBoundsParams};
+use super::{AttnParams, AttnShape};
+use crate::mask::PackMask;
+use crate::{Error, Result};
+
+pub use super::launch::{Dtype, KernelElem};
+
+/// How the emulator interleaves the threads of a block. Hardware timing can
+/// put one warp far ahead of another; a kernel with a missing
+/// `__syncthreads` or a wrong `cp.async.wait_group` count gives wrong numbers
+/// under some schedule, so kernel tests run under all of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// Round-robin over all threads: warps advance one collective at a time.
+    Lockstep = 0,
+    /// Each warp in turn runs alone to its next `__syncthreads` (warp 0 first).
+    WarpSerial = 1,
+    /// As [`Schedule::WarpSerial`], last warp first.
+    WarpSerialReverse = 2,
+}
+
+/// Emulator settings for the launches made on this thread (see
+/// [`with_options`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EmuOptions {
+    /// OS threads that run blocks; 0 = one per core.
+    pub workers: u32,
+    pub schedule: Schedule,
+    /// `false`: a `cp.async` copy lands at its `wait_group` (the latest moment
+    /// hardware allows); `true`: at issue (the earliest).
+    pub cp_async_eager: bool,
+}
+
+impl Default for EmuOptions {
+    fn default() -> Self {
+        EmuOptions {
+            workers: 0,
+            schedule: Schedule::Lockstep,
+            cp_async_eager: false,
+        }
+    }
+}
+
+impl EmuOptions {
+    /// Every schedule with both cp.async landing times: the set a kernel test
+    /// should pass under.
+    pub fn all() -> [EmuOptions; 6] {
+        let mut out = [EmuOptions::default(); 6];
+        for (i, o) in out.iter_mut().enumerate() {
+            o.schedule = [
+                Schedule::Lockstep,
+                Schedule::WarpSerial,
+                Schedule::WarpSerialReverse,
+            ][i / 2];
+            o.cp_async_eager = i % 2 == 1;
+        }
+        out
+    }
+    fn raw(self) -> RawConfig {
+        RawConfig {
+            workers: self.workers,
+            schedule: self.schedule as u32,
+            cp_async_eager: u32::from(self.cp_async_eager),
+            reserved: 0,
+        }
+    }
+}
+
+thread_local! {
+    static OPTIONS: std::cell::Cell<EmuOptions> = std::cell::Cell::new(EmuOptions::default());
+}
+
+/// Runs `f` with `opts` applied to every emulator launch `f` makes on this
+/// thread; the previous options come back afterwards (also on panic).
+pub fn with_options<R>(opts: EmuOptions, f: impl FnOnce() -> R) -> R {
+    struct Restore(EmuOptions);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            OPTIONS.with(|o| o.set(self.0));
+        }
+    }
+    let _restore = Restore(OPTIONS.with(|o| o.replace(opts)));
+    f()
+}
+
+fn current_config() -> RawConfig {
+    OPTIONS.with(|o| o.get()).raw()
+}
+
+/// Mirror of `ta_emu::Config` (kernels/emu/shim.h).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct RawConfig {
+    workers: u32,
+    schedule: u32,
+    cp_async_eager: u32,
+    reserved: u32,
+}
+
+mod ffi {
+    use super::{FwdParams, KvBoundsParams, RawConfig};
+    extern "C" {
+        pub fn ta_emu_fwd_traits(head_dim: u32, out: *mut i32) -> i32;
+        #[allow(clippy::too_many_arguments)]
+        pub fn ta_emu_tree_attn_fwd(
+            dtype: u32,
+            head_dim: u32,
+            p: *const FwdParams,
+            grid_x: u32,
+            grid_y: u32,
+            block_threads: u32,
+            smem: usize,
+            config: *const RawConfig,
+            cp_async_bytes: *mut u64,
+            err: *mut u8,
+            err_len: usize,
+        ) -> i32;
+        pub fn ta_emu_kv_tile_bounds(
+            p: *const KvBoundsParams,
+            grid_x: u32,
+            block_threads: u32,
+            config: *const RawConfig,
+            err: *mut u8,
+            err_len: usize,
+        ) -> i32;
+        #[allow(clippy::too_many_arguments)]
+        pub fn ta_emu_selftest(
+            which: u32,
+            input: *const u8,
+            input_len: usize,
+            output: *mut u8,
+            arg: u32,
+            grid: u32,
+            block: u32,
+            smem: usize,
+            config: *const RawConfig,
+            err: *mut u8,
+            err_len: usize,
+        ) -> i32;
+    }
+}
+
+/// Turns an emulator return code and message buffer into a `Result`.
+fn emu_result(what: &str, rc: i32, err: &[u8]) -> Result<()> {
+    if rc == 0 {
+        return Ok(());
+    }
+    let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
+    Err(Error::Cuda(format!(
+        "emulated {what}: {}",
+        String::from_utf8_lossy(&err[..end])
+    )))
+}
+
+/// Output of a GPU-backend forward on host memory.
+#[derive(Clone, Debug)]
+pub struct GpuAttnOut<T> {
+    /// `[tokens, q_heads, head_dim]`.
+    pub o: Vec<T>,
+    /// `[q_heads, tokens]`, natural log; `−inf` for a row with no visible key.
+    pub lse: Vec<f32>,
+}
+
+/// Per-key-tile `(min, max)` of `kv_end` over tiles of `tile` keys (the last
+/// tile may be short), computed by the `tree_attn_kv_tile_bounds` kernel
+/// under the emulator — what the CUDA backend computes once per pack on the
+/// device.
+pub fn kv_tile_bounds(kv_end: &[u32], tile: usize) -> Result<(Vec<u32>, Vec<u32>)> {
+    if tile == 0 || tile > u32::MAX as usize || kv_end.len() > u32::MAX as usize {
+        return Err(Error::Shape(format!(
+            "kv tile bounds: tile {tile} over {} keys",
+            kv_end.len()
+        )));
+    }
+    let n = kv_end.len().div_ceil(tile);
+    if n == 0 {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    let mut lo = vec![0u32; n];
+    let mut hi = vec![0u32; n];
+    let p = KvBoundsParams {
+        kv_end: kv_end.as_ptr() as u64,
+        tile_kv_min: lo.as_mut_ptr() as u64,
+        tile_kv_max: hi.as_mut_ptr() as u64,
+        tokens: kv_end.len() as u32,
+        tile: tile as u32,
+        num_tiles: n as u32,
+        reserved: 0,
+    };
+    let plan = launch::plan_kv_tile_bounds(n);
+    let mut err = [0u8; 1024];
+    // SAFETY: the pointers in `p` are valid for the lengths they describe for
+    // the whole (synchronous) call; `err` is writable for its length.
+    let rc = unsafe {
+        ffi::ta_emu_kv_tile_bounds(
+            &p,
+            plan.grid.0,
+            plan.block.0,
+            &current_config(),
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    emu_result("tree_attn_kv_tile_bounds", rc, &err)?;
+    Ok((lo, hi))
+}
+
+/// Tree attention forward on the emulator, on one pack (DESIGN §5):
+///
+/// ```text
+/// S = softmax_scale · Q Kᵀ, keeping only pairs with k <= q < kv_end[k]
+/// O = softmax(S) V,   LSE = ln Σ_k exp(S)      (per query row and head)
+/// ```
+///
+/// `q`: `[tokens, q_heads, d]`, `k`, `v`: `[tokens, kv_heads, d]` (GQA: query
+/// head `h` uses kv head `h / (q_heads / kv_heads)`), d ∈ {64, 128}; 16-bit
+/// inputs, f32 accumulation and softmax. A row with no visible key gets
+/// `O = 0`, `LSE = −inf`. Rotary (`params.rope`) is not supported by the
+/// kernel yet: `Err(Unsupported)`.
+pub fn attention_forward<T: KernelElem>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: AttnShape,
+    mask: PackMask<'_>,
+    params: &AttnParams,
+) -> Result<GpuAttnOut<T>> {
+    // Poisoned: an element the kernel fails to write stays NaN.
+    let mut o = vec![T::from_f32(f32::NAN); shape.q_len()];
+    let mut lse = vec![f32::NAN; shape.q_heads * shape.tokens];
+    attention_forward_into(q, k, v, shape, mask, params, &mut o, &mut lse)?;
+    Ok(GpuAttnOut { o, lse })
+}
+
+/// [`attention_forward`] writing into caller-owned `o` (`[tokens, q_heads,
+/// d]`) and `lse` (`[q_heads, tokens]`); every element of both is written.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_into<T: KernelElem>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: AttnShape,
+    mask: PackMask<'_>,
+    params: &AttnParams,
+    o: &mut [T],
+    lse: &mut [f32],
+) -> Result<()> {
+    let (traits, plan) =
+        launch::plan_forward(&shape, mask.len(), params, (q.len(), k.len(), v.len()))?;
+    if o.len() != shape.q_len() || lse.len() != shape.q_heads * shape.tokens {
+        return Err(Error::Shape(format!(
+            "outputs hold {} (o) and {} (lse) elements, expected {} and {}",
+            o.len(),
+            lse.len(),
+            shape.q_len(),
+            shape.q_heads * shape.tokens
+        )));
+    }
+    if params.check_finite {
+        for (name, x) in [("q", q), ("k", k), ("v", v)] {
+            if let Some(i) = x.iter().position(|e| !e.to_f32().is_finite()) {
+                return Err(Error::NonFinite {
+                    what: name.into(),
+                    index: i,
+                });
+            }
+        }
+    }
+    if shape.tokens == 0 {
+        return Ok(());
+    }
+    // The kernel moves rows in 16-byte vectors (cp.async, the O stores), as on
+    // the GPU, where device allocations are 256-byte aligned.
+    for (name, addr) in [
+        ("q", q.as_ptr() as usize),
+        ("k", k.as_ptr() as usize),
+        ("v", v.as_ptr() as usize),
+        ("o", o.as_ptr() as usize),
+    ] {
+        if addr % 16 != 0 {
+            return Err(Error::Unsupported(format!(
+                "{name} starts at {addr:#x}: the kernel needs 16-byte aligned tensors (copy it into a fresh Vec)"
+            )));
+        }
+    }
+    let (tile_min, tile_max) = kv_tile_bounds(mask.kv_end, traits.block_n as usize)?;
+    let p = FwdParams {
+        q: q.as_ptr() as u64,
+        k: k.as_ptr() as u64,
+        v: v.as_ptr() as u64,
+        o: o.as_mut_ptr() as u64,
+        lse: lse.as_mut_ptr() as u64,
+        kv_end: mask.kv_end.as_ptr() as u64,
+        tile_kv_min: tile_min.as_ptr() as u64,
+        tile_kv_max: tile_max.as_ptr() as u64,
+        tokens: shape.tokens as u32,
+        q_heads: shape.q_heads as u32,
+        kv_heads: shape.kv_heads as u32,
+        num_key_tiles: tile_min.len() as u32,
+        scale_log2: launch::scale_log2(params),
+        reserved: 0,
+    };
+    let mut err = [0u8; 1024];
+    let mut cp_async_bytes = 0u64;
+    // SAFETY: all pointers in `p` refer to live slices whose lengths were
+    // checked against `shape` above; the call is synchronous.
+    let rc = unsafe {
+        ffi::ta_emu_tree_attn_fwd(
+            T::DTYPE.code(),
+            traits.head_dim,
+            &p,
+            plan.grid.0,
+            plan.grid.1,
+            plan.block.0,
+            plan.shared_mem_bytes as usize,
+            &current_config(),
+            &mut cp_async_bytes,
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    emu_result(&traits.kernel_name(T::DTYPE), rc, &err)?;
+    LAST_FORWARD.with(|s| s.set(Some(LaunchStats { cp_async_bytes })));
+    Ok(())
+}
+
+/// What an emulated forward launch moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchStats {
+    /// Bytes loaded into shared memory by `cp.async` over the whole grid,
+    /// zero-filled rows included: with the kernel's tiling, `q_heads · Σ over
+    /// query tiles of (64 + 2 · 64 · non-skipped key tiles) · d · 2`.
+    pub cp_async_bytes: u64,
+}
+
+thread_local! {
+    static LAST_FORWARD: std::cell::Cell<Option<LaunchStats>> = const { std::cell::Cell::new(None) };
+}
+
+/// Statistics of the last successful emulated forward launch on this thread
+/// (for tests and tuning: e.g. that skipped key tiles are never loaded).
+pub fn last_forward_stats() -> Option<LaunchStats> {
+    LAST_FORWARD.with(|s| s.get())
+}
+
+/// The C++ traits of the forward kernel for `head_dim` as the emulator sees
+/// them: `(block_m, block_n, threads, smem_bytes, row_stride)`; `None` when no
+/// kernel exists. Lets tests hold [`launch::FwdTraits`] to the C++ source.
+pub fn kernel_traits(head_dim: u32) -> Option<(u32, u32, u32, u32, u32)> {
+    let mut out = [0i32; 5];
+    // SAFETY: `out` has the 5 slots the function writes.
+    let rc = unsafe { ffi::ta_emu_fwd_traits(head_dim, out.as_mut_ptr()) };
+    (rc == 0).then(|| {
+        (
+            out[0] as u32,
+            out[1] as u32,
+            out[2] as u32,
+            out[3] as u32,
+            out[4] as u32,
+        )
+    })
+}
+
+/// Kernels that test the SIMT shim itself (`kernels/emu/shim_selftest.cpp`),
+/// for `tests/emu_shim.rs`. Not part of the crate's API.
+#[doc(hidden)]
+pub mod shim_selftest {
+    use super::{emu_result, ffi, Result};
+
+    /// The self-test kernels, in the order of `kKernels` in the C++ file.
+    #[derive(Clone, Copy, Debug)]
+    pub enum Kernel {
+        LdmatrixDump = 0,
+        MmaChain = 1,
+        Shuffles = 2,
+        DivergentBarrier = 3,
+        PartialMask = 4,
+        NotConverged = 5,
+        PoisonRead = 6,
+        CpAsyncGroups = 7,
+        UnevenBarriers = 8,
+        MissingBarrier = 9,
+        Atomics = 10,
+    }
+
+    /// Launches a self-test kernel on `grid` blocks of `block` threads with
+    /// `smem` bytes of dynamic shared memory, with the emulator options of
+    /// this thread ([`super::with_options`]). The kernel reads `input` and
+    /// writes `output`; the caller sizes both for the kernel (see the C++
+    /// comments).
+    ///
+    /// `input` is the only buffer the kernel's `cp.async` may read: a copy
+    /// from outside it fails the launch.
+    ///
+    /// # Safety
+    /// `output` must be at least as large as the kernel writes, and `input`
+    /// as large as it reads with plain loads, for this `grid`, `block` and
+    /// `arg`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run(
+        kernel: Kernel,
+        input: &[u8],
+        output: &mut [u8],
+        arg: u32,
+        grid: u32,
+        block: u32,
+        smem: usize,
+    ) -> Result<()> {
+        let mut err = [0u8; 1024];
+        // SAFETY: the caller sized the buffers (this function's contract);
+        // the call is synchronous.
+        let rc = unsafe {
+            ffi::ta_emu_selftest(
+                kernel as u32,
+                input.as_ptr(),
+                input.len(),
+                output.as_mut_ptr(),
+                arg,
+                grid,
+                block,
+                smem,
+                &super::current_config(),
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        emu_result(&format!("{kernel:?}"), rc, &err)
+    }
+}

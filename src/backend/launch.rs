@@ -1,0 +1,428 @@
+//! Launch planning shared by the `emu` and `cuda` backends: which kernel,
+//! grid, block and dynamic shared memory, derived from one description of the
+//! kernel's tiling ([`FwdTraits`]), plus the argument structs passed to the
+//! kernels by value (mirrors of the C structs in `kernels/tree_attn_fwd.cu`).
+//!
+//! Forward tiling (see the top of `kernels/tree_attn_fwd.cu`): one block of
+//! 4 warps per (query tile of 64 rows, query head), key tiles of 64; shared
+//! memory holds two buffers each of K and V (the Q tile passes through one of
+//! them), rows padded by 8 elements: `4 · 64 · (d + 8) · 2` bytes (36,864 for
+//! d = 64, 69,632 for d = 128).
+
+use super::{AttnParams, AttnShape};
+use crate::{Error, Result};
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+}
+
+/// The 16-bit storage types the kernels take (f32 accumulation inside).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    Bf16,
+    F16,
+}
+
+impl Dtype {
+    /// The code the emulator entry points take (0 = bf16, 1 = f16).
+    pub(crate) fn code(self) -> u32 {
+        match self {
+            Dtype::Bf16 => 0,
+            Dtype::F16 => 1,
+        }
+    }
+    /// The name used in kernel symbols (`tree_attn_fwd_{name}_d{head_dim}`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+        }
+    }
+}
+
+/// An element type of the GPU kernels: `half::bf16` or `half::f16`.
+pub trait KernelElem: sealed::Sealed + Copy + Send + Sync + bytemuck::Pod + 'static {
+    const DTYPE: Dtype;
+    fn to_f32(self) -> f32;
+    /// Round to nearest even.
+    fn from_f32(x: f32) -> Self;
+}
+
+impl KernelElem for half::bf16 {
+    const DTYPE: Dtype = Dtype::Bf16;
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+}
+
+impl KernelElem for half::f16 {
+    const DTYPE: Dtype = Dtype::F16;
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+}
+
+/// Tiling of the forward kernel for one head dim (the Rust copy of the C++
+/// `FwdTraits`; the emulator checks every launch against the C++ one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FwdTraits {
+    pub head_dim: u32,
+    /// Query rows per block.
+    pub block_m: u32,
+    /// Keys per key tile (also the tile of the per-tile kv_end bounds).
+    pub block_n: u32,
+    pub threads: u32,
+    /// Shared-memory row stride in elements (`head_dim + 8`).
+    pub row_stride: u32,
+}
+
+impl FwdTraits {
+    /// The kernels exist for head dims 64 and 128.
+    pub fn for_head_dim(head_dim: usize) -> Result<Self> {
+        match head_dim {
+            64 | 128 => {
+                let d = head_dim as u32;
+                Ok(FwdTraits {
+                    head_dim: d,
+                    block_m: 64,
+                    block_n: 64,
+                    threads: 128,
+                    row_stride: d + 8,
+                })
+            }
+            _ => Err(Error::Unsupported(format!(
+                "the GPU attention kernels have head dims 64 and 128, not {head_dim}"
+            ))),
+        }
+    }
+    /// Dynamic shared memory: two K and two V tiles of 16-bit elements (the
+    /// Q tile borrows K buffer 1, so `block_m <= block_n`).
+    pub fn smem_bytes(&self) -> u32 {
+        4 * self.block_n * self.row_stride * 2
+    }
+    /// The kernel's symbol for an element type.
+    pub fn kernel_name(&self, dtype: Dtype) -> String {
+        format!("tree_attn_fwd_{}_d{}", dtype.name(), self.head_dim)
+    }
+    /// Number of key tiles of a pack of `tokens` tokens.
+    pub fn key_tiles(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_n as usize)
+    }
+}
+
+/// Grid, block and dynamic shared memory of one launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchPlan {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_mem_bytes: u32,
+}
+
+/// Checks one forward call and returns the kernel tiling and launch plan:
+/// grid `(ceil(tokens / block_m), q_heads)`, one block per (query tile, head).
+/// `pack_tokens` is the length of the pack's `kv_end`; `lens` are the element
+/// counts of q, k, v.
+pub fn plan_forward(
+    shape: &AttnShape,
+    pack_tokens: usize,
+    params: &AttnParams,
+    lens: (usize, usize, usize),
+) -> Result<(FwdTraits, LaunchPlan)> {
+    shape.validate()?;
+    params.validate(shape)?;
+    if params.rope.is_some() {
+        return Err(Error::Unsupported(
+            "rotary embedding inside the GPU forward kernel is not implemented yet; rotate Q and K before the call"
+                .into(),
+        ));
+    }
+    let traits = FwdTraits::for_head_dim(shape.head_dim)?;
+    if pack_tokens != shape.tokens {
+        return Err(Error::Pack(format!(
+            "pack has {pack_tokens} tokens but the attention shape has {}",
+            shape.tokens
+        )));
+    }
+    let (q, k, v) = lens;
+    for (name, got, want) in [
+        ("q", q, shape.q_len()),
+        ("k", k, shape.kv_len()),
+        ("v", v, shape.kv_len()),
+    ] {
+        if got != want {
+            return Err(Error::Shape(format!(
+                "{name} has {got} elements, expected {want} for {shape:?} ([tokens, heads, head_dim])"
+            )));
+        }
+    }
+    if shape.q_heads > 65_535 {
+        return Err(Error::Unsupported(format!(
+            "{} query heads exceed the grid's y limit 65535",
+            shape.q_heads
+        )));
+    }
+    if shape.q_len() > (i32::MAX as usize) * 8
+        || shape.tokens >= u32::MAX as usize - traits.block_m as usize
+    {
+        return Err(Error::Unsupported(format!(
+            "pack of {} tokens is too large for one launch",
+            shape.tokens
+        )));
+    }
+    let grid_x = shape.tokens.div_ceil(traits.block_m as usize) as u32;
+    let plan = LaunchPlan {
+        grid: (grid_x, shape.q_heads as u32, 1),
+        block: (traits.threads, 1, 1),
+        shared_mem_bytes: traits.smem_bytes(),
+    };
+    Ok((traits, plan))
+}
+
+/// How the forward kernel treats one (query tile, key tile) pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TileClass {
+    /// Never loaded: no query of the tile sees a key of the tile.
+    Skip,
+    /// Computed without an element mask: every pair is visible.
+    Full,
+    /// Computed with the element mask.
+    Partial,
+}
+
+/// The forward kernel's rule (DESIGN §5) for the query tile `[q0, q0 +
+/// block_m)` and key tile `[k0, k0 + block_n)` of a pack of `tokens` tokens,
+/// given min and max of `kv_end` over the key tile; with `q1` the query tile's
+/// end clipped to the pack:
+///
+/// ```text
+/// skip     k0 > q1 − 1  or  max kv_end <= q0
+/// full     k0 + block_n <= tokens  and  k0 + block_n − 1 <= q0  and  min kv_end >= q1
+/// partial  otherwise
+/// ```
+pub fn tile_class(
+    traits: &FwdTraits,
+    tokens: usize,
+    q0: usize,
+    k0: usize,
+    kv_min: u32,
+    kv_max: u32,
+) -> TileClass {
+    let (bm, bn) = (traits.block_m as usize, traits.block_n as usize);
+    let q1 = (q0 + bm).min(tokens);
+    if k0 + 1 > q1 || kv_max as usize <= q0 {
+        TileClass::Skip
+    } else if k0 + bn <= tokens && k0 + bn - 1 <= q0 && kv_min as usize >= q1 {
+        TileClass::Full
+    } else {
+        TileClass::Partial
+    }
+}
+
+/// Counts of [`TileClass`] over all (query tile, key tile) pairs of a pack:
+/// `(skipped, full, partial)` — how much of the square the kernel never
+/// touches, and how much it computes without a mask.
+pub fn count_tiles(kv_end: &[u32], traits: &FwdTraits) -> (u64, u64, u64) {
+    let (bm, bn, l) = (
+        traits.block_m as usize,
+        traits.block_n as usize,
+        kv_end.len(),
+    );
+    let mut n = (0u64, 0u64, 0u64);
+    for (t, c) in kv_end.chunks(bn).enumerate() {
+        let lo = c.iter().copied().min().unwrap_or(0);
+        let hi = c.iter().copied().max().unwrap_or(0);
+        for q0 in (0..l).step_by(bm) {
+            match tile_class(traits, l, q0, t * bn, lo, hi) {
+                TileClass::Skip => n.0 += 1,
+                TileClass::Full => n.1 += 1,
+                TileClass::Partial => n.2 += 1,
+            }
+        }
+    }
+    n
+}
+
+/// Warps (key tiles) per block of the per-tile kv_end bounds kernel.
+pub const KV_BOUNDS_TILES_PER_BLOCK: u32 = 4;
+
+/// Launch plan of `tree_attn_kv_tile_bounds`: one warp per key tile.
+pub fn plan_kv_tile_bounds(num_tiles: usize) -> LaunchPlan {
+    LaunchPlan {
+        grid: ((num_tiles as u32).div_ceil(KV_BOUNDS_TILES_PER_BLOCK), 1, 1),
+        block: (32 * KV_BOUNDS_TILES_PER_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `softmax_scale · log2(e)`, the factor the kernel folds into exp2.
+pub(crate) fn scale_log2(params: &AttnParams) -> f32 {
+    (params.softmax_scale * std::f64::consts::LOG2_E) as f32
+}
+
+/// Mirror of `TreeAttnFwdParams` (kernels/tree_attn_fwd.cu). Pointers are
+/// device addresses (CUDA) or host addresses (emulator).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FwdParams {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub lse: u64,
+    pub kv_end: u64,
+    pub tile_kv_min: u64,
+    pub tile_kv_max: u64,
+    pub tokens: u32,
+    pub q_heads: u32,
+    pub kv_heads: u32,
+    pub num_key_tiles: u32,
+    pub scale_log2: f32,
+    pub reserved: u32,
+}
+
+/// Mirror of `KvTileBoundsParams` (kernels/tree_attn_fwd.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KvBoundsParams {
+    pub kv_end: u64,
+    pub tile_kv_min: u64,
+    pub tile_kv_max: u64,
+    pub tokens: u32,
+    pub tile: u32,
+    pub num_tiles: u32,
+    pub reserved: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_cover_every_token_and_head() {
+        let shape = AttnShape {
+            tokens: 130,
+            q_heads: 6,
+            kv_heads: 2,
+            head_dim: 128,
+        };
+        let p = AttnParams::new(128);
+        let (t, plan) = plan_forward(
+            &shape,
+            130,
+            &p,
+            (shape.q_len(), shape.kv_len(), shape.kv_len()),
+        )
+        .unwrap();
+        assert_eq!(plan.grid, (3, 6, 1));
+        assert_eq!(plan.block, (128, 1, 1));
+        assert_eq!(plan.shared_mem_bytes, 69_632);
+        assert_eq!(t.kernel_name(Dtype::F16), "tree_attn_fwd_f16_d128");
+        assert_eq!(plan_kv_tile_bounds(t.key_tiles(130)).grid, (1, 1, 1));
+        assert_eq!(plan_kv_tile_bounds(5).grid, (2, 1, 1));
+    }
+
+    /// The tile rule against brute force on random varlen packs with
+    /// padding keys: a skipped tile has no visible pair, a full tile only
+    /// visible pairs inside the pack.
+    #[test]
+    fn tile_classes_match_brute_force() {
+        let mut seed = std::process::id() as u64 | 1;
+        let mut next = move |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        let t = FwdTraits::for_head_dim(64).unwrap();
+        let (bm, bn) = (t.block_m as usize, t.block_n as usize);
+        let mut seen = [0usize; 3];
+        for _ in 0..30 {
+            let mut kv_end: Vec<u32> = Vec::new();
+            let target = 1 + next(400);
+            while kv_end.len() < target {
+                let (start, len) = (kv_end.len(), 1 + next(150));
+                if next(4) == 0 {
+                    kv_end.extend((start..start + len).map(|k| k as u32)); // padding keys
+                } else {
+                    kv_end.extend(std::iter::repeat((start + len) as u32).take(len));
+                }
+            }
+            let l = kv_end.len();
+            for k0 in (0..l).step_by(bn) {
+                let keys = k0..(k0 + bn).min(l);
+                let lo = kv_end[keys.clone()].iter().copied().min().unwrap();
+                let hi = kv_end[keys.clone()].iter().copied().max().unwrap();
+                for q0 in (0..l).step_by(bm) {
+                    let rows = q0..(q0 + bm).min(l);
+                    let visible = rows
+                        .clone()
+                        .flat_map(|q| keys.clone().map(move |k| (q, k)))
+                        .filter(|&(q, k)| k <= q && q < kv_end[k] as usize)
+                        .count();
+                    let class = tile_class(&t, l, q0, k0, lo, hi);
+                    let ctx =
+                        format!("tile q0={q0} k0={k0} of L={l}: {class:?}, {visible} visible");
+                    match class {
+                        TileClass::Skip => assert_eq!(visible, 0, "{ctx}"),
+                        TileClass::Full => assert_eq!(visible, bm.min(l - q0) * bn, "{ctx}"),
+                        TileClass::Partial => {}
+                    }
+                    seen[class as usize] += 1;
+                }
+            }
+            let (s, f, p) = count_tiles(&kv_end, &t);
+            assert_eq!(s + f + p, (l.div_ceil(bm) * l.div_ceil(bn)) as u64);
+        }
+        assert!(
+            seen.iter().all(|&n| n > 0),
+            "every class exercised: {seen:?}"
+        );
+    }
+
+    #[test]
+    fn rejects_what_the_kernel_cannot_do() {
+        let shape = AttnShape {
+            tokens: 4,
+            q_heads: 1,
+            kv_heads: 1,
+            head_dim: 96,
+        };
+        let lens = (shape.q_len(), shape.kv_len(), shape.kv_len());
+        assert!(matches!(
+            plan_forward(&shape, 4, &AttnParams::new(96), lens),
+            Err(Error::Unsupported(_))
+        ));
+        let shape = AttnShape {
+            head_dim: 64,
+            ..shape
+        };
+        let lens = (shape.q_len(), shape.kv_len(), shape.kv_len());
+        let mut p = AttnParams::new(64);
+        p.rope = Some(super::super::Rope {
+            base: 10_000.0,
+            dims: 64,
+        });
+        let e = plan_forward(&shape, 4, &p, lens).unwrap_err();
+        assert!(e.to_string().contains("rotary"), "{e}");
+        let e = plan_forward(
+            &shape,
+            4,
+            &AttnParams::new(64),
+            (lens.0, lens.1 - 1, lens.2),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("k has"), "{e}");
+        assert!(matches!(
+            plan_forward(&shape, 3, &AttnParams::new(64), lens),
+            Err(Error::Pack(_))
+        ));
+    }
+}

@@ -1,0 +1,580 @@
+//! The tree-attention forward kernel (kernels/tree_attn_fwd.cu) run under the
+//! SIMT emulator, against a dense f64 reference on the same 16-bit-rounded
+//! inputs.
+//!
+//! The reference is written here (a plain loop over visible pairs) until the
+//! CPU backend (`backend::cpu::attention_forward`) is merged; then these
+//! tests should compare against it as well.
+//!
+//! Packs are random forests of random trees laid out in pre-order — a node is
+//! a chain of tokens, `kv_end` of each token is the end of its node's subtree
+//! range (DESIGN §4) — with branching (edits), several trees per pack, and
+//! padding keys (`kv_end[k] == k`) whose rows see nothing. Lengths are not
+//! multiples of the 64-token tile. Inputs are fresh every run; the seed is in
+//! every failure message and `TREEATTN_SEED` replays it.
+//!
+//! Tolerances (DESIGN issue 4): relative Frobenius error of O at most 1e-2
+//! for bf16 and 2e-3 for f16 — the kernel rounds P to the input type before
+//! P·V and rounds O on output, each a relative error of up to 2^-9 (bf16) or
+//! 2^-12 (f16) per element, so the Frobenius error sits near those values;
+//! the bounds leave a factor of ~5 — and LSE within 1e-3 absolute (LSE is
+//! computed in f32 from f32 scores: errors ~1e-6).
+
+use half::{bf16, f16};
+use treeattn::backend::emu::{self, EmuOptions, KernelElem};
+use treeattn::backend::{AttnParams, AttnShape, Rope};
+use treeattn::mask::PackMask;
+use treeattn::Error;
+
+struct Rng(u64);
+impl Rng {
+    fn new() -> (Self, u64) {
+        let seed = std::env::var("TREEATTN_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
+        (Rng(seed), seed)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next() % (hi - lo + 1) as u64) as usize
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+/// A pack: `kv_end` and depth position ids.
+struct Pack {
+    kv_end: Vec<u32>,
+    pos: Vec<u32>,
+}
+
+/// Appends one random tree in pre-order: the node is a chain of 1..=max_chain
+/// tokens, then up to `max_children` subtrees; every token of the node gets
+/// kv_end = end of the node's subtree. `force_branch` gives the root two
+/// children at least (an edit).
+fn push_tree(
+    rng: &mut Rng,
+    p: &mut Pack,
+    depth0: u32,
+    max_chain: usize,
+    levels: u32,
+    force_branch: bool,
+) {
+    let start = p.kv_end.len();
+    let len = rng.range(1, max_chain);
+    for i in 0..len {
+        p.kv_end.push(0);
+        p.pos.push(depth0 + i as u32);
+    }
+    if levels > 0 {
+        let kids = if force_branch {
+            rng.range(2, 3)
+        } else {
+            rng.range(0, 3)
+        };
+        for _ in 0..kids {
+            push_tree(rng, p, depth0 + len as u32, max_chain, levels - 1, false);
+        }
+    }
+    let end = p.kv_end.len() as u32;
+    for e in &mut p.kv_end[start..start + len] {
+        *e = end;
+    }
+}
+
+/// A forest of `trees` random trees (each with an edit at its root), then
+/// `padding` padding keys.
+fn random_pack(rng: &mut Rng, trees: usize, max_chain: usize, levels: u32, padding: usize) -> Pack {
+    let mut p = Pack {
+        kv_end: Vec::new(),
+        pos: Vec::new(),
+    };
+    for _ in 0..trees {
+        push_tree(rng, &mut p, 0, max_chain, levels, true);
+    }
+    for _ in 0..padding {
+        let k = p.kv_end.len() as u32;
+        p.kv_end.push(k);
+        p.pos.push(0);
+    }
+    p
+}
+
+/// Dense reference in f64 over the visible pairs: (O [tokens, hq, d], LSE [hq, tokens]).
+fn reference(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    shape: AttnShape,
+    kv_end: &[u32],
+    scale: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let (l, hq, hk, d) = (shape.tokens, shape.q_heads, shape.kv_heads, shape.head_dim);
+    let group = hq / hk;
+    let mut o = vec![0.0; l * hq * d];
+    let mut lse = vec![f64::NEG_INFINITY; hq * l];
+    for h in 0..hq {
+        let kh = h / group;
+        for qi in 0..l {
+            let keys: Vec<usize> = (0..=qi).filter(|&kk| qi < kv_end[kk] as usize).collect();
+            if keys.is_empty() {
+                continue;
+            }
+            let qrow = &q[(qi * hq + h) * d..][..d];
+            let s: Vec<f64> = keys
+                .iter()
+                .map(|&kk| {
+                    scale
+                        * qrow
+                            .iter()
+                            .zip(&k[(kk * hk + kh) * d..][..d])
+                            .map(|(a, b)| a * b)
+                            .sum::<f64>()
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+            lse[h * l + qi] = m + z.ln();
+            let orow = &mut o[(qi * hq + h) * d..][..d];
+            for (&kk, sv) in keys.iter().zip(&s) {
+                let p = (sv - m).exp() / z;
+                for (oj, vj) in orow.iter_mut().zip(&v[(kk * hk + kh) * d..][..d]) {
+                    *oj += p * vj;
+                }
+            }
+        }
+    }
+    (o, lse)
+}
+
+fn random_tensor<T: KernelElem>(rng: &mut Rng, n: usize, amp: f32) -> (Vec<T>, Vec<f64>) {
+    let x: Vec<T> = (0..n).map(|_| T::from_f32(rng.unit() * amp)).collect();
+    let f = x.iter().map(|e| e.to_f32() as f64).collect();
+    (x, f)
+}
+
+struct Case {
+    shape: AttnShape,
+    kv_end: Vec<u32>,
+    pos: Vec<u32>,
+}
+
+/// Relative Frobenius error of O and max |ΔLSE| over rows with a visible key;
+/// asserts every output element was written (no poison left) and that rows
+/// without keys give O = 0, LSE = −inf. `mask_kv_end` is what the kernel runs
+/// with (the case's own kv_end, or a wrong one for the negative control).
+fn run_case<T: KernelElem>(rng: &mut Rng, seed: u64, c: &Case, mask_kv_end: &[u32]) -> (f64, f64) {
+    let s = c.shape;
+    // Amplitude 2: scores reach a few units, so the softmax is far from flat.
+    let (q, qf) = random_tensor::<T>(rng, s.q_len(), 2.0);
+    let (k, kf) = random_tensor::<T>(rng, s.kv_len(), 2.0);
+    let (v, vf) = random_tensor::<T>(rng, s.kv_len(), 1.0);
+    let params = AttnParams::new(s.head_dim);
+    let mask = PackMask::new(mask_kv_end, &c.pos).unwrap();
+    // Poison differs from run to run: a NaN or an f32 pattern never produced.
+    let mut o = vec![T::from_f32(f32::NAN); s.q_len()];
+    let mut lse =
+        vec![f32::from_bits(0x7fc0_0000 | (rng.next() as u32 & 0xffff)); s.q_heads * s.tokens];
+    emu::attention_forward_into(&q, &k, &v, s, mask, &params, &mut o, &mut lse)
+        .unwrap_or_else(|e| panic!("seed {seed}: {s:?}: {e}"));
+    let (ro, rl) = reference(&qf, &kf, &vf, s, &c.kv_end, params.softmax_scale);
+    let (mut num, mut den, mut lse_err) = (0.0f64, 0.0f64, 0.0f64);
+    for (i, (x, r)) in o.iter().zip(&ro).enumerate() {
+        let x = x.to_f32() as f64;
+        assert!(
+            x.is_finite(),
+            "seed {seed}: {s:?}: O[{i}] = {x} (not written?)"
+        );
+        num += (x - r) * (x - r);
+        den += r * r;
+    }
+    for (i, (&x, &r)) in lse.iter().zip(&rl).enumerate() {
+        assert!(!x.is_nan(), "seed {seed}: {s:?}: LSE[{i}] not written");
+        if r == f64::NEG_INFINITY && mask_kv_end == c.kv_end.as_slice() {
+            assert_eq!(
+                x,
+                f32::NEG_INFINITY,
+                "seed {seed}: {s:?}: row {} of head {} sees no key",
+                i % s.tokens,
+                i / s.tokens
+            );
+            let (row, h) = (i % s.tokens, i / s.tokens);
+            let orow = &o[(row * s.q_heads + h) * s.head_dim..][..s.head_dim];
+            assert!(
+                orow.iter().all(|e| e.to_f32() == 0.0),
+                "seed {seed}: O of masked row {row} head {h} not 0"
+            );
+        } else if r.is_finite() {
+            lse_err = lse_err.max((x as f64 - r).abs());
+        }
+    }
+    ((num / den.max(f64::MIN_POSITIVE)).sqrt(), lse_err)
+}
+
+/// Runs a case under emulator options `opts` (a schedule and a cp.async
+/// landing time) and holds it to the tolerances.
+fn check<T: KernelElem>(rng: &mut Rng, seed: u64, c: &Case, o_tol: f64, opts: EmuOptions) {
+    let (o_err, lse_err) = emu::with_options(opts, || run_case::<T>(rng, seed, c, &c.kv_end));
+    let what = format!(
+        "seed {seed}: {:?} {:?} (tokens {}) {opts:?}",
+        T::DTYPE,
+        c.shape,
+        c.kv_end.len()
+    );
+    assert!(
+        o_err <= o_tol,
+        "{what}: relative Frobenius error of O {o_err:.3e} > {o_tol:.0e}"
+    );
+    assert!(lse_err <= 1e-3, "{what}: LSE error {lse_err:.3e} > 1e-3");
+}
+
+/// O tolerance per element type (see the file header).
+fn o_tol<T: KernelElem>() -> f64 {
+    match T::DTYPE {
+        emu::Dtype::Bf16 => 1e-2,
+        emu::Dtype::F16 => 2e-3,
+    }
+}
+
+fn random_case(rng: &mut Rng, head_dim: usize) -> Case {
+    // Keep packs under 600 tokens so the f64 reference stays quick.
+    let p = loop {
+        let trees = rng.range(1, 4);
+        let padding = rng.range(0, 9);
+        let p = random_pack(rng, trees, 24, 3, padding);
+        if p.kv_end.len() <= 600 {
+            break p;
+        }
+    };
+    let kv_heads = [1, 2][rng.range(0, 1)];
+    let q_heads = kv_heads * [1, 2, 3][rng.range(0, 2)];
+    Case {
+        shape: AttnShape {
+            tokens: p.kv_end.len(),
+            q_heads,
+            kv_heads,
+            head_dim,
+        },
+        kv_end: p.kv_end,
+        pos: p.pos,
+    }
+}
+
+fn random_packs<T: KernelElem>(head_dim: usize, cases: usize) {
+    let (mut rng, seed) = Rng::new();
+    // Each case under the next schedule / cp.async landing combination.
+    for i in 0..cases {
+        let c = random_case(&mut rng, head_dim);
+        check::<T>(&mut rng, seed, &c, o_tol::<T>(), EmuOptions::all()[i % 6]);
+    }
+}
+
+#[test]
+fn bf16_d64_random_tree_packs() {
+    random_packs::<bf16>(64, 6);
+}
+#[test]
+fn bf16_d128_random_tree_packs() {
+    random_packs::<bf16>(128, 6);
+}
+#[test]
+fn f16_d64_random_tree_packs() {
+    random_packs::<f16>(64, 6);
+}
+#[test]
+fn f16_d128_random_tree_packs() {
+    random_packs::<f16>(128, 6);
+}
+
+/// Long causal chains exercise the full-tile path (no element mask) below the
+/// diagonal; many tiny trees exercise skipped tiles; short packs a single
+/// partial tile; 64 and 128 exact multiples of the tile.
+#[test]
+fn tile_classes_and_edge_lengths() {
+    let (mut rng, seed) = Rng::new();
+    for (i, tokens) in [1usize, 17, 64, 128, 200, 257].into_iter().enumerate() {
+        let kv_end = vec![tokens as u32; tokens];
+        let pos = (0..tokens as u32).collect();
+        let c = Case {
+            shape: AttnShape {
+                tokens,
+                q_heads: 2,
+                kv_heads: 1,
+                head_dim: 64,
+            },
+            kv_end,
+            pos,
+        };
+        check::<bf16>(&mut rng, seed, &c, o_tol::<bf16>(), EmuOptions::all()[i]);
+    }
+    // Varlen-style: many independent short sequences, so most key tiles of a
+    // query tile are skipped; plus padding at the end.
+    let mut kv_end = Vec::new();
+    while kv_end.len() < 300 {
+        let start = kv_end.len();
+        let len = rng.range(1, 40);
+        kv_end.extend(std::iter::repeat((start + len) as u32).take(len));
+    }
+    let n = kv_end.len();
+    kv_end.extend((n..n + 5).map(|k| k as u32));
+    let tokens = kv_end.len();
+    let c = Case {
+        shape: AttnShape {
+            tokens,
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 128,
+        },
+        kv_end,
+        pos: vec![0; tokens],
+    };
+    for opts in EmuOptions::all() {
+        check::<f16>(&mut rng, seed, &c, o_tol::<f16>(), opts);
+    }
+}
+
+/// A pack that is padding only: every row is fully masked.
+#[test]
+fn all_padding_gives_zero_and_minus_infinity() {
+    let (mut rng, seed) = Rng::new();
+    let kv_end: Vec<u32> = (0..70).collect();
+    let c = Case {
+        shape: AttnShape {
+            tokens: 70,
+            q_heads: 2,
+            kv_heads: 2,
+            head_dim: 64,
+        },
+        kv_end,
+        pos: vec![0; 70],
+    };
+    let (o_err, lse_err) = run_case::<bf16>(&mut rng, seed, &c, &c.kv_end);
+    assert_eq!((o_err, lse_err), (0.0, 0.0));
+}
+
+/// Negative control: on trees with edits, the same kernel run with a plain
+/// causal mask (the tree structure ignored) is far off the tree reference —
+/// so the tolerances above do detect a wrong mask.
+#[test]
+fn causal_mask_on_a_tree_fails_the_tolerance() {
+    let (mut rng, seed) = Rng::new();
+    for _ in 0..3 {
+        let p = random_pack(&mut rng, 2, 24, 3, 0);
+        let tokens = p.kv_end.len();
+        let c = Case {
+            shape: AttnShape {
+                tokens,
+                q_heads: 2,
+                kv_heads: 1,
+                head_dim: 64,
+            },
+            kv_end: p.kv_end,
+            pos: p.pos,
+        };
+        let causal = vec![tokens as u32; tokens];
+        let (o_err, _) = run_case::<f16>(&mut rng, seed, &c, &causal);
+        assert!(
+            o_err > 20.0 * o_tol::<f16>(),
+            "seed {seed}: causal mask on a tree only {o_err:.3e} off"
+        );
+    }
+}
+
+#[test]
+fn empty_pack_is_a_no_op() {
+    let out = emu::attention_forward::<bf16>(
+        &[],
+        &[],
+        &[],
+        AttnShape {
+            tokens: 0,
+            q_heads: 2,
+            kv_heads: 1,
+            head_dim: 128,
+        },
+        PackMask::new(&[], &[]).unwrap(),
+        &AttnParams::new(128),
+    )
+    .unwrap();
+    assert!(out.o.is_empty() && out.lse.is_empty());
+}
+
+#[test]
+fn unsupported_and_bad_inputs_are_errors() {
+    let kv_end = [3u32, 3, 3];
+    let pos = [0u32, 1, 2];
+    let mask = PackMask::new(&kv_end, &pos).unwrap();
+    let shape = AttnShape {
+        tokens: 3,
+        q_heads: 1,
+        kv_heads: 1,
+        head_dim: 64,
+    };
+    let x = vec![bf16::from_f32(0.5); 3 * 64];
+    let p = AttnParams::new(64);
+    let e = emu::attention_forward(
+        &x[..],
+        &x,
+        &x,
+        AttnShape {
+            head_dim: 32,
+            ..shape
+        },
+        mask,
+        &p,
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    let rope = AttnParams {
+        rope: Some(Rope {
+            base: 10_000.0,
+            dims: 64,
+        }),
+        ..p
+    };
+    assert!(matches!(
+        emu::attention_forward(&x, &x, &x, shape, mask, &rope),
+        Err(Error::Unsupported(_))
+    ));
+    assert!(matches!(
+        emu::attention_forward(&x[1..], &x, &x, shape, mask, &p),
+        Err(Error::Shape(_))
+    ));
+    // A tensor that does not start on a 16-byte boundary.
+    let wide = vec![bf16::from_f32(0.5); 3 * 64 + 2];
+    let off = if (wide.as_ptr() as usize + 2) % 16 == 0 {
+        2
+    } else {
+        1
+    };
+    let e = emu::attention_forward(&wide[off..off + 3 * 64], &x, &x, shape, mask, &p).unwrap_err();
+    assert!(e.to_string().contains("16-byte aligned"), "{e}");
+    let mut bad = x.clone();
+    bad[70] = bf16::NAN;
+    let checked = AttnParams {
+        check_finite: true,
+        ..p
+    };
+    let e = emu::attention_forward(&x, &x, &bad, shape, mask, &checked).unwrap_err();
+    assert_eq!(
+        e,
+        Error::NonFinite {
+            what: "v".into(),
+            index: 70
+        }
+    );
+}
+
+#[test]
+fn kv_tile_bounds_kernel_matches_a_scan() {
+    let (mut rng, seed) = Rng::new();
+    for _ in 0..4 {
+        let (trees, padding) = (rng.range(1, 5), rng.range(0, 70));
+        let p = random_pack(&mut rng, trees, 30, 3, padding);
+        let tile = [16usize, 64, 100][rng.range(0, 2)];
+        let (lo, hi) = emu::kv_tile_bounds(&p.kv_end, tile).unwrap();
+        let want: Vec<(u32, u32)> = p
+            .kv_end
+            .chunks(tile)
+            .map(|c| (*c.iter().min().unwrap(), *c.iter().max().unwrap()))
+            .collect();
+        let got: Vec<(u32, u32)> = lo.into_iter().zip(hi).collect();
+        assert_eq!(got, want, "seed {seed}: tile {tile}");
+    }
+}
+
+#[test]
+fn rust_launch_plan_matches_the_kernel_traits() {
+    for d in [64usize, 128] {
+        let t = treeattn::backend::launch::FwdTraits::for_head_dim(d).unwrap();
+        assert_eq!(
+            emu::kernel_traits(d as u32),
+            Some((
+                t.block_m,
+                t.block_n,
+                t.threads,
+                t.smem_bytes(),
+                t.row_stride
+            ))
+        );
+    }
+    assert_eq!(emu::kernel_traits(96), None);
+}
+
+/// Skipped key tiles are never loaded: the bytes the kernel moves with
+/// cp.async are exactly the Q tiles plus K and V for the key tiles that the
+/// tile rule does not skip (checked on packs where most tiles are skipped).
+#[test]
+fn skipped_key_tiles_are_never_loaded() {
+    use treeattn::backend::launch::{tile_class, FwdTraits, TileClass};
+    let (mut rng, seed) = Rng::new();
+    for (head_dim, aligned) in [(64usize, false), (128, false), (64, true)] {
+        let t = FwdTraits::for_head_dim(head_dim).unwrap();
+        let (bm, bn) = (t.block_m as usize, t.block_n as usize);
+        let p = if aligned {
+            // Sequences of exactly one tile: tile t's max kv_end equals the
+            // next query tile's start, the boundary of the skip rule.
+            let n = 5 + rng.range(0, 4);
+            let kv_end: Vec<u32> = (0..n * bn).map(|k| ((k / bn + 1) * bn) as u32).collect();
+            Pack {
+                pos: (0..n * bn).map(|k| (k % bn) as u32).collect(),
+                kv_end,
+            }
+        } else {
+            // 300 to 900 tokens: at least 5 query tiles, most pairs skipped.
+            loop {
+                let p = random_pack(&mut rng, 6, 30, 2, 40);
+                if (300..=900).contains(&p.kv_end.len()) {
+                    break p;
+                }
+            }
+        };
+        let l = p.kv_end.len();
+        let c = Case {
+            shape: AttnShape {
+                tokens: l,
+                q_heads: 3,
+                kv_heads: 1,
+                head_dim,
+            },
+            kv_end: p.kv_end,
+            pos: p.pos,
+        };
+        run_case::<bf16>(&mut rng, seed, &c, &c.kv_end);
+        let got = emu::last_forward_stats().unwrap().cp_async_bytes;
+        let (mut loaded_tiles, mut skipped) = (0u64, 0u64);
+        for q0 in (0..l).step_by(bm) {
+            for (ti, keys) in c.kv_end.chunks(bn).enumerate() {
+                let (lo, hi) = (*keys.iter().min().unwrap(), *keys.iter().max().unwrap());
+                match tile_class(&t, l, q0, ti * bn, lo, hi) {
+                    TileClass::Skip => skipped += 1,
+                    _ => loaded_tiles += 1,
+                }
+            }
+        }
+        let tile_bytes = (bn * head_dim * 2) as u64;
+        let want = 3
+            * (l.div_ceil(bm) as u64 * (bm * head_dim * 2) as u64 + 2 * tile_bytes * loaded_tiles);
+        assert_eq!(
+            got, want,
+            "seed {seed}: d {head_dim}, L {l}, {skipped} tiles skipped"
+        );
+        assert!(
+            skipped > loaded_tiles / 2,
+            "seed {seed}: the pack should skip many tiles"
+        );
+    }
+}

@@ -4,6 +4,7 @@
 mod args;
 mod demo;
 mod gen;
+mod gpu_check;
 mod inspect;
 mod pack;
 
@@ -28,6 +29,9 @@ COMMANDS:
     gen SHAPE... [--seed N] [--out FILE.jsonl] [--paper-scale]
                            generate rollouts (golden, compaction, stack-pop,
                            fold, memex, grpo, plain)
+    gpu-check [--device N] [--seed S] [--tokens N] [--heads H] [--reps R]
+                           CUDA kernels vs reference on random packs, then
+                           timings (needs a build with --features cuda)
     help                   this text
 
 Exit status: 0 on success, 2 for bad usage, 1 for bad input or i/o errors;
@@ -61,6 +65,7 @@ fn dispatch(mut args: Vec<String>) -> treeattn::Result<()> {
         "inspect" => inspect::run(args),
         "pack" => pack::run(args),
         "gen" => gen::run(args),
+        "gpu-check" => gpu_check::run(args),
         other => Err(Error::Usage(format!("unknown command {other:?}"))),
     }
 }

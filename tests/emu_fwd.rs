@@ -1,12 +1,11 @@
 //! The tree-attention forward kernel (kernels/tree_attn_fwd.cu) run under the
-//! SIMT emulator, against a dense f64 reference on the same 16-bit-rounded
-//! inputs.
+//! SIMT emulator, against the CPU backend on the same 16-bit-rounded inputs.
 //!
-//! The reference is written here (a plain loop over visible pairs) until the
-//! CPU backend (`backend::cpu::attention_forward`) is merged; then these
-//! tests should compare against it as well.
+//! The reference is the CPU backend (`backend::cpu::attention_forward`, f64
+//! math), itself proven against a dense f64 loop in tests/attention_cpu.rs.
 //!
-//! Packs are random forests of random trees laid out in pre-order — a node is
+//! Packs are exact trie packs of random generated rollouts with edits
+//! (compaction, stack pop, fold, memex, GRPO forests), and random forests of random trees laid out in pre-order — a node is
 //! a chain of tokens, `kv_end` of each token is the end of its node's subtree
 //! range (DESIGN §4) — with branching (edits), several trees per pack, and
 //! padding keys (`kv_end[k] == k`) whose rows see nothing. Lengths are not
@@ -21,9 +20,12 @@
 //! computed in f32 from f32 scores: errors ~1e-6).
 
 use half::{bf16, f16};
+use treeattn::backend::cpu;
 use treeattn::backend::emu::{self, EmuOptions, KernelElem};
 use treeattn::backend::{AttnParams, AttnShape, Rope};
+use treeattn::gen::{self, Shape};
 use treeattn::mask::PackMask;
+use treeattn::tree::Tree;
 use treeattn::Error;
 
 struct Rng(u64);
@@ -113,51 +115,19 @@ fn random_pack(rng: &mut Rng, trees: usize, max_chain: usize, levels: u32, paddi
     p
 }
 
-/// Dense reference in f64 over the visible pairs: (O [tokens, hq, d], LSE [hq, tokens]).
+/// The reference: the CPU backend (`backend::cpu::attention_forward`) in f64
+/// on the same 16-bit-rounded inputs. Returns (O [tokens, hq, d], LSE [hq, tokens]).
 fn reference(
     q: &[f64],
     k: &[f64],
     v: &[f64],
     shape: AttnShape,
-    kv_end: &[u32],
-    scale: f64,
+    mask: PackMask<'_>,
+    params: &AttnParams,
 ) -> (Vec<f64>, Vec<f64>) {
-    let (l, hq, hk, d) = (shape.tokens, shape.q_heads, shape.kv_heads, shape.head_dim);
-    let group = hq / hk;
-    let mut o = vec![0.0; l * hq * d];
-    let mut lse = vec![f64::NEG_INFINITY; hq * l];
-    for h in 0..hq {
-        let kh = h / group;
-        for qi in 0..l {
-            let keys: Vec<usize> = (0..=qi).filter(|&kk| qi < kv_end[kk] as usize).collect();
-            if keys.is_empty() {
-                continue;
-            }
-            let qrow = &q[(qi * hq + h) * d..][..d];
-            let s: Vec<f64> = keys
-                .iter()
-                .map(|&kk| {
-                    scale
-                        * qrow
-                            .iter()
-                            .zip(&k[(kk * hk + kh) * d..][..d])
-                            .map(|(a, b)| a * b)
-                            .sum::<f64>()
-                })
-                .collect();
-            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
-            lse[h * l + qi] = m + z.ln();
-            let orow = &mut o[(qi * hq + h) * d..][..d];
-            for (&kk, sv) in keys.iter().zip(&s) {
-                let p = (sv - m).exp() / z;
-                for (oj, vj) in orow.iter_mut().zip(&v[(kk * hk + kh) * d..][..d]) {
-                    *oj += p * vj;
-                }
-            }
-        }
-    }
-    (o, lse)
+    let out = cpu::attention_forward::<f64>(q, k, v, shape, mask, params)
+        .expect("the CPU reference accepts every case");
+    (out.o, out.lse)
 }
 
 fn random_tensor<T: KernelElem>(rng: &mut Rng, n: usize, amp: f32) -> (Vec<T>, Vec<f64>) {
@@ -190,7 +160,8 @@ fn run_case<T: KernelElem>(rng: &mut Rng, seed: u64, c: &Case, mask_kv_end: &[u3
         vec![f32::from_bits(0x7fc0_0000 | (rng.next() as u32 & 0xffff)); s.q_heads * s.tokens];
     emu::attention_forward_into(&q, &k, &v, s, mask, &params, &mut o, &mut lse)
         .unwrap_or_else(|e| panic!("seed {seed}: {s:?}: {e}"));
-    let (ro, rl) = reference(&qf, &kf, &vf, s, &c.kv_end, params.softmax_scale);
+    let true_mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
+    let (ro, rl) = reference(&qf, &kf, &vf, s, true_mask, &params);
     let (mut num, mut den, mut lse_err) = (0.0f64, 0.0f64, 0.0f64);
     for (i, (x, r)) in o.iter().zip(&ro).enumerate() {
         let x = x.to_f32() as f64;
@@ -280,6 +251,51 @@ fn random_packs<T: KernelElem>(head_dim: usize, cases: usize) {
         let c = random_case(&mut rng, head_dim);
         check::<T>(&mut rng, seed, &c, o_tol::<T>(), EmuOptions::all()[i % 6]);
     }
+}
+
+/// Exact trie packs built from generated rollouts with edits: every shape of
+/// the generators, one or two rollouts per pack (a forest), trimmed to whole
+/// rollouts under 700 tokens so the suite stays quick.
+fn rollout_packs<T: KernelElem>(head_dim: usize) {
+    let (mut rng, seed) = Rng::new();
+    let mut checked = 0;
+    for (i, shape) in Shape::ALL.iter().enumerate() {
+        let mut rollouts =
+            gen::generate(*shape, rng.next(), false).expect("generators give valid rollouts");
+        rollouts.truncate(rng.range(1, 2));
+        let pack = Tree::build(&rollouts, true)
+            .expect("valid rollouts build a tree")
+            .trie_pack();
+        if pack.len() > 700 {
+            continue;
+        }
+        let kv_heads = [1, 2][rng.range(0, 1)];
+        let c = Case {
+            shape: AttnShape {
+                tokens: pack.len(),
+                q_heads: kv_heads * 2,
+                kv_heads,
+                head_dim,
+            },
+            kv_end: pack.kv_end.clone(),
+            pos: pack.position_ids.clone(),
+        };
+        check::<T>(&mut rng, seed, &c, o_tol::<T>(), EmuOptions::all()[i % 6]);
+        checked += 1;
+    }
+    // Guard: the size cap must not silently skip most shapes.
+    assert!(checked >= 5, "seed {seed}: only {checked} generated packs were small enough");
+}
+
+#[test]
+fn bf16_packs_of_generated_rollouts() {
+    rollout_packs::<bf16>(64);
+    rollout_packs::<bf16>(128);
+}
+
+#[test]
+fn f16_packs_of_generated_rollouts() {
+    rollout_packs::<f16>(64);
 }
 
 #[test]

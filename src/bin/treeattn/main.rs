@@ -2,6 +2,7 @@
 //! data. Hand-written argument parsing; one module per subcommand.
 
 mod args;
+mod bench;
 mod gen;
 mod inspect;
 mod pack;
@@ -24,6 +25,9 @@ COMMANDS:
     gen SHAPE... [--seed N] [--out FILE.jsonl] [--paper-scale]
                            generate rollouts (golden, compaction, stack-pop,
                            fold, memex, grpo, plain)
+    bench [--shape S,...] [--reps N] [--heads H] [--head-dim D]
+                           time attention (trie pack vs LogitTree K+1 passes,
+                           replicated, dense mask, Naive-Compressed) per shape
     help                   this text
 
 Exit status: 0 on success, 2 for bad usage, 1 for bad input or i/o errors;
@@ -56,6 +60,7 @@ fn dispatch(mut args: Vec<String>) -> treeattn::Result<()> {
         "inspect" => inspect::run(args),
         "pack" => pack::run(args),
         "gen" => gen::run(args),
+        "bench" => bench::run(args),
         other => Err(Error::Usage(format!("unknown command {other:?}"))),
     }
 }

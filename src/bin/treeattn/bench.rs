@@ -1,0 +1,61 @@
+//! `treeattn bench`: the quick attention comparison of `treeattn::bench`.
+
+use treeattn::bench::{quick, Options, Size};
+use treeattn::gen::Shape;
+use treeattn::{Error, Result};
+
+use crate::args::{emit, Args};
+
+const HELP: &str = "\
+treeattn bench [--shape SHAPE[,SHAPE...]] [--reps N] [--heads H] [--head-dim D]
+               [--size small|bench|paper] [--seed N]
+
+Times attention forward and forward+backward (CPU backend, f32) on each tree
+shape for: the trie pack (one exact pass), the branch-replicated pack, LogitTree's
+K+1 causal passes, a dense-mask attention over the trie pack (L×L mask and
+scores), Naive-Compressed, and a plain causal pack of the trie's length. Prints
+tokens, visible pairs, GFLOP (4·d·heads per visible pair forward, ×3.5 with the
+backward), median time, GFLOP/s and ratios to the trie pack, then per shape the
+trie's FLOP/s over causal and its cost over Naive-Compressed.
+
+Defaults: all shapes (compaction, stack-pop, fold, memex, grpo, plain), 3 reps,
+4 heads of dim 64, size bench (packs of ~1-4k tokens), seed 0. Threads:
+TREEATTN_THREADS or all cores. Build with --release.";
+
+pub fn run(args: Vec<String>) -> Result<()> {
+    let mut a = Args::new(args);
+    if a.help() {
+        return emit(&format!("{HELP}\n"));
+    }
+    let mut opts = Options::default();
+    if let Some(list) = a.value("shape")? {
+        opts.shapes = list
+            .split(',')
+            .map(|s| Shape::parse(s.trim()))
+            .collect::<Result<_>>()?;
+    }
+    let positive = |name: &str, v: Option<u64>, default: usize| -> Result<usize> {
+        match v {
+            None => Ok(default),
+            Some(0) => Err(Error::Usage(format!("--{name} must be at least 1"))),
+            Some(n) => {
+                usize::try_from(n).map_err(|_| Error::Usage(format!("--{name} {n} is too large")))
+            }
+        }
+    };
+    opts.reps = positive("reps", a.number("reps")?, opts.reps)?;
+    opts.heads = positive("heads", a.number("heads")?, opts.heads)?;
+    opts.head_dim = positive("head-dim", a.number("head-dim")?, opts.head_dim)?;
+    if let Some(s) = a.value("size")? {
+        opts.size = Size::parse(&s)?;
+    }
+    opts.seed = a.number("seed")?.unwrap_or(opts.seed);
+    let rest = a.positionals()?;
+    if let Some(extra) = rest.first() {
+        return Err(Error::Usage(format!(
+            "unexpected argument {extra:?} (shapes go after --shape, comma-separated)"
+        )));
+    }
+    let table = quick(&opts)?;
+    emit(&format!("{table}"))
+}

@@ -63,7 +63,7 @@ use crate::{Error, Result};
 pub enum Size {
     /// The generators' CPU-sized defaults (hundreds of tokens): for tests.
     Small,
-    /// Packs of roughly 1–4k tokens: what the CPU benchmarks run on.
+    /// Trie packs of roughly 1–2k tokens: what the CPU benchmarks run on.
     Bench,
     /// The generators' `paper_scale()` sizes (windows up to 80k): for GPUs.
     Paper,
@@ -106,11 +106,11 @@ pub const SHAPES: [Shape; 6] = [
 /// Generates the rollouts of `shape` from `seed` at `size`.
 ///
 /// `Size::Bench` scales the CPU defaults of [`crate::gen`] up to packs of a
-/// few thousand tokens, keeping each shape's structure: compaction with a
-/// 1k window, a 256-token reserve, 3 compactions and the last 2 turns kept;
-/// stack pop, fold and memex with 1–2 frames / 2 folds / 2 evictions over a
-/// ~400-token system prompt; a GRPO group of 16 on a shared ~500-token
-/// prompt; a no-edit rollout of comparable length.
+/// thousand or two tokens, keeping each shape's structure: compaction with
+/// a 768-token window, a 192-token reserve, 3 compactions and the last 2
+/// turns kept; stack pop, fold and memex with 1–2 frames / 2 folds / 2
+/// evictions over a 250–400-token system prompt; a GRPO group of 16 on a
+/// shared prompt of that size; a no-edit rollout of comparable length.
 pub fn generate(shape: Shape, seed: u64, size: Size) -> Result<Vec<Rollout>> {
     match size {
         Size::Small => gen::generate(shape, seed, false),
@@ -118,20 +118,20 @@ pub fn generate(shape: Shape, seed: u64, size: Size) -> Result<Vec<Rollout>> {
         Size::Bench => {
             let mut rng = Rng::new(seed);
             let id = format!("{}-{seed}", shape.name());
-            let system = (300, 500);
+            let system = (250, 400);
             let task = (20, 60);
             Ok(match shape {
                 Shape::Golden => vec![gen::golden()],
                 Shape::Compaction => {
                     let p = CompactionParams {
-                        system_len: (150, 250),
+                        system_len: (100, 160),
                         task_len: task,
-                        completion_len: (30, 90),
-                        tool_len: (60, 160),
-                        window: 1024,
-                        reserve: 256,
+                        completion_len: (20, 60),
+                        tool_len: (40, 120),
+                        window: 768,
+                        reserve: 192,
                         compactions: 3,
-                        summary_len: (60, 120),
+                        summary_len: (40, 80),
                         keep_turns: 2,
                         final_turns: 2,
                     };
@@ -142,7 +142,7 @@ pub fn generate(shape: Shape, seed: u64, size: Size) -> Result<Vec<Rollout>> {
                         system_len: system,
                         task_len: task,
                         completion_len: (20, 40),
-                        tool_len: (60, 160),
+                        tool_len: (40, 120),
                         frames: (1, 2),
                         turns_before_frame: (1, 3),
                         frame_turns: (1, 3),
@@ -180,7 +180,7 @@ pub fn generate(shape: Shape, seed: u64, size: Size) -> Result<Vec<Rollout>> {
                     let p = GrpoParams {
                         group: 16,
                         system_len: system,
-                        task_len: (40, 120),
+                        task_len: task,
                         completion_len: (30, 80),
                         tool_len: (40, 80),
                         turns: (0, 1),
@@ -193,7 +193,7 @@ pub fn generate(shape: Shape, seed: u64, size: Size) -> Result<Vec<Rollout>> {
                         task_len: task,
                         completion_len: (30, 90),
                         tool_len: (60, 160),
-                        turns: (6, 8),
+                        turns: (4, 6),
                     };
                     vec![gen::plain(&p, &mut rng, &id)?]
                 }

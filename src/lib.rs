@@ -18,17 +18,17 @@
 //!
 //! The mask rule: query `q` may attend to key `k` iff `k <= q < kv_end[k]`.
 
-pub mod backend;
-pub mod bench;
 pub mod error;
-pub mod gen;
-pub mod logittree;
-pub mod mask;
-pub mod model;
-pub mod ops;
-pub mod pack;
 pub mod rollout;
-pub mod safetensors;
 pub mod tree;
+pub mod pack;
+pub mod mask;
+pub mod safetensors;
+pub mod gen;
+pub mod ops;
+pub mod backend;
+pub mod logittree;
+pub mod model;
+pub mod bench;
 
 pub use error::{Error, Result};

@@ -45,7 +45,8 @@ use std::fmt;
 use std::time::Instant;
 
 use crate::backend::cpu::{
-    attention_backward, attention_forward, num_threads, run_parallel, AttnGrads, AttnOut, SdccOut,
+    attention_backward, attention_forward, num_threads, run_parallel, tile_counts, AttnGrads,
+    AttnOut, SdccOut, TileCounts,
 };
 use crate::backend::{AttnParams, AttnShape};
 use crate::gen::{
@@ -1176,24 +1177,77 @@ impl Case {
     }
 }
 
-/// Median wall time in seconds of `reps` runs of `f`, after one warm-up run.
-pub fn median_seconds(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+/// CPU time consumed so far by the whole process (all threads), in
+/// seconds, where the OS reports it (64-bit Linux: `clock_gettime` with
+/// `CLOCK_PROCESS_CPUTIME_ID`). Unlike wall time it does not grow while the
+/// process waits for a core, so it measures work on a loaded machine; it
+/// also does not see threads idling at the end of an unbalanced pass, which
+/// wall time does.
+pub fn process_cpu_seconds() -> Option<f64> {
+    #[cfg(all(target_os = "linux", target_pointer_width = "64"))]
+    {
+        #[repr(C)]
+        struct Timespec {
+            tv_sec: i64,
+            tv_nsec: i64,
+        }
+        extern "C" {
+            fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
+        }
+        const CLOCK_PROCESS_CPUTIME_ID: i32 = 2;
+        let mut ts = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one `struct timespec` (two 64-bit
+        // fields on 64-bit Linux) into `ts`, which outlives the call.
+        let rc = unsafe { clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+        (rc == 0).then(|| ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9)
+    }
+    #[cfg(not(all(target_os = "linux", target_pointer_width = "64")))]
+    {
+        None
+    }
+}
+
+/// Median times of repeated runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timing {
+    /// Median wall time, seconds.
+    pub wall_s: f64,
+    /// Median process CPU time (all threads), seconds, where available.
+    pub cpu_s: Option<f64>,
+}
+
+fn median(mut x: Vec<f64>) -> f64 {
+    x.sort_by(f64::total_cmp);
+    let mid = x.len() / 2;
+    if x.len() % 2 == 1 {
+        x[mid]
+    } else {
+        0.5 * (x[mid - 1] + x[mid])
+    }
+}
+
+/// Median wall and CPU time of `reps` runs of `f`, after one warm-up run.
+pub fn measure(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<Timing> {
     if reps == 0 {
         return Err(Error::Usage("--reps must be at least 1".into()));
     }
     f()?;
-    let mut times = Vec::with_capacity(reps);
+    let (mut wall, mut cpu) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
     for _ in 0..reps {
+        let c0 = process_cpu_seconds();
         let start = Instant::now();
         f()?;
-        times.push(start.elapsed().as_secs_f64());
+        wall.push(start.elapsed().as_secs_f64());
+        if let (Some(c0), Some(c1)) = (c0, process_cpu_seconds()) {
+            cpu.push(c1 - c0);
+        }
     }
-    times.sort_by(f64::total_cmp);
-    let mid = reps / 2;
-    Ok(if reps % 2 == 1 {
-        times[mid]
-    } else {
-        0.5 * (times[mid - 1] + times[mid])
+    Ok(Timing {
+        wall_s: median(wall),
+        cpu_s: (cpu.len() == reps).then(|| median(cpu)),
     })
 }
 
@@ -1235,13 +1289,17 @@ pub struct Row {
     pub cost: Cost,
     /// Attention FLOPs over visible pairs.
     pub flops: f64,
-    pub median_s: f64,
+    pub time: Timing,
 }
 
 impl Row {
-    /// Visible-pair FLOPs per second.
+    /// Visible-pair FLOPs per wall second.
     pub fn flops_per_s(&self) -> f64 {
-        self.flops / self.median_s
+        self.flops / self.time.wall_s
+    }
+    /// Visible-pair FLOPs per CPU second (all threads), where measured.
+    pub fn flops_per_cpu_s(&self) -> Option<f64> {
+        self.time.cpu_s.map(|c| self.flops / c)
     }
 }
 
@@ -1256,6 +1314,44 @@ pub struct ShapeInfo {
     /// [`tile_utilization`] of the trie pack and of the causal pack.
     pub trie_tile_use: f64,
     pub causal_tile_use: f64,
+    /// The CPU backend's tile census of the trie pack.
+    pub trie_tiles: TileCounts,
+    /// [`forward_balance`] of the trie pack and of the causal pack.
+    pub trie_balance: f64,
+    pub causal_balance: f64,
+}
+
+/// How evenly the CPU backend's forward spreads over `threads` threads on
+/// this pack with `heads` heads: its work items are (head, query tile),
+/// each costing its non-skipped key tiles, pulled busiest first from a
+/// shared queue (longest-processing-time list scheduling). Returns the
+/// total cost over `threads ×` the simulated finishing time of the last
+/// thread: 1.0 is perfect balance.
+pub fn forward_balance(pack: &Pack, heads: usize, threads: usize) -> f64 {
+    use crate::backend::cpu::{KeyTileBounds, TileClass, TILE};
+    let l = pack.len();
+    let bounds = KeyTileBounds::new(&pack.kv_end);
+    let mut costs: Vec<u64> = (0..l.div_ceil(TILE))
+        .flat_map(|qt| {
+            let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
+            let c = (0..=qt)
+                .filter(|&kt| bounds.classify(q0, q1, kt) != TileClass::Skip)
+                .count() as u64;
+            std::iter::repeat(c).take(heads)
+        })
+        .collect();
+    costs.sort_unstable_by(|a, b| b.cmp(a));
+    let mut finish = vec![0u64; threads.max(1)];
+    for c in &costs {
+        let next = finish.iter_mut().min().expect("at least one thread");
+        *next += c;
+    }
+    let total: u64 = costs.iter().sum();
+    let last = finish.iter().copied().max().unwrap_or(0);
+    if last == 0 {
+        return 1.0;
+    }
+    total as f64 / (finish.len() as f64 * last as f64)
 }
 
 /// The fraction of the (query, key) entries in the tiles the CPU backend
@@ -1300,19 +1396,23 @@ impl Table {
             .find(|r| r.shape == shape && r.method == method && r.pass == pass)
     }
 
-    /// `row.median_s` over the trie pack's in the same shape and pass.
+    /// The row's median wall time over the trie pack's, same shape and pass.
     pub fn time_ratio(&self, row: &Row) -> Option<f64> {
         self.row(row.shape, Method::Trie, row.pass)
-            .map(|t| row.median_s / t.median_s)
+            .map(|t| row.time.wall_s / t.time.wall_s)
     }
 
     /// The trie pack's visible-pair FLOP/s over the plain causal pack's (of
     /// the same length), for `shape` and `pass`: the issue's throughput
-    /// criterion (≥ 0.9).
-    pub fn causal_throughput_ratio(&self, shape: Shape, pass: Pass) -> Option<f64> {
+    /// criterion (≥ 0.9). By wall time, and by CPU time where measured.
+    pub fn causal_throughput_ratio(&self, shape: Shape, pass: Pass) -> Option<(f64, Option<f64>)> {
         let t = self.row(shape, Method::Trie, pass)?;
         let c = self.row(shape, Method::Causal, pass)?;
-        Some(t.flops_per_s() / c.flops_per_s())
+        let cpu = match (t.flops_per_cpu_s(), c.flops_per_cpu_s()) {
+            (Some(a), Some(b)) => Some(a / b),
+            _ => None,
+        };
+        Some((t.flops_per_s() / c.flops_per_s(), cpu))
     }
 }
 
@@ -1343,18 +1443,21 @@ pub fn quick(opts: &Options) -> Result<Table> {
             branches: w.logittree.len(),
             trie_tile_use: tile_utilization(&w.trie),
             causal_tile_use: tile_utilization(&w.causal),
+            trie_tiles: tile_counts(w.trie.mask()),
+            trie_balance: forward_balance(&w.trie, opts.heads, num_threads()),
+            causal_balance: forward_balance(&w.causal, opts.heads, num_threads()),
         });
         for method in Method::ALL {
             let case = Case::new(&w, method, opts.heads, opts.head_dim)?;
             for pass in [Pass::Forward, Pass::ForwardBackward] {
-                let median_s = median_seconds(opts.reps, || case.run(pass))?;
+                let time = measure(opts.reps, || case.run(pass))?;
                 table.rows.push(Row {
                     shape,
                     method,
                     pass,
                     cost: case.cost,
                     flops: case.flops(pass),
-                    median_s,
+                    time,
                 });
             }
         }
@@ -1368,20 +1471,16 @@ impl fmt::Display for Table {
         writeln!(
             f,
             "attention, CPU backend, f32: {} heads × head dim {}, {} threads, size {}, seed {}, median of {} reps",
-            o.heads,
-            o.head_dim,
-            self.threads,
-            o.size.name(),
-            o.seed,
-            o.reps
+            o.heads, o.head_dim, self.threads, o.size.name(), o.seed, o.reps
         )?;
         writeln!(
             f,
-            "GFLOP = 4·d·heads per visible pair (fwd), ×3.5 for fwd+bwd; ratios are to the trie pack, same shape and pass\n"
+            "GFLOP = 4·d·heads per visible pair (fwd), ×3.5 for fwd+bwd; ms = wall, cpu ms = all threads; \
+             ×-columns are ratios to the trie pack, same shape and pass\n"
         )?;
         writeln!(
             f,
-            "{:<11} {:<17} {:<8} {:>7} {:>6} {:>11} {:>8} {:>6} {:>9} {:>8} {:>7}",
+            "{:<11} {:<17} {:<8} {:>6} {:>5} {:>9} {:>7} {:>5} {:>8} {:>8} {:>7} {:>6}",
             "shape",
             "method",
             "pass",
@@ -1391,15 +1490,18 @@ impl fmt::Display for Table {
             "GFLOP",
             "flop×",
             "ms",
+            "cpu ms",
             "GFLOP/s",
             "time×"
         )?;
+        let opt =
+            |x: Option<f64>, scale: f64| x.map_or("-".to_string(), |v| format!("{:.1}", v * scale));
         for r in &self.rows {
             let trie = self.row(r.shape, Method::Trie, r.pass);
             let rel = |x: f64, y: Option<f64>| y.map_or(f64::NAN, |y| x / y);
             writeln!(
                 f,
-                "{:<11} {:<17} {:<8} {:>7} {:>6.2} {:>11} {:>8.3} {:>6.2} {:>9.2} {:>8.2} {:>7.2}",
+                "{:<11} {:<17} {:<8} {:>6} {:>5.2} {:>9} {:>7.3} {:>5.2} {:>8.1} {:>8} {:>7.2} {:>6.2}",
                 r.shape.name(),
                 r.method.name(),
                 r.pass.name(),
@@ -1408,25 +1510,29 @@ impl fmt::Display for Table {
                 r.cost.pairs,
                 r.flops * 1e-9,
                 rel(r.flops, trie.map(|t| t.flops)),
-                r.median_s * 1e3,
+                r.time.wall_s * 1e3,
+                opt(r.time.cpu_s, 1e3),
                 r.flops_per_s() * 1e-9,
-                rel(r.median_s, trie.map(|t| t.median_s)),
+                rel(r.time.wall_s, trie.map(|t| t.time.wall_s)),
             )?;
         }
         writeln!(f)?;
         writeln!(
             f,
-            "summary per shape (fwd / fwd+bwd): trie FLOP/s ÷ causal FLOP/s (target ≥ 0.90), and the \
-             visible share of computed tile entries, trie / causal;\n\
-             LogitTree and replicated time ÷ trie time; trie cost ÷ Naive-Compressed (paper's 4D mask: 1.35×)"
+            "summary: tree/causal = trie GFLOP/s ÷ causal GFLOP/s at the same length (target ≥ 0.90), by wall \
+             and by CPU time;\ntile use = visible share of the entries in computed tiles, trie / causal; \
+             logittree× and replicated× = their time ÷ trie time;\ntok÷naive and time÷naive = trie ÷ \
+             Naive-Compressed (the paper's 4D mask costs 1.35×)"
         )?;
         writeln!(
             f,
-            "{:<11} {:>3} {:>4}  {:>13}  {:>11}  {:>13}  {:>13}  {:>8}  {:>13}",
+            "{:<11} {:>2} {:>3} {:<8} {:>10} {:>10} {:>11} {:>10} {:>11} {:>9} {:>10}",
             "shape",
             "K",
             "K+1",
+            "pass",
             "tree/causal",
+            "(cpu)",
             "tile use",
             "logittree×",
             "replicated×",
@@ -1434,40 +1540,79 @@ impl fmt::Display for Table {
             "time÷naive"
         )?;
         for s in &self.shapes {
-            let pair = |g: &dyn Fn(Pass) -> Option<f64>| {
-                let x = |p| g(p).map_or("-".to_string(), |v| format!("{v:.2}"));
-                format!("{} / {}", x(Pass::Forward), x(Pass::ForwardBackward))
+            for pass in [Pass::Forward, Pass::ForwardBackward] {
+                let time_over_trie = |m: Method| {
+                    self.row(s.shape, m, pass)
+                        .and_then(|r| self.time_ratio(r))
+                        .map_or("-".to_string(), |v| format!("{v:.2}"))
+                };
+                let (wall, cpu) = match self.causal_throughput_ratio(s.shape, pass) {
+                    Some((w, c)) => (
+                        format!("{w:.2}"),
+                        c.map_or("-".to_string(), |c| format!("{c:.2}")),
+                    ),
+                    None => ("-".to_string(), "-".to_string()),
+                };
+                let (tok, time) = match (
+                    self.row(s.shape, Method::Trie, pass),
+                    self.row(s.shape, Method::NaiveCompressed, pass),
+                ) {
+                    (Some(t), Some(n)) => (
+                        format!("{:.2}", t.cost.tokens as f64 / n.cost.tokens as f64),
+                        format!("{:.2}", t.time.wall_s / n.time.wall_s),
+                    ),
+                    _ => ("-".to_string(), "-".to_string()),
+                };
+                writeln!(
+                    f,
+                    "{:<11} {:>2} {:>3} {:<8} {:>10} {:>10} {:>11} {:>10} {:>11} {:>9} {:>10}",
+                    s.shape.name(),
+                    s.junctions,
+                    s.branches,
+                    pass.name(),
+                    wall,
+                    cpu,
+                    format!("{:.2} / {:.2}", s.trie_tile_use, s.causal_tile_use),
+                    time_over_trie(Method::LogitTree),
+                    time_over_trie(Method::Replicated),
+                    tok,
+                    time,
+                )?;
+            }
+        }
+        writeln!(f)?;
+        writeln!(
+            f,
+            "diagnosis of tree/causal: trie tiles (64×64) skipped / full / partial; per-entry = (tree/causal by \
+             CPU time) ÷ (tile use ratio),\nthe kernel's speed per computed tile entry on the tree relative to \
+             causal (below 1: partial-tile masking and skipping overhead); balance = simulated forward thread \
+             balance, trie / causal"
+        )?;
+        writeln!(
+            f,
+            "{:<11} {:>20} {:>12} {:>17} {:>13}",
+            "shape", "skip/full/partial", "tile use ×", "per-entry fwd/bwd", "balance"
+        )?;
+        for s in &self.shapes {
+            let use_ratio = s.trie_tile_use / s.causal_tile_use;
+            let per_entry = |pass| {
+                self.causal_throughput_ratio(s.shape, pass)
+                    .and_then(|(_, cpu)| cpu)
+                    .map_or("-".to_string(), |c| format!("{:.2}", c / use_ratio))
             };
-            let over_trie = |m: Method| {
-                move |p: Pass| {
-                    let r = self.row(s.shape, m, p)?;
-                    self.time_ratio(r)
-                }
-            };
-            let naive = |p: Pass| {
-                let t = self.row(s.shape, Method::Trie, p)?;
-                let n = self.row(s.shape, Method::NaiveCompressed, p)?;
-                Some(t.median_s / n.median_s)
-            };
-            let tok = match (
-                self.row(s.shape, Method::Trie, Pass::Forward),
-                self.row(s.shape, Method::NaiveCompressed, Pass::Forward),
-            ) {
-                (Some(t), Some(n)) => format!("{:.2}", t.cost.tokens as f64 / n.cost.tokens as f64),
-                _ => "-".into(),
-            };
+            let t = s.trie_tiles;
             writeln!(
                 f,
-                "{:<11} {:>3} {:>4}  {:>13}  {:>11}  {:>13}  {:>13}  {:>8}  {:>13}",
+                "{:<11} {:>20} {:>12.2} {:>17} {:>13}",
                 s.shape.name(),
-                s.junctions,
-                s.branches,
-                pair(&|p| self.causal_throughput_ratio(s.shape, p)),
-                format!("{:.2} / {:.2}", s.trie_tile_use, s.causal_tile_use),
-                pair(&over_trie(Method::LogitTree)),
-                pair(&over_trie(Method::Replicated)),
-                tok,
-                pair(&naive),
+                format!("{}/{}/{}", t.skip, t.full, t.partial),
+                use_ratio,
+                format!(
+                    "{} / {}",
+                    per_entry(Pass::Forward),
+                    per_entry(Pass::ForwardBackward)
+                ),
+                format!("{:.2} / {:.2}", s.trie_balance, s.causal_balance),
             )?;
         }
         Ok(())
@@ -1799,9 +1944,13 @@ mod tests {
             for pass in [Pass::Forward, Pass::ForwardBackward] {
                 let trie = t.row(s, Method::Trie, pass).unwrap();
                 assert_eq!(t.time_ratio(trie), Some(1.0));
-                assert!(trie.median_s > 0.0 && trie.flops > 0.0);
-                let r = t.causal_throughput_ratio(s, pass).unwrap();
-                assert!(r.is_finite() && r > 0.0);
+                assert!(trie.time.wall_s > 0.0 && trie.flops > 0.0);
+                assert!(
+                    trie.time.cpu_s.is_some_and(|c| c > 0.0),
+                    "Linux reports CPU time"
+                );
+                let (wall, cpu) = t.causal_throughput_ratio(s, pass).unwrap();
+                assert!(wall.is_finite() && wall > 0.0 && cpu.unwrap() > 0.0);
             }
         }
         let text = t.to_string();
@@ -1862,20 +2011,48 @@ mod tests {
     }
 
     #[test]
-    fn median_is_the_middle_time() {
+    fn forward_balance_simulates_the_busiest_first_queue() {
+        let pack = |kv_end: Vec<u32>| Pack {
+            position_ids: vec![0; kv_end.len()],
+            tokens: vec![0; kv_end.len()],
+            kv_end,
+            loss: Vec::new(),
+        };
+        // Causal over 3 tiles: items cost 1, 2, 3 per head. One head on two
+        // threads: {3} and {2, 1} finish together.
+        let causal = pack(vec![192; 192]);
+        assert_eq!(forward_balance(&causal, 1, 2), 1.0);
+        // Two heads: 3,3,2,2,1,1 → {3,2,1} {3,2,1}.
+        assert_eq!(forward_balance(&causal, 2, 2), 1.0);
+        // Three threads, one head: the 3-tile item alone bounds the time.
+        assert!((forward_balance(&causal, 1, 3) - 6.0 / 9.0).abs() < 1e-12);
+        assert_eq!(forward_balance(&causal, 1, 1), 1.0);
+    }
+
+    #[test]
+    fn measure_takes_medians_of_timed_runs_after_a_warm_up() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
         let mut n = 0;
-        let m = median_seconds(3, || {
+        let t = measure(3, || {
             n += 1;
-            std::thread::sleep(std::time::Duration::from_millis(if n == 2 {
-                30
-            } else {
-                1
-            }));
+            let end = Instant::now() + std::time::Duration::from_millis(5);
+            while Instant::now() < end {
+                std::hint::spin_loop();
+            }
             Ok(())
         })
         .unwrap();
         assert_eq!(n, 4, "one warm-up and three timed runs");
-        assert!(m < 0.025, "the one slow run is not the median: {m}");
-        assert!(median_seconds(0, || Ok(())).is_err());
+        assert!(t.wall_s >= 0.005, "{t:?}");
+        // Process CPU time (which also counts other tests' threads here).
+        assert!(t.cpu_s.expect("Linux reports CPU time") > 0.0);
+        assert!(measure(0, || Ok(())).is_err());
+        let mut calls = 0;
+        let failing = measure(2, || {
+            calls += 1;
+            Err(Error::Usage("stop".into()))
+        });
+        assert_eq!((failing, calls), (Err(Error::Usage("stop".into())), 1));
     }
 }

@@ -46,7 +46,7 @@ use std::time::Instant;
 
 use crate::backend::cpu::{
     attention_backward, attention_forward, num_threads, run_parallel, tile_counts, AttnGrads,
-    AttnOut, SdccOut, TileCounts,
+    AttnOut, SdccOut, TileCounts, TILE,
 };
 use crate::backend::{AttnParams, AttnShape};
 use crate::gen::{
@@ -239,12 +239,16 @@ impl Method {
     }
 }
 
-/// Tokens processed and visible (query, key) pairs of one method on one
-/// workload (pairs per head).
+/// Tokens processed, visible (query, key) pairs (per head) and targets
+/// scored (loss entries) of one method on one workload.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Cost {
     pub tokens: u64,
     pub pairs: u64,
+    /// Sampled tokens the method trains on: every target for the exact
+    /// methods, only those present on the final call for Naive-Compressed,
+    /// none for the causal reference.
+    pub targets: u64,
 }
 
 impl Cost {
@@ -330,6 +334,7 @@ impl Workload {
             .fold(Cost::default(), |c, p| Cost {
                 tokens: c.tokens + p.len() as u64,
                 pairs: c.pairs + p.mask().visible_pairs(),
+                targets: c.targets + p.loss.len() as u64,
             })
     }
 }
@@ -1311,9 +1316,11 @@ pub struct ShapeInfo {
     pub junctions: usize,
     /// LogitTree passes (branches).
     pub branches: usize,
-    /// [`tile_utilization`] of the trie pack and of the causal pack.
+    /// [`tile_utilization`] of the trie pack and of the causal pack at the
+    /// CPU backend's tile size, and of the trie pack at half of it.
     pub trie_tile_use: f64,
     pub causal_tile_use: f64,
+    pub trie_tile_use_half: f64,
     /// The CPU backend's tile census of the trie pack.
     pub trie_tiles: TileCounts,
     /// [`forward_balance`] of the trie pack and of the causal pack.
@@ -1328,7 +1335,7 @@ pub struct ShapeInfo {
 /// total cost over `threads ×` the simulated finishing time of the last
 /// thread: 1.0 is perfect balance.
 pub fn forward_balance(pack: &Pack, heads: usize, threads: usize) -> f64 {
-    use crate::backend::cpu::{KeyTileBounds, TileClass, TILE};
+    use crate::backend::cpu::{KeyTileBounds, TileClass};
     let l = pack.len();
     let bounds = KeyTileBounds::new(&pack.kv_end);
     let mut costs: Vec<u64> = (0..l.div_ceil(TILE))
@@ -1354,21 +1361,29 @@ pub fn forward_balance(pack: &Pack, heads: usize, threads: usize) -> f64 {
     total as f64 / (finish.len() as f64 * last as f64)
 }
 
-/// The fraction of the (query, key) entries in the tiles the CPU backend
-/// computes (blocks of [`crate::backend::cpu::TILE`]² not skipped, lower
-/// block triangle) that are visible: the rest is masked work. The CPU
-/// kernel's FLOP/s on a mask is roughly proportional to this, so the trie's
-/// over causal's explains most of the tree/causal throughput ratio.
-pub fn tile_utilization(pack: &Pack) -> f64 {
-    use crate::backend::cpu::{KeyTileBounds, TileClass, TILE};
+/// The fraction of the (query, key) entries in the `tile × tile` blocks a
+/// tiled kernel computes on this pack (blocks in the lower block triangle
+/// not skipped by the rule of DESIGN §5: skip when `k0 > q1 − 1` or
+/// `max(kv_end[k0..k1]) <= q0`) that are visible: the rest is masked work.
+/// At the CPU backend's [`crate::backend::cpu::TILE`] its FLOP/s on a mask
+/// is roughly proportional to this, so the trie's over causal's explains
+/// most of the tree/causal throughput ratio; smaller `tile`s show what
+/// finer skipping would recover. 0 for an empty pack.
+pub fn tile_utilization(pack: &Pack, tile: usize) -> f64 {
     let l = pack.len();
-    let bounds = KeyTileBounds::new(&pack.kv_end);
+    let tile = tile.max(1);
+    let max_end: Vec<usize> = pack
+        .kv_end
+        .chunks(tile)
+        .map(|c| c.iter().copied().max().unwrap_or(0) as usize)
+        .collect();
     let mut computed = 0u64;
-    for qt in 0..l.div_ceil(TILE) {
-        let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
-        for kt in 0..=qt {
-            if bounds.classify(q0, q1, kt) != TileClass::Skip {
-                computed += ((q1 - q0) * (((kt + 1) * TILE).min(l) - kt * TILE)) as u64;
+    for qt in 0..l.div_ceil(tile) {
+        let (q0, q1) = (qt * tile, ((qt + 1) * tile).min(l));
+        for (kt, &end) in max_end.iter().enumerate().take(qt + 1) {
+            let (k0, k1) = (kt * tile, ((kt + 1) * tile).min(l));
+            if k0 < q1 && end > q0 {
+                computed += ((q1 - q0) * (k1 - k0)) as u64;
             }
         }
     }
@@ -1441,8 +1456,9 @@ pub fn quick(opts: &Options) -> Result<Table> {
             shape,
             junctions: w.junctions,
             branches: w.logittree.len(),
-            trie_tile_use: tile_utilization(&w.trie),
-            causal_tile_use: tile_utilization(&w.causal),
+            trie_tile_use: tile_utilization(&w.trie, TILE),
+            causal_tile_use: tile_utilization(&w.causal, TILE),
+            trie_tile_use_half: tile_utilization(&w.trie, TILE / 2),
             trie_tiles: tile_counts(w.trie.mask()),
             trie_balance: forward_balance(&w.trie, opts.heads, num_threads()),
             causal_balance: forward_balance(&w.causal, opts.heads, num_threads()),
@@ -1583,15 +1599,21 @@ impl fmt::Display for Table {
         writeln!(f)?;
         writeln!(
             f,
-            "diagnosis of tree/causal: trie tiles (64×64) skipped / full / partial; per-entry = (tree/causal by \
-             CPU time) ÷ (tile use ratio),\nthe kernel's speed per computed tile entry on the tree relative to \
-             causal (below 1: partial-tile masking and skipping overhead); balance = simulated forward thread \
-             balance, trie / causal"
+            "diagnosis of tree/causal: trie tiles ({TILE}×{TILE}) skipped / full / partial; tile use × = trie ÷ causal \
+             tile use; trie tile use at {h}×{h};\nper-entry = (tree/causal by CPU time) ÷ (tile use ×): the \
+             kernel's speed per computed tile entry on the tree relative to causal (below 1: partial-tile \
+             masking\nand skipping overhead); balance = simulated forward thread balance, trie / causal",
+            h = TILE / 2
         )?;
         writeln!(
             f,
-            "{:<11} {:>20} {:>12} {:>17} {:>13}",
-            "shape", "skip/full/partial", "tile use ×", "per-entry fwd/bwd", "balance"
+            "{:<11} {:>20} {:>11} {:>9} {:>17} {:>13}",
+            "shape",
+            "skip/full/partial",
+            "tile use ×",
+            format!("use@{}", TILE / 2),
+            "per-entry fwd/bwd",
+            "balance"
         )?;
         for s in &self.shapes {
             let use_ratio = s.trie_tile_use / s.causal_tile_use;
@@ -1603,16 +1625,127 @@ impl fmt::Display for Table {
             let t = s.trie_tiles;
             writeln!(
                 f,
-                "{:<11} {:>20} {:>12.2} {:>17} {:>13}",
+                "{:<11} {:>20} {:>11.2} {:>9.2} {:>17} {:>13}",
                 s.shape.name(),
                 format!("{}/{}/{}", t.skip, t.full, t.partial),
                 use_ratio,
+                s.trie_tile_use_half,
                 format!(
                     "{} / {}",
                     per_entry(Pass::Forward),
                     per_entry(Pass::ForwardBackward)
                 ),
                 format!("{:.2} / {:.2}", s.trie_balance, s.causal_balance),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Tokens and visible pairs of every method on every shape, without
+/// timing anything: the comparison for sizes too large to time on a CPU
+/// ([`Size::Paper`]). `Display` prints one line per shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CostTable {
+    pub size: Size,
+    pub seed: u64,
+    pub shapes: Vec<ShapeCosts>,
+}
+
+/// One shape of a [`CostTable`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShapeCosts {
+    pub shape: Shape,
+    pub junctions: usize,
+    pub branches: usize,
+    /// In [`Method::ALL`] order.
+    pub costs: Vec<(Method, Cost)>,
+}
+
+impl ShapeCosts {
+    /// The cost of `method`.
+    pub fn cost(&self, method: Method) -> Cost {
+        self.costs
+            .iter()
+            .find(|(m, _)| *m == method)
+            .map(|(_, c)| *c)
+            .expect("every method is costed")
+    }
+}
+
+/// Builds the workloads of `opts.shapes` at `opts.size` from `opts.seed`
+/// and counts each method's tokens and visible pairs (no attention runs;
+/// `reps`, `heads` and `head_dim` are not used).
+///
+/// Errors: no shapes, and any error of the generators.
+pub fn costs(opts: &Options) -> Result<CostTable> {
+    if opts.shapes.is_empty() {
+        return Err(Error::Usage("no shapes to count".into()));
+    }
+    let mut shapes = Vec::new();
+    for &shape in &opts.shapes {
+        let w = Workload::generate(shape, opts.seed, opts.size)?;
+        shapes.push(ShapeCosts {
+            shape,
+            junctions: w.junctions,
+            branches: w.logittree.len(),
+            costs: Method::ALL.iter().map(|&m| (m, w.cost(m))).collect(),
+        });
+    }
+    Ok(CostTable {
+        size: opts.size,
+        seed: opts.seed,
+        shapes,
+    })
+}
+
+impl fmt::Display for CostTable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "tokens and visible pairs (FLOPs ∝ pairs), size {}, seed {}; LogitTree and the replicated pack \
+             have the same tokens and pairs;\n×-columns: that method ÷ trie; trie÷naive: trie ÷ Naive-Compressed \
+             (the paper's 4D mask costs 1.35×);\nnaive scores: the share of the sampled tokens Naive-Compressed \
+             trains on at all (the exact methods score every one)\n",
+            self.size.name(),
+            self.seed
+        )?;
+        writeln!(
+            f,
+            "{:<11} {:>2} {:>3} {:>8} {:>13} {:>14} {:>14} {:>11} {:>11} {:>12} {:>12}",
+            "shape",
+            "K",
+            "K+1",
+            "trie tok",
+            "trie pairs",
+            "logittree tok×",
+            "logittree flop×",
+            "naive tok",
+            "trie÷naive tok",
+            "trie÷naive flop",
+            "naive scores"
+        )?;
+        for s in &self.shapes {
+            let (t, r, n) = (
+                s.cost(Method::Trie),
+                s.cost(Method::LogitTree),
+                s.cost(Method::NaiveCompressed),
+            );
+            let ratio = |a: u64, b: u64| a as f64 / b as f64;
+            writeln!(
+                f,
+                "{:<11} {:>2} {:>3} {:>8} {:>13} {:>14.2} {:>14.2} {:>11} {:>11.2} {:>12.2} {:>11.0}%",
+                s.shape.name(),
+                s.junctions,
+                s.branches,
+                t.tokens,
+                t.pairs,
+                ratio(r.tokens, t.tokens),
+                ratio(r.pairs, t.pairs),
+                n.tokens,
+                ratio(t.tokens, n.tokens),
+                ratio(t.pairs, n.pairs),
+                100.0 * ratio(n.targets, t.targets),
             )?;
         }
         Ok(())
@@ -1807,9 +1940,19 @@ mod tests {
                 w.cost(Method::Causal),
                 Cost {
                     tokens: l,
-                    pairs: l * (l + 1) / 2
+                    pairs: l * (l + 1) / 2,
+                    targets: 0
                 }
             );
+            // Every exact method scores each sampled token once.
+            let sampled: usize = generate(shape, i as u64, Size::Small)
+                .unwrap()
+                .iter()
+                .map(|r| r.targets())
+                .sum();
+            assert_eq!(trie.targets, sampled as u64, "{shape:?}");
+            assert_eq!(lt.targets, trie.targets);
+            assert!(w.cost(Method::NaiveCompressed).targets <= trie.targets);
             // Deduplication never adds work.
             assert!(
                 trie.tokens <= lt.tokens && trie.pairs <= lt.pairs,
@@ -1825,6 +1968,7 @@ mod tests {
         let c = Cost {
             tokens: 10,
             pairs: 1000,
+            targets: 5,
         };
         assert_eq!(c.flops(2, 64, false), 4.0 * 64.0 * 2.0 * 1000.0);
         assert_eq!(c.flops(2, 64, true), 3.5 * c.flops(2, 64, false));
@@ -1989,25 +2133,47 @@ mod tests {
             loss: Vec::new(),
         };
         // One 64-token causal tile: 64·65/2 of 64² entries visible.
-        let t = tile_utilization(&pack(vec![64; 64]));
+        let t = tile_utilization(&pack(vec![64; 64]), 64);
         assert!((t - 2080.0 / 4096.0).abs() < 1e-12, "{t}");
         // Two independent 64-token sequences: the off-diagonal block is
         // skipped, so the same share as one.
         let mut two = vec![64u32; 64];
         two.extend(vec![128u32; 64]);
-        assert!((tile_utilization(&pack(two)) - 2080.0 / 4096.0).abs() < 1e-12);
+        assert!((tile_utilization(&pack(two.clone()), 64) - 2080.0 / 4096.0).abs() < 1e-12);
         // Causal over 128: the off-diagonal block is full and computed.
-        let t = tile_utilization(&pack(vec![128; 128]));
+        let t = tile_utilization(&pack(vec![128; 128]), 64);
         assert!(
             (t - (128.0 * 129.0 / 2.0) / (3.0 * 4096.0)).abs() < 1e-12,
             "{t}"
         );
         // A 65-token causal pack: edge tiles count their real size.
-        let t = tile_utilization(&pack(vec![65; 65]));
+        let t = tile_utilization(&pack(vec![65; 65]), 64);
         assert!(
             (t - (65.0 * 66.0 / 2.0) / (4096.0 + 64.0 + 1.0)).abs() < 1e-12,
             "{t}"
         );
+        // Tile 1 computes exactly the visible entries.
+        assert_eq!(tile_utilization(&pack(two), 1), 1.0);
+        // At the CPU backend's tile, the blocks computed are those its own
+        // census does not skip (packs of whole tiles: entries = blocks · 64²).
+        for (i, shape) in SHAPES.into_iter().enumerate() {
+            let w = Workload::generate(shape, i as u64, Size::Bench).unwrap();
+            let l = w.trie.len() / TILE * TILE;
+            let mut p = w.trie.clone();
+            p.kv_end.truncate(l);
+            p.position_ids.truncate(l);
+            p.tokens.truncate(l);
+            for e in p.kv_end.iter_mut() {
+                *e = (*e).min(l as u32);
+            }
+            let c = tile_counts(p.mask());
+            let computed = ((c.full + c.partial) * (TILE * TILE) as u64) as f64;
+            let expected = p.mask().visible_pairs() as f64 / computed;
+            assert!(
+                (tile_utilization(&p, TILE) - expected).abs() < 1e-12,
+                "{shape:?}"
+            );
+        }
     }
 
     #[test]
@@ -2027,6 +2193,32 @@ mod tests {
         // Three threads, one head: the 3-tile item alone bounds the time.
         assert!((forward_balance(&causal, 1, 3) - 6.0 / 9.0).abs() < 1e-12);
         assert_eq!(forward_balance(&causal, 1, 1), 1.0);
+    }
+
+    #[test]
+    fn cost_table_counts_every_method_without_timing() {
+        let opts = Options {
+            shapes: vec![Shape::StackPop, Shape::Grpo],
+            size: Size::Small,
+            ..Options::default()
+        };
+        let t = costs(&opts).unwrap();
+        assert_eq!(t.shapes.len(), 2);
+        for s in &t.shapes {
+            let w = Workload::generate(s.shape, 0, Size::Small).unwrap();
+            for m in Method::ALL {
+                assert_eq!(s.cost(m), w.cost(m), "{:?} {m:?}", s.shape);
+            }
+        }
+        let text = t.to_string();
+        assert!(text
+            .lines()
+            .any(|l| l.starts_with("grpo") && l.contains(" 16 ")));
+        let none = Options {
+            shapes: vec![],
+            ..opts
+        };
+        assert!(matches!(costs(&none), Err(Error::Usage(_))));
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! `treeattn bench`: the quick attention comparison of `treeattn::bench`.
 
-use treeattn::bench::{quick, Options, Size};
+use treeattn::bench::{costs, quick, Options, Size};
 use treeattn::gen::Shape;
 use treeattn::{Error, Result};
 
@@ -8,7 +8,7 @@ use crate::args::{emit, Args};
 
 const HELP: &str = "\
 treeattn bench [--shape SHAPE[,SHAPE...]] [--reps N] [--heads H] [--head-dim D]
-               [--size small|bench|paper] [--seed N]
+               [--size small|bench|paper] [--seed N] [--costs-only]
 
 Times attention forward and forward+backward (CPU backend, f32) on each tree
 shape for: the trie pack (one exact pass), the branch-replicated pack, LogitTree's
@@ -19,8 +19,11 @@ backward), median time, GFLOP/s and ratios to the trie pack, then per shape the
 trie's FLOP/s over causal and its cost over Naive-Compressed.
 
 Defaults: all shapes (compaction, stack-pop, fold, memex, grpo, plain), 3 reps,
-4 heads of dim 64, size bench (packs of ~1-4k tokens), seed 0. Threads:
-TREEATTN_THREADS or all cores. Build with --release.";
+4 heads of dim 64, size bench (trie packs of ~1-2k tokens), seed 0. Threads:
+TREEATTN_THREADS or all cores. Build with --release.
+
+--costs-only counts tokens and visible pairs of every method without timing
+anything (use it with --size paper: windows of up to 80k tokens).";
 
 pub fn run(args: Vec<String>) -> Result<()> {
     let mut a = Args::new(args);
@@ -50,12 +53,15 @@ pub fn run(args: Vec<String>) -> Result<()> {
         opts.size = Size::parse(&s)?;
     }
     opts.seed = a.number("seed")?.unwrap_or(opts.seed);
+    let costs_only = a.flag("costs-only")?;
     let rest = a.positionals()?;
     if let Some(extra) = rest.first() {
         return Err(Error::Usage(format!(
             "unexpected argument {extra:?} (shapes go after --shape, comma-separated)"
         )));
     }
-    let table = quick(&opts)?;
-    emit(&format!("{table}"))
+    if costs_only {
+        return emit(&format!("{}", costs(&opts)?));
+    }
+    emit(&format!("{}", quick(&opts)?))
 }

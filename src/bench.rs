@@ -1317,10 +1317,12 @@ pub struct ShapeInfo {
     /// LogitTree passes (branches).
     pub branches: usize,
     /// [`tile_utilization`] of the trie pack and of the causal pack at the
-    /// CPU backend's tile size, and of the trie pack at half of it.
+    /// CPU backend's tile size, and of the trie pack at a half and a
+    /// quarter of it.
     pub trie_tile_use: f64,
     pub causal_tile_use: f64,
     pub trie_tile_use_half: f64,
+    pub trie_tile_use_quarter: f64,
     /// The CPU backend's tile census of the trie pack.
     pub trie_tiles: TileCounts,
     /// [`forward_balance`] of the trie pack and of the causal pack.
@@ -1459,6 +1461,7 @@ pub fn quick(opts: &Options) -> Result<Table> {
             trie_tile_use: tile_utilization(&w.trie, TILE),
             causal_tile_use: tile_utilization(&w.causal, TILE),
             trie_tile_use_half: tile_utilization(&w.trie, TILE / 2),
+            trie_tile_use_quarter: tile_utilization(&w.trie, TILE / 4),
             trie_tiles: tile_counts(w.trie.mask()),
             trie_balance: forward_balance(&w.trie, opts.heads, num_threads()),
             causal_balance: forward_balance(&w.causal, opts.heads, num_threads()),
@@ -1600,18 +1603,20 @@ impl fmt::Display for Table {
         writeln!(
             f,
             "diagnosis of tree/causal: trie tiles ({TILE}×{TILE}) skipped / full / partial; tile use × = trie ÷ causal \
-             tile use; trie tile use at {h}×{h};\nper-entry = (tree/causal by CPU time) ÷ (tile use ×): the \
+             tile use; trie tile use at {h}×{h} and {q}×{q} (what finer skipping would reach);\nper-entry = (tree/causal by CPU time) ÷ (tile use ×): the \
              kernel's speed per computed tile entry on the tree relative to causal (below 1: partial-tile \
              masking\nand skipping overhead); balance = simulated forward thread balance, trie / causal",
-            h = TILE / 2
+            h = TILE / 2,
+            q = TILE / 4
         )?;
         writeln!(
             f,
-            "{:<11} {:>20} {:>11} {:>9} {:>17} {:>13}",
+            "{:<11} {:>20} {:>11} {:>9} {:>9} {:>17} {:>13}",
             "shape",
             "skip/full/partial",
             "tile use ×",
             format!("use@{}", TILE / 2),
+            format!("use@{}", TILE / 4),
             "per-entry fwd/bwd",
             "balance"
         )?;
@@ -1625,11 +1630,12 @@ impl fmt::Display for Table {
             let t = s.trie_tiles;
             writeln!(
                 f,
-                "{:<11} {:>20} {:>11.2} {:>9.2} {:>17} {:>13}",
+                "{:<11} {:>20} {:>11.2} {:>9.2} {:>9.2} {:>17} {:>13}",
                 s.shape.name(),
                 format!("{}/{}/{}", t.skip, t.full, t.partial),
                 use_ratio,
                 s.trie_tile_use_half,
+                s.trie_tile_use_quarter,
                 format!(
                     "{} / {}",
                     per_entry(Pass::Forward),

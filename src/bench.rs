@@ -1540,12 +1540,13 @@ impl fmt::Display for Table {
             f,
             "summary: tree/causal = trie GFLOP/s ÷ causal GFLOP/s at the same length (target ≥ 0.90), by wall \
              and by CPU time;\ntile use = visible share of the entries in computed tiles, trie / causal; \
-             logittree× and replicated× = their time ÷ trie time;\ntok÷naive and time÷naive = trie ÷ \
-             Naive-Compressed (the paper's 4D mask costs 1.35×)"
+             logittree and replicated: time, FLOPs and tokens ÷ the trie's (both have the same FLOPs and \
+             tokens);\ntrie÷naive: the trie's tokens, FLOPs and time ÷ Naive-Compressed's (the paper's 4D mask \
+             costs 1.35×)"
         )?;
         writeln!(
             f,
-            "{:<11} {:>2} {:>3} {:<8} {:>10} {:>10} {:>11} {:>10} {:>11} {:>9} {:>10}",
+            "{:<11} {:>2} {:>3} {:<8} {:>11} {:>6} {:>11} {:>18} {:>11} {:>18}",
             "shape",
             "K",
             "K+1",
@@ -1553,49 +1554,51 @@ impl fmt::Display for Table {
             "tree/causal",
             "(cpu)",
             "tile use",
-            "logittree×",
-            "replicated×",
-            "tok÷naive",
-            "time÷naive"
+            "logittree t/f/tok",
+            "replicated",
+            "trie÷naive tok/f/t"
         )?;
+        let num = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
         for s in &self.shapes {
             for pass in [Pass::Forward, Pass::ForwardBackward] {
-                let time_over_trie = |m: Method| {
-                    self.row(s.shape, m, pass)
-                        .and_then(|r| self.time_ratio(r))
-                        .map_or("-".to_string(), |v| format!("{v:.2}"))
+                let trie = self.row(s.shape, Method::Trie, pass);
+                let over_trie = |m: Method| {
+                    let r = self.row(s.shape, m, pass);
+                    let ratio = |g: &dyn Fn(&Row) -> f64| match (r, trie) {
+                        (Some(r), Some(t)) => Some(g(r) / g(t)),
+                        _ => None,
+                    };
+                    (
+                        ratio(&|r| r.time.wall_s),
+                        ratio(&|r| r.flops),
+                        ratio(&|r| r.cost.tokens as f64),
+                    )
                 };
                 let (wall, cpu) = match self.causal_throughput_ratio(s.shape, pass) {
-                    Some((w, c)) => (
-                        format!("{w:.2}"),
-                        c.map_or("-".to_string(), |c| format!("{c:.2}")),
-                    ),
-                    None => ("-".to_string(), "-".to_string()),
+                    Some((w, c)) => (Some(w), c),
+                    None => (None, None),
                 };
-                let (tok, time) = match (
-                    self.row(s.shape, Method::Trie, pass),
-                    self.row(s.shape, Method::NaiveCompressed, pass),
-                ) {
-                    (Some(t), Some(n)) => (
-                        format!("{:.2}", t.cost.tokens as f64 / n.cost.tokens as f64),
-                        format!("{:.2}", t.time.wall_s / n.time.wall_s),
-                    ),
-                    _ => ("-".to_string(), "-".to_string()),
-                };
+                let lt = over_trie(Method::LogitTree);
+                let naive = over_trie(Method::NaiveCompressed);
+                let inv = |x: Option<f64>| x.map(|v| 1.0 / v);
                 writeln!(
                     f,
-                    "{:<11} {:>2} {:>3} {:<8} {:>10} {:>10} {:>11} {:>10} {:>11} {:>9} {:>10}",
+                    "{:<11} {:>2} {:>3} {:<8} {:>11} {:>6} {:>11} {:>18} {:>11} {:>18}",
                     s.shape.name(),
                     s.junctions,
                     s.branches,
                     pass.name(),
-                    wall,
-                    cpu,
+                    num(wall),
+                    num(cpu),
                     format!("{:.2} / {:.2}", s.trie_tile_use, s.causal_tile_use),
-                    time_over_trie(Method::LogitTree),
-                    time_over_trie(Method::Replicated),
-                    tok,
-                    time,
+                    format!("{} / {} / {}", num(lt.0), num(lt.1), num(lt.2)),
+                    num(over_trie(Method::Replicated).0),
+                    format!(
+                        "{} / {} / {}",
+                        num(inv(naive.2)),
+                        num(inv(naive.1)),
+                        num(inv(naive.0))
+                    ),
                 )?;
             }
         }

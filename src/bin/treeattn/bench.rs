@@ -65,3 +65,41 @@ pub fn run(args: Vec<String>) -> Result<()> {
     }
     emit(&format!("{}", quick(&opts)?))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::run;
+    use treeattn::Error;
+
+    fn usage(args: &[&str]) -> String {
+        match run(args.iter().map(|s| s.to_string()).collect()) {
+            Err(Error::Usage(m)) => m,
+            other => panic!("{args:?}: expected a usage error, got {other:?}"),
+        }
+    }
+
+    // Bad options are rejected before anything is timed.
+    #[test]
+    fn bad_options_are_usage_errors() {
+        assert!(usage(&["--reps", "0"]).contains("--reps must be at least 1"));
+        assert!(usage(&["--heads", "0"]).contains("--heads"));
+        assert!(usage(&["--head-dim", "x"]).contains("not a non-negative integer"));
+        assert!(usage(&["--shape", "compaction,tree"]).contains("unknown shape \"tree\""));
+        assert!(usage(&["--size", "huge"]).contains("unknown size"));
+        assert!(usage(&["--costs-only=yes"]).contains("takes no value"));
+        assert!(usage(&["--warmup", "2"]).contains("unknown option --warmup"));
+        assert!(usage(&["compaction"]).contains("unexpected argument"));
+    }
+
+    #[test]
+    fn costs_only_runs_without_timing() {
+        assert_eq!(
+            run(vec![
+                "--costs-only".into(),
+                "--shape".into(),
+                "golden".into()
+            ]),
+            Ok(())
+        );
+    }
+}

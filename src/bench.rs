@@ -713,7 +713,7 @@ pub fn dense_attention_backward(
             )));
         }
     }
-    if let Some(index) = lse.iter().position(|&x| !(x < f32::INFINITY)) {
+    if let Some(index) = lse.iter().position(|&x| x.is_nan() || x == f32::INFINITY) {
         return Err(Error::NonFinite {
             what: "lse (NaN or +inf; −inf marks a row with no visible key)".into(),
             index,
@@ -855,7 +855,7 @@ pub fn sdcc_unfused(
         }
         for (what, x, r) in [("student", student, s), ("teacher", teacher, t)] {
             let row = &x[r as usize * vocab..][..vocab];
-            if let Some(c) = row.iter().position(|v| !(*v < f32::INFINITY)) {
+            if let Some(c) = row.iter().position(|v| v.is_nan() || *v == f32::INFINITY) {
                 return Err(Error::NonFinite {
                     what: format!("SDCC {what} logits row {r}, column {c} (NaN or +inf)"),
                     index: r as usize * vocab + c,
@@ -1207,7 +1207,7 @@ pub fn process_cpu_seconds() -> Option<f64> {
         // SAFETY: clock_gettime writes one `struct timespec` (two 64-bit
         // fields on 64-bit Linux) into `ts`, which outlives the call.
         let rc = unsafe { clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
-        (rc == 0).then(|| ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9)
+        (rc == 0).then_some(ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9)
     }
     #[cfg(not(all(target_os = "linux", target_pointer_width = "64")))]
     {

@@ -804,7 +804,9 @@ pub fn dense_attention_backward(
 ///
 /// Peak memory: four `[pairs, vocab]` f32 tensors live at once (after step 2
 /// and at step 5) plus the gradient; see [`SdccCase::unfused_peak_bytes`].
-/// Row log-sum-exps accumulate in f32, the KL sums in f64.
+/// Exponentials are f32; the row sums of the log-softmax and the KL sums
+/// accumulate in f64 (a plain f32 sum over 150k entries would drift by
+/// ~1e-3; frameworks use pairwise f32 sums of comparable accuracy).
 ///
 /// Errors: as the fused op (vocab 0, logits not whole rows, weights not one
 /// per pair / non-finite / negative, temperature non-finite or `<= 0`, pair
@@ -898,7 +900,8 @@ pub fn sdcc_unfused(
             |_, (i, row)| {
                 let src = &x[i * vocab..][..vocab];
                 let m = src.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                let lse = m + src.iter().map(|&v| (v - m).exp()).sum::<f32>().ln();
+                let z: f64 = src.iter().map(|&v| (v - m).exp() as f64).sum();
+                let lse = m + z.ln() as f32;
                 for (y, &v) in row.iter_mut().zip(src) {
                     *y = v - lse;
                 }
@@ -1083,6 +1086,113 @@ impl SdccCase {
     /// student gradient plus one f64 vocabulary row per worker thread.
     pub fn fused_peak_bytes(&self) -> usize {
         self.student.len() * 4 + num_threads().min(self.pairs.len()).max(1) * self.vocab * 8
+    }
+}
+
+/// One measured SDCC variant of [`sdcc_table`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct SdccRow {
+    pub vocab: usize,
+    pub pairs: usize,
+    /// `"fused"` or `"unfused"`.
+    pub method: &'static str,
+    pub time: Timing,
+    /// Peak bytes by the buffer arithmetic of [`SdccCase`].
+    pub peak_bytes: usize,
+}
+
+/// The SDCC comparison: fused against unfused on [`SdccCase`]s of `pairs`
+/// pairs for each vocabulary size, `reps` timed runs each (median). `Display`
+/// prints one line per (vocab, method) with the ratios unfused ÷ fused.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SdccTable {
+    pub threads: usize,
+    pub reps: usize,
+    pub rows: Vec<SdccRow>,
+}
+
+/// Measures [`SdccTable`]; the fused and unfused results are checked to
+/// agree (loss within 1e-4 relative) before timing, so both compute the
+/// same thing.
+///
+/// Errors: `reps` or `pairs` of 0, a vocabulary of 0, or fused and unfused
+/// disagreeing.
+pub fn sdcc_table(pairs: usize, vocabs: &[usize], reps: usize) -> Result<SdccTable> {
+    if pairs == 0 || vocabs.contains(&0) {
+        return Err(Error::Usage(
+            "SDCC pairs and vocabulary sizes must be positive".into(),
+        ));
+    }
+    let mut rows = Vec::new();
+    for &vocab in vocabs {
+        let case = SdccCase::new(pairs, vocab, 7);
+        let (a, b) = (case.fused()?, case.unfused()?);
+        if (a.loss_sum - b.loss_sum).abs() > 1e-4 * a.loss_sum.abs() {
+            return Err(Error::Shape(format!(
+                "fused and unfused SDCC disagree at vocab {vocab}: {} vs {}",
+                a.loss_sum, b.loss_sum
+            )));
+        }
+        let fused = measure(reps, || case.fused().map(drop))?;
+        let unfused = measure(reps, || case.unfused().map(drop))?;
+        rows.push(SdccRow {
+            vocab,
+            pairs,
+            method: "fused",
+            time: fused,
+            peak_bytes: case.fused_peak_bytes(),
+        });
+        rows.push(SdccRow {
+            vocab,
+            pairs,
+            method: "unfused",
+            time: unfused,
+            peak_bytes: case.unfused_peak_bytes(),
+        });
+    }
+    Ok(SdccTable {
+        threads: num_threads(),
+        reps,
+        rows,
+    })
+}
+
+impl fmt::Display for SdccTable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "SDCC forward KL + student gradient, CPU, f32 logits: fused (one pass over vocabulary chunks) vs \
+             unfused (materialised softmaxes);\n{} threads, median of {} reps; peak = heap bytes by buffer \
+             arithmetic (benches/sdcc.rs counts them with a global allocator); × = ÷ fused\n",
+            self.threads, self.reps
+        )?;
+        writeln!(
+            f,
+            "{:>7} {:>6} {:<8} {:>9} {:>9} {:>10} {:>7} {:>7}",
+            "vocab", "pairs", "method", "ms", "cpu ms", "peak MiB", "time×", "peak×"
+        )?;
+        for r in &self.rows {
+            let fused = self
+                .rows
+                .iter()
+                .find(|x| x.vocab == r.vocab && x.method == "fused")
+                .unwrap_or(r);
+            writeln!(
+                f,
+                "{:>7} {:>6} {:<8} {:>9.1} {:>9} {:>10.1} {:>7.2} {:>7.2}",
+                r.vocab,
+                r.pairs,
+                r.method,
+                r.time.wall_s * 1e3,
+                r.time
+                    .cpu_s
+                    .map_or("-".to_string(), |c| format!("{:.1}", c * 1e3)),
+                r.peak_bytes as f64 / (1024.0 * 1024.0),
+                r.time.wall_s / fused.time.wall_s,
+                r.peak_bytes as f64 / fused.peak_bytes as f64,
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -2079,6 +2189,22 @@ mod tests {
         assert!(sdcc_unfused(&c.student, &c.teacher, 0, &[], &[], 1.0).is_err());
         assert!(sdcc_unfused(&c.student, &c.teacher, 3000, &[(0, 0)], &[-1.0], 1.0).is_err());
         assert!(sdcc_unfused(&c.student, &c.teacher, 3000, &[(0, 0)], &[1.0], 0.0).is_err());
+    }
+
+    #[test]
+    fn sdcc_table_measures_both_variants() {
+        let t = sdcc_table(3, &[500, 700], 1).unwrap();
+        assert_eq!(t.rows.len(), 4);
+        let fused = &t.rows[0];
+        assert_eq!((fused.vocab, fused.method), (500, "fused"));
+        assert!(t.rows[1].peak_bytes > fused.peak_bytes);
+        let text = t.to_string();
+        assert!(
+            text.contains("unfused") && text.lines().any(|l| l.trim_start().starts_with("700"))
+        );
+        assert!(matches!(sdcc_table(0, &[500], 1), Err(Error::Usage(_))));
+        assert!(matches!(sdcc_table(3, &[0], 1), Err(Error::Usage(_))));
+        assert!(matches!(sdcc_table(3, &[500], 0), Err(Error::Usage(_))));
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! `treeattn bench`: the quick attention comparison of `treeattn::bench`.
 
-use treeattn::bench::{costs, quick, Options, Size};
+use treeattn::bench::{costs, quick, sdcc_table, Options, Size};
 use treeattn::gen::Shape;
 use treeattn::{Error, Result};
 
@@ -8,7 +8,7 @@ use crate::args::{emit, Args};
 
 const HELP: &str = "\
 treeattn bench [--shape SHAPE[,SHAPE...]] [--reps N] [--heads H] [--head-dim D]
-               [--size small|bench|paper] [--seed N] [--costs-only]
+               [--size small|bench|paper] [--seed N] [--costs-only | --sdcc]
 
 Times attention forward and forward+backward (CPU backend, f32) on each tree
 shape for: the trie pack (one exact pass), the branch-replicated pack, LogitTree's
@@ -23,7 +23,10 @@ Defaults: all shapes (compaction, stack-pop, fold, memex, grpo, plain), 3 reps,
 TREEATTN_THREADS or all cores. Build with --release.
 
 --costs-only counts tokens and visible pairs of every method without timing
-anything (use it with --size paper: windows of up to 80k tokens).";
+anything (use it with --size paper: windows of up to 80k tokens).
+--sdcc times the SDCC forward KL instead, fused against unfused (both
+softmaxes materialised), 128 pairs, vocabularies of 32k and 150k, with the
+peak memory of each.";
 
 pub fn run(args: Vec<String>) -> Result<()> {
     let mut a = Args::new(args);
@@ -54,11 +57,23 @@ pub fn run(args: Vec<String>) -> Result<()> {
     }
     opts.seed = a.number("seed")?.unwrap_or(opts.seed);
     let costs_only = a.flag("costs-only")?;
+    let sdcc = a.flag("sdcc")?;
     let rest = a.positionals()?;
     if let Some(extra) = rest.first() {
         return Err(Error::Usage(format!(
             "unexpected argument {extra:?} (shapes go after --shape, comma-separated)"
         )));
+    }
+    if costs_only && sdcc {
+        return Err(Error::Usage(
+            "--costs-only and --sdcc exclude each other".into(),
+        ));
+    }
+    if sdcc {
+        return emit(&format!(
+            "{}",
+            sdcc_table(128, &[32_000, 150_000], opts.reps)?
+        ));
     }
     if costs_only {
         return emit(&format!("{}", costs(&opts)?));
@@ -89,6 +104,7 @@ mod tests {
         assert!(usage(&["--costs-only=yes"]).contains("takes no value"));
         assert!(usage(&["--warmup", "2"]).contains("unknown option --warmup"));
         assert!(usage(&["compaction"]).contains("unexpected argument"));
+        assert!(usage(&["--sdcc", "--costs-only"]).contains("exclude each other"));
     }
 
     #[test]

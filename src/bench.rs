@@ -40,6 +40,15 @@
 //! into time savings when this is near 1; the target is ≥ 0.9), and the trie
 //! pack's cost over Naive-Compressed in tokens and time (the paper's 4D mask
 //! costs 1.35×).
+//!
+//! # Entry points
+//!
+//! [`quick`] (the `treeattn bench` table), [`costs`] (tokens and pairs
+//! without timing, for paper-scale trees), [`sdcc_table`] (SDCC fused
+//! against [`sdcc_unfused`]); the criterion benches build [`Case`]s and
+//! [`SdccCase`]s directly. Timings report wall and process CPU time
+//! ([`measure`]); [`tile_utilization`] and [`forward_balance`] explain the
+//! CPU kernel's throughput on a mask.
 
 use std::fmt;
 use std::time::Instant;

@@ -382,7 +382,14 @@ impl PackInputs {
     }
 }
 
-/// Checks the dense methods' shared preconditions.
+/// The most memory the dense-mask baseline may take for its `L × L`
+/// buffers (mask and score matrices): 8 GiB. Larger packs are refused with
+/// an error instead of exhausting memory (the paper-scale compaction pack of
+/// ~196k tokens would need 38 GB for the mask alone).
+pub const DENSE_MAX_BYTES: u64 = 8 << 30;
+
+/// Checks the dense methods' shared preconditions; `matrices` is the number
+/// of `L × L` f32 buffers the caller holds besides the boolean mask.
 fn check_dense(
     q: &[f32],
     k: &[f32],
@@ -390,7 +397,17 @@ fn check_dense(
     shape: &AttnShape,
     mask: &PackMask<'_>,
     params: &AttnParams,
+    matrices: u64,
 ) -> Result<()> {
+    let l = shape.tokens as u64;
+    let bytes = l.saturating_mul(l).saturating_mul(1 + 4 * matrices);
+    if bytes > DENSE_MAX_BYTES {
+        return Err(Error::Unsupported(format!(
+            "the dense-mask baseline needs {:.1} GiB of L × L buffers for L = {l} (limit {} GiB)",
+            bytes as f64 / (1u64 << 30) as f64,
+            DENSE_MAX_BYTES >> 30
+        )));
+    }
     shape.validate()?;
     params.validate(shape)?;
     if params.rope.is_some() {
@@ -662,7 +679,7 @@ pub fn dense_attention_forward(
     mask: PackMask<'_>,
     params: &AttnParams,
 ) -> Result<AttnOut<f32>> {
-    check_dense(q, k, v, &shape, &mask, params)?;
+    check_dense(q, k, v, &shape, &mask, params, 1)?;
     let (l, d, hq, hkv) = (shape.tokens, shape.head_dim, shape.q_heads, shape.kv_heads);
     let mut o = vec![0.0f32; shape.q_len()];
     let mut lse = vec![f32::NEG_INFINITY; hq * l];
@@ -708,7 +725,7 @@ pub fn dense_attention_backward(
     mask: PackMask<'_>,
     params: &AttnParams,
 ) -> Result<AttnGrads<f32>> {
-    check_dense(q, k, v, &shape, &mask, params)?;
+    check_dense(q, k, v, &shape, &mask, params, 3)?;
     let (l, d, hq, hkv) = (shape.tokens, shape.head_dim, shape.q_heads, shape.kv_heads);
     for (what, x, n) in [
         ("o", o, shape.q_len()),
@@ -1556,14 +1573,22 @@ impl Table {
 /// [`Method`] forward and forward+backward, `reps` timed runs each (median),
 /// on the CPU backend in f32 with the backend's thread count.
 ///
-/// Errors: no shapes, `reps`, `heads` or `head_dim` of 0, and any error of
-/// the generators or the ops.
+/// Errors: no shapes, `reps`, `heads` or `head_dim` of 0, [`Size::Paper`]
+/// (too large to time here; see [`costs`]), and any error of the generators
+/// or the ops.
 pub fn quick(opts: &Options) -> Result<Table> {
     if opts.shapes.is_empty() {
         return Err(Error::Usage("no shapes to benchmark".into()));
     }
     if opts.reps == 0 {
         return Err(Error::Usage("--reps must be at least 1".into()));
+    }
+    if opts.size == Size::Paper {
+        return Err(Error::Usage(
+            "paper-scale trees (up to ~200k tokens) take hours to time on the CPU and the dense-mask \
+             baseline cannot hold them; use --costs-only for their tokens and FLOPs"
+                .into(),
+        ));
     }
     let mut table = Table {
         options: opts.clone(),
@@ -2016,6 +2041,33 @@ mod tests {
             dense_attention_forward(&q, &k, &v, sh, mask, &roped),
             Err(Error::Unsupported(_))
         ));
+        // A pack too large for L × L buffers (50k² · 5 bytes = 11.6 GiB) is
+        // refused before anything is allocated.
+        let l = 50_000;
+        let big = AttnShape {
+            tokens: l,
+            q_heads: 1,
+            kv_heads: 1,
+            head_dim: 1,
+        };
+        let kv_big = vec![l as u32; l];
+        let (pos_big, x_big) = (vec![0u32; l], vec![0.0f32; l]);
+        let refused = dense_attention_forward(
+            &x_big,
+            &x_big,
+            &x_big,
+            big,
+            PackMask {
+                kv_end: &kv_big,
+                position_ids: &pos_big,
+            },
+            &AttnParams::new(1),
+        )
+        .map(drop);
+        assert!(
+            matches!(refused, Err(Error::Unsupported(ref m)) if m.contains("L = 50000")),
+            "{refused:?}"
+        );
         let bad = [4u32, 1, 3];
         let e = dense_attention_forward(
             &q,
@@ -2261,6 +2313,10 @@ mod tests {
             },
             Options {
                 shapes: vec![],
+                ..opts.clone()
+            },
+            Options {
+                size: Size::Paper,
                 ..opts.clone()
             },
         ] {

@@ -105,6 +105,7 @@ mod tests {
         assert!(usage(&["--warmup", "2"]).contains("unknown option --warmup"));
         assert!(usage(&["compaction"]).contains("unexpected argument"));
         assert!(usage(&["--sdcc", "--costs-only"]).contains("exclude each other"));
+        assert!(usage(&["--size", "paper"]).contains("use --costs-only"));
     }
 
     #[test]

@@ -299,7 +299,7 @@ impl StackPopParams {
             tool_len: (40, 60),
             frames: (0, 2),
             turns_before_frame: (1, 3),
-            frame_turns: (1, 3),
+            frame_turns: (1, 2),
             return_len: (15, 30),
             final_turns: 1,
         }
@@ -441,7 +441,7 @@ impl MemexParams {
         MemexParams {
             system_len: (2_000, 4_000),
             task_len: (100, 400),
-            completion_len: (20, 40),
+            completion_len: (12, 28),
             tool_len: (35, 47),
             evictions: (2, 2),
             turns_between: (2, 3),
@@ -768,5 +768,38 @@ mod tests {
         let s = &summary_call.completion;
         assert_eq!(&resumed.context[at + 1..at + 1 + s.len()], &s[..]);
         assert_eq!(resumed.context.iter().filter(|&&t| t == TURN).count(), 2);
+    }
+
+    #[test]
+    fn paper_scale_shapes_have_the_paper_figures() {
+        // DESIGN §1: compaction within an 80k window, 3 compactions,
+        // summaries <= 2k; stack-pop / fold / memex near the paper's mean
+        // K and |E| (TC-RAG 0.87 / 156, AgentFold 1.94 / 84, MemexRL 2.00 /
+        // 41). Bounds are loose: 8 seeds give means, not exact figures.
+        let c = &generate(Shape::Compaction, 1, true).unwrap()[0];
+        let st = RolloutStats::of(c).unwrap();
+        assert_eq!(st.junctions, 3);
+        assert!(c.calls().iter().all(|x| x.sequence_len() <= 80_000));
+        assert!(c.calls().iter().all(|x| x.completion.len() <= 2_000));
+        for (shape, k, e) in [
+            (Shape::StackPop, (0.4, 1.6), (100.0, 250.0)),
+            (Shape::Fold, (1.4, 2.6), (50.0, 130.0)),
+            (Shape::Memex, (1.9, 2.1), (30.0, 55.0)),
+        ] {
+            let stats: Vec<RolloutStats> = (0..8)
+                .map(|s| RolloutStats::of(&generate(shape, s, true).unwrap()[0]).unwrap())
+                .collect();
+            let mean_k = stats.iter().map(|s| s.junctions as f64).sum::<f64>() / 8.0;
+            let evictions: Vec<f64> = stats
+                .iter()
+                .flat_map(|s| s.junction_list.iter().map(|j| j.evicted as f64))
+                .collect();
+            let mean_e = evictions.iter().sum::<f64>() / evictions.len().max(1) as f64;
+            assert!(mean_k >= k.0 && mean_k <= k.1, "{shape:?}: mean K {mean_k}");
+            assert!(
+                mean_e >= e.0 && mean_e <= e.1,
+                "{shape:?}: mean |E| {mean_e}"
+            );
+        }
     }
 }

@@ -11,7 +11,8 @@
 //! tokens (the targets), `logprobs` (optional, may be `null`) the rollout
 //! policy's log-probability of each completion token.
 //!
-//! A valid rollout has a non-empty id, at least one call, and in every call a
+//! A valid rollout has a non-empty id (in JSON a string; a number is accepted
+//! and kept as its decimal text), at least one call, and in every call a
 //! non-empty `context` (the first completion token needs a predicting row), a
 //! non-empty `completion`, and, when present, exactly one finite `logprobs`
 //! entry per completion token. Token ids are `u32`.

@@ -44,7 +44,13 @@ const NO_PARENT: u32 = u32::MAX;
 ///
 /// Candidate runs are found from `min_block`-gram seeds (hash map of `a`'s
 /// grams), so the cost is near-linear in `|a| + |b|` for non-repetitive token
-/// streams.
+/// streams; it grows with `Σ_g count_a(g) · count_b(g)` over shared grams `g`,
+/// i.e. up to `O(|a| · |b|)` for a stream that repeats one token.
+///
+/// With blocks of two tokens, a common bigram of real text can align an
+/// evicted token to an unrelated one; that only marks the token *present*
+/// on the rightmost branch (SDCC pairs, Naive-Compressed), never the exact
+/// layouts, which depend on the trie alone.
 pub fn align_blocks(a: &[u32], b: &[u32], min_block: usize) -> Vec<Option<u32>> {
     let k = min_block.max(1);
     let mut out = vec![None; b.len()];
@@ -420,8 +426,15 @@ impl Tree {
         self.rollouts.len()
     }
 
+    /// The rollout index (as used in loss entries) of the `slot`-th rollout
+    /// of the tree. Panics if `slot >= rollout_count()`.
+    pub fn rollout_index(&self, slot: usize) -> u32 {
+        self.rollouts[slot].index
+    }
+
     /// The pre-order nodes of call `call` of the `slot`-th rollout of the
-    /// tree, one per position of `context ++ completion`.
+    /// tree, one per position of `context ++ completion`. Panics if `slot`
+    /// or `call` is out of range.
     pub fn call_nodes(&self, slot: usize, call: usize) -> &[u32] {
         &self.rollouts[slot].calls[call].nodes
     }

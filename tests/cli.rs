@@ -87,7 +87,7 @@ fn inspect_prints_the_figures_and_the_tree() {
         "{out}"
     );
     assert!(
-        out.contains("K = 1 junctions, 2 branches, D = 3 diverging of 4"),
+        out.contains("junctions K = 1, branches 2, diverging targets D = 3 of 4"),
         "{out}"
     );
     assert!(
@@ -103,7 +103,7 @@ fn inspect_prints_the_figures_and_the_tree() {
         "{out}"
     );
     assert!(
-        out.contains("\"compaction-1\"") && out.contains("K = 3 junctions"),
+        out.contains("\"compaction-1\"") && out.contains("junctions K = 3"),
         "{out}"
     );
     assert!(out.contains("22 rollouts"), "{out}");

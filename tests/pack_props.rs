@@ -15,7 +15,7 @@ use treeattn::mask::{dense_mask, PackMask, TileClass, TileMap};
 use treeattn::pack::{batch, Layout, Pack};
 use treeattn::rollout::{Call, Rollout};
 use treeattn::safetensors::{deserialize, pack_from_tensors, pack_tensors, serialize};
-use treeattn::tree::{RolloutStats, Tree};
+use treeattn::tree::{align_blocks, RolloutStats, Tree, MIN_BLOCK};
 
 /// One step of a harness script.
 #[derive(Clone, Debug)]
@@ -389,6 +389,46 @@ proptest! {
     }
 
     #[test]
+    fn alignment_is_a_one_to_one_matching_of_equal_blocks(
+        a in prop::collection::vec(0u32..4, 0..60), b in prop::collection::vec(0u32..4, 0..60)
+    ) {
+        let al = align_blocks(&a, &b, MIN_BLOCK);
+        prop_assert_eq!(al.len(), b.len());
+        let mut used = vec![false; a.len()];
+        for (j, x) in al.iter().enumerate() {
+            if let Some(i) = *x {
+                let i = i as usize;
+                prop_assert_eq!(a[i], b[j]);
+                prop_assert!(!used[i], "a[{}] matched twice", i);
+                used[i] = true;
+            }
+        }
+        // Every run of consecutive aligned positions on one diagonal is a
+        // block of at least MIN_BLOCK tokens.
+        let mut j = 0;
+        while j < b.len() {
+            if let Some(i) = al[j] {
+                let mut n = 1;
+                while j + n < b.len() && al[j + n] == Some(i + n as u32) {
+                    n += 1;
+                }
+                prop_assert!(n >= MIN_BLOCK, "block of {} at b[{}]", n, j);
+                j += n;
+            } else {
+                j += 1;
+            }
+        }
+        // A sequence aligns to itself and to its extensions position by position.
+        let mut ext = a.clone();
+        ext.extend(&b);
+        let self_al = align_blocks(&a, &ext, MIN_BLOCK);
+        if a.len() >= MIN_BLOCK {
+            let want: Vec<Option<u32>> = (0..a.len() as u32).map(Some).collect();
+            prop_assert_eq!(&self_al[..a.len()], &want[..]);
+        }
+    }
+
+    #[test]
     fn tile_classes_agree_with_the_dense_mask(
         spans in prop::collection::vec((0usize..40, 0usize..40), 1..60), qt in 1usize..9, kt in 1usize..9
     ) {
@@ -517,4 +557,34 @@ fn the_entry_check_catches_a_wrong_mask_or_row() {
     let mut naive = Tree::build(rs, false).unwrap().naive_full_pack();
     naive.position_ids = good.position_ids.clone();
     assert!(std::panic::catch_unwind(|| check_entries(&naive, rs, "naive")).is_err());
+}
+
+#[test]
+fn batching_is_first_fit_decreasing() {
+    // Trie sizes 3, 6, 4, 5 (input order) with a budget of 9: decreasing
+    // order 6, 5, 4, 3; 6 opens pack 0, 5 opens pack 1, 4 joins pack 1,
+    // 3 joins pack 0.
+    let rs: Vec<Rollout> = [3u32, 6, 4, 5]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let ctx: Vec<u32> = (0..n - 1).map(|t| 1000 * i as u32 + t).collect();
+            Rollout::new(format!("s{n}"), vec![Call::new(ctx, vec![7])]).unwrap()
+        })
+        .collect();
+    let b = batch(&rs, 9, false, Layout::Trie).unwrap();
+    // A tree of a subset keeps the input indices.
+    let t = Tree::build_indexed(&[(1, &rs[1]), (3, &rs[3])], false).unwrap();
+    assert_eq!((t.rollout_index(0), t.rollout_index(1)), (1, 3));
+    let members: Vec<Vec<u32>> = b.iter().map(|x| x.rollouts.clone()).collect();
+    assert_eq!(members, vec![vec![0, 1], vec![2, 3]]);
+    assert_eq!(
+        b.iter().map(|x| x.pack.len()).collect::<Vec<_>>(),
+        vec![9, 9]
+    );
+    // Loss entries keep input rollout indices.
+    assert_eq!(
+        b[1].pack.loss.iter().map(|e| e.rollout).collect::<Vec<_>>(),
+        vec![2, 3]
+    );
 }

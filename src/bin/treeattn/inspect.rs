@@ -56,12 +56,12 @@ fn draw_rollout(out: &mut String, index: usize, r: &Rollout, s: &RolloutStats) {
     // Writing to a String cannot fail.
     let _ = writeln!(
         out,
-        "rollout {index} {:?}: {} calls, {} targets",
+        "rollout {index} {:?}: {} calls, {} targets (sampled tokens)",
         s.id, s.calls, s.targets
     );
     let _ = writeln!(
         out,
-        "  K = {} junctions, {} branches, D = {} diverging of {} targets present on the rightmost branch",
+        "  junctions K = {}, branches {}, diverging targets D = {} of {} present on the rightmost branch",
         s.junctions, s.branches, s.diverging, s.present
     );
     let _ = writeln!(

@@ -1,11 +1,11 @@
 //! Tiled attention backward: two deterministic passes (dK, dV per key tile;
 //! dQ per query tile), each recomputing `P` from the saved LSE.
 
-use super::kernels::{accumulate, has_avx2, scores};
+use super::kernels::{accumulate, has_avx2_fma, scores};
 use super::layout::{Layout, RopeTable};
 use super::{
-    check_finite, check_len, check_qkv, num_threads, run_parallel, AttnGrads, CpuFloat,
-    KeyTileBounds, TileClass, TILE,
+    check_finite, check_len, check_qkv, check_result, num_threads, run_parallel, AttnGrads,
+    CpuFloat, KeyTileBounds, TileClass, TILE,
 };
 use crate::backend::{AttnParams, AttnShape};
 use crate::mask::PackMask;
@@ -27,7 +27,8 @@ use crate::{Error, Result};
 ///
 /// Errors: everything [`super::attention_forward`] rejects, plus `o`, `d_o`,
 /// `lse` of the wrong length, a NaN or `+inf` in `lse`, and (with
-/// `params.check_finite`) a NaN or ±inf in `o` or `d_o`.
+/// `params.check_finite`) a NaN or ±inf in `o` or `d_o`; and a NaN or ±inf
+/// in the gradients (overflow of `T`, or non-finite inputs left unchecked).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<T: CpuFloat>(
     q: &[T],
@@ -40,6 +41,23 @@ pub fn attention_backward<T: CpuFloat>(
     mask: PackMask<'_>,
     params: &AttnParams,
 ) -> Result<AttnGrads<T>> {
+    backward_on_threads(q, k, v, o, lse, d_o, shape, mask, params, num_threads())
+}
+
+/// [`attention_backward`] on `threads` threads.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_on_threads<T: CpuFloat>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    lse: &[T],
+    d_o: &[T],
+    shape: AttnShape,
+    mask: PackMask<'_>,
+    params: &AttnParams,
+    threads: usize,
+) -> Result<AttnGrads<T>> {
     check_qkv(q, k, v, &shape, &mask, params)?;
     let q_how = "tokens · q_heads · head_dim, like q";
     check_len("o", o.len(), shape.q_len(), q_how)?;
@@ -50,7 +68,10 @@ pub fn attention_backward<T: CpuFloat>(
         shape.q_heads * shape.tokens,
         "q_heads · tokens",
     )?;
-    if let Some(index) = lse.iter().position(|&x| !(x < T::INFINITY)) {
+    if let Some(index) = lse
+        .iter()
+        .position(|x| x.partial_cmp(&T::INFINITY) != Some(std::cmp::Ordering::Less))
+    {
         return Err(Error::NonFinite {
             what: "lse (NaN or +inf; −inf marks a row with no visible key)".into(),
             index,
@@ -68,7 +89,7 @@ pub fn attention_backward<T: CpuFloat>(
             dv: Vec::new(),
         });
     }
-    let lay = Layout::new(l, shape.head_dim, num_threads());
+    let lay = Layout::new(l, shape.head_dim, threads);
     let (lpad, dp, d) = (lay.lpad, lay.dp, lay.d);
     let (hq, hkv) = (shape.q_heads, shape.kv_heads);
     let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids));
@@ -161,11 +182,15 @@ pub fn attention_backward<T: CpuFloat>(
         query_tile(&ctx, s, item)
     });
 
-    Ok(AttnGrads {
+    let grads = AttnGrads {
         dq: lay.token_major(&dqh, hq, rope.as_ref()),
         dk: lay.token_major(&dkh, hkv, rope.as_ref()),
         dv: lay.token_major(&dvh, hkv, None),
-    })
+    };
+    check_result("dq", &grads.dq)?;
+    check_result("dk", &grads.dk)?;
+    check_result("dv", &grads.dv)?;
+    Ok(grads)
 }
 
 struct BwdCtx<'a, T> {
@@ -222,29 +247,33 @@ impl<T: CpuFloat> BwdScratch<T> {
 
 fn key_tile<T: CpuFloat>(ctx: &BwdCtx<'_, T>, s: &mut BwdScratch<T>, item: KeyItem<'_, T>) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the running CPU supports AVX2 (checked at run time).
+    if has_avx2_fma() {
+        // SAFETY: the running CPU supports AVX2 and FMA (checked at run time).
         unsafe { key_tile_avx2(ctx, s, item) };
         return;
     }
-    key_tile_body(ctx, s, item)
+    key_tile_body::<T, false>(ctx, s, item)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn key_tile_avx2<T: CpuFloat>(
     ctx: &BwdCtx<'_, T>,
     s: &mut BwdScratch<T>,
     item: KeyItem<'_, T>,
 ) {
-    key_tile_body(ctx, s, item)
+    key_tile_body::<T, true>(ctx, s, item)
 }
 
 /// dK, dV of one key tile of kv head `g`, summed over the group's query heads
 /// and over the query tiles `kt .. query_tile_end(kt)` (all that can see it).
 /// Works on transposed blocks: row `j` = key, column `i` = query.
 #[inline(always)]
-fn key_tile_body<T: CpuFloat>(ctx: &BwdCtx<'_, T>, sc: &mut BwdScratch<T>, item: KeyItem<'_, T>) {
+fn key_tile_body<T: CpuFloat, const FMA: bool>(
+    ctx: &BwdCtx<'_, T>,
+    sc: &mut BwdScratch<T>,
+    item: KeyItem<'_, T>,
+) {
     let Layout { l, lpad, dp, .. } = ctx.lay;
     let KeyItem { g, kt, dk, dv } = item;
     let k0 = kt * TILE;
@@ -260,8 +289,8 @@ fn key_tile_body<T: CpuFloat>(ctx: &BwdCtx<'_, T>, sc: &mut BwdScratch<T>, item:
             if class == TileClass::Skip {
                 continue;
             }
-            scores(k_rows, &ctx.qt[head * dp + q0..], lpad, dp, st);
-            scores(v_rows, &ctx.dot[head * dp + q0..], lpad, dp, dpt);
+            scores::<T, FMA>(k_rows, &ctx.qt[head * dp + q0..], lpad, dp, st);
+            scores::<T, FMA>(v_rows, &ctx.dot[head * dp + q0..], lpad, dp, dpt);
             let lse = &ctx.lse[head + q0..head + q0 + TILE];
             let delta = &ctx.delta[head + q0..head + q0 + TILE];
             for (j, (srow, dprow)) in st
@@ -289,13 +318,16 @@ fn key_tile_body<T: CpuFloat>(ctx: &BwdCtx<'_, T>, sc: &mut BwdScratch<T>, item:
                     .zip(&mut dprow[lo..hi])
                     .zip(lse[lo..hi].iter().zip(&delta[lo..hi]));
                 for ((x, dx), (&m, &dd)) in live {
-                    let p = (*x * ctx.scale - m).exp();
-                    *x = p;
-                    *dx = p * (*dx - dd);
+                    *x = *x * ctx.scale - m;
+                    *dx -= dd;
+                }
+                T::exp_in_place(&mut srow[lo..hi]);
+                for (&p, dx) in srow[lo..hi].iter().zip(&mut dprow[lo..hi]) {
+                    *dx *= p;
                 }
             }
-            accumulate(st, &ctx.doh[(head + q0) * dp..], dp, dv);
-            accumulate(dpt, &ctx.qh[(head + q0) * dp..], dp, dk);
+            accumulate::<T, FMA>(st, &ctx.doh[(head + q0) * dp..], dp, dv);
+            accumulate::<T, FMA>(dpt, &ctx.qh[(head + q0) * dp..], dp, dk);
         }
     }
     for x in dk.iter_mut() {
@@ -305,27 +337,27 @@ fn key_tile_body<T: CpuFloat>(ctx: &BwdCtx<'_, T>, sc: &mut BwdScratch<T>, item:
 
 fn query_tile<T: CpuFloat>(ctx: &BwdCtx<'_, T>, s: &mut BwdScratch<T>, item: QueryItem<'_, T>) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the running CPU supports AVX2 (checked at run time).
+    if has_avx2_fma() {
+        // SAFETY: the running CPU supports AVX2 and FMA (checked at run time).
         unsafe { query_tile_avx2(ctx, s, item) };
         return;
     }
-    query_tile_body(ctx, s, item)
+    query_tile_body::<T, false>(ctx, s, item)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn query_tile_avx2<T: CpuFloat>(
     ctx: &BwdCtx<'_, T>,
     s: &mut BwdScratch<T>,
     item: QueryItem<'_, T>,
 ) {
-    query_tile_body(ctx, s, item)
+    query_tile_body::<T, true>(ctx, s, item)
 }
 
 /// dQ of one query tile of head `h`, over the key tiles it can see.
 #[inline(always)]
-fn query_tile_body<T: CpuFloat>(
+fn query_tile_body<T: CpuFloat, const FMA: bool>(
     ctx: &BwdCtx<'_, T>,
     sc: &mut BwdScratch<T>,
     item: QueryItem<'_, T>,
@@ -350,8 +382,8 @@ fn query_tile_body<T: CpuFloat>(
         let k0 = kt * TILE;
         let bk = (k0 + TILE).min(l) - k0;
         let kv_end = &ctx.kv_end[k0..k0 + bk];
-        scores(q_rows, &kt_head[k0..], lpad, dp, s);
-        scores(do_rows, &vt_head[k0..], lpad, dp, dpm);
+        scores::<T, FMA>(q_rows, &kt_head[k0..], lpad, dp, s);
+        scores::<T, FMA>(do_rows, &vt_head[k0..], lpad, dp, dpm);
         for (i, (srow, dprow)) in s
             .chunks_exact_mut(TILE)
             .zip(dpm.chunks_exact(TILE))
@@ -367,22 +399,25 @@ fn query_tile_body<T: CpuFloat>(
             }
             let q = q0 + i;
             if class == TileClass::Full {
-                for (x, &dx) in live.iter_mut().zip(dprow) {
-                    let p = (*x * ctx.scale - m).exp();
-                    *x = p * (dx - dd);
+                for x in live.iter_mut() {
+                    *x = *x * ctx.scale - m;
                 }
             } else {
-                for (j, ((x, &dx), &end)) in live.iter_mut().zip(dprow).zip(kv_end).enumerate() {
+                // Masked entries get exp(−inf) = 0.
+                for (j, (x, &end)) in live.iter_mut().zip(kv_end).enumerate() {
                     *x = if k0 + j <= q && q < end as usize {
-                        let p = (*x * ctx.scale - m).exp();
-                        p * (dx - dd)
+                        *x * ctx.scale - m
                     } else {
-                        T::ZERO
+                        T::NEG_INFINITY
                     };
                 }
             }
+            T::exp_in_place(live);
+            for (x, &dx) in live.iter_mut().zip(dprow) {
+                *x *= dx - dd;
+            }
         }
-        accumulate(s, &ctx.kh[(g * lpad + k0) * dp..], dp, dq);
+        accumulate::<T, FMA>(s, &ctx.kh[(g * lpad + k0) * dp..], dp, dq);
     }
     for x in dq.iter_mut() {
         *x *= ctx.scale;

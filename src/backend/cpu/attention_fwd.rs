@@ -1,13 +1,14 @@
 //! Tiled attention forward with an online softmax.
 
-use super::kernels::{accumulate, has_avx2, scores};
+use super::kernels::{accumulate, has_avx2_fma, scores};
 use super::layout::{Layout, RopeTable};
 use super::{
-    check_qkv, num_threads, run_parallel, AttnOut, CpuFloat, KeyTileBounds, TileClass, TILE,
+    check_qkv, check_result, num_threads, run_parallel, AttnOut, CpuFloat, KeyTileBounds,
+    TileClass, TILE,
 };
 use crate::backend::{AttnParams, AttnShape};
 use crate::mask::PackMask;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Attention forward on a pack: `O = softmax(scale · Q Kᵀ masked) V` and
 /// `LSE = ln Σ exp(scale · Q Kᵀ masked)` per query row and head (see the
@@ -21,7 +22,8 @@ use crate::Result;
 /// Errors: slice lengths that do not match `shape`, `q_heads` not a multiple
 /// of `kv_heads`, a mask of another length or with `kv_end[k] < k` or
 /// `> tokens`, unsupported rotary dims, and (with `params.check_finite`) a
-/// NaN or ±inf in q, k or v.
+/// NaN or ±inf in q, k or v; and a NaN or ±inf in the result (scores that
+/// overflow `T`, or non-finite inputs when they were not checked).
 pub fn attention_forward<T: CpuFloat>(
     q: &[T],
     k: &[T],
@@ -29,6 +31,19 @@ pub fn attention_forward<T: CpuFloat>(
     shape: AttnShape,
     mask: PackMask<'_>,
     params: &AttnParams,
+) -> Result<AttnOut<T>> {
+    forward_on_threads(q, k, v, shape, mask, params, num_threads())
+}
+
+/// [`attention_forward`] on `threads` threads.
+pub(crate) fn forward_on_threads<T: CpuFloat>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: AttnShape,
+    mask: PackMask<'_>,
+    params: &AttnParams,
+    threads: usize,
 ) -> Result<AttnOut<T>> {
     check_qkv(q, k, v, &shape, &mask, params)?;
     let l = shape.tokens;
@@ -38,7 +53,7 @@ pub fn attention_forward<T: CpuFloat>(
             lse: Vec::new(),
         });
     }
-    let lay = Layout::new(l, shape.head_dim, num_threads());
+    let lay = Layout::new(l, shape.head_dim, threads);
     let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids));
     let qh = lay.head_major(q, shape.q_heads, rope.as_ref());
     let kh = lay.head_major(k, shape.kv_heads, rope.as_ref());
@@ -86,6 +101,17 @@ pub fn attention_forward<T: CpuFloat>(
     });
 
     let o = lay.token_major(&oh, shape.q_heads, None);
+    check_result("o", &o)?;
+    // −inf is a legitimate LSE (no visible key); NaN and +inf are not.
+    let bad_lse = lse
+        .iter()
+        .position(|x| x.partial_cmp(&T::INFINITY) != Some(std::cmp::Ordering::Less));
+    if let Some(index) = bad_lse {
+        return Err(Error::NonFinite {
+            what: format!("lse (scores overflowed {})", T::NAME),
+            index,
+        });
+    }
     Ok(AttnOut { o, lse })
 }
 
@@ -133,26 +159,30 @@ impl<T: CpuFloat> FwdScratch<T> {
 
 fn query_tile<T: CpuFloat>(ctx: &FwdCtx<'_, T>, s: &mut FwdScratch<T>, item: FwdItem<'_, T>) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the running CPU supports AVX2 (checked at run time).
+    if has_avx2_fma() {
+        // SAFETY: the running CPU supports AVX2 and FMA (checked at run time).
         unsafe { query_tile_avx2(ctx, s, item) };
         return;
     }
-    query_tile_body(ctx, s, item)
+    query_tile_body::<T, false>(ctx, s, item)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn query_tile_avx2<T: CpuFloat>(
     ctx: &FwdCtx<'_, T>,
     s: &mut FwdScratch<T>,
     item: FwdItem<'_, T>,
 ) {
-    query_tile_body(ctx, s, item)
+    query_tile_body::<T, true>(ctx, s, item)
 }
 
 #[inline(always)]
-fn query_tile_body<T: CpuFloat>(ctx: &FwdCtx<'_, T>, sc: &mut FwdScratch<T>, item: FwdItem<'_, T>) {
+fn query_tile_body<T: CpuFloat, const FMA: bool>(
+    ctx: &FwdCtx<'_, T>,
+    sc: &mut FwdScratch<T>,
+    item: FwdItem<'_, T>,
+) {
     let Layout { l, lpad, dp, .. } = ctx.lay;
     let FwdItem { h, qt, o, lse } = item;
     let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
@@ -173,7 +203,7 @@ fn query_tile_body<T: CpuFloat>(ctx: &FwdCtx<'_, T>, sc: &mut FwdScratch<T>, ite
         let k0 = kt * TILE;
         let bk = (k0 + TILE).min(l) - k0;
         let kv_end = &ctx.kv_end[k0..k0 + bk];
-        scores(q_rows, &kt_head[k0..], lpad, dp, s);
+        scores::<T, FMA>(q_rows, &kt_head[k0..], lpad, dp, s);
         for (i, row) in s.chunks_exact_mut(TILE).enumerate() {
             let (live, pad) = row.split_at_mut(bk);
             pad.fill(T::ZERO);
@@ -182,23 +212,29 @@ fn query_tile_body<T: CpuFloat>(ctx: &FwdCtx<'_, T>, sc: &mut FwdScratch<T>, ite
                 continue;
             }
             let q = q0 + i;
-            let mut row_max = T::NEG_INFINITY;
-            if class == TileClass::Full {
+            let mut any_visible = class == TileClass::Full;
+            if any_visible {
                 for x in live.iter_mut() {
-                    *x = *x * ctx.scale;
-                    row_max = row_max.max_of(*x);
+                    *x *= ctx.scale;
                 }
             } else {
                 for (j, (x, &end)) in live.iter_mut().zip(kv_end).enumerate() {
-                    *x = if k0 + j <= q && q < end as usize {
+                    let visible = k0 + j <= q && q < end as usize;
+                    any_visible |= visible;
+                    *x = if visible {
                         *x * ctx.scale
                     } else {
                         T::NEG_INFINITY
                     };
-                    row_max = row_max.max_of(*x);
                 }
             }
+            let row_max = T::max_all(live);
             if row_max == T::NEG_INFINITY {
+                if any_visible {
+                    // Visible scores that are all NaN or −inf: an overflow,
+                    // not an empty row. Poison the row (reported below).
+                    sum[i] = T::NEG_INFINITY;
+                }
                 live.fill(T::ZERO);
                 continue;
             }
@@ -212,14 +248,13 @@ fn query_tile_body<T: CpuFloat>(ctx: &FwdCtx<'_, T>, sc: &mut FwdScratch<T>, ite
                 }
                 m[i] = m_new;
             }
-            let mut row_sum = T::ZERO;
             for x in live.iter_mut() {
-                *x = (*x - m_new).exp();
-                row_sum += *x;
+                *x -= m_new;
             }
-            sum[i] += row_sum;
+            T::exp_in_place(live);
+            sum[i] += T::sum(live);
         }
-        accumulate(s, &v_head[k0 * dp..], dp, o);
+        accumulate::<T, FMA>(s, &v_head[k0 * dp..], dp, o);
     }
 
     for i in 0..bq {
@@ -230,9 +265,14 @@ fn query_tile_body<T: CpuFloat>(ctx: &FwdCtx<'_, T>, sc: &mut FwdScratch<T>, ite
                 *y *= inv;
             }
             lse[i] = m[i] + sum[i].ln();
-        } else {
+        } else if sum[i] == T::ZERO {
+            // No visible key.
             row.fill(T::ZERO);
             lse[i] = T::NEG_INFINITY;
+        } else {
+            // Poisoned by non-finite scores (a NaN sum, or marked above):
+            // +inf makes the caller's scan report it.
+            lse[i] = T::INFINITY;
         }
     }
 }

@@ -5,36 +5,45 @@
 //! row of `NR` contiguous values per step, so the inner loop is
 //! `MR · NR` independent multiply-adds the compiler vectorizes. The bodies are
 //! generic and `#[inline(always)]`; callers that want AVX2 code wrap them in
-//! a `#[target_feature]` function (see `attention_fwd`).
+//! a `#[target_feature(enable = "avx2,fma")]` function with `FMA = true`
+//! (see `attention_fwd`), and call them with `FMA = false` elsewhere.
 
 use super::layout::LANES;
 use super::{CpuFloat, TILE};
 
 const MR: usize = 4;
 const NR: usize = LANES;
+/// Column block of `scores` (a divisor of `TILE`, independent of the head dim).
+const NS: usize = 16;
 
 /// `out[r·TILE + j] = Σ_c a[r·dp + c] · bt[c·ld + j]` for `r, j < TILE`:
 /// `TILE` rows of `a` (row-major, `dp` columns) times the `TILE` columns of a
 /// transposed operand `bt` (row stride `ld`, starting at its first column).
 #[inline(always)]
-pub(crate) fn scores<T: CpuFloat>(a: &[T], bt: &[T], ld: usize, dp: usize, out: &mut [T]) {
+pub(crate) fn scores<T: CpuFloat, const FMA: bool>(
+    a: &[T],
+    bt: &[T],
+    ld: usize,
+    dp: usize,
+    out: &mut [T],
+) {
     let a = &a[..TILE * dp];
     let out = &mut out[..TILE * TILE];
     for rb in (0..TILE).step_by(MR) {
         let rows: [&[T]; MR] = std::array::from_fn(|r| &a[(rb + r) * dp..(rb + r + 1) * dp]);
-        for jb in (0..TILE).step_by(NR) {
-            let mut acc = [[T::ZERO; NR]; MR];
+        for jb in (0..TILE).step_by(NS) {
+            let mut acc = [[T::ZERO; NS]; MR];
             for c in 0..dp {
-                let b = &bt[c * ld + jb..c * ld + jb + NR];
+                let b = &bt[c * ld + jb..c * ld + jb + NS];
                 for r in 0..MR {
                     let x = rows[r][c];
-                    for j in 0..NR {
-                        acc[r][j] += x * b[j];
+                    for j in 0..NS {
+                        acc[r][j] = madd::<T, FMA>(x, b[j], acc[r][j]);
                     }
                 }
             }
             for r in 0..MR {
-                out[(rb + r) * TILE + jb..(rb + r) * TILE + jb + NR].copy_from_slice(&acc[r]);
+                out[(rb + r) * TILE + jb..(rb + r) * TILE + jb + NS].copy_from_slice(&acc[r]);
             }
         }
     }
@@ -44,7 +53,7 @@ pub(crate) fn scores<T: CpuFloat>(a: &[T], bt: &[T], ld: usize, dp: usize, out: 
 /// `c < dp`: a `TILE × TILE` block times `TILE` rows of `b` (row-major, `dp`
 /// columns), accumulated into `TILE` rows of `out`.
 #[inline(always)]
-pub(crate) fn accumulate<T: CpuFloat>(a: &[T], b: &[T], dp: usize, out: &mut [T]) {
+pub(crate) fn accumulate<T: CpuFloat, const FMA: bool>(a: &[T], b: &[T], dp: usize, out: &mut [T]) {
     let a = &a[..TILE * TILE];
     let b = &b[..TILE * dp];
     let out = &mut out[..TILE * dp];
@@ -60,7 +69,7 @@ pub(crate) fn accumulate<T: CpuFloat>(a: &[T], b: &[T], dp: usize, out: &mut [T]
                 for r in 0..MR {
                     let x = rows[r][i];
                     for j in 0..NR {
-                        acc[r][j] += x * bv[j];
+                        acc[r][j] = madd::<T, FMA>(x, bv[j], acc[r][j]);
                     }
                 }
             }
@@ -71,15 +80,86 @@ pub(crate) fn accumulate<T: CpuFloat>(a: &[T], b: &[T], dp: usize, out: &mut [T]
     }
 }
 
-/// Whether the running CPU has AVX2 (checked once by std, then cached).
+/// `acc + x · y`, fused (one rounding) when `FMA`. Only instantiate
+/// `FMA = true` inside functions compiled with the `fma` target feature:
+/// elsewhere `mul_add` is a slow library call.
+#[inline(always)]
+fn madd<T: CpuFloat, const FMA: bool>(x: T, y: T, acc: T) -> T {
+    if FMA {
+        x.mul_add(y, acc)
+    } else {
+        acc + x * y
+    }
+}
+
+/// Whether the running CPU has AVX2 and FMA (checked once by std, then
+/// cached): the work-item functions then run their `avx2,fma` copies.
 #[inline]
-pub(crate) fn has_avx2() -> bool {
+pub(crate) fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2")
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, seed: u64) -> Vec<f64> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                (s >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+            })
+            .collect()
+    }
+
+    /// Both kernels, plain and fused multiply-add, against triple loops, with
+    /// a transposed operand whose row stride and start column are not the
+    /// tile's (as when a tile reads columns `k0..` of a `[dp, lpad]` head).
+    /// Same products in a different order: 1e-13 absolute on sums of 48
+    /// terms of size < 0.25.
+    fn check<const FMA: bool>() {
+        let (dp, ld, col0) = (48, 3 * TILE + 5, 70);
+        let a = data(TILE * dp, 1);
+        let bt = data(dp * ld, 2);
+        let mut s = vec![0.0; TILE * TILE];
+        scores::<f64, FMA>(&a, &bt[col0..], ld, dp, &mut s);
+        for r in 0..TILE {
+            for j in 0..TILE {
+                let want: f64 = (0..dp).map(|c| a[r * dp + c] * bt[c * ld + col0 + j]).sum();
+                assert!((s[r * TILE + j] - want).abs() < 1e-13, "scores[{r}][{j}]");
+            }
+        }
+        let b = data(TILE * dp, 3);
+        let mut out = data(TILE * dp, 4);
+        let before = out.clone();
+        accumulate::<f64, FMA>(&s, &b, dp, &mut out);
+        for r in 0..TILE {
+            for c in 0..dp {
+                let want = before[r * dp + c]
+                    + (0..TILE)
+                        .map(|i| s[r * TILE + i] * b[i * dp + c])
+                        .sum::<f64>();
+                assert!(
+                    (out[r * dp + c] - want).abs() < 1e-13,
+                    "accumulate[{r}][{c}]"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn kernels_match_triple_loops() {
+        check::<false>();
+        check::<true>();
     }
 }

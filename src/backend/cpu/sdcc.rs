@@ -54,8 +54,8 @@ pub struct SdccOut<T> {
 ///
 /// Errors: `vocab == 0` or logits not a whole number of rows; `weights` not
 /// one per pair, non-finite or negative; `temperature` non-finite or `<= 0`;
-/// a pair naming a row out of range; a used row containing NaN or `+inf`, or
-/// entirely `−inf`. When several pairs are bad, the lowest pair index is
+/// a pair naming a row out of range; a used row containing NaN or `+inf`,
+/// entirely `−inf`, or overflowing f64 once divided by `τ`. When several pairs are bad, the lowest pair index is
 /// reported.
 pub fn sdcc_forward_kl<T: CpuFloat>(
     student: &[T],
@@ -119,21 +119,18 @@ pub fn sdcc_forward_kl<T: CpuFloat>(
     {
         let mut rest_order: &[usize] = &order;
         let mut rest_kl: &mut [f64] = &mut kl_sorted;
-        let mut rows = grad.chunks_mut(vocab).enumerate();
-        while let Some(&first) = rest_order.first() {
-            let row = pairs[first].0 as usize;
+        for (row, grad_row) in grad.chunks_mut(vocab).enumerate() {
             let n = rest_order
                 .iter()
                 .take_while(|&&i| pairs[i].0 as usize == row)
                 .count();
+            if n == 0 {
+                continue;
+            }
             let (ids, tail) = rest_order.split_at(n);
             let (kls, kl_tail) = std::mem::take(&mut rest_kl).split_at_mut(n);
             rest_order = tail;
             rest_kl = kl_tail;
-            let grad_row = rows
-                .find(|(r, _)| *r == row)
-                .map(|(_, g)| g)
-                .unwrap_or_default();
             work.push(RowItem {
                 grad: grad_row,
                 pairs: ids,
@@ -263,16 +260,29 @@ fn row_stats<T: CpuFloat>(
         let (mut max_a, mut max_b) = (ninf, ninf);
         for (j, (&x, &y)) in sc.iter().zip(tc).enumerate() {
             let (x, y) = (x.to_f64(), y.to_f64());
-            if !(x < f64::INFINITY) {
+            if x.is_nan() || x == f64::INFINITY {
                 return Err(bad_logit("student", s, vocab, c * CHUNK + j));
             }
-            if !(y < f64::INFINITY) {
+            if y.is_nan() || y == f64::INFINITY {
                 return Err(bad_logit("teacher", t, vocab, c * CHUNK + j));
             }
             max_a = max_a.max(y);
             max_b = max_b.max(x);
         }
         let (new_a, new_b) = (m_a.max(max_a * inv_tau), m_b.max(max_b * inv_tau));
+        if new_a == f64::INFINITY || new_b == f64::INFINITY {
+            let (what, row) = if new_a == f64::INFINITY {
+                ("teacher", t)
+            } else {
+                ("student", s)
+            };
+            return Err(Error::NonFinite {
+                what: format!(
+                    "SDCC {what} logits row {row} divided by the temperature (overflows f64)"
+                ),
+                index: row * vocab + c * CHUNK,
+            });
+        }
         if z_a > 0.0 {
             let alpha = (m_a - new_a).exp();
             if !infinite {

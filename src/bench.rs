@@ -440,10 +440,12 @@ fn check_dense(
 
 /// `C[i, j] = Σ_p A[i, p] · B[p, j]` for `i < m`, `j < n`, `p < depth`; all
 /// row-major with leading dimensions `lda`, `ldb`, `ldc`. Register blocks of
-/// 4 rows × 16 columns, the depth loop innermost.
+/// 4 rows × 16 columns, the depth loop innermost; with `FMA` the
+/// multiply-adds are fused (only inside an `fma` target-feature function:
+/// elsewhere `mul_add` is a slow library call).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn gemm_body(
+fn gemm_body<const FMA: bool>(
     m: usize,
     n: usize,
     depth: usize,
@@ -467,7 +469,7 @@ fn gemm_body(
                     for (r, acc_r) in acc.iter_mut().enumerate() {
                         let x = a[(i + r) * lda + p];
                         for (y, &bv) in acc_r.iter_mut().zip(bp) {
-                            *y += x * bv;
+                            *y = if FMA { x.mul_add(bv, *y) } else { *y + x * bv };
                         }
                     }
                 }
@@ -477,7 +479,7 @@ fn gemm_body(
                     for (r, acc_r) in acc.iter_mut().enumerate().take(rows) {
                         let x = a[(i + r) * lda + p];
                         for (y, &bv) in acc_r.iter_mut().zip(bp) {
-                            *y += x * bv;
+                            *y = if FMA { x.mul_add(bv, *y) } else { *y + x * bv };
                         }
                     }
                 }
@@ -490,9 +492,9 @@ fn gemm_body(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_avx2(
+unsafe fn gemm_avx2_fma(
     m: usize,
     n: usize,
     depth: usize,
@@ -503,11 +505,12 @@ unsafe fn gemm_avx2(
     c: &mut [f32],
     ldc: usize,
 ) {
-    gemm_body(m, n, depth, a, lda, b, ldb, c, ldc)
+    gemm_body::<true>(m, n, depth, a, lda, b, ldb, c, ldc)
 }
 
-/// [`gemm_body`], compiled for AVX2 when the CPU has it (the same
-/// instruction set the CPU backend's kernels use, so the comparison is fair).
+/// [`gemm_body`], compiled for AVX2 with FMA when the CPU has both (the
+/// instruction set the CPU backend's kernels use, so the comparison is
+/// fair), portable otherwise.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     m: usize,
@@ -521,12 +524,12 @@ fn gemm(
     ldc: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the running CPU supports AVX2 (checked just above).
-        unsafe { gemm_avx2(m, n, depth, a, lda, b, ldb, c, ldc) };
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the running CPU supports AVX2 and FMA (checked just above).
+        unsafe { gemm_avx2_fma(m, n, depth, a, lda, b, ldb, c, ldc) };
         return;
     }
-    gemm_body(m, n, depth, a, lda, b, ldb, c, ldc)
+    gemm_body::<false>(m, n, depth, a, lda, b, ldb, c, ldc)
 }
 
 /// Rows per work item of the dense baseline.

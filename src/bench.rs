@@ -55,7 +55,7 @@ use std::time::Instant;
 
 use crate::backend::cpu::{
     attention_backward, attention_forward, num_threads, run_parallel, tile_counts, AttnGrads,
-    AttnOut, SdccOut, TileCounts, TILE,
+    AttnOut, CpuFloat, SdccOut, TileCounts, TILE,
 };
 use crate::backend::{AttnParams, AttnShape};
 use crate::gen::{
@@ -622,11 +622,11 @@ fn softmax_rows(s: &mut [f32], allowed: &[bool], l: usize, scale: f32, lse: &mut
                     lse_rows[i] = f32::NEG_INFINITY;
                     continue;
                 }
-                let mut sum = 0.0f32;
                 for x in row.iter_mut() {
-                    *x = (*x - m).exp();
-                    sum += *x;
+                    *x -= m;
                 }
+                f32::exp_in_place(row);
+                let sum: f32 = row.iter().sum();
                 let inv = 1.0 / sum;
                 for x in row.iter_mut() {
                     *x *= inv;
@@ -656,8 +656,14 @@ fn recompute_p(s: &mut [f32], allowed: &[bool], l: usize, scale: f32, lse: &[f32
                     continue;
                 }
                 for (x, &a) in row.iter_mut().zip(ok) {
-                    *x = if a { (*x * scale - x_lse).exp() } else { 0.0 };
+                    *x = if a {
+                        // <= 0 up to rounding: the LSE bounds every score.
+                        (*x * scale - x_lse).min(0.0)
+                    } else {
+                        f32::NEG_INFINITY
+                    };
                 }
+                f32::exp_in_place(row);
             }
         },
     );
@@ -671,9 +677,12 @@ fn recompute_p(s: &mut [f32], allowed: &[bool], l: usize, scale: f32, lse: &[f32
 /// [`attention_forward`] (`O`, and `LSE = ln Σ exp(scale · S)` over visible
 /// keys; a row with no visible key gets `O = 0`, `LSE = −inf`); `O(L²)`
 /// memory (the mask plus one head's `L × L` scores at a time). Rows are
-/// spread over the same threads as the CPU backend. f32, no rotary.
+/// spread over the same threads as the CPU backend, with the same
+/// instruction set (AVX2 + FMA matmuls where available, the backend's
+/// vectorized `exp`). f32, no rotary.
 ///
-/// Errors: as [`attention_forward`], and `Unsupported` for `params.rope`.
+/// Errors: as [`attention_forward`], `Unsupported` for `params.rope`, and
+/// `Unsupported` when the `L × L` buffers would exceed [`DENSE_MAX_BYTES`].
 pub fn dense_attention_forward(
     q: &[f32],
     k: &[f32],

@@ -30,5 +30,6 @@ pub mod backend;
 pub mod logittree;
 pub mod model;
 pub mod demo;
+pub mod bench;
 
 pub use error::{Error, Result};

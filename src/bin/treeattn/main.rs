@@ -3,6 +3,7 @@
 
 mod args;
 mod demo;
+mod bench;
 mod gen;
 mod gpu_check;
 mod inspect;
@@ -32,6 +33,9 @@ COMMANDS:
     gpu-check [--device N] [--seed S] [--tokens N] [--heads H] [--reps R]
                            CUDA kernels vs reference on random packs, then
                            timings (needs a build with --features cuda)
+    bench [--shape S,...] [--reps N] [--heads H] [--head-dim D]
+                           time attention (trie pack vs LogitTree K+1 passes,
+                           replicated, dense mask, Naive-Compressed) per shape
     help                   this text
 
 Exit status: 0 on success, 2 for bad usage, 1 for bad input or i/o errors;
@@ -66,6 +70,7 @@ fn dispatch(mut args: Vec<String>) -> treeattn::Result<()> {
         "pack" => pack::run(args),
         "gen" => gen::run(args),
         "gpu-check" => gpu_check::run(args),
+        "bench" => bench::run(args),
         other => Err(Error::Usage(format!("unknown command {other:?}"))),
     }
 }

@@ -3,6 +3,7 @@
 
 use super::kernels::{accumulate, has_avx2_fma, scores};
 use super::layout::{Layout, RopeTable};
+use super::workspace;
 use super::{
     check_finite, check_len, check_qkv, check_result, num_threads, run_parallel, AttnGrads,
     CpuFloat, KeyTileBounds, TileClass, TILE,
@@ -105,8 +106,8 @@ pub(crate) fn backward_on_threads<T: CpuFloat>(
     // Per (head, padded row): D = rowsum(dO ∘ O), and the LSE to subtract,
     // with +inf for rows without a visible key and for padding rows so that
     // exp(s − lse) is exactly 0 there.
-    let mut delta = vec![T::ZERO; hq * lpad];
-    let mut lse_eff = vec![T::INFINITY; hq * lpad];
+    let mut delta = workspace::take(hq * lpad, T::ZERO);
+    let mut lse_eff = workspace::take(hq * lpad, T::INFINITY);
     for h in 0..hq {
         for t in 0..l {
             let at = (t * hq + h) * d;
@@ -144,8 +145,8 @@ pub(crate) fn backward_on_threads<T: CpuFloat>(
 
     // Pass 1: dK, dV per (kv head, key tile); earlier key tiles see more
     // query tiles, so they go first.
-    let mut dkh = vec![T::ZERO; hkv * lpad * dp];
-    let mut dvh = vec![T::ZERO; hkv * lpad * dp];
+    let mut dkh = workspace::take(hkv * lpad * dp, T::ZERO);
+    let mut dvh = workspace::take(hkv * lpad * dp, T::ZERO);
     let mut work = Vec::with_capacity(hkv * tiles);
     for (g, (dk_head, dv_head)) in dkh
         .chunks_mut(lpad * dp)
@@ -166,7 +167,7 @@ pub(crate) fn backward_on_threads<T: CpuFloat>(
     });
 
     // Pass 2: dQ per (query head, query tile).
-    let mut dqh = vec![T::ZERO; hq * lpad * dp];
+    let mut dqh = workspace::take(hq * lpad * dp, T::ZERO);
     let mut work: Vec<_> = dqh
         .chunks_mut(lpad * dp)
         .enumerate()

@@ -2,6 +2,7 @@
 
 use super::kernels::{accumulate, has_avx2_fma, scores};
 use super::layout::{Layout, RopeTable};
+use super::workspace;
 use super::{
     check_qkv, check_result, num_threads, run_parallel, AttnOut, CpuFloat, KeyTileBounds,
     TileClass, TILE,
@@ -73,7 +74,7 @@ pub(crate) fn forward_on_threads<T: CpuFloat>(
     };
 
     let (lpad, dp) = (lay.lpad, lay.dp);
-    let mut oh = vec![T::ZERO; shape.q_heads * lpad * dp];
+    let mut oh = workspace::take(shape.q_heads * lpad * dp, T::ZERO);
     let mut lse = vec![T::NEG_INFINITY; shape.q_heads * l];
     let tiles = l.div_ceil(TILE);
     // Busiest query tiles first, so the queue ends with short items.

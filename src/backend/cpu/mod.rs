@@ -50,6 +50,7 @@ mod float;
 mod kernels;
 mod layout;
 mod sdcc;
+mod workspace;
 
 pub use attention_bwd::attention_backward;
 pub use attention_fwd::attention_forward;

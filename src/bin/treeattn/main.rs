@@ -2,8 +2,8 @@
 //! data. Hand-written argument parsing; one module per subcommand.
 
 mod args;
-mod demo;
 mod bench;
+mod demo;
 mod gen;
 mod gpu_check;
 mod inspect;

@@ -1,6 +1,6 @@
 //! Tiled attention forward with an online softmax.
 
-use super::kernels::{accumulate, has_avx2_fma, scores};
+use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs};
 use super::layout::{Layout, RopeTable};
 use super::workspace;
 use super::{
@@ -204,39 +204,54 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         let k0 = kt * TILE;
         let bk = (k0 + TILE).min(l) - k0;
         let kv_end = &ctx.kv_end[k0..k0 + bk];
-        scores::<T, FMA>(q_rows, &kt_head[k0..], lpad, dp, s);
+        let live = ctx.bounds.live_query_rows(q0, q1, k0);
+        scores::<T, FMA>(q_rows, &kt_head[k0..], lpad, dp, s, live);
         for (i, row) in s.chunks_exact_mut(TILE).enumerate() {
-            let (live, pad) = row.split_at_mut(bk);
-            pad.fill(T::ZERO);
+            let strips = row_strips(live, i);
+            if strips == 0 {
+                continue;
+            }
             if i >= bq {
-                live.fill(T::ZERO);
+                // A padding row in a live block: P = 0.
+                strip_runs(strips).for_each(|(a, b)| row[a..b].fill(T::ZERO));
                 continue;
             }
             let q = q0 + i;
-            let mut any_visible = class == TileClass::Full;
-            if any_visible {
-                for x in live.iter_mut() {
-                    *x *= ctx.scale;
+            let mut any_visible = false;
+            let mut row_max = T::NEG_INFINITY;
+            for (a, b) in strip_runs(strips) {
+                let e = b.min(bk);
+                // Keys past the pack's end: P = 0.
+                row[e.max(a)..b].fill(T::ZERO);
+                if a >= e {
+                    continue;
                 }
-            } else {
-                for (j, (x, &end)) in live.iter_mut().zip(kv_end).enumerate() {
-                    let visible = k0 + j <= q && q < end as usize;
-                    any_visible |= visible;
-                    *x = if visible {
-                        *x * ctx.scale
-                    } else {
-                        T::NEG_INFINITY
-                    };
+                let xs = &mut row[a..e];
+                if class == TileClass::Full {
+                    any_visible = true;
+                    for x in xs.iter_mut() {
+                        *x *= ctx.scale;
+                    }
+                } else {
+                    for (j, (x, &end)) in xs.iter_mut().zip(&kv_end[a..e]).enumerate() {
+                        let visible = k0 + a + j <= q && q < end as usize;
+                        any_visible |= visible;
+                        *x = if visible {
+                            *x * ctx.scale
+                        } else {
+                            T::NEG_INFINITY
+                        };
+                    }
                 }
+                row_max = row_max.max_of(T::max_all(xs));
             }
-            let row_max = T::max_all(live);
             if row_max == T::NEG_INFINITY {
                 if any_visible {
                     // Visible scores that are all NaN or −inf: an overflow,
                     // not an empty row. Poison the row (reported below).
                     sum[i] = T::NEG_INFINITY;
                 }
-                live.fill(T::ZERO);
+                strip_runs(strips).for_each(|(a, b)| row[a..b].fill(T::ZERO));
                 continue;
             }
             let m_new = m[i].max_of(row_max);
@@ -249,13 +264,16 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
                 }
                 m[i] = m_new;
             }
-            for x in live.iter_mut() {
-                *x -= m_new;
+            for (a, b) in strip_runs(strips) {
+                let xs = &mut row[a..b.min(bk).max(a)];
+                for x in xs.iter_mut() {
+                    *x -= m_new;
+                }
+                T::exp_in_place(xs);
+                sum[i] += T::sum(xs);
             }
-            T::exp_in_place(live);
-            sum[i] += T::sum(live);
         }
-        accumulate::<T, FMA>(s, &v_head[k0 * dp..], dp, o);
+        accumulate::<T, FMA>(s, &v_head[k0 * dp..], dp, o, live);
     }
 
     for i in 0..bq {

@@ -60,6 +60,7 @@ pub use sdcc::{sdcc_forward_kl, SdccOut};
 use super::{AttnParams, AttnShape};
 use crate::mask::PackMask;
 use crate::{Error, Result};
+use kernels::LiveBlocks;
 use std::sync::{Mutex, PoisonError};
 
 /// Side of the square (query tile × key tile) blocks the CPU backend
@@ -139,27 +140,94 @@ pub fn tile_counts(mask: PackMask<'_>) -> TileCounts {
     c
 }
 
-/// Per key tile, the min and max of `kv_end` over its keys, computed once per
-/// call.
+/// Per key tile, the min and max of `kv_end` over its keys, and the max over
+/// the finer key groups the micro-kernels' register blocks cover
+/// ([`kernels::MR`] and [`kernels::NS`] keys): computed once per call.
 pub(crate) struct KeyTileBounds {
     len: usize,
     min_end: Vec<u32>,
     max_end: Vec<u32>,
+    /// Max `kv_end` per group of `MR` keys.
+    row_block_max: Vec<u32>,
+    /// Max `kv_end` per group of `NS` keys.
+    strip_max: Vec<u32>,
 }
 
 impl KeyTileBounds {
     pub(crate) fn new(kv_end: &[u32]) -> Self {
-        let mut min_end = Vec::with_capacity(kv_end.len().div_ceil(TILE));
-        let mut max_end = Vec::with_capacity(min_end.capacity());
-        for tile in kv_end.chunks(TILE) {
-            min_end.push(tile.iter().copied().min().unwrap_or(0));
-            max_end.push(tile.iter().copied().max().unwrap_or(0));
-        }
+        let maxes = |n: usize| -> Vec<u32> {
+            kv_end
+                .chunks(n)
+                .map(|c| c.iter().copied().max().unwrap_or(0))
+                .collect()
+        };
+        let min_end = kv_end
+            .chunks(TILE)
+            .map(|c| c.iter().copied().min().unwrap_or(0))
+            .collect();
         KeyTileBounds {
             len: kv_end.len(),
             min_end,
-            max_end,
+            max_end: maxes(TILE),
+            row_block_max: maxes(kernels::MR),
+            strip_max: maxes(kernels::NS),
         }
+    }
+
+    /// The register blocks of the (queries `[q0, q1)`, keys from `k0`) tile
+    /// that hold a visible entry, with query rows and key columns (forward,
+    /// dQ). A block of queries `[qa, qb]` and keys from `ka` holds none when
+    /// `ka > qb` (all keys after all queries) or the keys' largest `kv_end`
+    /// is `<= qa` (they are seen by none of the queries); blocks past the
+    /// last token or query hold none either.
+    #[inline]
+    pub(crate) fn live_query_rows(&self, q0: usize, q1: usize, k0: usize) -> LiveBlocks {
+        use kernels::{MR, NS, STRIPS};
+        let mut live = 0;
+        for cs in 0..STRIPS {
+            let ka = k0 + cs * NS;
+            if ka >= self.len {
+                break;
+            }
+            let seen_below = self.strip_max[ka / NS] as usize;
+            for rb in 0..TILE / MR {
+                let qa = q0 + rb * MR;
+                if qa >= q1 {
+                    break;
+                }
+                let qb = (qa + MR).min(q1) - 1;
+                if ka <= qb && seen_below > qa {
+                    live |= 1 << (rb * STRIPS + cs);
+                }
+            }
+        }
+        live
+    }
+
+    /// Like [`Self::live_query_rows`] for the transposed tile: key rows
+    /// from `k0`, query columns `[q0, q1)` (dK, dV).
+    #[inline]
+    pub(crate) fn live_key_rows(&self, k0: usize, q0: usize, q1: usize) -> LiveBlocks {
+        use kernels::{MR, NS, STRIPS};
+        let mut live = 0;
+        for rb in 0..TILE / MR {
+            let ka = k0 + rb * MR;
+            if ka >= self.len {
+                break;
+            }
+            let seen_below = self.row_block_max[ka / MR] as usize;
+            for cs in 0..STRIPS {
+                let qa = q0 + cs * NS;
+                if qa >= q1 {
+                    break;
+                }
+                let qb = (qa + NS).min(q1) - 1;
+                if ka <= qb && seen_below > qa {
+                    live |= 1 << (rb * STRIPS + cs);
+                }
+            }
+        }
+        live
     }
 
     /// Class of the block of queries `[q0, q1)` against key tile `kt`.

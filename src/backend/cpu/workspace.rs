@@ -172,6 +172,10 @@ mod tests {
         let kept: Vec<usize> = pool.iter().map(|e| e.bytes).collect();
         assert_eq!(kept, [108, 109, 700], "freed until the bytes fit");
         admit(&mut pool, entry(1001), 4, 1000);
-        assert_eq!(pool.len(), 3, "larger than the cap: not kept, nothing freed");
+        assert_eq!(
+            pool.len(),
+            3,
+            "larger than the cap: not kept, nothing freed"
+        );
     }
 }

@@ -1,7 +1,7 @@
 //! Tiled attention backward: two deterministic passes (dK, dV per key tile;
 //! dQ per query tile), each recomputing `P` from the saved LSE.
 
-use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs};
+use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS, STRIPS};
 use super::layout::{Layout, RopeTable};
 use super::workspace;
 use super::{
@@ -391,7 +391,8 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         let k0 = kt * TILE;
         let bk = (k0 + TILE).min(l) - k0;
         let kv_end = &ctx.kv_end[k0..k0 + bk];
-        let live = ctx.bounds.live_query_rows(q0, q1, k0);
+        let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
+        let live = blocks.live;
         scores::<T, FMA>(q_rows, &kt_head[k0..], lpad, dp, s, live);
         scores::<T, FMA>(do_rows, &vt_head[k0..], lpad, dp, dpm, live);
         for (i, (srow, dprow)) in s
@@ -409,31 +410,48 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
                 strip_runs(strips).for_each(|(a, b)| srow[a..b].fill(T::ZERO));
                 continue;
             }
-            let q = q0 + i;
+            let full = row_strips(blocks.full, i);
+            let q = q0 as u32 + i as u32;
             for (a, b) in strip_runs(strips) {
-                let e = b.min(bk);
                 // Keys past the pack's end: dS = 0.
-                srow[e.max(a)..b].fill(T::ZERO);
-                if a >= e {
-                    continue;
-                }
-                let xs = &mut srow[a..e];
-                if class == TileClass::Full {
-                    for x in xs.iter_mut() {
+                srow[b.min(bk).max(a)..b].fill(T::ZERO);
+            }
+            if strips & !full == 0 {
+                // Every live block of the row is fully visible.
+                for (a, b) in strip_runs(strips) {
+                    for x in &mut srow[a..b.min(bk).max(a)] {
                         *x = *x * ctx.scale - m;
                     }
-                } else {
-                    // Masked entries get exp(−inf) = 0.
-                    for (j, (x, &end)) in xs.iter_mut().zip(&kv_end[a..e]).enumerate() {
-                        *x = if k0 + a + j <= q && q < end as usize {
-                            *x * ctx.scale - m
-                        } else {
-                            T::NEG_INFINITY
-                        };
+                }
+            } else {
+                for cs in (0..STRIPS).filter(|cs| strips >> cs & 1 == 1) {
+                    let (a, e) = (cs * NS, ((cs + 1) * NS).min(bk));
+                    if a >= e {
+                        continue;
+                    }
+                    let xs = &mut srow[a..e];
+                    if full >> cs & 1 == 1 {
+                        for x in xs.iter_mut() {
+                            *x = *x * ctx.scale - m;
+                        }
+                    } else {
+                        // Masked entries get exp(−inf) = 0.
+                        let k_first = (k0 + a) as u32;
+                        for (j, (x, &end)) in xs.iter_mut().zip(&kv_end[a..e]).enumerate() {
+                            let seen = k_first + j as u32 <= q && q < end;
+                            *x = if seen {
+                                *x * ctx.scale - m
+                            } else {
+                                T::NEG_INFINITY
+                            };
+                        }
                     }
                 }
+            }
+            for (a, b) in strip_runs(strips) {
+                let xs = &mut srow[a..b.min(bk).max(a)];
                 T::exp_in_place(xs);
-                for (x, &dx) in xs.iter_mut().zip(&dprow[a..e]) {
+                for (x, &dx) in xs.iter_mut().zip(&dprow[a..]) {
                     *x *= dx - dd;
                 }
             }

@@ -1,6 +1,6 @@
 //! Tiled attention forward with an online softmax.
 
-use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs};
+use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS, STRIPS};
 use super::layout::{Layout, RopeTable};
 use super::workspace;
 use super::{
@@ -204,7 +204,8 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         let k0 = kt * TILE;
         let bk = (k0 + TILE).min(l) - k0;
         let kv_end = &ctx.kv_end[k0..k0 + bk];
-        let live = ctx.bounds.live_query_rows(q0, q1, k0);
+        let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
+        let live = blocks.live;
         scores::<T, FMA>(q_rows, &kt_head[k0..], lpad, dp, s, live);
         for (i, row) in s.chunks_exact_mut(TILE).enumerate() {
             let strips = row_strips(live, i);
@@ -216,37 +217,55 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
                 strip_runs(strips).for_each(|(a, b)| row[a..b].fill(T::ZERO));
                 continue;
             }
-            let q = q0 + i;
-            let mut any_visible = false;
+            let full = row_strips(blocks.full, i);
+            let q = q0 as u32 + i as u32;
+            let mut visible = 0u32;
             let mut row_max = T::NEG_INFINITY;
-            for (a, b) in strip_runs(strips) {
+            let visit = |a: usize, b: usize, row: &mut [T]| {
                 let e = b.min(bk);
                 // Keys past the pack's end: P = 0.
                 row[e.max(a)..b].fill(T::ZERO);
-                if a >= e {
-                    continue;
-                }
-                let xs = &mut row[a..e];
-                if class == TileClass::Full {
-                    any_visible = true;
+                a.min(e)..e
+            };
+            if strips & !full == 0 {
+                // Every live block of the row is fully visible.
+                for (a, b) in strip_runs(strips) {
+                    let cols = visit(a, b, row);
+                    let xs = &mut row[cols];
+                    visible += xs.len() as u32;
                     for x in xs.iter_mut() {
                         *x *= ctx.scale;
                     }
-                } else {
-                    for (j, (x, &end)) in xs.iter_mut().zip(&kv_end[a..e]).enumerate() {
-                        let visible = k0 + a + j <= q && q < end as usize;
-                        any_visible |= visible;
-                        *x = if visible {
-                            *x * ctx.scale
-                        } else {
-                            T::NEG_INFINITY
-                        };
-                    }
+                    row_max = row_max.max_of(T::max_all(xs));
                 }
-                row_max = row_max.max_of(T::max_all(xs));
+            } else {
+                for cs in (0..STRIPS).filter(|cs| strips >> cs & 1 == 1) {
+                    let (a, b) = (cs * NS, (cs + 1) * NS);
+                    let cols = visit(a, b, row);
+                    let xs = &mut row[cols.clone()];
+                    if full >> cs & 1 == 1 {
+                        visible += xs.len() as u32;
+                        for x in xs.iter_mut() {
+                            *x *= ctx.scale;
+                        }
+                    } else {
+                        let k_first = (k0 + cols.start) as u32;
+                        let ends = &kv_end[cols];
+                        for (j, (x, &end)) in xs.iter_mut().zip(ends).enumerate() {
+                            let seen = k_first + j as u32 <= q && q < end;
+                            visible += seen as u32;
+                            *x = if seen {
+                                *x * ctx.scale
+                            } else {
+                                T::NEG_INFINITY
+                            };
+                        }
+                    }
+                    row_max = row_max.max_of(T::max_all(xs));
+                }
             }
             if row_max == T::NEG_INFINITY {
-                if any_visible {
+                if visible > 0 {
                     // Visible scores that are all NaN or −inf: an overflow,
                     // not an empty row. Poison the row (reported below).
                     sum[i] = T::NEG_INFINITY;

@@ -120,6 +120,14 @@ pub struct TileCounts {
     pub partial: u64,
 }
 
+/// Register-block masks of one tile (see [`LiveBlocks`]): `live` blocks
+/// hold a visible entry, `full` ones (a subset) hold only visible entries.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct BlockMasks {
+    pub live: LiveBlocks,
+    pub full: LiveBlocks,
+}
+
 /// Counts the skip / full / partial blocks the CPU attention visits on this
 /// mask (for reports and for tests that must exercise all three paths).
 pub fn tile_counts(mask: PackMask<'_>) -> TileCounts {
@@ -149,7 +157,8 @@ pub(crate) struct KeyTileBounds {
     max_end: Vec<u32>,
     /// Max `kv_end` per group of `MR` keys.
     row_block_max: Vec<u32>,
-    /// Max `kv_end` per group of `NS` keys.
+    /// Min and max `kv_end` per group of `NS` keys.
+    strip_min: Vec<u32>,
     strip_max: Vec<u32>,
 }
 
@@ -161,13 +170,16 @@ impl KeyTileBounds {
                 .map(|c| c.iter().copied().max().unwrap_or(0))
                 .collect()
         };
-        let min_end = kv_end
-            .chunks(TILE)
-            .map(|c| c.iter().copied().min().unwrap_or(0))
-            .collect();
+        let mins = |n: usize| -> Vec<u32> {
+            kv_end
+                .chunks(n)
+                .map(|c| c.iter().copied().min().unwrap_or(0))
+                .collect()
+        };
         KeyTileBounds {
             len: kv_end.len(),
-            min_end,
+            min_end: mins(TILE),
+            strip_min: mins(kernels::NS),
             max_end: maxes(TILE),
             row_block_max: maxes(kernels::MR),
             strip_max: maxes(kernels::NS),
@@ -175,36 +187,47 @@ impl KeyTileBounds {
     }
 
     /// The register blocks of the (queries `[q0, q1)`, keys from `k0`) tile
-    /// that hold a visible entry, with query rows and key columns (forward,
-    /// dQ). A block of queries `[qa, qb]` and keys from `ka` holds none when
-    /// `ka > qb` (all keys after all queries) or the keys' largest `kv_end`
-    /// is `<= qa` (they are seen by none of the queries); blocks past the
-    /// last token or query hold none either.
+    /// that hold a visible entry, and those whose entries are all visible,
+    /// with query rows and key columns (forward, dQ). A block of queries
+    /// `[qa, qb]` and keys `[ka, kb]` holds none when `ka > qb` (all keys
+    /// after all queries) or the keys' largest `kv_end` is `<= qa` (they are
+    /// seen by none of the queries); blocks past the last token or query
+    /// hold none either. It needs no mask when `kb <= qa` and the keys'
+    /// smallest `kv_end` is `> qb` (DESIGN §5's rules, per block).
     #[inline]
-    pub(crate) fn live_query_rows(&self, q0: usize, q1: usize, k0: usize) -> LiveBlocks {
+    pub(crate) fn query_row_blocks(&self, q0: usize, q1: usize, k0: usize) -> BlockMasks {
         use kernels::{MR, NS, STRIPS};
-        let mut live = 0;
+        let mut m = BlockMasks::default();
         for cs in 0..STRIPS {
             let ka = k0 + cs * NS;
             if ka >= self.len {
                 break;
             }
-            let seen_below = self.strip_max[ka / NS] as usize;
+            let kb = (ka + NS).min(self.len) - 1;
+            let (lo_end, hi_end) = (
+                self.strip_min[ka / NS] as usize,
+                self.strip_max[ka / NS] as usize,
+            );
             for rb in 0..TILE / MR {
                 let qa = q0 + rb * MR;
                 if qa >= q1 {
                     break;
                 }
                 let qb = (qa + MR).min(q1) - 1;
-                if ka <= qb && seen_below > qa {
-                    live |= 1 << (rb * STRIPS + cs);
+                let bit = 1 << (rb * STRIPS + cs);
+                if ka <= qb && hi_end > qa {
+                    m.live |= bit;
+                    if kb <= qa && lo_end > qb {
+                        m.full |= bit;
+                    }
                 }
             }
         }
-        live
+        m
     }
 
-    /// Like [`Self::live_query_rows`] for the transposed tile: key rows
+    /// Which register blocks hold a visible entry, as in
+    /// [`Self::query_row_blocks`], for the transposed tile: key rows
     /// from `k0`, query columns `[q0, q1)` (dK, dV).
     #[inline]
     pub(crate) fn live_key_rows(&self, k0: usize, q0: usize, q1: usize) -> LiveBlocks {

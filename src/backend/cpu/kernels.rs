@@ -223,4 +223,71 @@ mod tests {
         check::<false>();
         check::<true>();
     }
+
+    /// With some blocks dead, `scores` leaves them as they were and
+    /// `accumulate` never reads them: dead entries of its input are NaN here,
+    /// so reading one would poison the result.
+    fn check_partial<const FMA: bool>(live: LiveBlocks) {
+        let dp = 32;
+        let a = data(TILE * dp, 5);
+        let bt = data(dp * TILE, 6);
+        let sentinel = 7.0;
+        let mut s = vec![sentinel; TILE * TILE];
+        scores::<f64, FMA>(&a, &bt, TILE, dp, &mut s, live);
+        let is_live = |r: usize, j: usize| row_strips(live, r) >> (j / NS) & 1 == 1;
+        for r in 0..TILE {
+            for j in 0..TILE {
+                let got = s[r * TILE + j];
+                if is_live(r, j) {
+                    let want: f64 = (0..dp).map(|c| a[r * dp + c] * bt[c * TILE + j]).sum();
+                    assert!((got - want).abs() < 1e-13, "scores[{r}][{j}]");
+                } else {
+                    assert_eq!(got, sentinel, "dead scores[{r}][{j}] written");
+                    s[r * TILE + j] = f64::NAN;
+                }
+            }
+        }
+        let b = data(TILE * dp, 7);
+        let mut out = data(TILE * dp, 8);
+        let before = out.clone();
+        accumulate::<f64, FMA>(&s, &b, dp, &mut out, live);
+        for r in 0..TILE {
+            for c in 0..dp {
+                let want = before[r * dp + c]
+                    + (0..TILE)
+                        .filter(|&i| is_live(r, i))
+                        .map(|i| s[r * TILE + i] * b[i * dp + c])
+                        .sum::<f64>();
+                assert!(
+                    (out[r * dp + c] - want).abs() < 1e-13,
+                    "accumulate[{r}][{c}]"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn kernels_skip_dead_blocks() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..4 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            check_partial::<false>(x);
+            check_partial::<true>(x);
+        }
+        // All dead: nothing written, nothing read.
+        check_partial::<true>(0);
+    }
+
+    #[test]
+    fn strip_runs_merge_consecutive_strips() {
+        let runs = |bits: u32| strip_runs(bits).collect::<Vec<_>>();
+        assert_eq!(runs(0), []);
+        assert_eq!(runs(0b1111), [(0, TILE)]);
+        assert_eq!(runs(0b1011), [(0, 2 * NS), (3 * NS, 4 * NS)]);
+        assert_eq!(runs(0b0100), [(2 * NS, 3 * NS)]);
+        assert_eq!(row_strips(0xF0, MR), 0b1111);
+        assert_eq!(row_strips(0xF0, MR - 1), 0);
+    }
 }

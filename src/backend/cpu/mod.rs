@@ -148,6 +148,55 @@ pub fn tile_counts(mask: PackMask<'_>) -> TileCounts {
     c
 }
 
+/// Census of the register blocks ([`BLOCK_QUERIES`] queries × [`BLOCK_KEYS`]
+/// keys, the micro-kernels' unit) inside the partial tiles of a pack, as the
+/// forward and the dQ pass see them: `skip` blocks hold no visible entry and
+/// are not computed, `full` ones need no per-element mask, `masked` ones are
+/// masked element-wise. Blocks past the last token are not counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockCounts {
+    pub skip: u64,
+    pub full: u64,
+    pub masked: u64,
+}
+
+/// Queries per register block.
+pub const BLOCK_QUERIES: usize = kernels::MR;
+/// Keys per register block.
+pub const BLOCK_KEYS: usize = kernels::NS;
+
+/// Counts the register blocks of the partial tiles by how the CPU attention
+/// computes them (see [`BlockCounts`]).
+pub fn block_counts(mask: PackMask<'_>) -> BlockCounts {
+    let bounds = KeyTileBounds::new(mask.kv_end);
+    let l = mask.len();
+    let mut c = BlockCounts::default();
+    for qt in 0..l.div_ceil(TILE) {
+        let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
+        for kt in 0..=qt {
+            if bounds.classify(q0, q1, kt) != TileClass::Partial {
+                continue;
+            }
+            let m = bounds.query_row_blocks(q0, q1, kt * TILE);
+            let rows = (q1 - q0).div_ceil(BLOCK_QUERIES);
+            let strips = ((kt + 1) * TILE).min(l).div_ceil(BLOCK_KEYS) - kt * kernels::STRIPS;
+            for rb in 0..rows {
+                for cs in 0..strips {
+                    let bit = 1 << (rb * kernels::STRIPS + cs);
+                    if m.live & bit == 0 {
+                        c.skip += 1;
+                    } else if m.full & bit != 0 {
+                        c.full += 1;
+                    } else {
+                        c.masked += 1;
+                    }
+                }
+            }
+        }
+    }
+    c
+}
+
 /// Per key tile, the min and max of `kv_end` over its keys, and the max over
 /// the finer key groups the micro-kernels' register blocks cover
 /// ([`kernels::MR`] and [`kernels::NS`] keys): computed once per call.
@@ -509,5 +558,89 @@ mod tests {
             KeyTileBounds::new(&padded).classify(64, 128, 0),
             TileClass::Partial
         );
+    }
+
+    /// A random `kv_end` with `k < kv_end[k] <= l`, or `== k` (padding) for
+    /// a few keys: the block rules only assume `kv_end[k] >= k`.
+    fn random_kv_end(seed: u64, l: usize) -> Vec<u32> {
+        let mut s = seed;
+        let mut next = move |n: usize| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (s >> 33) as usize % n
+        };
+        let mut kv_end = vec![l as u32; l];
+        // Nested closed subtrees of varied sizes, so that blocks are
+        // visible, invisible and mixed; and some padding keys.
+        for _ in 0..l / 32 {
+            let k = next(l);
+            let size = 1 + next(3 * kernels::NS);
+            let end = (k + size).min(l) as u32;
+            for e in &mut kv_end[k..(k + size).min(l)] {
+                *e = (*e).min(end);
+            }
+        }
+        for _ in 0..l / 100 {
+            let k = next(l);
+            kv_end[k] = k as u32;
+        }
+        kv_end
+    }
+
+    /// Every register block the kernels skip holds no visible entry, and
+    /// every block they compute without a mask holds only visible ones,
+    /// checked entry by entry, for the query-row blocks (forward, dQ) and the
+    /// key-row blocks (dK, dV). The census must find skipped and unmasked
+    /// blocks inside partial tiles, or the test would prove nothing.
+    #[test]
+    fn register_block_masks_are_sound() {
+        use kernels::{MR, NS, STRIPS};
+        let (mut dead, mut full) = (0, 0);
+        for seed in 0..6u64 {
+            let l = [200, 257, 64 * 5 + 3][seed as usize % 3];
+            let kv_end = random_kv_end(seed, l);
+            let b = KeyTileBounds::new(&kv_end);
+            let seen = |q: usize, k: usize| k <= q && q < kv_end[k] as usize;
+            let tiles = l.div_ceil(TILE);
+            for qt in 0..tiles {
+                let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
+                for kt in 0..=qt {
+                    let k0 = kt * TILE;
+                    let k1 = (k0 + TILE).min(l);
+                    let m = b.query_row_blocks(q0, q1, k0);
+                    assert_eq!(m.full & !m.live, 0, "full blocks are live");
+                    let keyed = b.live_key_rows(k0, q0, q1);
+                    for rb in 0..TILE / MR {
+                        for cs in 0..STRIPS {
+                            let bit = 1u64 << (rb * STRIPS + cs);
+                            // Query rows rb, key strip cs.
+                            let qs = (q0 + rb * MR..q0 + (rb + 1) * MR).filter(|&q| q < q1);
+                            let ks = (k0 + cs * NS..k0 + (cs + 1) * NS).filter(|&k| k < k1);
+                            let pairs: Vec<bool> = qs
+                                .flat_map(|q| ks.clone().map(move |k| (q, k)))
+                                .map(|(q, k)| seen(q, k))
+                                .collect();
+                            if m.live & bit == 0 {
+                                assert!(!pairs.contains(&true), "skipped a visible entry");
+                                dead += !pairs.is_empty() as usize;
+                            }
+                            if m.full & bit != 0 {
+                                assert!(pairs.iter().all(|&v| v), "unmasked a hidden entry");
+                                full += 1;
+                            }
+                            // Key rows rb, query strip cs.
+                            let ks = (k0 + rb * MR..k0 + (rb + 1) * MR).filter(|&k| k < k1);
+                            let qs = (q0 + cs * NS..q0 + (cs + 1) * NS).filter(|&q| q < q1);
+                            let any = ks.clone().any(|k| qs.clone().any(|q| seen(q, k)));
+                            if keyed & bit == 0 {
+                                assert!(!any, "skipped a visible entry (key rows)");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(dead > 100 && full > 100, "{dead} skipped, {full} unmasked");
     }
 }

@@ -704,11 +704,11 @@ fn group_pack(rng: &mut Rng, prompt: usize, n: usize) -> Mask {
     let mut pos = Vec::new();
     let lens: Vec<usize> = (0..n).map(|_| rng.range(5, 60)).collect();
     let l = prompt + lens.iter().sum::<usize>();
-    kv_end.extend(std::iter::repeat_n(l as u32, prompt));
+    kv_end.extend(std::iter::repeat(l as u32).take(prompt));
     pos.extend(0..prompt as u32);
     for len in lens {
         let end = (kv_end.len() + len) as u32;
-        kv_end.extend(std::iter::repeat_n(end, len));
+        kv_end.extend(std::iter::repeat(end).take(len));
         pos.extend(prompt as u32..(prompt + len) as u32);
     }
     Mask { kv_end, pos }

@@ -1,7 +1,7 @@
 //! Tiled attention backward: two deterministic passes (dK, dV per key tile;
 //! dQ per query tile), each recomputing `P` from the saved LSE.
 
-use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS, STRIPS};
+use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS};
 use super::layout::{Layout, RopeTable};
 use super::workspace;
 use super::{
@@ -416,35 +416,25 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
                 // Keys past the pack's end: dS = 0.
                 srow[b.min(bk).max(a)..b].fill(T::ZERO);
             }
-            if strips & !full == 0 {
-                // Every live block of the row is fully visible.
-                for (a, b) in strip_runs(strips) {
-                    for x in &mut srow[a..b.min(bk).max(a)] {
+            for (a, b) in strip_runs(strips) {
+                let e = b.min(bk).max(a);
+                let xs = &mut srow[a..e];
+                let run = ((1u32 << ((b - a) / NS)) - 1) << (a / NS);
+                if full & run == run {
+                    // Every block of the run is fully visible: no mask.
+                    for x in xs.iter_mut() {
                         *x = *x * ctx.scale - m;
                     }
-                }
-            } else {
-                for cs in (0..STRIPS).filter(|cs| strips >> cs & 1 == 1) {
-                    let (a, e) = (cs * NS, ((cs + 1) * NS).min(bk));
-                    if a >= e {
-                        continue;
-                    }
-                    let xs = &mut srow[a..e];
-                    if full >> cs & 1 == 1 {
-                        for x in xs.iter_mut() {
-                            *x = *x * ctx.scale - m;
-                        }
-                    } else {
-                        // Masked entries get exp(−inf) = 0.
-                        let k_first = (k0 + a) as u32;
-                        for (j, (x, &end)) in xs.iter_mut().zip(&kv_end[a..e]).enumerate() {
-                            let seen = k_first + j as u32 <= q && q < end;
-                            *x = if seen {
-                                *x * ctx.scale - m
-                            } else {
-                                T::NEG_INFINITY
-                            };
-                        }
+                } else {
+                    // Masked entries get exp(−inf) = 0.
+                    let k_first = (k0 + a) as u32;
+                    for (j, (x, &end)) in xs.iter_mut().zip(&kv_end[a..e]).enumerate() {
+                        let seen = k_first + j as u32 <= q && q < end;
+                        *x = if seen {
+                            *x * ctx.scale - m
+                        } else {
+                            T::NEG_INFINITY
+                        };
                     }
                 }
             }

@@ -1,6 +1,6 @@
 //! Tiled attention forward with an online softmax.
 
-use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS, STRIPS};
+use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS};
 use super::layout::{Layout, RopeTable};
 use super::workspace;
 use super::{
@@ -221,48 +221,31 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
             let q = q0 as u32 + i as u32;
             let mut visible = 0u32;
             let mut row_max = T::NEG_INFINITY;
-            let visit = |a: usize, b: usize, row: &mut [T]| {
+            for (a, b) in strip_runs(strips) {
                 let e = b.min(bk);
                 // Keys past the pack's end: P = 0.
                 row[e.max(a)..b].fill(T::ZERO);
-                a.min(e)..e
-            };
-            if strips & !full == 0 {
-                // Every live block of the row is fully visible.
-                for (a, b) in strip_runs(strips) {
-                    let cols = visit(a, b, row);
-                    let xs = &mut row[cols];
+                let xs = &mut row[a.min(e)..e];
+                let run = ((1u32 << ((b - a) / NS)) - 1) << (a / NS);
+                if full & run == run {
+                    // Every block of the run is fully visible: no mask.
                     visible += xs.len() as u32;
                     for x in xs.iter_mut() {
                         *x *= ctx.scale;
                     }
-                    row_max = row_max.max_of(T::max_all(xs));
-                }
-            } else {
-                for cs in (0..STRIPS).filter(|cs| strips >> cs & 1 == 1) {
-                    let (a, b) = (cs * NS, (cs + 1) * NS);
-                    let cols = visit(a, b, row);
-                    let xs = &mut row[cols.clone()];
-                    if full >> cs & 1 == 1 {
-                        visible += xs.len() as u32;
-                        for x in xs.iter_mut() {
-                            *x *= ctx.scale;
-                        }
-                    } else {
-                        let k_first = (k0 + cols.start) as u32;
-                        let ends = &kv_end[cols];
-                        for (j, (x, &end)) in xs.iter_mut().zip(ends).enumerate() {
-                            let seen = k_first + j as u32 <= q && q < end;
-                            visible += seen as u32;
-                            *x = if seen {
-                                *x * ctx.scale
-                            } else {
-                                T::NEG_INFINITY
-                            };
-                        }
+                } else {
+                    let k_first = (k0 + a) as u32;
+                    for (j, (x, &end)) in xs.iter_mut().zip(&kv_end[a.min(e)..e]).enumerate() {
+                        let seen = k_first + j as u32 <= q && q < end;
+                        visible += seen as u32;
+                        *x = if seen {
+                            *x * ctx.scale
+                        } else {
+                            T::NEG_INFINITY
+                        };
                     }
-                    row_max = row_max.max_of(T::max_all(xs));
                 }
+                row_max = row_max.max_of(T::max_all(xs));
             }
             if row_max == T::NEG_INFINITY {
                 if visible > 0 {

@@ -108,20 +108,30 @@ pub(crate) fn backward_on_threads<T: CpuFloat>(
     // exp(s − lse) is exactly 0 there.
     let mut delta = workspace::take(hq * lpad, T::ZERO);
     let mut lse_eff = workspace::take(hq * lpad, T::INFINITY);
-    for h in 0..hq {
-        for t in 0..l {
-            let at = (t * hq + h) * d;
-            let mut acc = T::ZERO;
-            for (&a, &b) in o[at..at + d].iter().zip(&d_o[at..at + d]) {
-                acc += a * b;
+    let work: Vec<_> = delta
+        .chunks_mut(lpad)
+        .zip(lse_eff.chunks_mut(lpad))
+        .enumerate()
+        .collect();
+    run_parallel(
+        work,
+        lay.threads,
+        || (),
+        |_, (h, (delta, lse_eff))| {
+            for t in 0..l {
+                let at = (t * hq + h) * d;
+                let mut acc = T::ZERO;
+                for (&a, &b) in o[at..at + d].iter().zip(&d_o[at..at + d]) {
+                    acc += a * b;
+                }
+                delta[t] = acc;
+                let x = lse[h * l + t];
+                if x > T::NEG_INFINITY {
+                    lse_eff[t] = x;
+                }
             }
-            delta[h * lpad + t] = acc;
-            let x = lse[h * l + t];
-            if x > T::NEG_INFINITY {
-                lse_eff[h * lpad + t] = x;
-            }
-        }
-    }
+        },
+    );
 
     let bounds = KeyTileBounds::new(mask.kv_end);
     let ctx = BwdCtx {

@@ -27,7 +27,18 @@
 //! tiles of scratch per thread). Each (query tile, key tile) pair is
 //! classified from the per-key-tile min/max of `kv_end` (DESIGN §5):
 //! [`TileClass::Skip`] tiles are not computed, [`TileClass::Full`] tiles need
-//! no per-element mask, [`TileClass::Partial`] tiles are masked element-wise.
+//! no per-element mask, [`TileClass::Partial`] tiles are computed by register
+//! blocks of [`BLOCK_QUERIES`] × [`BLOCK_KEYS`] classified the same way from
+//! per-block min/max of `kv_end`: blocks with no visible entry are neither
+//! computed nor read (their probabilities are 0), blocks with only visible
+//! entries are not masked, the rest are masked element-wise
+//! ([`block_counts`] reports the census). So on a tree the work follows the
+//! visible pairs at the micro-kernel's granularity, not the tile's.
+//!
+//! The head-major copies and accumulators come from a bounded process-wide
+//! pool of buffers reused across calls (at most 32 buffers and 1 GiB kept,
+//! oldest freed first), so repeated calls do not fault in fresh pages; the
+//! returned outputs are fresh `Vec`s owned by the caller.
 //!
 //! Forward runs one work item per (query head, query tile) with an online
 //! softmax. Backward runs two deterministic passes: one work item per (kv

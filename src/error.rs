@@ -37,14 +37,21 @@ pub enum Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::Rollout { rollout, call, field, msg } => match call {
+            Error::Rollout {
+                rollout,
+                call,
+                field,
+                msg,
+            } => match call {
                 Some(c) => write!(f, "rollout {rollout:?}, call {c}, field `{field}`: {msg}"),
                 None => write!(f, "rollout {rollout:?}, field `{field}`: {msg}"),
             },
             Error::Json { line, msg } => write!(f, "line {line}: invalid rollout JSON: {msg}"),
             Error::Shape(m) => write!(f, "shape mismatch: {m}"),
             Error::Unsupported(m) => write!(f, "unsupported: {m}"),
-            Error::NonFinite { what, index } => write!(f, "non-finite value in {what} at index {index}"),
+            Error::NonFinite { what, index } => {
+                write!(f, "non-finite value in {what} at index {index}")
+            }
             Error::Pack(m) => write!(f, "invalid pack: {m}"),
             Error::Io(m) => write!(f, "i/o error: {m}"),
             Error::Cuda(m) => write!(f, "cuda: {m}"),

@@ -18,18 +18,18 @@
 //!
 //! The mask rule: query `q` may attend to key `k` iff `k <= q < kv_end[k]`.
 
-pub mod error;
-pub mod rollout;
-pub mod tree;
-pub mod pack;
-pub mod mask;
-pub mod safetensors;
-pub mod gen;
-pub mod ops;
 pub mod backend;
-pub mod logittree;
-pub mod model;
-pub mod demo;
 pub mod bench;
+pub mod demo;
+pub mod error;
+pub mod gen;
+pub mod logittree;
+pub mod mask;
+pub mod model;
+pub mod ops;
+pub mod pack;
+pub mod rollout;
+pub mod safetensors;
+pub mod tree;
 
 pub use error::{Error, Result};

@@ -4,7 +4,7 @@
 
 use ndarray::Array3;
 use proptest::prelude::*;
-use treeattn::backend::cpu::{self, tile_counts, CpuFloat, TILE};
+use treeattn::backend::cpu::{self, block_counts, tile_counts, CpuFloat, TILE};
 use treeattn::backend::{AttnParams, AttnShape, Rope};
 use treeattn::mask::PackMask;
 use treeattn::ops;
@@ -693,6 +693,70 @@ fn skip_full_and_partial_tiles_all_match_the_dense_reference() {
         let e32 = check_case::<f32>(&c);
         assert!(e32.iter().all(|&e| e < 2e-5), "{e32:?}");
     }
+}
+
+/// A GRPO-like pack: a prompt, then `n` sibling responses of random
+/// lengths that start and end inside tiles, so partial tiles hold register
+/// blocks of every kind (a sibling's keys: skipped; the prompt's keys: full;
+/// the diagonal: masked).
+fn group_pack(rng: &mut Rng, prompt: usize, n: usize) -> Mask {
+    let mut kv_end = Vec::new();
+    let mut pos = Vec::new();
+    let lens: Vec<usize> = (0..n).map(|_| rng.range(5, 60)).collect();
+    let l = prompt + lens.iter().sum::<usize>();
+    kv_end.extend(std::iter::repeat(l as u32).take(prompt));
+    pos.extend(0..prompt as u32);
+    for len in lens {
+        let end = (kv_end.len() + len) as u32;
+        kv_end.extend(std::iter::repeat(end).take(len));
+        pos.extend(prompt as u32..(prompt + len) as u32);
+    }
+    Mask { kv_end, pos }
+}
+
+#[test]
+fn skipped_full_and_masked_register_blocks_match_the_dense_reference() {
+    let mut rng = Rng(77);
+    let cases = [
+        (group_pack(&mut rng, 50, 16), 1u64, false),
+        (group_pack(&mut rng, 70, 9), 2, true),
+        (branched_pack(&mut rng), 3, true),
+    ];
+    for (mask, seed, rope) in cases {
+        let blocks = block_counts(mask.view());
+        assert!(
+            blocks.skip > 0 && blocks.full > 0 && blocks.masked > 0,
+            "{blocks:?}"
+        );
+        let mut c = make_case(seed, MaskKind::Causal, mask.kv_end.len(), 2, 2, 24, rope);
+        c.mask = mask;
+        // Same bounds as the other reference checks: f64 agrees to rounding
+        // of sums of a few hundred terms; f32 to ~10 ulp over the pipeline.
+        let e64 = check_case::<f64>(&c);
+        assert!(e64.iter().all(|&e| e < 1e-12), "{e64:?}");
+        let e32 = check_case::<f32>(&c);
+        assert!(e32.iter().all(|&e| e < 2e-5), "{e32:?}");
+    }
+}
+
+/// The census on a causal mask: inside the diagonal tiles, the blocks above
+/// the diagonal are skipped, those below it need no mask, and those that
+/// straddle it are masked.
+#[test]
+fn register_block_census_of_causal() {
+    let c = block_counts(Mask::causal(TILE).view());
+    // 16 query blocks × 4 key strips; a block (rows 4r..4r+3, keys
+    // 16s..16s+15) is below the diagonal when 16s + 15 <= 4r, above it when
+    // 16s > 4r + 3.
+    let (mut skip, mut full) = (0, 0);
+    for r in 0..16u64 {
+        for s in 0..4u64 {
+            skip += (16 * s > 4 * r + 3) as u64;
+            full += (16 * s + 15 <= 4 * r) as u64;
+        }
+    }
+    assert_eq!((c.skip, c.full, c.masked), (skip, full, 64 - skip - full));
+    assert_eq!((skip, full), (24, 24));
 }
 
 // ------------------------------------------------------ errors

@@ -284,7 +284,10 @@ fn rollout_packs<T: KernelElem>(head_dim: usize) {
         checked += 1;
     }
     // Guard: the size cap must not silently skip most shapes.
-    assert!(checked >= 5, "seed {seed}: only {checked} generated packs were small enough");
+    assert!(
+        checked >= 5,
+        "seed {seed}: only {checked} generated packs were small enough"
+    );
 }
 
 #[test]

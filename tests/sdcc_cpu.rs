@@ -466,7 +466,10 @@ fn bad_inputs_are_errors() {
     // Finite logits that overflow once divided by a tiny temperature.
     let huge = [1e300, 0.0, 0.0, 0.0];
     let e = ok(cpu::sdcc_forward_kl(&s, &huge, v, &[(0, 0)], &[1.0], 1e-30));
-    assert!(matches!(&e, Error::NonFinite { what, .. } if what.contains("temperature")), "{e:?}");
+    assert!(
+        matches!(&e, Error::NonFinite { what, .. } if what.contains("temperature")),
+        "{e:?}"
+    );
     // Rows entirely −inf have no distribution.
     let ninf = [f64::NEG_INFINITY; 4];
     assert!(

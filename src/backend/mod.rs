@@ -14,10 +14,10 @@ pub mod cpu;
 
 use crate::{Error, Result};
 
-pub mod emu;
-pub mod launch;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod emu;
+pub mod launch;
 
 /// Sizes of one attention call on a pack of `tokens` tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,12 +88,19 @@ pub struct AttnParams {
 impl AttnParams {
     /// `softmax_scale = 1 / sqrt(head_dim)`, no rotary, no finiteness scan.
     pub fn new(head_dim: usize) -> Self {
-        AttnParams { softmax_scale: 1.0 / (head_dim as f64).sqrt(), rope: None, check_finite: false }
+        AttnParams {
+            softmax_scale: 1.0 / (head_dim as f64).sqrt(),
+            rope: None,
+            check_finite: false,
+        }
     }
     /// Checks the rotary settings against the head dim.
     pub fn validate(&self, shape: &AttnShape) -> Result<()> {
         if !self.softmax_scale.is_finite() || self.softmax_scale <= 0.0 {
-            return Err(Error::Unsupported(format!("softmax_scale {} must be finite and > 0", self.softmax_scale)));
+            return Err(Error::Unsupported(format!(
+                "softmax_scale {} must be finite and > 0",
+                self.softmax_scale
+            )));
         }
         if let Some(r) = self.rope {
             if r.dims == 0 || r.dims % 2 != 0 || r.dims > shape.head_dim {
@@ -103,7 +110,10 @@ impl AttnParams {
                 )));
             }
             if !(r.base.is_finite() && r.base > 1.0) {
-                return Err(Error::Unsupported(format!("rotary base {} must be finite and > 1", r.base)));
+                return Err(Error::Unsupported(format!(
+                    "rotary base {} must be finite and > 1",
+                    r.base
+                )));
             }
         }
         Ok(())

@@ -1,8 +1,9 @@
 //! Tiled attention backward: two deterministic passes (dK, dV per key tile;
 //! dQ per query tile), each recomputing `P` from the saved LSE.
 
-use super::kernels::{accumulate, has_avx2_fma, scores};
+use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS};
 use super::layout::{Layout, RopeTable};
+use super::workspace;
 use super::{
     check_finite, check_len, check_qkv, check_result, num_threads, run_parallel, AttnGrads,
     CpuFloat, KeyTileBounds, TileClass, TILE,
@@ -105,22 +106,32 @@ pub(crate) fn backward_on_threads<T: CpuFloat>(
     // Per (head, padded row): D = rowsum(dO ∘ O), and the LSE to subtract,
     // with +inf for rows without a visible key and for padding rows so that
     // exp(s − lse) is exactly 0 there.
-    let mut delta = vec![T::ZERO; hq * lpad];
-    let mut lse_eff = vec![T::INFINITY; hq * lpad];
-    for h in 0..hq {
-        for t in 0..l {
-            let at = (t * hq + h) * d;
-            let mut acc = T::ZERO;
-            for (&a, &b) in o[at..at + d].iter().zip(&d_o[at..at + d]) {
-                acc += a * b;
+    let mut delta = workspace::take(hq * lpad, T::ZERO);
+    let mut lse_eff = workspace::take(hq * lpad, T::INFINITY);
+    let work: Vec<_> = delta
+        .chunks_mut(lpad)
+        .zip(lse_eff.chunks_mut(lpad))
+        .enumerate()
+        .collect();
+    run_parallel(
+        work,
+        lay.threads,
+        || (),
+        |_, (h, (delta, lse_eff))| {
+            for t in 0..l {
+                let at = (t * hq + h) * d;
+                let mut acc = T::ZERO;
+                for (&a, &b) in o[at..at + d].iter().zip(&d_o[at..at + d]) {
+                    acc += a * b;
+                }
+                delta[t] = acc;
+                let x = lse[h * l + t];
+                if x > T::NEG_INFINITY {
+                    lse_eff[t] = x;
+                }
             }
-            delta[h * lpad + t] = acc;
-            let x = lse[h * l + t];
-            if x > T::NEG_INFINITY {
-                lse_eff[h * lpad + t] = x;
-            }
-        }
-    }
+        },
+    );
 
     let bounds = KeyTileBounds::new(mask.kv_end);
     let ctx = BwdCtx {
@@ -144,8 +155,8 @@ pub(crate) fn backward_on_threads<T: CpuFloat>(
 
     // Pass 1: dK, dV per (kv head, key tile); earlier key tiles see more
     // query tiles, so they go first.
-    let mut dkh = vec![T::ZERO; hkv * lpad * dp];
-    let mut dvh = vec![T::ZERO; hkv * lpad * dp];
+    let mut dkh = workspace::take(hkv * lpad * dp, T::ZERO);
+    let mut dvh = workspace::take(hkv * lpad * dp, T::ZERO);
     let mut work = Vec::with_capacity(hkv * tiles);
     for (g, (dk_head, dv_head)) in dkh
         .chunks_mut(lpad * dp)
@@ -166,7 +177,7 @@ pub(crate) fn backward_on_threads<T: CpuFloat>(
     });
 
     // Pass 2: dQ per (query head, query tile).
-    let mut dqh = vec![T::ZERO; hq * lpad * dp];
+    let mut dqh = workspace::take(hq * lpad * dp, T::ZERO);
     let mut work: Vec<_> = dqh
         .chunks_mut(lpad * dp)
         .enumerate()
@@ -289,8 +300,9 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
             if class == TileClass::Skip {
                 continue;
             }
-            scores::<T, FMA>(k_rows, &ctx.qt[head * dp + q0..], lpad, dp, st);
-            scores::<T, FMA>(v_rows, &ctx.dot[head * dp + q0..], lpad, dp, dpt);
+            let live = ctx.bounds.live_key_rows(k0, q0, q1);
+            scores::<T, FMA>(k_rows, &ctx.qt[head * dp + q0..], lpad, dp, st, live);
+            scores::<T, FMA>(v_rows, &ctx.dot[head * dp + q0..], lpad, dp, dpt, live);
             let lse = &ctx.lse[head + q0..head + q0 + TILE];
             let delta = &ctx.delta[head + q0..head + q0 + TILE];
             for (j, (srow, dprow)) in st
@@ -298,6 +310,10 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
                 .zip(dpt.chunks_exact_mut(TILE))
                 .enumerate()
             {
+                let strips = row_strips(live, j);
+                if strips == 0 {
+                    continue;
+                }
                 // Key k0 + j is visible to the contiguous queries [k0 + j, kv_end).
                 let (lo, hi) = if j >= bk {
                     (0, 0)
@@ -309,25 +325,28 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
                     (k.clamp(q0, q1) - q0, end.clamp(q0, q1) - q0)
                 };
                 let lo = lo.min(hi);
-                srow[..lo].fill(T::ZERO);
-                dprow[..lo].fill(T::ZERO);
-                srow[hi..].fill(T::ZERO);
-                dprow[hi..].fill(T::ZERO);
-                let live = srow[lo..hi]
-                    .iter_mut()
-                    .zip(&mut dprow[lo..hi])
-                    .zip(lse[lo..hi].iter().zip(&delta[lo..hi]));
-                for ((x, dx), (&m, &dd)) in live {
-                    *x = *x * ctx.scale - m;
-                    *dx -= dd;
-                }
-                T::exp_in_place(&mut srow[lo..hi]);
-                for (&p, dx) in srow[lo..hi].iter().zip(&mut dprow[lo..hi]) {
-                    *dx *= p;
+                for (a, b) in strip_runs(strips) {
+                    let (x0, x1) = (lo.clamp(a, b), hi.clamp(a, b));
+                    srow[a..x0].fill(T::ZERO);
+                    dprow[a..x0].fill(T::ZERO);
+                    srow[x1..b].fill(T::ZERO);
+                    dprow[x1..b].fill(T::ZERO);
+                    let visible = srow[x0..x1]
+                        .iter_mut()
+                        .zip(&mut dprow[x0..x1])
+                        .zip(lse[x0..x1].iter().zip(&delta[x0..x1]));
+                    for ((x, dx), (&m, &dd)) in visible {
+                        *x = *x * ctx.scale - m;
+                        *dx -= dd;
+                    }
+                    T::exp_in_place(&mut srow[x0..x1]);
+                    for (&p, dx) in srow[x0..x1].iter().zip(&mut dprow[x0..x1]) {
+                        *dx *= p;
+                    }
                 }
             }
-            accumulate::<T, FMA>(st, &ctx.doh[(head + q0) * dp..], dp, dv);
-            accumulate::<T, FMA>(dpt, &ctx.qh[(head + q0) * dp..], dp, dk);
+            accumulate::<T, FMA>(st, &ctx.doh[(head + q0) * dp..], dp, dv, live);
+            accumulate::<T, FMA>(dpt, &ctx.qh[(head + q0) * dp..], dp, dk, live);
         }
     }
     for x in dk.iter_mut() {
@@ -382,42 +401,62 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         let k0 = kt * TILE;
         let bk = (k0 + TILE).min(l) - k0;
         let kv_end = &ctx.kv_end[k0..k0 + bk];
-        scores::<T, FMA>(q_rows, &kt_head[k0..], lpad, dp, s);
-        scores::<T, FMA>(do_rows, &vt_head[k0..], lpad, dp, dpm);
+        let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
+        let live = blocks.live;
+        scores::<T, FMA>(q_rows, &kt_head[k0..], lpad, dp, s, live);
+        scores::<T, FMA>(do_rows, &vt_head[k0..], lpad, dp, dpm, live);
         for (i, (srow, dprow)) in s
             .chunks_exact_mut(TILE)
             .zip(dpm.chunks_exact(TILE))
             .enumerate()
         {
-            let (m, dd) = (lse[i], delta[i]);
-            let (live, pad) = srow.split_at_mut(bk);
-            pad.fill(T::ZERO);
-            if m == T::INFINITY {
-                // No visible key in this row (or a padding row): dS = 0.
-                live.fill(T::ZERO);
+            let strips = row_strips(live, i);
+            if strips == 0 {
                 continue;
             }
-            let q = q0 + i;
-            if class == TileClass::Full {
-                for x in live.iter_mut() {
-                    *x = *x * ctx.scale - m;
-                }
-            } else {
-                // Masked entries get exp(−inf) = 0.
-                for (j, (x, &end)) in live.iter_mut().zip(kv_end).enumerate() {
-                    *x = if k0 + j <= q && q < end as usize {
-                        *x * ctx.scale - m
-                    } else {
-                        T::NEG_INFINITY
-                    };
+            let (m, dd) = (lse[i], delta[i]);
+            if m == T::INFINITY {
+                // No visible key in this row (or a padding row): dS = 0.
+                strip_runs(strips).for_each(|(a, b)| srow[a..b].fill(T::ZERO));
+                continue;
+            }
+            let full = row_strips(blocks.full, i);
+            let q = q0 as u32 + i as u32;
+            for (a, b) in strip_runs(strips) {
+                // Keys past the pack's end: dS = 0.
+                srow[b.min(bk).max(a)..b].fill(T::ZERO);
+            }
+            for (a, b) in strip_runs(strips) {
+                let e = b.min(bk).max(a);
+                let xs = &mut srow[a..e];
+                let run = ((1u32 << ((b - a) / NS)) - 1) << (a / NS);
+                if full & run == run {
+                    // Every block of the run is fully visible: no mask.
+                    for x in xs.iter_mut() {
+                        *x = *x * ctx.scale - m;
+                    }
+                } else {
+                    // Masked entries get exp(−inf) = 0.
+                    let k_first = (k0 + a) as u32;
+                    for (j, (x, &end)) in xs.iter_mut().zip(&kv_end[a..e]).enumerate() {
+                        let seen = k_first + j as u32 <= q && q < end;
+                        *x = if seen {
+                            *x * ctx.scale - m
+                        } else {
+                            T::NEG_INFINITY
+                        };
+                    }
                 }
             }
-            T::exp_in_place(live);
-            for (x, &dx) in live.iter_mut().zip(dprow) {
-                *x *= dx - dd;
+            for (a, b) in strip_runs(strips) {
+                let xs = &mut srow[a..b.min(bk).max(a)];
+                T::exp_in_place(xs);
+                for (x, &dx) in xs.iter_mut().zip(&dprow[a..]) {
+                    *x *= dx - dd;
+                }
             }
         }
-        accumulate::<T, FMA>(s, &ctx.kh[(g * lpad + k0) * dp..], dp, dq);
+        accumulate::<T, FMA>(s, &ctx.kh[(g * lpad + k0) * dp..], dp, dq, live);
     }
     for x in dq.iter_mut() {
         *x *= ctx.scale;

@@ -1,7 +1,8 @@
 //! Tiled attention forward with an online softmax.
 
-use super::kernels::{accumulate, has_avx2_fma, scores};
+use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS};
 use super::layout::{Layout, RopeTable};
+use super::workspace;
 use super::{
     check_qkv, check_result, num_threads, run_parallel, AttnOut, CpuFloat, KeyTileBounds,
     TileClass, TILE,
@@ -73,7 +74,7 @@ pub(crate) fn forward_on_threads<T: CpuFloat>(
     };
 
     let (lpad, dp) = (lay.lpad, lay.dp);
-    let mut oh = vec![T::ZERO; shape.q_heads * lpad * dp];
+    let mut oh = workspace::take(shape.q_heads * lpad * dp, T::ZERO);
     let mut lse = vec![T::NEG_INFINITY; shape.q_heads * l];
     let tiles = l.div_ceil(TILE);
     // Busiest query tiles first, so the queue ends with short items.
@@ -203,39 +204,56 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         let k0 = kt * TILE;
         let bk = (k0 + TILE).min(l) - k0;
         let kv_end = &ctx.kv_end[k0..k0 + bk];
-        scores::<T, FMA>(q_rows, &kt_head[k0..], lpad, dp, s);
+        let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
+        let live = blocks.live;
+        scores::<T, FMA>(q_rows, &kt_head[k0..], lpad, dp, s, live);
         for (i, row) in s.chunks_exact_mut(TILE).enumerate() {
-            let (live, pad) = row.split_at_mut(bk);
-            pad.fill(T::ZERO);
-            if i >= bq {
-                live.fill(T::ZERO);
+            let strips = row_strips(live, i);
+            if strips == 0 {
                 continue;
             }
-            let q = q0 + i;
-            let mut any_visible = class == TileClass::Full;
-            if any_visible {
-                for x in live.iter_mut() {
-                    *x *= ctx.scale;
-                }
-            } else {
-                for (j, (x, &end)) in live.iter_mut().zip(kv_end).enumerate() {
-                    let visible = k0 + j <= q && q < end as usize;
-                    any_visible |= visible;
-                    *x = if visible {
-                        *x * ctx.scale
-                    } else {
-                        T::NEG_INFINITY
-                    };
-                }
+            if i >= bq {
+                // A padding row in a live block: P = 0.
+                strip_runs(strips).for_each(|(a, b)| row[a..b].fill(T::ZERO));
+                continue;
             }
-            let row_max = T::max_all(live);
+            let full = row_strips(blocks.full, i);
+            let q = q0 as u32 + i as u32;
+            let mut visible = 0u32;
+            let mut row_max = T::NEG_INFINITY;
+            for (a, b) in strip_runs(strips) {
+                let e = b.min(bk);
+                // Keys past the pack's end: P = 0.
+                row[e.max(a)..b].fill(T::ZERO);
+                let xs = &mut row[a.min(e)..e];
+                let run = ((1u32 << ((b - a) / NS)) - 1) << (a / NS);
+                if full & run == run {
+                    // Every block of the run is fully visible: no mask.
+                    visible += xs.len() as u32;
+                    for x in xs.iter_mut() {
+                        *x *= ctx.scale;
+                    }
+                } else {
+                    let k_first = (k0 + a) as u32;
+                    for (j, (x, &end)) in xs.iter_mut().zip(&kv_end[a.min(e)..e]).enumerate() {
+                        let seen = k_first + j as u32 <= q && q < end;
+                        visible += seen as u32;
+                        *x = if seen {
+                            *x * ctx.scale
+                        } else {
+                            T::NEG_INFINITY
+                        };
+                    }
+                }
+                row_max = row_max.max_of(T::max_all(xs));
+            }
             if row_max == T::NEG_INFINITY {
-                if any_visible {
+                if visible > 0 {
                     // Visible scores that are all NaN or −inf: an overflow,
                     // not an empty row. Poison the row (reported below).
                     sum[i] = T::NEG_INFINITY;
                 }
-                live.fill(T::ZERO);
+                strip_runs(strips).for_each(|(a, b)| row[a..b].fill(T::ZERO));
                 continue;
             }
             let m_new = m[i].max_of(row_max);
@@ -248,13 +266,16 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
                 }
                 m[i] = m_new;
             }
-            for x in live.iter_mut() {
-                *x -= m_new;
+            for (a, b) in strip_runs(strips) {
+                let xs = &mut row[a..b.min(bk).max(a)];
+                for x in xs.iter_mut() {
+                    *x -= m_new;
+                }
+                T::exp_in_place(xs);
+                sum[i] += T::sum(xs);
             }
-            T::exp_in_place(live);
-            sum[i] += T::sum(live);
         }
-        accumulate::<T, FMA>(s, &v_head[k0 * dp..], dp, o);
+        accumulate::<T, FMA>(s, &v_head[k0 * dp..], dp, o, live);
     }
 
     for i in 0..bq {

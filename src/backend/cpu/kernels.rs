@@ -11,14 +11,54 @@
 use super::layout::LANES;
 use super::{CpuFloat, TILE};
 
-const MR: usize = 4;
+/// Rows of a register block (query rows, or key rows in the transposed
+/// tiles of the dK, dV pass).
+pub(crate) const MR: usize = 4;
 const NR: usize = LANES;
-/// Column block of `scores` (a divisor of `TILE`, independent of the head dim).
-const NS: usize = 16;
+/// Column block of `scores`, and strip of the summed index of `accumulate`
+/// (a divisor of `TILE`, independent of the head dim).
+pub(crate) const NS: usize = 16;
+/// Strips per tile row.
+pub(crate) const STRIPS: usize = TILE / NS;
 
-/// `out[r·TILE + j] = Σ_c a[r·dp + c] · bt[c·ld + j]` for `r, j < TILE`:
-/// `TILE` rows of `a` (row-major, `dp` columns) times the `TILE` columns of a
-/// transposed operand `bt` (row stride `ld`, starting at its first column).
+/// Which `MR × NS` register blocks of a `TILE × TILE` tile are computed: bit
+/// `(r / MR) · STRIPS + c / NS` covers rows `r..r + MR` and columns
+/// `c..c + NS`. A clear bit means every entry of the block is masked: the
+/// kernels neither compute nor read it, and the softmax steps leave it alone
+/// (its probabilities are 0).
+pub(crate) type LiveBlocks = u64;
+
+const _: () = assert!((TILE / MR) * STRIPS == LiveBlocks::BITS as usize);
+/// Every block computed.
+#[cfg(test)]
+pub(crate) const ALL_LIVE: LiveBlocks = LiveBlocks::MAX;
+
+/// The live strips of row `r` (bit `c` = strip `c`).
+#[inline(always)]
+pub(crate) fn row_strips(live: LiveBlocks, r: usize) -> u32 {
+    ((live >> (r / MR * STRIPS)) & ((1 << STRIPS) - 1)) as u32
+}
+
+/// The column ranges `[a, b)` of the runs of consecutive live strips in
+/// `strips` (as [`row_strips`] returns), in order.
+#[inline(always)]
+pub(crate) fn strip_runs(strips: u32) -> impl Iterator<Item = (usize, usize)> {
+    let mut rest = strips;
+    std::iter::from_fn(move || {
+        if rest == 0 {
+            return None;
+        }
+        let a = rest.trailing_zeros();
+        let n = (!(rest >> a)).trailing_zeros();
+        rest &= !(((1u32 << n) - 1) << a);
+        Some((a as usize * NS, (a + n) as usize * NS))
+    })
+}
+
+/// `out[r·TILE + j] = Σ_c a[r·dp + c] · bt[c·ld + j]` for `r, j < TILE` in
+/// the `live` blocks (others are left as they were): `TILE` rows of `a`
+/// (row-major, `dp` columns) times the `TILE` columns of a transposed operand
+/// `bt` (row stride `ld`, starting at its first column).
 #[inline(always)]
 pub(crate) fn scores<T: CpuFloat, const FMA: bool>(
     a: &[T],
@@ -26,12 +66,20 @@ pub(crate) fn scores<T: CpuFloat, const FMA: bool>(
     ld: usize,
     dp: usize,
     out: &mut [T],
+    live: LiveBlocks,
 ) {
     let a = &a[..TILE * dp];
     let out = &mut out[..TILE * TILE];
     for rb in (0..TILE).step_by(MR) {
+        let strips = row_strips(live, rb);
+        if strips == 0 {
+            continue;
+        }
         let rows: [&[T]; MR] = std::array::from_fn(|r| &a[(rb + r) * dp..(rb + r + 1) * dp]);
         for jb in (0..TILE).step_by(NS) {
+            if strips >> (jb / NS) & 1 == 0 {
+                continue;
+            }
             let mut acc = [[T::ZERO; NS]; MR];
             for c in 0..dp {
                 let b = &bt[c * ld + jb..c * ld + jb + NS];
@@ -49,27 +97,40 @@ pub(crate) fn scores<T: CpuFloat, const FMA: bool>(
     }
 }
 
-/// `out[r·dp + c] += Σ_i a[r·TILE + i] · b[i·dp + c]` for `r, i < TILE`,
-/// `c < dp`: a `TILE × TILE` block times `TILE` rows of `b` (row-major, `dp`
-/// columns), accumulated into `TILE` rows of `out`.
+/// `out[r·dp + c] += Σ_i a[r·TILE + i] · b[i·dp + c]` for `r < TILE`,
+/// `c < dp`, over the `i < TILE` of the `live` blocks of `a` (the others
+/// are taken as 0 and not read): a `TILE × TILE` block times `TILE` rows of
+/// `b` (row-major, `dp` columns), accumulated into `TILE` rows of `out`.
 #[inline(always)]
-pub(crate) fn accumulate<T: CpuFloat, const FMA: bool>(a: &[T], b: &[T], dp: usize, out: &mut [T]) {
+pub(crate) fn accumulate<T: CpuFloat, const FMA: bool>(
+    a: &[T],
+    b: &[T],
+    dp: usize,
+    out: &mut [T],
+    live: LiveBlocks,
+) {
     let a = &a[..TILE * TILE];
     let b = &b[..TILE * dp];
     let out = &mut out[..TILE * dp];
     for rb in (0..TILE).step_by(MR) {
+        let strips = row_strips(live, rb);
+        if strips == 0 {
+            continue;
+        }
         let rows: [&[T]; MR] = std::array::from_fn(|r| &a[(rb + r) * TILE..(rb + r + 1) * TILE]);
         for cb in (0..dp).step_by(NR) {
             let mut acc = [[T::ZERO; NR]; MR];
             for r in 0..MR {
                 acc[r].copy_from_slice(&out[(rb + r) * dp + cb..(rb + r) * dp + cb + NR]);
             }
-            for i in 0..TILE {
-                let bv = &b[i * dp + cb..i * dp + cb + NR];
-                for r in 0..MR {
-                    let x = rows[r][i];
-                    for j in 0..NR {
-                        acc[r][j] = madd::<T, FMA>(x, bv[j], acc[r][j]);
+            for (i0, i1) in strip_runs(strips) {
+                for i in i0..i1 {
+                    let bv = &b[i * dp + cb..i * dp + cb + NR];
+                    for r in 0..MR {
+                        let x = rows[r][i];
+                        for j in 0..NR {
+                            acc[r][j] = madd::<T, FMA>(x, bv[j], acc[r][j]);
+                        }
                     }
                 }
             }
@@ -132,7 +193,7 @@ mod tests {
         let a = data(TILE * dp, 1);
         let bt = data(dp * ld, 2);
         let mut s = vec![0.0; TILE * TILE];
-        scores::<f64, FMA>(&a, &bt[col0..], ld, dp, &mut s);
+        scores::<f64, FMA>(&a, &bt[col0..], ld, dp, &mut s, ALL_LIVE);
         for r in 0..TILE {
             for j in 0..TILE {
                 let want: f64 = (0..dp).map(|c| a[r * dp + c] * bt[c * ld + col0 + j]).sum();
@@ -142,7 +203,7 @@ mod tests {
         let b = data(TILE * dp, 3);
         let mut out = data(TILE * dp, 4);
         let before = out.clone();
-        accumulate::<f64, FMA>(&s, &b, dp, &mut out);
+        accumulate::<f64, FMA>(&s, &b, dp, &mut out, ALL_LIVE);
         for r in 0..TILE {
             for c in 0..dp {
                 let want = before[r * dp + c]
@@ -161,5 +222,72 @@ mod tests {
     fn kernels_match_triple_loops() {
         check::<false>();
         check::<true>();
+    }
+
+    /// With some blocks dead, `scores` leaves them as they were and
+    /// `accumulate` never reads them: dead entries of its input are NaN here,
+    /// so reading one would poison the result.
+    fn check_partial<const FMA: bool>(live: LiveBlocks) {
+        let dp = 32;
+        let a = data(TILE * dp, 5);
+        let bt = data(dp * TILE, 6);
+        let sentinel = 7.0;
+        let mut s = vec![sentinel; TILE * TILE];
+        scores::<f64, FMA>(&a, &bt, TILE, dp, &mut s, live);
+        let is_live = |r: usize, j: usize| row_strips(live, r) >> (j / NS) & 1 == 1;
+        for r in 0..TILE {
+            for j in 0..TILE {
+                let got = s[r * TILE + j];
+                if is_live(r, j) {
+                    let want: f64 = (0..dp).map(|c| a[r * dp + c] * bt[c * TILE + j]).sum();
+                    assert!((got - want).abs() < 1e-13, "scores[{r}][{j}]");
+                } else {
+                    assert_eq!(got, sentinel, "dead scores[{r}][{j}] written");
+                    s[r * TILE + j] = f64::NAN;
+                }
+            }
+        }
+        let b = data(TILE * dp, 7);
+        let mut out = data(TILE * dp, 8);
+        let before = out.clone();
+        accumulate::<f64, FMA>(&s, &b, dp, &mut out, live);
+        for r in 0..TILE {
+            for c in 0..dp {
+                let want = before[r * dp + c]
+                    + (0..TILE)
+                        .filter(|&i| is_live(r, i))
+                        .map(|i| s[r * TILE + i] * b[i * dp + c])
+                        .sum::<f64>();
+                assert!(
+                    (out[r * dp + c] - want).abs() < 1e-13,
+                    "accumulate[{r}][{c}]"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn kernels_skip_dead_blocks() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..4 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            check_partial::<false>(x);
+            check_partial::<true>(x);
+        }
+        // All dead: nothing written, nothing read.
+        check_partial::<true>(0);
+    }
+
+    #[test]
+    fn strip_runs_merge_consecutive_strips() {
+        let runs = |bits: u32| strip_runs(bits).collect::<Vec<_>>();
+        assert_eq!(runs(0), []);
+        assert_eq!(runs(0b1111), [(0, TILE)]);
+        assert_eq!(runs(0b1011), [(0, 2 * NS), (3 * NS, 4 * NS)]);
+        assert_eq!(runs(0b0100), [(2 * NS, 3 * NS)]);
+        assert_eq!(row_strips(0xF0, MR), 0b1111);
+        assert_eq!(row_strips(0xF0, MR - 1), 0);
     }
 }

@@ -9,6 +9,7 @@
 //! leaves every dot product unchanged and lets the kernels work on whole
 //! tiles. This costs O(tokens · heads · head_dim) memory: linear in `L`.
 
+use super::workspace::{self, Buf};
 use super::{run_parallel, CpuFloat, TILE};
 use crate::backend::Rope;
 
@@ -46,9 +47,9 @@ impl Layout {
         x: &[T],
         heads: usize,
         rope: Option<&RopeTable>,
-    ) -> Vec<T> {
+    ) -> Buf<T> {
         let Layout { l, lpad, d, dp, .. } = *self;
-        let mut out = vec![T::ZERO; heads * lpad * dp];
+        let mut out = workspace::take(heads * lpad * dp, T::ZERO);
         let work: Vec<_> = out.chunks_mut(lpad * dp).enumerate().collect();
         run_parallel(
             work,
@@ -68,9 +69,10 @@ impl Layout {
     }
 
     /// `[heads, lpad, dp]` → `[heads, dp, lpad]` (per-head transpose).
-    pub(crate) fn transposed<T: CpuFloat>(&self, xh: &[T], heads: usize) -> Vec<T> {
+    pub(crate) fn transposed<T: CpuFloat>(&self, xh: &[T], heads: usize) -> Buf<T> {
         let Layout { lpad, dp, .. } = *self;
-        let mut out = vec![T::ZERO; heads * lpad * dp];
+        // Every element is written below.
+        let mut out = workspace::take_stale(heads * lpad * dp, T::ZERO);
         let work: Vec<_> = out
             .chunks_mut(lpad * dp)
             .zip(xh.chunks(lpad * dp))
@@ -232,5 +234,23 @@ mod tests {
             xh[(2 * lay.lpad + 69) * lay.dp + 3]
         );
         assert_eq!(lay.token_major(&xh, heads, None), x);
+        // Again, now on the buffers just given back to the pool (no other
+        // test uses these sizes), which hold the values of x: the padding is
+        // zero again and the transpose overwrites every element.
+        let y: Vec<f64> = x.iter().map(|v| -v).collect();
+        drop((xh, xt));
+        let yh = lay.head_major(&y, heads, None);
+        let yt = lay.transposed(&yh, heads);
+        assert!(yh[(lay.lpad + 2) * lay.dp + 5..(lay.lpad + 3) * lay.dp]
+            .iter()
+            .all(|&v| v == 0.0));
+        assert_eq!(
+            yt[(2 * lay.dp + 3) * lay.lpad + 69],
+            -x[(69 * heads + 2) * 5 + 3]
+        );
+        assert!(yt[(lay.dp + 4) * lay.lpad + 70..(lay.dp + 5) * lay.lpad]
+            .iter()
+            .all(|&v| v == 0.0));
+        assert_eq!(lay.token_major(&yh, heads, None), y);
     }
 }

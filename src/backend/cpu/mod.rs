@@ -27,7 +27,18 @@
 //! tiles of scratch per thread). Each (query tile, key tile) pair is
 //! classified from the per-key-tile min/max of `kv_end` (DESIGN §5):
 //! [`TileClass::Skip`] tiles are not computed, [`TileClass::Full`] tiles need
-//! no per-element mask, [`TileClass::Partial`] tiles are masked element-wise.
+//! no per-element mask, [`TileClass::Partial`] tiles are computed by register
+//! blocks of [`BLOCK_QUERIES`] × [`BLOCK_KEYS`] classified the same way from
+//! per-block min/max of `kv_end`: blocks with no visible entry are neither
+//! computed nor read (their probabilities are 0), blocks with only visible
+//! entries are not masked, the rest are masked element-wise
+//! ([`block_counts`] reports the census). So on a tree the work follows the
+//! visible pairs at the micro-kernel's granularity, not the tile's.
+//!
+//! The head-major copies and accumulators come from a bounded process-wide
+//! pool of buffers reused across calls (at most 32 buffers and 1 GiB kept,
+//! oldest freed first), so repeated calls do not fault in fresh pages; the
+//! returned outputs are fresh `Vec`s owned by the caller.
 //!
 //! Forward runs one work item per (query head, query tile) with an online
 //! softmax. Backward runs two deterministic passes: one work item per (kv
@@ -50,6 +61,7 @@ mod float;
 mod kernels;
 mod layout;
 mod sdcc;
+mod workspace;
 
 pub use attention_bwd::attention_backward;
 pub use attention_fwd::attention_forward;
@@ -59,6 +71,7 @@ pub use sdcc::{sdcc_forward_kl, SdccOut};
 use super::{AttnParams, AttnShape};
 use crate::mask::PackMask;
 use crate::{Error, Result};
+use kernels::LiveBlocks;
 use std::sync::{Mutex, PoisonError};
 
 /// Side of the square (query tile × key tile) blocks the CPU backend
@@ -118,6 +131,14 @@ pub struct TileCounts {
     pub partial: u64,
 }
 
+/// Register-block masks of one tile (see [`LiveBlocks`]): `live` blocks
+/// hold a visible entry, `full` ones (a subset) hold only visible entries.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct BlockMasks {
+    pub live: LiveBlocks,
+    pub full: LiveBlocks,
+}
+
 /// Counts the skip / full / partial blocks the CPU attention visits on this
 /// mask (for reports and for tests that must exercise all three paths).
 pub fn tile_counts(mask: PackMask<'_>) -> TileCounts {
@@ -138,27 +159,158 @@ pub fn tile_counts(mask: PackMask<'_>) -> TileCounts {
     c
 }
 
-/// Per key tile, the min and max of `kv_end` over its keys, computed once per
-/// call.
+/// Census of the register blocks ([`BLOCK_QUERIES`] queries × [`BLOCK_KEYS`]
+/// keys, the micro-kernels' unit) inside the partial tiles of a pack, as the
+/// forward and the dQ pass see them: `skip` blocks hold no visible entry and
+/// are not computed, `full` ones need no per-element mask, `masked` ones are
+/// masked element-wise. Blocks past the last token are not counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockCounts {
+    pub skip: u64,
+    pub full: u64,
+    pub masked: u64,
+}
+
+/// Queries per register block.
+pub const BLOCK_QUERIES: usize = kernels::MR;
+/// Keys per register block.
+pub const BLOCK_KEYS: usize = kernels::NS;
+
+/// Counts the register blocks of the partial tiles by how the CPU attention
+/// computes them (see [`BlockCounts`]).
+pub fn block_counts(mask: PackMask<'_>) -> BlockCounts {
+    let bounds = KeyTileBounds::new(mask.kv_end);
+    let l = mask.len();
+    let mut c = BlockCounts::default();
+    for qt in 0..l.div_ceil(TILE) {
+        let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
+        for kt in 0..=qt {
+            if bounds.classify(q0, q1, kt) != TileClass::Partial {
+                continue;
+            }
+            let m = bounds.query_row_blocks(q0, q1, kt * TILE);
+            let rows = (q1 - q0).div_ceil(BLOCK_QUERIES);
+            let strips = ((kt + 1) * TILE).min(l).div_ceil(BLOCK_KEYS) - kt * kernels::STRIPS;
+            for rb in 0..rows {
+                for cs in 0..strips {
+                    let bit = 1 << (rb * kernels::STRIPS + cs);
+                    if m.live & bit == 0 {
+                        c.skip += 1;
+                    } else if m.full & bit != 0 {
+                        c.full += 1;
+                    } else {
+                        c.masked += 1;
+                    }
+                }
+            }
+        }
+    }
+    c
+}
+
+/// Per key tile, the min and max of `kv_end` over its keys, and the max over
+/// the finer key groups the micro-kernels' register blocks cover
+/// ([`kernels::MR`] and [`kernels::NS`] keys): computed once per call.
 pub(crate) struct KeyTileBounds {
     len: usize,
     min_end: Vec<u32>,
     max_end: Vec<u32>,
+    /// Max `kv_end` per group of `MR` keys.
+    row_block_max: Vec<u32>,
+    /// Min and max `kv_end` per group of `NS` keys.
+    strip_min: Vec<u32>,
+    strip_max: Vec<u32>,
 }
 
 impl KeyTileBounds {
     pub(crate) fn new(kv_end: &[u32]) -> Self {
-        let mut min_end = Vec::with_capacity(kv_end.len().div_ceil(TILE));
-        let mut max_end = Vec::with_capacity(min_end.capacity());
-        for tile in kv_end.chunks(TILE) {
-            min_end.push(tile.iter().copied().min().unwrap_or(0));
-            max_end.push(tile.iter().copied().max().unwrap_or(0));
-        }
+        let maxes = |n: usize| -> Vec<u32> {
+            kv_end
+                .chunks(n)
+                .map(|c| c.iter().copied().max().unwrap_or(0))
+                .collect()
+        };
+        let mins = |n: usize| -> Vec<u32> {
+            kv_end
+                .chunks(n)
+                .map(|c| c.iter().copied().min().unwrap_or(0))
+                .collect()
+        };
         KeyTileBounds {
             len: kv_end.len(),
-            min_end,
-            max_end,
+            min_end: mins(TILE),
+            strip_min: mins(kernels::NS),
+            max_end: maxes(TILE),
+            row_block_max: maxes(kernels::MR),
+            strip_max: maxes(kernels::NS),
         }
+    }
+
+    /// The register blocks of the (queries `[q0, q1)`, keys from `k0`) tile
+    /// that hold a visible entry, and those whose entries are all visible,
+    /// with query rows and key columns (forward, dQ). A block of queries
+    /// `[qa, qb]` and keys `[ka, kb]` holds none when `ka > qb` (all keys
+    /// after all queries) or the keys' largest `kv_end` is `<= qa` (they are
+    /// seen by none of the queries); blocks past the last token or query
+    /// hold none either. It needs no mask when `kb <= qa` and the keys'
+    /// smallest `kv_end` is `> qb` (DESIGN §5's rules, per block).
+    #[inline]
+    pub(crate) fn query_row_blocks(&self, q0: usize, q1: usize, k0: usize) -> BlockMasks {
+        use kernels::{MR, NS, STRIPS};
+        let mut m = BlockMasks::default();
+        for cs in 0..STRIPS {
+            let ka = k0 + cs * NS;
+            if ka >= self.len {
+                break;
+            }
+            let kb = (ka + NS).min(self.len) - 1;
+            let (lo_end, hi_end) = (
+                self.strip_min[ka / NS] as usize,
+                self.strip_max[ka / NS] as usize,
+            );
+            for rb in 0..TILE / MR {
+                let qa = q0 + rb * MR;
+                if qa >= q1 {
+                    break;
+                }
+                let qb = (qa + MR).min(q1) - 1;
+                let bit = 1 << (rb * STRIPS + cs);
+                if ka <= qb && hi_end > qa {
+                    m.live |= bit;
+                    if kb <= qa && lo_end > qb {
+                        m.full |= bit;
+                    }
+                }
+            }
+        }
+        m
+    }
+
+    /// Which register blocks hold a visible entry, as in
+    /// [`Self::query_row_blocks`], for the transposed tile: key rows
+    /// from `k0`, query columns `[q0, q1)` (dK, dV).
+    #[inline]
+    pub(crate) fn live_key_rows(&self, k0: usize, q0: usize, q1: usize) -> LiveBlocks {
+        use kernels::{MR, NS, STRIPS};
+        let mut live = 0;
+        for rb in 0..TILE / MR {
+            let ka = k0 + rb * MR;
+            if ka >= self.len {
+                break;
+            }
+            let seen_below = self.row_block_max[ka / MR] as usize;
+            for cs in 0..STRIPS {
+                let qa = q0 + cs * NS;
+                if qa >= q1 {
+                    break;
+                }
+                let qb = (qa + NS).min(q1) - 1;
+                if ka <= qb && seen_below > qa {
+                    live |= 1 << (rb * STRIPS + cs);
+                }
+            }
+        }
+        live
     }
 
     /// Class of the block of queries `[q0, q1)` against key tile `kt`.
@@ -417,5 +569,89 @@ mod tests {
             KeyTileBounds::new(&padded).classify(64, 128, 0),
             TileClass::Partial
         );
+    }
+
+    /// A random `kv_end` with `k < kv_end[k] <= l`, or `== k` (padding) for
+    /// a few keys: the block rules only assume `kv_end[k] >= k`.
+    fn random_kv_end(seed: u64, l: usize) -> Vec<u32> {
+        let mut s = seed;
+        let mut next = move |n: usize| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (s >> 33) as usize % n
+        };
+        let mut kv_end = vec![l as u32; l];
+        // Nested closed subtrees of varied sizes, so that blocks are
+        // visible, invisible and mixed; and some padding keys.
+        for _ in 0..l / 32 {
+            let k = next(l);
+            let size = 1 + next(3 * kernels::NS);
+            let end = (k + size).min(l) as u32;
+            for e in &mut kv_end[k..(k + size).min(l)] {
+                *e = (*e).min(end);
+            }
+        }
+        for _ in 0..l / 100 {
+            let k = next(l);
+            kv_end[k] = k as u32;
+        }
+        kv_end
+    }
+
+    /// Every register block the kernels skip holds no visible entry, and
+    /// every block they compute without a mask holds only visible ones,
+    /// checked entry by entry, for the query-row blocks (forward, dQ) and the
+    /// key-row blocks (dK, dV). The census must find skipped and unmasked
+    /// blocks inside partial tiles, or the test would prove nothing.
+    #[test]
+    fn register_block_masks_are_sound() {
+        use kernels::{MR, NS, STRIPS};
+        let (mut dead, mut full) = (0, 0);
+        for seed in 0..6u64 {
+            let l = [200, 257, 64 * 5 + 3][seed as usize % 3];
+            let kv_end = random_kv_end(seed, l);
+            let b = KeyTileBounds::new(&kv_end);
+            let seen = |q: usize, k: usize| k <= q && q < kv_end[k] as usize;
+            let tiles = l.div_ceil(TILE);
+            for qt in 0..tiles {
+                let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
+                for kt in 0..=qt {
+                    let k0 = kt * TILE;
+                    let k1 = (k0 + TILE).min(l);
+                    let m = b.query_row_blocks(q0, q1, k0);
+                    assert_eq!(m.full & !m.live, 0, "full blocks are live");
+                    let keyed = b.live_key_rows(k0, q0, q1);
+                    for rb in 0..TILE / MR {
+                        for cs in 0..STRIPS {
+                            let bit = 1u64 << (rb * STRIPS + cs);
+                            // Query rows rb, key strip cs.
+                            let qs = (q0 + rb * MR..q0 + (rb + 1) * MR).filter(|&q| q < q1);
+                            let ks = (k0 + cs * NS..k0 + (cs + 1) * NS).filter(|&k| k < k1);
+                            let pairs: Vec<bool> = qs
+                                .flat_map(|q| ks.clone().map(move |k| (q, k)))
+                                .map(|(q, k)| seen(q, k))
+                                .collect();
+                            if m.live & bit == 0 {
+                                assert!(!pairs.contains(&true), "skipped a visible entry");
+                                dead += !pairs.is_empty() as usize;
+                            }
+                            if m.full & bit != 0 {
+                                assert!(pairs.iter().all(|&v| v), "unmasked a hidden entry");
+                                full += 1;
+                            }
+                            // Key rows rb, query strip cs.
+                            let ks = (k0 + rb * MR..k0 + (rb + 1) * MR).filter(|&k| k < k1);
+                            let qs = (q0 + cs * NS..q0 + (cs + 1) * NS).filter(|&q| q < q1);
+                            let any = ks.clone().any(|k| qs.clone().any(|q| seen(q, k)));
+                            if keyed & bit == 0 {
+                                assert!(!any, "skipped a visible entry (key rows)");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(dead > 100 && full > 100, "{dead} skipped, {full} unmasked");
     }
 }

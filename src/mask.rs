@@ -111,14 +111,41 @@ pub fn dense_mask(kv_end: &[u32]) -> Vec<bool> {
 }
 
 /// How a (query tile, key tile) block of the mask is handled (DESIGN §5).
+/// Every backend (CPU tiles, the CUDA kernels' launch planning, [`TileMap`])
+/// classifies with [`classify_tile`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TileClass {
-    /// No visible pair: the block is not computed.
+    /// No visible pair: the block is not computed (on the GPU, never loaded).
     Skip,
     /// Every pair visible: no per-element mask needed.
     Full,
     /// Mixed: mask element-wise.
     Partial,
+}
+
+/// The tile rule of DESIGN §5 for query tile `[q0, q1)` and key tile
+/// `[k0, k1)` (both non-empty), given the min and max of `kv_end` over the
+/// key tile:
+///
+/// ```text
+/// Skip     k0 > q1 − 1  or  max kv_end <= q0
+/// Full     k1 − 1 <= q0  and  min kv_end >= q1
+/// Partial  otherwise
+/// ```
+///
+/// Skip and Full are exact (no pair, resp. every pair, is visible: the keys
+/// precede every query and each key's range covers the query tile); Partial
+/// may be conservative.
+#[inline]
+pub fn classify_tile(q0: usize, q1: usize, k0: usize, k1: usize, kv_min: u32, kv_max: u32) -> TileClass {
+    debug_assert!(q0 < q1 && k0 < k1);
+    if k0 + 1 > q1 || kv_max as usize <= q0 {
+        TileClass::Skip
+    } else if k1 <= q0 + 1 && kv_min as usize >= q1 {
+        TileClass::Full
+    } else {
+        TileClass::Partial
+    }
 }
 
 /// Per-tile classification of a pack's mask for tile sizes
@@ -166,13 +193,7 @@ impl TileMap {
             let (q0, q1) = (qt * q_tile, ((qt + 1) * q_tile).min(l));
             for kt in 0..key_min.len() {
                 let (k0, k1) = (kt * k_tile, ((kt + 1) * k_tile).min(l));
-                classes.push(if k0 > q1 - 1 || key_max[kt] as usize <= q0 {
-                    TileClass::Skip
-                } else if k1 - 1 <= q0 && key_min[kt] as usize >= q1 {
-                    TileClass::Full
-                } else {
-                    TileClass::Partial
-                });
+                classes.push(classify_tile(q0, q1, k0, k1, key_min[kt], key_max[kt]));
             }
         }
         Ok(TileMap {

@@ -10,6 +10,8 @@
 //! d = 64, 69,632 for d = 128).
 
 use super::{AttnParams, AttnShape};
+pub use crate::mask::TileClass;
+use crate::mask::classify_tile;
 use crate::{Error, Result};
 
 mod sealed {
@@ -186,16 +188,6 @@ pub fn plan_forward(
     Ok((traits, plan))
 }
 
-/// How the forward kernel treats one (query tile, key tile) pair.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TileClass {
-    /// Never loaded: no query of the tile sees a key of the tile.
-    Skip,
-    /// Computed without an element mask: every pair is visible.
-    Full,
-    /// Computed with the element mask.
-    Partial,
-}
 
 /// The forward kernel's rule (DESIGN §5) for the query tile `[q0, q0 +
 /// block_m)` and key tile `[k0, k0 + block_n)` of a pack of `tokens` tokens,
@@ -217,12 +209,11 @@ pub fn tile_class(
 ) -> TileClass {
     let (bm, bn) = (traits.block_m as usize, traits.block_n as usize);
     let q1 = (q0 + bm).min(tokens);
-    if k0 + 1 > q1 || kv_max as usize <= q0 {
-        TileClass::Skip
-    } else if k0 + bn <= tokens && k0 + bn - 1 <= q0 && kv_min as usize >= q1 {
-        TileClass::Full
-    } else {
-        TileClass::Partial
+    match classify_tile(q0, q1, k0, (k0 + bn).min(tokens), kv_min, kv_max) {
+        // The kernel loads whole key tiles; a short last tile needs the
+        // element mask for its out-of-range keys.
+        TileClass::Full if k0 + bn > tokens => TileClass::Partial,
+        class => class,
     }
 }
 

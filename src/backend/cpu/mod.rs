@@ -66,6 +66,7 @@ mod workspace;
 pub use attention_bwd::attention_backward;
 pub use attention_fwd::attention_forward;
 pub use float::CpuFloat;
+pub use crate::mask::TileClass;
 pub use sdcc::{sdcc_forward_kl, SdccOut};
 
 use super::{AttnParams, AttnShape};
@@ -110,16 +111,6 @@ pub fn num_threads() -> usize {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
-/// How a (query tile, key tile) block is computed (DESIGN §5).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TileClass {
-    /// No (q, k) in the block is visible: not computed.
-    Skip,
-    /// Every (q, k) in the block is visible: no per-element mask.
-    Full,
-    /// Some are visible: masked element-wise.
-    Partial,
-}
 
 /// Census of the (query tile, key tile) blocks of a pack at the CPU
 /// backend's [`TILE`] size, over the lower block triangle (key tile index <=
@@ -318,13 +309,7 @@ impl KeyTileBounds {
     pub(crate) fn classify(&self, q0: usize, q1: usize, kt: usize) -> TileClass {
         let k0 = kt * TILE;
         let k1 = (k0 + TILE).min(self.len);
-        if k0 + 1 > q1 || self.max_end[kt] as usize <= q0 {
-            TileClass::Skip
-        } else if k1 <= q0 + 1 && self.min_end[kt] as usize >= q1 {
-            TileClass::Full
-        } else {
-            TileClass::Partial
-        }
+        crate::mask::classify_tile(q0, q1, k0, k1, self.min_end[kt], self.max_end[kt])
     }
 
     /// One past the last query tile that can see key tile `kt`.

@@ -10,6 +10,8 @@
 //! Q is `[tokens, q_heads, head_dim]`, K and V are `[tokens, kv_heads,
 //! head_dim]`, row-major; LSE is `[q_heads, tokens]`.
 
+pub mod cpu;
+
 use crate::{Error, Result};
 
 pub mod emu;

@@ -1,0 +1,334 @@
+//! SDCC fused forward-KL over the vocabulary (DESIGN §5).
+
+use super::{num_threads, run_parallel, CpuFloat};
+use crate::{Error, Result};
+use std::sync::Mutex;
+
+/// Vocabulary entries per chunk of the online log-sum-exp: one max update
+/// and one rescale per chunk instead of per entry.
+const CHUNK: usize = 1024;
+
+/// Result of [`sdcc_forward_kl`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct SdccOut<T> {
+    /// `Σ_pairs w · KL` (pairs with `w = 0` add exactly 0, even if their KL
+    /// is `+inf`).
+    pub loss_sum: f64,
+    /// `loss_sum / Σ w`: the weighted mean, so that the loss scale does not
+    /// depend on how many diverging targets a batch has nor on how the
+    /// weights are normalized; `0` when `Σ w = 0` (no pairs).
+    pub loss_mean: f64,
+    /// The unweighted `KL(teacher ‖ student)` of each pair, in pair order.
+    pub per_pair: Vec<f64>,
+    /// `∂ loss_sum / ∂ student`, shaped like `student`; rows used by several
+    /// pairs accumulate the sum of their pairs' gradients; rows used by none
+    /// are 0.
+    pub grad_student: Vec<T>,
+}
+
+/// Forward KL of SDCC self-distillation, fused over the vocabulary.
+///
+/// For each pair `i = (s, t)` (student row, teacher row of the `[rows,
+/// vocab]` row-major logits), weight `w_i` and temperature `τ`, with
+/// `p = softmax(logits / τ)`:
+///
+/// ```text
+/// KL_i = Σ_v p_t(v) · (log p_t(v) − log p_s(v))
+/// ∂(w_i KL_i) / ∂ student[s, v] = w_i · (p_s(v) − p_t(v)) / τ
+/// ```
+///
+/// The teacher gets no gradient (stop-gradient). Everything accumulates in
+/// f64. Memory traffic per pair: two sweeps over the pair's two rows. Sweep 1
+/// reads both rows once, in chunks, keeping an online log-sum-exp of both
+/// distributions and the cross term `Σ_v e^{a_v − m_a} ((a_v − m_a) − (b_v −
+/// m_b))` (rescaled whenever a running max moves), which gives
+/// `KL = W / Z_t − ln Z_t + ln Z_s` without materializing either softmax and
+/// without cancelling large logit offsets. Sweep 2 re-reads both rows and
+/// writes the gradient, which needs both final LSEs, so it cannot be folded
+/// into sweep 1. A row used by several pairs accumulates its gradient in an
+/// f64 row and is converted to `T` once.
+///
+/// Infinities: a teacher entry of `−inf` (`p_t = 0`) adds exactly 0; a
+/// student `−inf` where the teacher has mass makes that pair's KL `+inf` (the
+/// true value), while its gradient stays finite (`p_s = 0` there).
+///
+/// Errors: `vocab == 0` or logits not a whole number of rows; `weights` not
+/// one per pair, non-finite or negative; `temperature` non-finite or `<= 0`;
+/// a pair naming a row out of range; a used row containing NaN or `+inf`, or
+/// entirely `−inf`. When several pairs are bad, the lowest pair index is
+/// reported.
+pub fn sdcc_forward_kl<T: CpuFloat>(
+    student: &[T],
+    teacher: &[T],
+    vocab: usize,
+    pairs: &[(u32, u32)],
+    weights: &[f32],
+    temperature: f32,
+) -> Result<SdccOut<T>> {
+    if vocab == 0 {
+        return Err(Error::Shape("SDCC vocab must be > 0".into()));
+    }
+    for (what, x) in [("student", student), ("teacher", teacher)] {
+        if x.len() % vocab != 0 {
+            return Err(Error::Shape(format!(
+                "{what} logits have {} elements, not a multiple of vocab = {vocab}",
+                x.len()
+            )));
+        }
+    }
+    if weights.len() != pairs.len() {
+        return Err(Error::Shape(format!(
+            "{} weights for {} SDCC pairs",
+            weights.len(),
+            pairs.len()
+        )));
+    }
+    if !(temperature.is_finite() && temperature > 0.0) {
+        return Err(Error::Unsupported(format!(
+            "SDCC temperature {temperature} must be finite and > 0"
+        )));
+    }
+    if let Some(index) = weights.iter().position(|w| !w.is_finite()) {
+        return Err(Error::NonFinite {
+            what: "SDCC weights".into(),
+            index,
+        });
+    }
+    if let Some(i) = weights.iter().position(|&w| w < 0.0) {
+        return Err(Error::Unsupported(format!(
+            "SDCC weight {i} is {} (weights must be >= 0)",
+            weights[i]
+        )));
+    }
+    let (n_student, n_teacher) = (student.len() / vocab, teacher.len() / vocab);
+    for (i, &(s, t)) in pairs.iter().enumerate() {
+        if s as usize >= n_student || t as usize >= n_teacher {
+            return Err(Error::Pack(format!(
+                "SDCC pair {i} = (student row {s}, teacher row {t}) is out of range: {n_student} student rows, {n_teacher} teacher rows"
+            )));
+        }
+    }
+
+    // Pairs grouped by student row (stable: pair order within a row), so
+    // that each work item owns one gradient row.
+    let mut order: Vec<usize> = (0..pairs.len()).collect();
+    order.sort_by_key(|&i| pairs[i].0);
+    let mut kl_sorted = vec![0.0f64; pairs.len()];
+    let mut grad = vec![T::ZERO; student.len()];
+    let mut work = Vec::new();
+    {
+        let mut rest_order: &[usize] = &order;
+        let mut rest_kl: &mut [f64] = &mut kl_sorted;
+        let mut rows = grad.chunks_mut(vocab).enumerate();
+        while let Some(&first) = rest_order.first() {
+            let row = pairs[first].0 as usize;
+            let n = rest_order
+                .iter()
+                .take_while(|&&i| pairs[i].0 as usize == row)
+                .count();
+            let (ids, tail) = rest_order.split_at(n);
+            let (kls, kl_tail) = std::mem::take(&mut rest_kl).split_at_mut(n);
+            rest_order = tail;
+            rest_kl = kl_tail;
+            let grad_row = rows
+                .find(|(r, _)| *r == row)
+                .map(|(_, g)| g)
+                .unwrap_or_default();
+            work.push(RowItem {
+                grad: grad_row,
+                pairs: ids,
+                kl: kls,
+            });
+        }
+    }
+    work.sort_by_key(|w| std::cmp::Reverse(w.pairs.len()));
+
+    let inv_tau = 1.0 / temperature as f64;
+    let first_error: Mutex<Option<(usize, Error)>> = Mutex::new(None);
+    run_parallel(
+        work,
+        num_threads(),
+        || vec![0.0f64; vocab],
+        |acc, item| {
+            let RowItem {
+                grad,
+                pairs: ids,
+                kl,
+            } = item;
+            let many = ids.len() > 1;
+            if many {
+                acc.fill(0.0);
+            }
+            for (&i, kl_out) in ids.iter().zip(kl.iter_mut()) {
+                let (s, t) = (pairs[i].0 as usize, pairs[i].1 as usize);
+                let s_row = &student[s * vocab..(s + 1) * vocab];
+                let t_row = &teacher[t * vocab..(t + 1) * vocab];
+                let stats = match row_stats(s_row, t_row, inv_tau, s, t, vocab) {
+                    Ok(st) => st,
+                    Err(e) => {
+                        let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                        if slot.as_ref().map_or(true, |(j, _)| i < *j) {
+                            *slot = Some((i, e));
+                        }
+                        return;
+                    }
+                };
+                *kl_out = stats.kl;
+                let w = weights[i] as f64;
+                if w == 0.0 {
+                    continue;
+                }
+                let c = w * inv_tau;
+                let terms = s_row.iter().zip(t_row).map(|(&x, &y)| {
+                    let p_s = (x.to_f64() * inv_tau - stats.lse_s).exp();
+                    let p_t = (y.to_f64() * inv_tau - stats.lse_t).exp();
+                    c * (p_s - p_t)
+                });
+                if many {
+                    for (a, g) in acc.iter_mut().zip(terms) {
+                        *a += g;
+                    }
+                } else {
+                    for (out, g) in grad.iter_mut().zip(terms) {
+                        *out = T::from_f64(g);
+                    }
+                }
+            }
+            if many {
+                for (out, &a) in grad.iter_mut().zip(acc.iter()) {
+                    *out = T::from_f64(a);
+                }
+            }
+        },
+    );
+    if let Some((_, e)) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+
+    let mut per_pair = vec![0.0f64; pairs.len()];
+    for (&i, &kl) in order.iter().zip(&kl_sorted) {
+        per_pair[i] = kl;
+    }
+    let mut loss_sum = 0.0f64;
+    let mut weight_sum = 0.0f64;
+    for (&kl, &w) in per_pair.iter().zip(weights) {
+        if w > 0.0 {
+            loss_sum += w as f64 * kl;
+            weight_sum += w as f64;
+        }
+    }
+    let loss_mean = if weight_sum > 0.0 {
+        loss_sum / weight_sum
+    } else {
+        0.0
+    };
+    Ok(SdccOut {
+        loss_sum,
+        loss_mean,
+        per_pair,
+        grad_student: grad,
+    })
+}
+
+/// The pairs of one student row and that row's gradient.
+struct RowItem<'a, T> {
+    grad: &'a mut [T],
+    pairs: &'a [usize],
+    kl: &'a mut [f64],
+}
+
+struct RowStats {
+    lse_s: f64,
+    lse_t: f64,
+    kl: f64,
+}
+
+/// Sweep 1 over one (student, teacher) pair of rows: both log-sum-exps of
+/// `logits / τ` and the KL, online over chunks of the vocabulary.
+fn row_stats<T: CpuFloat>(
+    s_row: &[T],
+    t_row: &[T],
+    inv_tau: f64,
+    s: usize,
+    t: usize,
+    vocab: usize,
+) -> Result<RowStats> {
+    let ninf = f64::NEG_INFINITY;
+    // Teacher a = t/τ, student b = s/τ: running maxima, Σ e^{a−m_a},
+    // Σ e^{b−m_b}, the cross term W = Σ e^{a−m_a} ((a−m_a) − (b−m_b)) and
+    // whether the teacher has mass where the student is −inf.
+    let (mut m_a, mut z_a, mut m_b, mut z_b, mut w) = (ninf, 0.0f64, ninf, 0.0f64, 0.0f64);
+    let mut infinite = false;
+    for (c, (sc, tc)) in s_row.chunks(CHUNK).zip(t_row.chunks(CHUNK)).enumerate() {
+        let (mut max_a, mut max_b) = (ninf, ninf);
+        for (j, (&x, &y)) in sc.iter().zip(tc).enumerate() {
+            let (x, y) = (x.to_f64(), y.to_f64());
+            if !(x < f64::INFINITY) {
+                return Err(bad_logit("student", s, vocab, c * CHUNK + j));
+            }
+            if !(y < f64::INFINITY) {
+                return Err(bad_logit("teacher", t, vocab, c * CHUNK + j));
+            }
+            max_a = max_a.max(y);
+            max_b = max_b.max(x);
+        }
+        let (new_a, new_b) = (m_a.max(max_a * inv_tau), m_b.max(max_b * inv_tau));
+        if z_a > 0.0 {
+            let alpha = (m_a - new_a).exp();
+            if !infinite {
+                // Re-center the cross term on the new maxima (Z_a of the old terms).
+                w = (w + ((m_a - m_b) - (new_a - new_b)) * z_a) * alpha;
+            }
+            z_a *= alpha;
+        }
+        if z_b > 0.0 {
+            z_b *= (m_b - new_b).exp();
+        }
+        m_a = new_a;
+        m_b = new_b;
+        for (&x, &y) in sc.iter().zip(tc) {
+            let (b, a) = (x.to_f64() * inv_tau, y.to_f64() * inv_tau);
+            if b > ninf {
+                z_b += (b - m_b).exp();
+            }
+            if a > ninf {
+                let e = (a - m_a).exp();
+                z_a += e;
+                if b == ninf {
+                    infinite = true;
+                } else if !infinite {
+                    w += e * ((a - m_a) - (b - m_b));
+                }
+            }
+        }
+    }
+    if z_a == 0.0 {
+        return Err(Error::NonFinite {
+            what: format!("SDCC teacher logits row {t} (entirely −inf: no distribution)"),
+            index: t * vocab,
+        });
+    }
+    if z_b == 0.0 {
+        return Err(Error::NonFinite {
+            what: format!("SDCC student logits row {s} (entirely −inf: no distribution)"),
+            index: s * vocab,
+        });
+    }
+    let kl = if infinite {
+        f64::INFINITY
+    } else {
+        w / z_a - z_a.ln() + z_b.ln()
+    };
+    Ok(RowStats {
+        lse_s: m_b + z_b.ln(),
+        lse_t: m_a + z_a.ln(),
+        kl,
+    })
+}
+
+fn bad_logit(what: &str, row: usize, vocab: usize, col: usize) -> Error {
+    Error::NonFinite {
+        what: format!("SDCC {what} logits row {row}, column {col} (NaN or +inf)"),
+        index: row * vocab + col,
+    }
+}

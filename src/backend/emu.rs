@@ -14,6 +14,10 @@ use crate::{Error, Result};
 
 pub use super::launch::{Dtype, KernelElem};
 
+mod bwd;
+pub use super::launch::bwd::DqMode;
+pub use bwd::{attention_backward, attention_backward_into, backward_kernel_traits, GpuAttnGrads};
+
 mod ffi {
     use super::{FwdParams, KvBoundsParams};
     extern "C" {

@@ -10,6 +10,8 @@
 
 use super::{AttnParams, AttnShape};
 use crate::mask::PackMask;
+
+pub mod bwd;
 use crate::{Error, Result};
 
 mod sealed {

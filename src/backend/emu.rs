@@ -15,8 +15,11 @@ use crate::{Error, Result};
 pub use super::launch::{Dtype, KernelElem};
 
 mod bwd;
+mod sdcc;
 pub use super::launch::bwd::DqMode;
+pub use super::launch::sdcc::SdccElem;
 pub use bwd::{attention_backward, attention_backward_into, backward_kernel_traits, GpuAttnGrads};
+pub use sdcc::{sdcc_forward_kl, sdcc_forward_kl_into, sdcc_kernel_traits, GpuSdccOut};
 
 mod ffi {
     use super::{FwdParams, KvBoundsParams};

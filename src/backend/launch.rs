@@ -12,6 +12,7 @@ use super::{AttnParams, AttnShape};
 use crate::mask::PackMask;
 
 pub mod bwd;
+pub mod sdcc;
 use crate::{Error, Result};
 
 mod sealed {

@@ -1,0 +1,27 @@
+// Host entry point of the SDCC forward-KL kernels under the emulator: the
+// Rust `emu` backend calls it with the launch plan of
+// `backend::launch::sdcc`; it checks the plan, then runs the grid.
+#include "../sdcc_kl.cu"
+
+#include "entry_launch.h"
+
+// Block size and shared memory of the kernel: out = {threads, smem_bytes}.
+extern "C" void ta_emu_sdcc_traits(int32_t* out) {
+    out[0] = TA_SDCC_THREADS;
+    out[1] = TA_SDCC_SMEM_BYTES;
+}
+
+// dtype: 0 = bf16, 1 = f16, 2 = f32.
+extern "C" int ta_emu_sdcc_kl(uint32_t dtype, const SdccParams* p, uint32_t grid_x, uint32_t block_threads,
+                              size_t smem, uint32_t workers, char* err, size_t err_len) {
+    if (ta_emu_entry::check_plan("sdcc_kl", block_threads, smem, TA_SDCC_THREADS, TA_SDCC_SMEM_BYTES, err, err_len))
+        return 1;
+    void (*kernel)(const SdccParams) = dtype == 0 ? sdcc_kl_bf16 : dtype == 1 ? sdcc_kl_f16 : dtype == 2 ? sdcc_kl_f32
+                                                                                                          : nullptr;
+    if (!kernel) {
+        snprintf(err, err_len, "no SDCC kernel for dtype %u", dtype);
+        return 1;
+    }
+    return ta_emu_entry::launch<SdccParams>(kernel, *p, dim3(grid_x), dim3(block_threads), smem, workers, err,
+                                            err_len);
+}

@@ -1,0 +1,219 @@
+// SDCC fused forward-KL over the vocabulary (DESIGN §5). For each pair i =
+// (student row s, teacher row t) of [rows, vocab] logits, temperature τ and
+// weight w_i, with p = softmax(logits / τ):
+//
+//   KL_i = Σ_v p_t(v) · (log p_t(v) − log p_s(v))
+//   ∂(w_i KL_i) / ∂ student[s, v] = w_i · (p_s(v) − p_t(v)) / τ
+//
+// The teacher gets no gradient (stop-gradient).
+//
+// One block of 256 threads per pair, two sweeps over the pair's two rows:
+//   sweep 1 reads both rows once, in chunks of 256 x 8 entries (thread j reads
+//     entries chunk + 256i + j: coalesced), keeping per thread an online
+//     log-sum-exp of both distributions — running maxima m_t, m_s and sums
+//     Z_t = Σ 2^(a − m_t), Z_s = Σ 2^(b − m_s) with a, b the logits / τ in
+//     base-2 units (· log2 e, so every exponential is one ex2) — and the
+//     cross term W = Σ 2^(a − m_t) ((a − m_t) − (b − m_s)), re-centred
+//     whenever a running maximum moves. Then KL = (W / Z_t − log2 Z_t +
+//     log2 Z_s) · ln 2: no softmax is materialised and large logit offsets
+//     never cancel. The 256 partial states are combined in f64 (warp
+//     shuffles, then one slot per warp in shared memory).
+//   sweep 2 re-reads both rows and writes the gradient, which needs both
+//     final log-sum-exps, so it cannot be folded into sweep 1.
+// Memory traffic per pair: 4 row reads + 1 f32 row write; beyond inputs and
+// gradient, O(pairs): the per-pair KL (f64) and a status word.
+//
+// Infinities: a teacher −inf (p_t = 0) adds exactly 0 (its terms are skipped,
+// never 0 · −inf); a student −inf where the teacher has mass makes KL = +inf
+// (the true value) while the gradient stays finite (p_s = 0 there). NaN and
+// +inf logits, and rows that are entirely −inf, are reported in the status
+// word (the host turns them into errors, as the CPU backend does).
+//
+// Student rows named by several pairs: with `accumulate` the gradient is
+// added with f32 atomics into a zeroed buffer (summation order varies); the
+// host sets it only when rows repeat, otherwise each row is stored once.
+// Indexing is 64-bit: rows × vocab may pass 2^31.
+#include "common.cuh"
+
+// Kernel arguments (one struct by value). Mirrored by
+// `crate::backend::launch::sdcc::SdccParams` in Rust: keep the two in step.
+struct SdccParams {
+    const void* student;      // [student rows, vocab] of the element type
+    const void* teacher;      // [teacher rows, vocab]
+    const uint32_t* pairs;    // [pairs, 2]: (student row, teacher row)
+    const float* weights;     // [pairs]
+    float* grad;              // [student rows, vocab]
+    double* kl;               // [pairs], natural log
+    uint32_t* status;         // [pairs], kSdcc* bits
+    uint64_t vocab;
+    uint32_t num_pairs;
+    float inv_tau_log2;       // log2(e) / τ
+    float inv_tau;            // 1 / τ
+    uint32_t accumulate;      // atomicAdd the gradient (rows repeat)
+};
+
+// Status bits per pair.
+#define TA_SDCC_STUDENT_NONFINITE 1u  // a NaN or +inf student logit
+#define TA_SDCC_TEACHER_NONFINITE 2u
+#define TA_SDCC_STUDENT_ALL_NEG_INF 4u  // no distribution
+#define TA_SDCC_TEACHER_ALL_NEG_INF 8u
+
+struct ta_f32 {};
+
+template <class E>
+__device__ __forceinline__ float ta_sdcc_load(const void* p, size_t i) {
+    return ta_to_f32<E>(static_cast<const uint16_t*>(p)[i]);
+}
+template <>
+__device__ __forceinline__ float ta_sdcc_load<ta_f32>(const void* p, size_t i) {
+    return static_cast<const float*>(p)[i];
+}
+
+#define TA_SDCC_THREADS 256
+#define TA_SDCC_WARPS (TA_SDCC_THREADS / 32)
+#define TA_SDCC_UNROLL 8  // entries per thread per chunk
+
+// A partial sweep-1 state over some vocabulary entries (base-2 units).
+struct SdccState {
+    double m_t, z_t, m_s, z_s, w;
+    uint32_t flags;  // status bits, plus kInfinite
+};
+#define TA_SDCC_INFINITE 0x100u  // teacher mass where the student is −inf
+
+// The state of the union of the entries of x and y.
+__device__ __forceinline__ SdccState ta_sdcc_combine(const SdccState& x, const SdccState& y) {
+    SdccState r;
+    r.m_t = fmax(x.m_t, y.m_t);
+    r.m_s = fmax(x.m_s, y.m_s);
+    r.flags = x.flags | y.flags;
+    r.z_t = r.z_s = r.w = 0.0;
+    const bool inf = r.flags & TA_SDCC_INFINITE;
+    const SdccState* parts[2] = {&x, &y};
+    for (int i = 0; i < 2; ++i) {
+        const SdccState& s = *parts[i];
+        if (s.z_t > 0.0) {
+            const double f = exp2(s.m_t - r.m_t);
+            r.z_t += s.z_t * f;
+            // z_t > 0 without the infinite flag implies a finite m_s.
+            if (!inf) r.w += (s.w + ((s.m_t - s.m_s) - (r.m_t - r.m_s)) * s.z_t) * f;
+        }
+        if (s.z_s > 0.0) r.z_s += s.z_s * exp2(s.m_s - r.m_s);
+    }
+    return r;
+}
+
+__device__ __forceinline__ SdccState ta_sdcc_shfl_xor(const SdccState& s, int o) {
+    SdccState r;
+    r.m_t = __shfl_xor_sync(TA_FULL_MASK, s.m_t, o);
+    r.z_t = __shfl_xor_sync(TA_FULL_MASK, s.z_t, o);
+    r.m_s = __shfl_xor_sync(TA_FULL_MASK, s.m_s, o);
+    r.z_s = __shfl_xor_sync(TA_FULL_MASK, s.z_s, o);
+    r.w = __shfl_xor_sync(TA_FULL_MASK, s.w, o);
+    r.flags = __shfl_xor_sync(TA_FULL_MASK, s.flags, o);
+    return r;
+}
+
+// Shared memory: one state per warp, then the two final base-2 LSEs.
+#define TA_SDCC_SMEM_BYTES (TA_SDCC_WARPS * int(sizeof(SdccState)) + 16)
+
+template <class E>
+__device__ __forceinline__ void sdcc_kl_body(const SdccParams& p) {
+    TA_DYNAMIC_SMEM(smem_raw);
+    SdccState* const swarp = reinterpret_cast<SdccState*>(smem_raw);
+    float* const slse = reinterpret_cast<float*>(smem_raw + TA_SDCC_WARPS * sizeof(SdccState));
+
+    const uint32_t pair = blockIdx.x;
+    const size_t V = p.vocab;
+    const uint32_t srow = p.pairs[2 * pair], trow = p.pairs[2 * pair + 1];
+    const size_t s_off = (size_t)srow * V, t_off = (size_t)trow * V;
+    const float c = p.inv_tau_log2;
+
+    // Sweep 1, per thread in f32.
+    float m_t = -INFINITY, z_t = 0.f, m_s = -INFINITY, z_s = 0.f, w = 0.f;
+    uint32_t flags = 0;
+    for (size_t base = 0; base < V; base += TA_SDCC_THREADS * TA_SDCC_UNROLL) {
+        float a[TA_SDCC_UNROLL], b[TA_SDCC_UNROLL];
+        float mx_t = -INFINITY, mx_s = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < TA_SDCC_UNROLL; ++j) {
+            const size_t v = base + (size_t)j * TA_SDCC_THREADS + threadIdx.x;
+            float x = -INFINITY, y = -INFINITY;
+            if (v < V) {
+                x = ta_sdcc_load<E>(p.student, s_off + v);
+                y = ta_sdcc_load<E>(p.teacher, t_off + v);
+                if (!(x < INFINITY)) flags |= TA_SDCC_STUDENT_NONFINITE;
+                if (!(y < INFINITY)) flags |= TA_SDCC_TEACHER_NONFINITE;
+            }
+            a[j] = y * c;
+            b[j] = x * c;
+            mx_t = fmaxf(mx_t, a[j]);
+            mx_s = fmaxf(mx_s, b[j]);
+        }
+        const float n_t = fmaxf(m_t, mx_t), n_s = fmaxf(m_s, mx_s);
+        if (z_t > 0.f) {
+            const float f = ta_exp2(m_t - n_t);
+            if (!(flags & TA_SDCC_INFINITE)) w = (w + ((m_t - m_s) - (n_t - n_s)) * z_t) * f;
+            z_t *= f;
+        }
+        if (z_s > 0.f) z_s *= ta_exp2(m_s - n_s);
+        m_t = n_t;
+        m_s = n_s;
+#pragma unroll
+        for (int j = 0; j < TA_SDCC_UNROLL; ++j) {
+            if (b[j] > -INFINITY) z_s += ta_exp2(b[j] - m_s);
+            if (a[j] > -INFINITY) {
+                const float e = ta_exp2(a[j] - m_t);
+                z_t += e;
+                if (b[j] == -INFINITY)
+                    flags |= TA_SDCC_INFINITE;
+                else if (!(flags & TA_SDCC_INFINITE))
+                    w += e * ((a[j] - m_t) - (b[j] - m_s));
+            }
+        }
+    }
+
+    // Block reduction in f64.
+    SdccState st{m_t, z_t, m_s, z_s, w, flags};
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) st = ta_sdcc_combine(st, ta_sdcc_shfl_xor(st, o));
+    const unsigned warp = threadIdx.x / 32;
+    if (ta_lane() == 0) swarp[warp] = st;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        SdccState r = swarp[0];
+        for (int i = 1; i < TA_SDCC_WARPS; ++i) r = ta_sdcc_combine(r, swarp[i]);
+        uint32_t status = r.flags & 0xffu;
+        if (r.z_t == 0.0) status |= TA_SDCC_TEACHER_ALL_NEG_INF;
+        if (r.z_s == 0.0) status |= TA_SDCC_STUDENT_ALL_NEG_INF;
+        const double ln2 = 0.69314718055994530942;
+        const double kl = (r.flags & TA_SDCC_INFINITE) ? INFINITY : (r.w / r.z_t - log2(r.z_t) + log2(r.z_s)) * ln2;
+        p.kl[pair] = status ? NAN : kl;
+        p.status[pair] = status;
+        // Base-2 log-sum-exps; +inf makes every probability 0 for a bad pair.
+        slse[0] = status ? INFINITY : float(r.m_s + log2(r.z_s));
+        slse[1] = status ? INFINITY : float(r.m_t + log2(r.z_t));
+    }
+    __syncthreads();
+
+    // Sweep 2: the gradient w · (p_s − p_t) / τ.
+    const float lse_s = slse[0], lse_t = slse[1];
+    const float g = p.weights[pair] * p.inv_tau;
+    float* const grow = p.grad + s_off;
+    for (size_t v = threadIdx.x; v < V; v += TA_SDCC_THREADS) {
+        const float x = ta_sdcc_load<E>(p.student, s_off + v) * c;
+        const float y = ta_sdcc_load<E>(p.teacher, t_off + v) * c;
+        const float d = g * (ta_exp2(x - lse_s) - ta_exp2(y - lse_t));
+        if (p.accumulate)
+            atomicAdd(grow + v, d);
+        else
+            grow[v] = d;
+    }
+}
+
+#define TA_SDCC_KERNEL(NAME, E)                                                           \
+    extern "C" __global__ void __launch_bounds__(TA_SDCC_THREADS) NAME(const SdccParams p) { \
+        sdcc_kl_body<E>(p);                                                               \
+    }
+TA_SDCC_KERNEL(sdcc_kl_bf16, ta_bf16)
+TA_SDCC_KERNEL(sdcc_kl_f16, ta_f16)
+TA_SDCC_KERNEL(sdcc_kl_f32, ta_f32)

@@ -1,0 +1,184 @@
+//! Launch planning of the SDCC forward-KL kernel (`kernels/sdcc_kl.cu`),
+//! shared by the `emu` and `cuda` backends: one block of 256 threads per
+//! (student row, teacher row) pair, 336 bytes of dynamic shared memory.
+
+use super::LaunchPlan;
+use crate::{Error, Result};
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for f32 {}
+}
+
+/// A logits element type of the SDCC kernel: `half::bf16`, `half::f16` or
+/// `f32` (f32 accumulation inside, f64 for the per-pair combination).
+pub trait SdccElem: sealed::Sealed + Copy + Send + Sync + bytemuck::Pod + 'static {
+    /// The code the emulator entry point takes (0 = bf16, 1 = f16, 2 = f32).
+    const CODE: u32;
+    /// The name used in the kernel symbol (`sdcc_kl_{name}`).
+    const NAME: &'static str;
+    fn to_f32(self) -> f32;
+}
+
+impl SdccElem for half::bf16 {
+    const CODE: u32 = 0;
+    const NAME: &'static str = "bf16";
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+impl SdccElem for half::f16 {
+    const CODE: u32 = 1;
+    const NAME: &'static str = "f16";
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+impl SdccElem for f32 {
+    const CODE: u32 = 2;
+    const NAME: &'static str = "f32";
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// Threads per block of `sdcc_kl_*`.
+pub const SDCC_THREADS: u32 = 256;
+/// Dynamic shared memory of `sdcc_kl_*`: one 48-byte partial state per warp
+/// and the two final log-sum-exps (16 bytes).
+pub const SDCC_SMEM_BYTES: u32 = (SDCC_THREADS / 32) * 48 + 16;
+
+/// Status bits the kernel writes per pair.
+pub(crate) const STATUS_STUDENT_NONFINITE: u32 = 1;
+pub(crate) const STATUS_TEACHER_NONFINITE: u32 = 2;
+pub(crate) const STATUS_STUDENT_ALL_NEG_INF: u32 = 4;
+pub(crate) const STATUS_TEACHER_ALL_NEG_INF: u32 = 8;
+
+/// The rows an SDCC call uses and how its gradient is written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SdccPlan {
+    pub launch: LaunchPlan,
+    pub student_rows: usize,
+    /// Some student row is named by several pairs: the kernel adds its
+    /// gradient with f32 atomics into a zeroed buffer.
+    pub accumulate: bool,
+    /// Per student row, whether some pair names it.
+    pub used: Vec<bool>,
+}
+
+/// Checks one SDCC call the way the CPU backend does
+/// (`backend::cpu::sdcc_forward_kl`) and plans it. `lens` are the element
+/// counts of the student and teacher logits.
+pub fn plan_sdcc(
+    lens: (usize, usize),
+    vocab: usize,
+    pairs: &[(u32, u32)],
+    weights: &[f32],
+    temperature: f32,
+) -> Result<SdccPlan> {
+    if vocab == 0 {
+        return Err(Error::Shape("SDCC vocab must be > 0".into()));
+    }
+    for (what, n) in [("student", lens.0), ("teacher", lens.1)] {
+        if n % vocab != 0 {
+            return Err(Error::Shape(format!(
+                "{what} logits have {n} elements, not a multiple of vocab = {vocab}"
+            )));
+        }
+    }
+    if weights.len() != pairs.len() {
+        return Err(Error::Shape(format!(
+            "{} weights for {} SDCC pairs",
+            weights.len(),
+            pairs.len()
+        )));
+    }
+    if !(temperature.is_finite() && temperature > 0.0) {
+        return Err(Error::Unsupported(format!(
+            "SDCC temperature {temperature} must be finite and > 0"
+        )));
+    }
+    if let Some(index) = weights.iter().position(|w| !w.is_finite()) {
+        return Err(Error::NonFinite {
+            what: "SDCC weights".into(),
+            index,
+        });
+    }
+    if let Some(i) = weights.iter().position(|&w| w < 0.0) {
+        return Err(Error::Unsupported(format!(
+            "SDCC weight {i} is {} (weights must be >= 0)",
+            weights[i]
+        )));
+    }
+    if pairs.len() > i32::MAX as usize {
+        return Err(Error::Unsupported(format!(
+            "{} SDCC pairs exceed one launch's grid",
+            pairs.len()
+        )));
+    }
+    let (n_student, n_teacher) = (lens.0 / vocab, lens.1 / vocab);
+    let mut used = vec![false; n_student];
+    let mut accumulate = false;
+    for (i, &(s, t)) in pairs.iter().enumerate() {
+        if s as usize >= n_student || t as usize >= n_teacher {
+            return Err(Error::Pack(format!(
+                "SDCC pair {i} = (student row {s}, teacher row {t}) is out of range: {n_student} student rows, {n_teacher} teacher rows"
+            )));
+        }
+        accumulate |= std::mem::replace(&mut used[s as usize], true);
+    }
+    Ok(SdccPlan {
+        launch: LaunchPlan {
+            grid: (pairs.len() as u32, 1, 1),
+            block: (SDCC_THREADS, 1, 1),
+            shared_mem_bytes: SDCC_SMEM_BYTES,
+        },
+        student_rows: n_student,
+        accumulate,
+        used,
+    })
+}
+
+/// The error for the lowest pair whose status word is not 0, if any.
+pub(crate) fn status_error(status: &[u32], pairs: &[(u32, u32)], vocab: usize) -> Result<()> {
+    let Some(i) = status.iter().position(|&s| s != 0) else {
+        return Ok(());
+    };
+    let (s, t) = (pairs[i].0 as usize, pairs[i].1 as usize);
+    let (nonfinite, no_mass) = ("holds a NaN or +inf", "is entirely −inf: no distribution");
+    let checks = [
+        (STATUS_STUDENT_NONFINITE, "student", s, nonfinite),
+        (STATUS_TEACHER_NONFINITE, "teacher", t, nonfinite),
+        (STATUS_TEACHER_ALL_NEG_INF, "teacher", t, no_mass),
+        (STATUS_STUDENT_ALL_NEG_INF, "student", s, no_mass),
+    ];
+    let (_, what, row, kind) = checks
+        .into_iter()
+        .find(|c| status[i] & c.0 != 0)
+        .unwrap_or((0, "student", s, "was not processed by the kernel"));
+    Err(Error::NonFinite {
+        what: format!("SDCC pair {i}: {what} logits row {row} {kind}"),
+        index: row * vocab,
+    })
+}
+
+/// Mirror of `SdccParams` (kernels/sdcc_kl.cu). Pointers are device
+/// addresses (CUDA) or host addresses (emulator).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SdccParams {
+    pub student: u64,
+    pub teacher: u64,
+    pub pairs: u64,
+    pub weights: u64,
+    pub grad: u64,
+    pub kl: u64,
+    pub status: u64,
+    pub vocab: u64,
+    pub num_pairs: u32,
+    pub inv_tau_log2: f32,
+    pub inv_tau: f32,
+    pub accumulate: u32,
+}

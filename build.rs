@@ -33,7 +33,6 @@ const HEADERS: &[&str] = &[
     "kernels/common.cuh",
     "kernels/rope.cuh",
     "kernels/emu/shim.h",
-    "kernels/emu/entry_launch.h",
 ];
 
 fn main() {
@@ -63,7 +62,7 @@ fn build_emulator() {
 }
 
 fn build_cuda() {
-    for v in ["TREEATTN_NVCC", "CUDA_HOME", "PATH"] {
+    for v in ["TREEATTN_NVCC", "CUDA_HOME", "PATH", "PYTHONPATH"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
     let nvcc = find_nvcc().unwrap_or_else(|tried| {

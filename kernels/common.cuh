@@ -23,6 +23,11 @@ struct ta_f16 {
 
 #define TA_FULL_MASK 0xffffffffu
 
+// 16 bytes moved as one vector load / store (LDS.128, STG.128 on the GPU).
+struct alignas(16) ta_vec16 {
+    uint32_t x, y, z, w;
+};
+
 __device__ __forceinline__ unsigned ta_lane() { return threadIdx.x & 31u; }
 
 #ifndef TA_EMU

@@ -9,11 +9,14 @@
 // head h / (q_heads / kv_heads).
 //
 // Tiling. One block per (query tile of kBlockM = 64 rows, query head): grid
-// (ceil(L / 64), q_heads), 4 warps; warp w owns query rows 16w..16w+15 of
-// the tile. The block stages Q (64 x D), and K and V tiles (64 x D, two
-// buffers each) in dynamic shared memory, rows padded by 8 elements (16 bytes)
-// so that the 8 row addresses of an ldmatrix fall in distinct bank groups.
-// Q goes to registers once (A fragments); for each key tile:
+// (ceil(L / 64), q_heads), the last query tile first, 4 warps; warp w owns query rows 16w..16w+15 of
+// the tile. The block stages K and V tiles (64 x D, two buffers each) in
+// dynamic shared memory, rows padded by 8 elements (16 bytes) so that the 8
+// row addresses of an ldmatrix fall in distinct bank groups: 4·64·(D+8)·2
+// bytes (36,864 for D = 64, 69,632 for D = 128: two blocks per SM on A100,
+// where a separate Q tile would have allowed one). The Q tile passes through
+// K buffer 1 before the first prefetch into it, and goes to registers once
+// (A fragments); for each key tile:
 //   S (16 x 64 per warp)  = Q Kᵀ : ldmatrix.x4 on K rows gives the B
 //                           fragments (K row-major is Kᵀ column-major);
 //   online softmax on S in registers (exp2 with scale·log2 e folded in);
@@ -27,6 +30,9 @@
 //   C 16x8:  acc[i]      = C[g + 8(i>>1)][2c + (i&1)]
 // so a thread holds rows g and g+8 of its warp's 16 rows; row statistics
 // (max, sum) are reduced over the quad of lanes 4g..4g+3.
+//
+// Epilogue: each warp normalises its O rows, stages them in its own 16 rows
+// of the Q tile's space and writes them out as 16-byte row-contiguous stores.
 //
 // Pipeline. cp.async with two buffers: while tile j is computed, the next
 // non-skipped tile is in flight; one commit group per tile (an empty group
@@ -90,10 +96,12 @@ struct FwdTraits {
     static constexpr int kWarps = 4;
     static constexpr int kThreads = kWarps * 32;
     static constexpr int kRowStride = D + 8;  // elements; +16 bytes against bank conflicts
-    static constexpr int kQElems = kBlockM * kRowStride;
     static constexpr int kKvElems = kBlockN * kRowStride;
-    static constexpr int kSmemBytes = (kQElems + 4 * kKvElems) * 2;  // Q, K[2], V[2]
+    // K[2], V[2]; the Q tile lives in K buffer 1 until its fragments are in
+    // registers, and the O tile passes through it at the end.
+    static constexpr int kSmemBytes = 4 * kKvElems * 2;
     static_assert(D % 16 == 0 && kBlockM == 16 * kWarps && kBlockN % 16 == 0, "tile shape");
+    static_assert(kBlockM <= kBlockN, "the Q tile must fit in a K buffer");
 };
 
 // Stages rows [row0, row0 + rows) of one head of a [tokens, heads, D] tensor
@@ -125,12 +133,14 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     constexpr int kNSteps = BN / 16;  // k-steps of P V
 
     TA_DYNAMIC_SMEM(smem_raw);
-    uint16_t* const sq = reinterpret_cast<uint16_t*>(smem_raw);
-    uint16_t* const sk = sq + Tr::kQElems;      // two buffers of kKvElems
-    uint16_t* const sv = sk + 2 * Tr::kKvElems;  // two buffers of kKvElems
+    uint16_t* const sk = reinterpret_cast<uint16_t*>(smem_raw);  // two buffers of kKvElems
+    uint16_t* const sv = sk + 2 * Tr::kKvElems;                   // two buffers of kKvElems
+    uint16_t* const sq = sk + Tr::kKvElems;                       // aliases K buffer 1
 
     const uint32_t L = p.tokens;
-    const uint32_t q0 = blockIdx.x * BM;
+    // Last query tile first: with a causal-like mask the late tiles carry the
+    // most keys, and starting them first shortens the tail of the grid.
+    const uint32_t q0 = (gridDim.x - 1 - blockIdx.x) * BM;
     const uint32_t head = blockIdx.y;
     const uint32_t kv_head = head / (p.q_heads / p.kv_heads);
     const uint32_t q1 = q0 + BM < L ? q0 + BM : L;  // exclusive, clipped
@@ -161,6 +171,7 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
 #pragma unroll
     for (int kk = 0; kk < kDSteps; ++kk)
         ta_ldmatrix_x4(qf[kk], sq + (warp * 16 + ri + 8 * (mi & 1)) * RS + kk * 16 + 8 * (mi >> 1));
+    __syncthreads();  // every warp holds its Q fragments before K buffer 1 is refilled
 
     float acc[kDTiles][4];
 #pragma unroll
@@ -270,19 +281,32 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
         buf ^= 1;
     }
 
+    // Epilogue: O = acc / l goes through this warp's own 16 rows of the Q
+    // tile (K buffer 1: idle since the loop's last barrier, no copy in
+    // flight), so that the global stores are 16-byte and row-contiguous; rows
+    // past L are dropped.
+    uint16_t* const so = sq + warp * 16 * RS;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float l = ta_quad_sum(row_sum[r]);
-        const uint32_t row = rows[r];
-        if (row >= L) continue;
         const float inv = l > 0.f ? 1.f / l : 0.f;
-        uint16_t* orow = p.o + ((size_t)row * p.q_heads + head) * D;
 #pragma unroll
         for (int n = 0; n < kDTiles; ++n)
-            *reinterpret_cast<uint32_t*>(orow + n * 8 + 2 * c) = ta_pack2<E>(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
-        if (c == 0)
-            p.lse[(size_t)head * L + row] =
+            *reinterpret_cast<uint32_t*>(so + (g + 8 * r) * RS + n * 8 + 2 * c) =
+                ta_pack2<E>(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+        if (c == 0 && rows[r] < L)
+            p.lse[(size_t)head * L + rows[r]] =
                 l > 0.f ? (row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
+    }
+    __syncwarp();
+    constexpr int kChunks = D / 8;  // 16-byte chunks per row
+#pragma unroll
+    for (int it = 0; it < 16 * kChunks / 32; ++it) {
+        const int i = it * 32 + lane, r = i / kChunks, ch = i % kChunks;
+        const uint32_t row = q0 + warp * 16 + r;
+        if (row < L)
+            *reinterpret_cast<ta_vec16*>(p.o + ((size_t)row * p.q_heads + head) * D + ch * 8) =
+                *reinterpret_cast<const ta_vec16*>(so + r * RS + ch * 8);
     }
 }
 

@@ -23,7 +23,7 @@
 
 use half::{bf16, f16};
 use treeattn::backend::cpu;
-use treeattn::backend::emu::{self, DqMode, KernelElem};
+use treeattn::backend::emu::{self, DqMode, EmuOptions, KernelElem};
 use treeattn::backend::launch::bwd::BwdTraits;
 use treeattn::backend::{AttnParams, AttnShape, Rope};
 use treeattn::mask::PackMask;
@@ -225,15 +225,18 @@ fn tol<T: KernelElem>() -> f64 {
     }
 }
 
-fn check<T: KernelElem>(rng: &mut Rng, seed: u64, c: &Case, mode: DqMode) {
+/// Checks one case under the emulator schedule `opts` (the tests rotate
+/// through [`EmuOptions::all`]: warp orders and cp.async landing times that
+/// expose a missing barrier or a wrong wait_group count).
+fn check<T: KernelElem>(rng: &mut Rng, seed: u64, c: &Case, mode: DqMode, opts: EmuOptions) {
     let what = format!(
-        "seed {seed}: {:?} {:?} {mode:?} rope {:?} (tokens {})",
+        "seed {seed}: {:?} {:?} {mode:?} rope {:?} (tokens {}) {opts:?}",
         T::DTYPE,
         c.shape,
         c.rope,
         c.kv_end.len()
     );
-    let errs = run_case::<T>(rng, &what, c, &c.kv_end, mode);
+    let errs = emu::with_options(opts, || run_case::<T>(rng, &what, c, &c.kv_end, mode));
     eprintln!(
         "{what}: relative Frobenius errors dQ, dK, dV {:.2e} {:.2e} {:.2e}",
         errs[0], errs[1], errs[2]
@@ -276,30 +279,33 @@ fn random_case(rng: &mut Rng, head_dim: usize, rope: bool) -> Case {
     }
 }
 
-fn random_packs<T: KernelElem>(head_dim: usize, cases: usize) {
+/// `cases` random packs: rotary off and on, both dQ modes, emulator
+/// schedules from `first_schedule` on.
+fn random_packs<T: KernelElem>(head_dim: usize, cases: usize, first_schedule: usize) {
     let (mut rng, seed) = Rng::new();
     for i in 0..cases {
         let c = random_case(&mut rng, head_dim, i % 2 == 1);
         let mode = [DqMode::Atomic, DqMode::Deterministic][(i / 2) % 2];
-        check::<T>(&mut rng, seed, &c, mode);
+        let opts = EmuOptions::all()[(first_schedule + i) % 6];
+        check::<T>(&mut rng, seed, &c, mode, opts);
     }
 }
 
 #[test]
 fn bf16_d64_random_tree_packs() {
-    random_packs::<bf16>(64, 4);
+    random_packs::<bf16>(64, 4, 0);
 }
 #[test]
 fn bf16_d128_random_tree_packs() {
-    random_packs::<bf16>(128, 4);
+    random_packs::<bf16>(128, 4, 4);
 }
 #[test]
 fn f16_d64_random_tree_packs() {
-    random_packs::<f16>(64, 4);
+    random_packs::<f16>(64, 4, 2);
 }
 #[test]
 fn f16_d128_random_tree_packs() {
-    random_packs::<f16>(128, 4);
+    random_packs::<f16>(128, 4, 3);
 }
 
 /// Causal chains (full tiles below the diagonal), exact tile multiples, a
@@ -311,13 +317,14 @@ fn tile_classes_and_edge_lengths() {
     // (One token would make dQ and dK exactly 0 in exact arithmetic — a
     // single visible key gives dS = P (dP − D) = 0 — and a relative error
     // meaningless; 5 is the shortest pack used.)
-    for (tokens, d) in [
+    let sizes = [
         (5usize, 64usize),
         (33, 128),
         (64, 64),
         (128, 128),
         (193, 64),
-    ] {
+    ];
+    for (i, (tokens, d)) in sizes.into_iter().enumerate() {
         let c = Case {
             shape: AttnShape {
                 tokens,
@@ -329,7 +336,7 @@ fn tile_classes_and_edge_lengths() {
             pos: (0..tokens as u32).collect(),
             rope: None,
         };
-        check::<bf16>(&mut rng, seed, &c, DqMode::Atomic);
+        check::<bf16>(&mut rng, seed, &c, DqMode::Atomic, EmuOptions::all()[i]);
     }
     let mut kv_end = Vec::new();
     while kv_end.len() < 230 {
@@ -353,8 +360,9 @@ fn tile_classes_and_edge_lengths() {
         pos: vec![0; tokens],
         rope: None,
     };
-    check::<f16>(&mut rng, seed, &c, DqMode::Deterministic);
-    check::<f16>(&mut rng, seed, &c, DqMode::Atomic);
+    let all = EmuOptions::all();
+    check::<f16>(&mut rng, seed, &c, DqMode::Deterministic, all[5]);
+    check::<f16>(&mut rng, seed, &c, DqMode::Atomic, all[2]);
 }
 
 /// A pack of padding only: nothing is visible, every gradient is exactly 0.
@@ -397,7 +405,8 @@ fn all_padding_gives_zero_gradients() {
     }
 }
 
-/// Deterministic mode: two runs give bit-identical dQ (and dK, dV, which are
+/// Deterministic mode: two runs — on several OS threads, under different
+/// thread schedules — give bit-identical dQ (and dK, dV, which are
 /// deterministic in both modes).
 #[test]
 fn deterministic_mode_is_bit_identical_across_runs() {
@@ -405,22 +414,25 @@ fn deterministic_mode_is_bit_identical_across_runs() {
     let c = random_case(&mut rng, 64, true);
     let x = inputs::<bf16>(&mut rng, &c);
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
-    let run = || {
-        emu::attention_backward(
-            &x.q,
-            &x.k,
-            &x.v,
-            &x.o,
-            &x.lse,
-            &x.d_o,
-            c.shape,
-            mask,
-            &params(&c),
-            DqMode::Deterministic,
-        )
+    let run = |opts: EmuOptions| {
+        emu::with_options(opts, || {
+            emu::attention_backward(
+                &x.q,
+                &x.k,
+                &x.v,
+                &x.o,
+                &x.lse,
+                &x.d_o,
+                c.shape,
+                mask,
+                &params(&c),
+                DqMode::Deterministic,
+            )
+        })
         .unwrap()
     };
-    let (a, b) = (run(), run());
+    let all = EmuOptions::all();
+    let (a, b) = (run(all[0]), run(all[3]));
     let bits = |t: &[bf16]| t.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
     assert_eq!(
         bits(&a.dq),

@@ -21,7 +21,7 @@
 //! computed in f32 from f32 scores: errors ~1e-6).
 
 use half::{bf16, f16};
-use treeattn::backend::emu::{self, KernelElem};
+use treeattn::backend::emu::{self, EmuOptions, KernelElem};
 use treeattn::backend::{AttnParams, AttnShape, Rope};
 use treeattn::mask::PackMask;
 use treeattn::Error;
@@ -224,10 +224,12 @@ fn run_case<T: KernelElem>(rng: &mut Rng, seed: u64, c: &Case, mask_kv_end: &[u3
     ((num / den.max(f64::MIN_POSITIVE)).sqrt(), lse_err)
 }
 
-fn check<T: KernelElem>(rng: &mut Rng, seed: u64, c: &Case, o_tol: f64) {
-    let (o_err, lse_err) = run_case::<T>(rng, seed, c, &c.kv_end);
+/// Runs a case under emulator options `opts` (a schedule and a cp.async
+/// landing time) and holds it to the tolerances.
+fn check<T: KernelElem>(rng: &mut Rng, seed: u64, c: &Case, o_tol: f64, opts: EmuOptions) {
+    let (o_err, lse_err) = emu::with_options(opts, || run_case::<T>(rng, seed, c, &c.kv_end));
     let what = format!(
-        "seed {seed}: {:?} {:?} (tokens {})",
+        "seed {seed}: {:?} {:?} (tokens {}) {opts:?}",
         T::DTYPE,
         c.shape,
         c.kv_end.len()
@@ -273,9 +275,10 @@ fn random_case(rng: &mut Rng, head_dim: usize) -> Case {
 
 fn random_packs<T: KernelElem>(head_dim: usize, cases: usize) {
     let (mut rng, seed) = Rng::new();
-    for _ in 0..cases {
+    // Each case under the next schedule / cp.async landing combination.
+    for i in 0..cases {
         let c = random_case(&mut rng, head_dim);
-        check::<T>(&mut rng, seed, &c, o_tol::<T>());
+        check::<T>(&mut rng, seed, &c, o_tol::<T>(), EmuOptions::all()[i % 6]);
     }
 }
 
@@ -285,7 +288,7 @@ fn bf16_d64_random_tree_packs() {
 }
 #[test]
 fn bf16_d128_random_tree_packs() {
-    random_packs::<bf16>(128, 4);
+    random_packs::<bf16>(128, 6);
 }
 #[test]
 fn f16_d64_random_tree_packs() {
@@ -293,7 +296,7 @@ fn f16_d64_random_tree_packs() {
 }
 #[test]
 fn f16_d128_random_tree_packs() {
-    random_packs::<f16>(128, 4);
+    random_packs::<f16>(128, 6);
 }
 
 /// Long causal chains exercise the full-tile path (no element mask) below the
@@ -302,7 +305,7 @@ fn f16_d128_random_tree_packs() {
 #[test]
 fn tile_classes_and_edge_lengths() {
     let (mut rng, seed) = Rng::new();
-    for tokens in [1usize, 17, 64, 128, 200, 257] {
+    for (i, tokens) in [1usize, 17, 64, 128, 200, 257].into_iter().enumerate() {
         let kv_end = vec![tokens as u32; tokens];
         let pos = (0..tokens as u32).collect();
         let c = Case {
@@ -315,7 +318,7 @@ fn tile_classes_and_edge_lengths() {
             kv_end,
             pos,
         };
-        check::<bf16>(&mut rng, seed, &c, o_tol::<bf16>());
+        check::<bf16>(&mut rng, seed, &c, o_tol::<bf16>(), EmuOptions::all()[i]);
     }
     // Varlen-style: many independent short sequences, so most key tiles of a
     // query tile are skipped; plus padding at the end.
@@ -338,7 +341,9 @@ fn tile_classes_and_edge_lengths() {
         kv_end,
         pos: vec![0; tokens],
     };
-    check::<f16>(&mut rng, seed, &c, o_tol::<f16>());
+    for opts in EmuOptions::all() {
+        check::<f16>(&mut rng, seed, &c, o_tol::<f16>(), opts);
+    }
 }
 
 /// A pack that is padding only: every row is fully masked.
@@ -448,6 +453,15 @@ fn unsupported_and_bad_inputs_are_errors() {
         emu::attention_forward(&x[1..], &x, &x, shape, mask, &p),
         Err(Error::Shape(_))
     ));
+    // A tensor that does not start on a 16-byte boundary.
+    let wide = vec![bf16::from_f32(0.5); 3 * 64 + 2];
+    let off = if (wide.as_ptr() as usize + 2) % 16 == 0 {
+        2
+    } else {
+        1
+    };
+    let e = emu::attention_forward(&wide[off..off + 3 * 64], &x, &x, shape, mask, &p).unwrap_err();
+    assert!(e.to_string().contains("16-byte aligned"), "{e}");
     let mut bad = x.clone();
     bad[70] = bf16::NAN;
     let checked = AttnParams {

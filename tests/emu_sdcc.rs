@@ -13,7 +13,7 @@
 
 use half::{bf16, f16};
 use treeattn::backend::cpu;
-use treeattn::backend::emu::{self, SdccElem};
+use treeattn::backend::emu::{self, EmuOptions, SdccElem};
 use treeattn::backend::launch::sdcc::{SDCC_SMEM_BYTES, SDCC_THREADS};
 use treeattn::Error;
 
@@ -283,6 +283,23 @@ fn identical_student_and_teacher_give_zero() {
             out.grad_student.iter().all(|&g| g == 0.0),
             "seed {seed}: vocab {vocab}: nonzero gradient for identical distributions"
         );
+    }
+}
+
+/// The kernel gives the same answer under every emulator schedule (warp
+/// orders, cp.async timing): its barriers order the block reduction.
+#[test]
+fn every_schedule_agrees() {
+    let (mut rng, seed) = Rng::new();
+    let p = problem::<bf16>(&mut rng, 3000, 2, 0.1, false);
+    let run = |opts| {
+        emu::with_options(opts, || {
+            emu::sdcc_forward_kl(&p.student, &p.teacher, 3000, &p.pairs, &p.weights, p.tau).unwrap()
+        })
+    };
+    let first = run(EmuOptions::all()[0]);
+    for opts in EmuOptions::all() {
+        assert_eq!(run(opts), first, "seed {seed}: {opts:?}");
     }
 }
 

@@ -9,6 +9,7 @@
 
 use half::{bf16, f16};
 use treeattn::backend::emu::shim_selftest::{run, Kernel};
+use treeattn::backend::emu::{with_options, EmuOptions, Schedule};
 
 struct Rng(u64);
 impl Rng {
@@ -69,7 +70,6 @@ fn ldmatrix_lane_layouts_follow_the_ptx_isa() {
                     1,
                     32,
                     512,
-                    1,
                 )
             }
             .unwrap();
@@ -108,7 +108,7 @@ fn mma_chain(a: &[u16], b: &[u16], c: &[f32], bf16_inputs: bool, b_k_major: bool
     let mut out = vec![0u8; 128 * 4];
     let arg = u32::from(bf16_inputs) | (u32::from(b_k_major) << 1);
     // SAFETY: the kernel reads A (256 u16), B (128 u16), C (128 f32) and writes 128 f32.
-    unsafe { run(Kernel::MmaChain, &input, &mut out, arg, 1, 32, 768, 1) }.unwrap();
+    unsafe { run(Kernel::MmaChain, &input, &mut out, arg, 1, 32, 768) }.unwrap();
     bytes_to_u32s(&out)
         .into_iter()
         .map(f32::from_bits)
@@ -179,7 +179,7 @@ fn shuffles_and_ballot_follow_cuda_semantics() {
         let input: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
         let mut out = vec![0u8; 64 * 7 * 4];
         // SAFETY: 64 threads read one u32 each and write 7 u32 each.
-        unsafe { run(Kernel::Shuffles, &input, &mut out, arg, 1, 64, 0, 1) }.unwrap();
+        unsafe { run(Kernel::Shuffles, &input, &mut out, arg, 1, 64, 0) }.unwrap();
         let out = bytes_to_u32s(&out);
         let a = arg as usize;
         for i in 0..64usize {
@@ -214,7 +214,7 @@ fn expect_err(kernel: Kernel, arg: u32, grid: u32, block: u32, needles: &[&str])
     let input = vec![0u8; 4096];
     let mut out = vec![0u8; 4096];
     // SAFETY: the error kernels touch at most one u32 per thread (< 1024 threads).
-    let e = unsafe { run(kernel, &input, &mut out, arg, grid, block, 256, 1) }
+    let e = unsafe { run(kernel, &input, &mut out, arg, grid, block, 256) }
         .unwrap_err()
         .to_string();
     for n in needles {
@@ -249,7 +249,7 @@ fn divergent_barriers_are_errors_not_hangs() {
     // Positive control: the same kernel with a uniform count of 3 barriers.
     let mut out = [0u8; 4];
     // SAFETY: this kernel touches no memory.
-    unsafe { run(Kernel::UnevenBarriers, &[], &mut out, 3, 2, 128, 0, 1) }.unwrap();
+    unsafe { run(Kernel::UnevenBarriers, &[], &mut out, 3, 2, 128, 0) }.unwrap();
 }
 
 #[test]
@@ -281,7 +281,7 @@ fn warp_collectives_need_full_masks_and_converged_lanes() {
 fn launches_with_partial_warps_are_rejected() {
     let mut out = [0u8; 4];
     // SAFETY: nothing runs: the launch is rejected.
-    let e = unsafe { run(Kernel::Shuffles, &[], &mut out, 1, 1, 48, 0, 1) }
+    let e = unsafe { run(Kernel::Shuffles, &[], &mut out, 1, 1, 48, 0) }
         .unwrap_err()
         .to_string();
     assert!(e.contains("multiple of 32"), "{e}");
@@ -292,8 +292,15 @@ fn shared_memory_is_poisoned_fresh_for_every_block() {
     // One worker runs the 6 blocks one after another on the same storage:
     // each block must still read only the poison, never the last block's writes.
     let mut out = vec![0u8; 6 * 64 * 4];
+    let one_worker = EmuOptions {
+        workers: 1,
+        ..EmuOptions::default()
+    };
     // SAFETY: 6 blocks of 64 threads write one u32 each.
-    unsafe { run(Kernel::PoisonRead, &[], &mut out, 0, 6, 64, 256, 1) }.unwrap();
+    with_options(one_worker, || unsafe {
+        run(Kernel::PoisonRead, &[], &mut out, 0, 6, 64, 256)
+    })
+    .unwrap();
     for (i, w) in bytes_to_u32s(&out).into_iter().enumerate() {
         assert_eq!(w, POISON, "word {i} (block {}, thread {})", i / 64, i % 64);
     }
@@ -305,13 +312,19 @@ fn shared_memory_is_poisoned_fresh_for_every_block() {
 }
 
 #[test]
-fn cp_async_lands_at_its_wait_group() {
+fn cp_async_lands_at_its_wait_group_or_eagerly() {
+    // Hardware may land a copy anywhere between issue and its wait_group; the
+    // emulator offers both ends.
     let (mut rng, seed) = Rng::new();
-    for zero_fill in [false, true] {
+    for (zero_fill, eager) in [(false, false), (true, false), (false, true), (true, true)] {
         let input: Vec<u8> = (0..32 * 32).map(|_| rng.next() as u8).collect();
         let mut out = vec![0u8; 32 * 12 * 4];
         // SAFETY: 32 threads read 32 bytes each and write 12 u32 each; smem 1024.
-        unsafe {
+        let opts = EmuOptions {
+            cp_async_eager: eager,
+            ..EmuOptions::default()
+        };
+        with_options(opts, || unsafe {
             run(
                 Kernel::CpAsyncGroups,
                 &input,
@@ -320,25 +333,90 @@ fn cp_async_lands_at_its_wait_group() {
                 1,
                 32,
                 1024,
-                1,
             )
-        }
+        })
         .unwrap();
         let out = bytes_to_u32s(&out);
         let data = bytes_to_u32s(&input);
         for t in 0..32 {
             let o = &out[t * 12..t * 12 + 12];
             for i in 0..4 {
-                let ctx = format!("seed {seed}: thread {t} word {i} zero_fill {zero_fill}");
-                assert_eq!(o[i], POISON, "{ctx}: visible before any wait");
-                assert_eq!(
-                    o[4 + i],
-                    data[t * 8 + i] ^ POISON,
-                    "{ctx}: after wait_group 1"
-                );
+                let ctx =
+                    format!("seed {seed}: thread {t} word {i} zero_fill {zero_fill} eager {eager}");
                 let second = if zero_fill { 0 } else { data[t * 8 + 4 + i] };
+                if eager {
+                    // Landed at issue: everything visible at once.
+                    assert_eq!(o[i], data[t * 8 + i], "{ctx}: before any wait");
+                    assert_eq!(
+                        o[4 + i],
+                        data[t * 8 + i] ^ second,
+                        "{ctx}: after wait_group 1"
+                    );
+                } else {
+                    assert_eq!(o[i], POISON, "{ctx}: visible before any wait");
+                    assert_eq!(
+                        o[4 + i],
+                        data[t * 8 + i] ^ POISON,
+                        "{ctx}: after wait_group 1"
+                    );
+                }
                 assert_eq!(o[8 + i], second, "{ctx}: after wait_group 0");
             }
         }
     }
+}
+
+#[test]
+fn warp_serial_schedules_expose_a_missing_barrier() {
+    // Warp 0 writes shared memory, warp 1 reads it: with the barrier every
+    // schedule agrees; without it, lockstep happens to hide the race and the
+    // reverse schedule (warp 1 first) reads the poison.
+    let (mut rng, seed) = Rng::new();
+    let input: Vec<u8> = (0..32 * 4).map(|_| rng.next() as u8).collect();
+    let data = bytes_to_u32s(&input);
+    for opts in EmuOptions::all() {
+        for barrier in [true, false] {
+            let mut out = vec![0u8; 32 * 4];
+            // SAFETY: warp 0 reads 32 u32, warp 1 writes 32 u32; smem 128.
+            with_options(opts, || unsafe {
+                run(
+                    Kernel::MissingBarrier,
+                    &input,
+                    &mut out,
+                    u32::from(barrier),
+                    1,
+                    64,
+                    128,
+                )
+            })
+            .unwrap();
+            let got = bytes_to_u32s(&out);
+            let race_visible = opts.schedule == Schedule::WarpSerialReverse && !barrier;
+            for i in 0..32 {
+                let want = if race_visible { POISON } else { data[i] };
+                assert_eq!(
+                    got[i], want,
+                    "seed {seed}: {opts:?} barrier {barrier} word {i}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn cp_async_outside_the_inputs_is_an_error() {
+    // The kernel copies 32 bytes per thread from the input; give it 16 bytes
+    // too few: the last thread's second copy leaves the buffer.
+    let input = vec![7u8; 32 * 32 - 16];
+    let mut out = vec![0u8; 32 * 12 * 4];
+    // SAFETY: the kernel reads the input only with cp.async (checked against
+    // its length) and writes 12 u32 per thread.
+    let e = unsafe { run(Kernel::CpAsyncGroups, &input, &mut out, 0, 1, 32, 1024) }
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("offset 1008 of the input, a buffer of 1008 bytes"),
+        "{e}"
+    );
+    assert!(e.contains("thread (31,0,0)"), "{e}");
 }

@@ -7,32 +7,6 @@
 
 namespace {
 
-template <class P>
-struct KernelCall {
-    void (*kernel)(const P);
-    P params;
-};
-
-template <class P>
-void run_kernel(void* ctx) {
-    const KernelCall<P>* call = static_cast<const KernelCall<P>*>(ctx);
-    call->kernel(call->params);
-}
-
-template <class P>
-int launch_kernel(void (*kernel)(const P), const P& params, dim3 grid, dim3 block, size_t smem, unsigned workers,
-                  char* err, size_t err_len) {
-    KernelCall<P> call{kernel, params};
-    ta_emu::Launch l;
-    l.grid = grid;
-    l.block = block;
-    l.smem_bytes = smem;
-    l.body = run_kernel<P>;
-    l.ctx = &call;
-    l.workers = workers;
-    return ta_emu::launch(l, err, err_len);
-}
-
 template <class Tr>
 int check_plan(unsigned block_threads, size_t smem, char* err, size_t err_len) {
     if (block_threads != unsigned(Tr::kThreads) || smem != size_t(Tr::kSmemBytes)) {
@@ -66,13 +40,17 @@ extern "C" int ta_emu_fwd_traits(uint32_t head_dim, int32_t* out) {
 }
 
 extern "C" int ta_emu_tree_attn_fwd(uint32_t dtype, uint32_t head_dim, const TreeAttnFwdParams* p, uint32_t grid_x,
-                                    uint32_t grid_y, uint32_t block_threads, size_t smem, uint32_t workers, char* err,
+                                    uint32_t grid_y, uint32_t block_threads, size_t smem, const ta_emu::Config* config, char* err,
                                     size_t err_len) {
     const dim3 grid(grid_x, grid_y), block(block_threads);
+    const size_t q_bytes = size_t(p->tokens) * p->q_heads * head_dim * 2;
+    const size_t kv_bytes = size_t(p->tokens) * p->kv_heads * head_dim * 2;
+    const ta_emu::GlobalRange ranges[] = {{p->q, q_bytes, "q"}, {p->k, kv_bytes, "k"}, {p->v, kv_bytes, "v"}};
 #define TA_CASE(DT, HD, E, NAME)                                                                      \
     if (dtype == DT && head_dim == HD) {                                                             \
         if (check_plan<FwdTraits<E, HD>>(block_threads, smem, err, err_len)) return 1;               \
-        return launch_kernel<TreeAttnFwdParams>(NAME, *p, grid, block, smem, workers, err, err_len); \
+        return ta_emu::launch_kernel<TreeAttnFwdParams>(NAME, *p, grid, block, smem, *config, err, err_len, \
+                                                        ranges, 3); \
     }
     TA_CASE(0, 64, ta_bf16, tree_attn_fwd_bf16_d64)
     TA_CASE(0, 128, ta_bf16, tree_attn_fwd_bf16_d128)
@@ -84,7 +62,7 @@ extern "C" int ta_emu_tree_attn_fwd(uint32_t dtype, uint32_t head_dim, const Tre
 }
 
 extern "C" int ta_emu_kv_tile_bounds(const KvTileBoundsParams* p, uint32_t grid_x, uint32_t block_threads,
-                                     uint32_t workers, char* err, size_t err_len) {
-    return launch_kernel<KvTileBoundsParams>(tree_attn_kv_tile_bounds, *p, dim3(grid_x), dim3(block_threads), 0,
-                                             workers, err, err_len);
+                                     const ta_emu::Config* config, char* err, size_t err_len) {
+    return ta_emu::launch_kernel<KvTileBoundsParams>(tree_attn_kv_tile_bounds, *p, dim3(grid_x), dim3(block_threads), 0,
+                                             *config, err, err_len);
 }

@@ -17,7 +17,8 @@
 // never hangs or aborts.
 //
 // Context switch: a hand-written x86-64 switch (callee-saved registers, MXCSR
-// and the x87 control word; no syscall), with a ucontext fallback elsewhere.
+// and the x87 control word; no syscall), with a ucontext fallback elsewhere
+// (or when built with -DTA_EMU_UCONTEXT, which is how the fallback is tested).
 // Fiber stacks are mmap'd with a guard page below each.
 #include "shim.h"
 
@@ -33,7 +34,10 @@
 #include <thread>
 #include <vector>
 
-#if !defined(__x86_64__)
+#if defined(__x86_64__) && !defined(TA_EMU_UCONTEXT)
+#define TA_EMU_ASM_SWITCH 1
+#else
+#define TA_EMU_ASM_SWITCH 0
 #include <ucontext.h>
 #endif
 
@@ -50,7 +54,7 @@ struct PendingCopy {
 struct Block;
 
 struct Fiber {
-#if defined(__x86_64__)
+#if TA_EMU_ASM_SWITCH
     void* sp = nullptr;
 #else
     ucontext_t uc;
@@ -75,7 +79,7 @@ struct Block {
     std::vector<unsigned char> smem_storage;
     unsigned char* smem = nullptr;
     std::string error;
-#if defined(__x86_64__)
+#if TA_EMU_ASM_SWITCH
     void* main_sp = nullptr;
 #else
     ucontext_t main_uc;
@@ -90,7 +94,7 @@ const WarpOp& lane_op(Fiber* f) { return f->op; }
 }  // namespace ta_emu
 
 // ---------------------------------------------------------------- switching
-#if defined(__x86_64__)
+#if TA_EMU_ASM_SWITCH
 extern "C" void ta_emu_ctx_switch(void** save_sp, void* load_sp);
 extern "C" void ta_emu_fiber_trampoline();
 extern "C" [[noreturn]] void ta_emu_fiber_main(ta_emu::Fiber* f);
@@ -141,7 +145,7 @@ ta_emu_fiber_trampoline:
 namespace ta_emu {
 
 static void to_scheduler(Fiber* f) {
-#if defined(__x86_64__)
+#if TA_EMU_ASM_SWITCH
     ta_emu_ctx_switch(&f->sp, f->block->main_sp);
 #else
     swapcontext(&f->uc, &f->block->main_uc);
@@ -150,7 +154,7 @@ static void to_scheduler(Fiber* f) {
 
 static void to_fiber(Block& b, Fiber& f) {
     g_cur = &f;
-#if defined(__x86_64__)
+#if TA_EMU_ASM_SWITCH
     ta_emu_ctx_switch(&b.main_sp, f.sp);
 #else
     swapcontext(&b.main_uc, &f.uc);
@@ -167,7 +171,7 @@ extern "C" [[noreturn]] void ta_emu_fiber_main(ta_emu::Fiber* f) {
     __builtin_trap();  // a finished fiber is never resumed
 }
 
-#if !defined(__x86_64__)
+#if !TA_EMU_ASM_SWITCH
 static void ta_emu_uc_entry(unsigned hi, unsigned lo) {
     uintptr_t p = ((uintptr_t)hi << 32) | lo;
     ta_emu_fiber_main(reinterpret_cast<ta_emu::Fiber*>(p));
@@ -181,7 +185,7 @@ static void init_fiber(Fiber& f) {
     f.op = WarpOp{};
     f.pending.clear();
     f.groups_committed = 0;
-#if defined(__x86_64__)
+#if TA_EMU_ASM_SWITCH
     uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack) + f.stack_bytes) & ~uintptr_t(15);
     uint64_t* a = reinterpret_cast<uint64_t*>(top - 24);  // return address slot
     a[0] = reinterpret_cast<uint64_t>(&ta_emu_fiber_trampoline);
@@ -265,13 +269,42 @@ static bool in_smem(const void* p, size_t bytes) {
     return c >= b.smem && c + bytes <= b.smem + b.launch->smem_bytes;
 }
 
+static void cp_async_land(void* smem_dst, const void* gmem_src, bool fill);
+
 void cp_async_16(void* smem_dst, const void* gmem_src, bool fill) {
-    Fiber* f = g_cur;
     if (!in_smem(smem_dst, 16))
         fail("cp.async destination %p is outside the block's %zu bytes of dynamic shared memory", smem_dst,
              g_block->launch->smem_bytes);
     if ((reinterpret_cast<uintptr_t>(smem_dst) | reinterpret_cast<uintptr_t>(gmem_src)) & 15u)
         fail("cp.async of 16 bytes needs 16-byte aligned addresses (dst %p, src %p)", smem_dst, gmem_src);
+    const Launch& l = *g_block->launch;
+    if (fill && l.ranges) {
+        const unsigned char* src = static_cast<const unsigned char*>(gmem_src);
+        const GlobalRange* below = nullptr;  // the buffer starting closest below src
+        for (size_t i = 0; i < l.num_ranges; i++) {
+            const GlobalRange& r = l.ranges[i];
+            const unsigned char* b = static_cast<const unsigned char*>(r.begin);
+            if (src >= b && src + 16 <= b + r.bytes) return cp_async_land(smem_dst, gmem_src, fill);
+            if (src >= b && (!below || b > static_cast<const unsigned char*>(below->begin))) below = &r;
+        }
+        if (below)
+            fail("cp.async reads 16 bytes at offset %zd of %s, a buffer of %zu bytes",
+                 src - static_cast<const unsigned char*>(below->begin), below->name, below->bytes);
+        fail("cp.async reads 16 bytes at %p, before every input buffer of the launch", gmem_src);
+    }
+    cp_async_land(smem_dst, gmem_src, fill);
+}
+
+// Queues (or, eagerly, performs) one checked 16-byte copy.
+static void cp_async_land(void* smem_dst, const void* gmem_src, bool fill) {
+    Fiber* f = g_cur;
+    if (g_block->launch->config.cp_async_eager) {
+        if (fill)
+            std::memcpy(smem_dst, gmem_src, 16);
+        else
+            std::memset(smem_dst, 0, 16);
+        return;
+    }
     PendingCopy c;
     c.dst = static_cast<unsigned char*>(smem_dst);
     c.group = f->groups_committed;
@@ -501,11 +534,48 @@ static bool run_block(Block& b) {
     for (Fiber& f : b.fibers) init_fiber(f);
     std::memset(b.smem, 0xff, b.launch->smem_bytes);  // NaN in f32, bf16 and f16
     g_block = &b;
+    const uint32_t schedule = b.launch->config.schedule;
+    Fiber* lanes[32];
+    // Computes warp w's collective if all 32 lanes wait at one; false if not
+    // ready, or with b.error set when the lanes wait at different ones.
+    auto resolve_warp = [&](unsigned w) {
+        for (unsigned l = 0; l < 32; l++) {
+            lanes[l] = &b.fibers[w * 32 + l];
+            if (lanes[l]->st != St::WaitWarp) return false;
+        }
+        for (unsigned l = 1; l < 32; l++) {
+            if (lanes[l]->op.fn != lanes[0]->op.fn) {
+                sched_error(lanes[l], "warp %u not converged: lane 0 is at %s while lane %u is at %s", w,
+                            lanes[0]->op.name, l, lanes[l]->op.name);
+                return false;
+            }
+        }
+        lanes[0]->op.fn(lanes);
+        if (!b.error.empty()) return false;
+        for (unsigned l = 0; l < 32; l++) lanes[l]->st = St::Runnable;
+        return true;
+    };
     for (;;) {
-        for (unsigned i = 0; i < n; i++) {
-            if (b.fibers[i].st != St::Runnable) continue;
-            to_fiber(b, b.fibers[i]);
-            if (!b.error.empty()) return false;
+        if (schedule == SCHEDULE_LOCKSTEP) {
+            for (unsigned i = 0; i < n; i++) {
+                if (b.fibers[i].st != St::Runnable) continue;
+                to_fiber(b, b.fibers[i]);
+                if (!b.error.empty()) return false;
+            }
+        } else {
+            // Each warp alone, up to its next __syncthreads or its exit.
+            for (unsigned k = 0; k < warps; k++) {
+                const unsigned w = schedule == SCHEDULE_WARP_SERIAL_REVERSE ? warps - 1 - k : k;
+                do {
+                    for (unsigned l = 0; l < 32; l++) {
+                        Fiber& f = b.fibers[w * 32 + l];
+                        if (f.st != St::Runnable) continue;
+                        to_fiber(b, f);
+                        if (!b.error.empty()) return false;
+                    }
+                } while (resolve_warp(w));
+                if (!b.error.empty()) return false;
+            }
         }
         unsigned done = 0, bar = 0;
         for (const Fiber& f : b.fibers) {
@@ -514,25 +584,9 @@ static bool run_block(Block& b) {
         }
         if (done == n) return true;
         bool released = false;
-        Fiber* lanes[32];
         for (unsigned w = 0; w < warps; w++) {
-            unsigned waiting = 0;
-            for (unsigned l = 0; l < 32; l++) {
-                lanes[l] = &b.fibers[w * 32 + l];
-                waiting += lanes[l]->st == St::WaitWarp;
-            }
-            if (waiting != 32) continue;
-            for (unsigned l = 1; l < 32; l++) {
-                if (lanes[l]->op.fn != lanes[0]->op.fn) {
-                    sched_error(lanes[l], "warp %u not converged: lane 0 is at %s while lane %u is at %s", w,
-                                lanes[0]->op.name, l, lanes[l]->op.name);
-                    return false;
-                }
-            }
-            lanes[0]->op.fn(lanes);
+            released |= resolve_warp(w);
             if (!b.error.empty()) return false;
-            for (unsigned l = 0; l < 32; l++) lanes[l]->st = St::Runnable;
-            released = true;
         }
         if (released) continue;
         if (bar > 0 && bar + done == n) {
@@ -620,7 +674,9 @@ int launch(const Launch& l, char* err, size_t err_len) {
     if (l.smem_bytes > 228 * 1024)
         return report("emulator launch: " + std::to_string(l.smem_bytes) +
                       " bytes of dynamic shared memory exceed the 227 KB of a block on sm_90");
-    unsigned workers = l.workers ? l.workers : std::max(1u, std::thread::hardware_concurrency());
+    if (l.config.schedule > SCHEDULE_WARP_SERIAL_REVERSE)
+        return report("emulator launch: unknown schedule " + std::to_string(l.config.schedule));
+    unsigned workers = l.config.workers ? l.config.workers : std::max(1u, std::thread::hardware_concurrency());
     workers = unsigned(std::min<uint64_t>(workers, blocks));
 
     std::atomic<uint64_t> next{0};

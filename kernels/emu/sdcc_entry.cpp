@@ -3,7 +3,7 @@
 // `backend::launch::sdcc`; it checks the plan, then runs the grid.
 #include "../sdcc_kl.cu"
 
-#include "entry_launch.h"
+#include <cstdio>
 
 // Block size and shared memory of the kernel: out = {threads, smem_bytes}.
 extern "C" void ta_emu_sdcc_traits(int32_t* out) {
@@ -13,15 +13,20 @@ extern "C" void ta_emu_sdcc_traits(int32_t* out) {
 
 // dtype: 0 = bf16, 1 = f16, 2 = f32.
 extern "C" int ta_emu_sdcc_kl(uint32_t dtype, const SdccParams* p, uint32_t grid_x, uint32_t block_threads,
-                              size_t smem, uint32_t workers, char* err, size_t err_len) {
-    if (ta_emu_entry::check_plan("sdcc_kl", block_threads, smem, TA_SDCC_THREADS, TA_SDCC_SMEM_BYTES, err, err_len))
+                              size_t smem, const ta_emu::Config* config, char* err, size_t err_len) {
+    if (block_threads != TA_SDCC_THREADS || smem != size_t(TA_SDCC_SMEM_BYTES)) {
+        snprintf(err, err_len,
+                 "sdcc_kl: launch plan (%u threads, %zu bytes of shared memory) does not match the kernel (%d "
+                 "threads, %d bytes)",
+                 block_threads, smem, TA_SDCC_THREADS, TA_SDCC_SMEM_BYTES);
         return 1;
+    }
     void (*kernel)(const SdccParams) = dtype == 0 ? sdcc_kl_bf16 : dtype == 1 ? sdcc_kl_f16 : dtype == 2 ? sdcc_kl_f32
                                                                                                           : nullptr;
     if (!kernel) {
         snprintf(err, err_len, "no SDCC kernel for dtype %u", dtype);
         return 1;
     }
-    return ta_emu_entry::launch<SdccParams>(kernel, *p, dim3(grid_x), dim3(block_threads), smem, workers, err,
-                                            err_len);
+    return ta_emu::launch_kernel<SdccParams>(kernel, *p, dim3(grid_x), dim3(block_threads), smem, *config, err,
+                                             err_len);
 }

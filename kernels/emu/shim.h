@@ -18,6 +18,13 @@
 // Every warp collective must name the full mask 0xffffffff and be reached by
 // all 32 lanes of the warp at the same collective; anything else fails the
 // launch with a message (on hardware it would be undefined behaviour).
+//
+// Host side (bottom of this file): ta_emu::launch_kernel(kernel, params,
+// grid, block, smem_bytes, config, err, err_len) runs a kernel that takes one
+// parameter struct by value; ta_emu::Config picks the worker threads, the
+// thread schedule and when cp.async copies land (run kernel tests under all
+// of them: races show up as wrong numbers under some). Blocks need whole
+// warps (blockDim a multiple of 32).
 #pragma once
 
 #include <cmath>
@@ -65,9 +72,11 @@ void syncthreads();
 void warp_collective(WarpFn fn, const char* name, unsigned mask, const void* in, void* out);
 const WarpOp& lane_op(Fiber* f);
 
-// cp.async model: the source is read at issue, the destination written when a
-// cp.async.wait_group retires the copy's group (never earlier), so a kernel
-// that reads shared memory before the matching wait sees the poison.
+// cp.async model: the source is read at issue; the destination is written
+// when a cp.async.wait_group retires the copy's group (the latest moment), so
+// a kernel that reads shared memory before the matching wait sees the
+// poison — or, with Config::cp_async_eager, at issue (the earliest moment),
+// so a copy into a buffer that other warps still read corrupts their data.
 void cp_async_16(void* smem_dst, const void* gmem_src, bool fill);
 void cp_async_commit();
 void cp_async_wait(int newest_pending_allowed);
@@ -183,13 +192,71 @@ inline unsigned atomicMin(unsigned* p, unsigned v) { return ta_emu_atomic_minmax
 
 // ---- host side: launching a kernel on the emulator ------------------------
 namespace ta_emu {
+// How the emulator interleaves threads and lands cp.async copies. Races that
+// hardware timing could expose (a missing __syncthreads, a wait_group count
+// off by one) show up as wrong numbers under one of the combinations, so
+// kernel tests should run under several. Mirrored by `EmuConfig` in Rust.
+enum Schedule : uint32_t {
+    // Round-robin over all threads: warps advance one collective at a time.
+    SCHEDULE_LOCKSTEP = 0,
+    // Each warp in turn runs alone until it blocks at __syncthreads or exits
+    // (warp 0 first): as far ahead of the others as hardware allows.
+    SCHEDULE_WARP_SERIAL = 1,
+    // The same, last warp first.
+    SCHEDULE_WARP_SERIAL_REVERSE = 2,
+};
+struct Config {
+    uint32_t workers;         // OS threads for blocks; 0 = all cores
+    uint32_t schedule;        // a Schedule
+    uint32_t cp_async_eager;  // 0: a copy lands at its wait_group (latest), 1: at issue (earliest)
+    uint32_t reserved;
+};
+// A global buffer the kernel may read with cp.async.
+struct GlobalRange {
+    const void* begin;
+    size_t bytes;
+    const char* name;
+};
 struct Launch {
     dim3 grid, block;
     size_t smem_bytes = 0;
     void (*body)(void* ctx) = nullptr;  // runs once per CUDA thread
     void* ctx = nullptr;
-    unsigned workers = 0;  // OS threads for blocks; 0 = all cores
+    Config config = {0, SCHEDULE_LOCKSTEP, 0, 0};
+    // When set, every cp.async source must lie inside one of these buffers
+    // (an out-of-bounds read is an error instead of a silent read of host
+    // memory, or a fault on the GPU).
+    const GlobalRange* ranges = nullptr;
+    size_t num_ranges = 0;
 };
 // Runs every block; returns 0, or nonzero with a message in err (NUL-terminated).
 int launch(const Launch& l, char* err, size_t err_len);
+
+// Launches `kernel(params)` — a kernel taking one parameter struct by value,
+// the convention of the treeattn kernels — on the emulator. A host entry
+// point (see kernels/emu/fwd_entry.cpp) checks its launch plan, then calls
+// this; Rust reaches the entry point through FFI.
+template <class P>
+int launch_kernel(void (*kernel)(const P), const P& params, dim3 grid, dim3 block, size_t smem_bytes,
+                  const Config& config, char* err, size_t err_len, const GlobalRange* ranges = nullptr,
+                  size_t num_ranges = 0) {
+    struct Call {
+        void (*kernel)(const P);
+        P params;
+        static void run(void* ctx) {
+            const Call* c = static_cast<const Call*>(ctx);
+            c->kernel(c->params);
+        }
+    } call{kernel, params};
+    Launch l;
+    l.grid = grid;
+    l.block = block;
+    l.smem_bytes = smem_bytes;
+    l.body = Call::run;
+    l.ctx = &call;
+    l.config = config;
+    l.ranges = ranges;
+    l.num_ranges = num_ranges;
+    return launch(l, err, err_len);
+}
 }  // namespace ta_emu

@@ -161,35 +161,33 @@ __global__ void uneven_barriers(const SelfTestParams p) {
     for (unsigned i = 0; i < n; i++) __syncthreads();
 }
 
+// Warp 0 stores in[0..32) to shared memory; warp 1 copies it to out after a
+// __syncthreads (arg 1) or without one (arg 0: a race).
+__global__ void missing_barrier(const SelfTestParams p) {
+    TA_DYNAMIC_SMEM(smem);
+    uint32_t* s = reinterpret_cast<uint32_t*>(smem);
+    const unsigned t = threadIdx.x;
+    if (t < 32) s[t] = static_cast<const uint32_t*>(p.in)[t];
+    if (p.arg) __syncthreads();
+    if (t >= 32) static_cast<uint32_t*>(p.out)[t - 32] = s[t - 32];
+}
+
 using SelfTestKernel = void (*)(const SelfTestParams);
 const SelfTestKernel kKernels[] = {ldmatrix_dump, mma_chain,     shuffles,        divergent_barrier,
                                    partial_mask,  not_converged, poison_read,     cp_async_groups,
-                                   uneven_barriers};
-
-struct Call {
-    SelfTestKernel k;
-    SelfTestParams p;
-};
-void run_call(void* ctx) {
-    const Call* c = static_cast<const Call*>(ctx);
-    c->k(c->p);
-}
+                                   uneven_barriers, missing_barrier};
 
 }  // namespace
 
-extern "C" int ta_emu_selftest(uint32_t which, const void* in, void* out, uint32_t arg, uint32_t grid,
-                               uint32_t block, size_t smem, uint32_t workers, char* err, size_t err_len) {
+// `in` is registered as the one buffer cp.async may read (in_bytes long).
+extern "C" int ta_emu_selftest(uint32_t which, const void* in, size_t in_bytes, void* out, uint32_t arg,
+                               uint32_t grid, uint32_t block, size_t smem, const ta_emu::Config* config, char* err,
+                               size_t err_len) {
     if (which >= sizeof kKernels / sizeof kKernels[0]) {
         snprintf(err, err_len, "no self-test kernel %u", which);
         return 1;
     }
-    Call call{kKernels[which], SelfTestParams{in, out, arg}};
-    ta_emu::Launch l;
-    l.grid = dim3(grid);
-    l.block = dim3(block);
-    l.smem_bytes = smem;
-    l.body = run_call;
-    l.ctx = &call;
-    l.workers = workers;
-    return ta_emu::launch(l, err, err_len);
+    const ta_emu::GlobalRange input{in, in_bytes, "the input"};
+    return ta_emu::launch_kernel<SelfTestParams>(kKernels[which], SelfTestParams{in, out, arg}, dim3(grid),
+                                                 dim3(block), smem, *config, err, err_len, &input, 1);
 }

@@ -21,8 +21,100 @@ pub use super::launch::sdcc::SdccElem;
 pub use bwd::{attention_backward, attention_backward_into, backward_kernel_traits, GpuAttnGrads};
 pub use sdcc::{sdcc_forward_kl, sdcc_forward_kl_into, sdcc_kernel_traits, GpuSdccOut};
 
+/// How the emulator interleaves the threads of a block. Hardware timing can
+/// put one warp far ahead of another; a kernel with a missing
+/// `__syncthreads` or a wrong `cp.async.wait_group` count gives wrong numbers
+/// under some schedule, so kernel tests run under all of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// Round-robin over all threads: warps advance one collective at a time.
+    Lockstep = 0,
+    /// Each warp in turn runs alone to its next `__syncthreads` (warp 0 first).
+    WarpSerial = 1,
+    /// As [`Schedule::WarpSerial`], last warp first.
+    WarpSerialReverse = 2,
+}
+
+/// Emulator settings for the launches made on this thread (see
+/// [`with_options`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EmuOptions {
+    /// OS threads that run blocks; 0 = one per core.
+    pub workers: u32,
+    pub schedule: Schedule,
+    /// `false`: a `cp.async` copy lands at its `wait_group` (the latest moment
+    /// hardware allows); `true`: at issue (the earliest).
+    pub cp_async_eager: bool,
+}
+
+impl Default for EmuOptions {
+    fn default() -> Self {
+        EmuOptions {
+            workers: 0,
+            schedule: Schedule::Lockstep,
+            cp_async_eager: false,
+        }
+    }
+}
+
+impl EmuOptions {
+    /// Every schedule with both cp.async landing times: the set a kernel test
+    /// should pass under.
+    pub fn all() -> [EmuOptions; 6] {
+        let mut out = [EmuOptions::default(); 6];
+        for (i, o) in out.iter_mut().enumerate() {
+            o.schedule = [
+                Schedule::Lockstep,
+                Schedule::WarpSerial,
+                Schedule::WarpSerialReverse,
+            ][i / 2];
+            o.cp_async_eager = i % 2 == 1;
+        }
+        out
+    }
+    fn raw(self) -> RawConfig {
+        RawConfig {
+            workers: self.workers,
+            schedule: self.schedule as u32,
+            cp_async_eager: u32::from(self.cp_async_eager),
+            reserved: 0,
+        }
+    }
+}
+
+thread_local! {
+    static OPTIONS: std::cell::Cell<EmuOptions> = std::cell::Cell::new(EmuOptions::default());
+}
+
+/// Runs `f` with `opts` applied to every emulator launch `f` makes on this
+/// thread; the previous options come back afterwards (also on panic).
+pub fn with_options<R>(opts: EmuOptions, f: impl FnOnce() -> R) -> R {
+    struct Restore(EmuOptions);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            OPTIONS.with(|o| o.set(self.0));
+        }
+    }
+    let _restore = Restore(OPTIONS.with(|o| o.replace(opts)));
+    f()
+}
+
+fn current_config() -> RawConfig {
+    OPTIONS.with(|o| o.get()).raw()
+}
+
+/// Mirror of `ta_emu::Config` (kernels/emu/shim.h).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct RawConfig {
+    workers: u32,
+    schedule: u32,
+    cp_async_eager: u32,
+    reserved: u32,
+}
+
 mod ffi {
-    use super::{FwdParams, KvBoundsParams};
+    use super::{FwdParams, KvBoundsParams, RawConfig};
     extern "C" {
         pub fn ta_emu_fwd_traits(head_dim: u32, out: *mut i32) -> i32;
         #[allow(clippy::too_many_arguments)]
@@ -34,7 +126,7 @@ mod ffi {
             grid_y: u32,
             block_threads: u32,
             smem: usize,
-            workers: u32,
+            config: *const RawConfig,
             err: *mut u8,
             err_len: usize,
         ) -> i32;
@@ -42,7 +134,7 @@ mod ffi {
             p: *const KvBoundsParams,
             grid_x: u32,
             block_threads: u32,
-            workers: u32,
+            config: *const RawConfig,
             err: *mut u8,
             err_len: usize,
         ) -> i32;
@@ -50,12 +142,13 @@ mod ffi {
         pub fn ta_emu_selftest(
             which: u32,
             input: *const u8,
+            input_len: usize,
             output: *mut u8,
             arg: u32,
             grid: u32,
             block: u32,
             smem: usize,
-            workers: u32,
+            config: *const RawConfig,
             err: *mut u8,
             err_len: usize,
         ) -> i32;
@@ -118,7 +211,7 @@ pub fn kv_tile_bounds(kv_end: &[u32], tile: usize) -> Result<(Vec<u32>, Vec<u32>
             &p,
             plan.grid.0,
             plan.block.0,
-            0,
+            &current_config(),
             err.as_mut_ptr(),
             err.len(),
         )
@@ -167,7 +260,8 @@ pub fn attention_forward_into<T: KernelElem>(
     o: &mut [T],
     lse: &mut [f32],
 ) -> Result<()> {
-    let (traits, plan) = launch::plan_forward(&shape, &mask, params, (q.len(), k.len(), v.len()))?;
+    let (traits, plan) =
+        launch::plan_forward(&shape, mask.len(), params, (q.len(), k.len(), v.len()))?;
     if o.len() != shape.q_len() || lse.len() != shape.q_heads * shape.tokens {
         return Err(Error::Shape(format!(
             "outputs hold {} (o) and {} (lse) elements, expected {} and {}",
@@ -189,6 +283,20 @@ pub fn attention_forward_into<T: KernelElem>(
     }
     if shape.tokens == 0 {
         return Ok(());
+    }
+    // The kernel moves rows in 16-byte vectors (cp.async, the O stores), as on
+    // the GPU, where device allocations are 256-byte aligned.
+    for (name, addr) in [
+        ("q", q.as_ptr() as usize),
+        ("k", k.as_ptr() as usize),
+        ("v", v.as_ptr() as usize),
+        ("o", o.as_ptr() as usize),
+    ] {
+        if addr % 16 != 0 {
+            return Err(Error::Unsupported(format!(
+                "{name} starts at {addr:#x}: the kernel needs 16-byte aligned tensors (copy it into a fresh Vec)"
+            )));
+        }
     }
     let (tile_min, tile_max) = kv_tile_bounds(mask.kv_end, traits.block_n as usize)?;
     let p = FwdParams {
@@ -219,7 +327,7 @@ pub fn attention_forward_into<T: KernelElem>(
             plan.grid.1,
             plan.block.0,
             plan.shared_mem_bytes as usize,
-            0,
+            &current_config(),
             err.as_mut_ptr(),
             err.len(),
         )
@@ -263,16 +371,22 @@ pub mod shim_selftest {
         PoisonRead = 6,
         CpAsyncGroups = 7,
         UnevenBarriers = 8,
+        MissingBarrier = 9,
     }
 
     /// Launches a self-test kernel on `grid` blocks of `block` threads with
-    /// `smem` bytes of dynamic shared memory on `workers` OS threads (0 =
-    /// all cores). The kernel reads `input` and writes `output`; the caller
-    /// sizes both for the kernel (see the C++ comments).
+    /// `smem` bytes of dynamic shared memory, with the emulator options of
+    /// this thread ([`super::with_options`]). The kernel reads `input` and
+    /// writes `output`; the caller sizes both for the kernel (see the C++
+    /// comments).
+    ///
+    /// `input` is the only buffer the kernel's `cp.async` may read: a copy
+    /// from outside it fails the launch.
     ///
     /// # Safety
-    /// `input` and `output` must be at least as large as the kernel reads and
-    /// writes for this `grid`, `block` and `arg`.
+    /// `output` must be at least as large as the kernel writes, and `input`
+    /// as large as it reads with plain loads, for this `grid`, `block` and
+    /// `arg`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn run(
         kernel: Kernel,
@@ -282,7 +396,6 @@ pub mod shim_selftest {
         grid: u32,
         block: u32,
         smem: usize,
-        workers: u32,
     ) -> Result<()> {
         let mut err = [0u8; 1024];
         // SAFETY: the caller sized the buffers (this function's contract);
@@ -291,12 +404,13 @@ pub mod shim_selftest {
             ffi::ta_emu_selftest(
                 kernel as u32,
                 input.as_ptr(),
+                input.len(),
                 output.as_mut_ptr(),
                 arg,
                 grid,
                 block,
                 smem,
-                workers,
+                &super::current_config(),
                 err.as_mut_ptr(),
                 err.len(),
             )

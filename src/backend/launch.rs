@@ -5,15 +5,15 @@
 //!
 //! Forward tiling (see the top of `kernels/tree_attn_fwd.cu`): one block of
 //! 4 warps per (query tile of 64 rows, query head), key tiles of 64; shared
-//! memory holds Q and two buffers each of K and V, rows padded by 8 elements:
-//! `(64 + 4 · 64) · (d + 8) · 2` bytes (46,080 for d = 64, 87,040 for d = 128).
+//! memory holds two buffers each of K and V (the Q tile passes through one of
+//! them), rows padded by 8 elements: `4 · 64 · (d + 8) · 2` bytes (36,864 for
+//! d = 64, 69,632 for d = 128).
 
 use super::{AttnParams, AttnShape};
-use crate::mask::PackMask;
+use crate::{Error, Result};
 
 pub mod bwd;
 pub mod sdcc;
-use crate::{Error, Result};
 
 mod sealed {
     pub trait Sealed {}
@@ -106,9 +106,10 @@ impl FwdTraits {
             ))),
         }
     }
-    /// Dynamic shared memory: Q tile, two K and two V tiles of 16-bit elements.
+    /// Dynamic shared memory: two K and two V tiles of 16-bit elements (the
+    /// Q tile borrows K buffer 1, so `block_m <= block_n`).
     pub fn smem_bytes(&self) -> u32 {
-        (self.block_m + 4 * self.block_n) * self.row_stride * 2
+        4 * self.block_n * self.row_stride * 2
     }
     /// The kernel's symbol for an element type.
     pub fn kernel_name(&self, dtype: Dtype) -> String {
@@ -130,10 +131,11 @@ pub struct LaunchPlan {
 
 /// Checks one forward call and returns the kernel tiling and launch plan:
 /// grid `(ceil(tokens / block_m), q_heads)`, one block per (query tile, head).
-/// `lens` are the element counts of q, k, v.
+/// `pack_tokens` is the length of the pack's `kv_end`; `lens` are the element
+/// counts of q, k, v.
 pub fn plan_forward(
     shape: &AttnShape,
-    mask: &PackMask<'_>,
+    pack_tokens: usize,
     params: &AttnParams,
     lens: (usize, usize, usize),
 ) -> Result<(FwdTraits, LaunchPlan)> {
@@ -146,10 +148,9 @@ pub fn plan_forward(
         ));
     }
     let traits = FwdTraits::for_head_dim(shape.head_dim)?;
-    if mask.len() != shape.tokens {
+    if pack_tokens != shape.tokens {
         return Err(Error::Pack(format!(
-            "pack has {} tokens but the attention shape has {}",
-            mask.len(),
+            "pack has {pack_tokens} tokens but the attention shape has {}",
             shape.tokens
         )));
     }
@@ -186,6 +187,70 @@ pub fn plan_forward(
         shared_mem_bytes: traits.smem_bytes(),
     };
     Ok((traits, plan))
+}
+
+/// How the forward kernel treats one (query tile, key tile) pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TileClass {
+    /// Never loaded: no query of the tile sees a key of the tile.
+    Skip,
+    /// Computed without an element mask: every pair is visible.
+    Full,
+    /// Computed with the element mask.
+    Partial,
+}
+
+/// The forward kernel's rule (DESIGN §5) for the query tile `[q0, q0 +
+/// block_m)` and key tile `[k0, k0 + block_n)` of a pack of `tokens` tokens,
+/// given min and max of `kv_end` over the key tile; with `q1` the query tile's
+/// end clipped to the pack:
+///
+/// ```text
+/// skip     k0 > q1 − 1  or  max kv_end <= q0
+/// full     k0 + block_n <= tokens  and  k0 + block_n − 1 <= q0  and  min kv_end >= q1
+/// partial  otherwise
+/// ```
+pub fn tile_class(
+    traits: &FwdTraits,
+    tokens: usize,
+    q0: usize,
+    k0: usize,
+    kv_min: u32,
+    kv_max: u32,
+) -> TileClass {
+    let (bm, bn) = (traits.block_m as usize, traits.block_n as usize);
+    let q1 = (q0 + bm).min(tokens);
+    if k0 + 1 > q1 || kv_max as usize <= q0 {
+        TileClass::Skip
+    } else if k0 + bn <= tokens && k0 + bn - 1 <= q0 && kv_min as usize >= q1 {
+        TileClass::Full
+    } else {
+        TileClass::Partial
+    }
+}
+
+/// Counts of [`TileClass`] over all (query tile, key tile) pairs of a pack:
+/// `(skipped, full, partial)` — how much of the square the kernel never
+/// touches, and how much it computes without a mask.
+pub fn count_tiles(kv_end: &[u32], traits: &FwdTraits) -> (u64, u64, u64) {
+    let (bm, bn, l) = (
+        traits.block_m as usize,
+        traits.block_n as usize,
+        kv_end.len(),
+    );
+    let mut n = (0u64, 0u64, 0u64);
+    for (t, c) in kv_end.chunks(bn).enumerate() {
+        let lo = c.iter().copied().min().unwrap_or(0);
+        let hi = c.iter().copied().max().unwrap_or(0);
+        for q0 in (0..l).step_by(bm) {
+            match tile_class(traits, l, q0, t * bn, lo, hi) {
+                TileClass::Skip => n.0 += 1,
+                TileClass::Full => n.1 += 1,
+                TileClass::Partial => n.2 += 1,
+            }
+        }
+    }
+    n
 }
 
 /// Warps (key tiles) per block of the per-tile kv_end bounds kernel.
@@ -251,30 +316,82 @@ mod tests {
             kv_heads: 2,
             head_dim: 128,
         };
-        let kv_end = vec![130u32; 130];
-        let pos: Vec<u32> = (0..130).collect();
-        let mask = PackMask::new(&kv_end, &pos).unwrap();
         let p = AttnParams::new(128);
         let (t, plan) = plan_forward(
             &shape,
-            &mask,
+            130,
             &p,
             (shape.q_len(), shape.kv_len(), shape.kv_len()),
         )
         .unwrap();
         assert_eq!(plan.grid, (3, 6, 1));
         assert_eq!(plan.block, (128, 1, 1));
-        assert_eq!(plan.shared_mem_bytes, 87_040);
+        assert_eq!(plan.shared_mem_bytes, 69_632);
         assert_eq!(t.kernel_name(Dtype::F16), "tree_attn_fwd_f16_d128");
         assert_eq!(plan_kv_tile_bounds(t.key_tiles(130)).grid, (1, 1, 1));
         assert_eq!(plan_kv_tile_bounds(5).grid, (2, 1, 1));
     }
 
+    /// The tile rule against brute force on random varlen packs with
+    /// padding keys: a skipped tile has no visible pair, a full tile only
+    /// visible pairs inside the pack.
+    #[test]
+    fn tile_classes_match_brute_force() {
+        let mut seed = std::process::id() as u64 | 1;
+        let mut next = move |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        let t = FwdTraits::for_head_dim(64).unwrap();
+        let (bm, bn) = (t.block_m as usize, t.block_n as usize);
+        let mut seen = [0usize; 3];
+        for _ in 0..30 {
+            let mut kv_end: Vec<u32> = Vec::new();
+            let target = 1 + next(400);
+            while kv_end.len() < target {
+                let (start, len) = (kv_end.len(), 1 + next(150));
+                if next(4) == 0 {
+                    kv_end.extend((start..start + len).map(|k| k as u32)); // padding keys
+                } else {
+                    kv_end.extend(std::iter::repeat((start + len) as u32).take(len));
+                }
+            }
+            let l = kv_end.len();
+            for k0 in (0..l).step_by(bn) {
+                let keys = k0..(k0 + bn).min(l);
+                let lo = kv_end[keys.clone()].iter().copied().min().unwrap();
+                let hi = kv_end[keys.clone()].iter().copied().max().unwrap();
+                for q0 in (0..l).step_by(bm) {
+                    let rows = q0..(q0 + bm).min(l);
+                    let visible = rows
+                        .clone()
+                        .flat_map(|q| keys.clone().map(move |k| (q, k)))
+                        .filter(|&(q, k)| k <= q && q < kv_end[k] as usize)
+                        .count();
+                    let class = tile_class(&t, l, q0, k0, lo, hi);
+                    let ctx =
+                        format!("tile q0={q0} k0={k0} of L={l}: {class:?}, {visible} visible");
+                    match class {
+                        TileClass::Skip => assert_eq!(visible, 0, "{ctx}"),
+                        TileClass::Full => assert_eq!(visible, bm.min(l - q0) * bn, "{ctx}"),
+                        TileClass::Partial => {}
+                    }
+                    seen[class as usize] += 1;
+                }
+            }
+            let (s, f, p) = count_tiles(&kv_end, &t);
+            assert_eq!(s + f + p, (l.div_ceil(bm) * l.div_ceil(bn)) as u64);
+        }
+        assert!(
+            seen.iter().all(|&n| n > 0),
+            "every class exercised: {seen:?}"
+        );
+    }
+
     #[test]
     fn rejects_what_the_kernel_cannot_do() {
-        let kv_end = vec![4u32; 4];
-        let pos = vec![0u32; 4];
-        let mask = PackMask::new(&kv_end, &pos).unwrap();
         let shape = AttnShape {
             tokens: 4,
             q_heads: 1,
@@ -283,7 +400,7 @@ mod tests {
         };
         let lens = (shape.q_len(), shape.kv_len(), shape.kv_len());
         assert!(matches!(
-            plan_forward(&shape, &mask, &AttnParams::new(96), lens),
+            plan_forward(&shape, 4, &AttnParams::new(96), lens),
             Err(Error::Unsupported(_))
         ));
         let shape = AttnShape {
@@ -296,19 +413,18 @@ mod tests {
             base: 10_000.0,
             dims: 64,
         });
-        let e = plan_forward(&shape, &mask, &p, lens).unwrap_err();
+        let e = plan_forward(&shape, 4, &p, lens).unwrap_err();
         assert!(e.to_string().contains("rotary"), "{e}");
         let e = plan_forward(
             &shape,
-            &mask,
+            4,
             &AttnParams::new(64),
             (lens.0, lens.1 - 1, lens.2),
         )
         .unwrap_err();
         assert!(e.to_string().contains("k has"), "{e}");
-        let short = PackMask::new(&[3, 3, 3], &pos[..3]).unwrap();
         assert!(matches!(
-            plan_forward(&shape, &short, &AttnParams::new(64), lens),
+            plan_forward(&shape, 3, &AttnParams::new(64), lens),
             Err(Error::Pack(_))
         ));
     }

@@ -1,6 +1,6 @@
 //! Attention backward on the emulator (`kernels/tree_attn_bwd.cu`).
 
-use super::{emu_result, kv_tile_bounds, KernelElem};
+use super::{current_config, emu_result, kv_tile_bounds, KernelElem, RawConfig};
 use crate::backend::launch::bwd::{plan_backward, BwdParams, DqMode, RopeArgs, RopeTables};
 use crate::backend::launch::{scale_log2, LaunchPlan};
 use crate::backend::{AttnParams, AttnShape};
@@ -8,7 +8,7 @@ use crate::mask::PackMask;
 use crate::{Error, Result};
 
 mod ffi {
-    use super::BwdParams;
+    use super::{BwdParams, RawConfig};
     extern "C" {
         pub fn ta_emu_bwd_traits(head_dim: u32, out: *mut i32) -> i32;
         #[allow(clippy::too_many_arguments)]
@@ -21,7 +21,7 @@ mod ffi {
             grid_y: u32,
             block_threads: u32,
             smem: usize,
-            workers: u32,
+            config: *const RawConfig,
             err: *mut u8,
             err_len: usize,
         ) -> i32;
@@ -139,6 +139,22 @@ pub fn attention_backward_into<T: KernelElem>(
     if shape.tokens == 0 {
         return Ok(());
     }
+    // Rows move in 16-byte cp.async vectors, dV in 4-byte stores, as on the
+    // GPU, where device allocations are 256-byte aligned.
+    for (name, addr, align) in [
+        ("q", q.as_ptr() as usize, 16),
+        ("k", k.as_ptr() as usize, 16),
+        ("v", v.as_ptr() as usize, 16),
+        ("d_o", d_o.as_ptr() as usize, 16),
+        ("dv", dv.as_ptr() as usize, 4),
+    ] {
+        if addr % align != 0 {
+            return Err(Error::Unsupported(format!(
+                "{name} starts at {addr:#x}: the backward kernels need {align}-byte aligned tensors (copy it into a \
+                 fresh Vec)"
+            )));
+        }
+    }
     let tables = params
         .rope
         .map(|r| RopeTables::new(r, mask.position_ids))
@@ -208,7 +224,7 @@ pub fn attention_backward_into<T: KernelElem>(
                 plan.grid.1,
                 plan.block.0,
                 plan.shared_mem_bytes as usize,
-                0,
+                &current_config(),
                 err.as_mut_ptr(),
                 err.len(),
             )

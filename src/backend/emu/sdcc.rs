@@ -1,11 +1,11 @@
 //! SDCC forward-KL on the emulator (`kernels/sdcc_kl.cu`).
 
-use super::emu_result;
+use super::{current_config, emu_result, RawConfig};
 use crate::backend::launch::sdcc::{plan_sdcc, status_error, SdccElem, SdccParams};
 use crate::{Error, Result};
 
 mod ffi {
-    use super::SdccParams;
+    use super::{RawConfig, SdccParams};
     extern "C" {
         pub fn ta_emu_sdcc_traits(out: *mut i32);
         pub fn ta_emu_sdcc_kl(
@@ -14,7 +14,7 @@ mod ffi {
             grid_x: u32,
             block_threads: u32,
             smem: usize,
-            workers: u32,
+            config: *const RawConfig,
             err: *mut u8,
             err_len: usize,
         ) -> i32;
@@ -163,7 +163,7 @@ pub fn sdcc_forward_kl_into<T: SdccElem>(
             l.grid.0,
             l.block.0,
             l.shared_mem_bytes as usize,
-            0,
+            &current_config(),
             err.as_mut_ptr(),
             err.len(),
         )

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# GPU check of the CUDA tree-attention forward, for a machine with an NVIDIA
+# GPU and no Rust toolchain: the treeattn binary is built here, with
+#     cargo build --release --features cuda
+# and carried (target/release/treeattn). One call, well under 5 minutes:
+#   1. what the machine is (read-only nvidia-smi query; nothing is changed);
+#   2. `treeattn gpu-check`: the kernel against an f64 reference on fresh
+#      random packs (trees, forests with padding, varlen, causal, a GRPO fan;
+#      GQA; d 64 and 128; bf16 and f16; outputs poisoned, every element
+#      checked), then timings of tree packs against a causal run of the same
+#      kernel and size (CUDA events, warm-up, median, inputs > L2);
+#   3. optionally (GPU_CHECK_SANITIZE=1) a small run under compute-sanitizer
+#      memcheck and racecheck.
+# The table is printed last. Logs also go to $OUT when it is set.
+#
+# Environment: TREEATTN_BIN (default target/release/treeattn), GPU_CHECK_ARGS
+# (extra arguments for gpu-check, e.g. "--tokens 16384 --heads 16 --reps 50"),
+# GPU_CHECK_SANITIZE=1.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+BIN=${TREEATTN_BIN:-target/release/treeattn}
+LOG_DIR=${OUT:-$(mktemp -d)}
+if [ ! -x "$BIN" ]; then
+    echo "no treeattn binary at $BIN: build it with 'cargo build --release --features cuda' and carry it" >&2
+    exit 2
+fi
+
+echo "== machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 | head -5
+date -u
+
+rc=0
+if [ "${GPU_CHECK_SANITIZE:-0}" = "1" ] && command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck; do
+        echo "== compute-sanitizer --tool $tool (small run)"
+        timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            "$BIN" gpu-check --tokens 512 --heads 4 --reps 2 >"$LOG_DIR/sanitizer-$tool.log" 2>&1
+        s=$?
+        tail -5 "$LOG_DIR/sanitizer-$tool.log"
+        [ $s -ne 0 ] && { echo "compute-sanitizer $tool: exit $s"; rc=1; }
+    done
+fi
+
+echo "== treeattn gpu-check"
+# shellcheck disable=SC2086
+timeout 240 "$BIN" gpu-check ${GPU_CHECK_ARGS:-} 2>&1 | tee "$LOG_DIR/gpu-check.log"
+s=${PIPESTATUS[0]}
+[ $s -ne 0 ] && { echo "gpu-check: exit $s"; rc=1; }
+exit $rc

@@ -1,0 +1,635 @@
+//! `treeattn gpu-check`: proves and times the CUDA forward on a real GPU in
+//! one short run (scripts/gpu-check.sh carries the binary to the GPU machine).
+//!
+//! 1. Correctness: fresh random packs of several shapes (trees with edits,
+//!    forests with padding, varlen, long causal chains; GQA; both head dims
+//!    and dtypes), outputs poisoned with NaN before the launch, every element
+//!    checked written, O compared by relative Frobenius error (≤ 1e-2 bf16,
+//!    ≤ 2e-3 f16) and LSE by absolute error (≤ 1e-3) against an f64 reference
+//!    on the same rounded inputs — the tolerances of tests/emu_fwd.rs. The
+//!    per-key-tile kv_end bounds computed on the device are checked against
+//!    a host scan.
+//! 2. Timing: the kernel on tree packs against a plain causal run of the same
+//!    kernel and size, inputs larger than L2 (three rotating input sets),
+//!    warm-up, median of CUDA-event timings. FLOPs count visible pairs only
+//!    (4·d per pair per head, DESIGN §7).
+//!
+//! The reference is the local f64 loop below until the CPU backend lands;
+//! then it should be `backend::cpu::attention_forward::<f64>`.
+
+use std::fmt::Write as _;
+
+use cudarc::driver::{CudaSlice, DeviceRepr};
+
+use super::CudaBackend;
+use crate::backend::launch::{count_tiles, FwdTraits, KernelElem};
+use crate::backend::{AttnParams, AttnShape};
+use crate::mask::PackMask;
+use crate::{Error, Result};
+
+/// What `gpu-check` runs.
+#[derive(Clone, Debug)]
+pub struct CheckOptions {
+    /// CUDA device ordinal.
+    pub device: usize,
+    /// Seed of the random packs and inputs; `None`: from the clock.
+    pub seed: Option<u64>,
+    /// Pack length of the timing runs.
+    pub timing_tokens: usize,
+    /// Query heads of the timing runs (kv heads: a quarter, GQA).
+    pub timing_q_heads: usize,
+    /// Timed launches per case (after 5 warm-up launches).
+    pub reps: usize,
+}
+
+impl Default for CheckOptions {
+    fn default() -> Self {
+        CheckOptions {
+            device: 0,
+            seed: None,
+            timing_tokens: 16_384,
+            timing_q_heads: 16,
+            reps: 50,
+        }
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next() % (hi - lo + 1) as u64) as usize
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+/// A pack under construction: kv_end and depth position ids.
+#[derive(Default)]
+struct Pack {
+    kv_end: Vec<u32>,
+    pos: Vec<u32>,
+}
+
+impl Pack {
+    /// Appends a random tree in pre-order: a node is a chain of
+    /// 1..=max_chain tokens followed by its subtrees; each token's kv_end is
+    /// the end of its node's subtree. The root branches (an edit).
+    fn push_tree(
+        &mut self,
+        rng: &mut Rng,
+        depth0: u32,
+        max_chain: usize,
+        levels: u32,
+        branch: bool,
+    ) {
+        let start = self.kv_end.len();
+        let len = rng.range(1, max_chain);
+        self.kv_end.extend(std::iter::repeat(0).take(len));
+        self.pos.extend(depth0..depth0 + len as u32);
+        if levels > 0 {
+            let kids = if branch {
+                rng.range(2, 3)
+            } else {
+                rng.range(0, 3)
+            };
+            for _ in 0..kids {
+                self.push_tree(rng, depth0 + len as u32, max_chain, levels - 1, false);
+            }
+        }
+        let end = self.kv_end.len() as u32;
+        self.kv_end[start..start + len]
+            .iter_mut()
+            .for_each(|e| *e = end);
+    }
+    /// Padding keys: seen by nobody, their rows see nothing.
+    fn pad(&mut self, n: usize) {
+        for _ in 0..n {
+            self.kv_end.push(self.kv_end.len() as u32);
+            self.pos.push(0);
+        }
+    }
+    /// An independent sequence of `n` tokens (varlen / causal).
+    fn push_sequence(&mut self, n: usize) {
+        let end = (self.kv_end.len() + n) as u32;
+        self.kv_end.extend(std::iter::repeat(end).take(n));
+        self.pos.extend(0..n as u32);
+    }
+    /// A prompt of `prompt` tokens with `branches` continuations of
+    /// `branch_len` tokens each, all children of the prompt (compaction
+    /// views, or a GRPO group).
+    fn push_fan(&mut self, prompt: usize, branches: usize, branch_len: usize) {
+        let end = (self.kv_end.len() + prompt + branches * branch_len) as u32;
+        self.kv_end.extend(std::iter::repeat(end).take(prompt));
+        self.pos.extend(0..prompt as u32);
+        for _ in 0..branches {
+            self.push_sequence(branch_len);
+            let n = self.pos.len();
+            self.pos[n - branch_len..]
+                .iter_mut()
+                .for_each(|p| *p += prompt as u32);
+        }
+    }
+    fn mask(&self) -> Result<PackMask<'_>> {
+        PackMask::new(&self.kv_end, &self.pos)
+    }
+}
+
+/// f64 reference: (O [tokens, hq, d], LSE [hq, tokens]); rows split over
+/// all cores.
+fn reference(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    s: AttnShape,
+    kv_end: &[u32],
+    scale: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let (l, hq, hk, d) = (s.tokens, s.q_heads, s.kv_heads, s.head_dim);
+    let group = hq / hk;
+    // Keys visible from each row, built once: key k is seen by rows k..kv_end[k].
+    let mut keys_of: Vec<Vec<u32>> = vec![Vec::new(); l];
+    for (kk, &e) in kv_end.iter().enumerate() {
+        for row in keys_of.iter_mut().take(e as usize).skip(kk) {
+            row.push(kk as u32);
+        }
+    }
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let chunk = l.div_ceil(threads).max(1);
+    let mut o = vec![0.0; l * hq * d];
+    let mut lse = vec![f64::NEG_INFINITY; hq * l];
+    let mut lse_rows: Vec<Vec<f64>> = Vec::new();
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = o
+            .chunks_mut(chunk * hq * d)
+            .enumerate()
+            .map(|(ci, oc)| {
+                let keys_of = &keys_of;
+                sc.spawn(move || {
+                    let r0 = ci * chunk;
+                    let rows = oc.len() / (hq * d);
+                    let mut lse_part = vec![f64::NEG_INFINITY; rows * hq];
+                    for r in 0..rows {
+                        let qi = r0 + r;
+                        let keys = &keys_of[qi];
+                        if keys.is_empty() {
+                            continue;
+                        }
+                        for h in 0..hq {
+                            let kh = h / group;
+                            let qrow = &q[(qi * hq + h) * d..][..d];
+                            let sc: Vec<f64> = keys
+                                .iter()
+                                .map(|&kk| {
+                                    let krow = &k[(kk as usize * hk + kh) * d..][..d];
+                                    scale * qrow.iter().zip(krow).map(|(a, b)| a * b).sum::<f64>()
+                                })
+                                .collect();
+                            let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                            let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+                            lse_part[r * hq + h] = m + z.ln();
+                            let orow = &mut oc[(r * hq + h) * d..][..d];
+                            for (&kk, x) in keys.iter().zip(&sc) {
+                                let p = (x - m).exp() / z;
+                                let vrow = &v[(kk as usize * hk + kh) * d..][..d];
+                                orow.iter_mut().zip(vrow).for_each(|(a, b)| *a += p * b);
+                            }
+                        }
+                    }
+                    lse_part
+                })
+            })
+            .collect();
+        lse_rows = handles
+            .into_iter()
+            .map(|h| h.join().expect("reference thread"))
+            .collect();
+    });
+    for (ci, part) in lse_rows.iter().enumerate() {
+        for (r, row) in part.chunks(hq).enumerate() {
+            for (h, &x) in row.iter().enumerate() {
+                lse[h * l + ci * chunk + r] = x;
+            }
+        }
+    }
+    (o, lse)
+}
+
+fn cerr(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Cuda(format!("{what}: {e}"))
+}
+
+/// One correctness case on the device; returns (O rel. error, LSE abs.
+/// error, tolerance) or the first problem found.
+fn check_case<T: KernelElem + DeviceRepr>(
+    be: &CudaBackend,
+    rng: &mut Rng,
+    pack: &Pack,
+    shape: AttnShape,
+) -> Result<(f64, f64, f64)> {
+    let s = be.stream();
+    let mask = pack.mask()?;
+    let gen = |rng: &mut Rng, n: usize, amp: f32| -> (Vec<T>, Vec<f64>) {
+        let x: Vec<T> = (0..n).map(|_| T::from_f32(rng.unit() * amp)).collect();
+        let f = x.iter().map(|e| e.to_f32() as f64).collect();
+        (x, f)
+    };
+    let (q, qf) = gen(rng, shape.q_len(), 2.0);
+    let (k, kf) = gen(rng, shape.kv_len(), 2.0);
+    let (v, vf) = gen(rng, shape.kv_len(), 1.0);
+    let params = AttnParams::new(shape.head_dim);
+    let dp = be.upload_pack(mask)?;
+    let dq = s.clone_htod(&q).map_err(cerr("upload q"))?;
+    let dk = s.clone_htod(&k).map_err(cerr("upload k"))?;
+    let dv = s.clone_htod(&v).map_err(cerr("upload v"))?;
+    let mut dout = s
+        .clone_htod(&vec![T::from_f32(f32::NAN); shape.q_len()])
+        .map_err(cerr("poison o"))?;
+    let mut dlse = s
+        .clone_htod(&vec![f32::NAN; shape.q_heads * shape.tokens])
+        .map_err(cerr("poison lse"))?;
+    be.attention_forward(&dq, &dk, &dv, shape, &dp, &params, &mut dout, &mut dlse)?;
+    let o = s.clone_dtoh(&dout).map_err(cerr("download o"))?;
+    let lse = s.clone_dtoh(&dlse).map_err(cerr("download lse"))?;
+    let (lo, hi, tile) = dp.tile_bounds();
+    let lo = s.clone_dtoh(lo).map_err(cerr("download tile bounds"))?;
+    let hi = s.clone_dtoh(hi).map_err(cerr("download tile bounds"))?;
+    for (t, c) in pack.kv_end.chunks(tile as usize).enumerate() {
+        let want = (
+            *c.iter().min().expect("tile"),
+            *c.iter().max().expect("tile"),
+        );
+        if (lo[t], hi[t]) != want {
+            return Err(Error::Cuda(format!(
+                "tile {t}: device kv_end bounds {:?}, host {want:?}",
+                (lo[t], hi[t])
+            )));
+        }
+    }
+    let (ro, rl) = reference(&qf, &kf, &vf, shape, &pack.kv_end, params.softmax_scale);
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (i, (x, r)) in o.iter().zip(&ro).enumerate() {
+        let x = x.to_f32() as f64;
+        if !x.is_finite() {
+            return Err(Error::Cuda(format!(
+                "O[{i}] = {x}: not written or not finite"
+            )));
+        }
+        num += (x - r) * (x - r);
+        den += r * r;
+    }
+    let mut lse_err = 0.0f64;
+    for (i, (&x, &r)) in lse.iter().zip(&rl).enumerate() {
+        if r == f64::NEG_INFINITY {
+            if x != f32::NEG_INFINITY {
+                return Err(Error::Cuda(format!(
+                    "LSE[{i}] = {x} for a row with no visible key (expected -inf)"
+                )));
+            }
+        } else if !x.is_finite() {
+            return Err(Error::Cuda(format!(
+                "LSE[{i}] = {x}: not written or not finite"
+            )));
+        } else {
+            lse_err = lse_err.max((x as f64 - r).abs());
+        }
+    }
+    let tol = match T::DTYPE {
+        crate::backend::launch::Dtype::Bf16 => 1e-2,
+        crate::backend::launch::Dtype::F16 => 2e-3,
+    };
+    Ok(((num / den.max(f64::MIN_POSITIVE)).sqrt(), lse_err, tol))
+}
+
+/// Random device input sets (q, k, v) for timing: enough of them that one
+/// pass over the sets is several times a 60 MB L2.
+fn timing_inputs<T: KernelElem + DeviceRepr>(
+    be: &CudaBackend,
+    rng: &mut Rng,
+    shape: AttnShape,
+) -> Result<Vec<[CudaSlice<T>; 3]>> {
+    let s = be.stream();
+    let set_bytes = (shape.q_len() + 2 * shape.kv_len()) * 2;
+    let sets = (240usize << 20).div_ceil(set_bytes).clamp(2, 16);
+    let mut inputs = Vec::with_capacity(sets);
+    for _ in 0..sets {
+        let mut mk = |n: usize| -> Result<CudaSlice<T>> {
+            let h: Vec<T> = (0..n).map(|_| T::from_f32(rng.unit() * 2.0)).collect();
+            s.clone_htod(&h).map_err(cerr("upload timing inputs"))
+        };
+        inputs.push([mk(shape.q_len())?, mk(shape.kv_len())?, mk(shape.kv_len())?]);
+    }
+    Ok(inputs)
+}
+
+/// Timing of one pack: median milliseconds over `reps` launches (after 5
+/// warm-up launches), each timed by a pair of CUDA events, rotating over the
+/// input sets so that inputs never sit in L2.
+fn time_pack<T: KernelElem + DeviceRepr>(
+    be: &CudaBackend,
+    inputs: &[[CudaSlice<T>; 3]],
+    pack: &Pack,
+    shape: AttnShape,
+    reps: usize,
+) -> Result<f64> {
+    let s = be.stream();
+    let ctx = be.context();
+    let dp = be.upload_pack(pack.mask()?)?;
+    let sets = inputs.len();
+    let mut out: CudaSlice<T> = s
+        .clone_htod(&vec![T::from_f32(0.0); shape.q_len()])
+        .map_err(cerr("alloc o"))?;
+    let mut lse = s
+        .alloc_zeros::<f32>(shape.q_heads * shape.tokens)
+        .map_err(cerr("alloc lse"))?;
+    let params = AttnParams::new(shape.head_dim);
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut times = Vec::with_capacity(reps);
+    for i in 0..reps.max(1) + 5 {
+        let [q, k, v] = &inputs[i % sets];
+        let start = ctx.new_event(flags).map_err(cerr("event"))?;
+        let end = ctx.new_event(flags).map_err(cerr("event"))?;
+        start.record(s).map_err(cerr("event record"))?;
+        be.attention_forward(q, k, v, shape, &dp, &params, &mut out, &mut lse)?;
+        end.record(s).map_err(cerr("event record"))?;
+        let ms = start.elapsed_ms(&end).map_err(cerr("event timing"))? as f64;
+        if i >= 5 {
+            times.push(ms);
+        }
+    }
+    s.synchronize().map_err(cerr("synchronize after timing"))?;
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
+
+/// Runs the checks and the timings; returns the report with the summary
+/// table last, or `Err` naming the first failed check.
+pub fn run(opts: &CheckOptions) -> Result<String> {
+    let seed = opts.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
+    let mut rng = Rng(seed);
+    let be = CudaBackend::new(opts.device)?;
+    let mut rep = String::new();
+    let _ = writeln!(rep, "gpu-check on {} (seed {seed})", be.describe()?);
+
+    // 1. correctness
+    let mut cases: Vec<(String, Pack, AttnShape, bool)> = Vec::new();
+    let shape = |tokens, q_heads, kv_heads, head_dim| AttnShape {
+        tokens,
+        q_heads,
+        kv_heads,
+        head_dim,
+    };
+    {
+        let mut p = Pack::default();
+        p.push_tree(&mut rng, 0, 120, 3, true);
+        p.push_tree(&mut rng, 0, 120, 3, true);
+        let n = p.kv_end.len();
+        cases.push(("trees bf16 d64 gqa 4/2".into(), p, shape(n, 4, 2, 64), true));
+        let mut p = Pack::default();
+        p.push_tree(&mut rng, 0, 200, 3, true);
+        p.pad(13);
+        let n = p.kv_end.len();
+        cases.push((
+            "tree+pad f16 d128 gqa 4/1".into(),
+            p,
+            shape(n, 4, 1, 128),
+            false,
+        ));
+        let mut p = Pack::default();
+        while p.kv_end.len() < 1500 {
+            let n = rng.range(1, 300);
+            p.push_sequence(n);
+        }
+        p.pad(7);
+        let n = p.kv_end.len();
+        cases.push(("varlen+pad bf16 d128".into(), p, shape(n, 8, 8, 128), true));
+        let mut p = Pack::default();
+        let n = rng.range(700, 1100);
+        p.push_sequence(n);
+        cases.push(("causal f16 d64".into(), p, shape(n, 2, 1, 64), false));
+        let mut p = Pack::default();
+        p.push_fan(rng.range(100, 300), 16, rng.range(20, 90));
+        let n = p.kv_end.len();
+        cases.push(("grpo fan bf16 d128".into(), p, shape(n, 4, 2, 128), true));
+    }
+    let mut failures = Vec::new();
+    let _ = writeln!(
+        rep,
+        "\ncorrectness (O: relative Frobenius error; LSE: max absolute error; f64 reference)"
+    );
+    for (name, pack, sh, bf) in &cases {
+        let r = if *bf {
+            check_case::<half::bf16>(&be, &mut rng, pack, *sh)
+        } else {
+            check_case::<half::f16>(&be, &mut rng, pack, *sh)
+        };
+        match r {
+            Ok((oe, le, tol)) => {
+                let ok = oe <= tol && le <= 1e-3;
+                let _ = writeln!(
+                    rep,
+                    "  {:<28} L={:<5} O err {:.2e} (tol {:.0e})  LSE err {:.2e} (tol 1e-3)  {}",
+                    name,
+                    sh.tokens,
+                    oe,
+                    tol,
+                    le,
+                    if ok { "ok" } else { "FAIL" }
+                );
+                if !ok {
+                    failures.push(name.clone());
+                }
+            }
+            Err(e) => {
+                let _ = writeln!(rep, "  {name:<28} L={:<5} FAIL: {e}", sh.tokens);
+                failures.push(name.clone());
+            }
+        }
+    }
+
+    let _ = match failures.len() {
+        0 => writeln!(rep, "all {} correctness checks passed", cases.len()),
+        n => writeln!(rep, "{n} of {} correctness checks FAILED", cases.len()),
+    };
+
+    // 2. timing
+    let n = opts.timing_tokens.max(256);
+    let hq = opts.timing_q_heads.max(4);
+    let hk = hq / 4;
+    let mut timing: Vec<(String, Pack)> = Vec::new();
+    let mut p = Pack::default();
+    let system = n / 8;
+    p.push_fan(system, 4, (n - system) / 4);
+    timing.push(("compaction: prompt + 4 views".into(), p));
+    let mut p = Pack::default();
+    let prompt = n / 16;
+    p.push_fan(prompt, 16, (n - prompt) / 16);
+    timing.push(("grpo: prompt + 16 responses".into(), p));
+    let mut p = Pack::default();
+    while p.kv_end.len() < n {
+        p.push_tree(&mut rng, 0, n / 16, 3, true);
+    }
+    p.kv_end.truncate(n);
+    p.pos.truncate(n);
+    for (k, e) in p.kv_end.iter_mut().enumerate() {
+        *e = (*e).min(n as u32).max(k as u32 + 1);
+    }
+    timing.push(("random trees".into(), p));
+    let mut table = String::new();
+    let _ = writeln!(
+        table,
+        "{:<30} {:>4} {:>6} {:>8} {:>6} {:>6} {:>8} {:>8} {:>9} {:>7}",
+        "pack (bf16, hq/hk)",
+        "d",
+        "L",
+        "pairs M",
+        "skip%",
+        "full%",
+        "ms",
+        "TFLOP/s",
+        "causal ms",
+        "speedup"
+    );
+    let mut causal = Pack::default();
+    causal.push_sequence(n);
+    for d in [128usize, 64] {
+        let sh = shape(n, hq, hk, d);
+        let traits = FwdTraits::for_head_dim(d)?;
+        let inputs = timing_inputs::<half::bf16>(&be, &mut rng, sh)?;
+        let causal_ms = time_pack(&be, &inputs, &causal, sh, opts.reps)?;
+        let rows = std::iter::once((format!("causal {hq}/{hk}"), &causal))
+            .chain(timing.iter().map(|(name, p)| (name.clone(), p)));
+        for (name, pack) in rows {
+            let ms = if std::ptr::eq(pack, &causal) {
+                causal_ms
+            } else {
+                time_pack(&be, &inputs, pack, sh, opts.reps)?
+            };
+            let pairs = pack.mask()?.visible_pairs();
+            let (skip, full, part) = count_tiles(&pack.kv_end, &traits);
+            let all = (skip + full + part).max(1) as f64;
+            let tflops = 4.0 * d as f64 * hq as f64 * pairs as f64 / (ms * 1e-3) / 1e12;
+            let _ = writeln!(
+                table,
+                "{:<30} {:>4} {:>6} {:>8.1} {:>6.1} {:>6.1} {:>8.3} {:>8.1} {:>9.3} {:>7.2}",
+                name,
+                d,
+                n,
+                pairs as f64 / 1e6,
+                100.0 * skip as f64 / all,
+                100.0 * full as f64 / all,
+                ms,
+                tflops,
+                causal_ms,
+                causal_ms / ms
+            );
+        }
+    }
+    let tiles = FwdTraits::for_head_dim(128)?;
+    let _ = writeln!(
+        rep,
+        "\ntiming: median of {} launches after 5 warm-up, CUDA events, rotating input sets > L2; \
+         FLOPs = 4·d·heads per visible pair; tiles {}x{} (skip%: never loaded, full%: no mask)",
+        opts.reps, tiles.block_m, tiles.block_n
+    );
+    rep.push_str(&table);
+    if failures.is_empty() {
+        Ok(rep)
+    } else {
+        Err(Error::Cuda(format!(
+            "gpu-check failed ({}):\n{rep}",
+            failures.join(", ")
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::emu;
+
+    /// The generators give valid packs and the threaded reference agrees with
+    /// the emulated kernel (so a gpu-check failure points at the GPU, not at
+    /// this file).
+    #[test]
+    fn generators_and_reference_agree_with_the_emulator() {
+        let mut rng = Rng(0x5eed ^ std::process::id() as u64);
+        let mut packs = Vec::new();
+        let mut p = Pack::default();
+        p.push_tree(&mut rng, 0, 20, 3, true);
+        p.pad(5);
+        packs.push(p);
+        let mut p = Pack::default();
+        p.push_fan(30, 16, 7);
+        packs.push(p);
+        let mut p = Pack::default();
+        p.push_sequence(70);
+        p.push_sequence(9);
+        packs.push(p);
+        for p in &packs {
+            let m = p.mask().unwrap();
+            let shape = AttnShape {
+                tokens: m.len(),
+                q_heads: 4,
+                kv_heads: 2,
+                head_dim: 64,
+            };
+            let q: Vec<half::f16> = (0..shape.q_len())
+                .map(|_| half::f16::from_f32(rng.unit() * 2.0))
+                .collect();
+            let k: Vec<half::f16> = (0..shape.kv_len())
+                .map(|_| half::f16::from_f32(rng.unit() * 2.0))
+                .collect();
+            let v: Vec<half::f16> = (0..shape.kv_len())
+                .map(|_| half::f16::from_f32(rng.unit()))
+                .collect();
+            let f = |x: &[half::f16]| x.iter().map(|e| e.to_f64()).collect::<Vec<f64>>();
+            let params = AttnParams::new(64);
+            let out = emu::attention_forward(&q, &k, &v, shape, m, &params).unwrap();
+            let (ro, rl) = reference(
+                &f(&q),
+                &f(&k),
+                &f(&v),
+                shape,
+                &p.kv_end,
+                params.softmax_scale,
+            );
+            let (mut num, mut den) = (0.0, 0.0);
+            for (x, r) in out.o.iter().zip(&ro) {
+                num += (x.to_f64() - r).powi(2);
+                den += r * r;
+            }
+            assert!((num / den).sqrt() < 2e-3, "O error {}", (num / den).sqrt());
+            for (x, r) in out.lse.iter().zip(&rl) {
+                assert!(
+                    (*x as f64 == *r) || ((*x as f64) - r).abs() < 1e-3,
+                    "LSE {x} vs {r}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn without_a_driver_the_check_says_so() {
+        // SAFETY: only probes for the library.
+        if unsafe { cudarc::driver::sys::is_culib_present() } {
+            return; // a GPU machine: scripts/gpu-check.sh runs the real thing
+        }
+        let e = run(&CheckOptions::default()).unwrap_err();
+        assert!(e.to_string().contains("no CUDA driver"), "{e}");
+    }
+}

@@ -1,0 +1,377 @@
+//! The `cuda` backend (feature `cuda`): the kernels of `kernels/`, compiled
+//! by nvcc at build time into one fatbin (SASS for sm_80 and sm_90a, PTX for
+//! compute_80) embedded in the crate, launched through `cudarc` with dynamic
+//! loading — the crate builds and runs without CUDA; only
+//! [`CudaBackend::new`] needs a driver, and it returns an `Err` (never a
+//! panic) when there is none.
+//!
+//! Use: create a [`CudaBackend`], upload a pack once with
+//! [`CudaBackend::upload_pack`] (kv_end, position ids, and the per-key-tile
+//! min/max of kv_end, computed on the device), then call
+//! [`CudaBackend::attention_forward`] on device buffers in the
+//! `[tokens, heads, head_dim]` layout. Launches go to the backend's stream.
+
+pub mod check;
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::launch::{self, Dtype, FwdParams, FwdTraits, KernelElem, KvBoundsParams, LaunchPlan};
+use super::{AttnParams, AttnShape};
+use crate::mask::PackMask;
+use crate::{Error, Result};
+
+/// The fatbin built from `kernels/tree_attn_fwd.cu` by build.rs.
+static FWD_FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tree_attn_fwd.fatbin"));
+
+/// The `ptxas -v` report of the embedded kernels (registers, shared memory,
+/// spills per kernel and architecture), as printed by nvcc at build time.
+pub const PTXAS_REPORT: &str = include_str!(concat!(env!("OUT_DIR"), "/ptxas-report.txt"));
+
+// SAFETY: plain #[repr(C)] structs of integers, floats and device addresses,
+// laid out exactly like the kernel's parameter structs.
+unsafe impl DeviceRepr for FwdParams {}
+unsafe impl DeviceRepr for KvBoundsParams {}
+
+fn cuda_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::Cuda(format!("{what}: {e}"))
+}
+
+fn config(plan: LaunchPlan) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: plan.grid,
+        block_dim: plan.block,
+        shared_mem_bytes: plan.shared_mem_bytes,
+    }
+}
+
+/// A CUDA device with the treeattn kernels loaded and a stream to launch on.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    _module: Arc<CudaModule>,
+    /// Forward kernels indexed by [dtype][head dim 64 / 128].
+    fwd: [[CudaFunction; 2]; 2],
+    kv_bounds: CudaFunction,
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`, loads the kernels, creates a stream.
+    ///
+    /// Errors (never panics): no CUDA driver library on this machine, no such
+    /// device, a device older than sm_80, a driver too old for the embedded
+    /// code (CUDA 13.0, driver 580, is needed).
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // SAFETY: only tries to dlopen libcuda; cudarc panics on first use otherwise.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(Error::Cuda(
+                "no CUDA driver found (libcuda.so could not be loaded): this machine has no NVIDIA GPU driver; \
+                 use the cpu or emu backend"
+                    .into(),
+            ));
+        }
+        let count = CudaContext::device_count().map_err(cuda_err("cuInit / device count"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::Cuda(format!(
+                "no CUDA device {ordinal}: {count} device(s) present"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err("creating the context"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda_err("compute capability"))?;
+        if major < 8 {
+            return Err(Error::Unsupported(format!(
+                "device {ordinal} has compute capability {major}.{minor}; the kernels need 8.0 or newer \
+                 (mma.sync bf16, ldmatrix, cp.async)"
+            )));
+        }
+        let module = ctx.load_module(Ptx::from_binary(FWD_FATBIN.to_vec())).map_err(|e| {
+            Error::Cuda(format!(
+                "loading the embedded kernels (SASS sm_80/sm_90a, PTX compute_80, built by CUDA 13.0) on \
+                 compute capability {major}.{minor}: {e}; a driver for CUDA 13.0 or newer (580+) is required"
+            ))
+        })?;
+        let optin = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(cuda_err("shared memory limit"))?;
+        let load = |name: &str| module.load_function(name).map_err(cuda_err(name));
+        let mut fwd = Vec::new();
+        for dtype in [Dtype::Bf16, Dtype::F16] {
+            let mut by_d = Vec::new();
+            for d in [64usize, 128] {
+                let t = FwdTraits::for_head_dim(d)?;
+                let f = load(&t.kernel_name(dtype))?;
+                if t.smem_bytes() as i32 > optin {
+                    return Err(Error::Unsupported(format!(
+                        "{} needs {} bytes of shared memory per block; device {ordinal} allows {optin}",
+                        t.kernel_name(dtype),
+                        t.smem_bytes()
+                    )));
+                }
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    t.smem_bytes() as i32,
+                )
+                .map_err(cuda_err("raising the dynamic shared memory limit"))?;
+                by_d.push(f);
+            }
+            let [d64, d128]: [CudaFunction; 2] = by_d.try_into().expect("two head dims");
+            fwd.push([d64, d128]);
+        }
+        let [bf16, f16]: [[CudaFunction; 2]; 2] = fwd.try_into().expect("two dtypes");
+        let kv_bounds = load("tree_attn_kv_tile_bounds")?;
+        let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            _module: module,
+            fwd: [bf16, f16],
+            kv_bounds,
+        })
+    }
+
+    /// The stream every launch of this backend goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The device context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Device name and compute capability, e.g. `"NVIDIA H200 (sm_90)"`.
+    pub fn describe(&self) -> Result<String> {
+        let name = self.ctx.name().map_err(cuda_err("device name"))?;
+        let (ma, mi) = self
+            .ctx
+            .compute_capability()
+            .map_err(cuda_err("compute capability"))?;
+        Ok(format!("{name} (sm_{ma}{mi})"))
+    }
+
+    /// Uploads a pack (kv_end and position ids) and computes the per-key-tile
+    /// min and max of kv_end on the device, for tiles of the forward kernel's
+    /// key-tile size. Do this once per pack; every op on the pack reuses it.
+    pub fn upload_pack(&self, mask: PackMask<'_>) -> Result<DevicePack> {
+        let tokens = mask.len();
+        let tile = FwdTraits::for_head_dim(64)?.block_n;
+        debug_assert_eq!(tile, FwdTraits::for_head_dim(128)?.block_n);
+        let tiles = tokens.div_ceil(tile as usize);
+        let s = &self.stream;
+        let kv_end = s
+            .clone_htod(mask.kv_end)
+            .map_err(cuda_err("uploading kv_end"))?;
+        let position_ids = s
+            .clone_htod(mask.position_ids)
+            .map_err(cuda_err("uploading position ids"))?;
+        let mut tile_kv_min = s
+            .alloc_zeros::<u32>(tiles.max(1))
+            .map_err(cuda_err("allocating tile bounds"))?;
+        let mut tile_kv_max = s
+            .alloc_zeros::<u32>(tiles.max(1))
+            .map_err(cuda_err("allocating tile bounds"))?;
+        if tiles > 0 {
+            let plan = launch::plan_kv_tile_bounds(tiles);
+            let (e, _g0) = kv_end.device_ptr(s);
+            let (lo, _g1) = tile_kv_min.device_ptr_mut(s);
+            let (hi, _g2) = tile_kv_max.device_ptr_mut(s);
+            let p = KvBoundsParams {
+                kv_end: e,
+                tile_kv_min: lo,
+                tile_kv_max: hi,
+                tokens: tokens as u32,
+                tile,
+                num_tiles: tiles as u32,
+                reserved: 0,
+            };
+            let mut b = s.launch_builder(&self.kv_bounds);
+            b.arg(&p);
+            // SAFETY: the kernel reads `tokens` entries of kv_end and writes
+            // `tiles` entries of each bounds buffer, all allocated above.
+            unsafe { b.launch(config(plan)) }
+                .map_err(cuda_err("launching tree_attn_kv_tile_bounds"))?;
+        }
+        Ok(DevicePack {
+            tokens,
+            tile,
+            num_tiles: tiles,
+            fingerprint: mask.fingerprint(),
+            visible_pairs: mask.visible_pairs(),
+            kv_end,
+            position_ids,
+            tile_kv_min,
+            tile_kv_max,
+        })
+    }
+
+    /// Tree attention forward on the device (same math as
+    /// [`crate::backend::emu::attention_forward`]):
+    ///
+    /// ```text
+    /// S = softmax_scale · Q Kᵀ over pairs with k <= q < kv_end[k];
+    /// O = softmax(S) V;  LSE = ln Σ_k exp(S)  (−inf, O = 0 for a row with no key)
+    /// ```
+    ///
+    /// `q`, `o`: `[tokens, q_heads, d]`; `k`, `v`: `[tokens, kv_heads, d]`;
+    /// `lse`: `[q_heads, tokens]` f32; d ∈ {64, 128}. Asynchronous on
+    /// [`Self::stream`]. `params.check_finite` downloads and scans q, k, v
+    /// first (slow; for debugging).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_forward<T: KernelElem + DeviceRepr>(
+        &self,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        shape: AttnShape,
+        pack: &DevicePack,
+        params: &AttnParams,
+        o: &mut CudaSlice<T>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (traits, plan) =
+            launch::plan_forward(&shape, pack.tokens, params, (q.len(), k.len(), v.len()))?;
+        if o.len() != shape.q_len() || lse.len() != shape.q_heads * shape.tokens {
+            return Err(Error::Shape(format!(
+                "outputs hold {} (o) and {} (lse) elements, expected {} and {}",
+                o.len(),
+                lse.len(),
+                shape.q_len(),
+                shape.q_heads * shape.tokens
+            )));
+        }
+        if pack.tile != traits.block_n {
+            return Err(Error::Pack(format!(
+                "pack tile bounds are for tiles of {} keys, the kernel uses {}",
+                pack.tile, traits.block_n
+            )));
+        }
+        if params.check_finite {
+            for (name, x) in [("q", q), ("k", k), ("v", v)] {
+                let h = self
+                    .stream
+                    .clone_dtoh(x)
+                    .map_err(cuda_err("downloading for the finiteness check"))?;
+                if let Some(i) = h.iter().position(|e| !e.to_f32().is_finite()) {
+                    return Err(Error::NonFinite {
+                        what: name.into(),
+                        index: i,
+                    });
+                }
+            }
+        }
+        if shape.tokens == 0 {
+            return Ok(());
+        }
+        let s = &self.stream;
+        let (qp, _g0) = q.device_ptr(s);
+        let (kp, _g1) = k.device_ptr(s);
+        let (vp, _g2) = v.device_ptr(s);
+        let (op, _g3) = o.device_ptr_mut(s);
+        let (lp, _g4) = lse.device_ptr_mut(s);
+        let (ep, _g5) = pack.kv_end.device_ptr(s);
+        let (lo, _g6) = pack.tile_kv_min.device_ptr(s);
+        let (hi, _g7) = pack.tile_kv_max.device_ptr(s);
+        let p = FwdParams {
+            q: qp,
+            k: kp,
+            v: vp,
+            o: op,
+            lse: lp,
+            kv_end: ep,
+            tile_kv_min: lo,
+            tile_kv_max: hi,
+            tokens: shape.tokens as u32,
+            q_heads: shape.q_heads as u32,
+            kv_heads: shape.kv_heads as u32,
+            num_key_tiles: pack.num_tiles as u32,
+            scale_log2: launch::scale_log2(params),
+            reserved: 0,
+        };
+        let f = &self.fwd[T::DTYPE.code() as usize][usize::from(traits.head_dim == 128)];
+        let mut b = s.launch_builder(f);
+        b.arg(&p);
+        // SAFETY: every buffer's length was checked against `shape` and the
+        // pack above; the kernel stays inside them (rows and keys past
+        // `tokens` are neither loaded nor stored).
+        unsafe { b.launch(config(plan)) }
+            .map_err(cuda_err("launching the tree attention forward"))?;
+        Ok(())
+    }
+}
+
+/// A pack resident on the device: kv_end, position ids and the per-key-tile
+/// bounds of kv_end (min and max over each tile of the kernel's key-tile
+/// size), computed once by [`CudaBackend::upload_pack`].
+pub struct DevicePack {
+    tokens: usize,
+    tile: u32,
+    num_tiles: usize,
+    fingerprint: u64,
+    visible_pairs: u64,
+    kv_end: CudaSlice<u32>,
+    position_ids: CudaSlice<u32>,
+    tile_kv_min: CudaSlice<u32>,
+    tile_kv_max: CudaSlice<u32>,
+}
+
+impl DevicePack {
+    /// Packed tokens `L`.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    /// [`PackMask::fingerprint`] of the uploaded pack.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+    /// [`PackMask::visible_pairs`] of the uploaded pack.
+    pub fn visible_pairs(&self) -> u64 {
+        self.visible_pairs
+    }
+    /// Device kv_end, `[tokens]`.
+    pub fn kv_end(&self) -> &CudaSlice<u32> {
+        &self.kv_end
+    }
+    /// Device position ids, `[tokens]`.
+    pub fn position_ids(&self) -> &CudaSlice<u32> {
+        &self.position_ids
+    }
+    /// Device per-key-tile min and max of kv_end, `[ceil(tokens / tile)]`
+    /// (one unused element for an empty pack), and the tile size.
+    pub fn tile_bounds(&self) -> (&CudaSlice<u32>, &CudaSlice<u32>, u32) {
+        (&self.tile_kv_min, &self.tile_kv_max, self.tile)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_driver_is_an_error_not_a_panic() {
+        // SAFETY: only probes for the library.
+        let present = unsafe { cudarc::driver::sys::is_culib_present() };
+        match CudaBackend::new(0) {
+            Ok(be) => assert!(present, "a backend without a driver: {:?}", be.describe()),
+            Err(e) if !present => assert!(e.to_string().contains("no CUDA driver"), "{e}"),
+            Err(e) => eprintln!("driver present, no usable device: {e}"),
+        }
+    }
+
+    #[test]
+    fn the_fatbin_and_report_are_embedded() {
+        // A fatbin starts with its magic 0xBA55ED50 (little endian).
+        assert_eq!(&FWD_FATBIN[..4], &[0x50, 0xed, 0x55, 0xba]);
+        for name in ["tree_attn_fwd_bf16_d128", "tree_attn_fwd_f16_d64", "tree_attn_kv_tile_bounds"] {
+            assert!(PTXAS_REPORT.contains(name), "{name} missing from the ptxas report");
+        }
+        assert!(PTXAS_REPORT.contains("sm_80") && PTXAS_REPORT.contains("sm_90a"));
+    }
+}

@@ -466,7 +466,8 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     uint16_t* const sv = sk + 2 * Tr::kTileElems;  // 2 buffers
 
     const uint32_t L = p.tokens;
-    const uint32_t q0 = blockIdx.x * BM, head = blockIdx.y;
+    // Heaviest query tiles (the last ones, which see the most keys) first.
+    const uint32_t q0 = (gridDim.x - 1 - blockIdx.x) * BM, head = blockIdx.y;
     const uint32_t kv_head = head / (p.q_heads / p.kv_heads);
     const uint32_t q1 = q0 + BM < L ? q0 + BM : L;
     const unsigned lane = ta_lane(), warp = threadIdx.x / 32;

@@ -11,7 +11,12 @@
 //! [`CudaBackend::attention_forward`] on device buffers in the
 //! `[tokens, heads, head_dim]` layout. Launches go to the backend's stream.
 
+pub mod bwd;
 pub mod check;
+pub mod sdcc;
+
+pub use bwd::CudaBackward;
+pub use sdcc::{CudaSdcc, SdccPairs};
 
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! SDCC forward-KL on the emulator (`kernels/sdcc_kl.cu`).
 
 use super::{current_config, emu_result, RawConfig};
-use crate::backend::launch::sdcc::{plan_sdcc, status_error, SdccElem, SdccParams};
+use crate::backend::launch::sdcc::{plan_sdcc, status_error, weighted_loss, SdccElem, SdccParams};
 use crate::{Error, Result};
 
 mod ffi {
@@ -76,18 +76,7 @@ pub fn sdcc_forward_kl<T: SdccElem>(
         temperature,
         &mut grad,
     )?;
-    let (mut loss_sum, mut weight_sum) = (0.0f64, 0.0f64);
-    for (&kl, &w) in per_pair.iter().zip(weights) {
-        if w > 0.0 {
-            loss_sum += w as f64 * kl;
-            weight_sum += w as f64;
-        }
-    }
-    let loss_mean = if weight_sum > 0.0 {
-        loss_sum / weight_sum
-    } else {
-        0.0
-    };
+    let (loss_sum, loss_mean) = weighted_loss(&per_pair, weights);
     Ok(GpuSdccOut {
         loss_sum,
         loss_mean,

@@ -13,7 +13,6 @@
 
 use super::{Dtype, LaunchPlan};
 use crate::backend::{AttnParams, AttnShape, Rope};
-use crate::mask::PackMask;
 use crate::{Error, Result};
 
 /// How the backward accumulates dQ.
@@ -98,21 +97,21 @@ pub struct BwdPlans {
     pub dq: LaunchPlan,
 }
 
-/// Checks one backward call and returns the tiling and launch plans. `lens`
-/// are the element counts of q, k, v, o, d_o and lse.
+/// Checks one backward call on a pack of `pack_tokens` tokens and returns
+/// the tiling and launch plans. `lens` are the element counts of q, k, v, o,
+/// d_o and lse.
 pub fn plan_backward(
     shape: &AttnShape,
-    mask: &PackMask<'_>,
+    pack_tokens: usize,
     params: &AttnParams,
     lens: [usize; 6],
 ) -> Result<(BwdTraits, BwdPlans)> {
     shape.validate()?;
     params.validate(shape)?;
     let traits = BwdTraits::for_head_dim(shape.head_dim)?;
-    if mask.len() != shape.tokens {
+    if pack_tokens != shape.tokens {
         return Err(Error::Pack(format!(
-            "pack has {} tokens but the attention shape has {}",
-            mask.len(),
+            "pack has {pack_tokens} tokens but the attention shape has {}",
             shape.tokens
         )));
     }
@@ -272,12 +271,9 @@ mod tests {
             kv_heads: 2,
             head_dim: 128,
         };
-        let kv_end = vec![130u32; 130];
-        let pos: Vec<u32> = (0..130).collect();
-        let mask = PackMask::new(&kv_end, &pos).unwrap();
         let (ql, kvl) = (shape.q_len(), shape.kv_len());
         let lens = [ql, kvl, kvl, ql, ql, 6 * 130];
-        let (t, p) = plan_backward(&shape, &mask, &AttnParams::new(128), lens).unwrap();
+        let (t, p) = plan_backward(&shape, 130, &AttnParams::new(128), lens).unwrap();
         assert_eq!(t.block_m, 32);
         assert_eq!(p.main.grid, (3, 2, 1));
         assert_eq!(p.main.shared_mem_bytes, 75_520);
@@ -294,7 +290,7 @@ mod tests {
         );
         let mut bad = lens;
         bad[5] -= 1;
-        let e = plan_backward(&shape, &mask, &AttnParams::new(128), bad).unwrap_err();
+        let e = plan_backward(&shape, 130, &AttnParams::new(128), bad).unwrap_err();
         assert!(e.to_string().contains("lse has"), "{e}");
         assert!(matches!(
             BwdTraits::for_head_dim(96),

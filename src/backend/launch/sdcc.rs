@@ -164,6 +164,25 @@ pub(crate) fn status_error(status: &[u32], pairs: &[(u32, u32)], vocab: usize) -
     })
 }
 
+/// `(Σ w_i KL_i, Σ w_i KL_i / Σ w_i)` over the pairs with `w_i > 0` (so that
+/// a zero-weight pair with `KL = +inf` adds exactly 0); `(0, 0)` when no
+/// weight is positive. The loss of the CPU backend's `SdccOut`.
+pub fn weighted_loss(per_pair: &[f64], weights: &[f32]) -> (f64, f64) {
+    let (mut loss_sum, mut weight_sum) = (0.0f64, 0.0f64);
+    for (&kl, &w) in per_pair.iter().zip(weights) {
+        if w > 0.0 {
+            loss_sum += w as f64 * kl;
+            weight_sum += w as f64;
+        }
+    }
+    let mean = if weight_sum > 0.0 {
+        loss_sum / weight_sum
+    } else {
+        0.0
+    };
+    (loss_sum, mean)
+}
+
 /// Mirror of `SdccParams` (kernels/sdcc_kl.cu). Pointers are device
 /// addresses (CUDA) or host addresses (emulator).
 #[repr(C)]

@@ -9,8 +9,9 @@
 // head h / (q_heads / kv_heads).
 //
 // Tiling. One block per (query tile of kBlockM = 64 rows, query head): grid
-// (ceil(L / 64), q_heads), the last query tile first, 4 warps; warp w owns query rows 16w..16w+15 of
-// the tile. The block stages K and V tiles (64 x D, two buffers each) in
+// (ceil(L / 64), q_heads), the last query tile first; 4 warps, warp w owns
+// query rows 16w..16w+15 of the tile. The block stages K and V tiles (64 x D,
+// two buffers each) in
 // dynamic shared memory, rows padded by 8 elements (16 bytes) so that the 8
 // row addresses of an ldmatrix fall in distinct bank groups: 4·64·(D+8)·2
 // bytes (36,864 for D = 64, 69,632 for D = 128: two blocks per SM on A100,
@@ -141,6 +142,7 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     // Last query tile first: with a causal-like mask the late tiles carry the
     // most keys, and starting them first shortens the tail of the grid.
     const uint32_t q0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    if (q0 >= p.tokens) return;  // a grid larger than the pack (whole block: no barrier skipped)
     const uint32_t head = blockIdx.y;
     const uint32_t kv_head = head / (p.q_heads / p.kv_heads);
     const uint32_t q1 = q0 + BM < L ? q0 + BM : L;  // exclusive, clipped

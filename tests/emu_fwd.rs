@@ -513,3 +513,68 @@ fn rust_launch_plan_matches_the_kernel_traits() {
     }
     assert_eq!(emu::kernel_traits(96), None);
 }
+
+/// Skipped key tiles are never loaded: the bytes the kernel moves with
+/// cp.async are exactly the Q tiles plus K and V for the key tiles that the
+/// tile rule does not skip (checked on packs where most tiles are skipped).
+#[test]
+fn skipped_key_tiles_are_never_loaded() {
+    use treeattn::backend::launch::{tile_class, FwdTraits, TileClass};
+    let (mut rng, seed) = Rng::new();
+    for (head_dim, aligned) in [(64usize, false), (128, false), (64, true)] {
+        let t = FwdTraits::for_head_dim(head_dim).unwrap();
+        let (bm, bn) = (t.block_m as usize, t.block_n as usize);
+        let p = if aligned {
+            // Sequences of exactly one tile: tile t's max kv_end equals the
+            // next query tile's start, the boundary of the skip rule.
+            let n = 5 + rng.range(0, 4);
+            let kv_end: Vec<u32> = (0..n * bn).map(|k| ((k / bn + 1) * bn) as u32).collect();
+            Pack {
+                pos: (0..n * bn).map(|k| (k % bn) as u32).collect(),
+                kv_end,
+            }
+        } else {
+            // 300 to 900 tokens: at least 5 query tiles, most pairs skipped.
+            loop {
+                let p = random_pack(&mut rng, 6, 30, 2, 40);
+                if (300..=900).contains(&p.kv_end.len()) {
+                    break p;
+                }
+            }
+        };
+        let l = p.kv_end.len();
+        let c = Case {
+            shape: AttnShape {
+                tokens: l,
+                q_heads: 3,
+                kv_heads: 1,
+                head_dim,
+            },
+            kv_end: p.kv_end,
+            pos: p.pos,
+        };
+        run_case::<bf16>(&mut rng, seed, &c, &c.kv_end);
+        let got = emu::last_forward_stats().unwrap().cp_async_bytes;
+        let (mut loaded_tiles, mut skipped) = (0u64, 0u64);
+        for q0 in (0..l).step_by(bm) {
+            for (ti, keys) in c.kv_end.chunks(bn).enumerate() {
+                let (lo, hi) = (*keys.iter().min().unwrap(), *keys.iter().max().unwrap());
+                match tile_class(&t, l, q0, ti * bn, lo, hi) {
+                    TileClass::Skip => skipped += 1,
+                    _ => loaded_tiles += 1,
+                }
+            }
+        }
+        let tile_bytes = (bn * head_dim * 2) as u64;
+        let want = 3
+            * (l.div_ceil(bm) as u64 * (bm * head_dim * 2) as u64 + 2 * tile_bytes * loaded_tiles);
+        assert_eq!(
+            got, want,
+            "seed {seed}: d {head_dim}, L {l}, {skipped} tiles skipped"
+        );
+        assert!(
+            skipped > loaded_tiles / 2,
+            "seed {seed}: the pack should skip many tiles"
+        );
+    }
+}

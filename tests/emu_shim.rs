@@ -420,3 +420,35 @@ fn cp_async_outside_the_inputs_is_an_error() {
     );
     assert!(e.contains("thread (31,0,0)"), "{e}");
 }
+
+#[test]
+fn atomics_are_atomic_across_blocks_and_threads() {
+    // 24 blocks of 96 threads on two OS threads: lost updates would show.
+    let (blocks, threads) = (24u32, 96u32);
+    let n = blocks * threads;
+    let mut out = vec![0u8; 24];
+    out[12..16].copy_from_slice(&0i32.to_le_bytes());
+    let opts = EmuOptions {
+        workers: 2,
+        ..EmuOptions::default()
+    };
+    // SAFETY: the kernel updates the 24 bytes of `out` only.
+    with_options(opts, || unsafe {
+        run(Kernel::Atomics, &[], &mut out, 0, blocks, threads, 0)
+    })
+    .unwrap();
+    let w = bytes_to_u32s(&out);
+    assert_eq!(w[0], n, "atomicAdd(u32)");
+    assert_eq!(
+        f32::from_bits(w[1]),
+        0.5 * n as f32,
+        "atomicAdd(f32), exact for these sums"
+    );
+    assert_eq!(w[2], n - 1, "atomicMax(u32)");
+    assert_eq!(w[3] as i32, -(n as i32 - 1), "atomicMin(i32)");
+    assert_eq!(
+        u64::from(w[4]) | (u64::from(w[5]) << 32),
+        u64::from(n),
+        "atomicAdd(u64)"
+    );
+}

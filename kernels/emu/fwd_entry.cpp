@@ -40,17 +40,21 @@ extern "C" int ta_emu_fwd_traits(uint32_t head_dim, int32_t* out) {
 }
 
 extern "C" int ta_emu_tree_attn_fwd(uint32_t dtype, uint32_t head_dim, const TreeAttnFwdParams* p, uint32_t grid_x,
-                                    uint32_t grid_y, uint32_t block_threads, size_t smem, const ta_emu::Config* config, char* err,
+                                    uint32_t grid_y, uint32_t block_threads, size_t smem, const ta_emu::Config* config,
+                                    uint64_t* cp_async_bytes, char* err,
                                     size_t err_len) {
     const dim3 grid(grid_x, grid_y), block(block_threads);
     const size_t q_bytes = size_t(p->tokens) * p->q_heads * head_dim * 2;
     const size_t kv_bytes = size_t(p->tokens) * p->kv_heads * head_dim * 2;
     const ta_emu::GlobalRange ranges[] = {{p->q, q_bytes, "q"}, {p->k, kv_bytes, "k"}, {p->v, kv_bytes, "v"}};
+    ta_emu::LaunchIo io;
+    io.ranges = ranges;
+    io.num_ranges = 3;
+    io.cp_async_bytes = cp_async_bytes;
 #define TA_CASE(DT, HD, E, NAME)                                                                      \
     if (dtype == DT && head_dim == HD) {                                                             \
         if (check_plan<FwdTraits<E, HD>>(block_threads, smem, err, err_len)) return 1;               \
-        return ta_emu::launch_kernel<TreeAttnFwdParams>(NAME, *p, grid, block, smem, *config, err, err_len, \
-                                                        ranges, 3); \
+        return ta_emu::launch_kernel<TreeAttnFwdParams>(NAME, *p, grid, block, smem, *config, err, err_len, io); \
     }
     TA_CASE(0, 64, ta_bf16, tree_attn_fwd_bf16_d64)
     TA_CASE(0, 128, ta_bf16, tree_attn_fwd_bf16_d128)

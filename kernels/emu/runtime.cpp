@@ -45,6 +45,19 @@ namespace ta_emu {
 
 enum class St : uint8_t { Runnable, WaitBar, WaitWarp, Done };
 
+struct Fiber;
+// Gathers the inputs of the 32 lanes of a warp (lanes[i]->op.in) and writes
+// their outputs (lanes[i]->op.out); runs once all 32 lanes have arrived.
+using WarpFn = void (*)(Fiber* const* lanes);
+
+struct WarpOp {
+    WarpFn fn = nullptr;
+    const char* name = "";
+    unsigned mask = 0;
+    const void* in = nullptr;
+    void* out = nullptr;
+};
+
 struct PendingCopy {
     unsigned char* dst;
     uint32_t group;
@@ -79,6 +92,7 @@ struct Block {
     std::vector<unsigned char> smem_storage;
     unsigned char* smem = nullptr;
     std::string error;
+    uint64_t cp_async_bytes = 0;  // over every block this worker ran
 #if TA_EMU_ASM_SWITCH
     void* main_sp = nullptr;
 #else
@@ -88,8 +102,6 @@ struct Block {
 
 static thread_local Fiber* g_cur = nullptr;
 static thread_local Block* g_block = nullptr;
-
-const WarpOp& lane_op(Fiber* f) { return f->op; }
 
 }  // namespace ta_emu
 
@@ -212,9 +224,7 @@ const dim3& thread_idx() { return g_cur->tid; }
 const dim3& block_idx() { return g_block->idx; }
 const dim3& block_dim() { return g_block->launch->block; }
 const dim3& grid_dim() { return g_block->launch->grid; }
-unsigned lane_id() { return g_cur->linear & 31u; }
 unsigned char* dynamic_smem() { return g_block->smem; }
-size_t dynamic_smem_bytes() { return g_block->launch->smem_bytes; }
 
 static void set_error_v(const Fiber* f, const char* fmt, va_list ap) {
     Block& b = *g_block;
@@ -254,7 +264,9 @@ void syncthreads() {
     to_scheduler(f);
 }
 
-void warp_collective(WarpFn fn, const char* name, unsigned mask, const void* in, void* out) {
+// Deposits `in`, waits for the other 31 lanes, lets `fn` compute, returns with
+// `out` written. `name` identifies the collective in error messages.
+static void warp_collective(WarpFn fn, const char* name, unsigned mask, const void* in, void* out) {
     Fiber* f = g_cur;
     if (mask != 0xffffffffu)
         fail("%s with mask 0x%08x: the kernels must use full-warp masks (0xffffffff)", name, mask);
@@ -278,11 +290,12 @@ void cp_async_16(void* smem_dst, const void* gmem_src, bool fill) {
     if ((reinterpret_cast<uintptr_t>(smem_dst) | reinterpret_cast<uintptr_t>(gmem_src)) & 15u)
         fail("cp.async of 16 bytes needs 16-byte aligned addresses (dst %p, src %p)", smem_dst, gmem_src);
     const Launch& l = *g_block->launch;
-    if (fill && l.ranges) {
+    g_block->cp_async_bytes += 16;
+    if (fill && l.io.ranges) {
         const unsigned char* src = static_cast<const unsigned char*>(gmem_src);
         const GlobalRange* below = nullptr;  // the buffer starting closest below src
-        for (size_t i = 0; i < l.num_ranges; i++) {
-            const GlobalRange& r = l.ranges[i];
+        for (size_t i = 0; i < l.io.num_ranges; i++) {
+            const GlobalRange& r = l.io.ranges[i];
             const unsigned char* b = static_cast<const unsigned char*>(r.begin);
             if (src >= b && src + 16 <= b + r.bytes) return cp_async_land(smem_dst, gmem_src, fill);
             if (src >= b && (!below || b > static_cast<const unsigned char*>(below->begin))) below = &r;
@@ -680,6 +693,7 @@ int launch(const Launch& l, char* err, size_t err_len) {
     workers = unsigned(std::min<uint64_t>(workers, blocks));
 
     std::atomic<uint64_t> next{0};
+    std::atomic<uint64_t> total_cp_async_bytes{0};
     std::atomic<bool> stop{false};
     std::mutex err_mu;
     std::string first_error;
@@ -708,6 +722,7 @@ int launch(const Launch& l, char* err, size_t err_len) {
         }
         g_block = nullptr;
         munmap(b.mapping, b.mapping_bytes);
+        total_cp_async_bytes += b.cp_async_bytes;
     };
     if (workers == 1) {
         work();
@@ -717,6 +732,7 @@ int launch(const Launch& l, char* err, size_t err_len) {
         for (auto& t : ts) t.join();
     }
     if (!first_error.empty()) return report(first_error);
+    if (l.io.cp_async_bytes) *l.io.cp_async_bytes = total_cp_async_bytes;
     return 0;
 }
 

@@ -41,36 +41,17 @@ struct dim3 {
 
 namespace ta_emu {
 
-struct Fiber;
-// Gathers the inputs of the 32 lanes of a warp (lanes[i]->op.in) and writes
-// their outputs (lanes[i]->op.out); runs once all 32 lanes have arrived.
-using WarpFn = void (*)(Fiber* const* lanes);
-
-struct WarpOp {
-    WarpFn fn = nullptr;
-    const char* name = "";
-    unsigned mask = 0;
-    const void* in = nullptr;
-    void* out = nullptr;
-};
-
 // The calling fiber's view of the launch.
 const dim3& thread_idx();
 const dim3& block_idx();
 const dim3& block_dim();
 const dim3& grid_dim();
-unsigned lane_id();
 unsigned char* dynamic_smem();
-size_t dynamic_smem_bytes();
 
 // Fails the whole launch with `msg` (prefixed with the block and thread).
 [[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
 void syncthreads();
-// Deposits `in`, waits for the other 31 lanes, lets `fn` compute, returns with
-// `out` written. `name` identifies the collective in error messages.
-void warp_collective(WarpFn fn, const char* name, unsigned mask, const void* in, void* out);
-const WarpOp& lane_op(Fiber* f);
 
 // cp.async model: the source is read at issue; the destination is written
 // when a cp.async.wait_group retires the copy's group (the latest moment), so
@@ -217,17 +198,25 @@ struct GlobalRange {
     size_t bytes;
     const char* name;
 };
+// Optional checks and counters of a launch.
+struct LaunchIo {
+    // When set, every cp.async source must lie inside one of these buffers
+    // (an out-of-bounds read is an error instead of a silent read of host
+    // memory, or a fault on the GPU).
+    const GlobalRange* ranges = nullptr;
+    size_t num_ranges = 0;
+    // When set, receives the bytes moved by cp.async over the whole launch
+    // (zero-fills included): what the kernel loads, e.g. to check that
+    // skipped tiles are never loaded.
+    uint64_t* cp_async_bytes = nullptr;
+};
 struct Launch {
     dim3 grid, block;
     size_t smem_bytes = 0;
     void (*body)(void* ctx) = nullptr;  // runs once per CUDA thread
     void* ctx = nullptr;
     Config config = {0, SCHEDULE_LOCKSTEP, 0, 0};
-    // When set, every cp.async source must lie inside one of these buffers
-    // (an out-of-bounds read is an error instead of a silent read of host
-    // memory, or a fault on the GPU).
-    const GlobalRange* ranges = nullptr;
-    size_t num_ranges = 0;
+    LaunchIo io;
 };
 // Runs every block; returns 0, or nonzero with a message in err (NUL-terminated).
 int launch(const Launch& l, char* err, size_t err_len);
@@ -238,8 +227,7 @@ int launch(const Launch& l, char* err, size_t err_len);
 // this; Rust reaches the entry point through FFI.
 template <class P>
 int launch_kernel(void (*kernel)(const P), const P& params, dim3 grid, dim3 block, size_t smem_bytes,
-                  const Config& config, char* err, size_t err_len, const GlobalRange* ranges = nullptr,
-                  size_t num_ranges = 0) {
+                  const Config& config, char* err, size_t err_len, const LaunchIo& io = LaunchIo()) {
     struct Call {
         void (*kernel)(const P);
         P params;
@@ -255,8 +243,7 @@ int launch_kernel(void (*kernel)(const P), const P& params, dim3 grid, dim3 bloc
     l.body = Call::run;
     l.ctx = &call;
     l.config = config;
-    l.ranges = ranges;
-    l.num_ranges = num_ranges;
+    l.io = io;
     return launch(l, err, err_len);
 }
 }  // namespace ta_emu

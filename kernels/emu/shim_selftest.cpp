@@ -172,10 +172,23 @@ __global__ void missing_barrier(const SelfTestParams p) {
     if (t >= 32) static_cast<uint32_t*>(p.out)[t - 32] = s[t - 32];
 }
 
+// Global atomics from every thread of every block (blocks run on several OS
+// threads). out: u32 count, f32 sum of 0.5, u32 max of the global thread id,
+// i32 min of its negation, then a u64 count (8-byte aligned at word 4).
+__global__ void atomics(const SelfTestParams p) {
+    uint32_t* w = static_cast<uint32_t*>(p.out);
+    const unsigned id = blockIdx.x * blockDim.x + threadIdx.x;
+    atomicAdd(&w[0], 1u);
+    atomicAdd(reinterpret_cast<float*>(&w[1]), 0.5f);
+    atomicMax(&w[2], id);
+    atomicMin(reinterpret_cast<int*>(&w[3]), -int(id));
+    atomicAdd(reinterpret_cast<unsigned long long*>(&w[4]), 1ull);
+}
+
 using SelfTestKernel = void (*)(const SelfTestParams);
 const SelfTestKernel kKernels[] = {ldmatrix_dump, mma_chain,     shuffles,        divergent_barrier,
                                    partial_mask,  not_converged, poison_read,     cp_async_groups,
-                                   uneven_barriers, missing_barrier};
+                                   uneven_barriers, missing_barrier, atomics};
 
 }  // namespace
 
@@ -188,6 +201,9 @@ extern "C" int ta_emu_selftest(uint32_t which, const void* in, size_t in_bytes, 
         return 1;
     }
     const ta_emu::GlobalRange input{in, in_bytes, "the input"};
+    ta_emu::LaunchIo io;
+    io.ranges = &input;
+    io.num_ranges = 1;
     return ta_emu::launch_kernel<SelfTestParams>(kKernels[which], SelfTestParams{in, out, arg}, dim3(grid),
-                                                 dim3(block), smem, *config, err, err_len, &input, 1);
+                                                 dim3(block), smem, *config, err, err_len, io);
 }

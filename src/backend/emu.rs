@@ -3,8 +3,9 @@
 //! CUDA thread, blocks over OS threads — with the same launch plans as the
 //! CUDA backend ([`super::launch`]). It exists to test the kernel code without
 //! a GPU: the fragment layouts of `mma`/`ldmatrix`, the `cp.async` pipeline
-//! (a copy lands only at its `wait_group`), barriers (a divergent one is an
-//! error) and shared memory (poisoned with NaN before every block) are all
+//! (a copy lands at its `wait_group`, or at issue), barriers (a divergent one
+//! is an error), warp schedules that expose missing barriers ([`Schedule`]),
+//! and shared memory (poisoned with NaN before every block) are all
 //! modelled, so a kernel bug shows up as a wrong number or an `Err`.
 
 use super::launch::{self, FwdParams, KvBoundsParams};
@@ -127,6 +128,7 @@ mod ffi {
             block_threads: u32,
             smem: usize,
             config: *const RawConfig,
+            cp_async_bytes: *mut u64,
             err: *mut u8,
             err_len: usize,
         ) -> i32;
@@ -316,6 +318,7 @@ pub fn attention_forward_into<T: KernelElem>(
         reserved: 0,
     };
     let mut err = [0u8; 1024];
+    let mut cp_async_bytes = 0u64;
     // SAFETY: all pointers in `p` refer to live slices whose lengths were
     // checked against `shape` above; the call is synchronous.
     let rc = unsafe {
@@ -328,11 +331,33 @@ pub fn attention_forward_into<T: KernelElem>(
             plan.block.0,
             plan.shared_mem_bytes as usize,
             &current_config(),
+            &mut cp_async_bytes,
             err.as_mut_ptr(),
             err.len(),
         )
     };
-    emu_result(&traits.kernel_name(T::DTYPE), rc, &err)
+    emu_result(&traits.kernel_name(T::DTYPE), rc, &err)?;
+    LAST_FORWARD.with(|s| s.set(Some(LaunchStats { cp_async_bytes })));
+    Ok(())
+}
+
+/// What an emulated forward launch moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchStats {
+    /// Bytes loaded into shared memory by `cp.async` over the whole grid,
+    /// zero-filled rows included: with the kernel's tiling, `q_heads · Σ over
+    /// query tiles of (64 + 2 · 64 · non-skipped key tiles) · d · 2`.
+    pub cp_async_bytes: u64,
+}
+
+thread_local! {
+    static LAST_FORWARD: std::cell::Cell<Option<LaunchStats>> = const { std::cell::Cell::new(None) };
+}
+
+/// Statistics of the last successful emulated forward launch on this thread
+/// (for tests and tuning: e.g. that skipped key tiles are never loaded).
+pub fn last_forward_stats() -> Option<LaunchStats> {
+    LAST_FORWARD.with(|s| s.get())
 }
 
 /// The C++ traits of the forward kernel for `head_dim` as the emulator sees
@@ -372,6 +397,7 @@ pub mod shim_selftest {
         CpAsyncGroups = 7,
         UnevenBarriers = 8,
         MissingBarrier = 9,
+        Atomics = 10,
     }
 
     /// Launches a self-test kernel on `grid` blocks of `block` threads with

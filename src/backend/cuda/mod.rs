@@ -374,8 +374,15 @@ mod tests {
     fn the_fatbin_and_report_are_embedded() {
         // A fatbin starts with its magic 0xBA55ED50 (little endian).
         assert_eq!(&FWD_FATBIN[..4], &[0x50, 0xed, 0x55, 0xba]);
-        for name in ["tree_attn_fwd_bf16_d128", "tree_attn_fwd_f16_d64", "tree_attn_kv_tile_bounds"] {
-            assert!(PTXAS_REPORT.contains(name), "{name} missing from the ptxas report");
+        for name in [
+            "tree_attn_fwd_bf16_d128",
+            "tree_attn_fwd_f16_d64",
+            "tree_attn_kv_tile_bounds",
+        ] {
+            assert!(
+                PTXAS_REPORT.contains(name),
+                "{name} missing from the ptxas report"
+            );
         }
         assert!(PTXAS_REPORT.contains("sm_80") && PTXAS_REPORT.contains("sm_90a"));
     }

@@ -55,9 +55,11 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
     const size_t kv_bytes = size_t(p->tokens) * p->kv_heads * head_dim * 2;
     const ta_emu::GlobalRange ranges[] = {
         {p->q, q_bytes, "q"}, {p->k, kv_bytes, "k"}, {p->v, kv_bytes, "v"}, {p->d_o, q_bytes, "d_o"}};
+    ta_emu::LaunchIo io;
+    io.ranges = ranges;
+    io.num_ranges = 4;
     auto launch = [&](void (*kernel)(const TreeAttnBwdParams)) {
-        return ta_emu::launch_kernel<TreeAttnBwdParams>(kernel, *p, grid, block, smem, *config, err, err_len, ranges,
-                                                        4);
+        return ta_emu::launch_kernel<TreeAttnBwdParams>(kernel, *p, grid, block, smem, *config, err, err_len, io);
     };
 #define TA_CASE(DT, HD, E, SUFFIX)                                                                             \
     if (dtype == DT && head_dim == HD) {                                                                      \

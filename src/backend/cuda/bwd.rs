@@ -10,10 +10,9 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use super::rope::DeviceRope;
 use super::{config, cuda_err, CudaBackend, DevicePack};
-use crate::backend::launch::bwd::{
-    plan_backward, BwdParams, BwdTraits, DqMode, RopeArgs, RopeTables,
-};
+use crate::backend::launch::bwd::{plan_backward, BwdParams, BwdTraits, DqMode};
 use crate::backend::launch::{scale_log2, Dtype, KernelElem, LaunchPlan};
 use crate::backend::{AttnParams, AttnShape};
 use crate::{Error, Result};
@@ -87,7 +86,8 @@ impl CudaBackward {
     /// `lse` (`[q_heads, tokens]` f32) and `d_o`, writes every element of
     /// `dq` (`[tokens, q_heads, d]`), `dk` and `dv` (`[tokens, kv_heads, d]`).
     /// Scratch (D and the f32 dQ accumulator, `4 · tokens · q_heads · (d +
-    /// 1)` bytes, plus the rotary tables when `params.rope` is set) is
+    /// 1)` bytes, plus the rotary tables when `params.rope` is set, built from a
+    /// download of the pack's position ids) is
     /// allocated on the stream per call. Asynchronous on the backend's
     /// stream; `params.check_finite` is not supported here (it would need a
     /// download of every input): `Err`.
@@ -137,22 +137,7 @@ impl CudaBackward {
             return Ok(());
         }
         let s = &self.stream;
-        let tables = match params.rope {
-            Some(r) => {
-                let pos = s
-                    .clone_dtoh(&pack.position_ids)
-                    .map_err(cuda_err("downloading position ids"))?;
-                let t = RopeTables::new(r, &pos)?;
-                let cos = s
-                    .clone_htod(&t.cos)
-                    .map_err(cuda_err("uploading rotary tables"))?;
-                let sin = s
-                    .clone_htod(&t.sin)
-                    .map_err(cuda_err("uploading rotary tables"))?;
-                Some((t.half, cos, sin))
-            }
-            None => None,
-        };
+        let rope = DeviceRope::new(s, pack, params.rope)?;
         // SAFETY (both): every element is written before it is read — delta
         // by tree_attn_bwd_pre, the accumulator by pre (atomic mode) or by
         // tree_attn_bwd_dq (deterministic mode).
@@ -175,17 +160,6 @@ impl CudaBackward {
         let (ep, _g11) = pack.kv_end.device_ptr(s);
         let (lo, _g12) = pack.tile_kv_min.device_ptr(s);
         let (hi, _g13) = pack.tile_kv_max.device_ptr(s);
-        let (posp, _g14) = pack.position_ids.device_ptr(s);
-        let rope = match &tables {
-            Some((half, cos, sin)) => RopeArgs {
-                pos: posp,
-                cos: cos.device_ptr(s).0,
-                sin: sin.device_ptr(s).0,
-                half: *half,
-                reserved: 0,
-            },
-            None => RopeArgs::default(),
-        };
         let p = BwdParams {
             q: qp,
             k: kp,
@@ -201,7 +175,7 @@ impl CudaBackward {
             kv_end: ep,
             tile_kv_min: lo,
             tile_kv_max: hi,
-            rope,
+            rope: DeviceRope::args(rope.as_ref(), s, pack),
             tokens: shape.tokens as u32,
             q_heads: shape.q_heads as u32,
             kv_heads: shape.kv_heads as u32,

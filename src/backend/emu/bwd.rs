@@ -1,7 +1,8 @@
 //! Attention backward on the emulator (`kernels/tree_attn_bwd.cu`).
 
 use super::{current_config, emu_result, kv_tile_bounds, KernelElem, RawConfig};
-use crate::backend::launch::bwd::{plan_backward, BwdParams, DqMode, RopeArgs, RopeTables};
+use crate::backend::launch::bwd::{plan_backward, BwdParams, DqMode};
+use crate::backend::launch::rope::{RopeArgs, RopeTables};
 use crate::backend::launch::{scale_log2, LaunchPlan};
 use crate::backend::{AttnParams, AttnShape};
 use crate::mask::PackMask;
@@ -60,7 +61,7 @@ pub struct GpuAttnGrads<T> {
 /// Errors: everything [`super::attention_forward`] rejects except rotary;
 /// `o`, `d_o`, `lse` of the wrong length; a NaN or `+inf` in `lse`; with
 /// `params.check_finite`, a NaN or ±inf in q, k, v, o or d_o; a position id
-/// past [`crate::backend::launch::bwd::MAX_ROPE_POSITION`] with rotary.
+/// past [`crate::backend::launch::rope::MAX_ROPE_POSITION`] with rotary.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<T: KernelElem>(
     q: &[T],
@@ -159,12 +160,12 @@ pub fn attention_backward_into<T: KernelElem>(
         .rope
         .map(|r| RopeTables::new(r, mask.position_ids))
         .transpose()?;
-    let rope = tables.as_ref().map_or(RopeArgs::default(), |t| RopeArgs {
-        pos: mask.position_ids.as_ptr() as u64,
-        cos: t.cos.as_ptr() as u64,
-        sin: t.sin.as_ptr() as u64,
-        half: t.half,
-        reserved: 0,
+    let rope = tables.as_ref().map_or(RopeArgs::default(), |t| {
+        t.args(
+            mask.position_ids.as_ptr() as u64,
+            t.cos.as_ptr() as u64,
+            t.sin.as_ptr() as u64,
+        )
     });
     let (tile_min, tile_max) = kv_tile_bounds(mask.kv_end, traits.block_n as usize)?;
     // Poisoned, so that the kernels, not this allocation, must provide every

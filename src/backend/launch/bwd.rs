@@ -1,6 +1,5 @@
 //! Launch planning of the backward kernels (`kernels/tree_attn_bwd.cu`),
-//! shared by the `emu` and `cuda` backends, and the rotary tables the
-//! attention kernels read.
+//! shared by the `emu` and `cuda` backends.
 //!
 //! One backward call runs, in order (see the top of the .cu file):
 //!
@@ -11,8 +10,9 @@
 //! | `tree_attn_bwd_dq_*` (deterministic only) | `(query tiles of 64, q_heads)` | 128 | 55,296 / 104,448 |
 //! | `tree_attn_bwd_dq_convert_*` | `ceil(tokens · q_heads / 4)` | 128 | 0 |
 
+use super::rope::RopeArgs;
 use super::{Dtype, LaunchPlan};
-use crate::backend::{AttnParams, AttnShape, Rope};
+use crate::backend::{AttnParams, AttnShape};
 use crate::{Error, Result};
 
 /// How the backward accumulates dQ.
@@ -171,64 +171,6 @@ pub fn plan_backward(
     Ok((traits, plans))
 }
 
-/// Largest position id the rotary tables are built for (tables are
-/// `(max position + 1) · dims` f32s).
-pub const MAX_ROPE_POSITION: u32 = 1 << 22;
-
-/// Per-position rotary tables of the kernels: `cos[p · half + i] = cos(p
-/// θ_i)`, `sin` likewise, `θ_i = base^(−2i / dims)`, for `p` up to the largest
-/// position id of the pack — computed in f64 (as the CPU backend does) and
-/// rounded once to f32.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RopeTables {
-    pub half: u32,
-    pub cos: Vec<f32>,
-    pub sin: Vec<f32>,
-}
-
-impl RopeTables {
-    /// Tables for `rope` over the positions of `position_ids`; `Err` when a
-    /// position id exceeds [`MAX_ROPE_POSITION`].
-    pub fn new(rope: Rope, position_ids: &[u32]) -> Result<Self> {
-        let max = position_ids.iter().copied().max().unwrap_or(0);
-        if max > MAX_ROPE_POSITION {
-            let at = position_ids.iter().position(|&p| p == max).unwrap_or(0);
-            return Err(Error::Unsupported(format!(
-                "position id {max} (token {at}) exceeds {MAX_ROPE_POSITION}, the largest the GPU rotary tables cover"
-            )));
-        }
-        let half = rope.dims / 2;
-        let inv_freq: Vec<f64> = (0..half)
-            .map(|i| rope.base.powf(-2.0 * i as f64 / rope.dims as f64))
-            .collect();
-        let n = (max as usize + 1) * half;
-        let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for p in 0..=max {
-            for &f in &inv_freq {
-                let (s, c) = (p as f64 * f).sin_cos();
-                cos.push(c as f32);
-                sin.push(s as f32);
-            }
-        }
-        Ok(RopeTables {
-            half: half as u32,
-            cos,
-            sin,
-        })
-    }
-}
-
-/// Mirror of `TaRope` (kernels/rope.cuh); `half == 0`: no rotary.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct RopeArgs {
-    pub pos: u64,
-    pub cos: u64,
-    pub sin: u64,
-    pub half: u32,
-    pub reserved: u32,
-}
-
 /// Mirror of `TreeAttnBwdParams` (kernels/tree_attn_bwd.cu). Pointers are
 /// device addresses (CUDA) or host addresses (emulator).
 #[repr(C)]
@@ -264,7 +206,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn plans_and_tables() {
+    fn plans() {
         let shape = AttnShape {
             tokens: 130,
             q_heads: 6,
@@ -296,16 +238,5 @@ mod tests {
             BwdTraits::for_head_dim(96),
             Err(Error::Unsupported(_))
         ));
-
-        let rope = Rope {
-            base: 10_000.0,
-            dims: 8,
-        };
-        let tb = RopeTables::new(rope, &[3, 0, 5]).unwrap();
-        assert_eq!((tb.half, tb.cos.len()), (4, 24));
-        let want = (5.0f64 * 10_000f64.powf(-2.0 / 8.0)).sin_cos();
-        assert_eq!(tb.sin[5 * 4 + 1], want.0 as f32);
-        assert_eq!(tb.cos[5 * 4 + 1], want.1 as f32);
-        assert!(RopeTables::new(rope, &[MAX_ROPE_POSITION + 1]).is_err());
     }
 }

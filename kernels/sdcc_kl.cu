@@ -50,6 +50,11 @@ struct SdccParams {
     float inv_tau_log2;       // log2(e) / τ
     float inv_tau;            // 1 / τ
     uint32_t accumulate;      // atomicAdd the gradient (rows repeat)
+    uint32_t reserved;
+    // Unfused baseline only: [2, pairs, vocab] f32 log-probabilities (student
+    // rows, then teacher rows) and [2, pairs] per-row status words.
+    float* logp;
+    uint32_t* row_status;
 };
 
 // Status bits per pair.
@@ -217,3 +222,103 @@ __device__ __forceinline__ void sdcc_kl_body(const SdccParams& p) {
 TA_SDCC_KERNEL(sdcc_kl_bf16, ta_bf16)
 TA_SDCC_KERNEL(sdcc_kl_f16, ta_f16)
 TA_SDCC_KERNEL(sdcc_kl_f32, ta_f32)
+
+// ---- Unfused baseline ----------------------------------------------------------
+// The textbook composition the fused kernel replaces, kept for gpu-check's
+// timing (and tested against the CPU backend like the fused one): gather +
+// log_softmax of each side into an f32 buffer, then an elementwise KL with a
+// block sum and the gradient. Memory traffic per pair: 4 row reads (16-bit)
+// + 2 f32 row writes + 2 f32 row reads + 1 f32 row write, against the fused
+// kernel's 4 row reads + 1 f32 row write. Natural-log units, f32 sums.
+
+// Block-wide max (is_max) or sum of x, returned to every thread; `red` holds
+// one float per warp. Every thread of the block calls it.
+__device__ __forceinline__ float ta_sdcc_block_reduce(float x, bool is_max, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float y = __shfl_xor_sync(TA_FULL_MASK, x, o);
+        x = is_max ? fmaxf(x, y) : x + y;
+    }
+    if (ta_lane() == 0) red[threadIdx.x / 32] = x;
+    __syncthreads();
+    float r = red[0];
+    for (int i = 1; i < TA_SDCC_WARPS; ++i) r = is_max ? fmaxf(r, red[i]) : r + red[i];
+    __syncthreads();  // `red` is free again
+    return r;
+}
+
+// One block per (pair, side): side 0 the pair's student row, 1 its teacher
+// row. logp = logits / τ − LSE; row_status gets the row's NaN / +inf and
+// all-−inf bits (student bits; the host maps teacher rows).
+template <class E>
+__device__ __forceinline__ void sdcc_unfused_log_softmax_body(const SdccParams& p) {
+    TA_DYNAMIC_SMEM(smem_raw);
+    float* const red = reinterpret_cast<float*>(smem_raw);
+    const uint32_t pair = blockIdx.x, side = blockIdx.y;
+    const size_t V = p.vocab;
+    const void* src = side ? p.teacher : p.student;
+    const size_t off = (size_t)p.pairs[2 * pair + side] * V;
+    float* const out = p.logp + ((size_t)side * p.num_pairs + pair) * V;
+    float m = -INFINITY;
+    float bad = 0.f;
+    for (size_t v = threadIdx.x; v < V; v += TA_SDCC_THREADS) {
+        const float x = ta_sdcc_load<E>(src, off + v);
+        if (!(x < INFINITY)) bad = 1.f;
+        m = fmaxf(m, x * p.inv_tau);
+    }
+    m = ta_sdcc_block_reduce(m, true, red);
+    bad = ta_sdcc_block_reduce(bad, true, red);
+    float z = 0.f;
+    for (size_t v = threadIdx.x; v < V; v += TA_SDCC_THREADS) {
+        const float x = ta_sdcc_load<E>(src, off + v) * p.inv_tau;
+        if (x > -INFINITY) z += expf(x - m);
+    }
+    z = ta_sdcc_block_reduce(z, false, red);
+    const float lse = m + logf(z);
+    for (size_t v = threadIdx.x; v < V; v += TA_SDCC_THREADS) out[v] = ta_sdcc_load<E>(src, off + v) * p.inv_tau - lse;
+    if (threadIdx.x == 0)
+        p.row_status[side * p.num_pairs + pair] =
+            (bad > 0.f ? TA_SDCC_STUDENT_NONFINITE : 0u) | (z > 0.f ? 0u : TA_SDCC_STUDENT_ALL_NEG_INF);
+}
+
+// One block per pair: KL from the two log-probability rows, and the gradient.
+__device__ __forceinline__ void sdcc_unfused_kl_body(const SdccParams& p) {
+    TA_DYNAMIC_SMEM(smem_raw);
+    float* const red = reinterpret_cast<float*>(smem_raw);
+    const uint32_t pair = blockIdx.x;
+    const size_t V = p.vocab;
+    const float* const ls = p.logp + (size_t)pair * V;
+    const float* const lt = p.logp + ((size_t)p.num_pairs + pair) * V;
+    float* const grow = p.grad + (size_t)p.pairs[2 * pair] * V;
+    const float g = p.weights[pair] * p.inv_tau;
+    float kl = 0.f, inf = 0.f;
+    for (size_t v = threadIdx.x; v < V; v += TA_SDCC_THREADS) {
+        const float a = lt[v], b = ls[v];
+        const float pt = expf(a);
+        if (a > -INFINITY) {
+            if (b == -INFINITY)
+                inf = 1.f;
+            else
+                kl += pt * (a - b);
+        }
+        const float d = g * (expf(b) - pt);
+        if (p.accumulate)
+            atomicAdd(grow + v, d);
+        else
+            grow[v] = d;
+    }
+    kl = ta_sdcc_block_reduce(kl, false, red);
+    inf = ta_sdcc_block_reduce(inf, true, red);
+    if (threadIdx.x == 0) p.kl[pair] = inf > 0.f ? INFINITY : (double)kl;
+}
+
+#define TA_SDCC_UNFUSED_KERNEL(NAME, E)                                                      \
+    extern "C" __global__ void __launch_bounds__(TA_SDCC_THREADS) NAME(const SdccParams p) { \
+        sdcc_unfused_log_softmax_body<E>(p);                                                 \
+    }
+TA_SDCC_UNFUSED_KERNEL(sdcc_unfused_log_softmax_bf16, ta_bf16)
+TA_SDCC_UNFUSED_KERNEL(sdcc_unfused_log_softmax_f16, ta_f16)
+TA_SDCC_UNFUSED_KERNEL(sdcc_unfused_log_softmax_f32, ta_f32)
+extern "C" __global__ void __launch_bounds__(TA_SDCC_THREADS) sdcc_unfused_kl(const SdccParams p) {
+    sdcc_unfused_kl_body(p);
+}

@@ -20,7 +20,9 @@ mod sdcc;
 pub use super::launch::bwd::DqMode;
 pub use super::launch::sdcc::SdccElem;
 pub use bwd::{attention_backward, attention_backward_into, backward_kernel_traits, GpuAttnGrads};
-pub use sdcc::{sdcc_forward_kl, sdcc_forward_kl_into, sdcc_kernel_traits, GpuSdccOut};
+pub use sdcc::{
+    sdcc_forward_kl, sdcc_forward_kl_into, sdcc_forward_kl_unfused, sdcc_kernel_traits, GpuSdccOut,
+};
 
 /// How the emulator interleaves the threads of a block. Hardware timing can
 /// put one warp far ahead of another; a kernel with a missing

@@ -10,7 +10,9 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::{config, cuda_err, CudaBackend};
-use crate::backend::launch::sdcc::{plan_sdcc, status_error, weighted_loss, SdccElem, SdccParams};
+use crate::backend::launch::sdcc::{
+    merge_row_status, plan_sdcc, status_error, weighted_loss, SdccElem, SdccParams,
+};
 use crate::{Error, Result};
 
 /// The fatbin built from `kernels/sdcc_kl.cu` by build.rs.
@@ -26,6 +28,9 @@ pub struct CudaSdcc {
     _module: Arc<CudaModule>,
     /// Indexed by [`SdccElem::CODE`]: bf16, f16, f32.
     funcs: Vec<CudaFunction>,
+    /// The unfused baseline: log-softmax by [`SdccElem::CODE`], then the KL.
+    unfused_log_softmax: Vec<CudaFunction>,
+    unfused_kl: CudaFunction,
 }
 
 /// Per-pair results of [`CudaSdcc::sdcc_forward_kl`], on the host.
@@ -46,18 +51,26 @@ impl CudaSdcc {
             .context()
             .load_module(Ptx::from_binary(SDCC_FATBIN.to_vec()))
             .map_err(cuda_err("loading the embedded SDCC kernels"))?;
-        let funcs = ["sdcc_kl_bf16", "sdcc_kl_f16", "sdcc_kl_f32"]
-            .into_iter()
-            .map(|n| {
-                module
-                    .load_function(n)
-                    .map_err(|e| Error::Cuda(format!("{n}: {e}")))
-            })
+        let load = |n: &str| {
+            module
+                .load_function(n)
+                .map_err(|e| Error::Cuda(format!("{n}: {e}")))
+        };
+        let dtypes = ["bf16", "f16", "f32"];
+        let funcs = dtypes
+            .iter()
+            .map(|d| load(&format!("sdcc_kl_{d}")))
+            .collect::<Result<Vec<_>>>()?;
+        let unfused_log_softmax = dtypes
+            .iter()
+            .map(|d| load(&format!("sdcc_unfused_log_softmax_{d}")))
             .collect::<Result<Vec<_>>>()?;
         Ok(CudaSdcc {
             stream: be.stream().clone(),
+            unfused_kl: load("sdcc_unfused_kl")?,
             _module: module,
             funcs,
+            unfused_log_softmax,
         })
     }
 
@@ -153,6 +166,9 @@ impl CudaSdcc {
                 inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
                 inv_tau: (1.0 / tau) as f32,
                 accumulate: u32::from(plan.accumulate),
+                reserved: 0,
+                logp: 0,
+                row_status: 0,
             };
             let mut b = s.launch_builder(&self.funcs[T::CODE as usize]);
             b.arg(&p);
@@ -169,6 +185,120 @@ impl CudaSdcc {
             .clone_dtoh(&status)
             .map_err(cuda_err("downloading status words"))?;
         status_error(&status, pairs, vocab)?;
+        let (loss_sum, loss_mean) = weighted_loss(&per_pair, weights);
+        Ok(SdccPairs {
+            per_pair,
+            loss_sum,
+            loss_mean,
+        })
+    }
+
+    /// The unfused baseline of [`Self::sdcc_forward_kl`] (log-softmax of each
+    /// side into an f32 `[2, pairs, vocab]` buffer allocated here, then an
+    /// elementwise KL and the gradient; `kernels/sdcc_kl.cu`): the same
+    /// contract and result, for timing the fused kernel against.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sdcc_forward_kl_unfused<T: SdccElem + DeviceRepr>(
+        &self,
+        student: &CudaSlice<T>,
+        teacher: &CudaSlice<T>,
+        vocab: usize,
+        pairs: &[(u32, u32)],
+        weights: &[f32],
+        temperature: f32,
+        grad: &mut CudaSlice<f32>,
+    ) -> Result<SdccPairs> {
+        let plan = plan_sdcc(
+            (student.len(), teacher.len()),
+            vocab,
+            pairs,
+            weights,
+            temperature,
+        )?;
+        if grad.len() != student.len() {
+            return Err(Error::Shape(format!(
+                "SDCC gradient has {} elements, the student logits {}",
+                grad.len(),
+                student.len()
+            )));
+        }
+        let s = &self.stream;
+        s.memset_zeros(grad)
+            .map_err(cuda_err("zeroing the gradient"))?;
+        if pairs.is_empty() {
+            return Ok(SdccPairs {
+                per_pair: Vec::new(),
+                loss_sum: 0.0,
+                loss_mean: 0.0,
+            });
+        }
+        let n = pairs.len();
+        let flat: Vec<u32> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
+        let dpairs = s
+            .clone_htod(&flat)
+            .map_err(cuda_err("uploading SDCC pairs"))?;
+        let dweights = s
+            .clone_htod(weights)
+            .map_err(cuda_err("uploading SDCC weights"))?;
+        let mut kl = s
+            .alloc_zeros::<f64>(n)
+            .map_err(cuda_err("allocating per-pair KL"))?;
+        let mut row_status = s
+            .alloc_zeros::<u32>(2 * n)
+            .map_err(cuda_err("allocating status words"))?;
+        // SAFETY: every element is written by sdcc_unfused_log_softmax before
+        // sdcc_unfused_kl reads it.
+        let mut logp = unsafe { s.alloc::<f32>(2 * n * vocab) }
+            .map_err(cuda_err("allocating log-probabilities"))?;
+        let tau = temperature as f64;
+        {
+            let (sp, _g0) = student.device_ptr(s);
+            let (tp, _g1) = teacher.device_ptr(s);
+            let (pp, _g2) = dpairs.device_ptr(s);
+            let (wp, _g3) = dweights.device_ptr(s);
+            let (gp, _g4) = grad.device_ptr_mut(s);
+            let (kp, _g5) = kl.device_ptr_mut(s);
+            let (lp, _g6) = logp.device_ptr_mut(s);
+            let (rp, _g7) = row_status.device_ptr_mut(s);
+            let p = SdccParams {
+                student: sp,
+                teacher: tp,
+                pairs: pp,
+                weights: wp,
+                grad: gp,
+                kl: kp,
+                status: 0,
+                vocab: vocab as u64,
+                num_pairs: n as u32,
+                inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
+                inv_tau: (1.0 / tau) as f32,
+                accumulate: u32::from(plan.accumulate),
+                reserved: 0,
+                logp: lp,
+                row_status: rp,
+            };
+            let [ls, klp] = plan.unfused_launches();
+            for (f, l) in [
+                (&self.unfused_log_softmax[T::CODE as usize], ls),
+                (&self.unfused_kl, klp),
+            ] {
+                let mut b = s.launch_builder(f);
+                b.arg(&p);
+                // SAFETY: pairs range-checked by plan_sdcc; logp holds 2 ·
+                // pairs rows, row_status 2 · pairs words, kl one per pair; the
+                // gradient has the student's length and is zeroed.
+                unsafe { b.launch(config(l)) }.map_err(|e| {
+                    Error::Cuda(format!("launching the unfused SDCC baseline: {e}"))
+                })?;
+            }
+        }
+        let per_pair = s
+            .clone_dtoh(&kl)
+            .map_err(cuda_err("downloading per-pair KL"))?;
+        let row_status = s
+            .clone_dtoh(&row_status)
+            .map_err(cuda_err("downloading status words"))?;
+        status_error(&merge_row_status(&row_status), pairs, vocab)?;
         let (loss_sum, loss_mean) = weighted_loss(&per_pair, weights);
         Ok(SdccPairs {
             per_pair,

@@ -1,13 +1,28 @@
 //! SDCC forward-KL on the emulator (`kernels/sdcc_kl.cu`).
 
 use super::{current_config, emu_result, RawConfig};
-use crate::backend::launch::sdcc::{plan_sdcc, status_error, weighted_loss, SdccElem, SdccParams};
+use crate::backend::launch::sdcc::{
+    merge_row_status, plan_sdcc, status_error, weighted_loss, SdccElem, SdccParams,
+};
 use crate::{Error, Result};
 
 mod ffi {
     use super::{RawConfig, SdccParams};
     extern "C" {
         pub fn ta_emu_sdcc_traits(out: *mut i32);
+        #[allow(clippy::too_many_arguments)]
+        pub fn ta_emu_sdcc_unfused(
+            dtype: u32,
+            stage: u32,
+            p: *const SdccParams,
+            grid_x: u32,
+            grid_y: u32,
+            block_threads: u32,
+            smem: usize,
+            config: *const RawConfig,
+            err: *mut u8,
+            err_len: usize,
+        ) -> i32;
         pub fn ta_emu_sdcc_kl(
             dtype: u32,
             p: *const SdccParams,
@@ -139,6 +154,9 @@ pub fn sdcc_forward_kl_into<T: SdccElem>(
         inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
         inv_tau: (1.0 / tau) as f32,
         accumulate: plan.accumulate as u32,
+        reserved: 0,
+        logp: 0,
+        row_status: 0,
     };
     let mut err = [0u8; 1024];
     let l = plan.launch;
@@ -169,4 +187,87 @@ pub fn sdcc_kernel_traits() -> (u32, u32) {
     // SAFETY: `out` has the 2 slots the function writes.
     unsafe { ffi::ta_emu_sdcc_traits(out.as_mut_ptr()) };
     (out[0] as u32, out[1] as u32)
+}
+
+/// The unfused baseline of [`sdcc_forward_kl`] on the emulator — the same
+/// contract and result, computed the textbook way (log-softmax of each side
+/// into an f32 `[2, pairs, vocab]` buffer, then an elementwise KL and the
+/// gradient; `kernels/sdcc_kl.cu`), for timing the fused kernel against on
+/// the GPU. Sums in f32.
+pub fn sdcc_forward_kl_unfused<T: SdccElem>(
+    student: &[T],
+    teacher: &[T],
+    vocab: usize,
+    pairs: &[(u32, u32)],
+    weights: &[f32],
+    temperature: f32,
+) -> Result<GpuSdccOut> {
+    let plan = plan_sdcc(
+        (student.len(), teacher.len()),
+        vocab,
+        pairs,
+        weights,
+        temperature,
+    )?;
+    let mut grad = vec![0f32; student.len()];
+    let n = pairs.len();
+    if n == 0 {
+        return Ok(GpuSdccOut {
+            loss_sum: 0.0,
+            loss_mean: 0.0,
+            per_pair: Vec::new(),
+            grad_student: grad,
+        });
+    }
+    let flat: Vec<u32> = pairs.iter().flat_map(|&(s, t)| [s, t]).collect();
+    let mut kl = vec![f64::NAN; n];
+    let mut logp = vec![f32::NAN; 2 * n * vocab];
+    let mut row_status = vec![u32::MAX; 2 * n];
+    let tau = temperature as f64;
+    let p = SdccParams {
+        student: student.as_ptr() as u64,
+        teacher: teacher.as_ptr() as u64,
+        pairs: flat.as_ptr() as u64,
+        weights: weights.as_ptr() as u64,
+        grad: grad.as_mut_ptr() as u64,
+        kl: kl.as_mut_ptr() as u64,
+        status: 0,
+        vocab: vocab as u64,
+        num_pairs: n as u32,
+        inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
+        inv_tau: (1.0 / tau) as f32,
+        accumulate: plan.accumulate as u32,
+        reserved: 0,
+        logp: logp.as_mut_ptr() as u64,
+        row_status: row_status.as_mut_ptr() as u64,
+    };
+    for (stage, l) in plan.unfused_launches().into_iter().enumerate() {
+        let mut err = [0u8; 1024];
+        // SAFETY: as in `sdcc_forward_kl_into`, plus `logp` and `row_status`
+        // sized for 2 · pairs rows here; the gradient is zeroed (rows no pair
+        // names stay 0, repeated rows are added into).
+        let rc = unsafe {
+            ffi::ta_emu_sdcc_unfused(
+                T::CODE,
+                stage as u32,
+                &p,
+                l.grid.0,
+                l.grid.1,
+                l.block.0,
+                l.shared_mem_bytes as usize,
+                &current_config(),
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        emu_result("sdcc_unfused", rc, &err)?;
+    }
+    status_error(&merge_row_status(&row_status), pairs, vocab)?;
+    let (loss_sum, loss_mean) = weighted_loss(&kl, weights);
+    Ok(GpuSdccOut {
+        loss_sum,
+        loss_mean,
+        per_pair: kl,
+        grad_student: grad,
+    })
 }

@@ -141,6 +141,39 @@ pub fn plan_sdcc(
     })
 }
 
+impl SdccPlan {
+    /// The two launches of the unfused baseline: `sdcc_unfused_log_softmax`
+    /// (one block per (pair, side)) and `sdcc_unfused_kl` (one per pair).
+    pub fn unfused_launches(&self) -> [LaunchPlan; 2] {
+        let mut ls = self.launch;
+        ls.grid.1 = 2;
+        [ls, self.launch]
+    }
+}
+
+/// Per-pair status words from the unfused baseline's per-row words
+/// (`[student rows of the pairs, teacher rows of the pairs]`, student bits):
+/// teacher-row bits move to the teacher positions.
+pub(crate) fn merge_row_status(row_status: &[u32]) -> Vec<u32> {
+    let (student, teacher) = row_status.split_at(row_status.len() / 2);
+    student
+        .iter()
+        .zip(teacher)
+        .map(|(&s, &t)| {
+            let moved = (if t & STATUS_STUDENT_NONFINITE != 0 {
+                STATUS_TEACHER_NONFINITE
+            } else {
+                0
+            }) | (if t & STATUS_STUDENT_ALL_NEG_INF != 0 {
+                STATUS_TEACHER_ALL_NEG_INF
+            } else {
+                0
+            });
+            s | moved
+        })
+        .collect()
+}
+
 /// The error for the lowest pair whose status word is not 0, if any.
 pub(crate) fn status_error(status: &[u32], pairs: &[(u32, u32)], vocab: usize) -> Result<()> {
     let Some(i) = status.iter().position(|&s| s != 0) else {
@@ -200,4 +233,9 @@ pub(crate) struct SdccParams {
     pub inv_tau_log2: f32,
     pub inv_tau: f32,
     pub accumulate: u32,
+    pub reserved: u32,
+    /// Unfused baseline only: `[2, pairs, vocab]` f32 scratch.
+    pub logp: u64,
+    /// Unfused baseline only: `[2, pairs]` status words.
+    pub row_status: u64,
 }

@@ -612,6 +612,100 @@ fn forward_rope_errors<T: KernelElem>(
     )
 }
 
+/// The tile walks, proven by the bytes the kernels move with cp.async: the
+/// main kernel loads Q and dO exactly for the query tiles that meet the
+/// visibility intervals `[k, kv_end[k])` of its key tile's keys — which skips
+/// query tiles on the diagonal whose keys are all padding, a gap the
+/// per-tile min/max classification cannot see — and the deterministic dQ
+/// kernel loads K and V exactly for the key tiles the forward's tile rule
+/// does not skip. Varlen packs with padding (most tile pairs skipped), and
+/// for d = 128 (32-row query tiles, two per key tile) a run of 32 padding
+/// keys at the start of a key tile.
+#[test]
+fn tile_walks_load_only_visible_tiles() {
+    use treeattn::backend::launch::{tile_class, FwdTraits, TileClass};
+    let (mut rng, seed) = Rng::new();
+    for (i, head_dim) in [64usize, 128, 128].into_iter().enumerate() {
+        let mut kv_end: Vec<u32> = Vec::new();
+        while kv_end.len() < 400 {
+            let start = kv_end.len();
+            let len = rng.range(1, 30);
+            kv_end.extend(std::iter::repeat((start + len) as u32).take(len));
+            if rng.range(0, 3) == 0 {
+                kv_end.push(kv_end.len() as u32);
+            }
+        }
+        if i == 2 {
+            // Keys 64..96 padding: query tile 2 (rows 64..96) sees nothing of
+            // key tile 1, whose range still starts there.
+            for (k, e) in kv_end.iter_mut().enumerate().take(96).skip(64) {
+                *e = k as u32;
+            }
+            for e in kv_end.iter_mut().take(64) {
+                *e = (*e).min(64);
+            }
+        }
+        let tokens = kv_end.len();
+        let c = Case {
+            shape: AttnShape {
+                tokens,
+                q_heads: 4,
+                kv_heads: 2,
+                head_dim,
+            },
+            pos: vec![0; tokens],
+            kv_end,
+            rope: None,
+        };
+        let what = format!("seed {seed}: d {head_dim}, L {tokens}");
+        run_case::<bf16>(&mut rng, &what, &c, &c.kv_end, DqMode::Deterministic);
+        let stats = emu::last_backward_stats().unwrap();
+        let t = BwdTraits::for_head_dim(head_dim).unwrap();
+        let (bm, bn) = (t.block_m as usize, t.block_n as usize);
+        let (d, s) = (head_dim as u64, c.shape);
+        let group = (s.q_heads / s.kv_heads) as u64;
+        // Main kernel: per key tile, the distinct query tiles its keys' intervals meet.
+        let mut visited = 0u64;
+        let mut range_tiles = 0u64;
+        for (kt, ends) in c.kv_end.chunks(bn).enumerate() {
+            let mut tiles = std::collections::BTreeSet::new();
+            for (j, &e) in ends.iter().enumerate() {
+                let k = kt * bn + j;
+                for q in k..e as usize {
+                    tiles.insert(q / bm);
+                }
+            }
+            visited += tiles.len() as u64;
+            let max_end = *ends.iter().max().unwrap() as usize;
+            range_tiles += max_end.div_ceil(bm).saturating_sub(kt * bn / bm) as u64;
+        }
+        let key_tiles = tokens.div_ceil(bn) as u64;
+        let want_main = s.kv_heads as u64
+            * (key_tiles * 2 * bn as u64 * d * 2 + group * visited * 2 * bm as u64 * d * 2);
+        assert_eq!(stats.main_cp_async_bytes, want_main, "{what}: main kernel");
+        if i == 2 {
+            assert!(
+                visited < range_tiles,
+                "{what}: the pack should have a gap inside a key tile's range"
+            );
+        }
+        // Deterministic dQ kernel: the forward's tile rule at its 64 x 64 tiles.
+        let ft = FwdTraits::for_head_dim(head_dim).unwrap();
+        let mut loaded = 0u64;
+        for q0 in (0..tokens).step_by(64) {
+            for (ti, keys) in c.kv_end.chunks(64).enumerate() {
+                let (lo, hi) = (*keys.iter().min().unwrap(), *keys.iter().max().unwrap());
+                if tile_class(&ft, tokens, q0, ti * 64, lo, hi) != TileClass::Skip {
+                    loaded += 1;
+                }
+            }
+        }
+        let want_dq = s.q_heads as u64
+            * (tokens.div_ceil(64) as u64 * 2 * 64 * d * 2 + loaded * 2 * 64 * d * 2);
+        assert_eq!(stats.dq_cp_async_bytes, want_dq, "{what}: dQ kernel");
+    }
+}
+
 #[test]
 fn bad_inputs_are_errors() {
     let kv_end = [3u32, 3, 3];

@@ -45,10 +45,12 @@ extern "C" int ta_emu_bwd_traits(uint32_t head_dim, int32_t* out) {
 
 // stage: 0 = tree_attn_bwd_pre, 1 = tree_attn_bwd_main_atomic, 2 =
 // tree_attn_bwd_main_det, 3 = tree_attn_bwd_dq, 4 = tree_attn_bwd_dq_convert.
-// dtype: 0 = bf16, 1 = f16.
+// dtype: 0 = bf16, 1 = f16. *cp_async_bytes receives the bytes the launch
+// moved with cp.async.
 extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t stage, const TreeAttnBwdParams* p,
                                     uint32_t grid_x, uint32_t grid_y, uint32_t block_threads, size_t smem,
-                                    const ta_emu::Config* config, char* err, size_t err_len) {
+                                    const ta_emu::Config* config, uint64_t* cp_async_bytes, char* err,
+                                    size_t err_len) {
     const dim3 grid(grid_x, grid_y), block(block_threads);
     // The buffers the kernels read with cp.async.
     const size_t q_bytes = size_t(p->tokens) * p->q_heads * head_dim * 2;
@@ -58,6 +60,7 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
     ta_emu::LaunchIo io;
     io.ranges = ranges;
     io.num_ranges = 4;
+    io.cp_async_bytes = cp_async_bytes;
     auto launch = [&](void (*kernel)(const TreeAttnBwdParams)) {
         return ta_emu::launch_kernel<TreeAttnBwdParams>(kernel, *p, grid, block, smem, *config, err, err_len, io);
     };

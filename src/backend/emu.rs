@@ -19,7 +19,10 @@ mod bwd;
 mod sdcc;
 pub use super::launch::bwd::DqMode;
 pub use super::launch::sdcc::SdccElem;
-pub use bwd::{attention_backward, attention_backward_into, backward_kernel_traits, GpuAttnGrads};
+pub use bwd::{
+    attention_backward, attention_backward_into, backward_kernel_traits, last_backward_stats,
+    BackwardStats, GpuAttnGrads,
+};
 pub use sdcc::{
     sdcc_forward_kl, sdcc_forward_kl_into, sdcc_forward_kl_unfused, sdcc_kernel_traits, GpuSdccOut,
 };

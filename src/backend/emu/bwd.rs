@@ -23,6 +23,7 @@ mod ffi {
             block_threads: u32,
             smem: usize,
             config: *const RawConfig,
+            cp_async_bytes: *mut u64,
             err: *mut u8,
             err_len: usize,
         ) -> i32;
@@ -210,8 +211,10 @@ pub fn attention_backward_into<T: KernelElem>(
             (4, "dq_convert", plans.per_row),
         ],
     };
+    let mut stats = BackwardStats::default();
     for &(stage, name, plan) in stages {
         let mut err = [0u8; 1024];
+        let mut bytes = 0u64;
         // SAFETY: every pointer in `p` refers to a live slice whose length was
         // checked against `shape` above (delta, dq_accum, the tile bounds and
         // rope tables are sized here); the call is synchronous.
@@ -226,13 +229,41 @@ pub fn attention_backward_into<T: KernelElem>(
                 plan.block.0,
                 plan.shared_mem_bytes as usize,
                 &current_config(),
+                &mut bytes,
                 err.as_mut_ptr(),
                 err.len(),
             )
         };
         emu_result(&traits.kernel_name(name, T::DTYPE), rc, &err)?;
+        match stage {
+            1 | 2 => stats.main_cp_async_bytes = bytes,
+            3 => stats.dq_cp_async_bytes = bytes,
+            _ => {}
+        }
     }
+    LAST_BACKWARD.with(|s| s.set(Some(stats)));
     Ok(())
+}
+
+/// What the kernels of an emulated backward moved with `cp.async` (zero-filled
+/// rows included), to prove the tile walks: the main kernel loads, per (key
+/// tile, kv head), K and V once and Q, dO for each query tile it visits
+/// (`2 · 64 · d · 2 + group · visited · 2 · block_m · d · 2` bytes); the
+/// deterministic dQ kernel Q, dO once and K, V per non-skipped key tile.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackwardStats {
+    pub main_cp_async_bytes: u64,
+    /// 0 in atomic mode (no dQ kernel).
+    pub dq_cp_async_bytes: u64,
+}
+
+thread_local! {
+    static LAST_BACKWARD: std::cell::Cell<Option<BackwardStats>> = const { std::cell::Cell::new(None) };
+}
+
+/// Statistics of the last successful emulated backward on this thread.
+pub fn last_backward_stats() -> Option<BackwardStats> {
+    LAST_BACKWARD.with(|s| s.get())
 }
 
 /// The C++ traits of the backward kernels for `head_dim` as the emulator

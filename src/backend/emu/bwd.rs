@@ -122,7 +122,7 @@ pub fn attention_backward_into<T: KernelElem>(
             )));
         }
     }
-    if let Some(index) = lse.iter().position(|&x| !(x < f32::INFINITY)) {
+    if let Some(index) = lse.iter().position(|&x| x.is_nan() || x == f32::INFINITY) {
         return Err(Error::NonFinite {
             what: "lse (NaN or +inf; −inf marks a row with no visible key)".into(),
             index,

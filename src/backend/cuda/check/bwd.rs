@@ -497,7 +497,9 @@ pub(super) fn run(
 
     // 4. SDCC fused vs unfused
     let vocab = 151_936usize;
-    let n_pairs = 2048usize;
+    // 2048 pairs at the default 16k timing tokens (~1.8 MB of traffic per
+    // pair); fewer for the small sanitizer runs.
+    let n_pairs = (n / 8).clamp(16, 2048);
     let rows: Vec<half::bf16> = (0..n_pairs * vocab)
         .map(|_| half::bf16::from_f32(6.0 * rng.unit()))
         .collect();

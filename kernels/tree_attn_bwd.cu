@@ -174,11 +174,15 @@ __device__ __forceinline__ void ta_bwd_load_tile(uint16_t* smem, const uint16_t*
 }
 
 // lse2 = LSE · log2 e, or +inf for a row with no visible key and for rows past
-// the pack, so that exp2(S·c − lse2) is exactly 0 there.
+// the pack, so that exp2(S·c − lse2) is exactly 0 there. An invalid LSE (NaN
+// or +inf: not from a forward) gives NaN, so that the row's gradients are NaN
+// rather than a silent 0 (the emulator wrapper, and the CUDA one with
+// check_finite, report it as an Err before the launch).
 __device__ __forceinline__ float ta_bwd_lse2(const TreeAttnBwdParams& p, uint32_t head, uint32_t row) {
     if (row >= p.tokens) return INFINITY;
     const float l = p.lse[(size_t)head * p.tokens + row];
-    return l == -INFINITY ? INFINITY : l * TA_LOG2E;
+    if (l == -INFINITY) return INFINITY;
+    return l < INFINITY ? l * TA_LOG2E : NAN;
 }
 
 // acc[n] = A Bᵀ for the warp: A is 16 rows of `a_rows` (row stride RS), B is

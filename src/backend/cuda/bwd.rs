@@ -89,8 +89,10 @@ impl CudaBackward {
     /// 1)` bytes, plus the rotary tables when `params.rope` is set, built from a
     /// download of the pack's position ids) is
     /// allocated on the stream per call. Asynchronous on the backend's
-    /// stream; `params.check_finite` is not supported here (it would need a
-    /// download of every input): `Err`.
+    /// stream. A NaN or `+inf` in `lse` makes the gradients of its row NaN
+    /// (never a silent 0); `params.check_finite` downloads and scans lse, q,
+    /// k, v, o and d_o first and returns the emulator's `Err` instead (slow;
+    /// for debugging).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_backward<T: KernelElem + DeviceRepr>(
         &self,
@@ -121,11 +123,31 @@ impl CudaBackward {
                 )));
             }
         }
+        let s = &self.stream;
         if params.check_finite {
-            return Err(Error::Unsupported(
-                "check_finite on device buffers: check the inputs on the host before the upload"
-                    .into(),
-            ));
+            let lse_host = s
+                .clone_dtoh(lse)
+                .map_err(cuda_err("downloading lse for its check"))?;
+            if let Some(index) = lse_host
+                .iter()
+                .position(|&x| x.is_nan() || x == f32::INFINITY)
+            {
+                return Err(Error::NonFinite {
+                    what: "lse (NaN or +inf; −inf marks a row with no visible key)".into(),
+                    index,
+                });
+            }
+            for (name, x) in [("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o)] {
+                let h = s
+                    .clone_dtoh(x)
+                    .map_err(cuda_err("downloading for the finiteness check"))?;
+                if let Some(index) = h.iter().position(|e| !e.to_f32().is_finite()) {
+                    return Err(Error::NonFinite {
+                        what: name.into(),
+                        index,
+                    });
+                }
+            }
         }
         if pack.tile != traits.block_n {
             return Err(Error::Pack(format!(
@@ -136,7 +158,6 @@ impl CudaBackward {
         if shape.tokens == 0 {
             return Ok(());
         }
-        let s = &self.stream;
         let rope = DeviceRope::new(s, pack, params.rope)?;
         // SAFETY (both): every element is written before it is read — delta
         // by tree_attn_bwd_pre, the accumulator by pre (atomic mode) or by

@@ -67,6 +67,11 @@
 // full (no element mask: k1 − 1 <= q0, min kv_end >= q1, both tiles inside
 // the pack) or partial (element mask k <= q < kv_end[k]).
 //
+// Block order: the main kernel's blockIdx.x is the key tile (the first key
+// tiles are seen by the most queries: heaviest first); the dQ kernel runs
+// its query tiles last-first (the last ones see the most keys), as the
+// forward does.
+//
 // Deterministic mode. The main kernel skips its dQ part, and tree_attn_bwd_dq
 // (one block of 4 warps per 64 query rows and query head, the forward's
 // tiling and tile walk) recomputes, per visible key tile, S = Q Kᵀ, P, dP =

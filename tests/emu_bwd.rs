@@ -612,6 +612,48 @@ fn forward_rope_errors<T: KernelElem>(
     )
 }
 
+/// The emulated forward feeding the emulated backward (its O and f32 LSE,
+/// not the CPU's), rotary on, against the CPU forward + backward: the
+/// kernels agree on the LSE convention (natural log, −inf for rows with no
+/// key) and compose.
+#[test]
+fn emulated_forward_then_backward_matches_the_cpu() {
+    let (mut rng, seed) = Rng::new();
+    for (i, d) in [64usize, 128].into_iter().enumerate() {
+        let mut c = random_case(&mut rng, d, true);
+        c.kv_end.push(c.kv_end.len() as u32); // a padding key: a row with no key
+        c.pos.push(0);
+        c.shape.tokens += 1;
+        let s = c.shape;
+        let (q, qf) = random_tensor::<f16>(&mut rng, s.q_len(), 2.0);
+        let (k, kf) = random_tensor::<f16>(&mut rng, s.kv_len(), 2.0);
+        let (v, vf) = random_tensor::<f16>(&mut rng, s.kv_len(), 1.0);
+        let (d_o, dof) = random_tensor::<f16>(&mut rng, s.q_len(), 1.0);
+        let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
+        let p = params(&c);
+        let fwd = emu::attention_forward(&q, &k, &v, s, mask, &p).unwrap();
+        let mode = [DqMode::Atomic, DqMode::Deterministic][i];
+        let got =
+            emu::attention_backward(&q, &k, &v, &fwd.o, &fwd.lse, &d_o, s, mask, &p, mode).unwrap();
+        let cf = cpu::attention_forward(&qf, &kf, &vf, s, mask, &p).unwrap();
+        let want =
+            cpu::attention_backward(&qf, &kf, &vf, &cf.o, &cf.lse, &dof, s, mask, &p).unwrap();
+        let what = format!("seed {seed}: {s:?} rope {:?} {mode:?}", c.rope);
+        for (name, g, w) in [
+            ("dq", &got.dq, &want.dq),
+            ("dk", &got.dk, &want.dk),
+            ("dv", &got.dv, &want.dv),
+        ] {
+            let e = rel_err(name, g, w);
+            assert!(
+                e <= tol::<f16>(),
+                "{what}: {name} error {e:.3e} > {:.0e}",
+                tol::<f16>()
+            );
+        }
+    }
+}
+
 /// The tile walks, proven by the bytes the kernels move with cp.async: the
 /// main kernel loads Q and dO exactly for the query tiles that meet the
 /// visibility intervals `[k, kv_end[k])` of its key tile's keys — which skips

@@ -300,7 +300,8 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     __syncthreads();
     if (p.rope.half) {
         ta_rope_tile<E, BN, RS, Tr::kThreads>(sk, k0, L, p.rope);
-        __syncthreads();
+        // The barrier at the top of the first query tile orders this before
+        // any read of sk.
     }
 
     // The first query tile at or after query x that sees a key of the tile

@@ -6,8 +6,9 @@
 //!    every element checked written, compared by relative Frobenius error
 //!    (≤ 2e-2 bf16, ≤ 5e-3 f16) with the CPU backend's f32 backward on the
 //!    same rounded inputs (O and LSE from the CPU forward) — the tolerances
-//!    of tests/emu_bwd.rs. The deterministic mode is run twice and must be
-//!    bit-identical.
+//!    of tests/emu_bwd.rs; and the device forward on the same inputs
+//!    (rotary included) against the CPU forward (O ≤ 1e-2 bf16, ≤ 2e-3
+//!    f16). The deterministic mode is run twice and must be bit-identical.
 //! 2. SDCC correctness against the CPU backend (loss 1e-4, gradient 1e-3
 //!    relative), vocab 151,936 with −inf entries and a repeated student row.
 //! 3. Timing of forward + backward (atomic dQ, and deterministic) on tree
@@ -16,7 +17,6 @@
 //!    the same tree (branches read off the mask: the ancestors of each leaf
 //!    token). FLOPs: 4·d per visible pair per head forward, 2.5x that
 //!    backward (DESIGN §7), visible pairs only.
-//!
 //! 4. SDCC timing: the fused kernel against the unfused baseline of
 //!    kernels/sdcc_kl.cu (log-softmax of both sides into f32 buffers, then
 //!    an elementwise KL and the gradient), bf16 logits, vocab 151,936.
@@ -55,7 +55,8 @@ fn rel_err<T: KernelElem>(what: &str, got: &[T], want: &[f32]) -> Result<f64> {
     Ok((num / den.max(f64::MIN_POSITIVE)).sqrt())
 }
 
-/// One backward case: returns the relative errors of dQ, dK, dV.
+/// One backward case: returns the relative errors of the device forward's O
+/// (same params, rotary included) and of dQ, dK, dV.
 fn check_backward<T: KernelElem + DeviceRepr>(
     be: &CudaBackend,
     bwd: &CudaBackward,
@@ -64,7 +65,7 @@ fn check_backward<T: KernelElem + DeviceRepr>(
     shape: AttnShape,
     rope: Option<Rope>,
     mode: DqMode,
-) -> Result<[f64; 3]> {
+) -> Result<[f64; 4]> {
     let s = be.stream();
     let mask = pack.mask()?;
     let gen = |rng: &mut Rng, n: usize, amp: f32| -> (Vec<T>, Vec<f32>) {
@@ -107,6 +108,29 @@ fn check_backward<T: KernelElem + DeviceRepr>(
         let dl = |x: &CudaSlice<T>| s.clone_dtoh(x).map_err(cerr("download gradients"));
         Ok([dl(&gq)?, dl(&gk)?, dl(&gv)?])
     };
+    // The device forward on the same inputs (rotary included) against the
+    // CPU forward: O within the forward's tolerance.
+    let mut o_dev = s
+        .clone_htod(&vec![T::from_f32(f32::NAN); shape.q_len()])
+        .map_err(cerr("poison o"))?;
+    let mut lse_dev = s
+        .clone_htod(&vec![f32::NAN; shape.q_heads * shape.tokens])
+        .map_err(cerr("poison lse"))?;
+    be.attention_forward(
+        &dq_in,
+        &dk_in,
+        &dv_in,
+        shape,
+        &dp,
+        &params,
+        &mut o_dev,
+        &mut lse_dev,
+    )?;
+    let o_err = rel_err(
+        "o",
+        &s.clone_dtoh(&o_dev).map_err(cerr("download o"))?,
+        &fwd.o,
+    )?;
     let [gq, gk, gv] = run()?;
     if mode == DqMode::Deterministic {
         let again = run()?;
@@ -118,6 +142,7 @@ fn check_backward<T: KernelElem + DeviceRepr>(
         }
     }
     Ok([
+        o_err,
         rel_err("dq", &gq, &want.dq)?,
         rel_err("dk", &gk, &want.dk)?,
         rel_err("dv", &gv, &want.dv)?,
@@ -307,7 +332,8 @@ pub(super) fn run(
     // 1. backward correctness
     let _ = writeln!(
         rep,
-        "\nbackward correctness (dQ, dK, dV: relative Frobenius error vs the CPU f32 backward)"
+        "\nbackward correctness (relative Frobenius errors: dQ, dK, dV vs the CPU f32 backward; O: the device \
+         forward, rotary included, vs the CPU forward)"
     );
     let mut cases: Vec<(String, Pack, AttnShape, Option<Rope>, DqMode, bool)> = Vec::new();
     let mut p = Pack::default();
@@ -374,14 +400,17 @@ pub(super) fn run(
         };
         match r {
             Ok(e) => {
-                let ok = e.iter().all(|&x| x <= t);
+                // O: the forward's tolerance (1e-2 bf16, 2e-3 f16).
+                let o_tol = if *bf { 1e-2 } else { 2e-3 };
+                let ok = e[0] <= o_tol && e[1..].iter().all(|&x| x <= t);
                 let _ = writeln!(
                     rep,
-                    "  {name:<36} L={:<5} dQ {:.2e} dK {:.2e} dV {:.2e} (tol {t:.0e})  {}",
+                    "  {name:<36} L={:<5} O {:.2e} (tol {o_tol:.0e})  dQ {:.2e} dK {:.2e} dV {:.2e} (tol {t:.0e})  {}",
                     sh.tokens,
                     e[0],
                     e[1],
                     e[2],
+                    e[3],
                     if ok { "ok" } else { "FAIL" }
                 );
                 if !ok {

@@ -59,7 +59,7 @@ pub struct GpuAttnGrads<T> {
 /// accumulation; `mode` picks how dQ is summed ([`DqMode`]). `params` and
 /// `mask` must be those of the forward call.
 ///
-/// Errors: everything [`super::attention_forward`] rejects except rotary;
+/// Errors: everything [`super::attention_forward`] rejects;
 /// `o`, `d_o`, `lse` of the wrong length; a NaN or `+inf` in `lse`; with
 /// `params.check_finite`, a NaN or ±inf in q, k, v, o or d_o; a position id
 /// past [`crate::backend::launch::rope::MAX_ROPE_POSITION`] with rotary.

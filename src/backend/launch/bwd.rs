@@ -64,8 +64,8 @@ impl BwdTraits {
     fn row_stride(&self) -> u32 {
         self.head_dim + 8
     }
-    /// Shared memory of the main kernel: K, V | Q[2], dO[2] | dSᵀ | lse2[2],
-    /// D[2] | kv_end of the tile.
+    /// Shared memory of the main kernel: K, V, two buffers each of Q and dO,
+    /// dSᵀ, two buffers each of lse2 and D, the tile's kv_end.
     pub fn main_smem_bytes(&self) -> u32 {
         let rs = self.row_stride();
         2 * self.block_n * rs * 2
@@ -74,7 +74,8 @@ impl BwdTraits {
             + 4 * self.block_m * 4
             + self.block_n * 4
     }
-    /// Shared memory of the deterministic dQ kernel: Q, dO, K[2], V[2].
+    /// Shared memory of the deterministic dQ kernel: Q, dO and two buffers
+    /// each of K and V.
     pub fn dq_smem_bytes(&self) -> u32 {
         6 * self.dq_block_m * self.row_stride() * 2
     }

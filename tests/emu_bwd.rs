@@ -264,7 +264,8 @@ fn random_case(rng: &mut Rng, head_dim: usize, rope: bool) -> Case {
     let q_heads = kv_heads * [1, 2, 3][rng.range(0, 2)];
     let rope = rope.then(|| Rope {
         base: 10_000.0,
-        dims: [head_dim, head_dim / 2][rng.range(0, 1)],
+        // Full, half, and an odd number of pairs (17) not aligned to anything.
+        dims: [head_dim, head_dim / 2, 34][rng.range(0, 2)],
     });
     Case {
         shape: AttnShape {

@@ -8,9 +8,11 @@
 // The teacher gets no gradient (stop-gradient).
 //
 // One block of 256 threads per pair, two sweeps over the pair's two rows:
-//   sweep 1 reads both rows once, in chunks of 256 x 8 entries (thread j reads
-//     entries chunk + 256i + j: coalesced), keeping per thread an online
-//     log-sum-exp of both distributions — running maxima m_t, m_s and sums
+//   sweep 1 reads both rows once, in chunks of 256 x 8 entries (thread j
+//     reads entries chunk + 8j .. chunk + 8j + 7 as 16-byte vectors when the
+//     vocabulary is a multiple of 8 and the tensors are 16-byte aligned,
+//     else entries chunk + 256i + j: coalesced scalars), keeping per thread
+//     an online log-sum-exp of both distributions — running maxima m_t, m_s and sums
 //     Z_t = Σ 2^(a − m_t), Z_s = Σ 2^(b − m_s) with a, b the logits / τ in
 //     base-2 units (· log2 e, so every exponential is one ex2) — and the
 //     cross term W = Σ 2^(a − m_t) ((a − m_t) − (b − m_s)), re-centred
@@ -50,7 +52,7 @@ struct SdccParams {
     float inv_tau_log2;       // log2(e) / τ
     float inv_tau;            // 1 / τ
     uint32_t accumulate;      // atomicAdd the gradient (rows repeat)
-    uint32_t reserved;
+    uint32_t vec8;            // 16-byte vector loads / stores (vocab % 8 == 0, aligned tensors)
     // Unfused baseline only: [2, pairs, vocab] f32 log-probabilities (student
     // rows, then teacher rows) and [2, pairs] per-row status words.
     float* logp;
@@ -77,6 +79,62 @@ __device__ __forceinline__ float ta_sdcc_load<ta_f32>(const void* p, size_t i) {
 #define TA_SDCC_THREADS 256
 #define TA_SDCC_WARPS (TA_SDCC_THREADS / 32)
 #define TA_SDCC_UNROLL 8  // entries per thread per chunk
+
+// Entries v0 .. v0 + 7 of a row as 16-byte vector loads (v0 a multiple of
+// 8, the row 16-byte aligned): one vector for 16-bit elements, two for f32.
+template <class E>
+__device__ __forceinline__ void ta_sdcc_vec8(const void* p, size_t at, float (&out)[TA_SDCC_UNROLL]) {
+    const ta_vec16 u = *reinterpret_cast<const ta_vec16*>(static_cast<const uint16_t*>(p) + at);
+    const uint32_t words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = ta_to_f32<E>(uint16_t(words[i] & 0xffffu));
+        out[2 * i + 1] = ta_to_f32<E>(uint16_t(words[i] >> 16));
+    }
+}
+template <>
+__device__ __forceinline__ void ta_sdcc_vec8<ta_f32>(const void* p, size_t at, float (&out)[TA_SDCC_UNROLL]) {
+    const ta_vec16* q = reinterpret_cast<const ta_vec16*>(static_cast<const float*>(p) + at);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const ta_vec16 u = q[h];
+        out[4 * h + 0] = __uint_as_float(u.x);
+        out[4 * h + 1] = __uint_as_float(u.y);
+        out[4 * h + 2] = __uint_as_float(u.z);
+        out[4 * h + 3] = __uint_as_float(u.w);
+    }
+}
+
+// The columns of the 8 entries of a row that thread t handles in the chunk
+// starting at entry `base` (a multiple of 256 · 8). With `vec`: the
+// contiguous entries base + 8t .. base + 8t + 7 (vocab a multiple of 8, so
+// all are in range or none is); otherwise base + t + 256j (coalesced scalar
+// loads). Out-of-range entries get column V.
+__device__ __forceinline__ void ta_sdcc_cols(size_t base, size_t V, bool vec, size_t (&col)[TA_SDCC_UNROLL]) {
+#pragma unroll
+    for (int j = 0; j < TA_SDCC_UNROLL; ++j) {
+        const size_t v = vec ? base + (size_t)threadIdx.x * TA_SDCC_UNROLL + j
+                             : base + (size_t)j * TA_SDCC_THREADS + threadIdx.x;
+        col[j] = v < V ? v : V;
+    }
+}
+
+// Those 8 entries of the row starting at element `row_off`; −inf past V.
+template <class E>
+__device__ __forceinline__ void ta_sdcc_load8(const void* p, size_t row_off, size_t V, bool vec,
+                                              const size_t (&col)[TA_SDCC_UNROLL], float (&out)[TA_SDCC_UNROLL]) {
+    if (vec) {
+        if (col[0] < V) {
+            ta_sdcc_vec8<E>(p, row_off + col[0], out);
+        } else {
+#pragma unroll
+            for (int j = 0; j < TA_SDCC_UNROLL; ++j) out[j] = -INFINITY;
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < TA_SDCC_UNROLL; ++j) out[j] = col[j] < V ? ta_sdcc_load<E>(p, row_off + col[j]) : -INFINITY;
+}
 
 // A partial sweep-1 state over some vocabulary entries (base-2 units).
 struct SdccState {
@@ -136,21 +194,20 @@ __device__ __forceinline__ void sdcc_kl_body(const SdccParams& p) {
     // Sweep 1, per thread in f32.
     float m_t = -INFINITY, z_t = 0.f, m_s = -INFINITY, z_s = 0.f, w = 0.f;
     uint32_t flags = 0;
+    const bool vec = p.vec8 != 0;
     for (size_t base = 0; base < V; base += TA_SDCC_THREADS * TA_SDCC_UNROLL) {
+        size_t col[TA_SDCC_UNROLL];
         float a[TA_SDCC_UNROLL], b[TA_SDCC_UNROLL];
+        ta_sdcc_cols(base, V, vec, col);
+        ta_sdcc_load8<E>(p.student, s_off, V, vec, col, b);
+        ta_sdcc_load8<E>(p.teacher, t_off, V, vec, col, a);
         float mx_t = -INFINITY, mx_s = -INFINITY;
 #pragma unroll
         for (int j = 0; j < TA_SDCC_UNROLL; ++j) {
-            const size_t v = base + (size_t)j * TA_SDCC_THREADS + threadIdx.x;
-            float x = -INFINITY, y = -INFINITY;
-            if (v < V) {
-                x = ta_sdcc_load<E>(p.student, s_off + v);
-                y = ta_sdcc_load<E>(p.teacher, t_off + v);
-                if (!(x < INFINITY)) flags |= TA_SDCC_STUDENT_NONFINITE;
-                if (!(y < INFINITY)) flags |= TA_SDCC_TEACHER_NONFINITE;
-            }
-            a[j] = y * c;
-            b[j] = x * c;
+            if (!(b[j] < INFINITY)) flags |= TA_SDCC_STUDENT_NONFINITE;
+            if (!(a[j] < INFINITY)) flags |= TA_SDCC_TEACHER_NONFINITE;
+            a[j] *= c;
+            b[j] *= c;
             mx_t = fmaxf(mx_t, a[j]);
             mx_s = fmaxf(mx_s, b[j]);
         }
@@ -204,14 +261,32 @@ __device__ __forceinline__ void sdcc_kl_body(const SdccParams& p) {
     const float lse_s = slse[0], lse_t = slse[1];
     const float g = p.weights[pair] * p.inv_tau;
     float* const grow = p.grad + s_off;
-    for (size_t v = threadIdx.x; v < V; v += TA_SDCC_THREADS) {
-        const float x = ta_sdcc_load<E>(p.student, s_off + v) * c;
-        const float y = ta_sdcc_load<E>(p.teacher, t_off + v) * c;
-        const float d = g * (ta_exp2(x - lse_s) - ta_exp2(y - lse_t));
-        if (p.accumulate)
-            atomicAdd(grow + v, d);
-        else
-            grow[v] = d;
+    for (size_t base = 0; base < V; base += TA_SDCC_THREADS * TA_SDCC_UNROLL) {
+        size_t col[TA_SDCC_UNROLL];
+        float x[TA_SDCC_UNROLL], y[TA_SDCC_UNROLL], d[TA_SDCC_UNROLL];
+        ta_sdcc_cols(base, V, vec, col);
+        ta_sdcc_load8<E>(p.student, s_off, V, vec, col, x);
+        ta_sdcc_load8<E>(p.teacher, t_off, V, vec, col, y);
+#pragma unroll
+        for (int j = 0; j < TA_SDCC_UNROLL; ++j) d[j] = g * (ta_exp2(x[j] * c - lse_s) - ta_exp2(y[j] * c - lse_t));
+        if (vec && !p.accumulate) {
+            if (col[0] < V) {
+                ta_vec16* out = reinterpret_cast<ta_vec16*>(grow + col[0]);
+                out[0] = ta_vec16{__float_as_uint(d[0]), __float_as_uint(d[1]), __float_as_uint(d[2]),
+                                  __float_as_uint(d[3])};
+                out[1] = ta_vec16{__float_as_uint(d[4]), __float_as_uint(d[5]), __float_as_uint(d[6]),
+                                  __float_as_uint(d[7])};
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < TA_SDCC_UNROLL; ++j) {
+                if (col[j] >= V) continue;
+                if (p.accumulate)
+                    atomicAdd(grow + col[j], d[j]);
+                else
+                    grow[col[j]] = d[j];
+            }
+        }
     }
 }
 

@@ -147,6 +147,16 @@ fn compare<T: SdccElem>(what: &str, p: &Problem<T>, tau_kernel: f32) -> (f64, f6
         &p.student, &p.teacher, p.vocab, &p.pairs, &p.weights, tau_kernel,
     )
     .unwrap_or_else(|e| panic!("{what}: {e}"));
+    errors_against_cpu(what, p, &got)
+}
+
+/// (max relative KL error, gradient relative Frobenius error) of `got`
+/// against the CPU backend on `p`, asserting every gradient element finite.
+fn errors_against_cpu<T: SdccElem>(
+    what: &str,
+    p: &Problem<T>,
+    got: &emu::GpuSdccOut,
+) -> (f64, f64) {
     let want = cpu::sdcc_forward_kl(
         &widen(&p.student),
         &widen(&p.teacher),
@@ -368,6 +378,63 @@ fn unfused_baseline_matches_the_cpu_backend() {
             .contains("pair 1: teacher logits row 1 is entirely −inf"),
         "{e}"
     );
+}
+
+/// The 16-byte vector path (vocab a multiple of 8, aligned tensors) and the
+/// scalar path (the same logits one element off a 16-byte boundary) agree:
+/// each within the tolerances of the CPU backend, and with each other to
+/// f32 summation-order noise.
+#[test]
+fn vector_and_scalar_paths_agree() {
+    let (mut rng, seed) = Rng::new();
+    for vocab in [8usize, 4096, 40_000] {
+        let p = problem::<bf16>(&mut rng, vocab, 3, 0.2, false);
+        let mut shifted_s = vec![bf16::ZERO; p.student.len() + 8];
+        let mut shifted_t = vec![bf16::ZERO; p.teacher.len() + 8];
+        // One element past a 16-byte boundary: never vector-aligned.
+        let off = |v: &Vec<bf16>| (16 - (v.as_ptr() as usize % 16)) / 2 % 8 + 1;
+        let (os, ot) = (off(&shifted_s), off(&shifted_t));
+        shifted_s[os..os + p.student.len()].copy_from_slice(&p.student);
+        shifted_t[ot..ot + p.teacher.len()].copy_from_slice(&p.teacher);
+        let (ss, tt) = (
+            &shifted_s[os..os + p.student.len()],
+            &shifted_t[ot..ot + p.teacher.len()],
+        );
+        assert!(ss.as_ptr() as usize % 16 != 0 && tt.as_ptr() as usize % 16 != 0);
+        // (The system allocator aligns these to 16 bytes: the vector path.)
+        assert!(p.student.as_ptr() as usize % 16 == 0 && p.teacher.as_ptr() as usize % 16 == 0);
+        let aligned =
+            emu::sdcc_forward_kl(&p.student, &p.teacher, vocab, &p.pairs, &p.weights, p.tau)
+                .unwrap();
+        let scalar = emu::sdcc_forward_kl(ss, tt, vocab, &p.pairs, &p.weights, p.tau).unwrap();
+        for (i, (&a, &b)) in aligned.per_pair.iter().zip(&scalar.per_pair).enumerate() {
+            if a.is_infinite() || b.is_infinite() {
+                assert_eq!(a, b, "seed {seed}: vocab {vocab}: pair {i}");
+            } else {
+                assert!(
+                    (a - b).abs() <= 1e-5 * a.abs() + 1e-9,
+                    "seed {seed}: vocab {vocab}: pair {i}: {a} vs {b}"
+                );
+            }
+        }
+        for (i, (&a, &b)) in aligned
+            .grad_student
+            .iter()
+            .zip(&scalar.grad_student)
+            .enumerate()
+        {
+            assert!(
+                (a - b).abs() <= 1e-6,
+                "seed {seed}: vocab {vocab}: gradient[{i}] {a} vs {b}"
+            );
+        }
+        let what = format!("seed {seed}: vocab {vocab} scalar path");
+        let (kl, g) = errors_against_cpu(&what, &p, &scalar);
+        assert!(
+            kl <= 1e-4 && g <= 1e-3,
+            "{what}: KL error {kl:.2e}, gradient {g:.2e}"
+        );
+    }
 }
 
 /// Negative control: the kernel at a different temperature than the

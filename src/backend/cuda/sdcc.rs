@@ -11,7 +11,7 @@ use cudarc::nvrtc::Ptx;
 
 use super::{config, cuda_err, CudaBackend};
 use crate::backend::launch::sdcc::{
-    merge_row_status, plan_sdcc, status_error, weighted_loss, SdccElem, SdccParams,
+    merge_row_status, plan_sdcc, status_error, vec8, weighted_loss, SdccElem, SdccParams,
 };
 use crate::{Error, Result};
 
@@ -166,7 +166,7 @@ impl CudaSdcc {
                 inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
                 inv_tau: (1.0 / tau) as f32,
                 accumulate: u32::from(plan.accumulate),
-                reserved: 0,
+                vec8: vec8(vocab, [sp, tp, gp]),
                 logp: 0,
                 row_status: 0,
             };
@@ -273,7 +273,7 @@ impl CudaSdcc {
                 inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
                 inv_tau: (1.0 / tau) as f32,
                 accumulate: u32::from(plan.accumulate),
-                reserved: 0,
+                vec8: 0,
                 logp: lp,
                 row_status: rp,
             };

@@ -2,7 +2,7 @@
 
 use super::{current_config, emu_result, RawConfig};
 use crate::backend::launch::sdcc::{
-    merge_row_status, plan_sdcc, status_error, weighted_loss, SdccElem, SdccParams,
+    merge_row_status, plan_sdcc, status_error, vec8, weighted_loss, SdccElem, SdccParams,
 };
 use crate::{Error, Result};
 
@@ -154,7 +154,14 @@ pub fn sdcc_forward_kl_into<T: SdccElem>(
         inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
         inv_tau: (1.0 / tau) as f32,
         accumulate: plan.accumulate as u32,
-        reserved: 0,
+        vec8: vec8(
+            vocab,
+            [
+                student.as_ptr() as u64,
+                teacher.as_ptr() as u64,
+                grad.as_ptr() as u64,
+            ],
+        ),
         logp: 0,
         row_status: 0,
     };
@@ -237,7 +244,7 @@ pub fn sdcc_forward_kl_unfused<T: SdccElem>(
         inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
         inv_tau: (1.0 / tau) as f32,
         accumulate: plan.accumulate as u32,
-        reserved: 0,
+        vec8: 0,
         logp: logp.as_mut_ptr() as u64,
         row_status: row_status.as_mut_ptr() as u64,
     };

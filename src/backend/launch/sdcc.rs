@@ -216,6 +216,14 @@ pub fn weighted_loss(per_pair: &[f64], weights: &[f32]) -> (f64, f64) {
     (loss_sum, mean)
 }
 
+/// Whether the fused kernel may move 8 entries per 16-byte vector: the
+/// vocabulary a multiple of 8 (so every row of 16-bit or f32 elements starts
+/// 16-byte aligned when the tensor does) and the student, teacher and
+/// gradient tensors 16-byte aligned (device allocations always are).
+pub(crate) fn vec8(vocab: usize, addrs: [u64; 3]) -> u32 {
+    u32::from(vocab % 8 == 0 && addrs.iter().all(|a| a % 16 == 0))
+}
+
 /// Mirror of `SdccParams` (kernels/sdcc_kl.cu). Pointers are device
 /// addresses (CUDA) or host addresses (emulator).
 #[repr(C)]
@@ -233,7 +241,8 @@ pub(crate) struct SdccParams {
     pub inv_tau_log2: f32,
     pub inv_tau: f32,
     pub accumulate: u32,
-    pub reserved: u32,
+    /// 16-byte vector loads and stores: see [`vec8`].
+    pub vec8: u32,
     /// Unfused baseline only: `[2, pairs, vocab]` f32 scratch.
     pub logp: u64,
     /// Unfused baseline only: `[2, pairs]` status words.

@@ -78,7 +78,9 @@
 // dO Vᵀ and dS, then dQ += dS K in registers (B: ldmatrix.x4.trans on K). Per
 // visible (query tile, key tile) pair atomic mode does 5 tile matmuls (S, dP,
 // dV, dK, dQ), deterministic mode 4 + 3 = 7: 1.4x the matmul FLOPs and twice
-// the exp2 work, but no atomics and a bit-identical dQ from run to run.
+// the exp2 work, but no atomics and a bit-identical dQ from run to run. (The
+// dQ kernel walks key tiles by the forward's min / max rule, which can keep a
+// few tile pairs the main kernel's exact interval walk drops: padding runs.)
 //
 // Rotary (rope.cuh): Q and K tiles are rotated in shared memory right after
 // they land, so every product above is in the rotated frame; dK is staged in

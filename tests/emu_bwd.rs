@@ -366,6 +366,43 @@ fn tile_classes_and_edge_lengths() {
     check::<f16>(&mut rng, seed, &c, DqMode::Atomic, all[2]);
 }
 
+/// A longer pack (two compaction-like views of a shared prompt, ~700
+/// tokens): a key tile of the prompt streams ~22 query tiles of 32 rows per
+/// query head through the pipeline, across GQA head switches (4 query heads
+/// per kv head), d = 128, rotary on, both dQ modes.
+#[test]
+fn long_pack_many_query_tiles_per_key_tile() {
+    let (mut rng, seed) = Rng::new();
+    let prompt = rng.range(250, 300);
+    let views = [rng.range(150, 220), rng.range(150, 220)];
+    let tokens = prompt + views[0] + views[1];
+    let mut kv_end = vec![tokens as u32; prompt];
+    let mut pos: Vec<u32> = (0..prompt as u32).collect();
+    let mut start = prompt;
+    for v in views {
+        kv_end.extend(std::iter::repeat((start + v) as u32).take(v));
+        pos.extend(prompt as u32..(prompt + v) as u32);
+        start += v;
+    }
+    let c = Case {
+        shape: AttnShape {
+            tokens,
+            q_heads: 4,
+            kv_heads: 1,
+            head_dim: 128,
+        },
+        kv_end,
+        pos,
+        rope: Some(Rope {
+            base: 10_000.0,
+            dims: 128,
+        }),
+    };
+    let all = EmuOptions::all();
+    check::<bf16>(&mut rng, seed, &c, DqMode::Atomic, all[1]);
+    check::<f16>(&mut rng, seed, &c, DqMode::Deterministic, all[4]);
+}
+
 /// A pack of padding only: nothing is visible, every gradient is exactly 0.
 #[test]
 fn all_padding_gives_zero_gradients() {

@@ -330,7 +330,11 @@ pub fn attention_forward_into<T: KernelElem>(
         rope: tables
             .as_ref()
             .map_or(launch::rope::RopeArgs::default(), |t| {
-                t.args(mask.position_ids.as_ptr() as u64, t.cos.as_ptr() as u64, t.sin.as_ptr() as u64)
+                t.args(
+                    mask.position_ids.as_ptr() as u64,
+                    t.cos.as_ptr() as u64,
+                    t.sin.as_ptr() as u64,
+                )
             }),
     };
     let mut err = [0u8; 1024];

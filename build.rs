@@ -21,9 +21,19 @@ const EMU_SOURCES: &[&str] = &[
     "kernels/emu/runtime.cpp",
     "kernels/emu/fwd_entry.cpp",
     "kernels/emu/shim_selftest.cpp",
+    "kernels/emu/bwd_entry.cpp",
+    "kernels/emu/sdcc_entry.cpp",
 ];
-const CUDA_SOURCES: &[&str] = &["kernels/tree_attn_fwd.cu"];
-const HEADERS: &[&str] = &["kernels/common.cuh", "kernels/emu/shim.h"];
+const CUDA_SOURCES: &[&str] = &[
+    "kernels/tree_attn_fwd.cu",
+    "kernels/tree_attn_bwd.cu",
+    "kernels/sdcc_kl.cu",
+];
+const HEADERS: &[&str] = &[
+    "kernels/common.cuh",
+    "kernels/rope.cuh",
+    "kernels/emu/shim.h",
+];
 
 fn main() {
     for f in EMU_SOURCES.iter().chain(CUDA_SOURCES).chain(HEADERS) {

@@ -57,7 +57,11 @@
 // so that −inf − −inf never occurs); α = exp2(m·c − base); P = exp2(S·c −
 // base); l = α l + Σ P; O = α O + P V. At the end O /= l and
 // LSE = (m·c + log2 l) · ln 2; a row with l = 0 gets O = 0, LSE = −inf.
-#include "common.cuh"
+//
+// Rotary (optional, rope.half > 0): the Q tile and each K tile are rotated
+// in place in shared memory right after they land (rope.cuh: cos / sin from
+// per-position tables, f32 math, rounded back to E), one extra barrier each.
+#include "rope.cuh"
 
 // Kernel arguments (one struct by value). Mirrored by
 // `crate::backend::launch::FwdParams` in Rust: keep the two in step.
@@ -76,6 +80,7 @@ struct TreeAttnFwdParams {
     uint32_t num_key_tiles;
     float scale_log2;  // softmax_scale · log2(e)
     uint32_t reserved;
+    TaRope rope;  // rope.half == 0: no rotary
 };
 
 struct KvTileBoundsParams {
@@ -168,6 +173,10 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     ta_cp_async_commit();
     ta_cp_async_wait<1>();  // Q has landed (this thread's part)
     __syncthreads();
+    if (p.rope.half) {  // rotary: rotate the Q tile in place (rope.cuh)
+        ta_rope_tile<E, BM, RS, Tr::kThreads>(sq, q0, L, p.rope);
+        __syncthreads();
+    }
 
     uint32_t qf[kDSteps][4];
 #pragma unroll
@@ -197,9 +206,13 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
         ta_cp_async_wait<1>();  // tile t has landed
         __syncthreads();
 
-        const uint16_t* kt = sk + buf * Tr::kKvElems;
+        uint16_t* const kt = sk + buf * Tr::kKvElems;
         const uint16_t* vt = sv + buf * Tr::kKvElems;
         const uint32_t k0 = t * BN;
+        if (p.rope.half) {  // rotary: rotate the K tile in place
+            ta_rope_tile<E, BN, RS, Tr::kThreads>(kt, k0, L, p.rope);
+            __syncthreads();
+        }
 
         // S = Q Kᵀ for this warp's 16 rows and the tile's BN keys.
         float s[kNTiles][4];

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# GPU check of the CUDA tree-attention forward, for a machine with an NVIDIA
-# GPU and no Rust toolchain: the treeattn binary is built here, with
+# GPU check of the CUDA tree-attention kernels and SDCC, for a machine with
+# an NVIDIA GPU and no Rust toolchain: the treeattn binary is built here, with
 #     cargo build --release --features cuda
-# and carried (target/release/treeattn). One call, well under 5 minutes:
+# and carried (target/release/treeattn). One call, well under 8 minutes:
 #   1. what the machine is (read-only nvidia-smi query; nothing is changed);
 #   2. `treeattn gpu-check`: the kernel against an f64 reference on fresh
 #      random packs (trees, forests with padding, varlen, causal, a GRPO fan;
 #      GQA; d 64 and 128; bf16 and f16; outputs poisoned, every element
 #      checked), then timings of tree packs against a causal run of the same
-#      kernel and size (CUDA events, warm-up, median, inputs > L2);
+#      kernel and size (CUDA events, warm-up, median, inputs > L2); then the
+#      backward (both dQ modes, rotary) and SDCC against the CPU backend,
+#      forward+backward timed against causal and LogitTree's K+1 branch
+#      passes, and SDCC fused against its unfused baseline;
 #   3. optionally (GPU_CHECK_SANITIZE=1) a small run under compute-sanitizer
 #      memcheck and racecheck.
 # The table is printed last. Logs also go to $OUT when it is set.
@@ -44,7 +47,7 @@ fi
 
 echo "== treeattn gpu-check"
 # shellcheck disable=SC2086
-timeout 240 "$BIN" gpu-check ${GPU_CHECK_ARGS:-} 2>&1 | tee "$LOG_DIR/gpu-check.log"
+timeout 420 "$BIN" gpu-check ${GPU_CHECK_ARGS:-} 2>&1 | tee "$LOG_DIR/gpu-check.log"
 s=${PIPESTATUS[0]}
 [ $s -ne 0 ] && { echo "gpu-check: exit $s"; rc=1; }
 exit $rc

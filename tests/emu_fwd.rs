@@ -457,10 +457,11 @@ fn unsupported_and_bad_inputs_are_errors() {
     )
     .unwrap_err();
     assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    // Rotary over more lanes than the head has.
     let rope = AttnParams {
         rope: Some(Rope {
             base: 10_000.0,
-            dims: 64,
+            dims: 66,
         }),
         ..p
     };

@@ -15,6 +15,18 @@ use crate::{Error, Result};
 
 pub use super::launch::{Dtype, KernelElem};
 
+mod bwd;
+mod sdcc;
+pub use super::launch::bwd::DqMode;
+pub use super::launch::sdcc::SdccElem;
+pub use bwd::{
+    attention_backward, attention_backward_into, backward_kernel_traits, last_backward_stats,
+    BackwardStats, GpuAttnGrads,
+};
+pub use sdcc::{
+    sdcc_forward_kl, sdcc_forward_kl_into, sdcc_forward_kl_unfused, sdcc_kernel_traits, GpuSdccOut,
+};
+
 /// How the emulator interleaves the threads of a block. Hardware timing can
 /// put one warp far ahead of another; a kernel with a missing
 /// `__syncthreads` or a wrong `cp.async.wait_group` count gives wrong numbers
@@ -225,8 +237,10 @@ pub fn kv_tile_bounds(kv_end: &[u32], tile: usize) -> Result<(Vec<u32>, Vec<u32>
 /// `q`: `[tokens, q_heads, d]`, `k`, `v`: `[tokens, kv_heads, d]` (GQA: query
 /// head `h` uses kv head `h / (q_heads / kv_heads)`), d ∈ {64, 128}; 16-bit
 /// inputs, f32 accumulation and softmax. A row with no visible key gets
-/// `O = 0`, `LSE = −inf`. Rotary (`params.rope`) is not supported by the
-/// kernel yet: `Err(Unsupported)`.
+/// `O = 0`, `LSE = −inf`. With `params.rope`, Q and K are rotated inside the
+/// kernel by the pack's position ids (the convention of
+/// [`crate::backend::Rope`]; rotated tiles are rounded to the element type);
+/// a position id past [`launch::rope::MAX_ROPE_POSITION`] is an `Err`.
 pub fn attention_forward<T: KernelElem>(
     q: &[T],
     k: &[T],
@@ -294,6 +308,10 @@ pub fn attention_forward_into<T: KernelElem>(
         }
     }
     let (tile_min, tile_max) = kv_tile_bounds(mask.kv_end, traits.block_n as usize)?;
+    let tables = params
+        .rope
+        .map(|r| launch::rope::RopeTables::new(r, mask.position_ids))
+        .transpose()?;
     let p = FwdParams {
         q: q.as_ptr() as u64,
         k: k.as_ptr() as u64,
@@ -309,6 +327,15 @@ pub fn attention_forward_into<T: KernelElem>(
         num_key_tiles: tile_min.len() as u32,
         scale_log2: launch::scale_log2(params),
         reserved: 0,
+        rope: tables
+            .as_ref()
+            .map_or(launch::rope::RopeArgs::default(), |t| {
+                t.args(
+                    mask.position_ids.as_ptr() as u64,
+                    t.cos.as_ptr() as u64,
+                    t.sin.as_ptr() as u64,
+                )
+            }),
     };
     let mut err = [0u8; 1024];
     let mut cp_async_bytes = 0u64;

@@ -14,6 +14,10 @@ pub use crate::mask::TileClass;
 use crate::mask::classify_tile;
 use crate::{Error, Result};
 
+pub mod bwd;
+pub mod rope;
+pub mod sdcc;
+
 mod sealed {
     pub trait Sealed {}
     impl Sealed for half::bf16 {}
@@ -140,12 +144,6 @@ pub fn plan_forward(
 ) -> Result<(FwdTraits, LaunchPlan)> {
     shape.validate()?;
     params.validate(shape)?;
-    if params.rope.is_some() {
-        return Err(Error::Unsupported(
-            "rotary embedding inside the GPU forward kernel is not implemented yet; rotate Q and K before the call"
-                .into(),
-        ));
-    }
     let traits = FwdTraits::for_head_dim(shape.head_dim)?;
     if pack_tokens != shape.tokens {
         return Err(Error::Pack(format!(
@@ -277,6 +275,8 @@ pub(crate) struct FwdParams {
     pub num_key_tiles: u32,
     pub scale_log2: f32,
     pub reserved: u32,
+    /// Rotary tables (`half == 0`: none).
+    pub rope: rope::RopeArgs,
 }
 
 /// Mirror of `KvTileBoundsParams` (kernels/tree_attn_fwd.cu).
@@ -399,10 +399,10 @@ mod tests {
         let mut p = AttnParams::new(64);
         p.rope = Some(super::super::Rope {
             base: 10_000.0,
-            dims: 64,
+            dims: 66,
         });
         let e = plan_forward(&shape, 4, &p, lens).unwrap_err();
-        assert!(e.to_string().contains("rotary"), "{e}");
+        assert!(e.to_string().contains("rotary dims"), "{e}");
         let e = plan_forward(
             &shape,
             4,

@@ -19,6 +19,8 @@
 
 use std::fmt::Write as _;
 
+mod bwd;
+
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
 use super::CudaBackend;
@@ -547,6 +549,8 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
         opts.reps, tiles.block_m, tiles.block_n
     );
     rep.push_str(&table);
+    // Backward and SDCC (check/bwd.rs).
+    failures.extend(bwd::run(&be, &mut rng, opts, &mut rep)?);
     if failures.is_empty() {
         Ok(rep)
     } else {

@@ -11,7 +11,13 @@
 //! [`CudaBackend::attention_forward`] on device buffers in the
 //! `[tokens, heads, head_dim]` layout. Launches go to the backend's stream.
 
+pub mod bwd;
 pub mod check;
+mod rope;
+pub mod sdcc;
+
+pub use bwd::CudaBackward;
+pub use sdcc::{CudaSdcc, SdccPairs};
 
 use std::sync::Arc;
 
@@ -223,7 +229,9 @@ impl CudaBackend {
     /// `q`, `o`: `[tokens, q_heads, d]`; `k`, `v`: `[tokens, kv_heads, d]`;
     /// `lse`: `[q_heads, tokens]` f32; d ∈ {64, 128}. Asynchronous on
     /// [`Self::stream`]. `params.check_finite` downloads and scans q, k, v
-    /// first (slow; for debugging).
+    /// first (slow; for debugging). With `params.rope`, Q and K are rotated
+    /// inside the kernel; the rotary tables are built from a download of the
+    /// pack's position ids and uploaded per call.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_forward<T: KernelElem + DeviceRepr>(
         &self,
@@ -271,6 +279,7 @@ impl CudaBackend {
             return Ok(());
         }
         let s = &self.stream;
+        let rope = rope::DeviceRope::new(s, pack, params.rope)?;
         let (qp, _g0) = q.device_ptr(s);
         let (kp, _g1) = k.device_ptr(s);
         let (vp, _g2) = v.device_ptr(s);
@@ -294,6 +303,7 @@ impl CudaBackend {
             num_key_tiles: pack.num_tiles as u32,
             scale_log2: launch::scale_log2(params),
             reserved: 0,
+            rope: rope::DeviceRope::args(rope.as_ref(), s, pack),
         };
         let f = &self.fwd[T::DTYPE.code() as usize][usize::from(traits.head_dim == 128)];
         let mut b = s.launch_builder(f);

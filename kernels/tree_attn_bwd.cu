@@ -1,0 +1,616 @@
+// Tree-attention backward: FlashAttention-2 backward on a pack with the
+// interval mask of DESIGN §4 (query q sees key k iff k <= q < kv_end[k]).
+// Per query head h (kv head h / group), with P recomputed from the saved LSE:
+//
+//   P  = exp(scale · Q Kᵀ − LSE) (masked),   D = rowsum(dO ∘ O)
+//   dP = dO Vᵀ,   dS = P ∘ (dP − D)
+//   dQ = scale · dS K,   dK = scale · dSᵀ Q,   dV = Pᵀ dO
+//
+// dK and dV of a kv head sum over the `group` query heads that read it: the
+// main kernel loops over those heads inside the block (no reduction buffer,
+// deterministic). A row with no visible key (LSE = −inf) gets P = 0, so dS = 0
+// and it adds nothing; rows and keys past the pack and padding keys
+// (kv_end[k] == k) likewise.
+//
+// Layout: Q, O, dO, dQ: [tokens, q_heads, D]; K, V, dK, dV: [tokens, kv_heads,
+// D], 16-bit elements; LSE, D: [q_heads, tokens] f32; the dQ accumulator:
+// [tokens, q_heads, D] f32. Natural-log LSE is turned into base 2 once per
+// row (lse2 = LSE · log2 e, +inf for a row with none), so P = exp2(S·c −
+// lse2) with c = scale · log2 e, exactly as the forward computes it.
+//
+// Kernels (one call runs 3 or 4 of them, in this order):
+//   tree_attn_bwd_pre   D = rowsum(dO ∘ O) per (row, head), f32; zeroes the
+//                       dQ accumulator rows in atomic mode. One warp per
+//                       (row, head).
+//   tree_attn_bwd_main  dK, dV (and, in atomic mode, dQ through f32
+//                       atomicAdd into the accumulator). One block per (key
+//                       tile, kv head).
+//   tree_attn_bwd_dq    deterministic mode only: dQ per (query tile, query
+//                       head), plain f32 stores into the accumulator.
+//   tree_attn_bwd_dq_convert   accumulator → dQ in the element type, rotating
+//                       back through rotary when it is on.
+//
+// Main kernel tiling (BwdTraits): a key tile of kBlockN = 64 keys, 4 warps,
+// warp w owns keys 16w..16w+15 and holds their dK and dV (16 x D each, f32,
+// mma C fragments) for the whole block. K and V of the tile stay in shared
+// memory; query tiles of kBlockM rows (64 for D = 64, 32 for D = 128, to keep
+// the f32 accumulators plus Sᵀ and dPᵀ under 255 registers) stream through a
+// double-buffered cp.async pipeline (Q, dO, lse2, D). Per query tile:
+//   Sᵀ  (16 x BM per warp) = K Qᵀ   A: ldmatrix.x4 on the warp's K rows;
+//                                    B: ldmatrix.x4 on Q rows (Q row-major is
+//                                    Qᵀ column-major)
+//   dPᵀ (16 x BM)          = V dOᵀ  same, with V and dO
+//   Pᵀ = exp2(Sᵀ·c − lse2[q]),  dSᵀ = Pᵀ ∘ (dPᵀ − D[q])  (in registers)
+//   dV (16 x D) += Pᵀ dO   A: Pᵀ's C fragments rounded to 16 bits are its A
+//                          fragments (two n-tiles = one k-step);
+//                          B: ldmatrix.x4.trans on dO rows
+//   dK (16 x D) += dSᵀ Q   same, with dSᵀ and Q
+//   atomic mode: dSᵀ goes to shared memory ([key][query], 16-bit); then
+//   dQ (BM x D) = dS K     A: ldmatrix.x4.trans on dSᵀ (its transpose is dS);
+//                          B: ldmatrix.x4.trans on K rows; the warps split
+//                          BM x D into 16-row x (D / warps-per-row) pieces,
+//                          computed 16 columns at a time and added to the
+//                          f32 accumulator with atomicAdd.
+// Fragment layouts (PTX ISA, mma.m16n8k16; g = lane/4, c = lane%4):
+//   A 16x16: a[r] half h = A[g + 8(r&1)][2c + h + 8(r>>1)]
+//   B 16x8:  b[r] half h = B[2c + h + 8r][g]
+//   C 16x8:  acc[i]      = C[g + 8(i>>1)][2c + (i&1)]
+// so a thread holds keys g and g+8 of its warp's 16 and, per n-tile, the
+// query columns 2c, 2c+1.
+//
+// Which query tiles. Key k is seen by the queries [k, kv_end[k]); the block
+// visits exactly the query tiles that meet the union of those intervals over
+// its 64 keys (a subset of the contiguous range [k0, max kv_end)): from a
+// query x the next visible query is min over keys with kv_end[k] > max(k, x)
+// of max(k, x), read off the tile's kv_end staged in shared memory (64
+// compares per step, the same result in every thread). Each visited tile is
+// full (no element mask: k1 − 1 <= q0, min kv_end >= q1, both tiles inside
+// the pack) or partial (element mask k <= q < kv_end[k]).
+//
+// Block order: the main kernel's blockIdx.x is the key tile (the first key
+// tiles are seen by the most queries: heaviest first); the dQ kernel runs
+// its query tiles last-first (the last ones see the most keys), as the
+// forward does.
+//
+// Deterministic mode. The main kernel skips its dQ part, and tree_attn_bwd_dq
+// (one block of 4 warps per 64 query rows and query head, the forward's
+// tiling and tile walk) recomputes, per visible key tile, S = Q Kᵀ, P, dP =
+// dO Vᵀ and dS, then dQ += dS K in registers (B: ldmatrix.x4.trans on K). Per
+// visible (query tile, key tile) pair atomic mode does 5 tile matmuls (S, dP,
+// dV, dK, dQ), deterministic mode 4 + 3 = 7: 1.4x the matmul FLOPs and twice
+// the exp2 work, but no atomics and a bit-identical dQ from run to run. (The
+// dQ kernel walks key tiles by the forward's min / max rule, which can keep a
+// few tile pairs the main kernel's exact interval walk drops: padding runs.)
+//
+// Rotary (rope.cuh): Q and K tiles are rotated in shared memory right after
+// they land, so every product above is in the rotated frame; dK is staged in
+// shared memory (f32) at the end of the main kernel and rotated back on its
+// way out, dQ is rotated back by the convert kernel.
+#include "rope.cuh"
+
+// Arguments of every backward kernel (one struct by value). Mirrored by
+// `crate::backend::launch::bwd::BwdParams` in Rust: keep the two in step.
+struct TreeAttnBwdParams {
+    const uint16_t* q;
+    const uint16_t* k;
+    const uint16_t* v;
+    const uint16_t* o;
+    const uint16_t* d_o;
+    const float* lse;   // [q_heads, tokens], natural log
+    float* delta;       // [q_heads, tokens]
+    float* dq_accum;    // [tokens, q_heads, D]
+    uint16_t* dq;
+    uint16_t* dk;
+    uint16_t* dv;
+    const uint32_t* kv_end;       // [tokens]
+    const uint32_t* tile_kv_min;  // [num_key_tiles], tiles of 64 keys
+    const uint32_t* tile_kv_max;
+    TaRope rope;
+    uint32_t tokens;
+    uint32_t q_heads;
+    uint32_t kv_heads;
+    uint32_t num_key_tiles;
+    float scale;       // softmax scale
+    float scale_log2;  // softmax scale · log2 e
+    uint32_t head_dim;
+    uint32_t zero_dq_accum;  // tree_attn_bwd_pre: also zero the accumulator
+};
+
+#define TA_LOG2E 1.4426950408889634f
+
+template <class E, int D>
+struct BwdTraits {
+    using Elem = E;
+    static constexpr int kHeadDim = D;
+    static constexpr int kBlockN = 64;  // keys per block (= the kv_end bounds tile)
+    static constexpr int kBlockM = D == 64 ? 64 : 32;  // queries per streamed tile
+    static constexpr int kWarps = 4;
+    static constexpr int kThreads = kWarps * 32;
+    static constexpr int kRowStride = D + 8;            // 16-bit elements
+    static constexpr int kDsStride = kBlockM + 8;       // dSᵀ rows (16-bit)
+    static constexpr int kDkStride = D + 4;             // f32 dK staging rows
+    static constexpr int kKvElems = kBlockN * kRowStride;
+    static constexpr int kQElems = kBlockM * kRowStride;
+    // Shared memory, in bytes: K, V | Q[2], dO[2] | dSᵀ | lse2[2], D[2] | kv_end.
+    static constexpr int kOffQ = 2 * kKvElems * 2;
+    static constexpr int kOffDs = kOffQ + 4 * kQElems * 2;
+    static constexpr int kOffRowStats = kOffDs + kBlockN * kDsStride * 2;
+    static constexpr int kOffKvEnd = kOffRowStats + 4 * kBlockM * 4;
+    static constexpr int kSmemBytes = kOffKvEnd + kBlockN * 4;
+    static_assert(D % 16 == 0 && kBlockN == 16 * kWarps && kBlockM % 16 == 0, "tile shape");
+    static_assert(kWarps % (kBlockM / 16) == 0 && (D / 16) % (kWarps / (kBlockM / 16)) == 0,
+                  "dQ split of BM x D over the warps");
+    // dK staged in f32 reuses the Q / dO buffers.
+    static_assert(kBlockN * kDkStride * 4 <= 4 * kQElems * 2, "dK staging fits");
+    static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
+};
+
+// Tiling of tree_attn_bwd_dq (deterministic dQ): the forward's.
+template <class E, int D>
+struct BwdDqTraits {
+    using Elem = E;
+    static constexpr int kHeadDim = D;
+    static constexpr int kBlockM = 64;
+    static constexpr int kBlockN = 64;
+    static constexpr int kWarps = 4;
+    static constexpr int kThreads = kWarps * 32;
+    static constexpr int kRowStride = D + 8;
+    static constexpr int kTileElems = 64 * kRowStride;
+    // Q, dO, K[2], V[2].
+    static constexpr int kSmemBytes = 6 * kTileElems * 2;
+    static_assert(D % 16 == 0 && kBlockM == 16 * kWarps, "tile shape");
+};
+
+// Stages rows [row0, row0 + Rows) of one head of a [tokens, heads, D] tensor
+// into shared memory (row stride RS), 16 bytes per cp.async; rows at or past
+// `tokens` are zero-filled.
+template <int Rows, int D, int RS, int Threads>
+__device__ __forceinline__ void ta_bwd_load_tile(uint16_t* smem, const uint16_t* __restrict__ g, uint32_t row0,
+                                                 uint32_t tokens, uint32_t heads, uint32_t head) {
+    constexpr int kChunks = D / 8;
+    static_assert((Rows * kChunks) % Threads == 0, "whole copy rounds per tile");
+#pragma unroll
+    for (int it = 0; it < Rows * kChunks / Threads; ++it) {
+        const int i = it * Threads + threadIdx.x;
+        const int r = i / kChunks, cc = i % kChunks;
+        const uint32_t row = row0 + r;
+        const bool ok = row < tokens;
+        const uint16_t* src = ok ? g + ((size_t)row * heads + head) * D + cc * 8 : g;
+        ta_cp_async_16(smem + r * RS + cc * 8, src, ok);
+    }
+}
+
+// lse2 = LSE · log2 e, or +inf for a row with no visible key and for rows past
+// the pack, so that exp2(S·c − lse2) is exactly 0 there. An invalid LSE (NaN
+// or +inf: not from a forward) gives NaN, so that the row's gradients are NaN
+// rather than a silent 0 (the emulator wrapper, and the CUDA one with
+// check_finite, report it as an Err before the launch).
+__device__ __forceinline__ float ta_bwd_lse2(const TreeAttnBwdParams& p, uint32_t head, uint32_t row) {
+    if (row >= p.tokens) return INFINITY;
+    const float l = p.lse[(size_t)head * p.tokens + row];
+    if (l == -INFINITY) return INFINITY;
+    return l < INFINITY ? l * TA_LOG2E : NAN;
+}
+
+// acc[n] = A Bᵀ for the warp: A is 16 rows of `a_rows` (row stride RS), B is
+// the N rows of `b_rows`, both [row][D] 16-bit in shared memory; acc is 16 x N
+// in C fragments (N / 8 n-tiles).
+template <class E, int D, int N, int RS>
+__device__ __forceinline__ void ta_bwd_mm_abt(float (&acc)[N / 8][4], const uint16_t* a_rows, const uint16_t* b_rows) {
+    const unsigned lane = ta_lane(), mi = lane >> 3, ri = lane & 7;
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+    // Not unrolled: kk indexes no register array, and a rolled loop keeps
+    // ptxas from hoisting every k-step's fragments (register pressure).
+#pragma unroll 1
+    for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ta_ldmatrix_x4(a, a_rows + (ri + 8 * (mi & 1)) * RS + kk * 16 + 8 * (mi >> 1));
+#pragma unroll
+        for (int np = 0; np < N / 16; ++np) {
+            uint32_t b[4];
+            ta_ldmatrix_x4(b, b_rows + (np * 16 + ri + 8 * (mi >> 1)) * RS + kk * 16 + 8 * (mi & 1));
+            ta_mma_16816<E>(acc[2 * np], a, b[0], b[1]);
+            ta_mma_16816<E>(acc[2 * np + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// acc (16 x D) += X · B where X (16 x K) is given as C fragments x[K / 8][4]
+// (rounded to E here: they become A fragments) and B is K rows [row][D] of
+// 16-bit elements in shared memory (ldmatrix.trans).
+template <class E, int D, int K, int RS>
+__device__ __forceinline__ void ta_bwd_mm_cb(float (&acc)[D / 8][4], const float (&x)[K / 8][4],
+                                             const uint16_t* b_rows) {
+    const unsigned lane = ta_lane(), mi = lane >> 3, ri = lane & 7;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        const uint32_t a[4] = {
+            ta_pack2<E>(x[2 * kk][0], x[2 * kk][1]),
+            ta_pack2<E>(x[2 * kk][2], x[2 * kk][3]),
+            ta_pack2<E>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
+            ta_pack2<E>(x[2 * kk + 1][2], x[2 * kk + 1][3]),
+        };
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            uint32_t b[4];
+            ta_ldmatrix_x4_trans(b, b_rows + (kk * 16 + ri + 8 * (mi & 1)) * RS + dp * 16 + 8 * (mi >> 1));
+            ta_mma_16816<E>(acc[2 * dp], a, b[0], b[1]);
+            ta_mma_16816<E>(acc[2 * dp + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// ---- D = rowsum(dO ∘ O) ------------------------------------------------------
+template <class E, int D>
+__device__ __forceinline__ void tree_attn_bwd_pre_body(const TreeAttnBwdParams& p) {
+    const uint64_t item = (uint64_t)blockIdx.x * 4 + threadIdx.x / 32;
+    if (item >= (uint64_t)p.tokens * p.q_heads) return;  // whole warps leave together
+    const uint32_t row = uint32_t(item / p.q_heads), head = uint32_t(item % p.q_heads);
+    const size_t at = ((size_t)row * p.q_heads + head) * D;
+    float acc = 0.f;
+#pragma unroll
+    for (int j = ta_lane(); j < D; j += 32) acc += ta_to_f32<E>(p.o[at + j]) * ta_to_f32<E>(p.d_o[at + j]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(TA_FULL_MASK, acc, o);
+    if (ta_lane() == 0) p.delta[(size_t)head * p.tokens + row] = acc;
+    if (p.zero_dq_accum)
+        for (int j = ta_lane(); j < D; j += 32) p.dq_accum[at + j] = 0.f;
+}
+
+// ---- dK, dV (and atomic dQ) per key tile ----------------------------------------
+template <class Tr, bool kAtomicDq>
+__device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams& p) {
+    using E = typename Tr::Elem;
+    constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN, RS = Tr::kRowStride;
+    constexpr int DSS = Tr::kDsStride;
+    constexpr int kDTiles = D / 8;   // n-tiles of dK, dV per warp
+    constexpr int kMTiles = BM / 8;  // n-tiles of Sᵀ, dPᵀ per warp
+
+    TA_DYNAMIC_SMEM(smem_raw);
+    uint16_t* const sk = reinterpret_cast<uint16_t*>(smem_raw);
+    uint16_t* const sv = sk + Tr::kKvElems;
+    uint16_t* const sq = reinterpret_cast<uint16_t*>(smem_raw + Tr::kOffQ);  // 2 buffers
+    uint16_t* const sdo = sq + 2 * Tr::kQElems;                               // 2 buffers
+    uint16_t* const sds = reinterpret_cast<uint16_t*>(smem_raw + Tr::kOffDs);
+    float* const slse = reinterpret_cast<float*>(smem_raw + Tr::kOffRowStats);  // 2 x BM
+    float* const sdelta = slse + 2 * BM;                                          // 2 x BM
+    uint32_t* const skv = reinterpret_cast<uint32_t*>(smem_raw + Tr::kOffKvEnd);
+
+    const uint32_t L = p.tokens;
+    const uint32_t tile = blockIdx.x, kv_head = blockIdx.y;
+    const uint32_t k0 = tile * BN;
+    const uint32_t group = p.q_heads / p.kv_heads;
+    const unsigned lane = ta_lane(), warp = threadIdx.x / 32;
+    const unsigned g = lane >> 2, c = lane & 3;
+
+    ta_bwd_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, k0, L, p.kv_heads, kv_head);
+    ta_bwd_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, k0, L, p.kv_heads, kv_head);
+    ta_cp_async_commit();
+    // kv_end of the tile; keys past the pack are seen by nobody (0).
+    if (threadIdx.x < BN) skv[threadIdx.x] = k0 + threadIdx.x < L ? p.kv_end[k0 + threadIdx.x] : 0u;
+    // This thread's two keys (rows g and g + 8 of the warp's 16).
+    uint32_t key[2], key_end[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        key[r] = k0 + warp * 16 + g + 8 * r;
+        key_end[r] = key[r] < L ? p.kv_end[key[r]] : 0u;
+    }
+    ta_cp_async_wait<0>();
+    __syncthreads();
+    if (p.rope.half) {
+        ta_rope_tile<E, BN, RS, Tr::kThreads>(sk, k0, L, p.rope);
+        // The barrier at the top of the first query tile orders this before
+        // any read of sk.
+    }
+
+    // The first query tile at or after query x that sees a key of the tile
+    // (0xffffffff when none).
+    auto next_qtile = [&](uint32_t x) {
+        uint32_t best = 0xffffffffu;
+        for (int i = 0; i < BN; ++i) {
+            const uint32_t lo = max(k0 + uint32_t(i), x);
+            if (skv[i] > lo) best = min(best, lo);
+        }
+        return best == 0xffffffffu ? best : best / BM;
+    };
+    const uint32_t first_qt = next_qtile(0);
+    const bool k_full_tile = k0 + BN <= L;
+    const uint32_t tile_min = p.tile_kv_min[tile];
+
+    // Stages query tile qt of query head `head` into buffer b.
+    auto stage = [&](uint32_t head, uint32_t qt, int b) {
+        ta_bwd_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head);
+        ta_bwd_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head);
+        for (int i = threadIdx.x; i < BM; i += Tr::kThreads) {
+            const uint32_t row = qt * BM + i;
+            slse[b * BM + i] = ta_bwd_lse2(p, head, row);
+            sdelta[b * BM + i] = row < L ? p.delta[(size_t)head * L + row] : 0.f;
+        }
+    };
+
+    float dk[kDTiles][4], dv[kDTiles][4];
+#pragma unroll
+    for (int n = 0; n < kDTiles; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
+
+    // Iteration over (query head of the group gi, query tile qt).
+    uint32_t gi = 0, qt = first_qt;
+    if (qt != 0xffffffffu) stage(kv_head * group, qt, 0);
+    ta_cp_async_commit();
+    int buf = 0;
+    while (qt != 0xffffffffu) {
+        uint32_t ngi = gi, nqt = next_qtile((qt + 1) * BM);
+        if (nqt == 0xffffffffu && ++ngi < group) nqt = first_qt;
+        if (nqt != 0xffffffffu) stage(kv_head * group + ngi, nqt, buf ^ 1);
+        ta_cp_async_commit();
+        ta_cp_async_wait<1>();  // tile (gi, qt) has landed
+        __syncthreads();
+
+        const uint32_t head = kv_head * group + gi;
+        const uint32_t q0 = qt * BM;
+        uint16_t* const qb = sq + buf * Tr::kQElems;
+        const uint16_t* const dob = sdo + buf * Tr::kQElems;
+        const float* const lse2 = slse + buf * BM;
+        const float* const dlt = sdelta + buf * BM;
+        if (p.rope.half) {
+            ta_rope_tile<E, BM, RS, Tr::kThreads>(qb, q0, L, p.rope);
+            __syncthreads();
+        }
+
+        // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys and the BM queries.
+        float s[kMTiles][4], dp[kMTiles][4];
+        ta_bwd_mm_abt<E, D, BM, RS>(s, sk + warp * 16 * RS, qb);
+        ta_bwd_mm_abt<E, D, BM, RS>(dp, sv + warp * 16 * RS, dob);
+
+        const bool full = k_full_tile && q0 + BM <= L && k0 + BN - 1 <= q0 && tile_min >= q0 + BM;
+#pragma unroll
+        for (int n = 0; n < kMTiles; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int ql = n * 8 + 2 * c + (i & 1);
+                const uint32_t qrow = q0 + ql;
+                const int r = i >> 1;
+                float pv = ta_exp2(s[n][i] * p.scale_log2 - lse2[ql]);
+                if (!full && !(key[r] <= qrow && qrow < key_end[r])) pv = 0.f;
+                s[n][i] = pv;                         // Pᵀ
+                dp[n][i] = pv * (dp[n][i] - dlt[ql]);  // dSᵀ
+            }
+        }
+
+        ta_bwd_mm_cb<E, D, BM, RS>(dv, s, dob);
+        ta_bwd_mm_cb<E, D, BM, RS>(dk, dp, qb);
+
+        if (kAtomicDq) {
+            // dSᵀ -> shared memory, [key][query].
+#pragma unroll
+            for (int n = 0; n < kMTiles; ++n)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    *reinterpret_cast<uint32_t*>(sds + (warp * 16 + g + 8 * r) * DSS + n * 8 + 2 * c) =
+                        ta_pack2<E>(dp[n][2 * r], dp[n][2 * r + 1]);
+            __syncthreads();
+            // dQ (BM x D) = dS K: warp -> 16 query rows (m-tile mt) x a D / kSplit slice.
+            constexpr int kRowTiles = BM / 16, kSplit = Tr::kWarps / kRowTiles;
+            constexpr int kPairsPerWarp = D / 16 / kSplit;  // 16-column pieces
+            const unsigned mt = warp % kRowTiles, part = warp / kRowTiles;
+            const unsigned mi = lane >> 3, ri = lane & 7;
+            uint32_t a[BN / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+                ta_ldmatrix_x4_trans(a[kk], sds + (kk * 16 + 8 * (mi >> 1) + ri) * DSS + mt * 16 + 8 * (mi & 1));
+            const uint32_t rows[2] = {q0 + mt * 16 + g, q0 + mt * 16 + g + 8};
+#pragma unroll
+            for (int j = 0; j < kPairsPerWarp; ++j) {
+                const int dpi = part * kPairsPerWarp + j;
+                float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk) {
+                    uint32_t b[4];
+                    ta_ldmatrix_x4_trans(b, sk + (kk * 16 + ri + 8 * (mi & 1)) * RS + dpi * 16 + 8 * (mi >> 1));
+                    ta_mma_16816<E>(acc[0], a[kk], b[0], b[1]);
+                    ta_mma_16816<E>(acc[1], a[kk], b[2], b[3]);
+                }
+#pragma unroll
+                for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const uint32_t row = rows[i >> 1];
+                        if (row < L)
+                            atomicAdd(p.dq_accum + ((size_t)row * p.q_heads + head) * D + dpi * 16 + h2 * 8 + 2 * c +
+                                          (i & 1),
+                                      acc[h2][i] * p.scale);
+                    }
+            }
+        }
+        __syncthreads();  // buffer `buf` (and dSᵀ) free before they are refilled
+        gi = ngi;
+        qt = nqt;
+        buf ^= 1;
+    }
+
+    // dV straight from the fragments.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (key[r] >= L) continue;
+        uint16_t* out = p.dv + ((size_t)key[r] * p.kv_heads + kv_head) * D;
+#pragma unroll
+        for (int n = 0; n < kDTiles; ++n)
+            *reinterpret_cast<uint32_t*>(out + n * 8 + 2 * c) = ta_pack2<E>(dv[n][2 * r], dv[n][2 * r + 1]);
+    }
+    // dK: scale, stage in f32 (over the Q / dO buffers, free since the last
+    // barrier), rotate back, store.
+    float* const sdk = reinterpret_cast<float*>(smem_raw + Tr::kOffQ);
+    constexpr int DKS = Tr::kDkStride;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int n = 0; n < kDTiles; ++n) {
+            float* at = sdk + (warp * 16 + g + 8 * r) * DKS + n * 8 + 2 * c;
+            at[0] = dk[n][2 * r] * p.scale;
+            at[1] = dk[n][2 * r + 1] * p.scale;
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < BN * D; i += Tr::kThreads) {
+        const int r = i / D, j = i % D;
+        const uint32_t row = k0 + r;
+        if (row >= L) continue;
+        const float* grow = sdk + r * DKS;
+        const float x = p.rope.half ? ta_rope_grad_back(grow, j, p.rope.pos[row], p.rope) : grow[j];
+        p.dk[((size_t)row * p.kv_heads + kv_head) * D + j] = uint16_t(ta_pack2<E>(x, 0.f) & 0xffffu);
+    }
+}
+
+// ---- deterministic dQ per query tile ---------------------------------------------
+template <class Tr>
+__device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p) {
+    using E = typename Tr::Elem;
+    constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN, RS = Tr::kRowStride;
+    constexpr int kNTiles = BN / 8, kDTiles = D / 8;
+
+    TA_DYNAMIC_SMEM(smem_raw);
+    uint16_t* const sq = reinterpret_cast<uint16_t*>(smem_raw);
+    uint16_t* const sdo = sq + Tr::kTileElems;
+    uint16_t* const sk = sdo + Tr::kTileElems;     // 2 buffers
+    uint16_t* const sv = sk + 2 * Tr::kTileElems;  // 2 buffers
+
+    const uint32_t L = p.tokens;
+    // Heaviest query tiles (the last ones, which see the most keys) first.
+    const uint32_t q0 = (gridDim.x - 1 - blockIdx.x) * BM, head = blockIdx.y;
+    const uint32_t kv_head = head / (p.q_heads / p.kv_heads);
+    const uint32_t q1 = q0 + BM < L ? q0 + BM : L;
+    const unsigned lane = ta_lane(), warp = threadIdx.x / 32;
+    const unsigned g = lane >> 2, c = lane & 3;
+
+    const uint32_t t_end = min(p.num_key_tiles, (q1 - 1) / BN + 1);
+    auto next_tile = [&](uint32_t t) {
+        while (t < t_end && p.tile_kv_max[t] <= q0) ++t;
+        return t;
+    };
+
+    ta_bwd_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
+    ta_bwd_load_tile<BM, D, RS, Tr::kThreads>(sdo, p.d_o, q0, L, p.q_heads, head);
+    ta_cp_async_commit();
+    uint32_t t = next_tile(0);
+    if (t < t_end) {
+        ta_bwd_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, t * BN, L, p.kv_heads, kv_head);
+        ta_bwd_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head);
+    }
+    ta_cp_async_commit();
+    ta_cp_async_wait<1>();  // Q, dO have landed
+    __syncthreads();
+    if (p.rope.half) {
+        ta_rope_tile<E, BM, RS, Tr::kThreads>(sq, q0, L, p.rope);
+        // The barrier at the top of the first tile orders this before any read.
+    }
+
+    const uint32_t rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    float lse2[2], dlt[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        lse2[r] = ta_bwd_lse2(p, head, rows[r]);
+        dlt[r] = rows[r] < L ? p.delta[(size_t)head * L + rows[r]] : 0.f;
+    }
+    float acc[kDTiles][4];
+#pragma unroll
+    for (int n = 0; n < kDTiles; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+
+    int buf = 0;
+    while (t < t_end) {
+        const uint32_t tn = next_tile(t + 1);
+        if (tn < t_end) {
+            ta_bwd_load_tile<BN, D, RS, Tr::kThreads>(sk + (buf ^ 1) * Tr::kTileElems, p.k, tn * BN, L, p.kv_heads,
+                                                      kv_head);
+            ta_bwd_load_tile<BN, D, RS, Tr::kThreads>(sv + (buf ^ 1) * Tr::kTileElems, p.v, tn * BN, L, p.kv_heads,
+                                                      kv_head);
+        }
+        ta_cp_async_commit();
+        ta_cp_async_wait<1>();  // tile t has landed
+        __syncthreads();
+        uint16_t* const kt = sk + buf * Tr::kTileElems;
+        const uint16_t* const vt = sv + buf * Tr::kTileElems;
+        const uint32_t k0 = t * BN;
+        if (p.rope.half) {
+            ta_rope_tile<E, BN, RS, Tr::kThreads>(kt, k0, L, p.rope);
+            __syncthreads();
+        }
+
+        float s[kNTiles][4], dp[kNTiles][4];
+        ta_bwd_mm_abt<E, D, BN, RS>(s, sq + warp * 16 * RS, kt);
+        ta_bwd_mm_abt<E, D, BN, RS>(dp, sdo + warp * 16 * RS, vt);
+
+        const bool full = k0 + BN <= L && k0 + BN - 1 <= q0 && p.tile_kv_min[t] >= q1;
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const uint32_t col = k0 + n * 8 + 2 * c + j;
+                const uint32_t end = col < L ? p.kv_end[col] : 0u;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    float pv = ta_exp2(s[n][2 * r + j] * p.scale_log2 - lse2[r]);
+                    if (!full && !(col <= rows[r] && rows[r] < end)) pv = 0.f;
+                    dp[n][2 * r + j] = pv * (dp[n][2 * r + j] - dlt[r]);  // dS
+                }
+            }
+        }
+        ta_bwd_mm_cb<E, D, BN, RS>(acc, dp, kt);
+        __syncthreads();  // every warp is done with buffer `buf` before it is refilled
+        t = tn;
+        buf ^= 1;
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (rows[r] >= L) continue;
+        float* out = p.dq_accum + ((size_t)rows[r] * p.q_heads + head) * D;
+#pragma unroll
+        for (int n = 0; n < kDTiles; ++n) {
+            out[n * 8 + 2 * c] = acc[n][2 * r] * p.scale;
+            out[n * 8 + 2 * c + 1] = acc[n][2 * r + 1] * p.scale;
+        }
+    }
+}
+
+// ---- dQ accumulator -> element type (rotated back) ----------------------------------
+template <class E, int D>
+__device__ __forceinline__ void tree_attn_bwd_dq_convert_body(const TreeAttnBwdParams& p) {
+    const uint64_t item = (uint64_t)blockIdx.x * 4 + threadIdx.x / 32;
+    if (item >= (uint64_t)p.tokens * p.q_heads) return;
+    const uint32_t row = uint32_t(item / p.q_heads);
+    const size_t at = item * D;  // (row · q_heads + head) · D
+    const float* acc = p.dq_accum + at;
+    for (int j = ta_lane(); j < D; j += 32) {
+        const float x = p.rope.half ? ta_rope_grad_back(acc, j, p.rope.pos[row], p.rope) : acc[j];
+        p.dq[at + j] = uint16_t(ta_pack2<E>(x, 0.f) & 0xffffu);
+    }
+}
+
+#define TA_BWD_KERNELS(SUFFIX, E, D)                                                                                \
+    extern "C" __global__ void __launch_bounds__(128) tree_attn_bwd_pre_##SUFFIX(const TreeAttnBwdParams p) {       \
+        tree_attn_bwd_pre_body<E, D>(p);                                                                            \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(BwdTraits<E, D>::kThreads)                                        \
+        tree_attn_bwd_main_atomic_##SUFFIX(const TreeAttnBwdParams p) {                                             \
+        tree_attn_bwd_main_body<BwdTraits<E, D>, true>(p);                                                          \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(BwdTraits<E, D>::kThreads)                                        \
+        tree_attn_bwd_main_det_##SUFFIX(const TreeAttnBwdParams p) {                                                \
+        tree_attn_bwd_main_body<BwdTraits<E, D>, false>(p);                                                         \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(BwdDqTraits<E, D>::kThreads)                                      \
+        tree_attn_bwd_dq_##SUFFIX(const TreeAttnBwdParams p) {                                                      \
+        tree_attn_bwd_dq_body<BwdDqTraits<E, D>>(p);                                                                \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) tree_attn_bwd_dq_convert_##SUFFIX(const TreeAttnBwdParams p) { \
+        tree_attn_bwd_dq_convert_body<E, D>(p);                                                                     \
+    }
+TA_BWD_KERNELS(bf16_d64, ta_bf16, 64)
+TA_BWD_KERNELS(bf16_d128, ta_bf16, 128)
+TA_BWD_KERNELS(f16_d64, ta_f16, 64)
+TA_BWD_KERNELS(f16_d128, ta_f16, 128)

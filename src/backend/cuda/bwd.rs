@@ -1,0 +1,265 @@
+//! Attention backward on the device (`kernels/tree_attn_bwd.cu`), launched
+//! on a [`CudaBackend`]'s stream.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::rope::DeviceRope;
+use super::{config, cuda_err, CudaBackend, DevicePack};
+use crate::backend::launch::bwd::{plan_backward, BwdParams, BwdTraits, DqMode};
+use crate::backend::launch::{scale_log2, Dtype, KernelElem, LaunchPlan};
+use crate::backend::{AttnParams, AttnShape};
+use crate::{Error, Result};
+
+/// The fatbin built from `kernels/tree_attn_bwd.cu` by build.rs.
+static BWD_FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tree_attn_bwd.fatbin"));
+
+// SAFETY: plain #[repr(C)] struct of integers, floats and device addresses,
+// laid out exactly like `TreeAttnBwdParams`.
+unsafe impl DeviceRepr for BwdParams {}
+
+/// The stages of one backward call, in launch order where used.
+const STAGES: [&str; 5] = ["pre", "main_atomic", "main_det", "dq", "dq_convert"];
+
+/// The backward kernels loaded on a [`CudaBackend`]'s device.
+pub struct CudaBackward {
+    stream: Arc<CudaStream>,
+    _module: Arc<CudaModule>,
+    /// `[dtype][head dim 64 / 128][stage]`, stages as in [`STAGES`].
+    funcs: Vec<Vec<Vec<CudaFunction>>>,
+}
+
+impl CudaBackward {
+    /// Loads the embedded backward kernels on `be`'s device and raises their
+    /// dynamic shared memory limits (up to 104,448 bytes).
+    pub fn new(be: &CudaBackend) -> Result<Self> {
+        let ctx = be.context();
+        let module = ctx
+            .load_module(Ptx::from_binary(BWD_FATBIN.to_vec()))
+            .map_err(cuda_err("loading the embedded backward kernels"))?;
+        let mut funcs = Vec::new();
+        for dtype in [Dtype::Bf16, Dtype::F16] {
+            let mut by_d = Vec::new();
+            for d in [64usize, 128] {
+                let t = BwdTraits::for_head_dim(d)?;
+                let mut by_stage = Vec::new();
+                for stage in STAGES {
+                    let name = t.kernel_name(stage, dtype);
+                    let f = module
+                        .load_function(&name)
+                        .map_err(|e| Error::Cuda(format!("{name}: {e}")))?;
+                    let smem = match stage {
+                        "main_atomic" | "main_det" => t.main_smem_bytes(),
+                        "dq" => t.dq_smem_bytes(),
+                        _ => 0,
+                    };
+                    if smem > 48 * 1024 {
+                        f.set_attribute(
+                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            smem as i32,
+                        )
+                        .map_err(|e| {
+                            Error::Cuda(format!("{name}: raising shared memory to {smem}: {e}"))
+                        })?;
+                    }
+                    by_stage.push(f);
+                }
+                by_d.push(by_stage);
+            }
+            funcs.push(by_d);
+        }
+        Ok(CudaBackward {
+            stream: be.stream().clone(),
+            _module: module,
+            funcs,
+        })
+    }
+
+    /// Tree attention backward on the device — the math and contract of
+    /// [`crate::backend::emu::attention_backward`]: from the forward's `o` and
+    /// `lse` (`[q_heads, tokens]` f32) and `d_o`, writes every element of
+    /// `dq` (`[tokens, q_heads, d]`), `dk` and `dv` (`[tokens, kv_heads, d]`).
+    /// Scratch (D and the f32 dQ accumulator, `4 · tokens · q_heads · (d +
+    /// 1)` bytes, plus the rotary tables when `params.rope` is set, built from a
+    /// download of the pack's position ids) is
+    /// allocated on the stream per call. Asynchronous on the backend's
+    /// stream. A NaN or `+inf` in `lse` makes the gradients of its row NaN
+    /// (never a silent 0); `params.check_finite` downloads and scans lse, q,
+    /// k, v, o and d_o first and returns the emulator's `Err` instead (slow;
+    /// for debugging).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward<T: KernelElem + DeviceRepr>(
+        &self,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        o: &CudaSlice<T>,
+        lse: &CudaSlice<f32>,
+        d_o: &CudaSlice<T>,
+        shape: AttnShape,
+        pack: &DevicePack,
+        params: &AttnParams,
+        mode: DqMode,
+        dq: &mut CudaSlice<T>,
+        dk: &mut CudaSlice<T>,
+        dv: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let lens = [q.len(), k.len(), v.len(), o.len(), d_o.len(), lse.len()];
+        let (traits, plans) = plan_backward(&shape, pack.tokens, params, lens)?;
+        for (name, got, want) in [
+            ("dq", dq.len(), shape.q_len()),
+            ("dk", dk.len(), shape.kv_len()),
+            ("dv", dv.len(), shape.kv_len()),
+        ] {
+            if got != want {
+                return Err(Error::Shape(format!(
+                    "{name} has {got} elements, expected {want} for {shape:?}"
+                )));
+            }
+        }
+        let s = &self.stream;
+        if params.check_finite {
+            let lse_host = s
+                .clone_dtoh(lse)
+                .map_err(cuda_err("downloading lse for its check"))?;
+            if let Some(index) = lse_host
+                .iter()
+                .position(|&x| x.is_nan() || x == f32::INFINITY)
+            {
+                return Err(Error::NonFinite {
+                    what: "lse (NaN or +inf; −inf marks a row with no visible key)".into(),
+                    index,
+                });
+            }
+            for (name, x) in [("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o)] {
+                let h = s
+                    .clone_dtoh(x)
+                    .map_err(cuda_err("downloading for the finiteness check"))?;
+                if let Some(index) = h.iter().position(|e| !e.to_f32().is_finite()) {
+                    return Err(Error::NonFinite {
+                        what: name.into(),
+                        index,
+                    });
+                }
+            }
+        }
+        if pack.tile != traits.block_n {
+            return Err(Error::Pack(format!(
+                "pack tile bounds are for tiles of {} keys, the backward uses {}",
+                pack.tile, traits.block_n
+            )));
+        }
+        if shape.tokens == 0 {
+            return Ok(());
+        }
+        let rope = DeviceRope::new(s, pack, params.rope)?;
+        // SAFETY (both): every element is written before it is read — delta
+        // by tree_attn_bwd_pre, the accumulator by pre (atomic mode) or by
+        // tree_attn_bwd_dq (deterministic mode).
+        let mut delta = unsafe { s.alloc::<f32>(shape.q_heads * shape.tokens) }
+            .map_err(cuda_err("allocating D"))?;
+        let mut acc = unsafe { s.alloc::<f32>(shape.q_len()) }
+            .map_err(cuda_err("allocating the dQ accumulator"))?;
+
+        let (qp, _g0) = q.device_ptr(s);
+        let (kp, _g1) = k.device_ptr(s);
+        let (vp, _g2) = v.device_ptr(s);
+        let (op, _g3) = o.device_ptr(s);
+        let (dop, _g4) = d_o.device_ptr(s);
+        let (lp, _g5) = lse.device_ptr(s);
+        let (deltap, _g6) = delta.device_ptr_mut(s);
+        let (accp, _g7) = acc.device_ptr_mut(s);
+        let (dqp, _g8) = dq.device_ptr_mut(s);
+        let (dkp, _g9) = dk.device_ptr_mut(s);
+        let (dvp, _g10) = dv.device_ptr_mut(s);
+        let (ep, _g11) = pack.kv_end.device_ptr(s);
+        let (lo, _g12) = pack.tile_kv_min.device_ptr(s);
+        let (hi, _g13) = pack.tile_kv_max.device_ptr(s);
+        let p = BwdParams {
+            q: qp,
+            k: kp,
+            v: vp,
+            o: op,
+            d_o: dop,
+            lse: lp,
+            delta: deltap,
+            dq_accum: accp,
+            dq: dqp,
+            dk: dkp,
+            dv: dvp,
+            kv_end: ep,
+            tile_kv_min: lo,
+            tile_kv_max: hi,
+            rope: DeviceRope::args(rope.as_ref(), s, pack),
+            tokens: shape.tokens as u32,
+            q_heads: shape.q_heads as u32,
+            kv_heads: shape.kv_heads as u32,
+            num_key_tiles: pack.num_tiles as u32,
+            scale: params.softmax_scale as f32,
+            scale_log2: scale_log2(params),
+            head_dim: traits.head_dim,
+            zero_dq_accum: u32::from(mode == DqMode::Atomic),
+        };
+        let stages: &[(usize, LaunchPlan)] = match mode {
+            DqMode::Atomic => &[(0, plans.per_row), (1, plans.main), (4, plans.per_row)],
+            DqMode::Deterministic => &[
+                (0, plans.per_row),
+                (2, plans.main),
+                (3, plans.dq),
+                (4, plans.per_row),
+            ],
+        };
+        let by_stage = &self.funcs[T::DTYPE.code() as usize][usize::from(traits.head_dim == 128)];
+        for &(stage, plan) in stages {
+            let mut b = s.launch_builder(&by_stage[stage]);
+            b.arg(&p);
+            // SAFETY: every buffer was sized against `shape` and the pack
+            // above (scratch allocated here); the kernels stay inside them.
+            unsafe { b.launch(config(plan)) }.map_err(|e| {
+                Error::Cuda(format!(
+                    "launching {}: {e}",
+                    traits.kernel_name(STAGES[stage], T::DTYPE)
+                ))
+            })?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::PTXAS_REPORT;
+
+    #[test]
+    fn the_backward_and_sdcc_fatbins_are_embedded() {
+        // A fatbin starts with its magic 0xBA55ED50 (little endian).
+        assert_eq!(&BWD_FATBIN[..4], &[0x50, 0xed, 0x55, 0xba]);
+        for t in [
+            BwdTraits::for_head_dim(64).unwrap(),
+            BwdTraits::for_head_dim(128).unwrap(),
+        ] {
+            for dtype in [Dtype::Bf16, Dtype::F16] {
+                for stage in STAGES {
+                    let name = t.kernel_name(stage, dtype);
+                    assert!(
+                        PTXAS_REPORT.contains(&name),
+                        "{name} missing from the ptxas report"
+                    );
+                }
+            }
+        }
+        for name in ["sdcc_kl_bf16", "sdcc_kl_f16", "sdcc_kl_f32"] {
+            assert!(
+                PTXAS_REPORT.contains(name),
+                "{name} missing from the ptxas report"
+            );
+        }
+    }
+}

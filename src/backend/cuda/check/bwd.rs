@@ -1,0 +1,602 @@
+//! `treeattn gpu-check`, part 2: the backward and SDCC kernels on the GPU.
+//!
+//! 1. Backward correctness: fresh random packs (trees with edits, padding,
+//!    a GRPO fan, varlen; GQA; d 64 and 128; bf16 and f16; rotary on and
+//!    off; both dQ modes), dQ, dK, dV poisoned with NaN before the launch,
+//!    every element checked written, compared by relative Frobenius error
+//!    (≤ 2e-2 bf16, ≤ 5e-3 f16) with the CPU backend's f32 backward on the
+//!    same rounded inputs (O and LSE from the CPU forward) — the tolerances
+//!    of tests/emu_bwd.rs; and the device forward on the same inputs
+//!    (rotary included) against the CPU forward (O ≤ 1e-2 bf16, ≤ 2e-3
+//!    f16). The deterministic mode is run twice and must be bit-identical.
+//! 2. SDCC correctness against the CPU backend (loss 1e-4, gradient 1e-3
+//!    relative), vocab 151,936 with −inf entries and a repeated student row.
+//! 3. Timing of forward + backward (atomic dQ, and deterministic) on tree
+//!    packs against a causal run of the same size, and against LogitTree's
+//!    K+1 passes: one causal forward + backward per root-to-leaf branch of
+//!    the same tree (branches read off the mask: the ancestors of each leaf
+//!    token). FLOPs: 4·d per visible pair per head forward, 2.5x that
+//!    backward (DESIGN §7), visible pairs only.
+//! 4. SDCC timing: the fused kernel against the unfused baseline of
+//!    kernels/sdcc_kl.cu (log-softmax of both sides into f32 buffers, then
+//!    an elementwise KL and the gradient), bf16 logits, vocab 151,936.
+
+use std::fmt::Write as _;
+
+use cudarc::driver::{CudaSlice, DeviceRepr};
+
+use super::{cerr, CheckOptions, Pack, Rng};
+use crate::backend::cpu;
+use crate::backend::cuda::{CudaBackend, CudaBackward, CudaSdcc, DevicePack};
+use crate::backend::launch::bwd::DqMode;
+use crate::backend::launch::{Dtype, KernelElem};
+use crate::backend::{AttnParams, AttnShape, Rope};
+use crate::{Error, Result};
+
+fn tol(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::Bf16 => 2e-2,
+        Dtype::F16 => 5e-3,
+    }
+}
+
+fn rel_err<T: KernelElem>(what: &str, got: &[T], want: &[f32]) -> Result<f64> {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (i, (x, &r)) in got.iter().zip(want).enumerate() {
+        let x = x.to_f32() as f64;
+        if !x.is_finite() {
+            return Err(Error::Cuda(format!(
+                "{what}[{i}] = {x}: not written or not finite"
+            )));
+        }
+        num += (x - r as f64).powi(2);
+        den += (r as f64).powi(2);
+    }
+    Ok((num / den.max(f64::MIN_POSITIVE)).sqrt())
+}
+
+/// One backward case: returns the relative errors of the device forward's O
+/// (same params, rotary included) and of dQ, dK, dV.
+fn check_backward<T: KernelElem + DeviceRepr>(
+    be: &CudaBackend,
+    bwd: &CudaBackward,
+    rng: &mut Rng,
+    pack: &Pack,
+    shape: AttnShape,
+    rope: Option<Rope>,
+    mode: DqMode,
+) -> Result<[f64; 4]> {
+    let s = be.stream();
+    let mask = pack.mask()?;
+    let gen = |rng: &mut Rng, n: usize, amp: f32| -> (Vec<T>, Vec<f32>) {
+        let x: Vec<T> = (0..n).map(|_| T::from_f32(rng.unit() * amp)).collect();
+        let f = x.iter().map(|e| e.to_f32()).collect();
+        (x, f)
+    };
+    let (q, qf) = gen(rng, shape.q_len(), 2.0);
+    let (k, kf) = gen(rng, shape.kv_len(), 2.0);
+    let (v, vf) = gen(rng, shape.kv_len(), 1.0);
+    let (d_o, dof) = gen(rng, shape.q_len(), 1.0);
+    let params = AttnParams {
+        rope,
+        ..AttnParams::new(shape.head_dim)
+    };
+    let fwd = cpu::attention_forward(&qf, &kf, &vf, shape, mask, &params)?;
+    let o: Vec<T> = fwd.o.iter().map(|&x| T::from_f32(x)).collect();
+    let of: Vec<f32> = o.iter().map(|e| e.to_f32()).collect();
+    let want = cpu::attention_backward(&qf, &kf, &vf, &of, &fwd.lse, &dof, shape, mask, &params)?;
+
+    let dp = be.upload_pack(mask)?;
+    let up = |x: &[T]| s.clone_htod(x).map_err(cerr("upload"));
+    let (dq_in, dk_in, dv_in, do_in, o_in) = (up(&q)?, up(&k)?, up(&v)?, up(&d_o)?, up(&o)?);
+    let lse_in = s.clone_htod(&fwd.lse).map_err(cerr("upload lse"))?;
+    let run = || -> Result<[Vec<T>; 3]> {
+        let nan = T::from_f32(f32::NAN);
+        let mut gq = s
+            .clone_htod(&vec![nan; shape.q_len()])
+            .map_err(cerr("poison dq"))?;
+        let mut gk = s
+            .clone_htod(&vec![nan; shape.kv_len()])
+            .map_err(cerr("poison dk"))?;
+        let mut gv = s
+            .clone_htod(&vec![nan; shape.kv_len()])
+            .map_err(cerr("poison dv"))?;
+        bwd.attention_backward(
+            &dq_in, &dk_in, &dv_in, &o_in, &lse_in, &do_in, shape, &dp, &params, mode, &mut gq,
+            &mut gk, &mut gv,
+        )?;
+        let dl = |x: &CudaSlice<T>| s.clone_dtoh(x).map_err(cerr("download gradients"));
+        Ok([dl(&gq)?, dl(&gk)?, dl(&gv)?])
+    };
+    // The device forward on the same inputs (rotary included) against the
+    // CPU forward: O within the forward's tolerance.
+    let mut o_dev = s
+        .clone_htod(&vec![T::from_f32(f32::NAN); shape.q_len()])
+        .map_err(cerr("poison o"))?;
+    let mut lse_dev = s
+        .clone_htod(&vec![f32::NAN; shape.q_heads * shape.tokens])
+        .map_err(cerr("poison lse"))?;
+    be.attention_forward(
+        &dq_in,
+        &dk_in,
+        &dv_in,
+        shape,
+        &dp,
+        &params,
+        &mut o_dev,
+        &mut lse_dev,
+    )?;
+    let o_err = rel_err(
+        "o",
+        &s.clone_dtoh(&o_dev).map_err(cerr("download o"))?,
+        &fwd.o,
+    )?;
+    let [gq, gk, gv] = run()?;
+    if mode == DqMode::Deterministic {
+        let again = run()?;
+        let bits = |x: &[T]| bytemuck::cast_slice::<T, u16>(x).to_vec();
+        if bits(&again[0]) != bits(&gq) {
+            return Err(Error::Cuda(
+                "deterministic dQ differs between two runs".into(),
+            ));
+        }
+    }
+    Ok([
+        o_err,
+        rel_err("dq", &gq, &want.dq)?,
+        rel_err("dk", &gk, &want.dk)?,
+        rel_err("dv", &gv, &want.dv)?,
+    ])
+}
+
+/// SDCC on the device against the CPU backend: (max KL relative error,
+/// gradient relative Frobenius error).
+fn check_sdcc(
+    be: &CudaBackend,
+    sdcc: &CudaSdcc,
+    rng: &mut Rng,
+    vocab: usize,
+) -> Result<(f64, f64)> {
+    let s = be.stream();
+    let rows = 5;
+    let mut st: Vec<f32> = (0..rows * vocab).map(|_| 6.0 * rng.unit()).collect();
+    let mut te: Vec<f32> = st.iter().map(|&x| x + 0.7 * rng.unit()).collect();
+    for v in 1..vocab {
+        if rng.range(0, 9) == 0 {
+            te[v] = f32::NEG_INFINITY;
+            st[v] = f32::NEG_INFINITY;
+        }
+        if rng.range(0, 19) == 0 {
+            te[vocab + v] = f32::NEG_INFINITY;
+        }
+    }
+    let st: Vec<half::bf16> = st.iter().map(|&x| half::bf16::from_f32(x)).collect();
+    let te: Vec<half::bf16> = te.iter().map(|&x| half::bf16::from_f32(x)).collect();
+    // Student row 3 is named twice (accumulated gradient).
+    let pairs = [(0u32, 0u32), (1, 1), (3, 2), (3, 4), (4, 3)];
+    let weights = [1.0f32, 0.5, 0.25, 1.0, 0.8];
+    let tau = 1.3f32;
+    let wide = |x: &[half::bf16]| x.iter().map(|e| e.to_f32()).collect::<Vec<f32>>();
+    let want = cpu::sdcc_forward_kl(&wide(&st), &wide(&te), vocab, &pairs, &weights, tau)?;
+    let dst = s.clone_htod(&st).map_err(cerr("upload student"))?;
+    let dte = s.clone_htod(&te).map_err(cerr("upload teacher"))?;
+    let mut grad = s
+        .clone_htod(&vec![f32::NAN; st.len()])
+        .map_err(cerr("poison gradient"))?;
+    let got = sdcc.sdcc_forward_kl(&dst, &dte, vocab, &pairs, &weights, tau, &mut grad)?;
+    let g = s.clone_dtoh(&grad).map_err(cerr("download gradient"))?;
+    let mut kl_err = 0.0f64;
+    for (&a, &b) in got.per_pair.iter().zip(&want.per_pair) {
+        kl_err = kl_err.max((a - b).abs() / b.abs().max(1e-30));
+    }
+    kl_err = kl_err.max((got.loss_sum - want.loss_sum).abs() / want.loss_sum.abs().max(1e-30));
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (i, (&a, &b)) in g.iter().zip(&want.grad_student).enumerate() {
+        if !a.is_finite() {
+            return Err(Error::Cuda(format!(
+                "SDCC gradient[{i}] = {a}: not written"
+            )));
+        }
+        num += (a as f64 - b as f64).powi(2);
+        den += (b as f64).powi(2);
+    }
+    Ok((kl_err, (num / den.max(f64::MIN_POSITIVE)).sqrt()))
+}
+
+/// The root-to-leaf branches of a pack (LogitTree's K+1 sequences): for
+/// each leaf token q (`kv_end[q] == q + 1`), its ancestors `k <= q` with
+/// `kv_end[k] > q`. Returns their lengths.
+fn branch_lengths(pack: &Pack) -> Vec<usize> {
+    let kv = &pack.kv_end;
+    (0..kv.len())
+        .filter(|&q| kv[q] as usize == q + 1)
+        .map(|q| (0..=q).filter(|&k| kv[k] as usize > q).count())
+        .collect()
+}
+
+/// Device buffers of one forward + backward run.
+struct Run<T: DeviceRepr> {
+    pack: DevicePack,
+    shape: AttnShape,
+    inputs: [CudaSlice<T>; 4], // q, k, v, d_o
+    o: CudaSlice<T>,
+    lse: CudaSlice<f32>,
+    grads: [CudaSlice<T>; 3],
+}
+
+impl<T: KernelElem + DeviceRepr> Run<T> {
+    fn new(be: &CudaBackend, rng: &mut Rng, pack: &Pack, shape: AttnShape) -> Result<Self> {
+        let s = be.stream();
+        let mut mk = |n: usize| -> Result<CudaSlice<T>> {
+            let h: Vec<T> = (0..n).map(|_| T::from_f32(rng.unit() * 2.0)).collect();
+            s.clone_htod(&h).map_err(cerr("upload timing inputs"))
+        };
+        let inputs = [
+            mk(shape.q_len())?,
+            mk(shape.kv_len())?,
+            mk(shape.kv_len())?,
+            mk(shape.q_len())?,
+        ];
+        let zeros = |n: usize| {
+            s.clone_htod(&vec![T::from_f32(0.0); n])
+                .map_err(cerr("alloc"))
+        };
+        Ok(Run {
+            pack: be.upload_pack(pack.mask()?)?,
+            shape,
+            o: zeros(shape.q_len())?,
+            lse: s
+                .alloc_zeros::<f32>(shape.q_heads * shape.tokens)
+                .map_err(cerr("alloc lse"))?,
+            grads: [
+                zeros(shape.q_len())?,
+                zeros(shape.kv_len())?,
+                zeros(shape.kv_len())?,
+            ],
+            inputs,
+        })
+    }
+    fn launch(&mut self, be: &CudaBackend, bwd: &CudaBackward, mode: DqMode) -> Result<()> {
+        let params = AttnParams::new(self.shape.head_dim);
+        let [q, k, v, d_o] = &self.inputs;
+        be.attention_forward(
+            q,
+            k,
+            v,
+            self.shape,
+            &self.pack,
+            &params,
+            &mut self.o,
+            &mut self.lse,
+        )?;
+        let [dq, dk, dv] = &mut self.grads;
+        bwd.attention_backward(
+            q, k, v, &self.o, &self.lse, d_o, self.shape, &self.pack, &params, mode, dq, dk, dv,
+        )
+    }
+}
+
+/// Median milliseconds of `reps` rounds (after 3 warm-up rounds) of forward
+/// + backward over every run in `runs`, one pair of CUDA events per round.
+fn time_runs<T: KernelElem + DeviceRepr>(
+    be: &CudaBackend,
+    bwd: &CudaBackward,
+    runs: &mut [Run<T>],
+    mode: DqMode,
+    reps: usize,
+) -> Result<f64> {
+    let s = be.stream();
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut times = Vec::with_capacity(reps);
+    for i in 0..reps.max(1) + 3 {
+        let start = be.context().new_event(flags).map_err(cerr("event"))?;
+        let end = be.context().new_event(flags).map_err(cerr("event"))?;
+        start.record(s).map_err(cerr("event record"))?;
+        for r in runs.iter_mut() {
+            r.launch(be, bwd, mode)?;
+        }
+        end.record(s).map_err(cerr("event record"))?;
+        let ms = start.elapsed_ms(&end).map_err(cerr("event timing"))? as f64;
+        if i >= 3 {
+            times.push(ms);
+        }
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
+
+/// Runs part 2; appends its sections to `rep` and returns the names of the
+/// failed checks.
+pub(super) fn run(
+    be: &CudaBackend,
+    rng: &mut Rng,
+    opts: &CheckOptions,
+    rep: &mut String,
+) -> Result<Vec<String>> {
+    let bwd = CudaBackward::new(be)?;
+    let sdcc = CudaSdcc::new(be)?;
+    let mut failures = Vec::new();
+    let shape = |tokens, q_heads, kv_heads, head_dim| AttnShape {
+        tokens,
+        q_heads,
+        kv_heads,
+        head_dim,
+    };
+    let rope = |dims| {
+        Some(Rope {
+            base: 10_000.0,
+            dims,
+        })
+    };
+
+    // 1. backward correctness
+    let _ = writeln!(
+        rep,
+        "\nbackward correctness (relative Frobenius errors: dQ, dK, dV vs the CPU f32 backward; O: the device \
+         forward, rotary included, vs the CPU forward)"
+    );
+    let mut cases: Vec<(String, Pack, AttnShape, Option<Rope>, DqMode, bool)> = Vec::new();
+    let mut p = Pack::default();
+    p.push_tree(rng, 0, 100, 3, true);
+    p.push_tree(rng, 0, 100, 3, true);
+    let n = p.kv_end.len();
+    cases.push((
+        "trees bf16 d64 4/2 rope atomic".into(),
+        p,
+        shape(n, 4, 2, 64),
+        rope(64),
+        DqMode::Atomic,
+        true,
+    ));
+    let mut p = Pack::default();
+    p.push_tree(rng, 0, 150, 3, true);
+    p.pad(11);
+    let n = p.kv_end.len();
+    cases.push((
+        "tree+pad f16 d128 4/1 det".into(),
+        p,
+        shape(n, 4, 1, 128),
+        None,
+        DqMode::Deterministic,
+        false,
+    ));
+    let mut p = Pack::default();
+    p.push_fan(rng.range(100, 300), 16, rng.range(20, 60));
+    let n = p.kv_end.len();
+    cases.push((
+        "grpo fan bf16 d128 4/2 rope/2 det".into(),
+        p,
+        shape(n, 4, 2, 128),
+        rope(64),
+        DqMode::Deterministic,
+        true,
+    ));
+    let mut p = Pack::default();
+    while p.kv_end.len() < 1200 {
+        let n = rng.range(1, 250);
+        p.push_sequence(n);
+        p.pad(rng.range(0, 2));
+    }
+    let n = p.kv_end.len();
+    cases.push((
+        "varlen+pad f16 d64 8/8 atomic".into(),
+        p,
+        shape(n, 8, 8, 64),
+        None,
+        DqMode::Atomic,
+        false,
+    ));
+    for (name, pack, sh, rp, mode, bf) in &cases {
+        let (r, t) = if *bf {
+            (
+                check_backward::<half::bf16>(be, &bwd, rng, pack, *sh, *rp, *mode),
+                tol(Dtype::Bf16),
+            )
+        } else {
+            (
+                check_backward::<half::f16>(be, &bwd, rng, pack, *sh, *rp, *mode),
+                tol(Dtype::F16),
+            )
+        };
+        match r {
+            Ok(e) => {
+                // O: the forward's tolerance (1e-2 bf16, 2e-3 f16).
+                let o_tol = if *bf { 1e-2 } else { 2e-3 };
+                let ok = e[0] <= o_tol && e[1..].iter().all(|&x| x <= t);
+                let _ = writeln!(
+                    rep,
+                    "  {name:<36} L={:<5} O {:.2e} (tol {o_tol:.0e})  dQ {:.2e} dK {:.2e} dV {:.2e} (tol {t:.0e})  {}",
+                    sh.tokens,
+                    e[0],
+                    e[1],
+                    e[2],
+                    e[3],
+                    if ok { "ok" } else { "FAIL" }
+                );
+                if !ok {
+                    failures.push(name.clone());
+                }
+            }
+            Err(e) => {
+                let _ = writeln!(rep, "  {name:<36} L={:<5} FAIL: {e}", sh.tokens);
+                failures.push(name.clone());
+            }
+        }
+    }
+
+    // 2. SDCC correctness
+    let _ = writeln!(rep, "\nSDCC correctness (vs the CPU backend, bf16 logits, −inf entries, a repeated student row)");
+    for vocab in [7usize, 151_936] {
+        let name = format!("sdcc vocab {vocab}");
+        match check_sdcc(be, &sdcc, rng, vocab) {
+            Ok((kl, g)) => {
+                let ok = kl <= 1e-4 && g <= 1e-3;
+                let _ = writeln!(
+                    rep,
+                    "  {name:<36} KL {kl:.2e} (tol 1e-4)  gradient {g:.2e} (tol 1e-3)  {}",
+                    if ok { "ok" } else { "FAIL" }
+                );
+                if !ok {
+                    failures.push(name);
+                }
+            }
+            Err(e) => {
+                let _ = writeln!(rep, "  {name:<36} FAIL: {e}");
+                failures.push(name);
+            }
+        }
+    }
+
+    // 3. timing of forward + backward
+    let n = opts.timing_tokens.max(256);
+    let hq = opts.timing_q_heads.max(4);
+    let hk = hq / 4;
+    let reps = opts.reps.clamp(1, 20);
+    let mut packs: Vec<(String, Pack)> = Vec::new();
+    let mut p = Pack::default();
+    let system = n / 8;
+    p.push_fan(system, 4, (n - system) / 4);
+    packs.push(("compaction: prompt + 4 views".into(), p));
+    let mut p = Pack::default();
+    let prompt = n / 16;
+    p.push_fan(prompt, 16, (n - prompt) / 16);
+    packs.push(("grpo: prompt + 16 responses".into(), p));
+    let mut causal = Pack::default();
+    causal.push_sequence(n);
+    let _ = writeln!(
+        rep,
+        "\nforward + backward timing (bf16, {hq}/{hk} heads; median of {reps} rounds after 3 warm-up, CUDA events; \
+         FLOPs = 3.5 · 4·d·heads per visible pair; LogitTree = one causal fwd+bwd per root-to-leaf branch)"
+    );
+    let _ = writeln!(
+        rep,
+        "{:<30} {:>4} {:>6} {:>8} {:>9} {:>9} {:>8} {:>9} {:>5} {:>10} {:>9}",
+        "pack",
+        "d",
+        "L",
+        "pairs M",
+        "ms atomic",
+        "ms det",
+        "TFLOP/s",
+        "causal ms",
+        "K+1",
+        "LogitT ms",
+        "vs LogitT"
+    );
+    for d in [128usize, 64] {
+        let sh = shape(n, hq, hk, d);
+        let mut c = [Run::<half::bf16>::new(be, rng, &causal, sh)?];
+        let causal_ms = time_runs(be, &bwd, &mut c, DqMode::Atomic, reps)?;
+        drop(c);
+        for (name, pack) in &packs {
+            let mut tree = [Run::<half::bf16>::new(be, rng, pack, sh)?];
+            let ms = time_runs(be, &bwd, &mut tree, DqMode::Atomic, reps)?;
+            let det_ms = time_runs(be, &bwd, &mut tree, DqMode::Deterministic, reps)?;
+            drop(tree);
+            let branches = branch_lengths(pack);
+            let mut lt = branches
+                .iter()
+                .map(|&len| {
+                    let mut b = Pack::default();
+                    b.push_sequence(len);
+                    Run::<half::bf16>::new(be, rng, &b, shape(len, hq, hk, d))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let lt_ms = time_runs(be, &bwd, &mut lt, DqMode::Atomic, reps)?;
+            drop(lt);
+            let pairs = pack.mask()?.visible_pairs();
+            let tflops = 3.5 * 4.0 * d as f64 * hq as f64 * pairs as f64 / (ms * 1e-3) / 1e12;
+            let _ = writeln!(
+                rep,
+                "{:<30} {:>4} {:>6} {:>8.1} {:>9.3} {:>9.3} {:>8.1} {:>9.3} {:>5} {:>10.3} {:>8.2}x",
+                name,
+                d,
+                n,
+                pairs as f64 / 1e6,
+                ms,
+                det_ms,
+                tflops,
+                causal_ms,
+                branches.len(),
+                lt_ms,
+                lt_ms / ms
+            );
+        }
+    }
+
+    // 4. SDCC fused vs unfused
+    let vocab = 151_936usize;
+    // 2048 pairs at the default 16k timing tokens (~1.8 MB of traffic per
+    // pair); fewer for the small sanitizer runs.
+    let n_pairs = (n / 8).clamp(16, 2048);
+    let rows: Vec<half::bf16> = (0..n_pairs * vocab)
+        .map(|_| half::bf16::from_f32(6.0 * rng.unit()))
+        .collect();
+    let s = be.stream();
+    let dst = s.clone_htod(&rows).map_err(cerr("upload SDCC student"))?;
+    let dte = s.clone_htod(&rows).map_err(cerr("upload SDCC teacher"))?;
+    drop(rows);
+    let pairs: Vec<(u32, u32)> = (0..n_pairs as u32)
+        .map(|i| (i, (i * 7 + 3) % n_pairs as u32))
+        .collect();
+    let weights = vec![1.0f32; n_pairs];
+    let mut grad = s
+        .alloc_zeros::<f32>(n_pairs * vocab)
+        .map_err(cerr("alloc SDCC gradient"))?;
+    let mut time_sdcc = |unfused: bool| -> Result<f64> {
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut times = Vec::new();
+        for i in 0..reps + 2 {
+            let start = be.context().new_event(flags).map_err(cerr("event"))?;
+            let end = be.context().new_event(flags).map_err(cerr("event"))?;
+            start.record(s).map_err(cerr("event record"))?;
+            if unfused {
+                sdcc.sdcc_forward_kl_unfused(&dst, &dte, vocab, &pairs, &weights, 1.0, &mut grad)?;
+            } else {
+                sdcc.sdcc_forward_kl(&dst, &dte, vocab, &pairs, &weights, 1.0, &mut grad)?;
+            }
+            end.record(s).map_err(cerr("event record"))?;
+            let ms = start.elapsed_ms(&end).map_err(cerr("event timing"))? as f64;
+            if i >= 2 {
+                times.push(ms);
+            }
+        }
+        times.sort_by(|a, b| a.total_cmp(b));
+        Ok(times[times.len() / 2])
+    };
+    let fused = time_sdcc(false)?;
+    let unfused = time_sdcc(true)?;
+    // Bytes the fused kernel must move: 4 bf16 row reads + 1 f32 row write per pair.
+    let bytes = (n_pairs * vocab * (4 * 2 + 4)) as f64;
+    let _ = writeln!(
+        rep,
+        "\nSDCC timing (bf16, vocab {vocab}, {n_pairs} pairs, τ 1; median of {reps}; each call includes its small \
+         uploads and the per-pair download)\n  fused {fused:.3} ms ({:.0} GB/s of its minimal traffic)   unfused \
+         {unfused:.3} ms   speedup {:.2}x",
+        bytes / (fused * 1e-3) / 1e9,
+        unfused / fused
+    );
+    Ok(failures)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// LogitTree's branches read off the mask: the DESIGN §4 worked example
+    /// (two branches of 10 and 8 tokens), a fan, and padding (no branch).
+    #[test]
+    fn branches_of_a_pack() {
+        let example = Pack {
+            kv_end: vec![
+                16, 16, 10, 10, 10, 10, 10, 10, 10, 10, 16, 16, 16, 16, 16, 16,
+            ],
+            pos: vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5, 6, 7],
+        };
+        assert_eq!(branch_lengths(&example), vec![10, 8]);
+        let mut fan = Pack::default();
+        fan.push_fan(5, 3, 4);
+        fan.pad(2);
+        assert_eq!(branch_lengths(&fan), vec![9, 9, 9]);
+    }
+}

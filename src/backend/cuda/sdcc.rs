@@ -1,0 +1,309 @@
+//! SDCC forward-KL on the device (`kernels/sdcc_kl.cu`), launched on a
+//! [`CudaBackend`]'s stream.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::{config, cuda_err, CudaBackend};
+use crate::backend::launch::sdcc::{
+    merge_row_status, plan_sdcc, status_error, vec8, weighted_loss, SdccElem, SdccParams,
+};
+use crate::{Error, Result};
+
+/// The fatbin built from `kernels/sdcc_kl.cu` by build.rs.
+static SDCC_FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sdcc_kl.fatbin"));
+
+// SAFETY: plain #[repr(C)] struct of integers, floats and device addresses,
+// laid out exactly like `SdccParams` in the kernel.
+unsafe impl DeviceRepr for SdccParams {}
+
+/// The SDCC kernels loaded on a [`CudaBackend`]'s device.
+pub struct CudaSdcc {
+    stream: Arc<CudaStream>,
+    _module: Arc<CudaModule>,
+    /// Indexed by [`SdccElem::CODE`]: bf16, f16, f32.
+    funcs: Vec<CudaFunction>,
+    /// The unfused baseline: log-softmax by [`SdccElem::CODE`], then the KL.
+    unfused_log_softmax: Vec<CudaFunction>,
+    unfused_kl: CudaFunction,
+}
+
+/// Per-pair results of [`CudaSdcc::sdcc_forward_kl`], on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SdccPairs {
+    /// The unweighted `KL(teacher ‖ student)` of each pair.
+    pub per_pair: Vec<f64>,
+    /// `Σ_pairs w · KL` over pairs with `w > 0`.
+    pub loss_sum: f64,
+    /// `loss_sum / Σ w` (0 when `Σ w = 0`).
+    pub loss_mean: f64,
+}
+
+impl CudaSdcc {
+    /// Loads the embedded SDCC kernels on `be`'s device.
+    pub fn new(be: &CudaBackend) -> Result<Self> {
+        let module = be
+            .context()
+            .load_module(Ptx::from_binary(SDCC_FATBIN.to_vec()))
+            .map_err(cuda_err("loading the embedded SDCC kernels"))?;
+        let load = |n: &str| {
+            module
+                .load_function(n)
+                .map_err(|e| Error::Cuda(format!("{n}: {e}")))
+        };
+        let dtypes = ["bf16", "f16", "f32"];
+        let funcs = dtypes
+            .iter()
+            .map(|d| load(&format!("sdcc_kl_{d}")))
+            .collect::<Result<Vec<_>>>()?;
+        let unfused_log_softmax = dtypes
+            .iter()
+            .map(|d| load(&format!("sdcc_unfused_log_softmax_{d}")))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(CudaSdcc {
+            stream: be.stream().clone(),
+            unfused_kl: load("sdcc_unfused_kl")?,
+            _module: module,
+            funcs,
+            unfused_log_softmax,
+        })
+    }
+
+    /// SDCC forward KL on the device — the math and contract of
+    /// [`crate::backend::emu::sdcc_forward_kl`] (and of the CPU backend):
+    /// `pairs` and `weights` on the host (they are uploaded), logits and the
+    /// f32 gradient (`[student rows, vocab]`, every element written: rows no
+    /// pair names are zeroed, rows several pairs name are summed with f32
+    /// atomics) on the device. Synchronises the stream once at the end to
+    /// read the per-pair KL and status words (O(pairs) bytes) and turn a bad
+    /// row into the CPU backend's error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sdcc_forward_kl<T: SdccElem + DeviceRepr>(
+        &self,
+        student: &CudaSlice<T>,
+        teacher: &CudaSlice<T>,
+        vocab: usize,
+        pairs: &[(u32, u32)],
+        weights: &[f32],
+        temperature: f32,
+        grad: &mut CudaSlice<f32>,
+    ) -> Result<SdccPairs> {
+        let plan = plan_sdcc(
+            (student.len(), teacher.len()),
+            vocab,
+            pairs,
+            weights,
+            temperature,
+        )?;
+        if grad.len() != student.len() {
+            return Err(Error::Shape(format!(
+                "SDCC gradient has {} elements, the student logits {}",
+                grad.len(),
+                student.len()
+            )));
+        }
+        let s = &self.stream;
+        // Zero the rows the kernel does not store: all of them when it adds.
+        let mut row = 0;
+        while row < plan.student_rows {
+            let zero = |r: usize| !plan.used[r] || plan.accumulate;
+            if !zero(row) {
+                row += 1;
+                continue;
+            }
+            let start = row;
+            while row < plan.student_rows && zero(row) {
+                row += 1;
+            }
+            let mut view = grad.slice_mut(start * vocab..row * vocab);
+            s.memset_zeros(&mut view)
+                .map_err(cuda_err("zeroing gradient rows"))?;
+        }
+        if pairs.is_empty() {
+            return Ok(SdccPairs {
+                per_pair: Vec::new(),
+                loss_sum: 0.0,
+                loss_mean: 0.0,
+            });
+        }
+        let flat: Vec<u32> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
+        let dpairs = s
+            .clone_htod(&flat)
+            .map_err(cuda_err("uploading SDCC pairs"))?;
+        let dweights = s
+            .clone_htod(weights)
+            .map_err(cuda_err("uploading SDCC weights"))?;
+        let mut kl = s
+            .alloc_zeros::<f64>(pairs.len())
+            .map_err(cuda_err("allocating per-pair KL"))?;
+        let mut status = s
+            .alloc_zeros::<u32>(pairs.len())
+            .map_err(cuda_err("allocating status words"))?;
+        let tau = temperature as f64;
+        {
+            let (sp, _g0) = student.device_ptr(s);
+            let (tp, _g1) = teacher.device_ptr(s);
+            let (pp, _g2) = dpairs.device_ptr(s);
+            let (wp, _g3) = dweights.device_ptr(s);
+            let (gp, _g4) = grad.device_ptr_mut(s);
+            let (kp, _g5) = kl.device_ptr_mut(s);
+            let (stp, _g6) = status.device_ptr_mut(s);
+            let p = SdccParams {
+                student: sp,
+                teacher: tp,
+                pairs: pp,
+                weights: wp,
+                grad: gp,
+                kl: kp,
+                status: stp,
+                vocab: vocab as u64,
+                num_pairs: pairs.len() as u32,
+                inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
+                inv_tau: (1.0 / tau) as f32,
+                accumulate: u32::from(plan.accumulate),
+                vec8: vec8(vocab, [sp, tp, gp]),
+                logp: 0,
+                row_status: 0,
+            };
+            let mut b = s.launch_builder(&self.funcs[T::CODE as usize]);
+            b.arg(&p);
+            // SAFETY: pairs were range-checked against both logits by
+            // plan_sdcc; the gradient has the student's length; kl and
+            // status hold one element per pair.
+            unsafe { b.launch(config(plan.launch)) }
+                .map_err(|e| Error::Cuda(format!("launching sdcc_kl_{}: {e}", T::NAME)))?;
+        }
+        let per_pair = s
+            .clone_dtoh(&kl)
+            .map_err(cuda_err("downloading per-pair KL"))?;
+        let status = s
+            .clone_dtoh(&status)
+            .map_err(cuda_err("downloading status words"))?;
+        status_error(&status, pairs, vocab)?;
+        let (loss_sum, loss_mean) = weighted_loss(&per_pair, weights);
+        Ok(SdccPairs {
+            per_pair,
+            loss_sum,
+            loss_mean,
+        })
+    }
+
+    /// The unfused baseline of [`Self::sdcc_forward_kl`] (log-softmax of each
+    /// side into an f32 `[2, pairs, vocab]` buffer allocated here, then an
+    /// elementwise KL and the gradient; `kernels/sdcc_kl.cu`): the same
+    /// contract and result, for timing the fused kernel against.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sdcc_forward_kl_unfused<T: SdccElem + DeviceRepr>(
+        &self,
+        student: &CudaSlice<T>,
+        teacher: &CudaSlice<T>,
+        vocab: usize,
+        pairs: &[(u32, u32)],
+        weights: &[f32],
+        temperature: f32,
+        grad: &mut CudaSlice<f32>,
+    ) -> Result<SdccPairs> {
+        let plan = plan_sdcc(
+            (student.len(), teacher.len()),
+            vocab,
+            pairs,
+            weights,
+            temperature,
+        )?;
+        if grad.len() != student.len() {
+            return Err(Error::Shape(format!(
+                "SDCC gradient has {} elements, the student logits {}",
+                grad.len(),
+                student.len()
+            )));
+        }
+        let s = &self.stream;
+        s.memset_zeros(grad)
+            .map_err(cuda_err("zeroing the gradient"))?;
+        if pairs.is_empty() {
+            return Ok(SdccPairs {
+                per_pair: Vec::new(),
+                loss_sum: 0.0,
+                loss_mean: 0.0,
+            });
+        }
+        let n = pairs.len();
+        let flat: Vec<u32> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
+        let dpairs = s
+            .clone_htod(&flat)
+            .map_err(cuda_err("uploading SDCC pairs"))?;
+        let dweights = s
+            .clone_htod(weights)
+            .map_err(cuda_err("uploading SDCC weights"))?;
+        let mut kl = s
+            .alloc_zeros::<f64>(n)
+            .map_err(cuda_err("allocating per-pair KL"))?;
+        let mut row_status = s
+            .alloc_zeros::<u32>(2 * n)
+            .map_err(cuda_err("allocating status words"))?;
+        // SAFETY: every element is written by sdcc_unfused_log_softmax before
+        // sdcc_unfused_kl reads it.
+        let mut logp = unsafe { s.alloc::<f32>(2 * n * vocab) }
+            .map_err(cuda_err("allocating log-probabilities"))?;
+        let tau = temperature as f64;
+        {
+            let (sp, _g0) = student.device_ptr(s);
+            let (tp, _g1) = teacher.device_ptr(s);
+            let (pp, _g2) = dpairs.device_ptr(s);
+            let (wp, _g3) = dweights.device_ptr(s);
+            let (gp, _g4) = grad.device_ptr_mut(s);
+            let (kp, _g5) = kl.device_ptr_mut(s);
+            let (lp, _g6) = logp.device_ptr_mut(s);
+            let (rp, _g7) = row_status.device_ptr_mut(s);
+            let p = SdccParams {
+                student: sp,
+                teacher: tp,
+                pairs: pp,
+                weights: wp,
+                grad: gp,
+                kl: kp,
+                status: 0,
+                vocab: vocab as u64,
+                num_pairs: n as u32,
+                inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
+                inv_tau: (1.0 / tau) as f32,
+                accumulate: u32::from(plan.accumulate),
+                vec8: 0,
+                logp: lp,
+                row_status: rp,
+            };
+            let [ls, klp] = plan.unfused_launches();
+            for (f, l) in [
+                (&self.unfused_log_softmax[T::CODE as usize], ls),
+                (&self.unfused_kl, klp),
+            ] {
+                let mut b = s.launch_builder(f);
+                b.arg(&p);
+                // SAFETY: pairs range-checked by plan_sdcc; logp holds 2 ·
+                // pairs rows, row_status 2 · pairs words, kl one per pair; the
+                // gradient has the student's length and is zeroed.
+                unsafe { b.launch(config(l)) }.map_err(|e| {
+                    Error::Cuda(format!("launching the unfused SDCC baseline: {e}"))
+                })?;
+            }
+        }
+        let per_pair = s
+            .clone_dtoh(&kl)
+            .map_err(cuda_err("downloading per-pair KL"))?;
+        let row_status = s
+            .clone_dtoh(&row_status)
+            .map_err(cuda_err("downloading status words"))?;
+        status_error(&merge_row_status(&row_status), pairs, vocab)?;
+        let (loss_sum, loss_mean) = weighted_loss(&per_pair, weights);
+        Ok(SdccPairs {
+            per_pair,
+            loss_sum,
+            loss_mean,
+        })
+    }
+}

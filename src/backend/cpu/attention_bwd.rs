@@ -2,7 +2,7 @@
 //! dQ per query tile), each recomputing `P` from the saved LSE.
 
 use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS};
-use super::layout::{Layout, RopeTable};
+use super::layout::{Input, Layout, Output, RopeTable};
 use super::workspace;
 use super::{
     check_finite, check_len, check_qkv, check_result, num_threads, run_parallel, AttnGrads,
@@ -45,6 +45,44 @@ pub fn attention_backward<T: CpuFloat>(
     backward_on_threads(q, k, v, o, lse, d_o, shape, mask, params, num_threads())
 }
 
+/// [`attention_backward`] writing into the caller's buffers: `dq` like q
+/// `[tokens, q_heads, head_dim]`, `dk` and `dv` like k `[tokens, kv_heads,
+/// head_dim]`. On `Ok` every element of the three is written (their prior
+/// contents are never read), so a training loop can reuse them across calls
+/// without zeroing. On `Err` their contents are unspecified.
+///
+/// Errors: those of [`attention_backward`], and `dq`, `dk` or `dv` of the
+/// wrong length (checked before any work).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_into<T: CpuFloat>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    lse: &[T],
+    d_o: &[T],
+    shape: AttnShape,
+    mask: PackMask<'_>,
+    params: &AttnParams,
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+) -> Result<()> {
+    let threads = num_threads();
+    check_inputs(q, k, v, o, lse, d_o, &shape, &mask, params)?;
+    check_len(
+        "dq",
+        dq.len(),
+        shape.q_len(),
+        "tokens · q_heads · head_dim, like q",
+    )?;
+    let kv_how = "tokens · kv_heads · head_dim, like k";
+    check_len("dk", dk.len(), shape.kv_len(), kv_how)?;
+    check_len("dv", dv.len(), shape.kv_len(), kv_how)?;
+    let grads = [dq, dk, dv];
+    backward_checked(q, k, v, o, lse, d_o, shape, mask, params, grads, threads)
+}
+
 /// [`attention_backward`] on `threads` threads.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_on_threads<T: CpuFloat>(
@@ -59,7 +97,30 @@ pub(crate) fn backward_on_threads<T: CpuFloat>(
     params: &AttnParams,
     threads: usize,
 ) -> Result<AttnGrads<T>> {
-    check_qkv(q, k, v, &shape, &mask, params)?;
+    // Validated before allocating: the gradients' sizes come from `shape`.
+    check_inputs(q, k, v, o, lse, d_o, &shape, &mask, params)?;
+    let mut dq = vec![T::ZERO; shape.q_len()];
+    let mut dk = vec![T::ZERO; shape.kv_len()];
+    let mut dv = vec![T::ZERO; shape.kv_len()];
+    let grads = [&mut dq[..], &mut dk[..], &mut dv[..]];
+    backward_checked(q, k, v, o, lse, d_o, shape, mask, params, grads, threads)?;
+    Ok(AttnGrads { dq, dk, dv })
+}
+
+/// Validation of the backward's inputs (see [`attention_backward`]).
+#[allow(clippy::too_many_arguments)]
+fn check_inputs<T: CpuFloat>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    lse: &[T],
+    d_o: &[T],
+    shape: &AttnShape,
+    mask: &PackMask<'_>,
+    params: &AttnParams,
+) -> Result<()> {
+    check_qkv(q, k, v, shape, mask, params)?;
     let q_how = "tokens · q_heads · head_dim, like q";
     check_len("o", o.len(), shape.q_len(), q_how)?;
     check_len("d_o", d_o.len(), shape.q_len(), q_how)?;
@@ -82,26 +143,43 @@ pub(crate) fn backward_on_threads<T: CpuFloat>(
         check_finite("o", o)?;
         check_finite("d_o", d_o)?;
     }
+    Ok(())
+}
+
+/// The backward on inputs and gradient buffers `[dq, dk, dv]` already
+/// validated.
+#[allow(clippy::too_many_arguments)]
+fn backward_checked<T: CpuFloat>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    lse: &[T],
+    d_o: &[T],
+    shape: AttnShape,
+    mask: PackMask<'_>,
+    params: &AttnParams,
+    [dq, dk, dv]: [&mut [T]; 3],
+    threads: usize,
+) -> Result<()> {
     let l = shape.tokens;
     if l == 0 {
-        return Ok(AttnGrads {
-            dq: Vec::new(),
-            dk: Vec::new(),
-            dv: Vec::new(),
-        });
+        return Ok(());
     }
     let lay = Layout::new(l, shape.head_dim, threads);
     let (lpad, dp, d) = (lay.lpad, lay.dp, lay.d);
     let (hq, hkv) = (shape.q_heads, shape.kv_heads);
     let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids));
-    let qh = lay.head_major(q, hq, rope.as_ref());
-    let kh = lay.head_major(k, hkv, rope.as_ref());
-    let vh = lay.head_major(v, hkv, None);
-    let doh = lay.head_major(d_o, hq, None);
-    let qt = lay.transposed(&qh, hq);
-    let kt = lay.transposed(&kh, hkv);
-    let vt = lay.transposed(&vh, hkv);
-    let dot = lay.transposed(&doh, hq);
+    let [qh, qt, kh, kt, vh, vt, doh, dot] = lay.copy_inputs([
+        Input::rows(q, hq, rope.as_ref()),
+        Input::columns(q, hq, rope.as_ref()),
+        Input::rows(k, hkv, rope.as_ref()),
+        Input::columns(k, hkv, rope.as_ref()),
+        Input::rows(v, hkv, None),
+        Input::columns(v, hkv, None),
+        Input::rows(d_o, hq, None),
+        Input::columns(d_o, hq, None),
+    ]);
 
     // Per (head, padded row): D = rowsum(dO ∘ O), and the LSE to subtract,
     // with +inf for rows without a visible key and for padding rows so that
@@ -193,15 +271,30 @@ pub(crate) fn backward_on_threads<T: CpuFloat>(
         query_tile(&ctx, s, item)
     });
 
-    let grads = AttnGrads {
-        dq: lay.token_major(&dqh, hq, rope.as_ref()),
-        dk: lay.token_major(&dkh, hkv, rope.as_ref()),
-        dv: lay.token_major(&dvh, hkv, None),
-    };
-    check_result("dq", &grads.dq)?;
-    check_result("dk", &grads.dk)?;
-    check_result("dv", &grads.dv)?;
-    Ok(grads)
+    lay.copy_outputs([
+        Output {
+            xh: &dqh,
+            heads: hq,
+            rope: rope.as_ref(),
+            out: &mut *dq,
+        },
+        Output {
+            xh: &dkh,
+            heads: hkv,
+            rope: rope.as_ref(),
+            out: &mut *dk,
+        },
+        Output {
+            xh: &dvh,
+            heads: hkv,
+            rope: None,
+            out: &mut *dv,
+        },
+    ]);
+    check_result("dq", dq)?;
+    check_result("dk", dk)?;
+    check_result("dv", dv)?;
+    Ok(())
 }
 
 struct BwdCtx<'a, T> {

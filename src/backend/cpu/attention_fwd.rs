@@ -1,11 +1,11 @@
 //! Tiled attention forward with an online softmax.
 
 use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS};
-use super::layout::{Layout, RopeTable};
+use super::layout::{Input, Layout, Output, RopeTable};
 use super::workspace;
 use super::{
-    check_qkv, check_result, num_threads, run_parallel, AttnOut, CpuFloat, KeyTileBounds,
-    TileClass, TILE,
+    check_len, check_qkv, check_result, num_threads, run_parallel, AttnOut, CpuFloat,
+    KeyTileBounds, TileClass, TILE,
 };
 use crate::backend::{AttnParams, AttnShape};
 use crate::mask::PackMask;
@@ -36,6 +36,28 @@ pub fn attention_forward<T: CpuFloat>(
     forward_on_threads(q, k, v, shape, mask, params, num_threads())
 }
 
+/// [`attention_forward`] writing into the caller's buffers: `o`
+/// `[tokens, q_heads, head_dim]` and `lse` `[q_heads, tokens]`. On `Ok`
+/// every element of both is written (their prior contents are never read),
+/// so a training loop can reuse them across calls without zeroing. On `Err`
+/// their contents are unspecified.
+///
+/// Errors: those of [`attention_forward`], and `o` or `lse` of the wrong
+/// length (checked before any work).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_into<T: CpuFloat>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: AttnShape,
+    mask: PackMask<'_>,
+    params: &AttnParams,
+    o: &mut [T],
+    lse: &mut [T],
+) -> Result<()> {
+    forward_into_on_threads(q, k, v, shape, mask, params, o, lse, num_threads())
+}
+
 /// [`attention_forward`] on `threads` threads.
 pub(crate) fn forward_on_threads<T: CpuFloat>(
     q: &[T],
@@ -46,21 +68,63 @@ pub(crate) fn forward_on_threads<T: CpuFloat>(
     params: &AttnParams,
     threads: usize,
 ) -> Result<AttnOut<T>> {
+    // Validated before allocating: the outputs' sizes come from `shape`.
     check_qkv(q, k, v, &shape, &mask, params)?;
+    let mut o = vec![T::ZERO; shape.q_len()];
+    let mut lse = vec![T::ZERO; shape.q_heads * shape.tokens];
+    forward_checked(q, k, v, shape, mask, params, &mut o, &mut lse, threads)?;
+    Ok(AttnOut { o, lse })
+}
+
+/// [`attention_forward_into`] on `threads` threads.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward_into_on_threads<T: CpuFloat>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: AttnShape,
+    mask: PackMask<'_>,
+    params: &AttnParams,
+    o: &mut [T],
+    lse: &mut [T],
+    threads: usize,
+) -> Result<()> {
+    check_qkv(q, k, v, &shape, &mask, params)?;
+    let q_how = "tokens · q_heads · head_dim, like q";
+    check_len("o", o.len(), shape.q_len(), q_how)?;
+    check_len(
+        "lse",
+        lse.len(),
+        shape.q_heads * shape.tokens,
+        "q_heads · tokens",
+    )?;
+    forward_checked(q, k, v, shape, mask, params, o, lse, threads)
+}
+
+/// The forward on inputs and output buffers already validated.
+#[allow(clippy::too_many_arguments)]
+fn forward_checked<T: CpuFloat>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: AttnShape,
+    mask: PackMask<'_>,
+    params: &AttnParams,
+    o: &mut [T],
+    lse: &mut [T],
+    threads: usize,
+) -> Result<()> {
     let l = shape.tokens;
     if l == 0 {
-        return Ok(AttnOut {
-            o: Vec::new(),
-            lse: Vec::new(),
-        });
+        return Ok(());
     }
     let lay = Layout::new(l, shape.head_dim, threads);
     let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids));
-    let qh = lay.head_major(q, shape.q_heads, rope.as_ref());
-    let kh = lay.head_major(k, shape.kv_heads, rope.as_ref());
-    let kt = lay.transposed(&kh, shape.kv_heads);
-    drop(kh);
-    let vh = lay.head_major(v, shape.kv_heads, None);
+    let [qh, kt, vh] = lay.copy_inputs([
+        Input::rows(q, shape.q_heads, rope.as_ref()),
+        Input::columns(k, shape.kv_heads, rope.as_ref()),
+        Input::rows(v, shape.kv_heads, None),
+    ]);
     let bounds = KeyTileBounds::new(mask.kv_end);
     let ctx = FwdCtx {
         lay,
@@ -75,7 +139,6 @@ pub(crate) fn forward_on_threads<T: CpuFloat>(
 
     let (lpad, dp) = (lay.lpad, lay.dp);
     let mut oh = workspace::take(shape.q_heads * lpad * dp, T::ZERO);
-    let mut lse = vec![T::NEG_INFINITY; shape.q_heads * l];
     let tiles = l.div_ceil(TILE);
     // Busiest query tiles first, so the queue ends with short items.
     let cost: Vec<usize> = (0..tiles)
@@ -87,6 +150,7 @@ pub(crate) fn forward_on_threads<T: CpuFloat>(
         })
         .collect();
     let mut work = Vec::with_capacity(shape.q_heads * tiles);
+    // Every LSE entry is written by its query tile.
     for (h, (o_head, lse_head)) in oh.chunks_mut(lpad * dp).zip(lse.chunks_mut(l)).enumerate() {
         for (qt, (o, lse)) in o_head
             .chunks_mut(TILE * dp)
@@ -101,8 +165,13 @@ pub(crate) fn forward_on_threads<T: CpuFloat>(
         query_tile(&ctx, s, item)
     });
 
-    let o = lay.token_major(&oh, shape.q_heads, None);
-    check_result("o", &o)?;
+    lay.copy_outputs([Output {
+        xh: &oh,
+        heads: shape.q_heads,
+        rope: None,
+        out: o,
+    }]);
+    check_result("o", o)?;
     // −inf is a legitimate LSE (no visible key); NaN and +inf are not.
     let bad_lse = lse
         .iter()
@@ -113,7 +182,7 @@ pub(crate) fn forward_on_threads<T: CpuFloat>(
             index,
         });
     }
-    Ok(AttnOut { o, lse })
+    Ok(())
 }
 
 struct FwdCtx<'a, T> {

@@ -41,77 +41,97 @@ impl Layout {
         }
     }
 
-    /// `x` `[l, heads, d]` → `[heads, lpad, dp]`, rotated by `rope` if given.
-    pub(crate) fn head_major<T: CpuFloat>(
+    /// Copies every input of a call in one parallel step (one thread
+    /// start-up): input `i` `[l, heads, d]` becomes `[heads, lpad, dp]`, or
+    /// `[heads, dp, lpad]` when `transposed`, rotated by its `rope` if given,
+    /// padding zero. Every element of the result is written, so the buffers
+    /// come from the pool without a separate zero-fill pass.
+    pub(crate) fn copy_inputs<T: CpuFloat, const N: usize>(
         &self,
-        x: &[T],
-        heads: usize,
-        rope: Option<&RopeTable>,
-    ) -> Buf<T> {
-        let Layout { l, lpad, d, dp, .. } = *self;
-        let mut out = workspace::take(heads * lpad * dp, T::ZERO);
-        let work: Vec<_> = out.chunks_mut(lpad * dp).enumerate().collect();
-        run_parallel(
-            work,
-            self.threads,
-            || (),
-            |_, (h, dst)| {
-                for (t, row) in dst.chunks_exact_mut(dp).take(l).enumerate() {
-                    let src = &x[(t * heads + h) * d..][..d];
-                    match rope {
-                        Some(r) => r.rotate(t, src, &mut row[..d], false),
-                        None => row[..d].copy_from_slice(src),
-                    }
-                }
-            },
-        );
-        out
-    }
-
-    /// `[heads, lpad, dp]` → `[heads, dp, lpad]` (per-head transpose).
-    pub(crate) fn transposed<T: CpuFloat>(&self, xh: &[T], heads: usize) -> Buf<T> {
+        inputs: [Input<'_, T>; N],
+    ) -> [Buf<T>; N] {
         let Layout { lpad, dp, .. } = *self;
-        // Every element is written below.
-        let mut out = workspace::take_stale(heads * lpad * dp, T::ZERO);
-        let work: Vec<_> = out
-            .chunks_mut(lpad * dp)
-            .zip(xh.chunks(lpad * dp))
+        let mut bufs = inputs
+            .each_ref()
+            .map(|x| workspace::take_stale(x.heads * lpad * dp, T::ZERO));
+        // One work item per (input, head), transposes (the slower kind) first.
+        let mut work: Vec<_> = bufs
+            .iter_mut()
+            .zip(&inputs)
+            .flat_map(|(buf, x)| {
+                buf.chunks_mut(lpad * dp)
+                    .enumerate()
+                    .map(move |(h, dst)| (x, h, dst))
+            })
             .collect();
+        work.sort_by_key(|(x, ..)| !x.transposed);
         run_parallel(
             work,
             self.threads,
-            || (),
-            |_, (dst, src)| {
-                // Blocks of TILE tokens keep both sides' accesses in cache.
+            || vec![T::ZERO; TILE * dp],
+            |block, (x, h, dst)| {
+                if !x.transposed {
+                    for (t, row) in dst.chunks_exact_mut(dp).enumerate() {
+                        self.padded_row(x, h, t, row);
+                    }
+                    return;
+                }
+                // TILE tokens at a time: rows into `block`, then its columns
+                // into the TILE-long runs of the transposed rows, so both
+                // sides' accesses stay in cache.
                 for t0 in (0..lpad).step_by(TILE) {
+                    for (j, row) in block.chunks_exact_mut(dp).enumerate() {
+                        self.padded_row(x, h, t0 + j, row);
+                    }
                     for (c, dst_row) in dst.chunks_exact_mut(lpad).enumerate() {
-                        let dst_block = &mut dst_row[t0..t0 + TILE];
-                        for (j, y) in dst_block.iter_mut().enumerate() {
-                            *y = src[(t0 + j) * dp + c];
+                        for (j, y) in dst_row[t0..t0 + TILE].iter_mut().enumerate() {
+                            *y = block[j * dp + c];
                         }
                     }
                 }
             },
         );
-        out
+        bufs
     }
 
-    /// `[heads, lpad, dp]` → `[l, heads, d]`, rotated back by `rope` (the
-    /// transpose rotation) if given.
-    pub(crate) fn token_major<T: CpuFloat>(
-        &self,
-        xh: &[T],
-        heads: usize,
-        rope: Option<&RopeTable>,
-    ) -> Vec<T> {
-        let Layout { l, lpad, d, dp, .. } = *self;
-        let mut out = vec![T::ZERO; l * heads * d];
-        let work: Vec<_> = out.chunks_mut(TILE * heads * d).enumerate().collect();
+    /// Row `t` (of `lpad`) of head `h` of `x`, padded to `dp` with zeros;
+    /// all zero past the last token.
+    #[inline]
+    fn padded_row<T: CpuFloat>(&self, x: &Input<'_, T>, h: usize, t: usize, row: &mut [T]) {
+        let d = self.d;
+        if t >= self.l {
+            row.fill(T::ZERO);
+            return;
+        }
+        let src = &x.x[(t * x.heads + h) * d..][..d];
+        match x.rope {
+            Some(r) => r.rotate(t, src, &mut row[..d], false),
+            None => row[..d].copy_from_slice(src),
+        }
+        row[d..].fill(T::ZERO);
+    }
+
+    /// Writes every output of a call in one parallel step: output `i`'s
+    /// `xh` `[heads, lpad, dp]` → its `out` `[l, heads, d]`, rotated back by
+    /// its `rope` (the transpose rotation) if given. Every element of each
+    /// `out` is written.
+    pub(crate) fn copy_outputs<T: CpuFloat, const N: usize>(&self, outputs: [Output<'_, T>; N]) {
+        let Layout { lpad, d, dp, .. } = *self;
+        let work: Vec<_> = outputs
+            .into_iter()
+            .flat_map(|x| {
+                let (xh, heads, rope) = (x.xh, x.heads, x.rope);
+                x.out
+                    .chunks_mut(TILE * heads * d)
+                    .enumerate()
+                    .map(move |(block, dst)| (xh, heads, rope, block, dst))
+            })
+            .collect();
         run_parallel(
             work,
             self.threads,
             || (),
-            |_, (block, dst)| {
+            |_, (xh, heads, rope, block, dst)| {
                 for (i, token_row) in dst.chunks_exact_mut(heads * d).enumerate() {
                     let t = block * TILE + i;
                     for (h, row) in token_row.chunks_exact_mut(d).enumerate() {
@@ -124,8 +144,47 @@ impl Layout {
                 }
             },
         );
-        out
     }
+}
+
+/// One input of [`Layout::copy_inputs`]: `x` is `[l, heads, d]`.
+pub(crate) struct Input<'a, T> {
+    pub x: &'a [T],
+    pub heads: usize,
+    pub rope: Option<&'a RopeTable>,
+    /// `[heads, dp, lpad]` instead of `[heads, lpad, dp]`.
+    pub transposed: bool,
+}
+
+impl<'a, T> Input<'a, T> {
+    /// `[heads, lpad, dp]`, rotated by `rope` if given.
+    pub(crate) fn rows(x: &'a [T], heads: usize, rope: Option<&'a RopeTable>) -> Self {
+        Input {
+            x,
+            heads,
+            rope,
+            transposed: false,
+        }
+    }
+
+    /// `[heads, dp, lpad]`, rotated by `rope` if given.
+    pub(crate) fn columns(x: &'a [T], heads: usize, rope: Option<&'a RopeTable>) -> Self {
+        Input {
+            x,
+            heads,
+            rope,
+            transposed: true,
+        }
+    }
+}
+
+/// One output of [`Layout::copy_outputs`]: head-major `xh` `[heads, lpad,
+/// dp]` into `out` `[l, heads, d]`.
+pub(crate) struct Output<'a, T> {
+    pub xh: &'a [T],
+    pub heads: usize,
+    pub rope: Option<&'a RopeTable>,
+    pub out: &'a mut [T],
 }
 
 /// `cos(p θ_i)`, `sin(p θ_i)` in f64 for every token of the pack (its
@@ -213,44 +272,44 @@ mod tests {
         }
     }
 
-    /// head-major → transposed → token-major round trips, with padding zero.
+    /// Rows, columns (transposed) and back to token-major, with padding zero,
+    /// also on pooled buffers that still hold another call's values.
     #[test]
     fn layouts_round_trip() {
         let lay = Layout::new(70, 5, 2);
         assert_eq!((lay.lpad, lay.dp), (128, 16));
         let heads = 3;
         let x: Vec<f64> = (0..70 * heads * 5).map(|i| i as f64 + 1.0).collect();
-        let xh = lay.head_major(&x, heads, None);
-        assert_eq!(xh[(lay.lpad + 2) * lay.dp + 4], x[(2 * heads + 1) * 5 + 4]);
-        assert!(xh[(lay.lpad + 2) * lay.dp + 5..(lay.lpad + 3) * lay.dp]
-            .iter()
-            .all(|&v| v == 0.0));
-        assert!(xh[(lay.lpad + 70) * lay.dp..2 * lay.lpad * lay.dp]
-            .iter()
-            .all(|&v| v == 0.0));
-        let xt = lay.transposed(&xh, heads);
-        assert_eq!(
-            xt[(2 * lay.dp + 3) * lay.lpad + 69],
-            xh[(2 * lay.lpad + 69) * lay.dp + 3]
-        );
-        assert_eq!(lay.token_major(&xh, heads, None), x);
-        // Again, now on the buffers just given back to the pool (no other
-        // test uses these sizes), which hold the values of x: the padding is
-        // zero again and the transpose overwrites every element.
+        let check = |x: &[f64]| {
+            let [xh, xt] =
+                lay.copy_inputs([Input::rows(x, heads, None), Input::columns(x, heads, None)]);
+            for h in 0..heads {
+                for t in 0..lay.lpad {
+                    for c in 0..lay.dp {
+                        let want = if t < 70 && c < 5 {
+                            x[(t * heads + h) * 5 + c]
+                        } else {
+                            0.0
+                        };
+                        assert_eq!(xh[(h * lay.lpad + t) * lay.dp + c], want, "{h} {t} {c}");
+                        assert_eq!(xt[(h * lay.dp + c) * lay.lpad + t], want, "{h} {t} {c}");
+                    }
+                }
+            }
+            let mut back = vec![f64::NAN; x.len()];
+            lay.copy_outputs([Output {
+                xh: &xh,
+                heads,
+                rope: None,
+                out: &mut back,
+            }]);
+            assert_eq!(back, x);
+        };
+        check(&x);
+        // Again on the buffers just given back to the pool (no other test
+        // uses these sizes), which hold the values of x: every element,
+        // padding included, is rewritten.
         let y: Vec<f64> = x.iter().map(|v| -v).collect();
-        drop((xh, xt));
-        let yh = lay.head_major(&y, heads, None);
-        let yt = lay.transposed(&yh, heads);
-        assert!(yh[(lay.lpad + 2) * lay.dp + 5..(lay.lpad + 3) * lay.dp]
-            .iter()
-            .all(|&v| v == 0.0));
-        assert_eq!(
-            yt[(2 * lay.dp + 3) * lay.lpad + 69],
-            -x[(69 * heads + 2) * 5 + 3]
-        );
-        assert!(yt[(lay.dp + 4) * lay.lpad + 70..(lay.dp + 5) * lay.lpad]
-            .iter()
-            .all(|&v| v == 0.0));
-        assert_eq!(lay.token_major(&yh, heads, None), y);
+        check(&y);
     }
 }

@@ -37,8 +37,12 @@
 //!
 //! The head-major copies and accumulators come from a bounded process-wide
 //! pool of buffers reused across calls (at most 32 buffers and 1 GiB kept,
-//! oldest freed first), so repeated calls do not fault in fresh pages; the
-//! returned outputs are fresh `Vec`s owned by the caller.
+//! oldest freed first), so repeated calls do not fault in fresh pages.
+//! [`attention_forward`] and [`attention_backward`] return fresh `Vec`s
+//! owned by the caller; [`attention_forward_into`] and
+//! [`attention_backward_into`] write every element of buffers the caller
+//! passes in (e.g. reused across a training loop's steps), which saves the
+//! page faults of fresh outputs at every call.
 //!
 //! Forward runs one work item per (query head, query tile) with an online
 //! softmax. Backward runs two deterministic passes: one work item per (kv
@@ -47,7 +51,10 @@
 //! `kv_end`), then one work item per (query head, query tile) accumulates dQ.
 //! No atomics, so results do not depend on the thread count.
 //!
-//! Work is spread over [`num_threads`] scoped threads. On x86-64 CPUs with
+//! Work is spread over [`num_threads`] scoped threads, started once per
+//! step: a forward call has three steps (all input copies, the query tiles,
+//! the output copy), a backward call five (input copies, `D`, the two
+//! passes, the output copies). On x86-64 CPUs with
 //! AVX2 and FMA (detected at run time) the work items run a copy compiled
 //! for those features; elsewhere the portable copy of the same code. `f32`
 //! softmax exponentials use a vectorizable polynomial within 1 ulp; `f64`
@@ -63,10 +70,10 @@ mod layout;
 mod sdcc;
 mod workspace;
 
-pub use attention_bwd::attention_backward;
-pub use attention_fwd::attention_forward;
-pub use float::CpuFloat;
 pub use crate::mask::TileClass;
+pub use attention_bwd::{attention_backward, attention_backward_into};
+pub use attention_fwd::{attention_forward, attention_forward_into};
+pub use float::CpuFloat;
 pub use sdcc::{sdcc_forward_kl, SdccOut};
 
 use super::{AttnParams, AttnShape};
@@ -110,7 +117,6 @@ pub fn num_threads() -> usize {
         .filter(|&n| n > 0)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
-
 
 /// Census of the (query tile, key tile) blocks of a pack at the CPU
 /// backend's [`TILE`] size, over the lower block triangle (key tile index <=

@@ -32,14 +32,6 @@ use treeattn::gen::{self, Rng};
 use treeattn::mask::PackMask;
 use treeattn::Error;
 
-fn random_tensor<T: KernelElem>(rng: &mut Rng, n: usize, amp: f32) -> (Vec<T>, Vec<f32>) {
-    let x: Vec<T> = (0..n)
-        .map(|_| T::from_f32(rng.signed_unit() * amp))
-        .collect();
-    let f = x.iter().map(|e| e.to_f32()).collect();
-    (x, f)
-}
-
 struct Case {
     shape: AttnShape,
     kv_end: Vec<u32>,
@@ -68,10 +60,10 @@ fn params(c: &Case) -> AttnParams {
 fn inputs<T: KernelElem>(rng: &mut Rng, c: &Case) -> Inputs<T> {
     let s = c.shape;
     // Amplitude 2: scores reach a few units, so the softmax is far from flat.
-    let (q, qf) = random_tensor::<T>(rng, s.q_len(), 2.0);
-    let (k, kf) = random_tensor::<T>(rng, s.kv_len(), 2.0);
-    let (v, vf) = random_tensor::<T>(rng, s.kv_len(), 1.0);
-    let (d_o, dof) = random_tensor::<T>(rng, s.q_len(), 1.0);
+    let (q, qf) = common::random_tensor::<T, _>(rng, s.q_len(), 2.0);
+    let (k, kf) = common::random_tensor::<T, _>(rng, s.kv_len(), 2.0);
+    let (v, vf) = common::random_tensor::<T, _>(rng, s.kv_len(), 1.0);
+    let (d_o, dof) = common::random_tensor::<T, _>(rng, s.q_len(), 1.0);
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
     let fwd = cpu::attention_forward(&qf, &kf, &vf, s, mask, &params(c)).unwrap();
     let o: Vec<T> = fwd.o.iter().map(|&x| T::from_f32(x)).collect();
@@ -541,9 +533,9 @@ fn forward_rope_errors<T: KernelElem>(
     opts: EmuOptions,
 ) -> (f64, f64, f64) {
     let s = c.shape;
-    let (q, qf) = random_tensor::<T>(rng, s.q_len(), 2.0);
-    let (k, kf) = random_tensor::<T>(rng, s.kv_len(), 2.0);
-    let (v, vf) = random_tensor::<T>(rng, s.kv_len(), 1.0);
+    let (q, qf) = common::random_tensor::<T, _>(rng, s.q_len(), 2.0);
+    let (k, kf) = common::random_tensor::<T, _>(rng, s.kv_len(), 2.0);
+    let (v, vf) = common::random_tensor::<T, _>(rng, s.kv_len(), 1.0);
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
     let p = params(c);
     let rope = c.rope.expect("a rotary case");
@@ -584,10 +576,10 @@ fn emulated_forward_then_backward_matches_the_cpu() {
         c.pos.push(0);
         c.shape.tokens += 1;
         let s = c.shape;
-        let (q, qf) = random_tensor::<f16>(&mut rng, s.q_len(), 2.0);
-        let (k, kf) = random_tensor::<f16>(&mut rng, s.kv_len(), 2.0);
-        let (v, vf) = random_tensor::<f16>(&mut rng, s.kv_len(), 1.0);
-        let (d_o, dof) = random_tensor::<f16>(&mut rng, s.q_len(), 1.0);
+        let (q, qf) = common::random_tensor::<f16, _>(&mut rng, s.q_len(), 2.0);
+        let (k, kf) = common::random_tensor::<f16, _>(&mut rng, s.kv_len(), 2.0);
+        let (v, vf) = common::random_tensor::<f16, _>(&mut rng, s.kv_len(), 1.0);
+        let (d_o, dof) = common::random_tensor::<f16, _>(&mut rng, s.q_len(), 1.0);
         let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
         let p = params(&c);
         let fwd = emu::attention_forward(&q, &k, &v, s, mask, &p).unwrap();

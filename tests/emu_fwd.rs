@@ -45,14 +45,6 @@ fn reference(
     (out.o, out.lse)
 }
 
-fn random_tensor<T: KernelElem>(rng: &mut Rng, n: usize, amp: f32) -> (Vec<T>, Vec<f64>) {
-    let x: Vec<T> = (0..n)
-        .map(|_| T::from_f32(rng.signed_unit() * amp))
-        .collect();
-    let f = x.iter().map(|e| e.to_f32() as f64).collect();
-    (x, f)
-}
-
 struct Case {
     shape: AttnShape,
     kv_end: Vec<u32>,
@@ -66,9 +58,9 @@ struct Case {
 fn run_case<T: KernelElem>(rng: &mut Rng, seed: u64, c: &Case, mask_kv_end: &[u32]) -> (f64, f64) {
     let s = c.shape;
     // Amplitude 2: scores reach a few units, so the softmax is far from flat.
-    let (q, qf) = random_tensor::<T>(rng, s.q_len(), 2.0);
-    let (k, kf) = random_tensor::<T>(rng, s.kv_len(), 2.0);
-    let (v, vf) = random_tensor::<T>(rng, s.kv_len(), 1.0);
+    let (q, qf) = common::random_tensor::<T, _>(rng, s.q_len(), 2.0);
+    let (k, kf) = common::random_tensor::<T, _>(rng, s.kv_len(), 2.0);
+    let (v, vf) = common::random_tensor::<T, _>(rng, s.kv_len(), 1.0);
     let params = AttnParams::new(s.head_dim);
     let mask = PackMask::new(mask_kv_end, &c.pos).unwrap();
     // Poison differs from run to run: a NaN or an f32 pattern never produced.

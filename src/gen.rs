@@ -78,6 +78,12 @@ impl Rng {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
+    /// Uniform on the grid `{-1 + i·2^-23 : 0 <= i < 2^24}` in `[-1, 1)`:
+    /// 24 random bits, every value exact in f32 (test tensors).
+    pub fn signed_unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+
     /// `n` content tokens.
     pub fn tokens(&mut self, n: usize) -> Vec<u32> {
         (0..n)
@@ -89,6 +95,128 @@ impl Rng {
     fn pick(&mut self, r: (usize, usize)) -> usize {
         self.range(r.0, r.1.max(r.0))
     }
+}
+
+/// The attention layout of a pack under construction: `kv_end` and depth
+/// position ids, one entry per packed token, in the form of
+/// [`crate::mask::PackMask`] (query `q` sees key `k` iff `k <= q < kv_end[k]`).
+///
+/// Segments are appended one after another, so a layout is a forest of
+/// independent segments, each of them attending only within itself. Used by
+/// the kernel tests and the GPU check to build random trees, varlen batches,
+/// GRPO fans and padding without going through rollouts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MaskBuilder {
+    /// End (exclusive) of the pre-order range of each key's subtree.
+    pub kv_end: Vec<u32>,
+    /// Each token's depth in its tree (its index in its branch).
+    pub position_ids: Vec<u32>,
+}
+
+impl MaskBuilder {
+    /// An empty layout.
+    pub fn new() -> MaskBuilder {
+        MaskBuilder::default()
+    }
+
+    /// Packed tokens so far.
+    pub fn len(&self) -> usize {
+        self.kv_end.len()
+    }
+
+    /// Whether no token has been appended.
+    pub fn is_empty(&self) -> bool {
+        self.kv_end.is_empty()
+    }
+
+    /// Appends one random tree in pre-order (DESIGN §4). A node is a chain of
+    /// `1..=max(max_chain, 1)` tokens at depths `depth0..`, followed by up to
+    /// `levels` more levels of child subtrees, `0..=3` children per node
+    /// (`2..=3` at the root when `edit_at_root`, so the tree has at least two
+    /// branches). Every token of a node gets `kv_end` = end of the node's
+    /// subtree range, `position_ids` = its depth.
+    pub fn push_tree(
+        &mut self,
+        rng: &mut Rng,
+        depth0: u32,
+        max_chain: usize,
+        levels: u32,
+        edit_at_root: bool,
+    ) {
+        let start = self.kv_end.len();
+        let len = rng.range(1, max_chain.max(1));
+        self.kv_end.extend(std::iter::repeat_n(0, len));
+        self.position_ids.extend(depth0..depth0 + len as u32);
+        if levels > 0 {
+            let children = if edit_at_root {
+                rng.range(2, 3)
+            } else {
+                rng.range(0, 3)
+            };
+            for _ in 0..children {
+                self.push_tree(rng, depth0 + len as u32, max_chain, levels - 1, false);
+            }
+        }
+        let end = self.kv_end.len() as u32;
+        self.kv_end[start..start + len].fill(end);
+    }
+
+    /// Appends `n` padding keys (`kv_end[k] == k`, position 0): no query sees
+    /// them and their rows see nothing.
+    pub fn push_padding(&mut self, n: usize) {
+        for _ in 0..n {
+            self.kv_end.push(self.kv_end.len() as u32);
+            self.position_ids.push(0);
+        }
+    }
+
+    /// Appends an independent causal sequence of `n` tokens (one varlen
+    /// segment): `kv_end` = end of the sequence, positions `0..n`.
+    pub fn push_sequence(&mut self, n: usize) {
+        let end = (self.kv_end.len() + n) as u32;
+        self.kv_end.extend(std::iter::repeat_n(end, n));
+        self.position_ids.extend(0..n as u32);
+    }
+
+    /// Appends a prompt of `prompt` tokens followed by `branches` sibling
+    /// continuations of `branch_len` tokens each (compaction views sharing a
+    /// trunk, or a GRPO group): the prompt is seen by every branch, each
+    /// branch only by itself; branch positions continue from `prompt`.
+    pub fn push_fan(&mut self, prompt: usize, branches: usize, branch_len: usize) {
+        let end = (self.kv_end.len() + prompt + branches * branch_len) as u32;
+        self.kv_end.extend(std::iter::repeat_n(end, prompt));
+        self.position_ids.extend(0..prompt as u32);
+        for _ in 0..branches {
+            let branch_end = (self.kv_end.len() + branch_len) as u32;
+            self.kv_end
+                .extend(std::iter::repeat_n(branch_end, branch_len));
+            self.position_ids
+                .extend(prompt as u32..(prompt + branch_len) as u32);
+        }
+    }
+
+    /// The layout as a validated mask.
+    pub fn mask(&self) -> Result<crate::mask::PackMask<'_>> {
+        crate::mask::PackMask::new(&self.kv_end, &self.position_ids)
+    }
+}
+
+/// A random forest: `trees` trees from [`MaskBuilder::push_tree`] (depth 0,
+/// an edit at each root, chains of up to `max_chain` tokens, `levels` levels
+/// below the root), then `padding` padding keys.
+pub fn random_forest(
+    rng: &mut Rng,
+    trees: usize,
+    max_chain: usize,
+    levels: u32,
+    padding: usize,
+) -> MaskBuilder {
+    let mut layout = MaskBuilder::new();
+    for _ in 0..trees {
+        layout.push_tree(rng, 0, max_chain, levels, true);
+    }
+    layout.push_padding(padding);
+    layout
 }
 
 /// A simulated harness: the live view and the calls made so far.
@@ -801,5 +929,55 @@ mod tests {
                 "{shape:?}: mean |E| {mean_e}"
             );
         }
+    }
+
+    /// Every random forest is a valid mask in pre-order: key ranges
+    /// `[k, kv_end[k])` nest or are disjoint, each token sits one level below
+    /// its nearest enclosing key (depth 0 where none encloses it, and then at
+    /// least `trees` roots), and the padding keys come last with `kv_end[k] == k`.
+    #[test]
+    fn random_forests_are_pre_order_trees_with_depth_positions() {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        let mut rng = Rng::new(seed);
+        for _ in 0..50 {
+            let trees = rng.range(1, 4);
+            let padding = rng.range(0, 5);
+            let f = random_forest(&mut rng, trees, 6, 3, padding);
+            f.mask().unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+            let real = f.len() - padding;
+            for k in real..f.len() {
+                assert_eq!(f.kv_end[k] as usize, k, "seed {seed}: padding key {k}");
+            }
+            let mut roots = 0;
+            for k in 0..real {
+                let e = f.kv_end[k] as usize;
+                assert!(k < e && e <= real, "seed {seed}: kv_end[{k}] = {e}");
+                for j in k + 1..e {
+                    assert!(f.kv_end[j] as usize <= e, "seed {seed}: {j} escapes {k}");
+                }
+                let depth = match (0..k).rev().find(|&j| f.kv_end[j] as usize > k) {
+                    Some(parent) => f.position_ids[parent] + 1,
+                    None => {
+                        roots += 1;
+                        0
+                    }
+                };
+                assert_eq!(f.position_ids[k], depth, "seed {seed}: depth of {k}");
+            }
+            assert!(roots >= trees, "seed {seed}: {roots} roots, {trees} trees");
+        }
+    }
+
+    #[test]
+    fn fans_and_sequences_have_the_documented_layout() {
+        let mut m = MaskBuilder::new();
+        m.push_sequence(2);
+        m.push_fan(2, 2, 1);
+        m.push_padding(1);
+        assert_eq!(m.kv_end, vec![2, 2, 6, 6, 5, 6, 6]);
+        assert_eq!(m.position_ids, vec![0, 1, 0, 1, 2, 2, 0]);
+        m.mask().unwrap();
     }
 }

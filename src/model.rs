@@ -45,6 +45,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::backend::cpu::{self, AttnGrads, AttnOut, CpuFloat};
 use crate::backend::{AttnParams, AttnShape, Rope};
+use crate::gen::Rng;
 use crate::mask::PackMask;
 use crate::pack::Pack;
 use crate::{Error, Result};
@@ -322,11 +323,11 @@ impl<T: CpuFloat> Params<T> {
     /// uniform with standard deviation `1/sqrt(fan_in)`, RMSNorm gains near 1.
     pub fn random(cfg: &ModelConfig, seed: u64) -> Result<Self> {
         cfg.validate()?;
-        let mut rng = SplitMix64(seed);
+        let mut rng = Rng::new(seed);
         Ok(Self::build(cfg, |len, init| {
             (0..len)
                 .map(|_| {
-                    let u = 2.0 * rng.uniform() - 1.0; // U(−1, 1), std 1/√3
+                    let u = 2.0 * rng.unit() - 1.0; // U(−1, 1), std 1/√3
                     T::from_f64(match init {
                         Init::Uniform(std) => u * std * 3f64.sqrt(),
                         Init::Gain => 1.0 + 0.1 * u,
@@ -911,24 +912,6 @@ impl<T: CpuFloat, A: AttentionBackend<T>> Model<T, A> {
     }
 }
 
-/// SplitMix64: a tiny, well-mixed deterministic generator for weight init.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1) with 53 random bits.
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-}
-
 fn add_into<T: CpuFloat>(acc: &mut [T], x: &[T]) {
     for (a, &b) in acc.iter_mut().zip(x) {
         *a += b;
@@ -1135,15 +1118,15 @@ mod tests {
         t
     }
 
-    fn random(len: usize, rng: &mut SplitMix64) -> Vec<f64> {
-        (0..len).map(|_| rng.uniform() - 0.5).collect()
+    fn random(len: usize, rng: &mut Rng) -> Vec<f64> {
+        (0..len).map(|_| rng.unit() - 0.5).collect()
     }
 
     /// The three blocked kernels against a triple loop, on sizes that are not
     /// multiples of the blocks and large enough to take the threaded path.
     #[test]
     fn blocked_matmuls_match_the_definition() {
-        let mut rng = SplitMix64(7);
+        let mut rng = Rng::new(7);
         for &(m, k, n) in &[(1, 1, 1), (3, 5, 2), (37, 130, 17), (300, 70, 41)] {
             let a = random(m * k, &mut rng);
             let b = random(k * n, &mut rng);

@@ -21,103 +21,16 @@
 //! outputs: the measured Frobenius errors sit near 4e-3 (bf16) and 5e-4
 //! (f16), a margin of ~5–10x.
 
+mod common;
+
 use half::{bf16, f16};
 use treeattn::backend::cpu;
 use treeattn::backend::emu::{self, DqMode, EmuOptions, KernelElem};
 use treeattn::backend::launch::bwd::BwdTraits;
 use treeattn::backend::{AttnParams, AttnShape, Rope};
+use treeattn::gen::{self, Rng};
 use treeattn::mask::PackMask;
 use treeattn::Error;
-
-struct Rng(u64);
-impl Rng {
-    fn new() -> (Self, u64) {
-        let seed = std::env::var("TREEATTN_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos() as u64
-            });
-        (Rng(seed), seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next() % (hi - lo + 1) as u64) as usize
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-}
-
-/// A pack: `kv_end` and depth position ids.
-struct Pack {
-    kv_end: Vec<u32>,
-    pos: Vec<u32>,
-}
-
-/// Appends one random tree in pre-order (a chain of 1..=max_chain tokens,
-/// then up to 3 subtrees; `force_branch`: at least 2, an edit).
-fn push_tree(
-    rng: &mut Rng,
-    p: &mut Pack,
-    depth0: u32,
-    max_chain: usize,
-    levels: u32,
-    force_branch: bool,
-) {
-    let start = p.kv_end.len();
-    let len = rng.range(1, max_chain);
-    for i in 0..len {
-        p.kv_end.push(0);
-        p.pos.push(depth0 + i as u32);
-    }
-    if levels > 0 {
-        let kids = if force_branch {
-            rng.range(2, 3)
-        } else {
-            rng.range(0, 3)
-        };
-        for _ in 0..kids {
-            push_tree(rng, p, depth0 + len as u32, max_chain, levels - 1, false);
-        }
-    }
-    let end = p.kv_end.len() as u32;
-    for e in &mut p.kv_end[start..start + len] {
-        *e = end;
-    }
-}
-
-/// `trees` random trees, then `padding` padding keys.
-fn random_pack(rng: &mut Rng, trees: usize, max_chain: usize, levels: u32, padding: usize) -> Pack {
-    let mut p = Pack {
-        kv_end: Vec::new(),
-        pos: Vec::new(),
-    };
-    for _ in 0..trees {
-        push_tree(rng, &mut p, 0, max_chain, levels, true);
-    }
-    for _ in 0..padding {
-        let k = p.kv_end.len() as u32;
-        p.kv_end.push(k);
-        p.pos.push(0);
-    }
-    p
-}
-
-fn random_tensor<T: KernelElem>(rng: &mut Rng, n: usize, amp: f32) -> (Vec<T>, Vec<f32>) {
-    let x: Vec<T> = (0..n).map(|_| T::from_f32(rng.unit() * amp)).collect();
-    let f = x.iter().map(|e| e.to_f32()).collect();
-    (x, f)
-}
 
 struct Case {
     shape: AttnShape,
@@ -147,10 +60,10 @@ fn params(c: &Case) -> AttnParams {
 fn inputs<T: KernelElem>(rng: &mut Rng, c: &Case) -> Inputs<T> {
     let s = c.shape;
     // Amplitude 2: scores reach a few units, so the softmax is far from flat.
-    let (q, qf) = random_tensor::<T>(rng, s.q_len(), 2.0);
-    let (k, kf) = random_tensor::<T>(rng, s.kv_len(), 2.0);
-    let (v, vf) = random_tensor::<T>(rng, s.kv_len(), 1.0);
-    let (d_o, dof) = random_tensor::<T>(rng, s.q_len(), 1.0);
+    let (q, qf) = common::random_tensor::<T, _>(rng, s.q_len(), 2.0);
+    let (k, kf) = common::random_tensor::<T, _>(rng, s.kv_len(), 2.0);
+    let (v, vf) = common::random_tensor::<T, _>(rng, s.kv_len(), 1.0);
+    let (d_o, dof) = common::random_tensor::<T, _>(rng, s.q_len(), 1.0);
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
     let fwd = cpu::attention_forward(&qf, &kf, &vf, s, mask, &params(c)).unwrap();
     let o: Vec<T> = fwd.o.iter().map(|&x| T::from_f32(x)).collect();
@@ -255,7 +168,7 @@ fn random_case(rng: &mut Rng, head_dim: usize, rope: bool) -> Case {
     let p = loop {
         let trees = rng.range(1, 3);
         let padding = rng.range(0, 9);
-        let p = random_pack(rng, trees, 20, 3, padding);
+        let p = gen::random_forest(rng, trees, 20, 3, padding);
         if p.kv_end.len() <= 300 {
             break p;
         }
@@ -275,7 +188,7 @@ fn random_case(rng: &mut Rng, head_dim: usize, rope: bool) -> Case {
             head_dim,
         },
         kv_end: p.kv_end,
-        pos: p.pos,
+        pos: p.position_ids,
         rope,
     }
 }
@@ -283,7 +196,7 @@ fn random_case(rng: &mut Rng, head_dim: usize, rope: bool) -> Case {
 /// `cases` random packs: rotary off and on, both dQ modes, emulator
 /// schedules from `first_schedule` on.
 fn random_packs<T: KernelElem>(head_dim: usize, cases: usize, first_schedule: usize) {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for i in 0..cases {
         let c = random_case(&mut rng, head_dim, i % 2 == 1);
         let mode = [DqMode::Atomic, DqMode::Deterministic][(i / 2) % 2];
@@ -314,7 +227,7 @@ fn f16_d128_random_tree_packs() {
 /// tiles inside a key tile's range, fully masked rows).
 #[test]
 fn tile_classes_and_edge_lengths() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     // (One token would make dQ and dK exactly 0 in exact arithmetic — a
     // single visible key gives dS = P (dP − D) = 0 — and a relative error
     // meaningless; 5 is the shortest pack used.)
@@ -372,7 +285,7 @@ fn tile_classes_and_edge_lengths() {
 /// per kv head), d = 128, rotary on, both dQ modes.
 #[test]
 fn long_pack_many_query_tiles_per_key_tile() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     let prompt = rng.range(250, 300);
     let views = [rng.range(150, 220), rng.range(150, 220)];
     let tokens = prompt + views[0] + views[1];
@@ -406,7 +319,7 @@ fn long_pack_many_query_tiles_per_key_tile() {
 /// A pack of padding only: nothing is visible, every gradient is exactly 0.
 #[test]
 fn all_padding_gives_zero_gradients() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     let c = Case {
         shape: AttnShape {
             tokens: 70,
@@ -448,7 +361,7 @@ fn all_padding_gives_zero_gradients() {
 /// deterministic in both modes).
 #[test]
 fn deterministic_mode_is_bit_identical_across_runs() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     let c = random_case(&mut rng, 64, true);
     let x = inputs::<bf16>(&mut rng, &c);
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
@@ -494,8 +407,8 @@ fn deterministic_mode_is_bit_identical_across_runs() {
 /// tolerances above detect a wrong mask and a missing rotation.
 #[test]
 fn wrong_mask_or_missing_rotary_fails_the_tolerance() {
-    let (mut rng, seed) = Rng::new();
-    let p = random_pack(&mut rng, 2, 20, 3, 0);
+    let (mut rng, seed) = common::seeded_rng();
+    let p = gen::random_forest(&mut rng, 2, 20, 3, 0);
     let tokens = p.kv_end.len();
     let mut c = Case {
         shape: AttnShape {
@@ -505,7 +418,7 @@ fn wrong_mask_or_missing_rotary_fails_the_tolerance() {
             head_dim: 64,
         },
         kv_end: p.kv_end,
-        pos: p.pos,
+        pos: p.position_ids,
         rope: None,
     };
     let causal = vec![tokens as u32; tokens];
@@ -557,7 +470,7 @@ fn wrong_mask_or_missing_rotary_fails_the_tolerance() {
 /// the CPU forward without rotary is far off.
 #[test]
 fn forward_with_rotary_matches_the_cpu_forward() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for i in 0..6 {
         let d = [64, 128][i % 2];
         let c = random_case(&mut rng, d, true);
@@ -620,9 +533,9 @@ fn forward_rope_errors<T: KernelElem>(
     opts: EmuOptions,
 ) -> (f64, f64, f64) {
     let s = c.shape;
-    let (q, qf) = random_tensor::<T>(rng, s.q_len(), 2.0);
-    let (k, kf) = random_tensor::<T>(rng, s.kv_len(), 2.0);
-    let (v, vf) = random_tensor::<T>(rng, s.kv_len(), 1.0);
+    let (q, qf) = common::random_tensor::<T, _>(rng, s.q_len(), 2.0);
+    let (k, kf) = common::random_tensor::<T, _>(rng, s.kv_len(), 2.0);
+    let (v, vf) = common::random_tensor::<T, _>(rng, s.kv_len(), 1.0);
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
     let p = params(c);
     let rope = c.rope.expect("a rotary case");
@@ -656,17 +569,17 @@ fn forward_rope_errors<T: KernelElem>(
 /// key) and compose.
 #[test]
 fn emulated_forward_then_backward_matches_the_cpu() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for (i, d) in [64usize, 128].into_iter().enumerate() {
         let mut c = random_case(&mut rng, d, true);
         c.kv_end.push(c.kv_end.len() as u32); // a padding key: a row with no key
         c.pos.push(0);
         c.shape.tokens += 1;
         let s = c.shape;
-        let (q, qf) = random_tensor::<f16>(&mut rng, s.q_len(), 2.0);
-        let (k, kf) = random_tensor::<f16>(&mut rng, s.kv_len(), 2.0);
-        let (v, vf) = random_tensor::<f16>(&mut rng, s.kv_len(), 1.0);
-        let (d_o, dof) = random_tensor::<f16>(&mut rng, s.q_len(), 1.0);
+        let (q, qf) = common::random_tensor::<f16, _>(&mut rng, s.q_len(), 2.0);
+        let (k, kf) = common::random_tensor::<f16, _>(&mut rng, s.kv_len(), 2.0);
+        let (v, vf) = common::random_tensor::<f16, _>(&mut rng, s.kv_len(), 1.0);
+        let (d_o, dof) = common::random_tensor::<f16, _>(&mut rng, s.q_len(), 1.0);
         let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
         let p = params(&c);
         let fwd = emu::attention_forward(&q, &k, &v, s, mask, &p).unwrap();
@@ -704,7 +617,7 @@ fn emulated_forward_then_backward_matches_the_cpu() {
 #[test]
 fn tile_walks_load_only_visible_tiles() {
     use treeattn::backend::launch::{tile_class, FwdTraits, TileClass};
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for (i, head_dim) in [64usize, 128, 128].into_iter().enumerate() {
         let mut kv_end: Vec<u32> = Vec::new();
         while kv_end.len() < 400 {

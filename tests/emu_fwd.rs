@@ -19,101 +19,16 @@
 //! the bounds leave a factor of ~5 — and LSE within 1e-3 absolute (LSE is
 //! computed in f32 from f32 scores: errors ~1e-6).
 
+mod common;
+
 use half::{bf16, f16};
 use treeattn::backend::cpu;
 use treeattn::backend::emu::{self, EmuOptions, KernelElem};
 use treeattn::backend::{AttnParams, AttnShape, Rope};
-use treeattn::gen::{self, Shape};
+use treeattn::gen::{self, Rng, Shape};
 use treeattn::mask::PackMask;
 use treeattn::tree::Tree;
 use treeattn::Error;
-
-struct Rng(u64);
-impl Rng {
-    fn new() -> (Self, u64) {
-        let seed = std::env::var("TREEATTN_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos() as u64
-            });
-        (Rng(seed), seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next() % (hi - lo + 1) as u64) as usize
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-}
-
-/// A pack: `kv_end` and depth position ids.
-struct Pack {
-    kv_end: Vec<u32>,
-    pos: Vec<u32>,
-}
-
-/// Appends one random tree in pre-order: the node is a chain of 1..=max_chain
-/// tokens, then up to `max_children` subtrees; every token of the node gets
-/// kv_end = end of the node's subtree. `force_branch` gives the root two
-/// children at least (an edit).
-fn push_tree(
-    rng: &mut Rng,
-    p: &mut Pack,
-    depth0: u32,
-    max_chain: usize,
-    levels: u32,
-    force_branch: bool,
-) {
-    let start = p.kv_end.len();
-    let len = rng.range(1, max_chain);
-    for i in 0..len {
-        p.kv_end.push(0);
-        p.pos.push(depth0 + i as u32);
-    }
-    if levels > 0 {
-        let kids = if force_branch {
-            rng.range(2, 3)
-        } else {
-            rng.range(0, 3)
-        };
-        for _ in 0..kids {
-            push_tree(rng, p, depth0 + len as u32, max_chain, levels - 1, false);
-        }
-    }
-    let end = p.kv_end.len() as u32;
-    for e in &mut p.kv_end[start..start + len] {
-        *e = end;
-    }
-}
-
-/// A forest of `trees` random trees (each with an edit at its root), then
-/// `padding` padding keys.
-fn random_pack(rng: &mut Rng, trees: usize, max_chain: usize, levels: u32, padding: usize) -> Pack {
-    let mut p = Pack {
-        kv_end: Vec::new(),
-        pos: Vec::new(),
-    };
-    for _ in 0..trees {
-        push_tree(rng, &mut p, 0, max_chain, levels, true);
-    }
-    for _ in 0..padding {
-        let k = p.kv_end.len() as u32;
-        p.kv_end.push(k);
-        p.pos.push(0);
-    }
-    p
-}
 
 /// The reference: the CPU backend (`backend::cpu::attention_forward`) in f64
 /// on the same 16-bit-rounded inputs. Returns (O [tokens, hq, d], LSE [hq, tokens]).
@@ -130,12 +45,6 @@ fn reference(
     (out.o, out.lse)
 }
 
-fn random_tensor<T: KernelElem>(rng: &mut Rng, n: usize, amp: f32) -> (Vec<T>, Vec<f64>) {
-    let x: Vec<T> = (0..n).map(|_| T::from_f32(rng.unit() * amp)).collect();
-    let f = x.iter().map(|e| e.to_f32() as f64).collect();
-    (x, f)
-}
-
 struct Case {
     shape: AttnShape,
     kv_end: Vec<u32>,
@@ -149,15 +58,15 @@ struct Case {
 fn run_case<T: KernelElem>(rng: &mut Rng, seed: u64, c: &Case, mask_kv_end: &[u32]) -> (f64, f64) {
     let s = c.shape;
     // Amplitude 2: scores reach a few units, so the softmax is far from flat.
-    let (q, qf) = random_tensor::<T>(rng, s.q_len(), 2.0);
-    let (k, kf) = random_tensor::<T>(rng, s.kv_len(), 2.0);
-    let (v, vf) = random_tensor::<T>(rng, s.kv_len(), 1.0);
+    let (q, qf) = common::random_tensor::<T, _>(rng, s.q_len(), 2.0);
+    let (k, kf) = common::random_tensor::<T, _>(rng, s.kv_len(), 2.0);
+    let (v, vf) = common::random_tensor::<T, _>(rng, s.kv_len(), 1.0);
     let params = AttnParams::new(s.head_dim);
     let mask = PackMask::new(mask_kv_end, &c.pos).unwrap();
     // Poison differs from run to run: a NaN or an f32 pattern never produced.
     let mut o = vec![T::from_f32(f32::NAN); s.q_len()];
     let mut lse =
-        vec![f32::from_bits(0x7fc0_0000 | (rng.next() as u32 & 0xffff)); s.q_heads * s.tokens];
+        vec![f32::from_bits(0x7fc0_0000 | (rng.next_u64() as u32 & 0xffff)); s.q_heads * s.tokens];
     emu::attention_forward_into(&q, &k, &v, s, mask, &params, &mut o, &mut lse)
         .unwrap_or_else(|e| panic!("seed {seed}: {s:?}: {e}"));
     let true_mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
@@ -225,7 +134,7 @@ fn random_case(rng: &mut Rng, head_dim: usize) -> Case {
     let p = loop {
         let trees = rng.range(1, 4);
         let padding = rng.range(0, 9);
-        let p = random_pack(rng, trees, 24, 3, padding);
+        let p = gen::random_forest(rng, trees, 24, 3, padding);
         if p.kv_end.len() <= 600 {
             break p;
         }
@@ -240,12 +149,12 @@ fn random_case(rng: &mut Rng, head_dim: usize) -> Case {
             head_dim,
         },
         kv_end: p.kv_end,
-        pos: p.pos,
+        pos: p.position_ids,
     }
 }
 
 fn random_packs<T: KernelElem>(head_dim: usize, cases: usize) {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     // Each case under the next schedule / cp.async landing combination.
     for i in 0..cases {
         let c = random_case(&mut rng, head_dim);
@@ -257,11 +166,11 @@ fn random_packs<T: KernelElem>(head_dim: usize, cases: usize) {
 /// the generators, one or two rollouts per pack (a forest), trimmed to whole
 /// rollouts under 700 tokens so the suite stays quick.
 fn rollout_packs<T: KernelElem>(head_dim: usize) {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     let mut checked = 0;
     for (i, shape) in Shape::ALL.iter().enumerate() {
         let mut rollouts =
-            gen::generate(*shape, rng.next(), false).expect("generators give valid rollouts");
+            gen::generate(*shape, rng.next_u64(), false).expect("generators give valid rollouts");
         rollouts.truncate(rng.range(1, 2));
         let pack = Tree::build(&rollouts, true)
             .expect("valid rollouts build a tree")
@@ -323,7 +232,7 @@ fn f16_d128_random_tree_packs() {
 /// partial tile; 64 and 128 exact multiples of the tile.
 #[test]
 fn tile_classes_and_edge_lengths() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for (i, tokens) in [1usize, 17, 64, 128, 200, 257].into_iter().enumerate() {
         let kv_end = vec![tokens as u32; tokens];
         let pos = (0..tokens as u32).collect();
@@ -368,7 +277,7 @@ fn tile_classes_and_edge_lengths() {
 /// A pack that is padding only: every row is fully masked.
 #[test]
 fn all_padding_gives_zero_and_minus_infinity() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     let kv_end: Vec<u32> = (0..70).collect();
     let c = Case {
         shape: AttnShape {
@@ -389,9 +298,9 @@ fn all_padding_gives_zero_and_minus_infinity() {
 /// so the tolerances above do detect a wrong mask.
 #[test]
 fn causal_mask_on_a_tree_fails_the_tolerance() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for _ in 0..3 {
-        let p = random_pack(&mut rng, 2, 24, 3, 0);
+        let p = gen::random_forest(&mut rng, 2, 24, 3, 0);
         let tokens = p.kv_end.len();
         let c = Case {
             shape: AttnShape {
@@ -401,7 +310,7 @@ fn causal_mask_on_a_tree_fails_the_tolerance() {
                 head_dim: 64,
             },
             kv_end: p.kv_end,
-            pos: p.pos,
+            pos: p.position_ids,
         };
         let causal = vec![tokens as u32; tokens];
         let (o_err, _) = run_case::<f16>(&mut rng, seed, &c, &causal);
@@ -500,10 +409,10 @@ fn unsupported_and_bad_inputs_are_errors() {
 
 #[test]
 fn kv_tile_bounds_kernel_matches_a_scan() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for _ in 0..4 {
         let (trees, padding) = (rng.range(1, 5), rng.range(0, 70));
-        let p = random_pack(&mut rng, trees, 30, 3, padding);
+        let p = gen::random_forest(&mut rng, trees, 30, 3, padding);
         let tile = [16usize, 64, 100][rng.range(0, 2)];
         let (lo, hi) = emu::kv_tile_bounds(&p.kv_end, tile).unwrap();
         let want: Vec<(u32, u32)> = p
@@ -540,7 +449,7 @@ fn rust_launch_plan_matches_the_kernel_traits() {
 #[test]
 fn skipped_key_tiles_are_never_loaded() {
     use treeattn::backend::launch::{tile_class, FwdTraits, TileClass};
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for (head_dim, aligned) in [(64usize, false), (128, false), (64, true)] {
         let t = FwdTraits::for_head_dim(head_dim).unwrap();
         let (bm, bn) = (t.block_m as usize, t.block_n as usize);
@@ -549,14 +458,14 @@ fn skipped_key_tiles_are_never_loaded() {
             // next query tile's start, the boundary of the skip rule.
             let n = 5 + rng.range(0, 4);
             let kv_end: Vec<u32> = (0..n * bn).map(|k| ((k / bn + 1) * bn) as u32).collect();
-            Pack {
-                pos: (0..n * bn).map(|k| (k % bn) as u32).collect(),
+            gen::MaskBuilder {
+                position_ids: (0..n * bn).map(|k| (k % bn) as u32).collect(),
                 kv_end,
             }
         } else {
             // 300 to 900 tokens: at least 5 query tiles, most pairs skipped.
             loop {
-                let p = random_pack(&mut rng, 6, 30, 2, 40);
+                let p = gen::random_forest(&mut rng, 6, 30, 2, 40);
                 if (300..=900).contains(&p.kv_end.len()) {
                     break p;
                 }
@@ -571,7 +480,7 @@ fn skipped_key_tiles_are_never_loaded() {
                 head_dim,
             },
             kv_end: p.kv_end,
-            pos: p.pos,
+            pos: p.position_ids,
         };
         run_case::<bf16>(&mut rng, seed, &c, &c.kv_end);
         let got = emu::last_forward_stats().unwrap().cp_async_bytes;

@@ -11,40 +11,14 @@
 //! Inputs are fresh every run; the seed is in every failure message and
 //! `TREEATTN_SEED` replays it.
 
+mod common;
+
 use half::{bf16, f16};
 use treeattn::backend::cpu;
 use treeattn::backend::emu::{self, EmuOptions, SdccElem};
 use treeattn::backend::launch::sdcc::{SDCC_SMEM_BYTES, SDCC_THREADS};
+use treeattn::gen::Rng;
 use treeattn::Error;
-
-struct Rng(u64);
-impl Rng {
-    fn new() -> (Self, u64) {
-        let seed = std::env::var("TREEATTN_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos() as u64
-            });
-        (Rng(seed), seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next() % (hi - lo + 1) as u64) as usize
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-}
 
 /// An element type built from f32 (round to nearest).
 trait Elem: SdccElem {
@@ -88,15 +62,15 @@ fn problem<T: Elem>(
     repeat_rows: bool,
 ) -> Problem<T> {
     let rows = pairs + 1;
-    let mut s: Vec<f32> = (0..rows * vocab).map(|_| 6.0 * rng.unit()).collect();
+    let mut s: Vec<f32> = (0..rows * vocab).map(|_| 6.0 * rng.signed_unit()).collect();
     let mut t = s.clone();
     for row in t.chunks_mut(vocab) {
         let noise = if rng.range(0, 1) == 0 { 0.5 } else { 6.0 };
         for x in row.iter_mut() {
             *x = if noise > 1.0 {
-                6.0 * rng.unit()
+                6.0 * rng.signed_unit()
             } else {
-                *x + noise * rng.unit()
+                *x + noise * rng.signed_unit()
             };
         }
     }
@@ -110,7 +84,7 @@ fn problem<T: Elem>(
         // Never a whole row: entry 0 stays finite.
         for v in 1..vocab {
             for r in 0..rows {
-                if (rng.unit() + 1.0) / 2.0 < neg_inf {
+                if (rng.signed_unit() + 1.0) / 2.0 < neg_inf {
                     t[r * vocab + v] = f32::NEG_INFINITY;
                 }
             }
@@ -124,7 +98,7 @@ fn problem<T: Elem>(
         }
     }
     let weights = (0..pairs.len())
-        .map(|_| (rng.unit() + 1.0) * 0.75)
+        .map(|_| (rng.signed_unit() + 1.0) * 0.75)
         .collect();
     Problem {
         student: s.iter().map(|&x| T::from_f32(x)).collect(),
@@ -215,7 +189,7 @@ fn check<T: Elem>(
 
 #[test]
 fn random_vocabularies_from_7_to_150k() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for (vocab, pairs) in [
         (7usize, 5usize),
         (100, 4),
@@ -231,7 +205,7 @@ fn random_vocabularies_from_7_to_150k() {
 
 #[test]
 fn negative_infinity_entries_are_ordinary_input() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for vocab in [7usize, 300, 9000] {
         check::<bf16>(&mut rng, seed, vocab, 3, 0.3, false);
         check::<f32>(&mut rng, seed, vocab, 3, 0.7, false);
@@ -243,7 +217,7 @@ fn negative_infinity_entries_are_ordinary_input() {
 /// out of the loss.
 #[test]
 fn student_negative_infinity_under_teacher_mass_gives_infinite_kl() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     let mut p = problem::<f32>(&mut rng, 500, 3, 0.0, false);
     let (s, t) = p.pairs[1];
     let v = rng.range(0, 499);
@@ -272,7 +246,7 @@ fn student_negative_infinity_under_teacher_mass_gives_infinite_kl() {
 /// (f32 atomics in the kernel), as the CPU backend sums them.
 #[test]
 fn repeated_student_rows_accumulate() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     check::<bf16>(&mut rng, seed, 3000, 6, 0.0, true);
     check::<f32>(&mut rng, seed, 31, 9, 0.2, true);
 }
@@ -281,7 +255,7 @@ fn repeated_student_rows_accumulate() {
 /// gradient element (the two online states evolve identically).
 #[test]
 fn identical_student_and_teacher_give_zero() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for vocab in [7usize, 4099, 150_000] {
         let p = problem::<bf16>(&mut rng, vocab, 2, 0.1, false);
         let pairs: Vec<(u32, u32)> = vec![(1, 1), (2, 2)];
@@ -300,7 +274,7 @@ fn identical_student_and_teacher_give_zero() {
 /// orders, cp.async timing): its barriers order the block reduction.
 #[test]
 fn every_schedule_agrees() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     let p = problem::<bf16>(&mut rng, 3000, 2, 0.1, false);
     let run = |opts| {
         emu::with_options(opts, || {
@@ -319,7 +293,7 @@ fn every_schedule_agrees() {
 /// emulator schedule, and reports bad rows as the fused kernel does.
 #[test]
 fn unfused_baseline_matches_the_cpu_backend() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for (vocab, pairs, neg_inf, repeat) in [
         (7usize, 4usize, 0.0f32, false),
         (5000, 5, 0.3, true),
@@ -386,7 +360,7 @@ fn unfused_baseline_matches_the_cpu_backend() {
 /// f32 summation-order noise.
 #[test]
 fn vector_and_scalar_paths_agree() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for vocab in [8usize, 4096, 40_000] {
         let p = problem::<bf16>(&mut rng, vocab, 3, 0.2, false);
         let mut shifted_s = vec![bf16::ZERO; p.student.len() + 8];
@@ -441,7 +415,7 @@ fn vector_and_scalar_paths_agree() {
 /// reference is far outside the tolerances (so they can fail).
 #[test]
 fn wrong_temperature_fails_the_tolerance() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     let p = problem::<f32>(&mut rng, 1000, 3, 0.0, false);
     let (kl_err, grad_err) = compare(&format!("seed {seed}"), &p, p.tau * 1.1);
     assert!(
@@ -452,7 +426,7 @@ fn wrong_temperature_fails_the_tolerance() {
 
 #[test]
 fn gradient_buffer_is_fully_written() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     let p = problem::<f16>(&mut rng, 777, 4, 0.0, false);
     // Row 0 is named by no pair: zeroed; rows 1..=4 written by the kernel.
     let mut grad = vec![f32::NAN; p.student.len()];

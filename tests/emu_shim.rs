@@ -7,38 +7,11 @@
 //! Inputs are fresh random numbers every run; the seed is printed in every
 //! failure message and `TREEATTN_SEED` replays it.
 
+mod common;
+
 use half::{bf16, f16};
 use treeattn::backend::emu::shim_selftest::{run, Kernel};
 use treeattn::backend::emu::{with_options, EmuOptions, Schedule};
-
-struct Rng(u64);
-impl Rng {
-    fn new() -> (Self, u64) {
-        let seed = std::env::var("TREEATTN_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos() as u64
-            });
-        (Rng(seed), seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-}
 
 fn u16s_to_bytes(x: &[u16]) -> Vec<u8> {
     x.iter().flat_map(|v| v.to_le_bytes()).collect()
@@ -54,10 +27,10 @@ const SENTINEL: u32 = 0xdead_beef;
 
 #[test]
 fn ldmatrix_lane_layouts_follow_the_ptx_isa() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for count in [1u32, 2, 4] {
         for trans in [false, true] {
-            let m: Vec<u16> = (0..256).map(|_| rng.next() as u16).collect();
+            let m: Vec<u16> = (0..256).map(|_| rng.next_u64() as u16).collect();
             let mut out: Vec<u8> = SENTINEL.to_le_bytes().repeat(32 * 4);
             let arg = count | (u32::from(trans) << 8);
             // SAFETY: the kernel reads 256 u16 and writes 4 u32 per lane of one warp.
@@ -117,7 +90,7 @@ fn mma_chain(a: &[u16], b: &[u16], c: &[f32], bf16_inputs: bool, b_k_major: bool
 
 #[test]
 fn mma_m16n8k16_matches_a_scalar_matmul() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for bf in [true, false] {
         for b_k_major in [false, true] {
             let round = |x: f32| -> (u16, f64) {
@@ -129,10 +102,10 @@ fn mma_m16n8k16_matches_a_scalar_matmul() {
                     (h.to_bits(), h.to_f64())
                 }
             };
-            let a: Vec<(u16, f64)> = (0..256).map(|_| round(rng.unit() * 3.0)).collect(); // [16][16]
-            let b: Vec<(u16, f64)> = (0..128).map(|_| round(rng.unit() * 3.0)).collect(); // [k 16][n 8]
-            let c: Vec<f32> = (0..128).map(|_| rng.unit() * 4.0).collect(); // [16][8]
-                                                                            // B is stored k-major ([16][8]) for the .trans path, n-major otherwise.
+            let a: Vec<(u16, f64)> = (0..256).map(|_| round(rng.signed_unit() * 3.0)).collect(); // [16][16]
+            let b: Vec<(u16, f64)> = (0..128).map(|_| round(rng.signed_unit() * 3.0)).collect(); // [k 16][n 8]
+            let c: Vec<f32> = (0..128).map(|_| rng.signed_unit() * 4.0).collect(); // [16][8]
+                                                                                   // B is stored k-major ([16][8]) for the .trans path, n-major otherwise.
             let b_store: Vec<u16> = if b_k_major {
                 b.iter().map(|x| x.0).collect()
             } else {
@@ -172,10 +145,12 @@ fn mma_m16n8k16_matches_a_scalar_matmul() {
 
 #[test]
 fn shuffles_and_ballot_follow_cuda_semantics() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for _ in 0..4 {
-        let arg = [1u32, 2, 3, 4, 7, 8, 13][rng.below(7) as usize];
-        let v: Vec<u32> = (0..64).map(|_| rng.below(1 << 20) as u32).collect();
+        let arg = [1u32, 2, 3, 4, 7, 8, 13][(rng.next_u64() % 7) as usize];
+        let v: Vec<u32> = (0..64)
+            .map(|_| (rng.next_u64() % (1 << 20)) as u32)
+            .collect();
         let input: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
         let mut out = vec![0u8; 64 * 7 * 4];
         // SAFETY: 64 threads read one u32 each and write 7 u32 each.
@@ -315,9 +290,9 @@ fn shared_memory_is_poisoned_fresh_for_every_block() {
 fn cp_async_lands_at_its_wait_group_or_eagerly() {
     // Hardware may land a copy anywhere between issue and its wait_group; the
     // emulator offers both ends.
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = common::seeded_rng();
     for (zero_fill, eager) in [(false, false), (true, false), (false, true), (true, true)] {
-        let input: Vec<u8> = (0..32 * 32).map(|_| rng.next() as u8).collect();
+        let input: Vec<u8> = (0..32 * 32).map(|_| rng.next_u64() as u8).collect();
         let mut out = vec![0u8; 32 * 12 * 4];
         // SAFETY: 32 threads read 32 bytes each and write 12 u32 each; smem 1024.
         let opts = EmuOptions {
@@ -371,8 +346,8 @@ fn warp_serial_schedules_expose_a_missing_barrier() {
     // Warp 0 writes shared memory, warp 1 reads it: with the barrier every
     // schedule agrees; without it, lockstep happens to hide the race and the
     // reverse schedule (warp 1 first) reads the poison.
-    let (mut rng, seed) = Rng::new();
-    let input: Vec<u8> = (0..32 * 4).map(|_| rng.next() as u8).collect();
+    let (mut rng, seed) = common::seeded_rng();
+    let input: Vec<u8> = (0..32 * 4).map(|_| rng.next_u64() as u8).collect();
     let data = bytes_to_u32s(&input);
     for opts in EmuOptions::all() {
         for barrier in [true, false] {

@@ -5,24 +5,13 @@
 use ndarray::Array2;
 use proptest::prelude::*;
 use treeattn::backend::cpu::{self, CpuFloat};
+use treeattn::gen::Rng;
 use treeattn::{ops, Error};
 
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
+/// Uniform in `0..n` by modulo, the draw these tests (and the seeds in
+/// sdcc_cpu.proptest-regressions) were written against.
+fn below(rng: &mut Rng, n: usize) -> usize {
+    (rng.next_u64() % n as u64) as usize
 }
 
 /// Direct computation: materialize both log-softmaxes of `logits / τ`, then
@@ -102,7 +91,7 @@ fn logits(
                 x[row + v] = f64::NEG_INFINITY;
             }
         }
-        x[row + rng.below(vocab)] = shift;
+        x[row + below(rng, vocab)] = shift;
     }
     x
 }
@@ -127,15 +116,20 @@ struct Case {
 }
 
 fn make_case(seed: u64, vocab: usize, n_pairs: usize, neg_inf: f64) -> Case {
-    let mut rng = Rng(seed);
-    let (rows_s, rows_t) = (1 + rng.below(6), 1 + rng.below(6));
+    let mut rng = Rng::new(seed);
+    let (rows_s, rows_t) = (1 + below(&mut rng, 6), 1 + below(&mut rng, 6));
     // Teacher −inf only where the student is too would be a special case;
     // draw independently so that some pairs have student −inf under
     // teacher mass (KL = +inf) only when neg_inf is set on the student.
     let student = logits(&mut rng, rows_s, vocab, 4.0, 50.0, 0.0);
     let teacher = logits(&mut rng, rows_t, vocab, 4.0, 50.0, neg_inf);
     let pairs = (0..n_pairs)
-        .map(|_| (rng.below(rows_s) as u32, rng.below(rows_t) as u32))
+        .map(|_| {
+            (
+                below(&mut rng, rows_s) as u32,
+                below(&mut rng, rows_t) as u32,
+            )
+        })
         .collect();
     let weights = (0..n_pairs)
         .map(|i| {
@@ -216,7 +210,7 @@ proptest! {
 
 #[test]
 fn kl_is_zero_and_gradient_zero_when_student_equals_teacher() {
-    let mut rng = Rng(1);
+    let mut rng = Rng::new(1);
     let x = logits(&mut rng, 3, 1000, 5.0, 100.0, 0.2);
     let pairs = [(0, 0), (1, 1), (2, 2), (1, 1)];
     let out = cpu::sdcc_forward_kl(&x, &x, 1000, &pairs, &[1.0, 0.5, 2.0, 1.0], 0.7).unwrap();
@@ -240,7 +234,7 @@ fn kl_is_zero_and_gradient_zero_when_student_equals_teacher() {
 /// tolerance 1e-8.
 #[test]
 fn gradient_matches_finite_differences() {
-    let mut rng = Rng(42);
+    let mut rng = Rng::new(42);
     let vocab = 9;
     let student = logits(&mut rng, 3, vocab, 3.0, 0.0, 0.0);
     let mut teacher = logits(&mut rng, 2, vocab, 3.0, 0.0, 0.0);
@@ -273,7 +267,7 @@ fn gradient_matches_finite_differences() {
 
 #[test]
 fn repeated_student_rows_accumulate() {
-    let mut rng = Rng(8);
+    let mut rng = Rng::new(8);
     let vocab = 300;
     let student = logits(&mut rng, 2, vocab, 3.0, 10.0, 0.0);
     let teacher = logits(&mut rng, 3, vocab, 3.0, 10.0, 0.1);
@@ -336,7 +330,7 @@ fn infinite_logits_are_handled_exactly() {
 #[test]
 fn large_vocabulary_matches_direct() {
     let vocab = 151_936;
-    let mut rng = Rng(150_000);
+    let mut rng = Rng::new(150_000);
     let c = Case {
         vocab,
         student: logits(&mut rng, 2, vocab, 6.0, 30.0, 0.0),

@@ -26,7 +26,7 @@ use cudarc::driver::{CudaSlice, DeviceRepr};
 use super::CudaBackend;
 use crate::backend::launch::{count_tiles, FwdTraits, KernelElem};
 use crate::backend::{AttnParams, AttnShape};
-use crate::mask::PackMask;
+use crate::gen::{MaskBuilder, Rng};
 use crate::{Error, Result};
 
 /// What `gpu-check` runs.
@@ -53,94 +53,6 @@ impl Default for CheckOptions {
             timing_q_heads: 16,
             reps: 50,
         }
-    }
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next() % (hi - lo + 1) as u64) as usize
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-}
-
-/// A pack under construction: kv_end and depth position ids.
-#[derive(Default)]
-struct Pack {
-    kv_end: Vec<u32>,
-    pos: Vec<u32>,
-}
-
-impl Pack {
-    /// Appends a random tree in pre-order: a node is a chain of
-    /// 1..=max_chain tokens followed by its subtrees; each token's kv_end is
-    /// the end of its node's subtree. The root branches (an edit).
-    fn push_tree(
-        &mut self,
-        rng: &mut Rng,
-        depth0: u32,
-        max_chain: usize,
-        levels: u32,
-        branch: bool,
-    ) {
-        let start = self.kv_end.len();
-        let len = rng.range(1, max_chain);
-        self.kv_end.extend(std::iter::repeat(0).take(len));
-        self.pos.extend(depth0..depth0 + len as u32);
-        if levels > 0 {
-            let kids = if branch {
-                rng.range(2, 3)
-            } else {
-                rng.range(0, 3)
-            };
-            for _ in 0..kids {
-                self.push_tree(rng, depth0 + len as u32, max_chain, levels - 1, false);
-            }
-        }
-        let end = self.kv_end.len() as u32;
-        self.kv_end[start..start + len]
-            .iter_mut()
-            .for_each(|e| *e = end);
-    }
-    /// Padding keys: seen by nobody, their rows see nothing.
-    fn pad(&mut self, n: usize) {
-        for _ in 0..n {
-            self.kv_end.push(self.kv_end.len() as u32);
-            self.pos.push(0);
-        }
-    }
-    /// An independent sequence of `n` tokens (varlen / causal).
-    fn push_sequence(&mut self, n: usize) {
-        let end = (self.kv_end.len() + n) as u32;
-        self.kv_end.extend(std::iter::repeat(end).take(n));
-        self.pos.extend(0..n as u32);
-    }
-    /// A prompt of `prompt` tokens with `branches` continuations of
-    /// `branch_len` tokens each, all children of the prompt (compaction
-    /// views, or a GRPO group).
-    fn push_fan(&mut self, prompt: usize, branches: usize, branch_len: usize) {
-        let end = (self.kv_end.len() + prompt + branches * branch_len) as u32;
-        self.kv_end.extend(std::iter::repeat(end).take(prompt));
-        self.pos.extend(0..prompt as u32);
-        for _ in 0..branches {
-            self.push_sequence(branch_len);
-            let n = self.pos.len();
-            self.pos[n - branch_len..]
-                .iter_mut()
-                .for_each(|p| *p += prompt as u32);
-        }
-    }
-    fn mask(&self) -> Result<PackMask<'_>> {
-        PackMask::new(&self.kv_end, &self.pos)
     }
 }
 
@@ -235,13 +147,15 @@ fn cerr(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
 fn check_case<T: KernelElem + DeviceRepr>(
     be: &CudaBackend,
     rng: &mut Rng,
-    pack: &Pack,
+    pack: &MaskBuilder,
     shape: AttnShape,
 ) -> Result<(f64, f64, f64)> {
     let s = be.stream();
     let mask = pack.mask()?;
     let gen = |rng: &mut Rng, n: usize, amp: f32| -> (Vec<T>, Vec<f64>) {
-        let x: Vec<T> = (0..n).map(|_| T::from_f32(rng.unit() * amp)).collect();
+        let x: Vec<T> = (0..n)
+            .map(|_| T::from_f32(rng.signed_unit() * amp))
+            .collect();
         let f = x.iter().map(|e| e.to_f32() as f64).collect();
         (x, f)
     };
@@ -325,7 +239,9 @@ fn timing_inputs<T: KernelElem + DeviceRepr>(
     let mut inputs = Vec::with_capacity(sets);
     for _ in 0..sets {
         let mut mk = |n: usize| -> Result<CudaSlice<T>> {
-            let h: Vec<T> = (0..n).map(|_| T::from_f32(rng.unit() * 2.0)).collect();
+            let h: Vec<T> = (0..n)
+                .map(|_| T::from_f32(rng.signed_unit() * 2.0))
+                .collect();
             s.clone_htod(&h).map_err(cerr("upload timing inputs"))
         };
         inputs.push([mk(shape.q_len())?, mk(shape.kv_len())?, mk(shape.kv_len())?]);
@@ -339,7 +255,7 @@ fn timing_inputs<T: KernelElem + DeviceRepr>(
 fn time_pack<T: KernelElem + DeviceRepr>(
     be: &CudaBackend,
     inputs: &[[CudaSlice<T>; 3]],
-    pack: &Pack,
+    pack: &MaskBuilder,
     shape: AttnShape,
     reps: usize,
 ) -> Result<f64> {
@@ -382,13 +298,13 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(1)
     });
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let be = CudaBackend::new(opts.device)?;
     let mut rep = String::new();
     let _ = writeln!(rep, "gpu-check on {} (seed {seed})", be.describe()?);
 
     // 1. correctness
-    let mut cases: Vec<(String, Pack, AttnShape, bool)> = Vec::new();
+    let mut cases: Vec<(String, MaskBuilder, AttnShape, bool)> = Vec::new();
     let shape = |tokens, q_heads, kv_heads, head_dim| AttnShape {
         tokens,
         q_heads,
@@ -396,14 +312,14 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
         head_dim,
     };
     {
-        let mut p = Pack::default();
+        let mut p = MaskBuilder::new();
         p.push_tree(&mut rng, 0, 120, 3, true);
         p.push_tree(&mut rng, 0, 120, 3, true);
         let n = p.kv_end.len();
         cases.push(("trees bf16 d64 gqa 4/2".into(), p, shape(n, 4, 2, 64), true));
-        let mut p = Pack::default();
+        let mut p = MaskBuilder::new();
         p.push_tree(&mut rng, 0, 200, 3, true);
-        p.pad(13);
+        p.push_padding(13);
         let n = p.kv_end.len();
         cases.push((
             "tree+pad f16 d128 gqa 4/1".into(),
@@ -411,19 +327,19 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
             shape(n, 4, 1, 128),
             false,
         ));
-        let mut p = Pack::default();
+        let mut p = MaskBuilder::new();
         while p.kv_end.len() < 1500 {
             let n = rng.range(1, 300);
             p.push_sequence(n);
         }
-        p.pad(7);
+        p.push_padding(7);
         let n = p.kv_end.len();
         cases.push(("varlen+pad bf16 d128".into(), p, shape(n, 8, 8, 128), true));
-        let mut p = Pack::default();
+        let mut p = MaskBuilder::new();
         let n = rng.range(700, 1100);
         p.push_sequence(n);
         cases.push(("causal f16 d64".into(), p, shape(n, 2, 1, 64), false));
-        let mut p = Pack::default();
+        let mut p = MaskBuilder::new();
         p.push_fan(rng.range(100, 300), 16, rng.range(20, 90));
         let n = p.kv_end.len();
         cases.push(("grpo fan bf16 d128".into(), p, shape(n, 4, 2, 128), true));
@@ -472,21 +388,21 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
     let n = opts.timing_tokens.max(256);
     let hq = opts.timing_q_heads.max(4);
     let hk = hq / 4;
-    let mut timing: Vec<(String, Pack)> = Vec::new();
-    let mut p = Pack::default();
+    let mut timing: Vec<(String, MaskBuilder)> = Vec::new();
+    let mut p = MaskBuilder::new();
     let system = n / 8;
     p.push_fan(system, 4, (n - system) / 4);
     timing.push(("compaction: prompt + 4 views".into(), p));
-    let mut p = Pack::default();
+    let mut p = MaskBuilder::new();
     let prompt = n / 16;
     p.push_fan(prompt, 16, (n - prompt) / 16);
     timing.push(("grpo: prompt + 16 responses".into(), p));
-    let mut p = Pack::default();
+    let mut p = MaskBuilder::new();
     while p.kv_end.len() < n {
         p.push_tree(&mut rng, 0, n / 16, 3, true);
     }
     p.kv_end.truncate(n);
-    p.pos.truncate(n);
+    p.position_ids.truncate(n);
     for (k, e) in p.kv_end.iter_mut().enumerate() {
         *e = (*e).min(n as u32).max(k as u32 + 1);
     }
@@ -506,7 +422,7 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
         "causal ms",
         "speedup"
     );
-    let mut causal = Pack::default();
+    let mut causal = MaskBuilder::new();
     causal.push_sequence(n);
     for d in [128usize, 64] {
         let sh = shape(n, hq, hk, d);
@@ -571,16 +487,16 @@ mod tests {
     /// this file).
     #[test]
     fn generators_and_reference_agree_with_the_emulator() {
-        let mut rng = Rng(0x5eed ^ std::process::id() as u64);
+        let mut rng = Rng::new(0x5eed ^ std::process::id() as u64);
         let mut packs = Vec::new();
-        let mut p = Pack::default();
+        let mut p = MaskBuilder::new();
         p.push_tree(&mut rng, 0, 20, 3, true);
-        p.pad(5);
+        p.push_padding(5);
         packs.push(p);
-        let mut p = Pack::default();
+        let mut p = MaskBuilder::new();
         p.push_fan(30, 16, 7);
         packs.push(p);
-        let mut p = Pack::default();
+        let mut p = MaskBuilder::new();
         p.push_sequence(70);
         p.push_sequence(9);
         packs.push(p);
@@ -593,13 +509,13 @@ mod tests {
                 head_dim: 64,
             };
             let q: Vec<half::f16> = (0..shape.q_len())
-                .map(|_| half::f16::from_f32(rng.unit() * 2.0))
+                .map(|_| half::f16::from_f32(rng.signed_unit() * 2.0))
                 .collect();
             let k: Vec<half::f16> = (0..shape.kv_len())
-                .map(|_| half::f16::from_f32(rng.unit() * 2.0))
+                .map(|_| half::f16::from_f32(rng.signed_unit() * 2.0))
                 .collect();
             let v: Vec<half::f16> = (0..shape.kv_len())
-                .map(|_| half::f16::from_f32(rng.unit()))
+                .map(|_| half::f16::from_f32(rng.signed_unit()))
                 .collect();
             let f = |x: &[half::f16]| x.iter().map(|e| e.to_f64()).collect::<Vec<f64>>();
             let params = AttnParams::new(64);

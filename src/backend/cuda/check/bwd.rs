@@ -25,12 +25,13 @@ use std::fmt::Write as _;
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::{cerr, CheckOptions, Pack, Rng};
+use super::{cerr, CheckOptions};
 use crate::backend::cpu;
 use crate::backend::cuda::{CudaBackend, CudaBackward, CudaSdcc, DevicePack};
 use crate::backend::launch::bwd::DqMode;
 use crate::backend::launch::{Dtype, KernelElem};
 use crate::backend::{AttnParams, AttnShape, Rope};
+use crate::gen::{MaskBuilder, Rng};
 use crate::{Error, Result};
 
 fn tol(dtype: Dtype) -> f64 {
@@ -61,7 +62,7 @@ fn check_backward<T: KernelElem + DeviceRepr>(
     be: &CudaBackend,
     bwd: &CudaBackward,
     rng: &mut Rng,
-    pack: &Pack,
+    pack: &MaskBuilder,
     shape: AttnShape,
     rope: Option<Rope>,
     mode: DqMode,
@@ -69,7 +70,9 @@ fn check_backward<T: KernelElem + DeviceRepr>(
     let s = be.stream();
     let mask = pack.mask()?;
     let gen = |rng: &mut Rng, n: usize, amp: f32| -> (Vec<T>, Vec<f32>) {
-        let x: Vec<T> = (0..n).map(|_| T::from_f32(rng.unit() * amp)).collect();
+        let x: Vec<T> = (0..n)
+            .map(|_| T::from_f32(rng.signed_unit() * amp))
+            .collect();
         let f = x.iter().map(|e| e.to_f32()).collect();
         (x, f)
     };
@@ -159,8 +162,8 @@ fn check_sdcc(
 ) -> Result<(f64, f64)> {
     let s = be.stream();
     let rows = 5;
-    let mut st: Vec<f32> = (0..rows * vocab).map(|_| 6.0 * rng.unit()).collect();
-    let mut te: Vec<f32> = st.iter().map(|&x| x + 0.7 * rng.unit()).collect();
+    let mut st: Vec<f32> = (0..rows * vocab).map(|_| 6.0 * rng.signed_unit()).collect();
+    let mut te: Vec<f32> = st.iter().map(|&x| x + 0.7 * rng.signed_unit()).collect();
     for v in 1..vocab {
         if rng.range(0, 9) == 0 {
             te[v] = f32::NEG_INFINITY;
@@ -206,7 +209,7 @@ fn check_sdcc(
 /// The root-to-leaf branches of a pack (LogitTree's K+1 sequences): for
 /// each leaf token q (`kv_end[q] == q + 1`), its ancestors `k <= q` with
 /// `kv_end[k] > q`. Returns their lengths.
-fn branch_lengths(pack: &Pack) -> Vec<usize> {
+fn branch_lengths(pack: &MaskBuilder) -> Vec<usize> {
     let kv = &pack.kv_end;
     (0..kv.len())
         .filter(|&q| kv[q] as usize == q + 1)
@@ -225,10 +228,12 @@ struct Run<T: DeviceRepr> {
 }
 
 impl<T: KernelElem + DeviceRepr> Run<T> {
-    fn new(be: &CudaBackend, rng: &mut Rng, pack: &Pack, shape: AttnShape) -> Result<Self> {
+    fn new(be: &CudaBackend, rng: &mut Rng, pack: &MaskBuilder, shape: AttnShape) -> Result<Self> {
         let s = be.stream();
         let mut mk = |n: usize| -> Result<CudaSlice<T>> {
-            let h: Vec<T> = (0..n).map(|_| T::from_f32(rng.unit() * 2.0)).collect();
+            let h: Vec<T> = (0..n)
+                .map(|_| T::from_f32(rng.signed_unit() * 2.0))
+                .collect();
             s.clone_htod(&h).map_err(cerr("upload timing inputs"))
         };
         let inputs = [
@@ -335,8 +340,8 @@ pub(super) fn run(
         "\nbackward correctness (relative Frobenius errors: dQ, dK, dV vs the CPU f32 backward; O: the device \
          forward, rotary included, vs the CPU forward)"
     );
-    let mut cases: Vec<(String, Pack, AttnShape, Option<Rope>, DqMode, bool)> = Vec::new();
-    let mut p = Pack::default();
+    let mut cases: Vec<(String, MaskBuilder, AttnShape, Option<Rope>, DqMode, bool)> = Vec::new();
+    let mut p = MaskBuilder::new();
     p.push_tree(rng, 0, 100, 3, true);
     p.push_tree(rng, 0, 100, 3, true);
     let n = p.kv_end.len();
@@ -348,9 +353,9 @@ pub(super) fn run(
         DqMode::Atomic,
         true,
     ));
-    let mut p = Pack::default();
+    let mut p = MaskBuilder::new();
     p.push_tree(rng, 0, 150, 3, true);
-    p.pad(11);
+    p.push_padding(11);
     let n = p.kv_end.len();
     cases.push((
         "tree+pad f16 d128 4/1 det".into(),
@@ -360,7 +365,7 @@ pub(super) fn run(
         DqMode::Deterministic,
         false,
     ));
-    let mut p = Pack::default();
+    let mut p = MaskBuilder::new();
     p.push_fan(rng.range(100, 300), 16, rng.range(20, 60));
     let n = p.kv_end.len();
     cases.push((
@@ -371,11 +376,11 @@ pub(super) fn run(
         DqMode::Deterministic,
         true,
     ));
-    let mut p = Pack::default();
+    let mut p = MaskBuilder::new();
     while p.kv_end.len() < 1200 {
         let n = rng.range(1, 250);
         p.push_sequence(n);
-        p.pad(rng.range(0, 2));
+        p.push_padding(rng.range(0, 2));
     }
     let n = p.kv_end.len();
     cases.push((
@@ -452,16 +457,16 @@ pub(super) fn run(
     let hq = opts.timing_q_heads.max(4);
     let hk = hq / 4;
     let reps = opts.reps.clamp(1, 20);
-    let mut packs: Vec<(String, Pack)> = Vec::new();
-    let mut p = Pack::default();
+    let mut packs: Vec<(String, MaskBuilder)> = Vec::new();
+    let mut p = MaskBuilder::new();
     let system = n / 8;
     p.push_fan(system, 4, (n - system) / 4);
     packs.push(("compaction: prompt + 4 views".into(), p));
-    let mut p = Pack::default();
+    let mut p = MaskBuilder::new();
     let prompt = n / 16;
     p.push_fan(prompt, 16, (n - prompt) / 16);
     packs.push(("grpo: prompt + 16 responses".into(), p));
-    let mut causal = Pack::default();
+    let mut causal = MaskBuilder::new();
     causal.push_sequence(n);
     let _ = writeln!(
         rep,
@@ -497,7 +502,7 @@ pub(super) fn run(
             let mut lt = branches
                 .iter()
                 .map(|&len| {
-                    let mut b = Pack::default();
+                    let mut b = MaskBuilder::new();
                     b.push_sequence(len);
                     Run::<half::bf16>::new(be, rng, &b, shape(len, hq, hk, d))
                 })
@@ -530,7 +535,7 @@ pub(super) fn run(
     // pair); fewer for the small sanitizer runs.
     let n_pairs = (n / 8).clamp(16, 2048);
     let rows: Vec<half::bf16> = (0..n_pairs * vocab)
-        .map(|_| half::bf16::from_f32(6.0 * rng.unit()))
+        .map(|_| half::bf16::from_f32(6.0 * rng.signed_unit()))
         .collect();
     let s = be.stream();
     let dst = s.clone_htod(&rows).map_err(cerr("upload SDCC student"))?;
@@ -587,16 +592,16 @@ mod tests {
     /// (two branches of 10 and 8 tokens), a fan, and padding (no branch).
     #[test]
     fn branches_of_a_pack() {
-        let example = Pack {
+        let example = MaskBuilder {
             kv_end: vec![
                 16, 16, 10, 10, 10, 10, 10, 10, 10, 10, 16, 16, 16, 16, 16, 16,
             ],
-            pos: vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5, 6, 7],
+            position_ids: vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5, 6, 7],
         };
         assert_eq!(branch_lengths(&example), vec![10, 8]);
-        let mut fan = Pack::default();
+        let mut fan = MaskBuilder::new();
         fan.push_fan(5, 3, 4);
-        fan.pad(2);
+        fan.push_padding(2);
         assert_eq!(branch_lengths(&fan), vec![9, 9, 9]);
     }
 }

@@ -14,8 +14,7 @@
 //!    warm-up, median of CUDA-event timings. FLOPs count visible pairs only
 //!    (4·d per pair per head, DESIGN §7).
 //!
-//! The reference is the local f64 loop below until the CPU backend lands;
-//! then it should be `backend::cpu::attention_forward::<f64>`.
+//! The reference is the CPU backend (`backend::cpu::attention_forward::<f64>`).
 
 use std::fmt::Write as _;
 
@@ -56,8 +55,9 @@ impl Default for CheckOptions {
     }
 }
 
-/// f64 reference: (O [tokens, hq, d], LSE [hq, tokens]); rows split over
-/// all cores.
+/// The reference: the CPU backend in f64 on the same rounded inputs, no
+/// rotary (the forward timings and checks here run without it; part 2 checks
+/// rotary). Returns (O [tokens, hq, d], LSE [hq, tokens]).
 fn reference(
     q: &[f64],
     k: &[f64],
@@ -65,77 +65,13 @@ fn reference(
     s: AttnShape,
     kv_end: &[u32],
     scale: f64,
-) -> (Vec<f64>, Vec<f64>) {
-    let (l, hq, hk, d) = (s.tokens, s.q_heads, s.kv_heads, s.head_dim);
-    let group = hq / hk;
-    // Keys visible from each row, built once: key k is seen by rows k..kv_end[k].
-    let mut keys_of: Vec<Vec<u32>> = vec![Vec::new(); l];
-    for (kk, &e) in kv_end.iter().enumerate() {
-        for row in keys_of.iter_mut().take(e as usize).skip(kk) {
-            row.push(kk as u32);
-        }
-    }
-    let threads = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    let chunk = l.div_ceil(threads).max(1);
-    let mut o = vec![0.0; l * hq * d];
-    let mut lse = vec![f64::NEG_INFINITY; hq * l];
-    let mut lse_rows: Vec<Vec<f64>> = Vec::new();
-    std::thread::scope(|sc| {
-        let handles: Vec<_> = o
-            .chunks_mut(chunk * hq * d)
-            .enumerate()
-            .map(|(ci, oc)| {
-                let keys_of = &keys_of;
-                sc.spawn(move || {
-                    let r0 = ci * chunk;
-                    let rows = oc.len() / (hq * d);
-                    let mut lse_part = vec![f64::NEG_INFINITY; rows * hq];
-                    for r in 0..rows {
-                        let qi = r0 + r;
-                        let keys = &keys_of[qi];
-                        if keys.is_empty() {
-                            continue;
-                        }
-                        for h in 0..hq {
-                            let kh = h / group;
-                            let qrow = &q[(qi * hq + h) * d..][..d];
-                            let sc: Vec<f64> = keys
-                                .iter()
-                                .map(|&kk| {
-                                    let krow = &k[(kk as usize * hk + kh) * d..][..d];
-                                    scale * qrow.iter().zip(krow).map(|(a, b)| a * b).sum::<f64>()
-                                })
-                                .collect();
-                            let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                            let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
-                            lse_part[r * hq + h] = m + z.ln();
-                            let orow = &mut oc[(r * hq + h) * d..][..d];
-                            for (&kk, x) in keys.iter().zip(&sc) {
-                                let p = (x - m).exp() / z;
-                                let vrow = &v[(kk as usize * hk + kh) * d..][..d];
-                                orow.iter_mut().zip(vrow).for_each(|(a, b)| *a += p * b);
-                            }
-                        }
-                    }
-                    lse_part
-                })
-            })
-            .collect();
-        lse_rows = handles
-            .into_iter()
-            .map(|h| h.join().expect("reference thread"))
-            .collect();
-    });
-    for (ci, part) in lse_rows.iter().enumerate() {
-        for (r, row) in part.chunks(hq).enumerate() {
-            for (h, &x) in row.iter().enumerate() {
-                lse[h * l + ci * chunk + r] = x;
-            }
-        }
-    }
-    (o, lse)
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let positions = vec![0u32; kv_end.len()];
+    let mask = crate::mask::PackMask::new(kv_end, &positions)?;
+    let mut params = AttnParams::new(s.head_dim);
+    params.softmax_scale = scale;
+    let out = crate::backend::cpu::attention_forward::<f64>(q, k, v, s, mask, &params)?;
+    Ok((out.o, out.lse))
 }
 
 fn cerr(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
@@ -191,7 +127,7 @@ fn check_case<T: KernelElem + DeviceRepr>(
             )));
         }
     }
-    let (ro, rl) = reference(&qf, &kf, &vf, shape, &pack.kv_end, params.softmax_scale);
+    let (ro, rl) = reference(&qf, &kf, &vf, shape, &pack.kv_end, params.softmax_scale)?;
     let (mut num, mut den) = (0.0f64, 0.0f64);
     for (i, (x, r)) in o.iter().zip(&ro).enumerate() {
         let x = x.to_f32() as f64;
@@ -527,7 +463,8 @@ mod tests {
                 shape,
                 &p.kv_end,
                 params.softmax_scale,
-            );
+            )
+            .unwrap();
             let (mut num, mut den) = (0.0, 0.0);
             for (x, r) in out.o.iter().zip(&ro) {
                 num += (x.to_f64() - r).powi(2);

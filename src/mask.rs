@@ -137,7 +137,14 @@ pub enum TileClass {
 /// precede every query and each key's range covers the query tile); Partial
 /// may be conservative.
 #[inline]
-pub fn classify_tile(q0: usize, q1: usize, k0: usize, k1: usize, kv_min: u32, kv_max: u32) -> TileClass {
+pub fn classify_tile(
+    q0: usize,
+    q1: usize,
+    k0: usize,
+    k1: usize,
+    kv_min: u32,
+    kv_max: u32,
+) -> TileClass {
     debug_assert!(q0 < q1 && k0 < k1);
     if k0 + 1 > q1 || kv_max as usize <= q0 {
         TileClass::Skip

@@ -10,8 +10,8 @@
 //! d = 64, 69,632 for d = 128).
 
 use super::{AttnParams, AttnShape};
-pub use crate::mask::TileClass;
 use crate::mask::classify_tile;
+pub use crate::mask::TileClass;
 use crate::{Error, Result};
 
 pub mod bwd;
@@ -185,7 +185,6 @@ pub fn plan_forward(
     };
     Ok((traits, plan))
 }
-
 
 /// The forward kernel's rule (DESIGN §5) for the query tile `[q0, q0 +
 /// block_m)` and key tile `[k0, k0 + block_n)` of a pack of `tokens` tokens,

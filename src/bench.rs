@@ -1541,7 +1541,7 @@ pub fn forward_balance(pack: &Pack, heads: usize, threads: usize) -> f64 {
             let c = (0..=qt)
                 .filter(|&kt| bounds.classify(q0, q1, kt) != TileClass::Skip)
                 .count() as u64;
-            std::iter::repeat(c).take(heads)
+            std::iter::repeat_n(c, heads)
         })
         .collect();
     costs.sort_unstable_by(|a, b| b.cmp(a));

@@ -313,7 +313,7 @@ impl Tree {
         let mut i = 0;
         while i < self.len() {
             let end = self.subtree_ends()[i];
-            spans.extend(std::iter::repeat((i as u32, end)).take((end as usize) - i));
+            spans.extend(std::iter::repeat_n((i as u32, end), (end as usize) - i));
             i = end as usize;
         }
         spans
@@ -355,7 +355,7 @@ impl Tree {
             p.tokens
                 .extend(fin.nodes.iter().map(|&x| self.tokens()[x as usize]));
             p.position_ids.extend(0..n);
-            p.kv_end.extend(std::iter::repeat(off + n).take(n as usize));
+            p.kv_end.extend(std::iter::repeat_n(off + n, n as usize));
             for pr in &tr.present {
                 let lp = tr.calls[pr.call as usize]
                     .logprobs

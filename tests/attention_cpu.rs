@@ -61,7 +61,7 @@ impl Mask {
         while kv_end.len() < l {
             let start = kv_end.len();
             let end = (start + rng.range(1, 90)).min(l);
-            kv_end.extend(std::iter::repeat(end as u32).take(end - start));
+            kv_end.extend(std::iter::repeat_n(end as u32, end - start));
             pos.extend(0..(end - start) as u32);
         }
         Mask { kv_end, pos }
@@ -96,7 +96,7 @@ impl Mask {
             }
         }
         m.kv_end.extend(((l - pad) as u32)..(l as u32));
-        m.pos.extend(std::iter::repeat(0).take(pad));
+        m.pos.extend(std::iter::repeat_n(0, pad));
         m
     }
     /// Query rows with no visible key.
@@ -849,11 +849,11 @@ fn group_pack(rng: &mut Rng, prompt: usize, n: usize) -> Mask {
     let mut pos = Vec::new();
     let lens: Vec<usize> = (0..n).map(|_| rng.range(5, 60)).collect();
     let l = prompt + lens.iter().sum::<usize>();
-    kv_end.extend(std::iter::repeat(l as u32).take(prompt));
+    kv_end.extend(std::iter::repeat_n(l as u32, prompt));
     pos.extend(0..prompt as u32);
     for len in lens {
         let end = (kv_end.len() + len) as u32;
-        kv_end.extend(std::iter::repeat(end).take(len));
+        kv_end.extend(std::iter::repeat_n(end, len));
         pos.extend(prompt as u32..(prompt + len) as u32);
     }
     Mask { kv_end, pos }

@@ -256,7 +256,7 @@ fn tile_classes_and_edge_lengths() {
     while kv_end.len() < 230 {
         let start = kv_end.len();
         let len = rng.range(1, 40);
-        kv_end.extend(std::iter::repeat((start + len) as u32).take(len));
+        kv_end.extend(std::iter::repeat_n((start + len) as u32, len));
         // Padding keys between sequences, too.
         if rng.range(0, 2) == 0 {
             kv_end.push(kv_end.len() as u32);
@@ -293,7 +293,7 @@ fn long_pack_many_query_tiles_per_key_tile() {
     let mut pos: Vec<u32> = (0..prompt as u32).collect();
     let mut start = prompt;
     for v in views {
-        kv_end.extend(std::iter::repeat((start + v) as u32).take(v));
+        kv_end.extend(std::iter::repeat_n((start + v) as u32, v));
         pos.extend(prompt as u32..(prompt + v) as u32);
         start += v;
     }
@@ -623,7 +623,7 @@ fn tile_walks_load_only_visible_tiles() {
         while kv_end.len() < 400 {
             let start = kv_end.len();
             let len = rng.range(1, 30);
-            kv_end.extend(std::iter::repeat((start + len) as u32).take(len));
+            kv_end.extend(std::iter::repeat_n((start + len) as u32, len));
             if rng.range(0, 3) == 0 {
                 kv_end.push(kv_end.len() as u32);
             }

@@ -254,7 +254,7 @@ fn tile_classes_and_edge_lengths() {
     while kv_end.len() < 300 {
         let start = kv_end.len();
         let len = rng.range(1, 40);
-        kv_end.extend(std::iter::repeat((start + len) as u32).take(len));
+        kv_end.extend(std::iter::repeat_n((start + len) as u32, len));
     }
     let n = kv_end.len();
     kv_end.extend((n..n + 5).map(|k| k as u32));

@@ -342,7 +342,7 @@ mod tests {
                 if next(4) == 0 {
                     kv_end.extend((start..start + len).map(|k| k as u32)); // padding keys
                 } else {
-                    kv_end.extend(std::iter::repeat((start + len) as u32).take(len));
+                    kv_end.extend(std::iter::repeat_n((start + len) as u32, len));
                 }
             }
             let l = kv_end.len();

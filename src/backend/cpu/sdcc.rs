@@ -164,7 +164,7 @@ pub fn sdcc_forward_kl<T: CpuFloat>(
                     Ok(st) => st,
                     Err(e) => {
                         let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
-                        if slot.as_ref().map_or(true, |(j, _)| i < *j) {
+                        if slot.as_ref().is_none_or(|(j, _)| i < *j) {
                             *slot = Some((i, e));
                         }
                         return;

@@ -60,7 +60,7 @@ use crate::backend::cpu::{
     attention_backward_into, attention_forward_into, num_threads, run_parallel, tile_counts,
     AttnGrads, AttnOut, CpuFloat, SdccOut, TileCounts, TILE,
 };
-use crate::backend::{AttnParams, AttnShape};
+use crate::backend::{check_sdcc_args, AttnParams, AttnShape};
 use crate::gen::{
     self, CompactionParams, FoldParams, GrpoParams, MemexParams, PlainParams, Rng, Shape,
     StackPopParams,
@@ -864,42 +864,14 @@ pub fn sdcc_unfused(
     weights: &[f32],
     temperature: f32,
 ) -> Result<SdccOut<f32>> {
-    if vocab == 0 {
-        return Err(Error::Shape("SDCC vocab must be > 0".into()));
-    }
-    for (what, x) in [("student", student), ("teacher", teacher)] {
-        if x.len() % vocab != 0 {
-            return Err(Error::Shape(format!(
-                "{what} logits have {} elements, not a multiple of vocab = {vocab}",
-                x.len()
-            )));
-        }
-    }
-    if weights.len() != pairs.len() {
-        return Err(Error::Shape(format!(
-            "{} weights for {} SDCC pairs",
-            weights.len(),
-            pairs.len()
-        )));
-    }
-    if !(temperature.is_finite() && temperature > 0.0) {
-        return Err(Error::Unsupported(format!(
-            "SDCC temperature {temperature} must be finite and > 0"
-        )));
-    }
-    if let Some(index) = weights.iter().position(|w| !w.is_finite() || *w < 0.0) {
-        return Err(Error::Unsupported(format!(
-            "SDCC weight {index} is {} (weights must be finite and >= 0)",
-            weights[index]
-        )));
-    }
-    let (n_student, n_teacher) = (student.len() / vocab, teacher.len() / vocab);
-    for (i, &(s, t)) in pairs.iter().enumerate() {
-        if s as usize >= n_student || t as usize >= n_teacher {
-            return Err(Error::Pack(format!(
-                "SDCC pair {i} = (student row {s}, teacher row {t}) is out of range: {n_student} student rows, {n_teacher} teacher rows"
-            )));
-        }
+    let (n_student, _) = check_sdcc_args(
+        (student.len(), teacher.len()),
+        vocab,
+        pairs,
+        weights,
+        temperature,
+    )?;
+    for &(s, t) in pairs {
         for (what, x, r) in [("student", student, s), ("teacher", teacher, t)] {
             let row = &x[r as usize * vocab..][..vocab];
             if let Some(c) = row.iter().position(|v| v.is_nan() || *v == f32::INFINITY) {

@@ -119,3 +119,62 @@ impl AttnParams {
         Ok(())
     }
 }
+
+/// Checks the arguments of an SDCC forward-KL call the same way on every
+/// backend and returns the number of (student, teacher) logit rows. `lens`
+/// are the element counts of the student and teacher logits.
+///
+/// Errors: `vocab == 0` or logits not a whole number of rows; `weights` not
+/// one per pair, non-finite or negative; `temperature` non-finite or `<= 0`;
+/// a pair naming a row out of range (the lowest such pair is reported).
+pub fn check_sdcc_args(
+    lens: (usize, usize),
+    vocab: usize,
+    pairs: &[(u32, u32)],
+    weights: &[f32],
+    temperature: f32,
+) -> Result<(usize, usize)> {
+    if vocab == 0 {
+        return Err(Error::Shape("SDCC vocab must be > 0".into()));
+    }
+    for (what, n) in [("student", lens.0), ("teacher", lens.1)] {
+        if n % vocab != 0 {
+            return Err(Error::Shape(format!(
+                "{what} logits have {n} elements, not a multiple of vocab = {vocab}"
+            )));
+        }
+    }
+    if weights.len() != pairs.len() {
+        return Err(Error::Shape(format!(
+            "{} weights for {} SDCC pairs",
+            weights.len(),
+            pairs.len()
+        )));
+    }
+    if !(temperature.is_finite() && temperature > 0.0) {
+        return Err(Error::Unsupported(format!(
+            "SDCC temperature {temperature} must be finite and > 0"
+        )));
+    }
+    if let Some(index) = weights.iter().position(|w| !w.is_finite()) {
+        return Err(Error::NonFinite {
+            what: "SDCC weights".into(),
+            index,
+        });
+    }
+    if let Some(i) = weights.iter().position(|&w| w < 0.0) {
+        return Err(Error::Unsupported(format!(
+            "SDCC weight {i} is {} (weights must be >= 0)",
+            weights[i]
+        )));
+    }
+    let (n_student, n_teacher) = (lens.0 / vocab, lens.1 / vocab);
+    for (i, &(s, t)) in pairs.iter().enumerate() {
+        if s as usize >= n_student || t as usize >= n_teacher {
+            return Err(Error::Pack(format!(
+                "SDCC pair {i} = (student row {s}, teacher row {t}) is out of range: {n_student} student rows, {n_teacher} teacher rows"
+            )));
+        }
+    }
+    Ok((n_student, n_teacher))
+}

@@ -1,6 +1,7 @@
 //! SDCC fused forward-KL over the vocabulary (DESIGN §5).
 
 use super::{num_threads, run_parallel, CpuFloat};
+use crate::backend::check_sdcc_args;
 use crate::{Error, Result};
 use std::sync::Mutex;
 
@@ -65,49 +66,13 @@ pub fn sdcc_forward_kl<T: CpuFloat>(
     weights: &[f32],
     temperature: f32,
 ) -> Result<SdccOut<T>> {
-    if vocab == 0 {
-        return Err(Error::Shape("SDCC vocab must be > 0".into()));
-    }
-    for (what, x) in [("student", student), ("teacher", teacher)] {
-        if x.len() % vocab != 0 {
-            return Err(Error::Shape(format!(
-                "{what} logits have {} elements, not a multiple of vocab = {vocab}",
-                x.len()
-            )));
-        }
-    }
-    if weights.len() != pairs.len() {
-        return Err(Error::Shape(format!(
-            "{} weights for {} SDCC pairs",
-            weights.len(),
-            pairs.len()
-        )));
-    }
-    if !(temperature.is_finite() && temperature > 0.0) {
-        return Err(Error::Unsupported(format!(
-            "SDCC temperature {temperature} must be finite and > 0"
-        )));
-    }
-    if let Some(index) = weights.iter().position(|w| !w.is_finite()) {
-        return Err(Error::NonFinite {
-            what: "SDCC weights".into(),
-            index,
-        });
-    }
-    if let Some(i) = weights.iter().position(|&w| w < 0.0) {
-        return Err(Error::Unsupported(format!(
-            "SDCC weight {i} is {} (weights must be >= 0)",
-            weights[i]
-        )));
-    }
-    let (n_student, n_teacher) = (student.len() / vocab, teacher.len() / vocab);
-    for (i, &(s, t)) in pairs.iter().enumerate() {
-        if s as usize >= n_student || t as usize >= n_teacher {
-            return Err(Error::Pack(format!(
-                "SDCC pair {i} = (student row {s}, teacher row {t}) is out of range: {n_student} student rows, {n_teacher} teacher rows"
-            )));
-        }
-    }
+    check_sdcc_args(
+        (student.len(), teacher.len()),
+        vocab,
+        pairs,
+        weights,
+        temperature,
+    )?;
 
     // Pairs grouped by student row (stable: pair order within a row), so
     // that each work item owns one gradient row.

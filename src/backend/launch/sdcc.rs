@@ -3,6 +3,7 @@
 //! (student row, teacher row) pair, 336 bytes of dynamic shared memory.
 
 use super::LaunchPlan;
+use crate::backend::check_sdcc_args;
 use crate::{Error, Result};
 
 mod sealed {
@@ -78,55 +79,16 @@ pub fn plan_sdcc(
     weights: &[f32],
     temperature: f32,
 ) -> Result<SdccPlan> {
-    if vocab == 0 {
-        return Err(Error::Shape("SDCC vocab must be > 0".into()));
-    }
-    for (what, n) in [("student", lens.0), ("teacher", lens.1)] {
-        if n % vocab != 0 {
-            return Err(Error::Shape(format!(
-                "{what} logits have {n} elements, not a multiple of vocab = {vocab}"
-            )));
-        }
-    }
-    if weights.len() != pairs.len() {
-        return Err(Error::Shape(format!(
-            "{} weights for {} SDCC pairs",
-            weights.len(),
-            pairs.len()
-        )));
-    }
-    if !(temperature.is_finite() && temperature > 0.0) {
-        return Err(Error::Unsupported(format!(
-            "SDCC temperature {temperature} must be finite and > 0"
-        )));
-    }
-    if let Some(index) = weights.iter().position(|w| !w.is_finite()) {
-        return Err(Error::NonFinite {
-            what: "SDCC weights".into(),
-            index,
-        });
-    }
-    if let Some(i) = weights.iter().position(|&w| w < 0.0) {
-        return Err(Error::Unsupported(format!(
-            "SDCC weight {i} is {} (weights must be >= 0)",
-            weights[i]
-        )));
-    }
+    let (n_student, _) = check_sdcc_args(lens, vocab, pairs, weights, temperature)?;
     if pairs.len() > i32::MAX as usize {
         return Err(Error::Unsupported(format!(
             "{} SDCC pairs exceed one launch's grid",
             pairs.len()
         )));
     }
-    let (n_student, n_teacher) = (lens.0 / vocab, lens.1 / vocab);
     let mut used = vec![false; n_student];
     let mut accumulate = false;
-    for (i, &(s, t)) in pairs.iter().enumerate() {
-        if s as usize >= n_student || t as usize >= n_teacher {
-            return Err(Error::Pack(format!(
-                "SDCC pair {i} = (student row {s}, teacher row {t}) is out of range: {n_student} student rows, {n_teacher} teacher rows"
-            )));
-        }
+    for &(s, _) in pairs {
         accumulate |= std::mem::replace(&mut used[s as usize], true);
     }
     Ok(SdccPlan {

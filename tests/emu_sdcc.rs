@@ -8,10 +8,18 @@
 //! f64; the KL is a difference of terms of size ~log(vocab), so the f32 sums
 //! lose up to ~10x in relative accuracy there: measured 1e-8 to 1e-5. The gradient
 //! uses ex2.approx-grade exponentials of f32 arguments (relative ~1e-6).
+//! Because the KL is such a difference, its absolute f32 error does not
+//! shrink with the KL: KLs below [`KL_FLOOR`] nats are held to the relative
+//! bound times `KL_FLOOR` (1e-6 nats absolute against the CPU backend), else a
+//! KL of 5e-4 at vocab 8 fails on f32 rounding alone (seen: 2.3e-4 relative
+//! between the vector and scalar paths, 1.2e-7 nats).
 //! Inputs are fresh every run; the seed is in every failure message and
 //! `TREEATTN_SEED` replays it.
 
 mod common;
+
+/// KLs (nats) below which errors are measured relative to this floor.
+const KL_FLOOR: f64 = 1e-2;
 
 use half::{bf16, f16};
 use treeattn::backend::cpu;
@@ -147,10 +155,11 @@ fn errors_against_cpu<T: SdccElem>(
             assert_eq!(g, w, "{what}: pair {i}");
             continue;
         }
-        kl_err = kl_err.max((g - w).abs() / w.abs().max(1e-30));
+        kl_err = kl_err.max((g - w).abs() / w.abs().max(KL_FLOOR));
     }
     if want.loss_sum.is_finite() {
-        kl_err = kl_err.max((got.loss_sum - want.loss_sum).abs() / want.loss_sum.abs().max(1e-30));
+        kl_err =
+            kl_err.max((got.loss_sum - want.loss_sum).abs() / want.loss_sum.abs().max(KL_FLOOR));
     }
     let (mut num, mut den) = (0.0f64, 0.0f64);
     for (i, (&g, &w)) in got.grad_student.iter().zip(&want.grad_student).enumerate() {
@@ -356,8 +365,9 @@ fn unfused_baseline_matches_the_cpu_backend() {
 
 /// The 16-byte vector path (vocab a multiple of 8, aligned tensors) and the
 /// scalar path (the same logits one element off a 16-byte boundary) agree:
-/// each within the tolerances of the CPU backend, and with each other to
-/// f32 summation-order noise.
+/// each within the tolerances of the CPU backend, and with each other within
+/// the same KL bound (their f32 summation orders differ) and a gradient
+/// relative Frobenius difference of 1e-4.
 #[test]
 fn vector_and_scalar_paths_agree() {
     let (mut rng, seed) = common::seeded_rng();
@@ -386,22 +396,25 @@ fn vector_and_scalar_paths_agree() {
                 assert_eq!(a, b, "seed {seed}: vocab {vocab}: pair {i}");
             } else {
                 assert!(
-                    (a - b).abs() <= 1e-5 * a.abs() + 1e-9,
+                    (a - b).abs() <= 1e-4 * a.abs().max(KL_FLOOR),
                     "seed {seed}: vocab {vocab}: pair {i}: {a} vs {b}"
                 );
             }
         }
-        for (i, (&a, &b)) in aligned
-            .grad_student
-            .iter()
-            .zip(&scalar.grad_student)
-            .enumerate()
-        {
-            assert!(
-                (a - b).abs() <= 1e-6,
-                "seed {seed}: vocab {vocab}: gradient[{i}] {a} vs {b}"
-            );
+        // Gradient entries are differences of probabilities computed by f32
+        // exp2 from each path's own LSE; the paths' LSEs differ in their last
+        // f32 bits, so entries differ by ~1e-6 at vocab 8. Held to a relative
+        // Frobenius 1e-4: ten times tighter than the bound against the CPU.
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for (&a, &b) in aligned.grad_student.iter().zip(&scalar.grad_student) {
+            num += (a as f64 - b as f64).powi(2);
+            den += (a as f64).powi(2);
         }
+        let g_diff = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+        assert!(
+            g_diff <= 1e-4,
+            "seed {seed}: vocab {vocab}: vector and scalar gradients differ by {g_diff:.2e} (relative Frobenius)"
+        );
         let what = format!("seed {seed}: vocab {vocab} scalar path");
         let (kl, g) = errors_against_cpu(&what, &p, &scalar);
         assert!(

@@ -889,19 +889,28 @@ fn skipped_full_and_masked_register_blocks_match_the_dense_reference() {
 /// straddle it are masked.
 #[test]
 fn register_block_census_of_causal() {
+    use treeattn::backend::cpu::{BLOCK_KEYS, BLOCK_QUERIES};
     let c = block_counts(Mask::causal(TILE).view());
-    // 16 query blocks × 4 key strips; a block (rows 4r..4r+3, keys
-    // 16s..16s+15) is below the diagonal when 16s + 15 <= 4r, above it when
-    // 16s > 4r + 3.
+    let (rows, strips) = (TILE / BLOCK_QUERIES, TILE / BLOCK_KEYS);
+    // A block (queries qa..=qb, keys ka..=kb) is below the diagonal when
+    // kb <= qa, above it when ka > qb.
     let (mut skip, mut full) = (0, 0);
-    for r in 0..16u64 {
-        for s in 0..4u64 {
-            skip += (16 * s > 4 * r + 3) as u64;
-            full += (16 * s + 15 <= 4 * r) as u64;
+    for r in 0..rows {
+        let (qa, qb) = (r * BLOCK_QUERIES, (r + 1) * BLOCK_QUERIES - 1);
+        for s in 0..strips {
+            let (ka, kb) = (s * BLOCK_KEYS, (s + 1) * BLOCK_KEYS - 1);
+            skip += (ka > qb) as u64;
+            full += (kb <= qa) as u64;
         }
     }
-    assert_eq!((c.skip, c.full, c.masked), (skip, full, 64 - skip - full));
-    assert_eq!((skip, full), (24, 24));
+    let total = (rows * strips) as u64;
+    assert_eq!(
+        (c.skip, c.full, c.masked),
+        (skip, full, total - skip - full)
+    );
+    // 4 × 8 blocks: 16 rows of 8 strips; 56 above, 56 below, 16 straddle.
+    assert_eq!((BLOCK_QUERIES, BLOCK_KEYS), (4, 8));
+    assert_eq!((skip, full), (56, 56));
 }
 
 // ------------------------------------------------------ errors

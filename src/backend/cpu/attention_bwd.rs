@@ -307,7 +307,7 @@ struct BwdCtx<'a, T> {
     delta: &'a [T],
     /// `[q_heads, lpad]`, +inf where no key is visible.
     lse: &'a [T],
-    /// `[heads, lpad, dp]` (`*h`) and `[heads, dp, lpad]` (`*t`) copies; q, k rotated.
+    /// `[heads, lpad, dp]` (`*h`) and `[heads, lpad / TILE, dp, TILE]` (`*t`) copies; q, k rotated.
     qh: &'a [T],
     qt: &'a [T],
     kh: &'a [T],
@@ -394,8 +394,8 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
                 continue;
             }
             let live = ctx.bounds.live_key_rows(k0, q0, q1);
-            scores::<T, FMA>(k_rows, &ctx.qt[head * dp + q0..], lpad, dp, st, live);
-            scores::<T, FMA>(v_rows, &ctx.dot[head * dp + q0..], lpad, dp, dpt, live);
+            scores::<T, FMA>(k_rows, &ctx.qt[(head + q0) * dp..], TILE, dp, st, live);
+            scores::<T, FMA>(v_rows, &ctx.dot[(head + q0) * dp..], TILE, dp, dpt, live);
             let lse = &ctx.lse[head + q0..head + q0 + TILE];
             let delta = &ctx.delta[head + q0..head + q0 + TILE];
             for (j, (srow, dprow)) in st
@@ -496,8 +496,8 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         let kv_end = &ctx.kv_end[k0..k0 + bk];
         let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
         let live = blocks.live;
-        scores::<T, FMA>(q_rows, &kt_head[k0..], lpad, dp, s, live);
-        scores::<T, FMA>(do_rows, &vt_head[k0..], lpad, dp, dpm, live);
+        scores::<T, FMA>(q_rows, &kt_head[k0 * dp..], TILE, dp, s, live);
+        scores::<T, FMA>(do_rows, &vt_head[k0 * dp..], TILE, dp, dpm, live);
         for (i, (srow, dprow)) in s
             .chunks_exact_mut(TILE)
             .zip(dpm.chunks_exact(TILE))

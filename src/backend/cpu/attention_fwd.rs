@@ -193,7 +193,7 @@ struct FwdCtx<'a, T> {
     bounds: &'a KeyTileBounds,
     /// `[q_heads, lpad, dp]`, rotated.
     qh: &'a [T],
-    /// `[kv_heads, dp, lpad]`, rotated.
+    /// `[kv_heads, lpad / TILE, dp, TILE]`, rotated.
     kt: &'a [T],
     /// `[kv_heads, lpad, dp]`.
     vh: &'a [T],
@@ -275,7 +275,7 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         let kv_end = &ctx.kv_end[k0..k0 + bk];
         let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
         let live = blocks.live;
-        scores::<T, FMA>(q_rows, &kt_head[k0..], lpad, dp, s, live);
+        scores::<T, FMA>(q_rows, &kt_head[k0 * dp..], TILE, dp, s, live);
         for (i, row) in s.chunks_exact_mut(TILE).enumerate() {
             let strips = row_strips(live, i);
             if strips == 0 {

@@ -15,9 +15,12 @@ use super::{CpuFloat, TILE};
 /// tiles of the dK, dV pass).
 pub(crate) const MR: usize = 4;
 const NR: usize = LANES;
-/// Column block of `scores`, and strip of the summed index of `accumulate`
-/// (a divisor of `TILE`, independent of the head dim).
-pub(crate) const NS: usize = 16;
+/// Strip of keys (or, in the transposed tiles, queries) that a register
+/// block covers: the unit of skipping and masking, and the summed index's
+/// unit in `accumulate` (a divisor of `TILE`, independent of the head dim).
+/// `scores` computes two adjacent live strips as one `MR × 2·NS` block and a
+/// lone live strip as an `MR × NS` block.
+pub(crate) const NS: usize = 8;
 /// Strips per tile row.
 pub(crate) const STRIPS: usize = TILE / NS;
 
@@ -26,12 +29,20 @@ pub(crate) const STRIPS: usize = TILE / NS;
 /// `c..c + NS`. A clear bit means every entry of the block is masked: the
 /// kernels neither compute nor read it, and the softmax steps leave it alone
 /// (its probabilities are 0).
-pub(crate) type LiveBlocks = u64;
+pub(crate) type LiveBlocks = u128;
 
 const _: () = assert!((TILE / MR) * STRIPS == LiveBlocks::BITS as usize);
+// `score_block` names the rows of a register block one by one.
+const _: () = assert!(MR == 4);
 /// Every block computed.
 #[cfg(test)]
 pub(crate) const ALL_LIVE: LiveBlocks = LiveBlocks::MAX;
+
+/// The bit of the block of rows `r..r + MR` and strip `cs` in [`LiveBlocks`].
+#[inline(always)]
+pub(crate) fn block_bit(r: usize, cs: usize) -> LiveBlocks {
+    1 << (r / MR * STRIPS + cs)
+}
 
 /// The live strips of row `r` (bit `c` = strip `c`).
 #[inline(always)]
@@ -70,30 +81,50 @@ pub(crate) fn scores<T: CpuFloat, const FMA: bool>(
 ) {
     let a = &a[..TILE * dp];
     let out = &mut out[..TILE * TILE];
+    // Every column block read below ends within the first `TILE` columns of
+    // row `dp - 1`.
+    let bt = &bt[..(dp - 1) * ld + TILE];
     for rb in (0..TILE).step_by(MR) {
         let strips = row_strips(live, rb);
         if strips == 0 {
             continue;
         }
         let rows: [&[T]; MR] = std::array::from_fn(|r| &a[(rb + r) * dp..(rb + r + 1) * dp]);
-        for jb in (0..TILE).step_by(NS) {
-            if strips >> (jb / NS) & 1 == 0 {
-                continue;
-            }
-            let mut acc = [[T::ZERO; NS]; MR];
-            for c in 0..dp {
-                let b = &bt[c * ld + jb..c * ld + jb + NS];
-                for r in 0..MR {
-                    let x = rows[r][c];
-                    for j in 0..NS {
-                        acc[r][j] = madd::<T, FMA>(x, b[j], acc[r][j]);
-                    }
-                }
-            }
-            for r in 0..MR {
-                out[(rb + r) * TILE + jb..(rb + r) * TILE + jb + NS].copy_from_slice(&acc[r]);
+        let out = &mut out[rb * TILE..(rb + MR) * TILE];
+        for jb in (0..TILE).step_by(2 * NS) {
+            match strips >> (jb / NS) & 0b11 {
+                0b11 => score_block::<T, FMA, { 2 * NS }>(&rows, bt, ld, jb, out),
+                0b01 => score_block::<T, FMA, NS>(&rows, bt, ld, jb, out),
+                0b10 => score_block::<T, FMA, NS>(&rows, bt, ld, jb + NS, out),
+                _ => {}
             }
         }
+    }
+}
+
+/// One `MR × W` block of [`scores`]: columns `jb..jb + W` of the `MR` rows
+/// whose `TILE`-wide output rows are `out`.
+#[inline(always)]
+fn score_block<T: CpuFloat, const FMA: bool, const W: usize>(
+    rows: &[&[T]; MR],
+    bt: &[T],
+    ld: usize,
+    jb: usize,
+    out: &mut [T],
+) {
+    let mut acc = [[T::ZERO; W]; MR];
+    let [r0, r1, r2, r3] = *rows;
+    let xs = r0.iter().zip(r1).zip(r2).zip(r3);
+    for (b, (((&x0, &x1), &x2), &x3)) in bt[jb..].chunks(ld).zip(xs) {
+        let b: &[T; W] = b[..W].try_into().expect("W columns");
+        for (r, x) in [x0, x1, x2, x3].into_iter().enumerate() {
+            for j in 0..W {
+                acc[r][j] = madd::<T, FMA>(x, b[j], acc[r][j]);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        out[r * TILE + jb..r * TILE + jb + W].copy_from_slice(acc);
     }
 }
 
@@ -269,13 +300,21 @@ mod tests {
     #[test]
     fn kernels_skip_dead_blocks() {
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        for _ in 0..4 {
+        let mut next = move || {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            check_partial::<false>(x);
-            check_partial::<true>(x);
+            x
+        };
+        for _ in 0..4 {
+            let live = (next() as LiveBlocks) << 64 | next() as LiveBlocks;
+            check_partial::<false>(live);
+            check_partial::<true>(live);
         }
+        // Lone strips next to dead ones, both halves of a pair: the
+        // narrow block path on either side.
+        check_partial::<true>(LiveBlocks::MAX / 3);
+        check_partial::<true>(LiveBlocks::MAX / 3 * 2);
         // All dead: nothing written, nothing read.
         check_partial::<true>(0);
     }
@@ -284,10 +323,11 @@ mod tests {
     fn strip_runs_merge_consecutive_strips() {
         let runs = |bits: u32| strip_runs(bits).collect::<Vec<_>>();
         assert_eq!(runs(0), []);
-        assert_eq!(runs(0b1111), [(0, TILE)]);
+        assert_eq!(runs((1 << STRIPS) - 1), [(0, TILE)]);
+        assert_eq!(runs(0b1111), [(0, 4 * NS)]);
         assert_eq!(runs(0b1011), [(0, 2 * NS), (3 * NS, 4 * NS)]);
         assert_eq!(runs(0b0100), [(2 * NS, 3 * NS)]);
-        assert_eq!(row_strips(0xF0, MR), 0b1111);
-        assert_eq!(row_strips(0xF0, MR - 1), 0);
+        assert_eq!(row_strips(0b1111 << STRIPS, MR), 0b1111);
+        assert_eq!(row_strips(0b1111 << STRIPS, MR - 1), 0);
     }
 }

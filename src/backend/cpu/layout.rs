@@ -3,9 +3,11 @@
 //!
 //! The tiles read rows of `head_dim` contiguous values per head, so the
 //! `[tokens, heads, head_dim]` inputs are copied once into `[heads, lpad, dp]`
-//! (and, for the operand whose columns a tile reads, `[heads, dp, lpad]`),
-//! where `lpad` rounds the tokens up to a multiple of [`TILE`] and `dp` rounds
-//! the head dim up to a multiple of [`LANES`]. The padding is zero, which
+//! (and, for the operand whose columns a tile reads, tile-major transposed
+//! `[heads, lpad / TILE, dp, TILE]`: each tile's `dp × TILE` block is
+//! contiguous, so a tile's columns are one run of memory however the
+//! visited tiles are spread), where `lpad` rounds the tokens up to a multiple
+//! of [`TILE`] and `dp` rounds the head dim up to a multiple of [`LANES`]. The padding is zero, which
 //! leaves every dot product unchanged and lets the kernels work on whole
 //! tiles. This costs O(tokens · heads · head_dim) memory: linear in `L`.
 
@@ -43,7 +45,7 @@ impl Layout {
 
     /// Copies every input of a call in one parallel step (one thread
     /// start-up): input `i` `[l, heads, d]` becomes `[heads, lpad, dp]`, or
-    /// `[heads, dp, lpad]` when `transposed`, rotated by its `rope` if given,
+    /// `[heads, lpad / TILE, dp, TILE]` when `transposed`, rotated by its `rope` if given,
     /// padding zero. Every element of the result is written, so the buffers
     /// come from the pool without a separate zero-fill pass.
     pub(crate) fn copy_inputs<T: CpuFloat, const N: usize>(
@@ -83,8 +85,9 @@ impl Layout {
                     for (j, row) in block.chunks_exact_mut(dp).enumerate() {
                         self.padded_row(x, h, t0 + j, row);
                     }
-                    for (c, dst_row) in dst.chunks_exact_mut(lpad).enumerate() {
-                        for (j, y) in dst_row[t0..t0 + TILE].iter_mut().enumerate() {
+                    let dst_tile = &mut dst[t0 * dp..(t0 + TILE) * dp];
+                    for (c, dst_row) in dst_tile.chunks_exact_mut(TILE).enumerate() {
+                        for (j, y) in dst_row.iter_mut().enumerate() {
                             *y = block[j * dp + c];
                         }
                     }
@@ -152,7 +155,7 @@ pub(crate) struct Input<'a, T> {
     pub x: &'a [T],
     pub heads: usize,
     pub rope: Option<&'a RopeTable>,
-    /// `[heads, dp, lpad]` instead of `[heads, lpad, dp]`.
+    /// `[heads, lpad / TILE, dp, TILE]` instead of `[heads, lpad, dp]`.
     pub transposed: bool,
 }
 
@@ -167,7 +170,7 @@ impl<'a, T> Input<'a, T> {
         }
     }
 
-    /// `[heads, dp, lpad]`, rotated by `rope` if given.
+    /// `[heads, lpad / TILE, dp, TILE]`, rotated by `rope` if given.
     pub(crate) fn columns(x: &'a [T], heads: usize, rope: Option<&'a RopeTable>) -> Self {
         Input {
             x,
@@ -292,7 +295,9 @@ mod tests {
                             0.0
                         };
                         assert_eq!(xh[(h * lay.lpad + t) * lay.dp + c], want, "{h} {t} {c}");
-                        assert_eq!(xt[(h * lay.dp + c) * lay.lpad + t], want, "{h} {t} {c}");
+                        let tile_major =
+                            (h * lay.lpad + t / TILE * TILE) * lay.dp + c * TILE + t % TILE;
+                        assert_eq!(xt[tile_major], want, "{h} {t} {c}");
                     }
                 }
             }

@@ -190,7 +190,7 @@ pub fn block_counts(mask: PackMask<'_>) -> BlockCounts {
             let strips = ((kt + 1) * TILE).min(l).div_ceil(BLOCK_KEYS) - kt * kernels::STRIPS;
             for rb in 0..rows {
                 for cs in 0..strips {
-                    let bit = 1 << (rb * kernels::STRIPS + cs);
+                    let bit = kernels::block_bit(rb * BLOCK_QUERIES, cs);
                     if m.live & bit == 0 {
                         c.skip += 1;
                     } else if m.full & bit != 0 {
@@ -271,7 +271,7 @@ impl KeyTileBounds {
                     break;
                 }
                 let qb = (qa + MR).min(q1) - 1;
-                let bit = 1 << (rb * STRIPS + cs);
+                let bit = kernels::block_bit(rb * MR, cs);
                 if ka <= qb && hi_end > qa {
                     m.live |= bit;
                     if kb <= qa && lo_end > qb {
@@ -303,7 +303,7 @@ impl KeyTileBounds {
                 }
                 let qb = (qa + NS).min(q1) - 1;
                 if ka <= qb && seen_below > qa {
-                    live |= 1 << (rb * STRIPS + cs);
+                    live |= kernels::block_bit(rb * MR, cs);
                 }
             }
         }
@@ -615,7 +615,7 @@ mod tests {
                     let keyed = b.live_key_rows(k0, q0, q1);
                     for rb in 0..TILE / MR {
                         for cs in 0..STRIPS {
-                            let bit = 1u64 << (rb * STRIPS + cs);
+                            let bit = kernels::block_bit(rb * MR, cs);
                             // Query rows rb, key strip cs.
                             let qs = (q0 + rb * MR..q0 + (rb + 1) * MR).filter(|&q| q < q1);
                             let ks = (k0 + cs * NS..k0 + (cs + 1) * NS).filter(|&k| k < k1);

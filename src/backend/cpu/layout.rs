@@ -9,7 +9,8 @@
 //! visited tiles are spread), where `lpad` rounds the tokens up to a multiple
 //! of [`TILE`] and `dp` rounds the head dim up to a multiple of [`LANES`].
 //! The padding is zero, which leaves every dot product unchanged and lets the
-//! kernels work on whole tiles. This costs O(tokens · heads · head_dim) memory: linear in `L`.
+//! kernels work on whole tiles. This costs O(tokens · heads · head_dim)
+//! memory: linear in `L`.
 
 use super::workspace::{self, Buf};
 use super::{run_parallel, CpuFloat, TILE};

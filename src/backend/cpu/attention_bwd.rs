@@ -1,7 +1,10 @@
 //! Tiled attention backward: two deterministic passes (dK, dV per key tile;
 //! dQ per query tile), each recomputing `P` from the saved LSE.
 
-use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS};
+use super::kernels::{
+    accumulate, has_avx2_fma, live_strip_indices, live_strips, row_strips, scores, NS,
+};
+use super::lanes;
 use super::layout::{Input, Layout, Output, RopeTable};
 use super::workspace;
 use super::{
@@ -418,24 +421,19 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
                     (k.clamp(q0, q1) - q0, end.clamp(q0, q1) - q0)
                 };
                 let lo = lo.min(hi);
-                for (a, b) in strip_runs(strips) {
-                    let (x0, x1) = (lo.clamp(a, b), hi.clamp(a, b));
-                    srow[a..x0].fill(T::ZERO);
-                    dprow[a..x0].fill(T::ZERO);
-                    srow[x1..b].fill(T::ZERO);
-                    dprow[x1..b].fill(T::ZERO);
-                    let visible = srow[x0..x1]
-                        .iter_mut()
-                        .zip(&mut dprow[x0..x1])
-                        .zip(lse[x0..x1].iter().zip(&delta[x0..x1]));
-                    for ((x, dx), (&m, &dd)) in visible {
-                        *x = *x * ctx.scale - m;
-                        *dx -= dd;
-                    }
-                    T::exp_in_place(&mut srow[x0..x1]);
-                    for (&p, dx) in srow[x0..x1].iter().zip(&mut dprow[x0..x1]) {
-                        *dx *= p;
-                    }
+                let pairs = live_strips(srow, strips).zip(live_strips(dprow, strips));
+                for (c, (x, dx)) in live_strip_indices(strips).zip(pairs) {
+                    let a = c * NS;
+                    lanes::key_strip::<T, FMA>(
+                        x,
+                        dx,
+                        lse[a..a + NS].try_into().expect("NS lanes"),
+                        delta[a..a + NS].try_into().expect("NS lanes"),
+                        a as u32,
+                        lo as u32,
+                        hi as u32,
+                        ctx.scale,
+                    );
                 }
             }
             accumulate::<T, FMA>(st, &ctx.doh[(head + q0) * dp..], dp, dv, live);
@@ -492,15 +490,13 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
             continue;
         }
         let k0 = kt * TILE;
-        let bk = (k0 + TILE).min(l) - k0;
-        let kv_end = &ctx.kv_end[k0..k0 + bk];
         let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
         let live = blocks.live;
         scores::<T, FMA>(q_rows, &kt_head[k0 * dp..], TILE, dp, s, live);
         scores::<T, FMA>(do_rows, &vt_head[k0 * dp..], TILE, dp, dpm, live);
         for (i, (srow, dprow)) in s
             .chunks_exact_mut(TILE)
-            .zip(dpm.chunks_exact(TILE))
+            .zip(dpm.chunks_exact_mut(TILE))
             .enumerate()
         {
             let strips = row_strips(live, i);
@@ -510,43 +506,33 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
             let (m, dd) = (lse[i], delta[i]);
             if m == T::INFINITY {
                 // No visible key in this row (or a padding row): dS = 0.
-                strip_runs(strips).for_each(|(a, b)| srow[a..b].fill(T::ZERO));
+                live_strips(srow, strips).for_each(|x| *x = [T::ZERO; NS]);
                 continue;
             }
             let full = row_strips(blocks.full, i);
-            let q = q0 as u32 + i as u32;
-            for (a, b) in strip_runs(strips) {
-                // Keys past the pack's end: dS = 0.
-                srow[b.min(bk).max(a)..b].fill(T::ZERO);
-            }
-            for (a, b) in strip_runs(strips) {
-                let e = b.min(bk).max(a);
-                let xs = &mut srow[a..e];
-                let run = ((1u32 << ((b - a) / NS)) - 1) << (a / NS);
-                if full & run == run {
-                    // Every block of the run is fully visible: no mask.
-                    for x in xs.iter_mut() {
-                        *x = *x * ctx.scale - m;
-                    }
+            let q = (q0 + i) as u32;
+            let (mut unused_max, mut unused_visible) = ([T::NEG_INFINITY; NS], [0; NS]);
+            let pairs = live_strips(srow, strips).zip(live_strips(dprow, strips));
+            for (c, (x, dx)) in live_strip_indices(strips).zip(pairs) {
+                let k = k0 + c * NS;
+                if full >> c & 1 == 1 && k + NS <= l {
+                    // A fully visible block: no mask.
+                    lanes::scale_offset::<T, FMA>(x, ctx.scale, m);
                 } else {
-                    // Masked entries get exp(−inf) = 0.
-                    let k_first = (k0 + a) as u32;
-                    for (j, (x, &end)) in xs.iter_mut().zip(&kv_end[a..e]).enumerate() {
-                        let seen = k_first + j as u32 <= q && q < end;
-                        *x = if seen {
-                            *x * ctx.scale - m
-                        } else {
-                            T::NEG_INFINITY
-                        };
-                    }
+                    // Masked entries, and keys past the pack's end (kv_end
+                    // 0), get exp(−inf) = 0.
+                    lanes::mask_max::<T, FMA>(
+                        x,
+                        k as u32,
+                        ctx.bounds.strip_ends(k),
+                        q,
+                        ctx.scale,
+                        m,
+                        &mut unused_max,
+                        &mut unused_visible,
+                    );
                 }
-            }
-            for (a, b) in strip_runs(strips) {
-                let xs = &mut srow[a..b.min(bk).max(a)];
-                T::exp_in_place(xs);
-                for (x, &dx) in xs.iter_mut().zip(&dprow[a..]) {
-                    *x *= dx - dd;
-                }
+                lanes::exp_times::<T, FMA>(x, &*dx, dd);
             }
         }
         accumulate::<T, FMA>(s, &ctx.kh[(g * lpad + k0) * dp..], dp, dq, live);

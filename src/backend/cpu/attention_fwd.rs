@@ -1,6 +1,9 @@
 //! Tiled attention forward with an online softmax.
 
-use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS};
+use super::kernels::{
+    accumulate, has_avx2_fma, live_strip_indices, live_strips, row_strips, scores, NS,
+};
+use super::lanes;
 use super::layout::{Input, Layout, Output, RopeTable};
 use super::workspace;
 use super::{
@@ -130,7 +133,6 @@ fn forward_checked<T: CpuFloat>(
         lay,
         group: shape.group(),
         scale: T::from_f64(params.softmax_scale),
-        kv_end: mask.kv_end,
         bounds: &bounds,
         qh: &qh,
         kt: &kt,
@@ -189,7 +191,6 @@ struct FwdCtx<'a, T> {
     lay: Layout,
     group: usize,
     scale: T,
-    kv_end: &'a [u32],
     bounds: &'a KeyTileBounds,
     /// `[q_heads, lpad, dp]`, rotated.
     qh: &'a [T],
@@ -271,8 +272,6 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
             continue;
         }
         let k0 = kt * TILE;
-        let bk = (k0 + TILE).min(l) - k0;
-        let kv_end = &ctx.kv_end[k0..k0 + bk];
         let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
         let live = blocks.live;
         scores::<T, FMA>(q_rows, &kt_head[k0 * dp..], TILE, dp, s, live);
@@ -283,46 +282,44 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
             }
             if i >= bq {
                 // A padding row in a live block: P = 0.
-                strip_runs(strips).for_each(|(a, b)| row[a..b].fill(T::ZERO));
+                live_strips(row, strips).for_each(|x| *x = [T::ZERO; NS]);
                 continue;
             }
+            // Whole strips of NS lanes, maxima and sums kept per lane and
+            // reduced once per row: no scalar remainders on short runs.
             let full = row_strips(blocks.full, i);
-            let q = q0 as u32 + i as u32;
-            let mut visible = 0u32;
-            let mut row_max = T::NEG_INFINITY;
-            for (a, b) in strip_runs(strips) {
-                let e = b.min(bk);
-                // Keys past the pack's end: P = 0.
-                row[e.max(a)..b].fill(T::ZERO);
-                let xs = &mut row[a.min(e)..e];
-                let run = ((1u32 << ((b - a) / NS)) - 1) << (a / NS);
-                if full & run == run {
-                    // Every block of the run is fully visible: no mask.
-                    visible += xs.len() as u32;
-                    for x in xs.iter_mut() {
-                        *x *= ctx.scale;
-                    }
+            let q = (q0 + i) as u32;
+            let mut visible = [0u32; NS];
+            let mut lane_max = [T::NEG_INFINITY; NS];
+            for (c, x) in live_strip_indices(strips).zip(live_strips(row, strips)) {
+                let k = k0 + c * NS;
+                if full >> c & 1 == 1 && k + NS <= l {
+                    // A fully visible block: no mask.
+                    visible[0] = 1;
+                    lanes::scale_max::<T, FMA>(x, ctx.scale, &mut lane_max);
                 } else {
-                    let k_first = (k0 + a) as u32;
-                    for (j, (x, &end)) in xs.iter_mut().zip(&kv_end[a.min(e)..e]).enumerate() {
-                        let seen = k_first + j as u32 <= q && q < end;
-                        visible += seen as u32;
-                        *x = if seen {
-                            *x * ctx.scale
-                        } else {
-                            T::NEG_INFINITY
-                        };
-                    }
+                    // Keys past the pack's end have kv_end 0: masked.
+                    let ends = ctx.bounds.strip_ends(k);
+                    lanes::mask_max::<T, FMA>(
+                        x,
+                        k as u32,
+                        ends,
+                        q,
+                        ctx.scale,
+                        T::ZERO,
+                        &mut lane_max,
+                        &mut visible,
+                    );
                 }
-                row_max = row_max.max_of(T::max_all(xs));
             }
+            let row_max = lanes::reduce_max::<T, FMA>(lane_max);
             if row_max == T::NEG_INFINITY {
-                if visible > 0 {
+                if visible != [0; NS] {
                     // Visible scores that are all NaN or −inf: an overflow,
                     // not an empty row. Poison the row (reported below).
                     sum[i] = T::NEG_INFINITY;
                 }
-                strip_runs(strips).for_each(|(a, b)| row[a..b].fill(T::ZERO));
+                live_strips(row, strips).for_each(|x| *x = [T::ZERO; NS]);
                 continue;
             }
             let m_new = m[i].max_of(row_max);
@@ -335,14 +332,11 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
                 }
                 m[i] = m_new;
             }
-            for (a, b) in strip_runs(strips) {
-                let xs = &mut row[a..b.min(bk).max(a)];
-                for x in xs.iter_mut() {
-                    *x -= m_new;
-                }
-                T::exp_in_place(xs);
-                sum[i] += T::sum(xs);
+            let mut lane_sum = [T::ZERO; NS];
+            for x in live_strips(row, strips) {
+                lanes::exp_sum::<T, FMA>(x, m_new, &mut lane_sum);
             }
+            sum[i] += lanes::reduce_sum::<T, FMA>(lane_sum);
         }
         accumulate::<T, FMA>(s, &v_head[k0 * dp..], dp, o, live);
     }

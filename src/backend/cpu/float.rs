@@ -48,44 +48,11 @@ pub trait CpuFloat:
     /// calls `f64::exp`; `f32` uses a branch-free polynomial the compiler
     /// vectorizes (within 1 ulp, see `exp_f32`).
     fn exp_in_place(xs: &mut [Self]);
-    /// `max xs` (`−inf` for an empty slice), in 8 interleaved lanes
-    /// (vectorizable); NaN-free input assumed.
-    #[inline(always)]
-    fn max_all(xs: &[Self]) -> Self {
-        let mut lanes = [Self::NEG_INFINITY; 8];
-        let chunks = xs.chunks_exact(8);
-        let tail = chunks.remainder();
-        for c in chunks {
-            for (l, &x) in lanes.iter_mut().zip(c) {
-                *l = l.max_of(x);
-            }
-        }
-        let mut m = Self::NEG_INFINITY;
-        for l in lanes.into_iter().chain(tail.iter().copied()) {
-            m = m.max_of(l);
-        }
-        m
-    }
-    /// `Σ xs`, summed in 8 interleaved lanes (vectorizable).
-    #[inline(always)]
-    fn sum(xs: &[Self]) -> Self {
-        let mut lanes = [Self::ZERO; 8];
-        let chunks = xs.chunks_exact(8);
-        let tail = chunks.remainder();
-        for c in chunks {
-            for (l, &x) in lanes.iter_mut().zip(c) {
-                *l += x;
-            }
-        }
-        let mut total = Self::ZERO;
-        for l in lanes {
-            total += l;
-        }
-        for &x in tail {
-            total += x;
-        }
-        total
-    }
+    /// [`Self::exp_in_place`] on one strip of 8 lanes, written so that it
+    /// compiles to 8-lane vector code (one AVX register of `f32`) without a
+    /// loop or a scalar remainder.
+    fn exp_lanes(xs: &mut [Self; 8]);
+
     /// The larger of the two; `NaN`-free inputs assumed (callers check).
     #[inline(always)]
     fn max_of(self, other: Self) -> Self {
@@ -98,7 +65,7 @@ pub trait CpuFloat:
 }
 
 macro_rules! impl_cpu_float {
-    ($t:ty, $name:literal, $exp:path) => {
+    ($t:ty, $name:literal, $exp:path, $exp_lanes:path) => {
         impl CpuFloat for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
@@ -135,12 +102,20 @@ macro_rules! impl_cpu_float {
                     *x = $exp(*x);
                 }
             }
+            #[inline(always)]
+            fn exp_lanes(xs: &mut [Self; 8]) {
+                $exp_lanes(xs)
+            }
         }
     };
 }
 
-impl_cpu_float!(f32, "f32", exp_f32);
-impl_cpu_float!(f64, "f64", f64::exp);
+impl_cpu_float!(f32, "f32", exp_f32, exp_f32_lanes);
+impl_cpu_float!(f64, "f64", f64::exp, exp_f64_lanes);
+
+fn exp_f64_lanes(xs: &mut [f64; 8]) {
+    xs.iter_mut().for_each(|x| *x = x.exp());
+}
 
 /// `e^x` for `f32` without branches or calls, so that loops over it
 /// vectorize: `x = n ln 2 + r` with `n = round(x / ln 2)` (ln 2 split in a
@@ -157,7 +132,8 @@ fn exp_f32(x: f32) -> f32 {
     // Adding and subtracting 1.5 · 2^23 rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
     let xc = x.clamp(-87.0, 88.0);
-    let n = (xc * LOG2E + ROUND) - ROUND;
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = (xc - n * LN2_HI) - n * LN2_LO;
     let mut p = 1.987_569_1e-4_f32;
     p = p * r + 1.398_199_9e-3;
@@ -166,11 +142,53 @@ fn exp_f32(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let er = p * r * r + r + 1.0;
-    let two_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // t = 1.5 · 2^23 + n exactly, so its bits are ROUND's plus n: the bits
+    // of 2^n in integer arithmetic (no float-to-int conversion, which does
+    // not vectorize).
+    let two_n = f32::from_bits((t.to_bits().wrapping_sub(ROUND.to_bits()).wrapping_add(127)) << 23);
     if x < -87.0 {
         0.0
     } else {
         er * two_n
+    }
+}
+
+/// [`exp_f32`] on 8 lanes, one step at a time over all lanes (each step a
+/// straight 8-lane loop the compiler turns into one vector instruction):
+/// the same operations in the same order, so the same results bit for bit.
+#[inline(always)]
+fn exp_f32_lanes(xs: &mut [f32; 8]) {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0;
+    let lanes = |f: &dyn Fn(usize) -> f32| -> [f32; 8] { std::array::from_fn(f) };
+    let xc = lanes(&|j| xs[j].clamp(-87.0, 88.0));
+    let t = lanes(&|j| xc[j] * LOG2E + ROUND);
+    let n = lanes(&|j| t[j] - ROUND);
+    let r = lanes(&|j| (xc[j] - n[j] * LN2_HI) - n[j] * LN2_LO);
+    let mut p = [1.987_569_1e-4_f32; 8];
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
+        p = lanes(&|j| p[j] * r[j] + c);
+    }
+    let er = lanes(&|j| p[j] * r[j] * r[j] + r[j] + 1.0);
+    let two_n = lanes(&|j| {
+        f32::from_bits(
+            (t[j]
+                .to_bits()
+                .wrapping_sub(ROUND.to_bits())
+                .wrapping_add(127))
+                << 23,
+        )
+    });
+    for j in 0..8 {
+        xs[j] = if xs[j] < -87.0 { 0.0 } else { er[j] * two_n[j] };
     }
 }
 
@@ -196,16 +214,19 @@ mod tests {
             "worst relative error {worst:e}"
         );
         assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
+        // The 8-lane form is the same function, bit for bit.
+        let mut x = -90.0f32;
+        while x <= 10.0 {
+            let mut lanes: [f32; 8] = std::array::from_fn(|j| x + j as f32 * 0.37);
+            let want = lanes.map(exp_f32);
+            f32::exp_lanes(&mut lanes);
+            assert_eq!(lanes.map(f32::to_bits), want.map(f32::to_bits), "at {x}");
+            x += 0.0917;
+        }
+        let mut inf = [f32::NEG_INFINITY; 8];
+        f32::exp_lanes(&mut inf);
+        assert_eq!(inf, [0.0; 8]);
         assert_eq!(exp_f32(-100.0), 0.0);
         assert_eq!(exp_f32(0.0), 1.0);
-    }
-
-    #[test]
-    fn lane_sum_and_max_see_every_element() {
-        let xs: Vec<f64> = (1..=21).map(|i| i as f64).collect();
-        assert_eq!(f64::sum(&xs), 231.0);
-        assert_eq!(f32::sum(&[]), 0.0);
-        assert_eq!(f64::max_all(&xs[..13]), 13.0);
-        assert_eq!(f32::max_all(&[]), f32::NEG_INFINITY);
     }
 }

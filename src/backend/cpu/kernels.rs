@@ -66,6 +66,31 @@ pub(crate) fn strip_runs(strips: u32) -> impl Iterator<Item = (usize, usize)> {
     })
 }
 
+/// The indices of the live strips in `strips` (as [`row_strips`] returns),
+/// in order.
+#[inline(always)]
+pub(crate) fn live_strip_indices(strips: u32) -> impl Iterator<Item = usize> {
+    let mut rest = strips;
+    std::iter::from_fn(move || {
+        if rest == 0 {
+            return None;
+        }
+        let c = rest.trailing_zeros() as usize;
+        rest &= rest - 1;
+        Some(c)
+    })
+}
+
+/// The live strips of a `TILE`-long tile row, as `NS`-lane arrays, in order.
+#[inline(always)]
+pub(crate) fn live_strips<T>(row: &mut [T], strips: u32) -> impl Iterator<Item = &mut [T; NS]> {
+    row[..TILE]
+        .chunks_exact_mut(NS)
+        .enumerate()
+        .filter(move |(c, _)| strips >> c & 1 == 1)
+        .map(|(_, x)| x.try_into().expect("NS lanes"))
+}
+
 /// `out[r·TILE + j] = Σ_c a[r·dp + c] · bt[c·ld + j]` for `r, j < TILE` in
 /// the `live` blocks (others are left as they were): `TILE` rows of `a`
 /// (row-major, `dp` columns) times the `TILE` columns of a transposed operand

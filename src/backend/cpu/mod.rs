@@ -56,9 +56,11 @@
 //! the output copy), a backward call five (input copies, `D`, the two
 //! passes, the output copies). On x86-64 CPUs with
 //! AVX2 and FMA (detected at run time) the work items run a copy compiled
-//! for those features; elsewhere the portable copy of the same code. `f32`
-//! softmax exponentials use a vectorizable polynomial within 1 ulp; `f64`
-//! uses `f64::exp`. A NaN or infinity in a result (scores overflowing `T`,
+//! for those features, whose `f32` row-softmax steps (masking, `exp`, lane
+//! maxima and sums, one strip of 8 keys at a time) are written with AVX2
+//! intrinsics; elsewhere the portable copy of the same code, which gives the
+//! same bits. `f32` exponentials use a polynomial within 2 ulp; `f64` uses
+//! `f64::exp`. A NaN or infinity in a result (scores overflowing `T`,
 //! or non-finite inputs when `check_finite` is off) is reported as
 //! [`Error::NonFinite`], never returned.
 
@@ -66,6 +68,7 @@ mod attention_bwd;
 mod attention_fwd;
 mod float;
 mod kernels;
+mod lanes;
 mod layout;
 mod sdcc;
 mod workspace;
@@ -217,6 +220,8 @@ pub(crate) struct KeyTileBounds {
     /// Min and max `kv_end` per group of `NS` keys.
     strip_min: Vec<u32>,
     strip_max: Vec<u32>,
+    /// `kv_end` padded with 0 (seen by no query) to whole tiles.
+    padded_ends: Vec<u32>,
 }
 
 impl KeyTileBounds {
@@ -240,7 +245,19 @@ impl KeyTileBounds {
             max_end: maxes(TILE),
             row_block_max: maxes(kernels::MR),
             strip_max: maxes(kernels::NS),
+            padded_ends: (0..kv_end.len().div_ceil(TILE) * TILE)
+                .map(|k| kv_end.get(k).copied().unwrap_or(0))
+                .collect(),
         }
+    }
+
+    /// `kv_end` of keys `k..k + NS` (`k` a multiple of `NS` within the
+    /// padded tiles), 0 for keys past the last token.
+    #[inline(always)]
+    pub(crate) fn strip_ends(&self, k: usize) -> &[u32; kernels::NS] {
+        self.padded_ends[k..k + kernels::NS]
+            .try_into()
+            .expect("NS keys")
     }
 
     /// The register blocks of the (queries `[q0, q1)`, keys from `k0`) tile

@@ -57,8 +57,9 @@ use std::fmt;
 use std::time::Instant;
 
 use crate::backend::cpu::{
-    attention_backward_into, attention_forward_into, num_threads, run_parallel, tile_counts,
-    AttnGrads, AttnOut, CpuFloat, SdccOut, TileCounts, TILE,
+    attention_backward_into, attention_forward_into, computed_entries, num_threads, run_parallel,
+    tile_counts, AttnGrads, AttnOut, CpuFloat, SdccOut, TileCounts, BLOCK_KEYS, BLOCK_QUERIES,
+    TILE,
 };
 use crate::backend::{check_sdcc_args, AttnParams, AttnShape};
 use crate::gen::{
@@ -1484,12 +1485,13 @@ pub struct ShapeInfo {
     /// LogitTree passes (branches).
     pub branches: usize,
     /// [`tile_utilization`] of the trie pack and of the causal pack at the
-    /// CPU backend's tile size, and of the trie pack at a half and a
-    /// quarter of it.
+    /// CPU backend's tile size.
     pub trie_tile_use: f64,
     pub causal_tile_use: f64,
-    pub trie_tile_use_half: f64,
-    pub trie_tile_use_quarter: f64,
+    /// Visible pairs over [`computed_entries`] (the register blocks the CPU
+    /// kernels compute) of the trie pack and of the causal pack.
+    pub trie_kernel_use: f64,
+    pub causal_kernel_use: f64,
     /// The CPU backend's tile census of the trie pack.
     pub trie_tiles: TileCounts,
     /// [`forward_balance`] of the trie pack and of the causal pack.
@@ -1556,6 +1558,16 @@ pub fn tile_utilization(pack: &Pack, tile: usize) -> f64 {
             }
         }
     }
+    if computed == 0 {
+        return 0.0;
+    }
+    pack.mask().visible_pairs() as f64 / computed as f64
+}
+
+/// Visible pairs over the entries the CPU kernels compute on `pack`
+/// ([`computed_entries`]); 0 for an empty pack.
+pub fn kernel_utilization(pack: &Pack) -> f64 {
+    let computed = computed_entries(pack.mask());
     if computed == 0 {
         return 0.0;
     }
@@ -1635,8 +1647,8 @@ pub fn quick(opts: &Options) -> Result<Table> {
             branches: w.logittree.len(),
             trie_tile_use: tile_utilization(&w.trie, TILE),
             causal_tile_use: tile_utilization(&w.causal, TILE),
-            trie_tile_use_half: tile_utilization(&w.trie, TILE / 2),
-            trie_tile_use_quarter: tile_utilization(&w.trie, TILE / 4),
+            trie_kernel_use: kernel_utilization(&w.trie),
+            causal_kernel_use: kernel_utilization(&w.causal),
             trie_tiles: tile_counts(w.trie.mask()),
             trie_balance: forward_balance(&w.trie, opts.heads, num_threads()),
             causal_balance: forward_balance(&w.causal, opts.heads, num_threads()),
@@ -1784,26 +1796,18 @@ impl fmt::Display for Table {
         writeln!(f)?;
         writeln!(
             f,
-            "diagnosis of tree/causal: trie tiles ({TILE}×{TILE}) skipped / full / partial; tile use × = trie ÷ causal \
-             tile use; trie tile use at {h}×{h} and {q}×{q} (what finer skipping would reach);\nper-entry = (tree/causal by CPU time) ÷ (tile use ×): the \
-             kernel's speed per computed tile entry on the tree relative to causal (below 1: partial-tile \
-             masking\nand skipping overhead); balance = simulated forward thread balance, trie / causal",
-            h = TILE / 2,
-            q = TILE / 4
+            "diagnosis of tree/causal: trie tiles ({TILE}×{TILE}) skipped / full / partial; kernel use = visible pairs ÷ entries the \
+             kernels compute ({BLOCK_QUERIES}×{BLOCK_KEYS} blocks), trie / causal;\nper-entry = (tree/causal by CPU time) ÷ (trie ÷ causal \
+             kernel use): the speed per computed entry on the tree relative to causal (below 1: partial-tile, masking\nand per-call \
+             overheads weigh more on the tree); balance = simulated forward thread balance, trie / causal"
         )?;
         writeln!(
             f,
-            "{:<11} {:>20} {:>11} {:>9} {:>9} {:>17} {:>13}",
-            "shape",
-            "skip/full/partial",
-            "tile use ×",
-            format!("use@{}", TILE / 2),
-            format!("use@{}", TILE / 4),
-            "per-entry fwd/bwd",
-            "balance"
+            "{:<11} {:>20} {:>13} {:>17} {:>13}",
+            "shape", "skip/full/partial", "kernel use", "per-entry fwd/bwd", "balance"
         )?;
         for s in &self.shapes {
-            let use_ratio = s.trie_tile_use / s.causal_tile_use;
+            let use_ratio = s.trie_kernel_use / s.causal_kernel_use;
             let per_entry = |pass| {
                 self.causal_throughput_ratio(s.shape, pass)
                     .and_then(|(_, cpu)| cpu)
@@ -1812,12 +1816,10 @@ impl fmt::Display for Table {
             let t = s.trie_tiles;
             writeln!(
                 f,
-                "{:<11} {:>20} {:>11.2} {:>9.2} {:>9.2} {:>17} {:>13}",
+                "{:<11} {:>20} {:>13} {:>17} {:>13}",
                 s.shape.name(),
                 format!("{}/{}/{}", t.skip, t.full, t.partial),
-                use_ratio,
-                s.trie_tile_use_half,
-                s.trie_tile_use_quarter,
+                format!("{:.3} / {:.3}", s.trie_kernel_use, s.causal_kernel_use),
                 format!(
                     "{} / {}",
                     per_entry(Pass::Forward),

@@ -911,6 +911,14 @@ fn register_block_census_of_causal() {
     // 4 × 8 blocks: 16 rows of 8 strips; 56 above, 56 below, 16 straddle.
     assert_eq!((BLOCK_QUERIES, BLOCK_KEYS), (4, 8));
     assert_eq!((skip, full), (56, 56));
+    // The kernels compute the live blocks whole: 72 blocks of 32 entries
+    // for the 2,080 visible pairs of one causal tile.
+    let computed = treeattn::backend::cpu::computed_entries(Mask::causal(TILE).view());
+    assert_eq!(
+        computed,
+        (total - skip) * (BLOCK_QUERIES * BLOCK_KEYS) as u64
+    );
+    assert_eq!(computed, 2304);
 }
 
 // ------------------------------------------------------ errors

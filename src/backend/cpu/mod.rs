@@ -208,6 +208,27 @@ pub fn block_counts(mask: PackMask<'_>) -> BlockCounts {
     c
 }
 
+/// The (query, key) entries the CPU forward and dQ pass compute on this
+/// mask: the live register blocks ([`BLOCK_QUERIES`] × [`BLOCK_KEYS`]) of
+/// every tile that is not skipped, whole blocks (the kernels compute whole
+/// blocks, padding lanes included). Visible pairs over this is the share of
+/// the computed work that is useful: 1 would be a kernel that computes
+/// visible pairs only.
+pub fn computed_entries(mask: PackMask<'_>) -> u64 {
+    let bounds = KeyTileBounds::new(mask.kv_end);
+    let l = mask.len();
+    let mut live = 0u64;
+    for qt in 0..l.div_ceil(TILE) {
+        let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
+        for kt in 0..=qt {
+            if bounds.classify(q0, q1, kt) != TileClass::Skip {
+                live += u64::from(bounds.query_row_blocks(q0, q1, kt * TILE).live.count_ones());
+            }
+        }
+    }
+    live * (BLOCK_QUERIES * BLOCK_KEYS) as u64
+}
+
 /// Per key tile, the min and max of `kv_end` over its keys, and the max over
 /// the finer key groups the micro-kernels' register blocks cover
 /// ([`kernels::MR`] and [`kernels::NS`] keys): computed once per call.
@@ -271,6 +292,12 @@ impl KeyTileBounds {
     #[inline]
     pub(crate) fn query_row_blocks(&self, q0: usize, q1: usize, k0: usize) -> BlockMasks {
         use kernels::{MR, NS, STRIPS};
+        if self.whole_and_full(q0, q1, k0) {
+            return BlockMasks {
+                live: LiveBlocks::MAX,
+                full: LiveBlocks::MAX,
+            };
+        }
         let mut m = BlockMasks::default();
         for cs in 0..STRIPS {
             let ka = k0 + cs * NS;
@@ -306,6 +333,9 @@ impl KeyTileBounds {
     #[inline]
     pub(crate) fn live_key_rows(&self, k0: usize, q0: usize, q1: usize) -> LiveBlocks {
         use kernels::{MR, NS, STRIPS};
+        if self.whole_and_full(q0, q1, k0) {
+            return LiveBlocks::MAX;
+        }
         let mut live = 0;
         for rb in 0..TILE / MR {
             let ka = k0 + rb * MR;
@@ -325,6 +355,16 @@ impl KeyTileBounds {
             }
         }
         live
+    }
+
+    /// Whether the tile of queries `[q0, q1)` and keys from `k0` has `TILE`
+    /// of each and all its entries visible: then every register block is
+    /// live and needs no mask, without looking at them one by one.
+    #[inline]
+    fn whole_and_full(&self, q0: usize, q1: usize, k0: usize) -> bool {
+        q1 - q0 == TILE
+            && k0 + TILE <= self.len
+            && self.classify(q0, q1, k0 / TILE) == TileClass::Full
     }
 
     /// Class of the block of queries `[q0, q1)` against key tile `kt`.

@@ -18,8 +18,8 @@ const NR: usize = LANES;
 /// Strip of keys (or, in the transposed tiles, queries) that a register
 /// block covers: the unit of skipping and masking, and the summed index's
 /// unit in `accumulate` (a divisor of `TILE`, independent of the head dim).
-/// `scores` computes two adjacent live strips as one `MR × 2·NS` block and a
-/// lone live strip as an `MR × NS` block.
+/// `scores` computes a run of live strips as `MR × 2·NS` blocks from its
+/// start, and an odd strip at its end as an `MR × NS` block.
 pub(crate) const NS: usize = 8;
 /// Strips per tile row.
 pub(crate) const STRIPS: usize = TILE / NS;
@@ -116,12 +116,16 @@ pub(crate) fn scores<T: CpuFloat, const FMA: bool>(
         }
         let rows: [&[T]; MR] = std::array::from_fn(|r| &a[(rb + r) * dp..(rb + r + 1) * dp]);
         let out = &mut out[rb * TILE..(rb + MR) * TILE];
-        for jb in (0..TILE).step_by(2 * NS) {
-            match strips >> (jb / NS) & 0b11 {
-                0b11 => score_block::<T, FMA, { 2 * NS }>(&rows, bt, ld, jb, out),
-                0b01 => score_block::<T, FMA, NS>(&rows, bt, ld, jb, out),
-                0b10 => score_block::<T, FMA, NS>(&rows, bt, ld, jb + NS, out),
-                _ => {}
+        // Each run of live strips in blocks of two strips from its start,
+        // and one narrow block for an odd strip at its end.
+        for (a, b) in strip_runs(strips) {
+            let mut jb = a;
+            while jb + 2 * NS <= b {
+                score_block::<T, FMA, { 2 * NS }>(&rows, bt, ld, jb, out);
+                jb += 2 * NS;
+            }
+            if jb < b {
+                score_block::<T, FMA, NS>(&rows, bt, ld, jb, out);
             }
         }
     }

@@ -1,5 +1,6 @@
-//! Head-major, zero-padded copies of the varlen tensors, and the fused
-//! rotary embedding applied while copying.
+//! Head-major, zero-padded copies of the varlen inputs, the fused rotary
+//! embedding applied while copying, and the rows of the token-major outputs
+//! grouped per (head, tile) so that work items write them directly.
 //!
 //! The tiles read rows of `head_dim` contiguous values per head, so the
 //! `[tokens, heads, head_dim]` inputs are copied once into `[heads, lpad, dp]`
@@ -8,6 +9,14 @@
 //! the head dim up to a multiple of [`LANES`]. The padding is zero, which
 //! leaves every dot product unchanged and lets the kernels work on whole
 //! tiles. This costs O(tokens · heads · head_dim) memory: linear in `L`.
+//!
+//! The transposed layout is written from a `TILE × dp` block of rows while
+//! it is in cache; an input needed in both layouts is read (and rotated)
+//! once, its row-major copy serving as that block. Results take no
+//! head-major detour back: each work item keeps its `TILE × dp` accumulator
+//! in its own scratch and stores the finished rows straight into the
+//! caller's token-major output through [`head_tile_rows`], a safe split of
+//! that output into disjoint rows.
 
 use super::workspace::{self, Buf};
 use super::{run_parallel, CpuFloat, TILE};
@@ -42,118 +51,151 @@ impl Layout {
     }
 
     /// Copies every input of a call in one parallel step (one thread
-    /// start-up): input `i` `[l, heads, d]` becomes `[heads, lpad, dp]`, or
-    /// `[heads, dp, lpad]` when `transposed`, rotated by its `rope` if given,
-    /// padding zero. Every element of the result is written, so the buffers
-    /// come from the pool without a separate zero-fill pass.
+    /// start-up): input `i` `[l, heads, d]` becomes `[heads, lpad, dp]`
+    /// ([`Input::rows`]), `[heads, dp, lpad]` ([`Input::columns`]) or the
+    /// first followed by the second ([`Input::rows_and_columns`]), rotated by
+    /// its `rope` if given, padding zero; and fills the row dot products an
+    /// input asks for ([`Input::with_row_dots`]). Every element of the
+    /// results is written, so the buffers come from the pool without a
+    /// separate zero-fill pass.
     pub(crate) fn copy_inputs<T: CpuFloat, const N: usize>(
         &self,
         inputs: [Input<'_, T>; N],
     ) -> [Buf<T>; N] {
-        let Layout { lpad, dp, .. } = *self;
-        let mut bufs = inputs
-            .each_ref()
-            .map(|x| workspace::take_stale(x.heads * lpad * dp, T::ZERO));
+        let per_head = self.lpad * self.dp;
+        let mut bufs = inputs.each_ref().map(|x| {
+            let copies = match x.form {
+                Form::Rows | Form::Columns => 1,
+                Form::Both => 2,
+            };
+            workspace::take_stale(copies * x.heads * per_head, T::ZERO)
+        });
         // One work item per (input, head), transposes (the slower kind) first.
-        let mut work: Vec<_> = bufs
-            .iter_mut()
-            .zip(&inputs)
-            .flat_map(|(buf, x)| {
-                buf.chunks_mut(lpad * dp)
-                    .enumerate()
-                    .map(move |(h, dst)| (x, h, dst))
-            })
-            .collect();
-        work.sort_by_key(|(x, ..)| !x.transposed);
+        let mut work = Vec::new();
+        for (buf, x) in bufs.iter_mut().zip(inputs) {
+            let (rows, columns): (&mut [T], &mut [T]) = match x.form {
+                Form::Rows => (buf, &mut []),
+                Form::Columns => (&mut [], buf),
+                Form::Both => buf.split_at_mut(x.heads * per_head),
+            };
+            let mut rows = rows.chunks_mut(per_head);
+            let mut columns = columns.chunks_mut(per_head);
+            let (with, dots) = match x.dots {
+                Some(RowDots { with, out }) => (with, out),
+                None => (&[][..], &mut [][..]),
+            };
+            let mut dots = dots.chunks_mut(self.lpad);
+            for h in 0..x.heads {
+                work.push(CopyItem {
+                    x: x.x,
+                    heads: x.heads,
+                    rope: x.rope,
+                    h,
+                    rows: rows.next(),
+                    columns: columns.next(),
+                    dots: dots.next().map(|out| (with, out)),
+                });
+            }
+        }
+        work.sort_by_key(|w| w.columns.is_none());
         run_parallel(
             work,
             self.threads,
-            || vec![T::ZERO; TILE * dp],
-            |block, (x, h, dst)| {
-                if !x.transposed {
-                    for (t, row) in dst.chunks_exact_mut(dp).enumerate() {
-                        self.padded_row(x, h, t, row);
-                    }
-                    return;
-                }
-                // TILE tokens at a time: rows into `block`, then its columns
-                // into the TILE-long runs of the transposed rows, so both
-                // sides' accesses stay in cache.
-                for t0 in (0..lpad).step_by(TILE) {
-                    for (j, row) in block.chunks_exact_mut(dp).enumerate() {
-                        self.padded_row(x, h, t0 + j, row);
-                    }
-                    for (c, dst_row) in dst.chunks_exact_mut(lpad).enumerate() {
-                        for (j, y) in dst_row[t0..t0 + TILE].iter_mut().enumerate() {
-                            *y = block[j * dp + c];
-                        }
-                    }
-                }
-            },
+            || vec![T::ZERO; TILE * self.dp],
+            |block, item| self.copy_head(block, item),
         );
         bufs
     }
 
-    /// Row `t` (of `lpad`) of head `h` of `x`, padded to `dp` with zeros;
-    /// all zero past the last token.
-    #[inline]
-    fn padded_row<T: CpuFloat>(&self, x: &Input<'_, T>, h: usize, t: usize, row: &mut [T]) {
-        let d = self.d;
-        if t >= self.l {
-            row.fill(T::ZERO);
-            return;
-        }
-        let src = &x.x[(t * x.heads + h) * d..][..d];
-        match x.rope {
-            Some(r) => r.rotate(t, src, &mut row[..d], false),
-            None => row[..d].copy_from_slice(src),
-        }
-        row[d..].fill(T::ZERO);
-    }
-
-    /// Writes every output of a call in one parallel step: output `i`'s
-    /// `xh` `[heads, lpad, dp]` → its `out` `[l, heads, d]`, rotated back by
-    /// its `rope` (the transpose rotation) if given. Every element of each
-    /// `out` is written.
-    pub(crate) fn copy_outputs<T: CpuFloat, const N: usize>(&self, outputs: [Output<'_, T>; N]) {
-        let Layout { lpad, d, dp, .. } = *self;
-        let work: Vec<_> = outputs
-            .into_iter()
-            .flat_map(|x| {
-                let (xh, heads, rope) = (x.xh, x.heads, x.rope);
-                x.out
-                    .chunks_mut(TILE * heads * d)
-                    .enumerate()
-                    .map(move |(block, dst)| (xh, heads, rope, block, dst))
-            })
-            .collect();
-        run_parallel(
-            work,
-            self.threads,
-            || (),
-            |_, (xh, heads, rope, block, dst)| {
-                for (i, token_row) in dst.chunks_exact_mut(heads * d).enumerate() {
-                    let t = block * TILE + i;
-                    for (h, row) in token_row.chunks_exact_mut(d).enumerate() {
-                        let src = &xh[(h * lpad + t) * dp..][..d];
-                        match rope {
-                            Some(r) => r.rotate(t, src, row, true),
-                            None => row.copy_from_slice(src),
-                        }
+    /// One head of one input, `TILE` tokens at a time: the rows go into the
+    /// row-major copy (or `block` when only columns are wanted), then, while
+    /// they are in cache, into the `TILE`-long runs of the transposed copy.
+    fn copy_head<T: CpuFloat>(&self, block: &mut [T], mut item: CopyItem<'_, '_, T>) {
+        let Layout { l, lpad, d, dp, .. } = *self;
+        for t0 in (0..lpad).step_by(TILE) {
+            let rows = match item.rows.as_deref_mut() {
+                Some(rows) => &mut rows[t0 * dp..][..TILE * dp],
+                None => &mut block[..TILE * dp],
+            };
+            for (j, row) in rows.chunks_exact_mut(dp).enumerate() {
+                let t = t0 + j;
+                if t >= l {
+                    row.fill(T::ZERO);
+                    if let Some((_, out)) = item.dots.as_mut() {
+                        out[t] = T::ZERO;
                     }
+                    continue;
                 }
-            },
-        );
+                let at = (t * item.heads + item.h) * d;
+                let src = &item.x[at..at + d];
+                match item.rope {
+                    Some(r) => r.rotate(t, src, &mut row[..d], false),
+                    None => row[..d].copy_from_slice(src),
+                }
+                row[d..].fill(T::ZERO);
+                if let Some((with, out)) = item.dots.as_mut() {
+                    let mut acc = T::ZERO;
+                    for (&a, &b) in with[at..at + d].iter().zip(src) {
+                        acc += a * b;
+                    }
+                    out[t] = acc;
+                }
+            }
+            if let Some(columns) = item.columns.as_deref_mut() {
+                transpose_tile(rows, dp, &mut columns[t0..], lpad);
+            }
+        }
     }
+}
+
+/// The rows of one [`Layout::copy_inputs`] work item.
+struct CopyItem<'a, 'b, T> {
+    x: &'a [T],
+    heads: usize,
+    rope: Option<&'a RopeTable>,
+    h: usize,
+    /// `[lpad, dp]` of the row-major copy.
+    rows: Option<&'b mut [T]>,
+    /// `[dp, lpad]` of the transposed copy.
+    columns: Option<&'b mut [T]>,
+    /// The other operand `[l, heads, d]` and this head's `[lpad]` dots.
+    dots: Option<(&'a [T], &'b mut [T])>,
+}
+
+/// `columns[c · ld + j] = rows[j · dp + c]` for `j < TILE`, `c < dp`: a
+/// `TILE × dp` block of rows (in cache, just written) into `TILE`-long runs
+/// of the rows (stride `ld`) of the transposed layout.
+#[inline(always)]
+fn transpose_tile<T: Copy>(rows: &[T], dp: usize, columns: &mut [T], ld: usize) {
+    for (c, run) in columns.chunks_mut(ld).take(dp).enumerate() {
+        for (j, y) in run[..TILE].iter_mut().enumerate() {
+            *y = rows[j * dp + c];
+        }
+    }
+}
+
+/// How [`Layout::copy_inputs`] lays out one input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Form {
+    Rows,
+    Columns,
+    Both,
 }
 
 /// One input of [`Layout::copy_inputs`]: `x` is `[l, heads, d]`.
 pub(crate) struct Input<'a, T> {
-    pub x: &'a [T],
-    pub heads: usize,
-    pub rope: Option<&'a RopeTable>,
-    /// `[heads, dp, lpad]` instead of `[heads, lpad, dp]`.
-    pub transposed: bool,
+    x: &'a [T],
+    heads: usize,
+    rope: Option<&'a RopeTable>,
+    form: Form,
+    dots: Option<RowDots<'a, T>>,
+}
+
+/// `out[h · lpad + t] = Σ_c with[t, h, c] · x[t, h, c]`, summed in order of
+/// `c` (0 for the padding rows `t >= l`).
+struct RowDots<'a, T> {
+    with: &'a [T],
+    out: &'a mut [T],
 }
 
 impl<'a, T> Input<'a, T> {
@@ -163,7 +205,8 @@ impl<'a, T> Input<'a, T> {
             x,
             heads,
             rope,
-            transposed: false,
+            form: Form::Rows,
+            dots: None,
         }
     }
 
@@ -173,18 +216,66 @@ impl<'a, T> Input<'a, T> {
             x,
             heads,
             rope,
-            transposed: true,
+            form: Form::Columns,
+            dots: None,
+        }
+    }
+
+    /// `[heads, lpad, dp]` followed by `[heads, dp, lpad]` in one buffer
+    /// (split it at `heads · lpad · dp`), rotated by `rope` if given: the
+    /// source is read and rotated once for both.
+    pub(crate) fn rows_and_columns(x: &'a [T], heads: usize, rope: Option<&'a RopeTable>) -> Self {
+        Input {
+            x,
+            heads,
+            rope,
+            form: Form::Both,
+            dots: None,
+        }
+    }
+
+    /// Also writes `out[h · lpad + t] = Σ_c with[t, h, c] · x[t, h, c]` (the
+    /// unrotated `x`; summed in order of `c`; 0 for the padding rows
+    /// `t >= l`): `with` is `[l, heads, d]` like `x`, `out` is
+    /// `[heads, lpad]`.
+    pub(crate) fn with_row_dots(self, with: &'a [T], out: &'a mut [T]) -> Self {
+        Input {
+            dots: Some(RowDots { with, out }),
+            ..self
         }
     }
 }
 
-/// One output of [`Layout::copy_outputs`]: head-major `xh` `[heads, lpad,
-/// dp]` into `out` `[l, heads, d]`.
-pub(crate) struct Output<'a, T> {
-    pub xh: &'a [T],
-    pub heads: usize,
-    pub rope: Option<&'a RopeTable>,
-    pub out: &'a mut [T],
+/// The `d`-long rows of a token-major `out` `[l, heads, d]`, grouped per head
+/// and in token order: `rows[h][t]` is token `t`, head `h`. Work items take
+/// disjoint `chunks_mut(TILE)` of a head's rows, so one (head, tile) item
+/// writes its rows of the caller's output directly, without unsafe code and
+/// without a head-major copy of the result.
+pub(crate) fn head_tile_rows<T>(out: &mut [T], heads: usize, d: usize) -> Vec<Vec<&mut [T]>> {
+    let tokens = out.len() / (heads * d).max(1);
+    let mut rows: Vec<Vec<&mut [T]>> = (0..heads).map(|_| Vec::with_capacity(tokens)).collect();
+    for (i, row) in out.chunks_exact_mut(d).enumerate() {
+        rows[i % heads].push(row);
+    }
+    rows
+}
+
+/// Stores one finished result row: `dst = src`, rotated back by `rope` (the
+/// transpose rotation, for gradients) at token `t` if given. Returns whether
+/// every stored value is finite, so the callers' result check rides on the
+/// store instead of a second pass over the output.
+#[inline(always)]
+pub(crate) fn store_row<T: CpuFloat>(
+    src: &[T],
+    dst: &mut [T],
+    t: usize,
+    rope: Option<&RopeTable>,
+) -> bool {
+    match rope {
+        Some(r) => r.rotate(t, src, dst, true),
+        None => dst.copy_from_slice(src),
+    }
+    dst.iter().fold(true, |ok, x| ok & x.is_finite())
 }
 
 /// `cos(p θ_i)`, `sin(p θ_i)` in f64 for every token of the pack (its
@@ -272,37 +363,60 @@ mod tests {
         }
     }
 
-    /// Rows, columns (transposed) and back to token-major, with padding zero,
-    /// also on pooled buffers that still hold another call's values.
+    /// Rows, columns (transposed), both in one buffer, the row dot products,
+    /// and back to token-major through [`head_tile_rows`] and
+    /// [`store_row`], with padding zero, also on pooled buffers that still
+    /// hold another call's values. The head dim (21) leaves a partial
+    /// `LANES` chunk and the tokens (70) a partial tile, so the remainder
+    /// paths run too.
     #[test]
     fn layouts_round_trip() {
-        let lay = Layout::new(70, 5, 2);
-        assert_eq!((lay.lpad, lay.dp), (128, 16));
-        let heads = 3;
-        let x: Vec<f64> = (0..70 * heads * 5).map(|i| i as f64 + 1.0).collect();
+        let (l, d, heads) = (70, 21, 3);
+        let lay = Layout::new(l, d, 2);
+        assert_eq!((lay.lpad, lay.dp), (128, 32));
+        let n = lay.lpad * lay.dp * heads;
+        let x: Vec<f64> = (0..l * heads * d).map(|i| i as f64 + 1.0).collect();
+        let w: Vec<f64> = (0..l * heads * d).map(|i| (i % 7) as f64 - 3.0).collect();
         let check = |x: &[f64]| {
-            let [xh, xt] =
-                lay.copy_inputs([Input::rows(x, heads, None), Input::columns(x, heads, None)]);
+            let mut dots = workspace::take_stale(heads * lay.lpad, f64::NAN);
+            let [xh, xt, both] = lay.copy_inputs([
+                Input::rows(x, heads, None),
+                Input::columns(x, heads, None),
+                Input::rows_and_columns(x, heads, None).with_row_dots(&w, &mut dots),
+            ]);
+            assert_eq!((xh.len(), xt.len(), both.len()), (n, n, 2 * n));
+            assert_eq!(both[..n], xh[..]);
+            assert_eq!(both[n..], xt[..]);
             for h in 0..heads {
                 for t in 0..lay.lpad {
                     for c in 0..lay.dp {
-                        let want = if t < 70 && c < 5 {
-                            x[(t * heads + h) * 5 + c]
+                        let want = if t < l && c < d {
+                            x[(t * heads + h) * d + c]
                         } else {
                             0.0
                         };
                         assert_eq!(xh[(h * lay.lpad + t) * lay.dp + c], want, "{h} {t} {c}");
                         assert_eq!(xt[(h * lay.dp + c) * lay.lpad + t], want, "{h} {t} {c}");
                     }
+                    let want: f64 = (0..d)
+                        .filter(|_| t < l)
+                        .map(|c| x[(t * heads + h) * d + c] * w[(t * heads + h) * d + c])
+                        .sum();
+                    assert_eq!(dots[h * lay.lpad + t], want, "dot {h} {t}");
                 }
             }
             let mut back = vec![f64::NAN; x.len()];
-            lay.copy_outputs([Output {
-                xh: &xh,
-                heads,
-                rope: None,
-                out: &mut back,
-            }]);
+            let mut finite = true;
+            for (h, rows) in head_tile_rows(&mut back, heads, d).iter_mut().enumerate() {
+                assert_eq!(rows.len(), l);
+                for (qt, tile) in rows.chunks_mut(TILE).enumerate() {
+                    for (i, row) in tile.iter_mut().enumerate() {
+                        let src = &xh[(h * lay.lpad + qt * TILE + i) * lay.dp..][..d];
+                        finite &= store_row(src, row, qt * TILE + i, None);
+                    }
+                }
+            }
+            assert!(finite);
             assert_eq!(back, x);
         };
         check(&x);
@@ -311,5 +425,35 @@ mod tests {
         // padding included, is rewritten.
         let y: Vec<f64> = x.iter().map(|v| -v).collect();
         check(&y);
+    }
+
+    /// `store_row` reports a non-finite value wherever it is in the row
+    /// (negative control: a finite row is reported finite), and rotates back
+    /// when given a rope.
+    #[test]
+    fn store_row_reports_non_finite_values() {
+        let src: Vec<f32> = (0..37).map(|i| i as f32 * 0.5 - 9.0).collect();
+        let mut dst = vec![0.0f32; 37];
+        assert!(store_row(&src, &mut dst, 0, None));
+        assert_eq!(dst, src);
+        for at in [0, 15, 16, 36] {
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let mut s = src.clone();
+                s[at] = bad;
+                assert!(!store_row(&s, &mut dst, 0, None), "{bad} at {at}");
+            }
+        }
+        let table = RopeTable::new(
+            Rope {
+                base: 100.0,
+                dims: 36,
+            },
+            &[0, 5],
+        );
+        let mut want = vec![0.0f32; 37];
+        table.rotate(1, &src, &mut want, true);
+        assert!(store_row(&src, &mut dst, 1, Some(&table)));
+        assert_eq!(dst, want);
+        assert_ne!(dst, src, "the rotation is not the identity at t = 1");
     }
 }

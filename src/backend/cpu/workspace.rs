@@ -1,17 +1,17 @@
 //! A process-wide pool of scratch buffers reused across attention calls.
 //!
-//! Every attention call needs head-major copies of its inputs and head-major
-//! accumulators: several `heads · lpad · dp` arrays, megabytes at a few
-//! thousand tokens. Allocated fresh, the allocator maps them from the OS at
-//! every call and each page is faulted in on first touch, a fixed cost per
-//! call (thousands of minor faults, milliseconds at L ≈ 2k) that does not
-//! parallelize. A training step calls attention with the same shapes for
-//! every layer, so [`take`] hands out a buffer a previous call gave back and
-//! [`Buf`] gives it back when dropped.
+//! Every attention call needs head-major copies of its inputs: several
+//! `heads · lpad · dp` arrays, megabytes at a few thousand tokens. Allocated
+//! fresh, the allocator maps them from the OS at every call and each page is
+//! faulted in on first touch, a fixed cost per call (thousands of minor
+//! faults, milliseconds at L ≈ 2k) that does not parallelize. A training
+//! step calls attention with the same shapes for every layer, so
+//! [`take_stale`] hands out a buffer a previous call gave back and [`Buf`]
+//! gives it back when dropped.
 //!
 //! Policy (bounded, thread-safe): buffers live in one `Mutex`-guarded list.
-//! [`take`] picks the smallest free buffer of the right element type whose
-//! capacity is at least the request and at most twice it (so a small call
+//! [`take_stale`] picks the smallest free buffer of the right element type
+//! whose capacity is at least the request and at most twice it (so a small call
 //! does not pin a large buffer); otherwise it allocates. A given-back buffer
 //! is kept only while the pool holds at most [`MAX_BUFFERS`] buffers and
 //! [`MAX_BYTES`] bytes; the oldest are freed first to make room. The pool
@@ -22,7 +22,7 @@ use std::any::Any;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Mutex, PoisonError};
 
-/// Most buffers the pool keeps (a backward call uses 13 at once).
+/// Most buffers the pool keeps (a backward call uses 6 at once).
 pub(crate) const MAX_BUFFERS: usize = 32;
 /// Most bytes the pool keeps.
 pub(crate) const MAX_BYTES: usize = 1 << 30;
@@ -40,15 +40,9 @@ pub(crate) struct Buf<T: Copy + Send + 'static> {
     v: Vec<T>,
 }
 
-/// A buffer of `len` elements, all equal to `fill`.
-pub(crate) fn take<T: Copy + Send + 'static>(len: usize, fill: T) -> Buf<T> {
-    let mut b = take_stale(len, fill);
-    b.v.fill(fill);
-    b
-}
-
 /// A buffer of `len` elements whose values are whatever a previous user left
-/// (`fill` where new): for callers that overwrite every element.
+/// (`fill` where new): every caller overwrites every element, so no
+/// zero-fill pass is spent on it.
 pub(crate) fn take_stale<T: Copy + Send + 'static>(len: usize, fill: T) -> Buf<T> {
     let reused = {
         let mut pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
@@ -132,27 +126,30 @@ mod tests {
     struct Tag(u32);
 
     #[test]
-    fn a_given_back_buffer_is_reused_and_refilled() {
-        let first = take(1000, Tag(7));
-        assert!(first.iter().all(|&x| x == Tag(7)));
+    fn a_given_back_buffer_is_reused() {
+        let mut first = take_stale(1000, Tag(7));
+        assert!(
+            first.iter().all(|&x| x == Tag(7)),
+            "new elements are filled"
+        );
+        first[3] = Tag(9);
         let ptr = first.as_ptr();
         drop(first);
-        let mut again = take(900, Tag(1));
+        let again = take_stale(900, Tag(1));
         assert_eq!(again.as_ptr(), ptr, "same storage");
         assert_eq!(again.len(), 900);
-        assert!(again.iter().all(|&x| x == Tag(1)), "refilled");
-        again[3] = Tag(9);
+        assert_eq!(again[3], Tag(9), "old values are kept");
         drop(again);
-        let stale = take_stale(1000, Tag(2));
-        assert_eq!(stale.as_ptr(), ptr);
-        assert_eq!(stale[3], Tag(9), "take_stale keeps old values");
-        assert_eq!(stale[950], Tag(2), "and fills what is new");
+        let longer = take_stale(1000, Tag(2));
+        assert_eq!(longer.as_ptr(), ptr);
+        assert_eq!(longer[3], Tag(9));
+        assert_eq!(longer[950], Tag(2), "and what is new is filled");
         // Far too large for the request: not handed out.
-        let small = take(10, Tag(0));
+        let small = take_stale(10, Tag(0));
         assert_ne!(small.as_ptr(), ptr);
         // Negative control: a buffer still held is never handed out twice.
-        let other = take(1000, Tag(3));
-        assert_ne!(other.as_ptr(), stale.as_ptr());
+        let other = take_stale(1000, Tag(3));
+        assert_ne!(other.as_ptr(), longer.as_ptr());
     }
 
     #[test]

@@ -448,8 +448,8 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
     }
     let (mut dk_ok, mut dv_ok) = (true, true);
     for (j, (dk_row, dv_row)) in dk_rows.iter_mut().zip(dv_rows.iter_mut()).enumerate() {
-        dk_ok &= store_row(&dk[j * dp..][..d], dk_row, k0 + j, ctx.rope);
-        dv_ok &= store_row(&dv[j * dp..][..d], dv_row, k0 + j, None);
+        dk_ok &= store_row(&mut dk[j * dp..][..d], dk_row, k0 + j, ctx.rope);
+        dv_ok &= store_row(&mut dv[j * dp..][..d], dv_row, k0 + j, None);
     }
     [dk_ok, dv_ok]
 }
@@ -569,7 +569,7 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     }
     let mut finite = true;
     for (i, dst) in dq_rows.iter_mut().enumerate() {
-        finite &= store_row(&dq[i * dp..][..d], dst, q0 + i, ctx.rope);
+        finite &= store_row(&mut dq[i * dp..][..d], dst, q0 + i, ctx.rope);
     }
     finite
 }

@@ -261,21 +261,23 @@ pub(crate) fn head_tile_rows<T>(out: &mut [T], heads: usize, d: usize) -> Vec<Ve
 }
 
 /// Stores one finished result row: `dst = src`, rotated back by `rope` (the
-/// transpose rotation, for gradients) at token `t` if given. Returns whether
-/// every stored value is finite, so the callers' result check rides on the
-/// store instead of a second pass over the output.
+/// transpose rotation, for gradients) at token `t` if given, in place in
+/// `src` first. Returns whether every stored value is finite, so the
+/// callers' result check rides on the store instead of a second pass over
+/// the output. The check reads `src` (in cache), never `dst`: reading back
+/// just-stored values stalls until their cache lines arrive.
 #[inline(always)]
 pub(crate) fn store_row<T: CpuFloat>(
-    src: &[T],
+    src: &mut [T],
     dst: &mut [T],
     t: usize,
     rope: Option<&RopeTable>,
 ) -> bool {
-    match rope {
-        Some(r) => r.rotate(t, src, dst, true),
-        None => dst.copy_from_slice(src),
+    if let Some(r) = rope {
+        r.rotate_in_place(t, src, true);
     }
-    dst.iter().fold(true, |ok, x| ok & x.is_finite())
+    dst.copy_from_slice(src);
+    src.iter().fold(true, |ok, x| ok & x.is_finite())
 }
 
 /// `cos(p θ_i)`, `sin(p θ_i)` in f64 for every token of the pack (its
@@ -321,6 +323,23 @@ impl RopeTable {
             dst[i + h] = T::from_f64(b * c + a * s);
         }
         dst[2 * h..].copy_from_slice(&src[2 * h..]);
+    }
+
+    /// [`Self::rotate`] of `row` in place (the same arithmetic): each pair
+    /// `(i, i + dims / 2)` is read before it is written.
+    #[inline]
+    pub(crate) fn rotate_in_place<T: CpuFloat>(&self, t: usize, row: &mut [T], inverse: bool) {
+        let h = self.half;
+        let cos = &self.cos[t * h..(t + 1) * h];
+        let sin = &self.sin[t * h..(t + 1) * h];
+        let sign = if inverse { -1.0 } else { 1.0 };
+        let (lo, hi) = row.split_at_mut(h);
+        for ((x, y), (&c, &s)) in lo.iter_mut().zip(&mut hi[..h]).zip(cos.iter().zip(sin)) {
+            let (a, b) = (x.to_f64(), y.to_f64());
+            let s = sign * s;
+            *x = T::from_f64(a * c - b * s);
+            *y = T::from_f64(b * c + a * s);
+        }
     }
 }
 
@@ -429,18 +448,19 @@ mod tests {
 
     /// `store_row` reports a non-finite value wherever it is in the row
     /// (negative control: a finite row is reported finite), and rotates back
-    /// when given a rope.
+    /// when given a rope, as `rotate` does.
     #[test]
     fn store_row_reports_non_finite_values() {
         let src: Vec<f32> = (0..37).map(|i| i as f32 * 0.5 - 9.0).collect();
         let mut dst = vec![0.0f32; 37];
-        assert!(store_row(&src, &mut dst, 0, None));
+        assert!(store_row(&mut src.clone(), &mut dst, 0, None));
         assert_eq!(dst, src);
         for at in [0, 15, 16, 36] {
             for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
                 let mut s = src.clone();
                 s[at] = bad;
-                assert!(!store_row(&s, &mut dst, 0, None), "{bad} at {at}");
+                assert!(!store_row(&mut s, &mut dst, 0, None), "{bad} at {at}");
+                assert!(dst[at].to_bits() == bad.to_bits(), "stored as is");
             }
         }
         let table = RopeTable::new(
@@ -452,8 +472,12 @@ mod tests {
         );
         let mut want = vec![0.0f32; 37];
         table.rotate(1, &src, &mut want, true);
-        assert!(store_row(&src, &mut dst, 1, Some(&table)));
+        assert!(store_row(&mut src.clone(), &mut dst, 1, Some(&table)));
         assert_eq!(dst, want);
         assert_ne!(dst, src, "the rotation is not the identity at t = 1");
+        // A rotation that overflows f32 is reported: it is checked after.
+        let mut big = vec![3e38f32; 37];
+        assert!(!store_row(&mut big, &mut dst, 1, Some(&table)));
+        assert!(dst.iter().any(|x| x.is_infinite()));
     }
 }

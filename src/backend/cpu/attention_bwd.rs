@@ -4,6 +4,7 @@
 use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS};
 use super::layout::{head_tile_rows, store_row, Input, Layout, RopeTable};
 use super::workspace;
+use super::workspace::Staggered;
 use super::{
     check_finite, check_len, check_qkv, check_result, num_threads, run_parallel, AttnGrads,
     CpuFloat, KeyTileBounds, TileClass, TILE,
@@ -318,23 +319,15 @@ struct QueryItem<'a, 'b, T> {
     dq: &'a mut [&'b mut [T]],
 }
 
-struct BwdScratch<T> {
-    /// Scores, then P (pass 1) or dS (pass 2): `[TILE, TILE]`.
-    s: Vec<T>,
-    /// dP, then dS (pass 1): `[TILE, TILE]`.
-    dp: Vec<T>,
-    /// The gradient rows being accumulated, `[TILE, dp]` each: dK and dV
-    /// (pass 1), dQ in the first (pass 2).
-    acc: [Vec<T>; 2],
-}
+/// Per thread, `[TILE, TILE]` scores then P (pass 1) or dS (pass 2);
+/// `[TILE, TILE]` dP, then dS (pass 1); and the `[TILE, dp]` gradient rows
+/// being accumulated: dK and dV (pass 1), dQ in the first (pass 2).
+struct BwdScratch<T>(Staggered<T, 4>);
 
 impl<T: CpuFloat> BwdScratch<T> {
     fn new(dp: usize) -> Self {
-        BwdScratch {
-            s: vec![T::ZERO; TILE * TILE],
-            dp: vec![T::ZERO; TILE * TILE],
-            acc: [(); 2].map(|_| vec![T::ZERO; TILE * dp]),
-        }
+        let tile = TILE * TILE;
+        BwdScratch(Staggered::new([tile, tile, TILE * dp, TILE * dp], T::ZERO))
     }
 }
 
@@ -382,8 +375,7 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
     let bk = (k0 + TILE).min(l) - k0;
     let k_rows = &ctx.kh[(g * lpad + k0) * dp..][..TILE * dp];
     let v_rows = &ctx.vh[(g * lpad + k0) * dp..][..TILE * dp];
-    let (st, dpt) = (&mut sc.s, &mut sc.dp);
-    let [dk, dv] = &mut sc.acc;
+    let [st, dpt, dk, dv] = sc.0.parts();
     dk.fill(T::ZERO);
     dv.fill(T::ZERO);
     for h in g * ctx.group..(g + 1) * ctx.group {
@@ -496,8 +488,7 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     let vt_head = &ctx.vt[g * dp * lpad..][..dp * lpad];
     let lse = &ctx.lse[head + q0..head + q0 + TILE];
     let delta = &ctx.delta[head + q0..head + q0 + TILE];
-    let (s, dpm) = (&mut sc.s, &mut sc.dp);
-    let dq = &mut sc.acc[0];
+    let [s, dpm, dq, _] = sc.0.parts();
     dq.fill(T::ZERO);
     for kt in 0..=qt {
         let class = ctx.bounds.classify(q0, q1, kt);

@@ -2,6 +2,7 @@
 
 use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS};
 use super::layout::{head_tile_rows, store_row, Input, Layout, RopeTable};
+use super::workspace::Staggered;
 use super::{
     check_len, check_qkv, check_result, num_threads, run_parallel, AttnOut, CpuFloat,
     KeyTileBounds, TileClass, TILE,
@@ -216,22 +217,20 @@ struct FwdItem<'a, 'b, T> {
 }
 
 struct FwdScratch<T> {
-    /// Scores, then probabilities, of one block: `[TILE, TILE]`.
-    s: Vec<T>,
+    /// Scores, then probabilities, of one block: `[TILE, TILE]`; and the
+    /// output rows being accumulated: `[TILE, dp]`.
+    tiles: Staggered<T, 2>,
     /// Running row max and row sum of the online softmax.
     m: Vec<T>,
     sum: Vec<T>,
-    /// The output rows being accumulated: `[TILE, dp]`.
-    o: Vec<T>,
 }
 
 impl<T: CpuFloat> FwdScratch<T> {
     fn new(dp: usize) -> Self {
         FwdScratch {
-            s: vec![T::ZERO; TILE * TILE],
+            tiles: Staggered::new([TILE * TILE, TILE * dp], T::ZERO),
             m: vec![T::ZERO; TILE],
             sum: vec![T::ZERO; TILE],
-            o: vec![T::ZERO; TILE * dp],
         }
     }
 }
@@ -279,7 +278,8 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     let q_rows = &ctx.qh[(h * lpad + q0) * dp..][..TILE * dp];
     let kt_head = &ctx.kt[g * dp * lpad..][..dp * lpad];
     let v_head = &ctx.vh[g * lpad * dp..][..lpad * dp];
-    let (s, m, sum, o) = (&mut sc.s, &mut sc.m, &mut sc.sum, &mut sc.o);
+    let [s, o] = sc.tiles.parts();
+    let (m, sum) = (&mut sc.m, &mut sc.sum);
     m.fill(T::NEG_INFINITY);
     sum.fill(T::ZERO);
     o.fill(T::ZERO);

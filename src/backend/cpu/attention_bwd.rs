@@ -238,7 +238,10 @@ fn backward_checked<T: CpuFloat>(
             work.push(KeyItem { g, kt, dk, dv });
         }
     }
-    work.sort_by_key(|w| std::cmp::Reverse(bounds.query_tile_end(w.kt) - w.kt));
+    // Then by key tile, so that the items storing one token range of dk, dv
+    // (all its heads) run one after the other: whole token rows are
+    // written in turn instead of one head's slice of each.
+    work.sort_by_key(|w| (std::cmp::Reverse(bounds.query_tile_end(w.kt) - w.kt), w.kt));
     run_parallel(work, lay.threads, scratch, |s, item| {
         let [dk_ok, dv_ok] = key_tile(&ctx, s, item);
         flag(1, dk_ok);

@@ -160,7 +160,9 @@ fn forward_checked<T: CpuFloat>(
             work.push(FwdItem { h, qt, o, lse });
         }
     }
-    work.sort_by_key(|w| std::cmp::Reverse(cost[w.qt]));
+    // Then by query tile, so that the items storing one token range of `o`
+    // (all its heads) run one after the other.
+    work.sort_by_key(|w| (std::cmp::Reverse(cost[w.qt]), w.qt));
     let o_bad = AtomicBool::new(false);
     run_parallel(
         work,

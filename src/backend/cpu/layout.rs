@@ -430,8 +430,8 @@ mod tests {
                 assert_eq!(rows.len(), l);
                 for (qt, tile) in rows.chunks_mut(TILE).enumerate() {
                     for (i, row) in tile.iter_mut().enumerate() {
-                        let src = &xh[(h * lay.lpad + qt * TILE + i) * lay.dp..][..d];
-                        finite &= store_row(src, row, qt * TILE + i, None);
+                        let mut src = xh[(h * lay.lpad + qt * TILE + i) * lay.dp..][..d].to_vec();
+                        finite &= store_row(&mut src, row, qt * TILE + i, None);
                     }
                 }
             }

@@ -247,7 +247,6 @@ fn backward_checked<T: CpuFloat>(
         flag(1, dk_ok);
         flag(2, dv_ok);
     });
-    drop((dk_rows, dv_rows));
 
     // Pass 2: dQ per (query head, query tile), stored into the caller's dq.
     let mut dq_rows = head_tile_rows(&mut *dq, hq, shape.head_dim);
@@ -265,7 +264,6 @@ fn backward_checked<T: CpuFloat>(
     run_parallel(work, lay.threads, scratch, |s, item| {
         flag(0, query_tile(&ctx, s, item))
     });
-    drop(dq_rows);
 
     // The first non-finite index of the first bad gradient, as scans of dq,
     // dk, dv in that order report it.

@@ -174,7 +174,6 @@ fn forward_checked<T: CpuFloat>(
             }
         },
     );
-    drop(o_rows);
 
     if o_bad.into_inner() {
         // The first non-finite index, as a scan of `o` reports it.

@@ -250,9 +250,10 @@ impl<'a, T> Input<'a, T> {
 /// and in token order: `rows[h][t]` is token `t`, head `h`. Work items take
 /// disjoint `chunks_mut(TILE)` of a head's rows, so one (head, tile) item
 /// writes its rows of the caller's output directly, without unsafe code and
-/// without a head-major copy of the result.
+/// without a head-major copy of the result. `heads` and `d` are nonzero (the
+/// callers' shapes are validated).
 pub(crate) fn head_tile_rows<T>(out: &mut [T], heads: usize, d: usize) -> Vec<Vec<&mut [T]>> {
-    let tokens = out.len() / (heads * d).max(1);
+    let tokens = out.len() / (heads * d);
     let mut rows: Vec<Vec<&mut [T]>> = (0..heads).map(|_| Vec::with_capacity(tokens)).collect();
     for (i, row) in out.chunks_exact_mut(d).enumerate() {
         rows[i % heads].push(row);

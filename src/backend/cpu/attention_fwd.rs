@@ -121,8 +121,8 @@ fn forward_checked<T: CpuFloat>(
     }
     let lay = Layout::new(l, shape.head_dim, threads);
     let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids));
-    let [qh, kt, vh] = lay.copy_inputs([
-        Input::rows(q, shape.q_heads, rope.as_ref()),
+    // Q is copied per query tile by the one item that reads it.
+    let [kt, vh] = lay.copy_inputs([
         Input::columns(k, shape.kv_heads, rope.as_ref()),
         Input::rows(v, shape.kv_heads, None),
     ]);
@@ -133,7 +133,9 @@ fn forward_checked<T: CpuFloat>(
         scale: T::from_f64(params.softmax_scale),
         kv_end: mask.kv_end,
         bounds: &bounds,
-        qh: &qh,
+        q,
+        q_heads: shape.q_heads,
+        rope: rope.as_ref(),
         kt: &kt,
         vh: &vh,
     };
@@ -198,8 +200,10 @@ struct FwdCtx<'a, T> {
     scale: T,
     kv_end: &'a [u32],
     bounds: &'a KeyTileBounds,
-    /// `[q_heads, lpad, dp]`, rotated.
-    qh: &'a [T],
+    /// `[tokens, q_heads, head_dim]`, as given, and the rotary table for it.
+    q: &'a [T],
+    q_heads: usize,
+    rope: Option<&'a RopeTable>,
     /// `[kv_heads, dp, lpad]`, rotated.
     kt: &'a [T],
     /// `[kv_heads, lpad, dp]`.
@@ -218,9 +222,10 @@ struct FwdItem<'a, 'b, T> {
 }
 
 struct FwdScratch<T> {
-    /// Scores, then probabilities, of one block: `[TILE, TILE]`; and the
-    /// output rows being accumulated: `[TILE, dp]`.
-    tiles: Staggered<T, 2>,
+    /// Scores, then probabilities, of one block: `[TILE, TILE]`; the
+    /// output rows being accumulated: `[TILE, dp]`; the item's query rows,
+    /// rotated and padded: `[TILE, dp]`.
+    tiles: Staggered<T, 3>,
     /// Running row max and row sum of the online softmax.
     m: Vec<T>,
     sum: Vec<T>,
@@ -229,7 +234,7 @@ struct FwdScratch<T> {
 impl<T: CpuFloat> FwdScratch<T> {
     fn new(dp: usize) -> Self {
         FwdScratch {
-            tiles: Staggered::new([TILE * TILE, TILE * dp], T::ZERO),
+            tiles: Staggered::new([TILE * TILE, TILE * dp, TILE * dp], T::ZERO),
             m: vec![T::ZERO; TILE],
             sum: vec![T::ZERO; TILE],
         }
@@ -276,10 +281,12 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
     let bq = q1 - q0;
     let g = h / ctx.group;
-    let q_rows = &ctx.qh[(h * lpad + q0) * dp..][..TILE * dp];
     let kt_head = &ctx.kt[g * dp * lpad..][..dp * lpad];
     let v_head = &ctx.vh[g * lpad * dp..][..lpad * dp];
-    let [s, o] = sc.tiles.parts();
+    let [s, o, q_rows] = sc.tiles.parts();
+    ctx.lay
+        .copy_tile(ctx.q, ctx.q_heads, h, q0, ctx.rope, q_rows);
+    let q_rows = &*q_rows;
     let (m, sum) = (&mut sc.m, &mut sc.sum);
     m.fill(T::NEG_INFINITY);
     sum.fill(T::ZERO);

@@ -107,11 +107,57 @@ impl Layout {
         bufs
     }
 
+    /// Row `t` of head `h` of `x` `[l, heads, d]` into `row` (`dp` values),
+    /// rotated by `rope` if given, padded with zeros; all zero when `t >= l`.
+    /// Returns where the row starts in `x` (`None` past the last token).
+    #[inline(always)]
+    fn padded_row<T: CpuFloat>(
+        &self,
+        x: &[T],
+        heads: usize,
+        h: usize,
+        t: usize,
+        rope: Option<&RopeTable>,
+        row: &mut [T],
+    ) -> Option<usize> {
+        let d = self.d;
+        if t >= self.l {
+            row.fill(T::ZERO);
+            return None;
+        }
+        let at = (t * heads + h) * d;
+        let src = &x[at..at + d];
+        match rope {
+            Some(r) => r.rotate(t, src, &mut row[..d], false),
+            None => row[..d].copy_from_slice(src),
+        }
+        row[d..].fill(T::ZERO);
+        Some(at)
+    }
+
+    /// Rows `t0 .. t0 + TILE` of head `h` of `x` `[l, heads, d]` into `tile`
+    /// `[TILE, dp]`, as [`Self::copy_inputs`] lays them out (rotated by
+    /// `rope` if given, padding zero): for a work item that is the only
+    /// reader of those rows, so that they need no head-major copy in memory.
+    pub(crate) fn copy_tile<T: CpuFloat>(
+        &self,
+        x: &[T],
+        heads: usize,
+        h: usize,
+        t0: usize,
+        rope: Option<&RopeTable>,
+        tile: &mut [T],
+    ) {
+        for (j, row) in tile[..TILE * self.dp].chunks_exact_mut(self.dp).enumerate() {
+            self.padded_row(x, heads, h, t0 + j, rope, row);
+        }
+    }
+
     /// One head of one input, `TILE` tokens at a time: the rows go into the
     /// row-major copy (or `block` when only columns are wanted), then, while
     /// they are in cache, into the `TILE`-long runs of the transposed copy.
     fn copy_head<T: CpuFloat>(&self, block: &mut [T], mut item: CopyItem<'_, '_, T>) {
-        let Layout { l, lpad, d, dp, .. } = *self;
+        let Layout { lpad, d, dp, .. } = *self;
         for t0 in (0..lpad).step_by(TILE) {
             let rows = match item.rows.as_deref_mut() {
                 Some(rows) => &mut rows[t0 * dp..][..TILE * dp],
@@ -119,26 +165,18 @@ impl Layout {
             };
             for (j, row) in rows.chunks_exact_mut(dp).enumerate() {
                 let t = t0 + j;
-                if t >= l {
-                    row.fill(T::ZERO);
-                    if let Some((_, out)) = item.dots.as_mut() {
-                        out[t] = T::ZERO;
-                    }
-                    continue;
-                }
-                let at = (t * item.heads + item.h) * d;
-                let src = &item.x[at..at + d];
-                match item.rope {
-                    Some(r) => r.rotate(t, src, &mut row[..d], false),
-                    None => row[..d].copy_from_slice(src),
-                }
-                row[d..].fill(T::ZERO);
+                let at = self.padded_row(item.x, item.heads, item.h, t, item.rope, row);
                 if let Some((with, out)) = item.dots.as_mut() {
-                    let mut acc = T::ZERO;
-                    for (&a, &b) in with[at..at + d].iter().zip(src) {
-                        acc += a * b;
-                    }
-                    out[t] = acc;
+                    out[t] = match at {
+                        Some(at) => {
+                            let mut acc = T::ZERO;
+                            for (&a, &b) in with[at..at + d].iter().zip(&item.x[at..at + d]) {
+                                acc += a * b;
+                            }
+                            acc
+                        }
+                        None => T::ZERO,
+                    };
                 }
             }
             if let Some(columns) = item.columns.as_deref_mut() {
@@ -384,7 +422,7 @@ mod tests {
     }
 
     /// Rows, columns (transposed), both in one buffer, the row dot products,
-    /// and back to token-major through [`head_tile_rows`] and
+    /// single tiles, and back to token-major through [`head_tile_rows`] and
     /// [`store_row`], with padding zero, also on pooled buffers that still
     /// hold another call's values. The head dim (21) leaves a partial
     /// `LANES` chunk and the tokens (70) a partial tile, so the remainder
@@ -423,6 +461,17 @@ mod tests {
                         .map(|c| x[(t * heads + h) * d + c] * w[(t * heads + h) * d + c])
                         .sum();
                     assert_eq!(dots[h * lay.lpad + t], want, "dot {h} {t}");
+                }
+            }
+            // One tile at a time, as a forward item copies its queries.
+            let mut tile = vec![f64::NAN; TILE * lay.dp];
+            for h in 0..heads {
+                for t0 in (0..lay.lpad).step_by(TILE) {
+                    lay.copy_tile(x, heads, h, t0, None, &mut tile);
+                    assert_eq!(
+                        tile[..],
+                        xh[(h * lay.lpad + t0) * lay.dp..][..TILE * lay.dp]
+                    );
                 }
             }
             let mut back = vec![f64::NAN; x.len()];

@@ -12,11 +12,13 @@
 //!
 //! The transposed layout is written from a `TILE × dp` block of rows while
 //! it is in cache; an input needed in both layouts is read (and rotated)
-//! once, its row-major copy serving as that block. Results take no
-//! head-major detour back: each work item keeps its `TILE × dp` accumulator
-//! in its own scratch and stores the finished rows straight into the
-//! caller's token-major output through [`head_tile_rows`], a safe split of
-//! that output into disjoint rows.
+//! once, its row-major copy serving as that block. Rows that a single work
+//! item reads (the forward's query tile) are copied by that item into its
+//! scratch instead ([`Layout::copy_tile`]). Results take no head-major
+//! detour back: each work item keeps its `TILE × dp` accumulator in its own
+//! scratch and stores the finished rows straight into the caller's
+//! token-major output through [`head_tile_rows`], a safe split of that
+//! output into disjoint rows.
 
 use super::workspace::{self, Buf};
 use super::{run_parallel, CpuFloat, TILE};

@@ -25,7 +25,9 @@
 //! blocks and never holds an `L × L` matrix: memory is linear in `L` (the
 //! inputs are copied once into head-major, zero-padded layouts, plus a few
 //! tiles of scratch per thread, which also hold each work item's output
-//! rows until they are stored into the caller's token-major result). Each (query tile, key tile) pair is
+//! rows until they are stored into the caller's token-major result; the
+//! forward's Q rows go straight into the scratch of the one item that reads
+//! them). Each (query tile, key tile) pair is
 //! classified from the per-key-tile min/max of `kv_end` (DESIGN §5):
 //! [`TileClass::Skip`] tiles are not computed, [`TileClass::Full`] tiles need
 //! no per-element mask, [`TileClass::Partial`] tiles are computed by register
@@ -50,10 +52,12 @@
 //! head, key tile) accumulates dK, dV over the query tiles that can see the
 //! key tile (the contiguous range from the tile's first key to its largest
 //! `kv_end`), then one work item per (query head, query tile) accumulates dQ.
-//! No atomics, so results do not depend on the thread count.
+//! Every output element is accumulated by one item in a fixed order (the
+//! only atomics are the items' non-finite flags), so results do not depend
+//! on the thread count.
 //!
 //! Work is spread over [`num_threads`] scoped threads, started once per
-//! step: a forward call has two steps (all input copies, the query tiles),
+//! step: a forward call has two steps (the K, V copies, the query tiles),
 //! a backward call three (the input copies, which also compute `D`, then
 //! the two passes). Each work item stores its finished rows (`O`; or `dK`,
 //! `dV`; or `dQ`, rotated back when rotary is on) straight into the

@@ -174,15 +174,15 @@ fn backward_checked<T: CpuFloat>(
     let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids));
     // D = rowsum(dO ∘ O) per (head, padded row), computed while dO is copied.
     let mut delta = workspace::take_stale(hq * lpad, T::ZERO);
-    let [q2, k2, v2, do2] = lay.copy_inputs([
+    // V rows are copied per key tile by the one item that reads them.
+    let [q2, k2, vt, do2] = lay.copy_inputs([
         Input::rows_and_columns(q, hq, rope.as_ref()),
         Input::rows_and_columns(k, hkv, rope.as_ref()),
-        Input::rows_and_columns(v, hkv, None),
+        Input::columns(v, hkv, None),
         Input::rows_and_columns(d_o, hq, None).with_row_dots(o, &mut delta),
     ]);
     let (qh, qt) = q2.split_at(q2.len() / 2);
     let (kh, kt) = k2.split_at(k2.len() / 2);
-    let (vh, vt) = v2.split_at(v2.len() / 2);
     let (doh, dot) = do2.split_at(do2.len() / 2);
 
     // Per (head, padded row): the LSE to subtract, with +inf for rows
@@ -210,8 +210,9 @@ fn backward_checked<T: CpuFloat>(
         qt,
         kh,
         kt,
-        vh,
-        vt,
+        v,
+        kv_heads: hkv,
+        vt: &vt,
         doh,
         dot,
     };
@@ -297,7 +298,9 @@ struct BwdCtx<'a, T> {
     qt: &'a [T],
     kh: &'a [T],
     kt: &'a [T],
-    vh: &'a [T],
+    /// `[tokens, kv_heads, head_dim]`, as given.
+    v: &'a [T],
+    kv_heads: usize,
     vt: &'a [T],
     doh: &'a [T],
     dot: &'a [T],
@@ -321,14 +324,15 @@ struct QueryItem<'a, 'b, T> {
 }
 
 /// Per thread, `[TILE, TILE]` scores then P (pass 1) or dS (pass 2);
-/// `[TILE, TILE]` dP, then dS (pass 1); and the `[TILE, dp]` gradient rows
-/// being accumulated: dK and dV (pass 1), dQ in the first (pass 2).
-struct BwdScratch<T>(Staggered<T, 4>);
+/// `[TILE, TILE]` dP, then dS (pass 1); the `[TILE, dp]` gradient rows
+/// being accumulated: dK and dV (pass 1), dQ in the first (pass 2); and
+/// the key tile's `[TILE, dp]` V rows (pass 1).
+struct BwdScratch<T>(Staggered<T, 5>);
 
 impl<T: CpuFloat> BwdScratch<T> {
     fn new(dp: usize) -> Self {
-        let tile = TILE * TILE;
-        BwdScratch(Staggered::new([tile, tile, TILE * dp, TILE * dp], T::ZERO))
+        let (tile, rows) = (TILE * TILE, TILE * dp);
+        BwdScratch(Staggered::new([tile, tile, rows, rows, rows], T::ZERO))
     }
 }
 
@@ -375,8 +379,9 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
     let k0 = kt * TILE;
     let bk = (k0 + TILE).min(l) - k0;
     let k_rows = &ctx.kh[(g * lpad + k0) * dp..][..TILE * dp];
-    let v_rows = &ctx.vh[(g * lpad + k0) * dp..][..TILE * dp];
-    let [st, dpt, dk, dv] = sc.0.parts();
+    let [st, dpt, dk, dv, v_rows] = sc.0.parts();
+    ctx.lay.copy_tile(ctx.v, ctx.kv_heads, g, k0, None, v_rows);
+    let v_rows = &*v_rows;
     dk.fill(T::ZERO);
     dv.fill(T::ZERO);
     for h in g * ctx.group..(g + 1) * ctx.group {
@@ -489,7 +494,7 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     let vt_head = &ctx.vt[g * dp * lpad..][..dp * lpad];
     let lse = &ctx.lse[head + q0..head + q0 + TILE];
     let delta = &ctx.delta[head + q0..head + q0 + TILE];
-    let [s, dpm, dq, _] = sc.0.parts();
+    let [s, dpm, dq, _, _] = sc.0.parts();
     dq.fill(T::ZERO);
     for kt in 0..=qt {
         let class = ctx.bounds.classify(q0, q1, kt);

@@ -17,6 +17,9 @@
 //! [`MAX_BYTES`] bytes; the oldest are freed first to make room. The pool
 //! therefore never holds more than [`MAX_BYTES`], and what a call uses is
 //! linear in its tokens as before.
+//!
+//! [`Staggered`] is the other kind of scratch: a few tile-sized arrays per
+//! worker thread, in one allocation, offset from each other within a page.
 
 use std::any::Any;
 use std::ops::{Deref, DerefMut};

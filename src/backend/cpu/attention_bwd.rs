@@ -2,7 +2,7 @@
 //! dQ per query tile), each recomputing `P` from the saved LSE.
 
 use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS};
-use super::layout::{head_tile_rows, store_row, Input, Layout, RopeTable};
+use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace;
 use super::workspace::Staggered;
 use super::{
@@ -244,6 +244,8 @@ fn backward_checked<T: CpuFloat>(
     // written in turn instead of one head's slice of each.
     work.sort_by_key(|w| (std::cmp::Reverse(bounds.query_tile_end(w.kt) - w.kt), w.kt));
     run_parallel(work, lay.threads, scratch, |s, item| {
+        prefetch_for_write(item.dk);
+        prefetch_for_write(item.dv);
         let [dk_ok, dv_ok] = key_tile(&ctx, s, item);
         flag(1, dk_ok);
         flag(2, dv_ok);
@@ -263,6 +265,7 @@ fn backward_checked<T: CpuFloat>(
         .collect();
     work.sort_by_key(|w| std::cmp::Reverse(w.qt));
     run_parallel(work, lay.threads, scratch, |s, item| {
+        prefetch_for_write(item.dq);
         flag(0, query_tile(&ctx, s, item))
     });
 

@@ -1,7 +1,7 @@
 //! Tiled attention forward with an online softmax.
 
 use super::kernels::{accumulate, has_avx2_fma, row_strips, scores, strip_runs, NS};
-use super::layout::{head_tile_rows, store_row, Input, Layout, RopeTable};
+use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace::Staggered;
 use super::{
     check_len, check_qkv, check_result, num_threads, run_parallel, AttnOut, CpuFloat,
@@ -171,6 +171,7 @@ fn forward_checked<T: CpuFloat>(
         lay.threads,
         || FwdScratch::new(lay.dp),
         |s, item| {
+            prefetch_for_write(item.o);
             if !query_tile(&ctx, s, item) {
                 o_bad.store(true, Ordering::Relaxed);
             }

@@ -61,7 +61,8 @@
 //! a backward call three (the input copies, which also compute `D`, then
 //! the two passes). Each work item stores its finished rows (`O`; or `dK`,
 //! `dV`; or `dQ`, rotated back when rotary is on) straight into the
-//! caller's token-major output, disjoint rows per item. On x86-64 CPUs with
+//! caller's token-major output, disjoint rows per item (prefetched for
+//! writing when the item starts). On x86-64 CPUs with
 //! AVX2 and FMA (detected at run time) the work items run a copy compiled
 //! for those features; elsewhere the portable copy of the same code. `f32`
 //! softmax exponentials use a vectorizable polynomial within 1 ulp; `f64`

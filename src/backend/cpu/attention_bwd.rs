@@ -5,8 +5,9 @@ use super::kernels::{
     accumulate, has_avx2_fma, live_strip_indices, live_strips, row_strips, scores, NS,
 };
 use super::lanes;
-use super::layout::{Input, Layout, Output, RopeTable};
+use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace;
+use super::workspace::Staggered;
 use super::{
     check_finite, check_len, check_qkv, check_result, num_threads, run_parallel, AttnGrads,
     CpuFloat, KeyTileBounds, TileClass, TILE,
@@ -14,6 +15,7 @@ use super::{
 use crate::backend::{AttnParams, AttnShape};
 use crate::mask::PackMask;
 use crate::{Error, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Attention backward on a pack, from the forward's `o` and `lse` and the
 /// output gradient `d_o` (`[tokens, q_heads, head_dim]`):
@@ -170,49 +172,32 @@ fn backward_checked<T: CpuFloat>(
         return Ok(());
     }
     let lay = Layout::new(l, shape.head_dim, threads);
-    let (lpad, dp, d) = (lay.lpad, lay.dp, lay.d);
+    let lpad = lay.lpad;
     let (hq, hkv) = (shape.q_heads, shape.kv_heads);
     let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids));
-    let [qh, qt, kh, kt, vh, vt, doh, dot] = lay.copy_inputs([
-        Input::rows(q, hq, rope.as_ref()),
-        Input::columns(q, hq, rope.as_ref()),
-        Input::rows(k, hkv, rope.as_ref()),
-        Input::columns(k, hkv, rope.as_ref()),
-        Input::rows(v, hkv, None),
+    // D = rowsum(dO ∘ O) per (head, padded row), computed while dO is copied.
+    let mut delta = workspace::take_stale(hq * lpad, T::ZERO);
+    // V rows are copied per key tile by the one item that reads them.
+    let [q2, k2, vt, do2] = lay.copy_inputs([
+        Input::rows_and_columns(q, hq, rope.as_ref()),
+        Input::rows_and_columns(k, hkv, rope.as_ref()),
         Input::columns(v, hkv, None),
-        Input::rows(d_o, hq, None),
-        Input::columns(d_o, hq, None),
+        Input::rows_and_columns(d_o, hq, None).with_row_dots(o, &mut delta),
     ]);
+    let (qh, qt) = q2.split_at(q2.len() / 2);
+    let (kh, kt) = k2.split_at(k2.len() / 2);
+    let (doh, dot) = do2.split_at(do2.len() / 2);
 
-    // Per (head, padded row): D = rowsum(dO ∘ O), and the LSE to subtract,
-    // with +inf for rows without a visible key and for padding rows so that
-    // exp(s − lse) is exactly 0 there.
-    let mut delta = workspace::take(hq * lpad, T::ZERO);
-    let mut lse_eff = workspace::take(hq * lpad, T::INFINITY);
-    let work: Vec<_> = delta
-        .chunks_mut(lpad)
-        .zip(lse_eff.chunks_mut(lpad))
-        .enumerate()
-        .collect();
-    run_parallel(
-        work,
-        lay.threads,
-        || (),
-        |_, (h, (delta, lse_eff))| {
-            for t in 0..l {
-                let at = (t * hq + h) * d;
-                let mut acc = T::ZERO;
-                for (&a, &b) in o[at..at + d].iter().zip(&d_o[at..at + d]) {
-                    acc += a * b;
-                }
-                delta[t] = acc;
-                let x = lse[h * l + t];
-                if x > T::NEG_INFINITY {
-                    lse_eff[t] = x;
-                }
-            }
-        },
-    );
+    // Per (head, padded row): the LSE to subtract, with +inf for rows
+    // without a visible key and for padding rows so that exp(s − lse) is
+    // exactly 0 there.
+    let mut lse_eff = workspace::take_stale(hq * lpad, T::INFINITY);
+    for (lse_eff, lse) in lse_eff.chunks_mut(lpad).zip(lse.chunks(l)) {
+        for (y, &x) in lse_eff.iter_mut().zip(lse) {
+            *y = if x > T::NEG_INFINITY { x } else { T::INFINITY };
+        }
+        lse_eff[l..].fill(T::INFINITY);
+    }
 
     let bounds = KeyTileBounds::new(mask.kv_end);
     let ctx = BwdCtx {
@@ -221,82 +206,84 @@ fn backward_checked<T: CpuFloat>(
         scale: T::from_f64(params.softmax_scale),
         kv_end: mask.kv_end,
         bounds: &bounds,
+        rope: rope.as_ref(),
         delta: &delta,
         lse: &lse_eff,
-        qh: &qh,
-        qt: &qt,
-        kh: &kh,
-        kt: &kt,
-        vh: &vh,
+        qh,
+        qt,
+        kh,
+        kt,
+        v,
+        kv_heads: hkv,
         vt: &vt,
-        doh: &doh,
-        dot: &dot,
+        doh,
+        dot,
     };
     let tiles = l.div_ceil(TILE);
+    let scratch = || BwdScratch::new(lay.dp);
+    let bad = [(); 3].map(|_| AtomicBool::new(false));
+    let flag = |i: usize, finite: bool| {
+        if !finite {
+            bad[i].store(true, Ordering::Relaxed);
+        }
+    };
 
-    // Pass 1: dK, dV per (kv head, key tile); earlier key tiles see more
-    // query tiles, so they go first.
-    let mut dkh = workspace::take(hkv * lpad * dp, T::ZERO);
-    let mut dvh = workspace::take(hkv * lpad * dp, T::ZERO);
+    // Pass 1: dK, dV per (kv head, key tile), stored into the caller's dk,
+    // dv; earlier key tiles see more query tiles, so they go first.
+    let mut dk_rows = head_tile_rows(&mut *dk, hkv, shape.head_dim);
+    let mut dv_rows = head_tile_rows(&mut *dv, hkv, shape.head_dim);
     let mut work = Vec::with_capacity(hkv * tiles);
-    for (g, (dk_head, dv_head)) in dkh
-        .chunks_mut(lpad * dp)
-        .zip(dvh.chunks_mut(lpad * dp))
-        .enumerate()
-    {
+    for (g, (dk_head, dv_head)) in dk_rows.iter_mut().zip(dv_rows.iter_mut()).enumerate() {
         for (kt, (dk, dv)) in dk_head
-            .chunks_mut(TILE * dp)
-            .zip(dv_head.chunks_mut(TILE * dp))
+            .chunks_mut(TILE)
+            .zip(dv_head.chunks_mut(TILE))
             .enumerate()
         {
             work.push(KeyItem { g, kt, dk, dv });
         }
     }
-    work.sort_by_key(|w| std::cmp::Reverse(bounds.query_tile_end(w.kt) - w.kt));
-    run_parallel(work, lay.threads, BwdScratch::new, |s, item| {
-        key_tile(&ctx, s, item)
+    // Then by key tile, so that the items storing one token range of dk, dv
+    // (all its heads) run one after the other: whole token rows are
+    // written in turn instead of one head's slice of each.
+    work.sort_by_key(|w| (std::cmp::Reverse(bounds.query_tile_end(w.kt) - w.kt), w.kt));
+    run_parallel(work, lay.threads, scratch, |s, item| {
+        prefetch_for_write(item.dk);
+        prefetch_for_write(item.dv);
+        let [dk_ok, dv_ok] = key_tile(&ctx, s, item);
+        flag(1, dk_ok);
+        flag(2, dv_ok);
     });
 
-    // Pass 2: dQ per (query head, query tile).
-    let mut dqh = workspace::take(hq * lpad * dp, T::ZERO);
-    let mut work: Vec<_> = dqh
-        .chunks_mut(lpad * dp)
+    // Pass 2: dQ per (query head, query tile), stored into the caller's dq.
+    let mut dq_rows = head_tile_rows(&mut *dq, hq, shape.head_dim);
+    let mut work: Vec<_> = dq_rows
+        .iter_mut()
         .enumerate()
         .flat_map(|(h, dq_head)| {
             dq_head
-                .chunks_mut(TILE * dp)
+                .chunks_mut(TILE)
                 .enumerate()
                 .map(move |(qt, dq)| QueryItem { h, qt, dq })
         })
         .collect();
     work.sort_by_key(|w| std::cmp::Reverse(w.qt));
-    run_parallel(work, lay.threads, BwdScratch::new, |s, item| {
-        query_tile(&ctx, s, item)
+    run_parallel(work, lay.threads, scratch, |s, item| {
+        prefetch_for_write(item.dq);
+        flag(0, query_tile(&ctx, s, item))
     });
 
-    lay.copy_outputs([
-        Output {
-            xh: &dqh,
-            heads: hq,
-            rope: rope.as_ref(),
-            out: &mut *dq,
-        },
-        Output {
-            xh: &dkh,
-            heads: hkv,
-            rope: rope.as_ref(),
-            out: &mut *dk,
-        },
-        Output {
-            xh: &dvh,
-            heads: hkv,
-            rope: None,
-            out: &mut *dv,
-        },
-    ]);
-    check_result("dq", dq)?;
-    check_result("dk", dk)?;
-    check_result("dv", dv)?;
+    // The first non-finite index of the first bad gradient, as scans of dq,
+    // dk, dv in that order report it.
+    let [dq_bad, dk_bad, dv_bad] = bad.map(AtomicBool::into_inner);
+    if dq_bad {
+        check_result("dq", dq)?;
+    }
+    if dk_bad {
+        check_result("dk", dk)?;
+    }
+    if dv_bad {
+        check_result("dv", dv)?;
+    }
     Ok(())
 }
 
@@ -306,6 +293,8 @@ struct BwdCtx<'a, T> {
     scale: T,
     kv_end: &'a [u32],
     bounds: &'a KeyTileBounds,
+    /// Rotates dQ, dK back to the unrotated inputs.
+    rope: Option<&'a RopeTable>,
     /// `[q_heads, lpad]`.
     delta: &'a [T],
     /// `[q_heads, lpad]`, +inf where no key is visible.
@@ -315,49 +304,54 @@ struct BwdCtx<'a, T> {
     qt: &'a [T],
     kh: &'a [T],
     kt: &'a [T],
-    vh: &'a [T],
+    /// `[tokens, kv_heads, head_dim]`, as given.
+    v: &'a [T],
+    kv_heads: usize,
     vt: &'a [T],
     doh: &'a [T],
     dot: &'a [T],
 }
 
-struct KeyItem<'a, T> {
+struct KeyItem<'a, 'b, T> {
     g: usize,
     kt: usize,
-    /// `[TILE, dp]` rows of the head-major dK, dV.
-    dk: &'a mut [T],
-    dv: &'a mut [T],
+    /// The tile's rows (up to `TILE`, `head_dim` values each) of the
+    /// caller's token-major dK, dV.
+    dk: &'a mut [&'b mut [T]],
+    dv: &'a mut [&'b mut [T]],
 }
 
-struct QueryItem<'a, T> {
+struct QueryItem<'a, 'b, T> {
     h: usize,
     qt: usize,
-    /// `[TILE, dp]` rows of the head-major dQ.
-    dq: &'a mut [T],
+    /// The tile's rows (up to `TILE`, `head_dim` values each) of the
+    /// caller's token-major dQ.
+    dq: &'a mut [&'b mut [T]],
 }
 
-struct BwdScratch<T> {
-    /// Scores, then P (pass 1) or dS (pass 2): `[TILE, TILE]`.
-    s: Vec<T>,
-    /// dP, then dS (pass 1): `[TILE, TILE]`.
-    dp: Vec<T>,
-}
+/// Per thread, `[TILE, TILE]` scores then P (pass 1) or dS (pass 2);
+/// `[TILE, TILE]` dP, then dS (pass 1); the `[TILE, dp]` gradient rows
+/// being accumulated: dK and dV (pass 1), dQ in the first (pass 2); and
+/// the key tile's `[TILE, dp]` V rows (pass 1).
+struct BwdScratch<T>(Staggered<T, 5>);
 
 impl<T: CpuFloat> BwdScratch<T> {
-    fn new() -> Self {
-        BwdScratch {
-            s: vec![T::ZERO; TILE * TILE],
-            dp: vec![T::ZERO; TILE * TILE],
-        }
+    fn new(dp: usize) -> Self {
+        let (tile, rows) = (TILE * TILE, TILE * dp);
+        BwdScratch(Staggered::new([tile, tile, rows, rows, rows], T::ZERO))
     }
 }
 
-fn key_tile<T: CpuFloat>(ctx: &BwdCtx<'_, T>, s: &mut BwdScratch<T>, item: KeyItem<'_, T>) {
+/// Runs one work item; per dK, dV: `false` if it stored a non-finite value.
+fn key_tile<T: CpuFloat>(
+    ctx: &BwdCtx<'_, T>,
+    s: &mut BwdScratch<T>,
+    item: KeyItem<'_, '_, T>,
+) -> [bool; 2] {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: the running CPU supports AVX2 and FMA (checked at run time).
-        unsafe { key_tile_avx2(ctx, s, item) };
-        return;
+        return unsafe { key_tile_avx2(ctx, s, item) };
     }
     key_tile_body::<T, false>(ctx, s, item)
 }
@@ -367,8 +361,8 @@ fn key_tile<T: CpuFloat>(ctx: &BwdCtx<'_, T>, s: &mut BwdScratch<T>, item: KeyIt
 unsafe fn key_tile_avx2<T: CpuFloat>(
     ctx: &BwdCtx<'_, T>,
     s: &mut BwdScratch<T>,
-    item: KeyItem<'_, T>,
-) {
+    item: KeyItem<'_, '_, T>,
+) -> [bool; 2] {
     key_tile_body::<T, true>(ctx, s, item)
 }
 
@@ -379,15 +373,23 @@ unsafe fn key_tile_avx2<T: CpuFloat>(
 fn key_tile_body<T: CpuFloat, const FMA: bool>(
     ctx: &BwdCtx<'_, T>,
     sc: &mut BwdScratch<T>,
-    item: KeyItem<'_, T>,
-) {
-    let Layout { l, lpad, dp, .. } = ctx.lay;
-    let KeyItem { g, kt, dk, dv } = item;
+    item: KeyItem<'_, '_, T>,
+) -> [bool; 2] {
+    let Layout { l, lpad, d, dp, .. } = ctx.lay;
+    let KeyItem {
+        g,
+        kt,
+        dk: dk_rows,
+        dv: dv_rows,
+    } = item;
     let k0 = kt * TILE;
     let bk = (k0 + TILE).min(l) - k0;
     let k_rows = &ctx.kh[(g * lpad + k0) * dp..][..TILE * dp];
-    let v_rows = &ctx.vh[(g * lpad + k0) * dp..][..TILE * dp];
-    let (st, dpt) = (&mut sc.s, &mut sc.dp);
+    let [st, dpt, dk, dv, v_rows] = sc.0.parts();
+    ctx.lay.copy_tile(ctx.v, ctx.kv_heads, g, k0, None, v_rows);
+    let v_rows = &*v_rows;
+    dk.fill(T::ZERO);
+    dv.fill(T::ZERO);
     for h in g * ctx.group..(g + 1) * ctx.group {
         let head = h * lpad;
         for qt in kt..ctx.bounds.query_tile_end(kt) {
@@ -443,14 +445,24 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
     for x in dk.iter_mut() {
         *x *= ctx.scale;
     }
+    let (mut dk_ok, mut dv_ok) = (true, true);
+    for (j, (dk_row, dv_row)) in dk_rows.iter_mut().zip(dv_rows.iter_mut()).enumerate() {
+        dk_ok &= store_row(&mut dk[j * dp..][..d], dk_row, k0 + j, ctx.rope);
+        dv_ok &= store_row(&mut dv[j * dp..][..d], dv_row, k0 + j, None);
+    }
+    [dk_ok, dv_ok]
 }
 
-fn query_tile<T: CpuFloat>(ctx: &BwdCtx<'_, T>, s: &mut BwdScratch<T>, item: QueryItem<'_, T>) {
+/// Runs one work item; `false` if it stored a non-finite value into dQ.
+fn query_tile<T: CpuFloat>(
+    ctx: &BwdCtx<'_, T>,
+    s: &mut BwdScratch<T>,
+    item: QueryItem<'_, '_, T>,
+) -> bool {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: the running CPU supports AVX2 and FMA (checked at run time).
-        unsafe { query_tile_avx2(ctx, s, item) };
-        return;
+        return unsafe { query_tile_avx2(ctx, s, item) };
     }
     query_tile_body::<T, false>(ctx, s, item)
 }
@@ -460,8 +472,8 @@ fn query_tile<T: CpuFloat>(ctx: &BwdCtx<'_, T>, s: &mut BwdScratch<T>, item: Que
 unsafe fn query_tile_avx2<T: CpuFloat>(
     ctx: &BwdCtx<'_, T>,
     s: &mut BwdScratch<T>,
-    item: QueryItem<'_, T>,
-) {
+    item: QueryItem<'_, '_, T>,
+) -> bool {
     query_tile_body::<T, true>(ctx, s, item)
 }
 
@@ -470,10 +482,10 @@ unsafe fn query_tile_avx2<T: CpuFloat>(
 fn query_tile_body<T: CpuFloat, const FMA: bool>(
     ctx: &BwdCtx<'_, T>,
     sc: &mut BwdScratch<T>,
-    item: QueryItem<'_, T>,
-) {
-    let Layout { l, lpad, dp, .. } = ctx.lay;
-    let QueryItem { h, qt, dq } = item;
+    item: QueryItem<'_, '_, T>,
+) -> bool {
+    let Layout { l, lpad, d, dp, .. } = ctx.lay;
+    let QueryItem { h, qt, dq: dq_rows } = item;
     let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
     let g = h / ctx.group;
     let head = h * lpad;
@@ -483,7 +495,8 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     let vt_head = &ctx.vt[g * dp * lpad..][..dp * lpad];
     let lse = &ctx.lse[head + q0..head + q0 + TILE];
     let delta = &ctx.delta[head + q0..head + q0 + TILE];
-    let (s, dpm) = (&mut sc.s, &mut sc.dp);
+    let [s, dpm, dq, _, _] = sc.0.parts();
+    dq.fill(T::ZERO);
     for kt in 0..=qt {
         let class = ctx.bounds.classify(q0, q1, kt);
         if class == TileClass::Skip {
@@ -539,5 +552,80 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     }
     for x in dq.iter_mut() {
         *x *= ctx.scale;
+    }
+    let mut finite = true;
+    for (i, dst) in dq_rows.iter_mut().enumerate() {
+        finite &= store_row(&mut dq[i * dp..][..d], dst, q0 + i, ctx.rope);
+    }
+    finite
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Items store their gradient rows directly and only flag a bad value;
+    /// the error must still name the first non-finite index of dq (checked
+    /// before dk and dv, as scans of dq, dk, dv in that order would), on
+    /// any thread count, with rotary on. NaNs in d_o (unchecked) at two
+    /// rows in different query tiles spread into dq, dk and dv.
+    #[test]
+    fn a_non_finite_gradient_names_its_first_index() {
+        let (l, hq, hkv, d) = (260, 4, 2, 40);
+        let shape = AttnShape {
+            tokens: l,
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: d,
+        };
+        let kv_end = vec![l as u32; l];
+        let pos: Vec<u32> = (0..l as u32).collect();
+        let mask = PackMask::new(&kv_end, &pos).unwrap();
+        let mut params = AttnParams::new(d);
+        params.rope = Some(crate::backend::Rope {
+            base: 1000.0,
+            dims: d,
+        });
+        let data = |n: usize, salt: u64| -> Vec<f64> {
+            (0..n as u64)
+                .map(|i| ((i * 2_654_435_761 ^ salt) % 997) as f64 / 498.0 - 1.0)
+                .collect()
+        };
+        let (q, k, v) = (
+            data(shape.q_len(), 1),
+            data(shape.kv_len(), 2),
+            data(shape.kv_len(), 3),
+        );
+        let fwd =
+            super::super::attention_fwd::forward_on_threads(&q, &k, &v, shape, mask, &params, 2)
+                .unwrap();
+        let mut d_o = data(shape.q_len(), 4);
+        let mut dq = vec![0.0; shape.q_len()];
+        let mut dk = vec![0.0; shape.kv_len()];
+        let mut dv = vec![0.0; shape.kv_len()];
+        let mut run = |d_o: &[f64], threads| {
+            let grads = [&mut dq[..], &mut dk[..], &mut dv[..]];
+            let r = backward_checked(
+                &q, &k, &v, &fwd.o, &fwd.lse, d_o, shape, mask, &params, grads, threads,
+            );
+            let first_bad = |x: &[f64]| x.iter().position(|v| !v.is_finite());
+            (r, [first_bad(&dq), first_bad(&dk), first_bad(&dv)])
+        };
+        let (r, bad) = run(&d_o, 2);
+        assert!(r.is_ok() && bad == [None; 3], "negative control");
+        d_o[(230 * hq + 3) * d + 7] = f64::NAN;
+        d_o[(131 * hq + 1) * d + 30] = f64::NAN;
+        for threads in [1, 3] {
+            let (r, bad) = run(&d_o, threads);
+            assert!(bad[1].is_some() && bad[2].is_some(), "{bad:?}");
+            match (r, bad[0]) {
+                (Err(Error::NonFinite { what, index }), Some(first)) => {
+                    assert!(what.starts_with("dq "), "{what}");
+                    assert_eq!(index, first, "{threads} threads");
+                    assert!(first <= (131 * hq + 1) * d, "{first}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
     }
 }

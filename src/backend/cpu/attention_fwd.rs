@@ -4,8 +4,8 @@ use super::kernels::{
     accumulate, has_avx2_fma, live_strip_indices, live_strips, row_strips, scores, NS,
 };
 use super::lanes;
-use super::layout::{Input, Layout, Output, RopeTable};
-use super::workspace;
+use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
+use super::workspace::Staggered;
 use super::{
     check_len, check_qkv, check_result, num_threads, run_parallel, AttnOut, CpuFloat,
     KeyTileBounds, TileClass, TILE,
@@ -13,6 +13,7 @@ use super::{
 use crate::backend::{AttnParams, AttnShape};
 use crate::mask::PackMask;
 use crate::{Error, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Attention forward on a pack: `O = softmax(scale · Q Kᵀ masked) V` and
 /// `LSE = ln Σ exp(scale · Q Kᵀ masked)` per query row and head (see the
@@ -123,8 +124,8 @@ fn forward_checked<T: CpuFloat>(
     }
     let lay = Layout::new(l, shape.head_dim, threads);
     let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids));
-    let [qh, kt, vh] = lay.copy_inputs([
-        Input::rows(q, shape.q_heads, rope.as_ref()),
+    // Q is copied per query tile by the one item that reads it.
+    let [kt, vh] = lay.copy_inputs([
         Input::columns(k, shape.kv_heads, rope.as_ref()),
         Input::rows(v, shape.kv_heads, None),
     ]);
@@ -134,13 +135,13 @@ fn forward_checked<T: CpuFloat>(
         group: shape.group(),
         scale: T::from_f64(params.softmax_scale),
         bounds: &bounds,
-        qh: &qh,
+        q,
+        q_heads: shape.q_heads,
+        rope: rope.as_ref(),
         kt: &kt,
         vh: &vh,
     };
 
-    let (lpad, dp) = (lay.lpad, lay.dp);
-    let mut oh = workspace::take(shape.q_heads * lpad * dp, T::ZERO);
     let tiles = l.div_ceil(TILE);
     // Busiest query tiles first, so the queue ends with short items.
     let cost: Vec<usize> = (0..tiles)
@@ -152,28 +153,37 @@ fn forward_checked<T: CpuFloat>(
         })
         .collect();
     let mut work = Vec::with_capacity(shape.q_heads * tiles);
-    // Every LSE entry is written by its query tile.
-    for (h, (o_head, lse_head)) in oh.chunks_mut(lpad * dp).zip(lse.chunks_mut(l)).enumerate() {
+    // Every row of `o` and every LSE entry is written by its query tile.
+    let mut o_rows = head_tile_rows(o, shape.q_heads, shape.head_dim);
+    for (h, (o_head, lse_head)) in o_rows.iter_mut().zip(lse.chunks_mut(l)).enumerate() {
         for (qt, (o, lse)) in o_head
-            .chunks_mut(TILE * dp)
+            .chunks_mut(TILE)
             .zip(lse_head.chunks_mut(TILE))
             .enumerate()
         {
             work.push(FwdItem { h, qt, o, lse });
         }
     }
-    work.sort_by_key(|w| std::cmp::Reverse(cost[w.qt]));
-    run_parallel(work, lay.threads, FwdScratch::new, |s, item| {
-        query_tile(&ctx, s, item)
-    });
+    // Then by query tile, so that the items storing one token range of `o`
+    // (all its heads) run one after the other.
+    work.sort_by_key(|w| (std::cmp::Reverse(cost[w.qt]), w.qt));
+    let o_bad = AtomicBool::new(false);
+    run_parallel(
+        work,
+        lay.threads,
+        || FwdScratch::new(lay.dp),
+        |s, item| {
+            prefetch_for_write(item.o);
+            if !query_tile(&ctx, s, item) {
+                o_bad.store(true, Ordering::Relaxed);
+            }
+        },
+    );
 
-    lay.copy_outputs([Output {
-        xh: &oh,
-        heads: shape.q_heads,
-        rope: None,
-        out: o,
-    }]);
-    check_result("o", o)?;
+    if o_bad.into_inner() {
+        // The first non-finite index, as a scan of `o` reports it.
+        check_result("o", o)?;
+    }
     // −inf is a legitimate LSE (no visible key); NaN and +inf are not.
     let bad_lse = lse
         .iter()
@@ -192,8 +202,10 @@ struct FwdCtx<'a, T> {
     group: usize,
     scale: T,
     bounds: &'a KeyTileBounds,
-    /// `[q_heads, lpad, dp]`, rotated.
-    qh: &'a [T],
+    /// `[tokens, q_heads, head_dim]`, as given, and the rotary table for it.
+    q: &'a [T],
+    q_heads: usize,
+    rope: Option<&'a RopeTable>,
     /// `[kv_heads, lpad / TILE, dp, TILE]`, rotated.
     kt: &'a [T],
     /// `[kv_heads, lpad, dp]`.
@@ -201,39 +213,46 @@ struct FwdCtx<'a, T> {
 }
 
 /// One (query head, query tile): its output rows and LSE entries.
-struct FwdItem<'a, T> {
+struct FwdItem<'a, 'b, T> {
     h: usize,
     qt: usize,
-    /// `[TILE, dp]` of the head-major output.
-    o: &'a mut [T],
+    /// The tile's rows (up to `TILE`, `head_dim` values each) of the
+    /// caller's token-major `o`.
+    o: &'a mut [&'b mut [T]],
     /// Up to `TILE` entries of the `[q_heads, tokens]` LSE.
     lse: &'a mut [T],
 }
 
 struct FwdScratch<T> {
-    /// Scores, then probabilities, of one block: `[TILE, TILE]`.
-    s: Vec<T>,
+    /// Scores, then probabilities, of one block: `[TILE, TILE]`; the
+    /// output rows being accumulated: `[TILE, dp]`; the item's query rows,
+    /// rotated and padded: `[TILE, dp]`.
+    tiles: Staggered<T, 3>,
     /// Running row max and row sum of the online softmax.
     m: Vec<T>,
     sum: Vec<T>,
 }
 
 impl<T: CpuFloat> FwdScratch<T> {
-    fn new() -> Self {
+    fn new(dp: usize) -> Self {
         FwdScratch {
-            s: vec![T::ZERO; TILE * TILE],
+            tiles: Staggered::new([TILE * TILE, TILE * dp, TILE * dp], T::ZERO),
             m: vec![T::ZERO; TILE],
             sum: vec![T::ZERO; TILE],
         }
     }
 }
 
-fn query_tile<T: CpuFloat>(ctx: &FwdCtx<'_, T>, s: &mut FwdScratch<T>, item: FwdItem<'_, T>) {
+/// Runs one work item; `false` if it stored a non-finite value into `o`.
+fn query_tile<T: CpuFloat>(
+    ctx: &FwdCtx<'_, T>,
+    s: &mut FwdScratch<T>,
+    item: FwdItem<'_, '_, T>,
+) -> bool {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: the running CPU supports AVX2 and FMA (checked at run time).
-        unsafe { query_tile_avx2(ctx, s, item) };
-        return;
+        return unsafe { query_tile_avx2(ctx, s, item) };
     }
     query_tile_body::<T, false>(ctx, s, item)
 }
@@ -243,8 +262,8 @@ fn query_tile<T: CpuFloat>(ctx: &FwdCtx<'_, T>, s: &mut FwdScratch<T>, item: Fwd
 unsafe fn query_tile_avx2<T: CpuFloat>(
     ctx: &FwdCtx<'_, T>,
     s: &mut FwdScratch<T>,
-    item: FwdItem<'_, T>,
-) {
+    item: FwdItem<'_, '_, T>,
+) -> bool {
     query_tile_body::<T, true>(ctx, s, item)
 }
 
@@ -252,19 +271,28 @@ unsafe fn query_tile_avx2<T: CpuFloat>(
 fn query_tile_body<T: CpuFloat, const FMA: bool>(
     ctx: &FwdCtx<'_, T>,
     sc: &mut FwdScratch<T>,
-    item: FwdItem<'_, T>,
-) {
-    let Layout { l, lpad, dp, .. } = ctx.lay;
-    let FwdItem { h, qt, o, lse } = item;
+    item: FwdItem<'_, '_, T>,
+) -> bool {
+    let Layout { l, lpad, d, dp, .. } = ctx.lay;
+    let FwdItem {
+        h,
+        qt,
+        o: o_rows,
+        lse,
+    } = item;
     let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
     let bq = q1 - q0;
     let g = h / ctx.group;
-    let q_rows = &ctx.qh[(h * lpad + q0) * dp..][..TILE * dp];
     let kt_head = &ctx.kt[g * dp * lpad..][..dp * lpad];
     let v_head = &ctx.vh[g * lpad * dp..][..lpad * dp];
-    let (s, m, sum) = (&mut sc.s, &mut sc.m, &mut sc.sum);
+    let [s, o, q_rows] = sc.tiles.parts();
+    ctx.lay
+        .copy_tile(ctx.q, ctx.q_heads, h, q0, ctx.rope, q_rows);
+    let q_rows = &*q_rows;
+    let (m, sum) = (&mut sc.m, &mut sc.sum);
     m.fill(T::NEG_INFINITY);
     sum.fill(T::ZERO);
+    o.fill(T::ZERO);
 
     for kt in 0..=qt {
         let class = ctx.bounds.classify(q0, q1, kt);
@@ -341,11 +369,12 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         accumulate::<T, FMA>(s, &v_head[k0 * dp..], dp, o, live);
     }
 
-    for i in 0..bq {
-        let row = &mut o[i * dp..(i + 1) * dp];
+    let mut finite = true;
+    for (i, dst) in o_rows.iter_mut().enumerate() {
+        let row = &mut o[i * dp..][..d];
         if sum[i] > T::ZERO {
             let inv = T::ONE / sum[i];
-            for y in row {
+            for y in row.iter_mut() {
                 *y *= inv;
             }
             lse[i] = m[i] + sum[i].ln();
@@ -357,6 +386,63 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
             // Poisoned by non-finite scores (a NaN sum, or marked above):
             // +inf makes the caller's scan report it.
             lse[i] = T::INFINITY;
+        }
+        finite &= store_row(row, dst, q0 + i, None);
+    }
+    finite
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Items store their rows of `o` directly and only flag a bad value;
+    /// the error must still name the first non-finite index of the whole
+    /// token-major `o` (as a scan of it would), whatever item met one first
+    /// and on any thread count. NaNs in v (unchecked) at two tokens in
+    /// different query tiles and kv heads spread into many rows of `o`.
+    #[test]
+    fn a_non_finite_output_names_its_first_index() {
+        let (l, hq, hkv, d) = (300, 4, 2, 24);
+        let shape = AttnShape {
+            tokens: l,
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: d,
+        };
+        let kv_end = vec![l as u32; l];
+        let pos: Vec<u32> = (0..l as u32).collect();
+        let mask = PackMask::new(&kv_end, &pos).unwrap();
+        let params = AttnParams::new(d);
+        let data = |n: usize, salt: u64| -> Vec<f32> {
+            (0..n as u64)
+                .map(|i| ((i * 2_654_435_761 ^ salt) % 997) as f32 / 498.0 - 1.0)
+                .collect()
+        };
+        let (q, k) = (data(shape.q_len(), 1), data(shape.kv_len(), 2));
+        let mut v = data(shape.kv_len(), 3);
+        let mut o = vec![0.0; shape.q_len()];
+        let mut lse = vec![0.0; hq * l];
+        let mut run = |v: &[f32], o: &mut [f32], threads| {
+            forward_checked(&q, &k, v, shape, mask, &params, o, &mut lse, threads)
+        };
+        assert!(run(&v, &mut o, 2).is_ok(), "negative control");
+        assert!(o.iter().all(|x| x.is_finite()));
+        v[(200 * hkv) * d + 2] = f32::NAN;
+        v[(150 * hkv + 1) * d + 5] = f32::NAN;
+        for threads in [1, 3] {
+            o.fill(0.0);
+            let r = run(&v, &mut o, threads);
+            let first = o.iter().position(|x| !x.is_finite()).unwrap();
+            // The NaN of token 150 reaches rows before token 200.
+            assert!(first < 200 * hq * d, "{first}");
+            match r {
+                Err(Error::NonFinite { what, index }) => {
+                    assert!(what.starts_with("o "), "{what}");
+                    assert_eq!(index, first, "{threads} threads");
+                }
+                other => panic!("{other:?}"),
+            }
         }
     }
 }

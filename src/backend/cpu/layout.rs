@@ -1,5 +1,6 @@
-//! Head-major, zero-padded copies of the varlen tensors, and the fused
-//! rotary embedding applied while copying.
+//! Head-major, zero-padded copies of the varlen inputs, the fused rotary
+//! embedding applied while copying, and the rows of the token-major outputs
+//! grouped per (head, tile) so that work items write them directly.
 //!
 //! The tiles read rows of `head_dim` contiguous values per head, so the
 //! `[tokens, heads, head_dim]` inputs are copied once into `[heads, lpad, dp]`
@@ -7,10 +8,19 @@
 //! `[heads, lpad / TILE, dp, TILE]`: each tile's `dp × TILE` block is
 //! contiguous, so a tile's columns are one run of memory however the
 //! visited tiles are spread), where `lpad` rounds the tokens up to a multiple
-//! of [`TILE`] and `dp` rounds the head dim up to a multiple of [`LANES`].
-//! The padding is zero, which leaves every dot product unchanged and lets the
-//! kernels work on whole tiles. This costs O(tokens · heads · head_dim)
-//! memory: linear in `L`.
+//! of [`TILE`] and `dp` rounds the head dim up to a multiple of [`LANES`]. The padding is zero, which
+//! leaves every dot product unchanged and lets the kernels work on whole
+//! tiles. This costs O(tokens · heads · head_dim) memory: linear in `L`.
+//!
+//! The transposed layout is written from a `TILE × dp` block of rows while
+//! it is in cache; an input needed in both layouts is read (and rotated)
+//! once, its row-major copy serving as that block. Rows that a single work
+//! item reads (the forward's query tile) are copied by that item into its
+//! scratch instead ([`Layout::copy_tile`]). Results take no head-major
+//! detour back: each work item keeps its `TILE × dp` accumulator in its own
+//! scratch and stores the finished rows straight into the caller's
+//! token-major output through [`head_tile_rows`], a safe split of that
+//! output into disjoint rows.
 
 use super::workspace::{self, Buf};
 use super::{run_parallel, CpuFloat, TILE};
@@ -45,119 +55,189 @@ impl Layout {
     }
 
     /// Copies every input of a call in one parallel step (one thread
-    /// start-up): input `i` `[l, heads, d]` becomes `[heads, lpad, dp]`, or
-    /// `[heads, lpad / TILE, dp, TILE]` when `transposed`, rotated by its `rope` if given,
-    /// padding zero. Every element of the result is written, so the buffers
-    /// come from the pool without a separate zero-fill pass.
+    /// start-up): input `i` `[l, heads, d]` becomes `[heads, lpad, dp]`
+    /// ([`Input::rows`]), `[heads, lpad / TILE, dp, TILE]` ([`Input::columns`]) or the
+    /// first followed by the second ([`Input::rows_and_columns`]), rotated by
+    /// its `rope` if given, padding zero; and fills the row dot products an
+    /// input asks for ([`Input::with_row_dots`]). Every element of the
+    /// results is written, so the buffers come from the pool without a
+    /// separate zero-fill pass.
     pub(crate) fn copy_inputs<T: CpuFloat, const N: usize>(
         &self,
         inputs: [Input<'_, T>; N],
     ) -> [Buf<T>; N] {
-        let Layout { lpad, dp, .. } = *self;
-        let mut bufs = inputs
-            .each_ref()
-            .map(|x| workspace::take_stale(x.heads * lpad * dp, T::ZERO));
+        let per_head = self.lpad * self.dp;
+        let mut bufs = inputs.each_ref().map(|x| {
+            let copies = match x.form {
+                Form::Rows | Form::Columns => 1,
+                Form::Both => 2,
+            };
+            workspace::take_stale(copies * x.heads * per_head, T::ZERO)
+        });
         // One work item per (input, head), transposes (the slower kind) first.
-        let mut work: Vec<_> = bufs
-            .iter_mut()
-            .zip(&inputs)
-            .flat_map(|(buf, x)| {
-                buf.chunks_mut(lpad * dp)
-                    .enumerate()
-                    .map(move |(h, dst)| (x, h, dst))
-            })
-            .collect();
-        work.sort_by_key(|(x, ..)| !x.transposed);
+        let mut work = Vec::new();
+        for (buf, x) in bufs.iter_mut().zip(inputs) {
+            let (rows, columns): (&mut [T], &mut [T]) = match x.form {
+                Form::Rows => (buf, &mut []),
+                Form::Columns => (&mut [], buf),
+                Form::Both => buf.split_at_mut(x.heads * per_head),
+            };
+            let mut rows = rows.chunks_mut(per_head);
+            let mut columns = columns.chunks_mut(per_head);
+            let (with, dots) = match x.dots {
+                Some(RowDots { with, out }) => (with, out),
+                None => (&[][..], &mut [][..]),
+            };
+            let mut dots = dots.chunks_mut(self.lpad);
+            for h in 0..x.heads {
+                work.push(CopyItem {
+                    x: x.x,
+                    heads: x.heads,
+                    rope: x.rope,
+                    h,
+                    rows: rows.next(),
+                    columns: columns.next(),
+                    dots: dots.next().map(|out| (with, out)),
+                });
+            }
+        }
+        work.sort_by_key(|w| w.columns.is_none());
         run_parallel(
             work,
             self.threads,
-            || vec![T::ZERO; TILE * dp],
-            |block, (x, h, dst)| {
-                if !x.transposed {
-                    for (t, row) in dst.chunks_exact_mut(dp).enumerate() {
-                        self.padded_row(x, h, t, row);
-                    }
-                    return;
-                }
-                // TILE tokens at a time: rows into `block`, then its columns
-                // into the TILE-long runs of the transposed rows, so both
-                // sides' accesses stay in cache.
-                for t0 in (0..lpad).step_by(TILE) {
-                    for (j, row) in block.chunks_exact_mut(dp).enumerate() {
-                        self.padded_row(x, h, t0 + j, row);
-                    }
-                    let dst_tile = &mut dst[t0 * dp..(t0 + TILE) * dp];
-                    for (c, dst_row) in dst_tile.chunks_exact_mut(TILE).enumerate() {
-                        for (j, y) in dst_row.iter_mut().enumerate() {
-                            *y = block[j * dp + c];
-                        }
-                    }
-                }
-            },
+            || vec![T::ZERO; TILE * self.dp],
+            |block, item| self.copy_head(block, item),
         );
         bufs
     }
 
-    /// Row `t` (of `lpad`) of head `h` of `x`, padded to `dp` with zeros;
-    /// all zero past the last token.
-    #[inline]
-    fn padded_row<T: CpuFloat>(&self, x: &Input<'_, T>, h: usize, t: usize, row: &mut [T]) {
+    /// Row `t` of head `h` of `x` `[l, heads, d]` into `row` (`dp` values),
+    /// rotated by `rope` if given, padded with zeros; all zero when `t >= l`.
+    /// Returns where the row starts in `x` (`None` past the last token).
+    #[inline(always)]
+    fn padded_row<T: CpuFloat>(
+        &self,
+        x: &[T],
+        heads: usize,
+        h: usize,
+        t: usize,
+        rope: Option<&RopeTable>,
+        row: &mut [T],
+    ) -> Option<usize> {
         let d = self.d;
         if t >= self.l {
             row.fill(T::ZERO);
-            return;
+            return None;
         }
-        let src = &x.x[(t * x.heads + h) * d..][..d];
-        match x.rope {
+        let at = (t * heads + h) * d;
+        let src = &x[at..at + d];
+        match rope {
             Some(r) => r.rotate(t, src, &mut row[..d], false),
             None => row[..d].copy_from_slice(src),
         }
         row[d..].fill(T::ZERO);
+        Some(at)
     }
 
-    /// Writes every output of a call in one parallel step: output `i`'s
-    /// `xh` `[heads, lpad, dp]` → its `out` `[l, heads, d]`, rotated back by
-    /// its `rope` (the transpose rotation) if given. Every element of each
-    /// `out` is written.
-    pub(crate) fn copy_outputs<T: CpuFloat, const N: usize>(&self, outputs: [Output<'_, T>; N]) {
-        let Layout { lpad, d, dp, .. } = *self;
-        let work: Vec<_> = outputs
-            .into_iter()
-            .flat_map(|x| {
-                let (xh, heads, rope) = (x.xh, x.heads, x.rope);
-                x.out
-                    .chunks_mut(TILE * heads * d)
-                    .enumerate()
-                    .map(move |(block, dst)| (xh, heads, rope, block, dst))
-            })
-            .collect();
-        run_parallel(
-            work,
-            self.threads,
-            || (),
-            |_, (xh, heads, rope, block, dst)| {
-                for (i, token_row) in dst.chunks_exact_mut(heads * d).enumerate() {
-                    let t = block * TILE + i;
-                    for (h, row) in token_row.chunks_exact_mut(d).enumerate() {
-                        let src = &xh[(h * lpad + t) * dp..][..d];
-                        match rope {
-                            Some(r) => r.rotate(t, src, row, true),
-                            None => row.copy_from_slice(src),
-                        }
-                    }
-                }
-            },
-        );
+    /// Rows `t0 .. t0 + TILE` of head `h` of `x` `[l, heads, d]` into `tile`
+    /// `[TILE, dp]`, as [`Self::copy_inputs`] lays them out (rotated by
+    /// `rope` if given, padding zero): for a work item that is the only
+    /// reader of those rows, so that they need no head-major copy in memory.
+    pub(crate) fn copy_tile<T: CpuFloat>(
+        &self,
+        x: &[T],
+        heads: usize,
+        h: usize,
+        t0: usize,
+        rope: Option<&RopeTable>,
+        tile: &mut [T],
+    ) {
+        for (j, row) in tile[..TILE * self.dp].chunks_exact_mut(self.dp).enumerate() {
+            self.padded_row(x, heads, h, t0 + j, rope, row);
+        }
     }
+
+    /// One head of one input, `TILE` tokens at a time: the rows go into the
+    /// row-major copy (or `block` when only columns are wanted), then, while
+    /// they are in cache, into the `TILE`-long runs of the transposed copy.
+    fn copy_head<T: CpuFloat>(&self, block: &mut [T], mut item: CopyItem<'_, '_, T>) {
+        let Layout { lpad, d, dp, .. } = *self;
+        for t0 in (0..lpad).step_by(TILE) {
+            let rows = match item.rows.as_deref_mut() {
+                Some(rows) => &mut rows[t0 * dp..][..TILE * dp],
+                None => &mut block[..TILE * dp],
+            };
+            for (j, row) in rows.chunks_exact_mut(dp).enumerate() {
+                let t = t0 + j;
+                let at = self.padded_row(item.x, item.heads, item.h, t, item.rope, row);
+                if let Some((with, out)) = item.dots.as_mut() {
+                    out[t] = match at {
+                        Some(at) => {
+                            let mut acc = T::ZERO;
+                            for (&a, &b) in with[at..at + d].iter().zip(&item.x[at..at + d]) {
+                                acc += a * b;
+                            }
+                            acc
+                        }
+                        None => T::ZERO,
+                    };
+                }
+            }
+            if let Some(columns) = item.columns.as_deref_mut() {
+                transpose_tile(rows, dp, &mut columns[t0 * dp..(t0 + TILE) * dp]);
+            }
+        }
+    }
+}
+
+/// The rows of one [`Layout::copy_inputs`] work item.
+struct CopyItem<'a, 'b, T> {
+    x: &'a [T],
+    heads: usize,
+    rope: Option<&'a RopeTable>,
+    h: usize,
+    /// `[lpad, dp]` of the row-major copy.
+    rows: Option<&'b mut [T]>,
+    /// `[lpad / TILE, dp, TILE]` of the transposed copy.
+    columns: Option<&'b mut [T]>,
+    /// The other operand `[l, heads, d]` and this head's `[lpad]` dots.
+    dots: Option<(&'a [T], &'b mut [T])>,
+}
+
+/// `columns[c · TILE + j] = rows[j · dp + c]` for `j < TILE`, `c < dp`: a
+/// `TILE × dp` block of rows (in cache, just written) into the `dp × TILE`
+/// block of the same tile in the tile-major transposed layout.
+#[inline(always)]
+fn transpose_tile<T: Copy>(rows: &[T], dp: usize, columns: &mut [T]) {
+    for (c, run) in columns.chunks_exact_mut(TILE).take(dp).enumerate() {
+        for (j, y) in run.iter_mut().enumerate() {
+            *y = rows[j * dp + c];
+        }
+    }
+}
+
+/// How [`Layout::copy_inputs`] lays out one input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Form {
+    Rows,
+    Columns,
+    Both,
 }
 
 /// One input of [`Layout::copy_inputs`]: `x` is `[l, heads, d]`.
 pub(crate) struct Input<'a, T> {
-    pub x: &'a [T],
-    pub heads: usize,
-    pub rope: Option<&'a RopeTable>,
-    /// `[heads, lpad / TILE, dp, TILE]` instead of `[heads, lpad, dp]`.
-    pub transposed: bool,
+    x: &'a [T],
+    heads: usize,
+    rope: Option<&'a RopeTable>,
+    form: Form,
+    dots: Option<RowDots<'a, T>>,
+}
+
+/// `out[h · lpad + t] = Σ_c with[t, h, c] · x[t, h, c]`, summed in order of
+/// `c` (0 for the padding rows `t >= l`).
+struct RowDots<'a, T> {
+    with: &'a [T],
+    out: &'a mut [T],
 }
 
 impl<'a, T> Input<'a, T> {
@@ -167,7 +247,8 @@ impl<'a, T> Input<'a, T> {
             x,
             heads,
             rope,
-            transposed: false,
+            form: Form::Rows,
+            dots: None,
         }
     }
 
@@ -177,25 +258,105 @@ impl<'a, T> Input<'a, T> {
             x,
             heads,
             rope,
-            transposed: true,
+            form: Form::Columns,
+            dots: None,
+        }
+    }
+
+    /// `[heads, lpad, dp]` followed by `[heads, lpad / TILE, dp, TILE]` in one buffer
+    /// (split it at `heads · lpad · dp`), rotated by `rope` if given: the
+    /// source is read and rotated once for both.
+    pub(crate) fn rows_and_columns(x: &'a [T], heads: usize, rope: Option<&'a RopeTable>) -> Self {
+        Input {
+            x,
+            heads,
+            rope,
+            form: Form::Both,
+            dots: None,
+        }
+    }
+
+    /// Also writes `out[h · lpad + t] = Σ_c with[t, h, c] · x[t, h, c]` (the
+    /// unrotated `x`; summed in order of `c`; 0 for the padding rows
+    /// `t >= l`): `with` is `[l, heads, d]` like `x`, `out` is
+    /// `[heads, lpad]`.
+    pub(crate) fn with_row_dots(self, with: &'a [T], out: &'a mut [T]) -> Self {
+        Input {
+            dots: Some(RowDots { with, out }),
+            ..self
         }
     }
 }
 
-/// One output of [`Layout::copy_outputs`]: head-major `xh` `[heads, lpad,
-/// dp]` into `out` `[l, heads, d]`.
-pub(crate) struct Output<'a, T> {
-    pub xh: &'a [T],
-    pub heads: usize,
-    pub rope: Option<&'a RopeTable>,
-    pub out: &'a mut [T],
+/// The `d`-long rows of a token-major `out` `[l, heads, d]`, grouped per head
+/// and in token order: `rows[h][t]` is token `t`, head `h`. Work items take
+/// disjoint `chunks_mut(TILE)` of a head's rows, so one (head, tile) item
+/// writes its rows of the caller's output directly, without unsafe code and
+/// without a head-major copy of the result. `heads` and `d` are nonzero (the
+/// callers' shapes are validated).
+pub(crate) fn head_tile_rows<T>(out: &mut [T], heads: usize, d: usize) -> Vec<Vec<&mut [T]>> {
+    let tokens = out.len() / (heads * d);
+    let mut rows: Vec<Vec<&mut [T]>> = (0..heads).map(|_| Vec::with_capacity(tokens)).collect();
+    for (i, row) in out.chunks_exact_mut(d).enumerate() {
+        rows[i % heads].push(row);
+    }
+    rows
 }
 
-/// `cos(p θ_i)`, `sin(p θ_i)` in f64 for every token of the pack (its
-/// position id `p`) and every rotary frequency `θ_i = base^(−2i / dims)`,
-/// `i < dims / 2`. Built once per call: `tokens · dims` f64s.
+/// Stores one finished result row: `dst = src`, rotated back by `rope` (the
+/// transpose rotation, for gradients) at token `t` if given, in place in
+/// `src` first. Returns whether every stored value is finite, so the
+/// callers' result check rides on the store instead of a second pass over
+/// the output. The check reads `src` (in cache), never `dst`: reading back
+/// just-stored values stalls until their cache lines arrive.
+#[inline(always)]
+pub(crate) fn store_row<T: CpuFloat>(
+    src: &mut [T],
+    dst: &mut [T],
+    t: usize,
+    rope: Option<&RopeTable>,
+) -> bool {
+    if let Some(r) = rope {
+        r.rotate_in_place(t, src, true);
+    }
+    dst.copy_from_slice(src);
+    src.iter().fold(true, |ok, x| ok & x.is_finite())
+}
+
+/// Asks the CPU to fetch, for writing, the cache lines of `rows` (the output
+/// rows a work item stores when it ends), so that those stores find their
+/// lines in cache instead of stalling on memory in a burst at the item's
+/// end. A hint: no effect on any value. Nothing is done off x86-64.
+#[inline]
+pub(crate) fn prefetch_for_write<T>(rows: &[&mut [T]]) {
+    #[cfg(target_arch = "x86_64")]
+    for row in rows {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
+        let p = row.as_ptr().cast::<i8>();
+        for offset in (0..std::mem::size_of_val::<[T]>(row)).step_by(64) {
+            // SAFETY: a prefetch never faults and never changes memory (the
+            // address is inside `row` anyway); SSE is part of every x86-64
+            // CPU.
+            unsafe { _mm_prefetch::<_MM_HINT_ET0>(p.wrapping_add(offset)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = rows;
+}
+
+/// `cos(p θ_i)`, `sin(p θ_i)` in f64 for the position ids `p` of a pack and
+/// every rotary frequency `θ_i = base^(−2i / dims)`, `i < dims / 2`. Built
+/// once per call. In a tree pack many tokens share a position id (siblings
+/// at the same depth: 764 distinct ids for 2294 tokens on the compaction
+/// bench), so when the largest id is below the token count the table has
+/// one row per position `0 ..= max` and tokens look their row up; otherwise
+/// one row per token. Either way at most `tokens · dims` f64s, and the same
+/// values for every token.
 pub(crate) struct RopeTable {
     half: usize,
+    /// Per token, its row of `cos` and `sin`: its position id (one row per
+    /// position), or `None` for one row per token.
+    rows: Option<Vec<u32>>,
     cos: Vec<f64>,
     sin: Vec<f64>,
 }
@@ -206,16 +367,39 @@ impl RopeTable {
         let inv_freq: Vec<f64> = (0..half)
             .map(|i| rope.base.powf(-2.0 * i as f64 / rope.dims as f64))
             .collect();
-        let mut cos = Vec::with_capacity(position_ids.len() * half);
-        let mut sin = Vec::with_capacity(position_ids.len() * half);
-        for &p in position_ids {
+        let max = position_ids.iter().copied().max().unwrap_or(0);
+        let per_position = (max as usize) < position_ids.len();
+        let positions: Vec<u32> = if per_position {
+            (0..=max).collect()
+        } else {
+            position_ids.to_vec()
+        };
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in &positions {
             for &f in &inv_freq {
                 let (s, c) = (p as f64 * f).sin_cos();
                 cos.push(c);
                 sin.push(s);
             }
         }
-        RopeTable { half, cos, sin }
+        RopeTable {
+            half,
+            rows: per_position.then(|| position_ids.to_vec()),
+            cos,
+            sin,
+        }
+    }
+
+    /// The `cos` and `sin` of token `t`.
+    #[inline(always)]
+    fn angles(&self, t: usize) -> (&[f64], &[f64]) {
+        let h = self.half;
+        let row = match &self.rows {
+            Some(position_ids) => position_ids[t] as usize,
+            None => t,
+        };
+        (&self.cos[row * h..][..h], &self.sin[row * h..][..h])
     }
 
     /// Rotates one head row of token `t` (Llama rotate-half, see [`Rope`]);
@@ -224,8 +408,7 @@ impl RopeTable {
     #[inline]
     pub(crate) fn rotate<T: CpuFloat>(&self, t: usize, src: &[T], dst: &mut [T], inverse: bool) {
         let h = self.half;
-        let cos = &self.cos[t * h..(t + 1) * h];
-        let sin = &self.sin[t * h..(t + 1) * h];
+        let (cos, sin) = self.angles(t);
         let sign = if inverse { -1.0 } else { 1.0 };
         for i in 0..h {
             let (a, b) = (src[i].to_f64(), src[i + h].to_f64());
@@ -234,6 +417,22 @@ impl RopeTable {
             dst[i + h] = T::from_f64(b * c + a * s);
         }
         dst[2 * h..].copy_from_slice(&src[2 * h..]);
+    }
+
+    /// [`Self::rotate`] of `row` in place (the same arithmetic): each pair
+    /// `(i, i + dims / 2)` is read before it is written.
+    #[inline]
+    pub(crate) fn rotate_in_place<T: CpuFloat>(&self, t: usize, row: &mut [T], inverse: bool) {
+        let h = self.half;
+        let (cos, sin) = self.angles(t);
+        let sign = if inverse { -1.0 } else { 1.0 };
+        let (lo, hi) = row.split_at_mut(h);
+        for ((x, y), (&c, &s)) in lo.iter_mut().zip(&mut hi[..h]).zip(cos.iter().zip(sin)) {
+            let (a, b) = (x.to_f64(), y.to_f64());
+            let s = sign * s;
+            *x = T::from_f64(a * c - b * s);
+            *y = T::from_f64(b * c + a * s);
+        }
     }
 }
 
@@ -276,22 +475,68 @@ mod tests {
         }
     }
 
-    /// Rows, columns (transposed) and back to token-major, with padding zero,
-    /// also on pooled buffers that still hold another call's values.
+    /// Tokens sharing a position id get the same rotation whether the table
+    /// is laid out per position (ids repeat, all below the token count) or
+    /// per token (an id at or above the token count): every token's
+    /// rotation equals the Rope formula at its own position id, computed
+    /// here the same way, bit for bit.
+    #[test]
+    fn per_position_and_per_token_tables_agree() {
+        let rope = Rope {
+            base: 500.0,
+            dims: 6,
+        };
+        let x = [0.5f64, -1.25, 2.0, 0.75, -0.5, 3.0, 9.0];
+        for ids in [vec![3u32, 0, 3, 1, 2, 1], vec![7, 0, 7, 2]] {
+            let table = RopeTable::new(rope, &ids);
+            assert_eq!(table.rows.is_some(), ids.len() == 6, "{ids:?}");
+            for (t, &p) in ids.iter().enumerate() {
+                let mut got = [0.0; 7];
+                table.rotate(t, &x, &mut got, false);
+                let mut want = x;
+                for i in 0..3 {
+                    let f = rope.base.powf(-2.0 * i as f64 / 6.0);
+                    let (s, c) = (p as f64 * f).sin_cos();
+                    want[i] = x[i] * c - x[i + 3] * s;
+                    want[i + 3] = x[i + 3] * c + x[i] * s;
+                }
+                assert_eq!(got, want, "token {t} at {p}");
+                let mut again = x;
+                table.rotate_in_place(t, &mut again, false);
+                assert_eq!(again, want);
+            }
+        }
+    }
+
+    /// Rows, columns (transposed), both in one buffer, the row dot products,
+    /// single tiles, and back to token-major through [`head_tile_rows`] and
+    /// [`store_row`], with padding zero, also on pooled buffers that still
+    /// hold another call's values. The head dim (21) leaves a partial
+    /// `LANES` chunk and the tokens (70) a partial tile, so the remainder
+    /// paths run too.
     #[test]
     fn layouts_round_trip() {
-        let lay = Layout::new(70, 5, 2);
-        assert_eq!((lay.lpad, lay.dp), (128, 16));
-        let heads = 3;
-        let x: Vec<f64> = (0..70 * heads * 5).map(|i| i as f64 + 1.0).collect();
+        let (l, d, heads) = (70, 21, 3);
+        let lay = Layout::new(l, d, 2);
+        assert_eq!((lay.lpad, lay.dp), (128, 32));
+        let n = lay.lpad * lay.dp * heads;
+        let x: Vec<f64> = (0..l * heads * d).map(|i| i as f64 + 1.0).collect();
+        let w: Vec<f64> = (0..l * heads * d).map(|i| (i % 7) as f64 - 3.0).collect();
         let check = |x: &[f64]| {
-            let [xh, xt] =
-                lay.copy_inputs([Input::rows(x, heads, None), Input::columns(x, heads, None)]);
+            let mut dots = workspace::take_stale(heads * lay.lpad, f64::NAN);
+            let [xh, xt, both] = lay.copy_inputs([
+                Input::rows(x, heads, None),
+                Input::columns(x, heads, None),
+                Input::rows_and_columns(x, heads, None).with_row_dots(&w, &mut dots),
+            ]);
+            assert_eq!((xh.len(), xt.len(), both.len()), (n, n, 2 * n));
+            assert_eq!(both[..n], xh[..]);
+            assert_eq!(both[n..], xt[..]);
             for h in 0..heads {
                 for t in 0..lay.lpad {
                     for c in 0..lay.dp {
-                        let want = if t < 70 && c < 5 {
-                            x[(t * heads + h) * 5 + c]
+                        let want = if t < l && c < d {
+                            x[(t * heads + h) * d + c]
                         } else {
                             0.0
                         };
@@ -300,15 +545,36 @@ mod tests {
                             (h * lay.lpad + t / TILE * TILE) * lay.dp + c * TILE + t % TILE;
                         assert_eq!(xt[tile_major], want, "{h} {t} {c}");
                     }
+                    let want: f64 = (0..d)
+                        .filter(|_| t < l)
+                        .map(|c| x[(t * heads + h) * d + c] * w[(t * heads + h) * d + c])
+                        .sum();
+                    assert_eq!(dots[h * lay.lpad + t], want, "dot {h} {t}");
+                }
+            }
+            // One tile at a time, as a forward item copies its queries.
+            let mut tile = vec![f64::NAN; TILE * lay.dp];
+            for h in 0..heads {
+                for t0 in (0..lay.lpad).step_by(TILE) {
+                    lay.copy_tile(x, heads, h, t0, None, &mut tile);
+                    assert_eq!(
+                        tile[..],
+                        xh[(h * lay.lpad + t0) * lay.dp..][..TILE * lay.dp]
+                    );
                 }
             }
             let mut back = vec![f64::NAN; x.len()];
-            lay.copy_outputs([Output {
-                xh: &xh,
-                heads,
-                rope: None,
-                out: &mut back,
-            }]);
+            let mut finite = true;
+            for (h, rows) in head_tile_rows(&mut back, heads, d).iter_mut().enumerate() {
+                assert_eq!(rows.len(), l);
+                for (qt, tile) in rows.chunks_mut(TILE).enumerate() {
+                    for (i, row) in tile.iter_mut().enumerate() {
+                        let mut src = xh[(h * lay.lpad + qt * TILE + i) * lay.dp..][..d].to_vec();
+                        finite &= store_row(&mut src, row, qt * TILE + i, None);
+                    }
+                }
+            }
+            assert!(finite);
             assert_eq!(back, x);
         };
         check(&x);
@@ -317,5 +583,40 @@ mod tests {
         // padding included, is rewritten.
         let y: Vec<f64> = x.iter().map(|v| -v).collect();
         check(&y);
+    }
+
+    /// `store_row` reports a non-finite value wherever it is in the row
+    /// (negative control: a finite row is reported finite), and rotates back
+    /// when given a rope, as `rotate` does.
+    #[test]
+    fn store_row_reports_non_finite_values() {
+        let src: Vec<f32> = (0..37).map(|i| i as f32 * 0.5 - 9.0).collect();
+        let mut dst = vec![0.0f32; 37];
+        assert!(store_row(&mut src.clone(), &mut dst, 0, None));
+        assert_eq!(dst, src);
+        for at in [0, 15, 16, 36] {
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let mut s = src.clone();
+                s[at] = bad;
+                assert!(!store_row(&mut s, &mut dst, 0, None), "{bad} at {at}");
+                assert!(dst[at].to_bits() == bad.to_bits(), "stored as is");
+            }
+        }
+        let table = RopeTable::new(
+            Rope {
+                base: 100.0,
+                dims: 36,
+            },
+            &[0, 5],
+        );
+        let mut want = vec![0.0f32; 37];
+        table.rotate(1, &src, &mut want, true);
+        assert!(store_row(&mut src.clone(), &mut dst, 1, Some(&table)));
+        assert_eq!(dst, want);
+        assert_ne!(dst, src, "the rotation is not the identity at t = 1");
+        // A rotation that overflows f32 is reported: it is checked after.
+        let mut big = vec![3e38f32; 37];
+        assert!(!store_row(&mut big, &mut dst, 1, Some(&table)));
+        assert!(dst.iter().any(|x| x.is_infinite()));
     }
 }

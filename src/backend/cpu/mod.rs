@@ -24,7 +24,10 @@
 //! The computation is tiled FlashAttention-style in [`TILE`]` × `[`TILE`]
 //! blocks and never holds an `L × L` matrix: memory is linear in `L` (the
 //! inputs are copied once into head-major, zero-padded layouts, plus a few
-//! tiles of scratch per thread). Each (query tile, key tile) pair is
+//! tiles of scratch per thread, which also hold each work item's output
+//! rows until they are stored into the caller's token-major result; the
+//! forward's Q rows go straight into the scratch of the one item that reads
+//! them). Each (query tile, key tile) pair is
 //! classified from the per-key-tile min/max of `kv_end` (DESIGN §5):
 //! [`TileClass::Skip`] tiles are not computed, [`TileClass::Full`] tiles need
 //! no per-element mask, [`TileClass::Partial`] tiles are computed by register
@@ -35,9 +38,9 @@
 //! ([`block_counts`] reports the census). So on a tree the work follows the
 //! visible pairs at the micro-kernel's granularity, not the tile's.
 //!
-//! The head-major copies and accumulators come from a bounded process-wide
-//! pool of buffers reused across calls (at most 32 buffers and 1 GiB kept,
-//! oldest freed first), so repeated calls do not fault in fresh pages.
+//! The head-major copies come from a bounded process-wide pool of buffers
+//! reused across calls (at most 32 buffers and 1 GiB kept, oldest freed
+//! first), so repeated calls do not fault in fresh pages.
 //! [`attention_forward`] and [`attention_backward`] return fresh `Vec`s
 //! owned by the caller; [`attention_forward_into`] and
 //! [`attention_backward_into`] write every element of buffers the caller
@@ -49,12 +52,17 @@
 //! head, key tile) accumulates dK, dV over the query tiles that can see the
 //! key tile (the contiguous range from the tile's first key to its largest
 //! `kv_end`), then one work item per (query head, query tile) accumulates dQ.
-//! No atomics, so results do not depend on the thread count.
+//! Every output element is accumulated by one item in a fixed order (the
+//! only atomics are the items' non-finite flags), so results do not depend
+//! on the thread count.
 //!
 //! Work is spread over [`num_threads`] scoped threads, started once per
-//! step: a forward call has three steps (all input copies, the query tiles,
-//! the output copy), a backward call five (input copies, `D`, the two
-//! passes, the output copies). On x86-64 CPUs with
+//! step: a forward call has two steps (the K, V copies, the query tiles),
+//! a backward call three (the input copies, which also compute `D`, then
+//! the two passes). Each work item stores its finished rows (`O`; or `dK`,
+//! `dV`; or `dQ`, rotated back when rotary is on) straight into the
+//! caller's token-major output, disjoint rows per item (prefetched for
+//! writing when the item starts). On x86-64 CPUs with
 //! AVX2 and FMA (detected at run time) the work items run a copy compiled
 //! for those features, whose `f32` row-softmax steps (masking, `exp`, lane
 //! maxima and sums, one strip of 8 keys at a time) are written with AVX2
@@ -62,7 +70,9 @@
 //! same bits. `f32` exponentials use a polynomial within 2 ulp; `f64` uses
 //! `f64::exp`. A NaN or infinity in a result (scores overflowing `T`,
 //! or non-finite inputs when `check_finite` is off) is reported as
-//! [`Error::NonFinite`], never returned.
+//! [`Error::NonFinite`], never returned: each work item checks the rows it
+//! stores, and only when one reports a bad value is the output scanned for
+//! the first bad index.
 
 mod attention_bwd;
 mod attention_fwd;
@@ -439,7 +449,9 @@ pub(crate) fn check_finite<T: CpuFloat>(what: &str, x: &[T]) -> Result<()> {
 
 /// `Err(NonFinite)` at the first NaN or ±inf of a result. Finite inputs can
 /// still overflow `T` (e.g. `scale · q·k` beyond f32 range); this linear scan
-/// turns that into an error instead of a silent NaN.
+/// turns that into an error instead of a silent NaN. The attention calls
+/// run it only once a work item has reported a non-finite row, to name the
+/// first bad index.
 pub(crate) fn check_result<T: CpuFloat>(what: &str, x: &[T]) -> Result<()> {
     match x.iter().position(|v| !v.is_finite()) {
         Some(index) => Err(Error::NonFinite {

@@ -1,7 +1,7 @@
 //! Tiled attention forward with an online softmax.
 
 use super::kernels::{
-    accumulate, has_avx2_fma, live_strip_indices, live_strips, row_strips, scores, NS,
+    accumulate, has_avx2_fma, live_strip_indices, live_strips, row_strips, scores, strip, NS,
 };
 use super::lanes;
 use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
@@ -319,7 +319,8 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
             let q = (q0 + i) as u32;
             let mut visible = [0u32; NS];
             let mut lane_max = [T::NEG_INFINITY; NS];
-            for (c, x) in live_strip_indices(strips).zip(live_strips(row, strips)) {
+            for c in live_strip_indices(strips) {
+                let x = strip(row, c);
                 let k = k0 + c * NS;
                 if full >> c & 1 == 1 && k + NS <= l {
                     // A fully visible block: no mask.
@@ -351,8 +352,11 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
                 continue;
             }
             let m_new = m[i].max_of(row_max);
-            if m_new != m[i] {
-                // exp(−inf) = 0 drops nothing on a row's first visible block.
+            if m[i] == T::NEG_INFINITY {
+                // The row's first visible block: its O row and sum are 0
+                // (or the sum is the −inf poison mark), nothing to rescale.
+                m[i] = m_new;
+            } else if m_new != m[i] {
                 let alpha = (m[i] - m_new).exp();
                 sum[i] *= alpha;
                 for y in &mut o[i * dp..(i + 1) * dp] {
@@ -361,8 +365,8 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
                 m[i] = m_new;
             }
             let mut lane_sum = [T::ZERO; NS];
-            for x in live_strips(row, strips) {
-                lanes::exp_sum::<T, FMA>(x, m_new, &mut lane_sum);
+            for c in live_strip_indices(strips) {
+                lanes::exp_sum::<T, FMA>(strip(row, c), m_new, &mut lane_sum);
             }
             sum[i] += lanes::reduce_sum::<T, FMA>(lane_sum);
         }

@@ -81,6 +81,14 @@ pub(crate) fn live_strip_indices(strips: u32) -> impl Iterator<Item = usize> {
     })
 }
 
+/// Strip `c` of a tile row, as an `NS`-lane array.
+#[inline(always)]
+pub(crate) fn strip<T>(row: &mut [T], c: usize) -> &mut [T; NS] {
+    (&mut row[c * NS..(c + 1) * NS])
+        .try_into()
+        .expect("NS lanes")
+}
+
 /// The live strips of a `TILE`-long tile row, as `NS`-lane arrays, in order.
 #[inline(always)]
 pub(crate) fn live_strips<T>(row: &mut [T], strips: u32) -> impl Iterator<Item = &mut [T; NS]> {

@@ -152,9 +152,33 @@ impl Layout {
         rope: Option<&RopeTable>,
         tile: &mut [T],
     ) {
+        self.prefetch_tile_rows(x, heads, h, t0);
         for (j, row) in tile[..TILE * self.dp].chunks_exact_mut(self.dp).enumerate() {
             self.padded_row(x, heads, h, t0 + j, rope, row);
         }
+    }
+
+    /// Asks for rows `t0 .. t0 + TILE` (those before `l`) of head `h` of `x`
+    /// `[l, heads, d]` all at once before they are copied: the rows lie
+    /// `heads · d` values apart in memory that is usually not in cache, and
+    /// copied one by one their misses would be waited for one row at a
+    /// time.
+    #[inline]
+    fn prefetch_tile_rows<T>(&self, x: &[T], heads: usize, h: usize, t0: usize) {
+        #[cfg(target_arch = "x86_64")]
+        for t in t0..(t0 + TILE).min(self.l) {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let row = &x[(t * heads + h) * self.d..][..self.d];
+            let p = row.as_ptr().cast::<i8>();
+            for offset in (0..std::mem::size_of_val::<[T]>(row)).step_by(64) {
+                // SAFETY: a prefetch never faults and never changes memory
+                // (the address is inside `row` anyway); SSE is part of every
+                // x86-64 CPU.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(offset)) };
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (x, heads, h, t0);
     }
 
     /// One head of one input, `TILE` tokens at a time: the rows go into the
@@ -163,6 +187,7 @@ impl Layout {
     fn copy_head<T: CpuFloat>(&self, block: &mut [T], mut item: CopyItem<'_, '_, T>) {
         let Layout { lpad, d, dp, .. } = *self;
         for t0 in (0..lpad).step_by(TILE) {
+            self.prefetch_tile_rows(item.x, item.heads, item.h, t0);
             let rows = match item.rows.as_deref_mut() {
                 Some(rows) => &mut rows[t0 * dp..][..TILE * dp],
                 None => &mut block[..TILE * dp],

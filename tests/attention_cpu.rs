@@ -884,6 +884,32 @@ fn skipped_full_and_masked_register_blocks_match_the_dense_reference() {
     }
 }
 
+/// Head dims that fill the 16-lane padding exactly (no zero lanes), with
+/// whole and partial last tiles, GQA, rotary on and off and three mask
+/// kinds, against the dense reference with the bounds of the proptests
+/// above (which draw these dims rarely).
+#[test]
+fn lane_multiple_head_dims_match_the_dense_reference() {
+    let mut seed = 500;
+    for d in [16, 64] {
+        for l in [64, 128, 150, 193] {
+            for (kv_heads, group, rope) in [(1, 1, false), (2, 2, true), (2, 3, false)] {
+                for kind in [MaskKind::Causal, MaskKind::Tree, MaskKind::Padded] {
+                    seed += 1;
+                    let c = make_case(seed, kind, l, kv_heads, group, d, rope);
+                    let e64 = check_case::<f64>(&c);
+                    assert!(e64.iter().all(|&e| e < 1e-12), "d={d} l={l} {kind:?}: {e64:?}");
+                    let e32 = check_case::<f32>(&c);
+                    assert!(
+                        e32[..2].iter().all(|&e| e < 1e-5) && e32[2..].iter().all(|&e| e < 2e-5),
+                        "d={d} l={l} {kind:?}: {e32:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The census on a causal mask: inside the diagonal tiles, the blocks above
 /// the diagonal are skipped, those below it need no mask, and those that
 /// straddle it are masked.

@@ -1424,6 +1424,47 @@ pub fn measure(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<Timing>
     })
 }
 
+/// [`measure`] for several runs at once, taken in turns: `reps` rounds
+/// that run each unit twice in a row, in order, and time the second run (the
+/// first brings its inputs and buffers back into cache, as back-to-back
+/// repetitions would); the median of each unit's timed runs. Ratios between
+/// units (the tables' ×-columns) then compare runs taken under the same
+/// conditions even when the machine's load or clock drifts during the
+/// benchmark, which timing each unit's runs back to back does not.
+///
+/// Errors: `reps` of 0, and the first error of a run.
+pub fn measure_round_robin<U>(
+    reps: usize,
+    units: &mut [U],
+    mut run: impl FnMut(&mut U) -> Result<()>,
+) -> Result<Vec<Timing>> {
+    if reps == 0 {
+        return Err(Error::Usage("--reps must be at least 1".into()));
+    }
+    let mut wall = vec![Vec::with_capacity(reps); units.len()];
+    let mut cpu = vec![Vec::with_capacity(reps); units.len()];
+    for _ in 0..reps {
+        for (i, u) in units.iter_mut().enumerate() {
+            run(u)?;
+            let c0 = process_cpu_seconds();
+            let start = Instant::now();
+            run(u)?;
+            wall[i].push(start.elapsed().as_secs_f64());
+            if let (Some(c0), Some(c1)) = (c0, process_cpu_seconds()) {
+                cpu[i].push(c1 - c0);
+            }
+        }
+    }
+    Ok(wall
+        .into_iter()
+        .zip(cpu)
+        .map(|(wall, cpu)| Timing {
+            wall_s: median(wall),
+            cpu_s: (cpu.len() == reps).then(|| median(cpu)),
+        })
+        .collect())
+}
+
 /// Settings of [`quick`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Options {
@@ -1653,21 +1694,30 @@ pub fn quick(opts: &Options) -> Result<Table> {
             trie_balance: forward_balance(&w.trie, opts.heads, num_threads()),
             causal_balance: forward_balance(&w.causal, opts.heads, num_threads()),
         });
-        for method in Method::ALL {
-            let case = Case::new(&w, method, opts.heads, opts.head_dim)?;
-            for pass in [Pass::Forward, Pass::ForwardBackward] {
-                // Output buffers allocated once, outside the timed runs.
-                let mut out = case.outputs();
-                let time = measure(opts.reps, || case.run_into(pass, &mut out))?;
-                table.rows.push(Row {
-                    shape,
-                    method,
-                    pass,
-                    cost: case.cost,
-                    flops: case.flops(pass),
-                    time,
-                });
-            }
+        // Every (method, pass) of the shape, each with output buffers
+        // allocated once outside the timed runs.
+        let cases = Method::ALL
+            .into_iter()
+            .map(|method| Case::new(&w, method, opts.heads, opts.head_dim))
+            .collect::<Result<Vec<_>>>()?;
+        let mut units: Vec<_> = cases
+            .iter()
+            .flat_map(|case| {
+                [Pass::Forward, Pass::ForwardBackward].map(|pass| (case, pass, case.outputs()))
+            })
+            .collect();
+        let times = measure_round_robin(opts.reps, &mut units, |(case, pass, out)| {
+            case.run_into(*pass, out)
+        })?;
+        for ((case, pass, _), time) in units.iter().zip(times) {
+            table.rows.push(Row {
+                shape,
+                method: case.method,
+                pass: *pass,
+                cost: case.cost,
+                flops: case.flops(*pass),
+                time,
+            });
         }
     }
     Ok(table)
@@ -2480,6 +2530,34 @@ mod tests {
         assert!(measure(0, || Ok(())).is_err());
         let mut calls = 0;
         let failing = measure(2, || {
+            calls += 1;
+            Err(Error::Usage("stop".into()))
+        });
+        assert_eq!((failing, calls), (Err(Error::Usage("stop".into())), 1));
+    }
+
+    /// Round robin: rounds in order, each unit run twice in a row (warm-up,
+    /// timed); each unit's median is its own (a 5 ms unit and a 1 ms unit
+    /// are told apart).
+    #[test]
+    fn round_robin_takes_turns_and_keeps_each_units_times() {
+        let order = std::cell::RefCell::new(Vec::new());
+        let mut units = [(0usize, 5u64), (1, 1)];
+        let t = measure_round_robin(3, &mut units, |&mut (id, ms)| {
+            order.borrow_mut().push(id);
+            let end = Instant::now() + std::time::Duration::from_millis(ms);
+            while Instant::now() < end {
+                std::hint::spin_loop();
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(order.into_inner(), [0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]);
+        assert!(t[0].wall_s >= 0.005 && t[1].wall_s >= 0.001, "{t:?}");
+        assert!(t[0].wall_s > t[1].wall_s * 2.0, "{t:?}");
+        assert!(measure_round_robin(0, &mut units, |_| Ok(())).is_err());
+        let mut calls = 0;
+        let failing = measure_round_robin(2, &mut units, |_| {
             calls += 1;
             Err(Error::Usage("stop".into()))
         });

@@ -898,7 +898,10 @@ fn lane_multiple_head_dims_match_the_dense_reference() {
                     seed += 1;
                     let c = make_case(seed, kind, l, kv_heads, group, d, rope);
                     let e64 = check_case::<f64>(&c);
-                    assert!(e64.iter().all(|&e| e < 1e-12), "d={d} l={l} {kind:?}: {e64:?}");
+                    assert!(
+                        e64.iter().all(|&e| e < 1e-12),
+                        "d={d} l={l} {kind:?}: {e64:?}"
+                    );
                     let e32 = check_case::<f32>(&c);
                     assert!(
                         e32[..2].iter().all(|&e| e < 1e-5) && e32[2..].iter().all(|&e| e < 2e-5),

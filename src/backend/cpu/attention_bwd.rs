@@ -588,7 +588,7 @@ mod tests {
         });
         let data = |n: usize, salt: u64| -> Vec<f64> {
             (0..n as u64)
-                .map(|i| ((i * 2_654_435_761 ^ salt) % 997) as f64 / 498.0 - 1.0)
+                .map(|i| (((i * 2_654_435_761) ^ salt) % 997) as f64 / 498.0 - 1.0)
                 .collect()
         };
         let (q, k, v) = (

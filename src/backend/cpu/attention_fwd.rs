@@ -420,7 +420,7 @@ mod tests {
         let params = AttnParams::new(d);
         let data = |n: usize, salt: u64| -> Vec<f32> {
             (0..n as u64)
-                .map(|i| ((i * 2_654_435_761 ^ salt) % 997) as f32 / 498.0 - 1.0)
+                .map(|i| (((i * 2_654_435_761) ^ salt) % 997) as f32 / 498.0 - 1.0)
                 .collect()
         };
         let (q, k) = (data(shape.q_len(), 1), data(shape.kv_len(), 2));

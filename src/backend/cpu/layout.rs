@@ -355,10 +355,10 @@ pub(crate) fn store_row<T: CpuFloat>(
 #[inline]
 pub(crate) fn prefetch_for_write<T>(rows: &[&mut [T]]) {
     #[cfg(target_arch = "x86_64")]
-    for row in rows {
+    for row in rows.iter().map(|row| &**row) {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
         let p = row.as_ptr().cast::<i8>();
-        for offset in (0..std::mem::size_of_val::<[T]>(row)).step_by(64) {
+        for offset in (0..std::mem::size_of_val(row)).step_by(64) {
             // SAFETY: a prefetch never faults and never changes memory (the
             // address is inside `row` anyway); SSE is part of every x86-64
             // CPU.

@@ -572,25 +572,14 @@ mod tests {
     #[test]
     fn a_non_finite_gradient_names_its_first_index() {
         let (l, hq, hkv, d) = (260, 4, 2, 40);
-        let shape = AttnShape {
-            tokens: l,
-            q_heads: hq,
-            kv_heads: hkv,
-            head_dim: d,
-        };
-        let kv_end = vec![l as u32; l];
-        let pos: Vec<u32> = (0..l as u32).collect();
+        let (shape, kv_end, pos) = super::super::all_visible_case(l, hq, hkv, d);
         let mask = PackMask::new(&kv_end, &pos).unwrap();
         let mut params = AttnParams::new(d);
         params.rope = Some(crate::backend::Rope {
             base: 1000.0,
             dims: d,
         });
-        let data = |n: usize, salt: u64| -> Vec<f64> {
-            (0..n as u64)
-                .map(|i| (((i * 2_654_435_761) ^ salt) % 997) as f64 / 498.0 - 1.0)
-                .collect()
-        };
+        let data = |n: usize, salt: u64| super::super::hashed_values::<f64>(n, salt);
         let (q, k, v) = (
             data(shape.q_len(), 1),
             data(shape.kv_len(), 2),

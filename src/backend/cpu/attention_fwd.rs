@@ -408,21 +408,10 @@ mod tests {
     #[test]
     fn a_non_finite_output_names_its_first_index() {
         let (l, hq, hkv, d) = (300, 4, 2, 24);
-        let shape = AttnShape {
-            tokens: l,
-            q_heads: hq,
-            kv_heads: hkv,
-            head_dim: d,
-        };
-        let kv_end = vec![l as u32; l];
-        let pos: Vec<u32> = (0..l as u32).collect();
+        let (shape, kv_end, pos) = super::super::all_visible_case(l, hq, hkv, d);
         let mask = PackMask::new(&kv_end, &pos).unwrap();
         let params = AttnParams::new(d);
-        let data = |n: usize, salt: u64| -> Vec<f32> {
-            (0..n as u64)
-                .map(|i| (((i * 2_654_435_761) ^ salt) % 997) as f32 / 498.0 - 1.0)
-                .collect()
-        };
+        let data = |n: usize, salt: u64| super::super::hashed_values::<f32>(n, salt);
         let (q, k) = (data(shape.q_len(), 1), data(shape.kv_len(), 2));
         let mut v = data(shape.kv_len(), 3);
         let mut o = vec![0.0; shape.q_len()];

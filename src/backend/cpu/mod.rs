@@ -392,6 +392,33 @@ impl KeyTileBounds {
     }
 }
 
+/// A test attention shape over a mask where every key is seen by every
+/// query: the shape, `kv_end` and position ids.
+#[cfg(test)]
+pub(crate) fn all_visible_case(
+    l: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> (AttnShape, Vec<u32>, Vec<u32>) {
+    let shape = AttnShape {
+        tokens: l,
+        q_heads,
+        kv_heads,
+        head_dim,
+    };
+    (shape, vec![l as u32; l], (0..l as u32).collect())
+}
+
+/// Test values in `[−1, 1)` from a multiplicative hash of the index and a
+/// salt: deterministic, varied, the same on every machine.
+#[cfg(test)]
+pub(crate) fn hashed_values<T: CpuFloat>(n: usize, salt: u64) -> Vec<T> {
+    (0..n as u64)
+        .map(|i| T::from_f64((((i * 2_654_435_761) ^ salt) % 997) as f64 / 498.0 - 1.0))
+        .collect()
+}
+
 /// Runs `body` on every work item on up to `threads` scoped threads, pulling
 /// items from a shared queue in order (put expensive items first). Each
 /// thread builds its scratch once with `init`.
@@ -567,11 +594,7 @@ mod tests {
             base: 500.0,
             dims: 40,
         });
-        let data = |n: usize, salt: u32| -> Vec<f32> {
-            (0..n as u32)
-                .map(|i| ((i.wrapping_mul(2_654_435_761) ^ salt) % 1000) as f32 / 500.0 - 1.0)
-                .collect()
-        };
+        let data = |n: usize, salt: u64| hashed_values::<f32>(n, salt);
         let (q, k, v) = (
             data(shape.q_len(), 1),
             data(shape.kv_len(), 2),

@@ -221,10 +221,21 @@ fn madd<T: CpuFloat, const FMA: bool>(x: T, y: T, acc: T) -> T {
     }
 }
 
-/// Whether the running CPU has AVX2 and FMA (checked once by std, then
-/// cached): the work-item functions then run their `avx2,fma` copies.
+/// Whether the work items run their `avx2,fma` copies: the running CPU has
+/// AVX2 and FMA and the environment variable `TREEATTN_PORTABLE` is not `1`
+/// (decided once per process).
 #[inline]
 pub(crate) fn has_avx2_fma() -> bool {
+    static USE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *USE.get_or_init(|| {
+        cpu_has_avx2_fma() && std::env::var("TREEATTN_PORTABLE").map_or(true, |v| v.trim() != "1")
+    })
+}
+
+/// Whether the running CPU has AVX2 and FMA (checked once by std, then
+/// cached).
+#[inline]
+pub(crate) fn cpu_has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")

@@ -4,7 +4,7 @@
 //!
 //! Every function has one portable body (plain loops over `[T; NS]`), and
 //! for `f32` in the `SIMD` instantiation (the copies of the work items
-//! compiled for AVX2 and FMA, see [`super::kernels::has_avx2_fma`]) an AVX2
+//! compiled for AVX2 and FMA, see [`super::uses_avx2_fma`]) an AVX2
 //! body written with `std::arch` intrinsics. The compiler's auto-vectorizer
 //! handles the plain loops well on long rows but turns short, masked strips
 //! into scalar, branchy code depending on what surrounds them; the
@@ -452,7 +452,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::kernels::has_avx2_fma;
+    use crate::backend::cpu::kernels::cpu_has_avx2_fma;
 
     /// Scores-like lanes: mostly moderate values, some −inf (masked
     /// earlier), zeros and large magnitudes, so every branch of `exp` and
@@ -495,7 +495,7 @@ mod tests {
     fn simd_bodies_match_portable_bodies_bit_for_bit() {
         #[cfg(target_arch = "x86_64")]
         {
-            if !has_avx2_fma() {
+            if !cpu_has_avx2_fma() {
                 return;
             }
             let mut rng = 7u64;

@@ -66,8 +66,10 @@
 //! AVX2 and FMA (detected at run time) the work items run a copy compiled
 //! for those features, whose `f32` row-softmax steps (masking, `exp`, lane
 //! maxima and sums, one strip of 8 keys at a time) are written with AVX2
-//! intrinsics; elsewhere the portable copy of the same code, which gives the
-//! same bits. `f32` exponentials use a polynomial within 2 ulp; `f64` uses
+//! intrinsics; elsewhere, or with `TREEATTN_PORTABLE=1` ([`uses_avx2_fma`]),
+//! the portable copy of the same code, whose softmax steps give the same
+//! bits and whose matmuls differ only by the rounding of fused
+//! multiply-adds. `f32` exponentials use a polynomial within 2 ulp; `f64` uses
 //! `f64::exp`. A NaN or infinity in a result (scores overflowing `T`,
 //! or non-finite inputs when `check_finite` is off) is reported as
 //! [`Error::NonFinite`], never returned: each work item checks the rows it
@@ -118,6 +120,16 @@ pub struct AttnGrads<T> {
     pub dk: Vec<T>,
     /// Like v: `[tokens, kv_heads, head_dim]`.
     pub dv: Vec<T>,
+}
+
+/// Whether the CPU backend's work items run their copies compiled for AVX2
+/// and FMA (with the AVX2 row softmax): true on x86-64 CPUs that have both,
+/// unless the environment variable `TREEATTN_PORTABLE` is `1` when the
+/// process first asks (then, as on every other CPU, the portable copy of
+/// the same code runs: the same results up to the rounding of fused
+/// multiply-adds).
+pub fn uses_avx2_fma() -> bool {
+    kernels::has_avx2_fma()
 }
 
 /// Number of worker threads the CPU backend uses: the environment variable

@@ -2,7 +2,7 @@
 //! dQ per query tile), each recomputing `P` from the saved LSE.
 
 use super::kernels::{
-    accumulate, has_avx2_fma, live_strip_indices, live_strips, row_strips, scores, NS,
+    accumulate, has_avx2_fma, live_strip_indices, live_strips, row_strips, scores, strip, NS,
 };
 use super::lanes;
 use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
@@ -423,12 +423,11 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
                     (k.clamp(q0, q1) - q0, end.clamp(q0, q1) - q0)
                 };
                 let lo = lo.min(hi);
-                let pairs = live_strips(srow, strips).zip(live_strips(dprow, strips));
-                for (c, (x, dx)) in live_strip_indices(strips).zip(pairs) {
+                for c in live_strip_indices(strips) {
                     let a = c * NS;
                     lanes::key_strip::<T, FMA>(
-                        x,
-                        dx,
+                        strip(srow, c),
+                        strip(dprow, c),
                         lse[a..a + NS].try_into().expect("NS lanes"),
                         delta[a..a + NS].try_into().expect("NS lanes"),
                         a as u32,
@@ -525,8 +524,8 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
             let full = row_strips(blocks.full, i);
             let q = (q0 + i) as u32;
             let (mut unused_max, mut unused_visible) = ([T::NEG_INFINITY; NS], [0; NS]);
-            let pairs = live_strips(srow, strips).zip(live_strips(dprow, strips));
-            for (c, (x, dx)) in live_strip_indices(strips).zip(pairs) {
+            for c in live_strip_indices(strips) {
+                let (x, dx) = (strip(srow, c), strip(dprow, c));
                 let k = k0 + c * NS;
                 if full >> c & 1 == 1 && k + NS <= l {
                     // A fully visible block: no mask.

@@ -2,7 +2,7 @@
 //! dQ per query tile), each recomputing `P` from the saved LSE.
 
 use super::kernels::{
-    accumulate, has_avx2_fma, live_strip_indices, live_strips, row_strips, scores, strip, NS,
+    accumulate, live_strip_indices, live_strips, row_strips, scores, simd_dispatch, strip, NS,
 };
 use super::lanes;
 use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
@@ -342,28 +342,9 @@ impl<T: CpuFloat> BwdScratch<T> {
     }
 }
 
-/// Runs one work item; per dK, dV: `false` if it stored a non-finite value.
-fn key_tile<T: CpuFloat>(
-    ctx: &BwdCtx<'_, T>,
-    s: &mut BwdScratch<T>,
-    item: KeyItem<'_, '_, T>,
-) -> [bool; 2] {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
-        // SAFETY: the running CPU supports AVX2 and FMA (checked at run time).
-        return unsafe { key_tile_avx2(ctx, s, item) };
-    }
-    key_tile_body::<T, false>(ctx, s, item)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn key_tile_avx2<T: CpuFloat>(
-    ctx: &BwdCtx<'_, T>,
-    s: &mut BwdScratch<T>,
-    item: KeyItem<'_, '_, T>,
-) -> [bool; 2] {
-    key_tile_body::<T, true>(ctx, s, item)
+simd_dispatch! {
+    /// Runs one work item; per dK, dV: `false` if it stored a non-finite value.
+    fn key_tile(ctx: &BwdCtx<'_, T>, s: &mut BwdScratch<T>, item: KeyItem<'_, '_, T>) -> [bool; 2] => key_tile_body
 }
 
 /// dK, dV of one key tile of kv head `g`, summed over the group's query heads
@@ -452,28 +433,9 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
     [dk_ok, dv_ok]
 }
 
-/// Runs one work item; `false` if it stored a non-finite value into dQ.
-fn query_tile<T: CpuFloat>(
-    ctx: &BwdCtx<'_, T>,
-    s: &mut BwdScratch<T>,
-    item: QueryItem<'_, '_, T>,
-) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
-        // SAFETY: the running CPU supports AVX2 and FMA (checked at run time).
-        return unsafe { query_tile_avx2(ctx, s, item) };
-    }
-    query_tile_body::<T, false>(ctx, s, item)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn query_tile_avx2<T: CpuFloat>(
-    ctx: &BwdCtx<'_, T>,
-    s: &mut BwdScratch<T>,
-    item: QueryItem<'_, '_, T>,
-) -> bool {
-    query_tile_body::<T, true>(ctx, s, item)
+simd_dispatch! {
+    /// Runs one work item; `false` if it stored a non-finite value into dQ.
+    fn query_tile(ctx: &BwdCtx<'_, T>, s: &mut BwdScratch<T>, item: QueryItem<'_, '_, T>) -> bool => query_tile_body
 }
 
 /// dQ of one query tile of head `h`, over the key tiles it can see.

@@ -1,7 +1,7 @@
 //! Tiled attention forward with an online softmax.
 
 use super::kernels::{
-    accumulate, has_avx2_fma, live_strip_indices, live_strips, row_strips, scores, strip, NS,
+    accumulate, live_strip_indices, live_strips, row_strips, scores, simd_dispatch, strip, NS,
 };
 use super::lanes;
 use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
@@ -243,28 +243,9 @@ impl<T: CpuFloat> FwdScratch<T> {
     }
 }
 
-/// Runs one work item; `false` if it stored a non-finite value into `o`.
-fn query_tile<T: CpuFloat>(
-    ctx: &FwdCtx<'_, T>,
-    s: &mut FwdScratch<T>,
-    item: FwdItem<'_, '_, T>,
-) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
-        // SAFETY: the running CPU supports AVX2 and FMA (checked at run time).
-        return unsafe { query_tile_avx2(ctx, s, item) };
-    }
-    query_tile_body::<T, false>(ctx, s, item)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn query_tile_avx2<T: CpuFloat>(
-    ctx: &FwdCtx<'_, T>,
-    s: &mut FwdScratch<T>,
-    item: FwdItem<'_, '_, T>,
-) -> bool {
-    query_tile_body::<T, true>(ctx, s, item)
+simd_dispatch! {
+    /// Runs one work item; `false` if it stored a non-finite value into `o`.
+    fn query_tile(ctx: &FwdCtx<'_, T>, s: &mut FwdScratch<T>, item: FwdItem<'_, '_, T>) -> bool => query_tile_body
 }
 
 #[inline(always)]

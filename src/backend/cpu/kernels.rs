@@ -4,9 +4,9 @@
 //! Both keep an `MR × NR` block of accumulators in registers and stream one
 //! row of `NR` contiguous values per step, so the inner loop is
 //! `MR · NR` independent multiply-adds the compiler vectorizes. The bodies are
-//! generic and `#[inline(always)]`; callers that want AVX2 code wrap them in
-//! a `#[target_feature(enable = "avx2,fma")]` function with `FMA = true`
-//! (see `attention_fwd`), and call them with `FMA = false` elsewhere.
+//! generic and `#[inline(always)]`; the work items that call them are
+//! defined with [`simd_dispatch`], which runs a copy compiled for AVX2 and
+//! FMA (`FMA = true`) where the CPU has them and `FMA = false` elsewhere.
 
 use super::layout::LANES;
 use super::{CpuFloat, TILE};
@@ -220,6 +220,29 @@ fn madd<T: CpuFloat, const FMA: bool>(x: T, y: T, acc: T) -> T {
         acc + x * y
     }
 }
+
+/// Defines a work-item function `$name` that runs `$body::<T, true>` in a
+/// copy compiled for AVX2 and FMA where [`has_avx2_fma`] says so, and the
+/// portable `$body::<T, false>` elsewhere.
+macro_rules! simd_dispatch {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty => $body:ident) => {
+        $(#[$doc])*
+        fn $name<T: CpuFloat>($($arg: $ty),*) -> $ret {
+            #[cfg(target_arch = "x86_64")]
+            if $crate::backend::cpu::kernels::has_avx2_fma() {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2<T: CpuFloat>($($arg: $ty),*) -> $ret {
+                    $body::<T, true>($($arg),*)
+                }
+                // SAFETY: the running CPU supports AVX2 and FMA (checked at
+                // run time).
+                return unsafe { avx2($($arg),*) };
+            }
+            $body::<T, false>($($arg),*)
+        }
+    };
+}
+pub(crate) use simd_dispatch;
 
 /// Whether the work items run their `avx2,fma` copies: the running CPU has
 /// AVX2 and FMA and the environment variable `TREEATTN_PORTABLE` is not `1`

@@ -272,76 +272,31 @@ pub(crate) fn cpu_has_avx2_fma() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gen::Rng;
 
-    fn data(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                (s >> 11) as f64 / (1u64 << 53) as f64 - 0.5
-            })
-            .collect()
+    fn data(rng: &mut Rng, n: usize) -> Vec<f64> {
+        (0..n).map(|_| rng.unit() - 0.5).collect()
     }
 
-    /// Both kernels, plain and fused multiply-add, against triple loops, with
-    /// a transposed operand whose row stride and start column are not the
-    /// tile's (as when a tile reads columns `k0..` of a `[dp, lpad]` head).
-    /// Same products in a different order: 1e-13 absolute on sums of 48
-    /// terms of size < 0.25.
-    fn check<const FMA: bool>() {
-        let (dp, ld, col0) = (48, 3 * TILE + 5, 70);
-        let a = data(TILE * dp, 1);
-        let bt = data(dp * ld, 2);
-        let mut s = vec![0.0; TILE * TILE];
-        scores::<f64, FMA>(&a, &bt[col0..], ld, dp, &mut s, ALL_LIVE);
-        for r in 0..TILE {
-            for j in 0..TILE {
-                let want: f64 = (0..dp).map(|c| a[r * dp + c] * bt[c * ld + col0 + j]).sum();
-                assert!((s[r * TILE + j] - want).abs() < 1e-13, "scores[{r}][{j}]");
-            }
-        }
-        let b = data(TILE * dp, 3);
-        let mut out = data(TILE * dp, 4);
-        let before = out.clone();
-        accumulate::<f64, FMA>(&s, &b, dp, &mut out, ALL_LIVE);
-        for r in 0..TILE {
-            for c in 0..dp {
-                let want = before[r * dp + c]
-                    + (0..TILE)
-                        .map(|i| s[r * TILE + i] * b[i * dp + c])
-                        .sum::<f64>();
-                assert!(
-                    (out[r * dp + c] - want).abs() < 1e-13,
-                    "accumulate[{r}][{c}]"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn kernels_match_triple_loops() {
-        check::<false>();
-        check::<true>();
-    }
-
-    /// With some blocks dead, `scores` leaves them as they were and
-    /// `accumulate` never reads them: dead entries of its input are NaN here,
-    /// so reading one would poison the result.
-    fn check_partial<const FMA: bool>(live: LiveBlocks) {
-        let dp = 32;
-        let a = data(TILE * dp, 5);
-        let bt = data(dp * TILE, 6);
+    /// Both kernels against triple loops on the `live` blocks, with a
+    /// transposed operand of row stride `ld` read from column `col0` (as
+    /// when a tile's columns are part of a wider operand). Dead blocks:
+    /// `scores` leaves them as they were, and `accumulate` never reads them
+    /// (dead entries of its input are NaN here, so reading one would poison
+    /// the result). Same products in a different order: 1e-13 absolute on
+    /// sums of up to 64 terms of size < 0.25.
+    fn check<const FMA: bool>(rng: &mut Rng, live: LiveBlocks, dp: usize, ld: usize, col0: usize) {
+        let a = data(rng, TILE * dp);
+        let bt = data(rng, dp * ld);
         let sentinel = 7.0;
         let mut s = vec![sentinel; TILE * TILE];
-        scores::<f64, FMA>(&a, &bt, TILE, dp, &mut s, live);
+        scores::<f64, FMA>(&a, &bt[col0..], ld, dp, &mut s, live);
         let is_live = |r: usize, j: usize| row_strips(live, r) >> (j / NS) & 1 == 1;
         for r in 0..TILE {
             for j in 0..TILE {
                 let got = s[r * TILE + j];
                 if is_live(r, j) {
-                    let want: f64 = (0..dp).map(|c| a[r * dp + c] * bt[c * TILE + j]).sum();
+                    let want: f64 = (0..dp).map(|c| a[r * dp + c] * bt[c * ld + col0 + j]).sum();
                     assert!((got - want).abs() < 1e-13, "scores[{r}][{j}]");
                 } else {
                     assert_eq!(got, sentinel, "dead scores[{r}][{j}] written");
@@ -349,8 +304,8 @@ mod tests {
                 }
             }
         }
-        let b = data(TILE * dp, 7);
-        let mut out = data(TILE * dp, 8);
+        let b = data(rng, TILE * dp);
+        let mut out = data(rng, TILE * dp);
         let before = out.clone();
         accumulate::<f64, FMA>(&s, &b, dp, &mut out, live);
         for r in 0..TILE {
@@ -369,25 +324,29 @@ mod tests {
     }
 
     #[test]
-    fn kernels_skip_dead_blocks() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
-        for _ in 0..4 {
-            let live = (next() as LiveBlocks) << 64 | next() as LiveBlocks;
-            check_partial::<false>(live);
-            check_partial::<true>(live);
+    fn kernels_match_triple_loops_on_live_blocks() {
+        let mut rng = Rng::new(11);
+        for fma in [false, true] {
+            let run = |rng: &mut Rng, live, dp, ld, col0| {
+                if fma {
+                    check::<true>(rng, live, dp, ld, col0)
+                } else {
+                    check::<false>(rng, live, dp, ld, col0)
+                }
+            };
+            // Every block, from a wider operand.
+            run(&mut rng, ALL_LIVE, 48, 3 * TILE + 5, 70);
+            for _ in 0..4 {
+                let live = (rng.next_u64() as LiveBlocks) << 64 | rng.next_u64() as LiveBlocks;
+                run(&mut rng, live, 32, TILE, 0);
+            }
+            // Lone strips next to dead ones, both halves of a pair: the
+            // narrow block path on either side.
+            run(&mut rng, LiveBlocks::MAX / 3, 32, TILE, 0);
+            run(&mut rng, LiveBlocks::MAX / 3 * 2, 32, TILE, 0);
+            // All dead: nothing written, nothing read.
+            run(&mut rng, 0, 32, TILE, 0);
         }
-        // Lone strips next to dead ones, both halves of a pair: the
-        // narrow block path on either side.
-        check_partial::<true>(LiveBlocks::MAX / 3);
-        check_partial::<true>(LiveBlocks::MAX / 3 * 2);
-        // All dead: nothing written, nothing read.
-        check_partial::<true>(0);
     }
 
     #[test]

@@ -453,21 +453,19 @@ mod avx2 {
 mod tests {
     use super::*;
     use crate::backend::cpu::kernels::cpu_has_avx2_fma;
+    use crate::gen::Rng;
 
     /// Scores-like lanes: mostly moderate values, some −inf (masked
     /// earlier), zeros and large magnitudes, so every branch of `exp` and
     /// of the masks is taken.
-    fn strip(rng: &mut u64) -> [f32; NS] {
+    fn strip(rng: &mut Rng) -> [f32; NS] {
         std::array::from_fn(|_| {
-            *rng = rng
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            let u = (*rng >> 40) as f32 / (1u64 << 24) as f32;
-            match *rng >> 61 {
+            let u = rng.signed_unit();
+            match rng.range(0, 7) {
                 0 => f32::NEG_INFINITY,
                 1 => 0.0,
-                2 => (u - 0.5) * 400.0,
-                _ => (u - 0.5) * 12.0,
+                2 => u * 200.0,
+                _ => u * 6.0,
             }
         })
     }
@@ -498,7 +496,7 @@ mod tests {
             if !cpu_has_avx2_fma() {
                 return;
             }
-            let mut rng = 7u64;
+            let mut rng = Rng::new(7);
             for case in 0..2000u32 {
                 let x = strip(&mut rng);
                 let y = strip(&mut rng);

@@ -280,6 +280,22 @@ impl<'a> Harness<'a> {
     fn finish(self, id: String) -> Result<Rollout> {
         Rollout::new(id, self.calls)
     }
+
+    /// `turns` closing turns, the final answer, and the rollout.
+    fn close(
+        mut self,
+        turns: usize,
+        completion: (usize, usize),
+        tool: (usize, usize),
+        id: &str,
+    ) -> Result<Rollout> {
+        for _ in 0..turns {
+            self.turn(completion, tool);
+        }
+        let n = self.rng.pick(completion);
+        self.call(&[], &[], n);
+        self.finish(id.to_string())
+    }
 }
 
 /// The system prompt and task every shape starts from.
@@ -457,12 +473,7 @@ pub fn stack_pop(p: &StackPopParams, rng: &mut Rng, id: &str) -> Result<Rollout>
         h.view.push(FRAME_POP);
         h.view.extend(ret);
     }
-    for _ in 0..p.final_turns {
-        h.turn(p.completion_len, p.tool_len);
-    }
-    let n = h.rng.pick(p.completion_len);
-    h.call(&[], &[], n);
-    h.finish(id.to_string())
+    h.close(p.final_turns, p.completion_len, p.tool_len, id)
 }
 
 /// Fold (AgentFold style): after some turns the harness asks the model to
@@ -526,12 +537,7 @@ pub fn fold(p: &FoldParams, rng: &mut Rng, id: &str) -> Result<Rollout> {
         h.view.push(FOLD);
         h.view.extend(summary);
     }
-    for _ in 0..p.final_turns {
-        h.turn(p.completion_len, p.tool_len);
-    }
-    let n = h.rng.pick(p.completion_len);
-    h.call(&[], &[], n);
-    h.finish(id.to_string())
+    h.close(p.final_turns, p.completion_len, p.tool_len, id)
 }
 
 /// Memex (MemexRL style): an old tool output is evicted from the view and
@@ -612,12 +618,7 @@ pub fn memex(p: &MemexParams, rng: &mut Rng, id: &str) -> Result<Rollout> {
         h.view.extend(evicted);
         spans.push((start, h.view.len()));
     }
-    for _ in 0..p.final_turns {
-        h.turn(p.completion_len, p.tool_len);
-    }
-    let n = h.rng.pick(p.completion_len);
-    h.call(&[], &[], n);
-    h.finish(id.to_string())
+    h.close(p.final_turns, p.completion_len, p.tool_len, id)
 }
 
 /// A GRPO group: `group` rollouts answering the same prompt, each with a
@@ -714,13 +715,9 @@ impl PlainParams {
 /// Generates one rollout without edits.
 pub fn plain(p: &PlainParams, rng: &mut Rng, id: &str) -> Result<Rollout> {
     let (_, view) = opening(rng, p.system_len, p.task_len);
-    let mut h = Harness::new(rng, view);
-    for _ in 0..h.rng.pick(p.turns) {
-        h.turn(p.completion_len, p.tool_len);
-    }
-    let n = h.rng.pick(p.completion_len);
-    h.call(&[], &[], n);
-    h.finish(id.to_string())
+    let h = Harness::new(rng, view);
+    let turns = h.rng.pick(p.turns);
+    h.close(turns, p.completion_len, p.tool_len, id)
 }
 
 /// The worked example of DESIGN §4 (id `"golden"`), without log-probs.

@@ -58,7 +58,8 @@ use std::time::Instant;
 
 use crate::backend::cpu::{
     attention_backward_into, attention_forward_into, computed_entries, num_threads, run_parallel,
-    tile_counts, AttnGrads, AttnOut, CpuFloat, SdccOut, TileCounts, BLOCK_KEYS, BLOCK_QUERIES,
+    gather_counts, tile_counts, AttnGrads, AttnOut, CpuFloat, GatherCounts, SdccOut, TileCounts,
+    BLOCK_KEYS, BLOCK_QUERIES,
     TILE,
 };
 use crate::backend::{check_sdcc_args, AttnParams, AttnShape};
@@ -1535,6 +1536,8 @@ pub struct ShapeInfo {
     pub causal_kernel_use: f64,
     /// The CPU backend's tile census of the trie pack.
     pub trie_tiles: TileCounts,
+    /// Its partial tiles computed as chunks of gathered keys.
+    pub trie_gather: GatherCounts,
     /// [`forward_balance`] of the trie pack and of the causal pack.
     pub trie_balance: f64,
     pub causal_balance: f64,
@@ -1691,6 +1694,7 @@ pub fn quick(opts: &Options) -> Result<Table> {
             trie_kernel_use: kernel_utilization(&w.trie),
             causal_kernel_use: kernel_utilization(&w.causal),
             trie_tiles: tile_counts(w.trie.mask()),
+            trie_gather: gather_counts(w.trie.mask()),
             trie_balance: forward_balance(&w.trie, opts.heads, num_threads()),
             causal_balance: forward_balance(&w.causal, opts.heads, num_threads()),
         });
@@ -1846,15 +1850,16 @@ impl fmt::Display for Table {
         writeln!(f)?;
         writeln!(
             f,
-            "diagnosis of tree/causal: trie tiles ({TILE}×{TILE}) skipped / full / partial; kernel use = visible pairs ÷ entries the \
+            "diagnosis of tree/causal: trie tiles ({TILE}×{TILE}) skipped / full / partial, of the partial ones gathered → chunks of \
+             {TILE} keys; kernel use = visible pairs ÷ entries the \
              kernels compute ({BLOCK_QUERIES}×{BLOCK_KEYS} blocks), trie / causal;\nper-entry = (tree/causal by CPU time) ÷ (trie ÷ causal \
              kernel use): the speed per computed entry on the tree relative to causal (below 1: partial-tile, masking\nand per-call \
              overheads weigh more on the tree); balance = simulated forward thread balance, trie / causal"
         )?;
         writeln!(
             f,
-            "{:<11} {:>20} {:>13} {:>17} {:>13}",
-            "shape", "skip/full/partial", "kernel use", "per-entry fwd/bwd", "balance"
+            "{:<11} {:>20} {:>9} {:>13} {:>17} {:>13}",
+            "shape", "skip/full/partial", "gathered", "kernel use", "per-entry fwd/bwd", "balance"
         )?;
         for s in &self.shapes {
             let use_ratio = s.trie_kernel_use / s.causal_kernel_use;
@@ -1863,12 +1868,13 @@ impl fmt::Display for Table {
                     .and_then(|(_, cpu)| cpu)
                     .map_or("-".to_string(), |c| format!("{:.2}", c / use_ratio))
             };
-            let t = s.trie_tiles;
+            let (t, g) = (s.trie_tiles, s.trie_gather);
             writeln!(
                 f,
-                "{:<11} {:>20} {:>13} {:>17} {:>13}",
+                "{:<11} {:>20} {:>9} {:>13} {:>17} {:>13}",
                 s.shape.name(),
                 format!("{}/{}/{}", t.skip, t.full, t.partial),
+                format!("{}→{}", g.tiles, g.chunks),
                 format!("{:.3} / {:.3}", s.trie_kernel_use, s.causal_kernel_use),
                 format!(
                     "{} / {}",

@@ -7,7 +7,7 @@
 //! never seen by the other tests.
 
 use treeattn::backend::cpu::{
-    attention_backward, attention_forward, tile_counts, uses_avx2_fma, CpuFloat,
+    attention_backward, attention_forward, gather_counts, tile_counts, uses_avx2_fma, CpuFloat,
 };
 use treeattn::backend::{AttnParams, AttnShape, Rope};
 use treeattn::bench::{dense_attention_backward, dense_attention_forward};
@@ -41,16 +41,18 @@ fn portable_path_matches_the_dense_reference_and_the_f64_backend() {
     let mut rng = Rng::new(41);
     let mut cases = 0;
     for (d, rope) in [(64, false), (40, true), (16, false)] {
-        // A deep random tree, a GRPO-like fan and padding: skipped, full and
-        // partial tiles, masked and unmasked blocks, padding rows.
+        // A deep random tree, a GRPO-like fan, a fan of long branches and
+        // padding: skipped, full and partial tiles, masked and unmasked
+        // blocks, gathered keys, padding rows.
         let mut b = MaskBuilder::new();
         b.push_tree(&mut rng, 0, 24, 4, true);
         b.push_fan(70, 3, 30);
+        b.push_fan(90, 4, 170);
         b.push_padding(5);
         let l = b.len();
         let mask = b.mask().unwrap();
         let t = tile_counts(mask);
-        cases += (t.partial > 0) as usize;
+        cases += (t.partial > 0 && gather_counts(mask).tiles > 0) as usize;
         let shape = AttnShape {
             tokens: l,
             q_heads: 4,
@@ -117,5 +119,5 @@ fn portable_path_matches_the_dense_reference_and_the_f64_backend() {
             assert!(e < bound, "dense {name}: {e:e} (l={l}, d={d}, {t:?})");
         }
     }
-    assert!(cases >= 2, "the trees must have partial tiles");
+    assert!(cases == 3, "the trees must have partial tiles and gathered keys");
 }

@@ -4,13 +4,14 @@
 use super::kernels::{
     accumulate, live_strip_indices, live_strips, row_strips, scores, simd_dispatch, strip, NS,
 };
+use super::gather::{last_strip_ends, KeyGather};
 use super::lanes;
 use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace;
 use super::workspace::Staggered;
 use super::{
     check_finite, check_len, check_qkv, check_result, num_threads, run_parallel, AttnGrads,
-    CpuFloat, KeyTileBounds, TileClass, TILE,
+    BlockMasks, CpuFloat, KeyTileBounds, TileClass, TILE,
 };
 use crate::backend::{AttnParams, AttnShape};
 use crate::mask::PackMask;
@@ -333,12 +334,22 @@ struct QueryItem<'a, 'b, T> {
 /// `[TILE, TILE]` dP, then dS (pass 1); the `[TILE, dp]` gradient rows
 /// being accumulated: dK and dV (pass 1), dQ in the first (pass 2); and
 /// the key tile's `[TILE, dp]` V rows (pass 1).
-struct BwdScratch<T>(Staggered<T, 5>);
+struct BwdScratch<T> {
+    /// Two `[TILE, TILE]` blocks and four `[TILE, dp]` ones: the dK, dV
+    /// pass's scores, dP, dK, dV accumulators and V rows; the dQ pass's
+    /// scores, dP, dQ accumulator and a chunk of gathered keys (their Kᵀ
+    /// and Vᵀ columns and K rows).
+    tiles: Staggered<T, 6>,
+    gather: KeyGather,
+}
 
 impl<T: CpuFloat> BwdScratch<T> {
     fn new(dp: usize) -> Self {
         let (tile, rows) = (TILE * TILE, TILE * dp);
-        BwdScratch(Staggered::new([tile, tile, rows, rows, rows], T::ZERO))
+        BwdScratch {
+            tiles: Staggered::new([tile, tile, rows, rows, rows, rows], T::ZERO),
+            gather: KeyGather::default(),
+        }
     }
 }
 
@@ -366,7 +377,7 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
     let k0 = kt * TILE;
     let bk = (k0 + TILE).min(l) - k0;
     let k_rows = &ctx.kh[(g * lpad + k0) * dp..][..TILE * dp];
-    let [st, dpt, dk, dv, v_rows] = sc.0.parts();
+    let [st, dpt, dk, dv, v_rows, _] = sc.tiles.parts();
     ctx.lay.copy_tile(ctx.v, ctx.kv_heads, g, k0, None, v_rows);
     let v_rows = &*v_rows;
     dk.fill(T::ZERO);
@@ -456,60 +467,50 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     let vt_head = &ctx.vt[g * dp * lpad..][..dp * lpad];
     let lse = &ctx.lse[head + q0..head + q0 + TILE];
     let delta = &ctx.delta[head + q0..head + q0 + TILE];
-    let [s, dpm, dq, _, _] = sc.0.parts();
+    let kh_head = &ctx.kh[g * lpad * dp..][..lpad * dp];
+    let [s, dpm, dq, kg, vg, krows] = sc.tiles.parts();
     dq.fill(T::ZERO);
+    let rows = DqRows {
+        q0,
+        lse,
+        delta,
+        scale: ctx.scale,
+    };
+    // The past column-split tiles, as whole chunks of gathered keys.
+    let gather = &mut sc.gather;
+    gather.plan(ctx.bounds, q0, q1, qt);
+    for c in 0..gather.chunks() {
+        let n = gather.gather_columns(c, kt_head, dp, kg);
+        gather.gather_columns(c, vt_head, dp, vg);
+        gather.gather_rows(c, kh_head, dp, krows);
+        let blocks = KeyGather::chunk_blocks(q1 - q0, n);
+        let ends = last_strip_ends(n);
+        scores::<T, FMA>(q_rows, kg, TILE, dp, s, blocks.live);
+        scores::<T, FMA>(do_rows, vg, TILE, dp, dpm, blocks.live);
+        // Every row sees every key of the chunk: only lanes past its last
+        // key are masked (first key taken as 0: the rows are past TILE).
+        let masks = |_: usize, full: bool| (!full).then_some((0, &ends));
+        ds_block::<T, FMA>(rows, s, dpm, blocks, masks);
+        accumulate::<T, FMA>(s, krows, dp, dq, blocks.live);
+    }
+
     for kt in 0..=qt {
         let class = ctx.bounds.classify(q0, q1, kt);
-        if class == TileClass::Skip {
+        if class == TileClass::Skip || gather.is_gathered(kt) {
             continue;
         }
         let k0 = kt * TILE;
         let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
-        let live = blocks.live;
-        scores::<T, FMA>(q_rows, &kt_head[k0 * dp..], TILE, dp, s, live);
-        scores::<T, FMA>(do_rows, &vt_head[k0 * dp..], TILE, dp, dpm, live);
-        for (i, (srow, dprow)) in s
-            .chunks_exact_mut(TILE)
-            .zip(dpm.chunks_exact_mut(TILE))
-            .enumerate()
-        {
-            let strips = row_strips(live, i);
-            if strips == 0 {
-                continue;
-            }
-            let (m, dd) = (lse[i], delta[i]);
-            if m == T::INFINITY {
-                // No visible key in this row (or a padding row): dS = 0.
-                live_strips(srow, strips).for_each(|x| *x = [T::ZERO; NS]);
-                continue;
-            }
-            let full = row_strips(blocks.full, i);
-            let q = (q0 + i) as u32;
-            let (mut unused_max, mut unused_visible) = ([T::NEG_INFINITY; NS], [0; NS]);
-            for c in live_strip_indices(strips) {
-                let (x, dx) = (strip(srow, c), strip(dprow, c));
-                let k = k0 + c * NS;
-                if full >> c & 1 == 1 && k + NS <= l {
-                    // A fully visible block: no mask.
-                    lanes::scale_offset::<T, FMA>(x, ctx.scale, m);
-                } else {
-                    // Masked entries, and keys past the pack's end (kv_end
-                    // 0), get exp(−inf) = 0.
-                    lanes::mask_max::<T, FMA>(
-                        x,
-                        k as u32,
-                        ctx.bounds.strip_ends(k),
-                        q,
-                        ctx.scale,
-                        m,
-                        &mut unused_max,
-                        &mut unused_visible,
-                    );
-                }
-                lanes::exp_times::<T, FMA>(x, &*dx, dd);
-            }
-        }
-        accumulate::<T, FMA>(s, &ctx.kh[(g * lpad + k0) * dp..], dp, dq, live);
+        scores::<T, FMA>(q_rows, &kt_head[k0 * dp..], TILE, dp, s, blocks.live);
+        scores::<T, FMA>(do_rows, &vt_head[k0 * dp..], TILE, dp, dpm, blocks.live);
+        // Masked entries, and keys past the pack's end (kv_end 0), get
+        // exp(−inf) = 0.
+        let masks = |c: usize, full: bool| {
+            let k = k0 + c * NS;
+            (!full || k + NS > l).then(|| (k as u32, ctx.bounds.strip_ends(k)))
+        };
+        ds_block::<T, FMA>(rows, s, dpm, blocks, masks);
+        accumulate::<T, FMA>(s, &kh_head[k0 * dp..], dp, dq, blocks.live);
     }
     for x in dq.iter_mut() {
         *x *= ctx.scale;
@@ -519,6 +520,73 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         finite &= store_row(&mut dq[i * dp..][..d], dst, q0 + i, ctx.rope);
     }
     finite
+}
+
+/// What the dS step needs of the item's query rows from `q0`: their LSE
+/// (+inf: no visible key, or a padding row) and `D`.
+#[derive(Clone, Copy)]
+struct DqRows<'a, T> {
+    q0: usize,
+    lse: &'a [T],
+    delta: &'a [T],
+    scale: T,
+}
+
+/// `dS = P ∘ (dP − D)` in place of the raw scores `s` of the `blocks.live`
+/// register blocks, with `P = exp(scale · s − LSE)` (0 where masked) and
+/// `dP` in `dpm`. `masks(c, full)` gives strip `c`'s first key and
+/// `kv_end`s when it must be masked for a row whose block `full` says it
+/// holds only visible entries, `None` when it needs no mask.
+#[inline(always)]
+fn ds_block<'e, T: CpuFloat, const FMA: bool>(
+    DqRows {
+        q0,
+        lse,
+        delta,
+        scale,
+    }: DqRows<'_, T>,
+    s: &mut [T],
+    dpm: &mut [T],
+    blocks: BlockMasks,
+    masks: impl Fn(usize, bool) -> Option<(u32, &'e [u32; NS])>,
+) {
+    for (i, (srow, dprow)) in s
+        .chunks_exact_mut(TILE)
+        .zip(dpm.chunks_exact_mut(TILE))
+        .enumerate()
+    {
+        let strips = row_strips(blocks.live, i);
+        if strips == 0 {
+            continue;
+        }
+        let (m, dd) = (lse[i], delta[i]);
+        if m == T::INFINITY {
+            // No visible key in this row (or a padding row): dS = 0.
+            live_strips(srow, strips).for_each(|x| *x = [T::ZERO; NS]);
+            continue;
+        }
+        let full = row_strips(blocks.full, i);
+        let q = (q0 + i) as u32;
+        let (mut unused_max, mut unused_visible) = ([T::NEG_INFINITY; NS], [0; NS]);
+        for c in live_strip_indices(strips) {
+            let (x, dx) = (strip(srow, c), strip(dprow, c));
+            match masks(c, full >> c & 1 == 1) {
+                // A fully visible block: no mask.
+                None => lanes::scale_offset::<T, FMA>(x, scale, m),
+                Some((first, ends)) => lanes::mask_max::<T, FMA>(
+                    x,
+                    first,
+                    ends,
+                    q,
+                    scale,
+                    m,
+                    &mut unused_max,
+                    &mut unused_visible,
+                ),
+            }
+            lanes::exp_times::<T, FMA>(x, &*dx, dd);
+        }
+    }
 }
 
 #[cfg(test)]

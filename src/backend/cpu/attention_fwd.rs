@@ -3,11 +3,12 @@
 use super::kernels::{
     accumulate, live_strip_indices, live_strips, row_strips, scores, simd_dispatch, strip, NS,
 };
+use super::gather::{last_strip_ends, KeyGather};
 use super::lanes;
 use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace::Staggered;
 use super::{
-    check_len, check_qkv, check_result, num_threads, run_parallel, AttnOut, CpuFloat,
+    check_len, check_qkv, check_result, num_threads, run_parallel, AttnOut, BlockMasks, CpuFloat,
     KeyTileBounds, TileClass, TILE,
 };
 use crate::backend::{AttnParams, AttnShape};
@@ -226,8 +227,10 @@ struct FwdItem<'a, 'b, T> {
 struct FwdScratch<T> {
     /// Scores, then probabilities, of one block: `[TILE, TILE]`; the
     /// output rows being accumulated: `[TILE, dp]`; the item's query rows,
-    /// rotated and padded: `[TILE, dp]`.
-    tiles: Staggered<T, 3>,
+    /// rotated and padded: `[TILE, dp]`; a chunk of gathered keys, their
+    /// Kᵀ columns `[dp, TILE]` and V rows `[TILE, dp]`.
+    tiles: Staggered<T, 5>,
+    gather: KeyGather,
     /// Running row max and row sum of the online softmax.
     m: Vec<T>,
     sum: Vec<T>,
@@ -236,7 +239,8 @@ struct FwdScratch<T> {
 impl<T: CpuFloat> FwdScratch<T> {
     fn new(dp: usize) -> Self {
         FwdScratch {
-            tiles: Staggered::new([TILE * TILE, TILE * dp, TILE * dp], T::ZERO),
+            tiles: Staggered::new([TILE * TILE, TILE * dp, TILE * dp, TILE * dp, TILE * dp], T::ZERO),
+            gather: KeyGather::default(),
             m: vec![T::ZERO; TILE],
             sum: vec![T::ZERO; TILE],
         }
@@ -266,7 +270,7 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     let g = h / ctx.group;
     let kt_head = &ctx.kt[g * dp * lpad..][..dp * lpad];
     let v_head = &ctx.vh[g * lpad * dp..][..lpad * dp];
-    let [s, o, q_rows] = sc.tiles.parts();
+    let [s, o, q_rows, kg, vg] = sc.tiles.parts();
     ctx.lay
         .copy_tile(ctx.q, ctx.q_heads, h, q0, ctx.rope, q_rows);
     let q_rows = &*q_rows;
@@ -275,83 +279,38 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     sum.fill(T::ZERO);
     o.fill(T::ZERO);
 
+    // The past column-split tiles, as whole chunks of gathered keys.
+    sc.gather.plan(ctx.bounds, q0, q1, qt);
+    for c in 0..sc.gather.chunks() {
+        let n = sc.gather.gather_columns(c, kt_head, dp, kg);
+        sc.gather.gather_rows(c, v_head, dp, vg);
+        let blocks = KeyGather::chunk_blocks(bq, n);
+        let ends = last_strip_ends(n);
+        scores::<T, FMA>(q_rows, kg, TILE, dp, s, blocks.live);
+        // Every row sees every key of the chunk: only lanes past its last
+        // key are masked (first key taken as 0: the rows are past TILE).
+        let masks = |_: usize, full: bool| (!full).then_some((0, &ends));
+        let rows = Rows { q0, bq, dp };
+        softmax_block::<T, FMA>(ctx.scale, rows, s, blocks, masks, m, sum, o);
+        accumulate::<T, FMA>(s, vg, dp, o, blocks.live);
+    }
+
     for kt in 0..=qt {
         let class = ctx.bounds.classify(q0, q1, kt);
-        if class == TileClass::Skip {
+        if class == TileClass::Skip || sc.gather.is_gathered(kt) {
             continue;
         }
         let k0 = kt * TILE;
         let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
-        let live = blocks.live;
-        scores::<T, FMA>(q_rows, &kt_head[k0 * dp..], TILE, dp, s, live);
-        for (i, row) in s.chunks_exact_mut(TILE).enumerate() {
-            let strips = row_strips(live, i);
-            if strips == 0 {
-                continue;
-            }
-            if i >= bq {
-                // A padding row in a live block: P = 0.
-                live_strips(row, strips).for_each(|x| *x = [T::ZERO; NS]);
-                continue;
-            }
-            // Whole strips of NS lanes, maxima and sums kept per lane and
-            // reduced once per row: no scalar remainders on short runs.
-            let full = row_strips(blocks.full, i);
-            let q = (q0 + i) as u32;
-            let mut visible = [0u32; NS];
-            let mut lane_max = [T::NEG_INFINITY; NS];
-            for c in live_strip_indices(strips) {
-                let x = strip(row, c);
-                let k = k0 + c * NS;
-                if full >> c & 1 == 1 && k + NS <= l {
-                    // A fully visible block: no mask.
-                    visible[0] = 1;
-                    lanes::scale_max::<T, FMA>(x, ctx.scale, &mut lane_max);
-                } else {
-                    // Keys past the pack's end have kv_end 0: masked.
-                    let ends = ctx.bounds.strip_ends(k);
-                    lanes::mask_max::<T, FMA>(
-                        x,
-                        k as u32,
-                        ends,
-                        q,
-                        ctx.scale,
-                        T::ZERO,
-                        &mut lane_max,
-                        &mut visible,
-                    );
-                }
-            }
-            let row_max = lanes::reduce_max::<T, FMA>(lane_max);
-            if row_max == T::NEG_INFINITY {
-                if visible != [0; NS] {
-                    // Visible scores that are all NaN or −inf: an overflow,
-                    // not an empty row. Poison the row (reported below).
-                    sum[i] = T::NEG_INFINITY;
-                }
-                live_strips(row, strips).for_each(|x| *x = [T::ZERO; NS]);
-                continue;
-            }
-            let m_new = m[i].max_of(row_max);
-            if m[i] == T::NEG_INFINITY {
-                // The row's first visible block: its O row and sum are 0
-                // (or the sum is the −inf poison mark), nothing to rescale.
-                m[i] = m_new;
-            } else if m_new != m[i] {
-                let alpha = (m[i] - m_new).exp();
-                sum[i] *= alpha;
-                for y in &mut o[i * dp..(i + 1) * dp] {
-                    *y *= alpha;
-                }
-                m[i] = m_new;
-            }
-            let mut lane_sum = [T::ZERO; NS];
-            for c in live_strip_indices(strips) {
-                lanes::exp_sum::<T, FMA>(strip(row, c), m_new, &mut lane_sum);
-            }
-            sum[i] += lanes::reduce_sum::<T, FMA>(lane_sum);
-        }
-        accumulate::<T, FMA>(s, &v_head[k0 * dp..], dp, o, live);
+        scores::<T, FMA>(q_rows, &kt_head[k0 * dp..], TILE, dp, s, blocks.live);
+        // Keys past the pack's end have kv_end 0: masked.
+        let masks = |c: usize, full: bool| {
+            let k = k0 + c * NS;
+            (!full || k + NS > l).then(|| (k as u32, ctx.bounds.strip_ends(k)))
+        };
+        let rows = Rows { q0, bq, dp };
+        softmax_block::<T, FMA>(ctx.scale, rows, s, blocks, masks, m, sum, o);
+        accumulate::<T, FMA>(s, &v_head[k0 * dp..], dp, o, blocks.live);
     }
 
     let mut finite = true;
@@ -375,6 +334,100 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         finite &= store_row(row, dst, q0 + i, None);
     }
     finite
+}
+
+/// The item's query rows `q0..q0 + bq` (`dp` values per accumulator row).
+#[derive(Clone, Copy)]
+struct Rows {
+    q0: usize,
+    bq: usize,
+    dp: usize,
+}
+
+/// One step of the online softmax over a block of `TILE` keys: the raw
+/// scores `s` of the `blocks.live` register blocks become probabilities
+/// `exp(scale · s − m)` in place (0 where masked), with the running row
+/// maxima `m`, sums `sum` and accumulator rows `o` rescaled to the new
+/// maxima. `masks(c, full)` gives strip `c`'s first key and `kv_end`s when
+/// it must be masked for a row whose block `full` says it holds only
+/// visible entries, `None` when it needs no mask.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn softmax_block<'e, T: CpuFloat, const FMA: bool>(
+    scale: T,
+    Rows { q0, bq, dp }: Rows,
+    s: &mut [T],
+    blocks: BlockMasks,
+    masks: impl Fn(usize, bool) -> Option<(u32, &'e [u32; NS])>,
+    m: &mut [T],
+    sum: &mut [T],
+    o: &mut [T],
+) {
+    for (i, row) in s.chunks_exact_mut(TILE).enumerate() {
+        let strips = row_strips(blocks.live, i);
+        if strips == 0 {
+            continue;
+        }
+        if i >= bq {
+            // A padding row in a live block: P = 0.
+            live_strips(row, strips).for_each(|x| *x = [T::ZERO; NS]);
+            continue;
+        }
+        // Whole strips of NS lanes, maxima and sums kept per lane and
+        // reduced once per row: no scalar remainders on short runs.
+        let full = row_strips(blocks.full, i);
+        let q = (q0 + i) as u32;
+        let mut visible = [0u32; NS];
+        let mut lane_max = [T::NEG_INFINITY; NS];
+        for c in live_strip_indices(strips) {
+            let x = strip(row, c);
+            match masks(c, full >> c & 1 == 1) {
+                None => {
+                    // A fully visible block: no mask.
+                    visible[0] = 1;
+                    lanes::scale_max::<T, FMA>(x, scale, &mut lane_max);
+                }
+                Some((first, ends)) => lanes::mask_max::<T, FMA>(
+                    x,
+                    first,
+                    ends,
+                    q,
+                    scale,
+                    T::ZERO,
+                    &mut lane_max,
+                    &mut visible,
+                ),
+            }
+        }
+        let row_max = lanes::reduce_max::<T, FMA>(lane_max);
+        if row_max == T::NEG_INFINITY {
+            if visible != [0; NS] {
+                // Visible scores that are all NaN or −inf: an overflow, not
+                // an empty row. Poison the row (reported by the item).
+                sum[i] = T::NEG_INFINITY;
+            }
+            live_strips(row, strips).for_each(|x| *x = [T::ZERO; NS]);
+            continue;
+        }
+        let m_new = m[i].max_of(row_max);
+        if m[i] == T::NEG_INFINITY {
+            // The row's first visible block: its O row and sum are 0 (or
+            // the sum is the −inf poison mark), nothing to rescale.
+            m[i] = m_new;
+        } else if m_new != m[i] {
+            let alpha = (m[i] - m_new).exp();
+            sum[i] *= alpha;
+            for y in &mut o[i * dp..(i + 1) * dp] {
+                *y *= alpha;
+            }
+            m[i] = m_new;
+        }
+        let mut lane_sum = [T::ZERO; NS];
+        for c in live_strip_indices(strips) {
+            lanes::exp_sum::<T, FMA>(strip(row, c), m_new, &mut lane_sum);
+        }
+        sum[i] += lanes::reduce_sum::<T, FMA>(lane_sum);
+    }
 }
 
 #[cfg(test)]

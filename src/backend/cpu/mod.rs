@@ -36,7 +36,12 @@
 //! computed nor read (their probabilities are 0), blocks with only visible
 //! entries are not masked, the rest are masked element-wise
 //! ([`block_counts`] reports the census). So on a tree the work follows the
-//! visible pairs at the micro-kernel's granularity, not the tile's.
+//! visible pairs at the micro-kernel's granularity, not the tile's. Partial
+//! tiles that a query tile's rows see or ignore by whole columns (a run of
+//! ancestors, such as a shared prompt, starting or ending inside them) are
+//! not visited one by one: their seen keys are gathered into chunks of
+//! [`TILE`] keys computed like full tiles ([`gather_counts`]; see the
+//! `gather` module).
 //!
 //! The head-major copies come from a bounded process-wide pool of buffers
 //! reused across calls (at most 32 buffers and 1 GiB kept, oldest freed
@@ -79,6 +84,7 @@
 mod attention_bwd;
 mod attention_fwd;
 mod float;
+mod gather;
 mod kernels;
 mod lanes;
 mod layout;
@@ -183,9 +189,11 @@ pub fn tile_counts(mask: PackMask<'_>) -> TileCounts {
 
 /// Census of the register blocks ([`BLOCK_QUERIES`] queries × [`BLOCK_KEYS`]
 /// keys, the micro-kernels' unit) inside the partial tiles of a pack, as the
-/// forward and the dQ pass see them: `skip` blocks hold no visible entry and
-/// are not computed, `full` ones need no per-element mask, `masked` ones are
-/// masked element-wise. Blocks past the last token are not counted.
+/// forward and the dQ pass classify them: `skip` blocks hold no visible
+/// entry and are not computed, `full` ones need no per-element mask,
+/// `masked` ones are masked element-wise. Blocks past the last token are not
+/// counted. (The partial tiles that are gathered, [`gather_counts`], are
+/// computed as chunks instead.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BlockCounts {
     pub skip: u64,
@@ -232,23 +240,64 @@ pub fn block_counts(mask: PackMask<'_>) -> BlockCounts {
 
 /// The (query, key) entries the CPU forward and dQ pass compute on this
 /// mask: the live register blocks ([`BLOCK_QUERIES`] × [`BLOCK_KEYS`]) of
-/// every tile that is not skipped, whole blocks (the kernels compute whole
-/// blocks, padding lanes included). Visible pairs over this is the share of
-/// the computed work that is useful: 1 would be a kernel that computes
-/// visible pairs only.
+/// every tile that is neither skipped nor gathered, and of every chunk of
+/// gathered keys ([`gather_counts`]), whole blocks (the kernels compute
+/// whole blocks, padding lanes included). Visible pairs over this is the
+/// share of the computed work that is useful: 1 would be a kernel that
+/// computes visible pairs only.
 pub fn computed_entries(mask: PackMask<'_>) -> u64 {
     let bounds = KeyTileBounds::new(mask.kv_end);
     let l = mask.len();
+    let mut gather = gather::KeyGather::default();
     let mut live = 0u64;
     for qt in 0..l.div_ceil(TILE) {
         let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
+        gather.plan(&bounds, q0, q1, qt);
+        for c in 0..gather.chunks() {
+            let blocks = gather::KeyGather::chunk_blocks(q1 - q0, gather.chunk_keys(c));
+            live += u64::from(blocks.live.count_ones());
+        }
         for kt in 0..=qt {
-            if bounds.classify(q0, q1, kt) != TileClass::Skip {
+            if bounds.classify(q0, q1, kt) != TileClass::Skip && !gather.is_gathered(kt) {
                 live += u64::from(bounds.query_row_blocks(q0, q1, kt * TILE).live.count_ones());
             }
         }
     }
     live * (BLOCK_QUERIES * BLOCK_KEYS) as u64
+}
+
+/// Census of key gathering on a pack (per head): the partial tiles that the
+/// CPU forward and dQ pass compute as chunks of gathered keys instead of
+/// visiting them, and those chunks. A past key tile (wholly before the query
+/// tile) whose keys are each seen by all of the query tile's rows or by none
+/// (a run of ancestors starting or ending inside it) is gathered when the
+/// query tile has several such tiles whose seen keys fit in fewer chunks of
+/// [`TILE`] keys; each chunk is then computed like a full tile.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GatherCounts {
+    /// (Query tile, key tile) pairs gathered instead of visited.
+    pub tiles: u64,
+    /// Chunks computed in their place.
+    pub chunks: u64,
+    /// Keys gathered, summed over query tiles.
+    pub keys: u64,
+}
+
+/// Counts the key gathering of the CPU forward and dQ pass on this mask
+/// (see [`GatherCounts`]).
+pub fn gather_counts(mask: PackMask<'_>) -> GatherCounts {
+    let bounds = KeyTileBounds::new(mask.kv_end);
+    let l = mask.len();
+    let mut gather = gather::KeyGather::default();
+    let mut c = GatherCounts::default();
+    for qt in 0..l.div_ceil(TILE) {
+        let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
+        gather.plan(&bounds, q0, q1, qt);
+        c.tiles += (0..qt).filter(|&kt| gather.is_gathered(kt)).count() as u64;
+        c.chunks += gather.chunks() as u64;
+        c.keys += (0..gather.chunks()).map(|i| gather.chunk_keys(i) as u64).sum::<u64>();
+    }
+    c
 }
 
 /// Per key tile, the min and max of `kv_end` over its keys, and the max over
@@ -387,6 +436,31 @@ impl KeyTileBounds {
         q1 - q0 == TILE
             && k0 + TILE <= self.len
             && self.classify(q0, q1, k0 / TILE) == TileClass::Full
+    }
+
+    /// The keys of key tile `kt`, which lies wholly before `q0`, seen by the
+    /// queries `[q0, q1)` (bit `j` = key `kt · TILE + j`), if each of them is
+    /// seen by all of these queries (`kv_end >= q1`) or by none (`kv_end <=
+    /// q0`); `None` if some key is seen by some of them only.
+    pub(crate) fn uniform_keys(&self, q0: usize, q1: usize, kt: usize) -> Option<u64> {
+        use kernels::{NS, STRIPS};
+        debug_assert!((kt + 1) * TILE <= q0);
+        let mut seen = 0u64;
+        for cs in 0..STRIPS {
+            let s = kt * STRIPS + cs;
+            if self.strip_min[s] as usize >= q1 {
+                seen |= ((1 << NS) - 1) << (cs * NS);
+            } else if self.strip_max[s] as usize > q0 {
+                for (j, &end) in self.strip_ends(s * NS).iter().enumerate() {
+                    if end as usize >= q1 {
+                        seen |= 1 << (cs * NS + j);
+                    } else if end as usize > q0 {
+                        return None;
+                    }
+                }
+            }
+        }
+        Some(seen)
     }
 
     /// Class of the block of queries `[q0, q1)` against key tile `kt`.

@@ -925,6 +925,41 @@ fn gathered_key_chunks_match_the_dense_reference() {
     assert!(gathered >= 10, "{gathered} gathered tiles");
 }
 
+/// Scores that climb by far more than the forward's rescale margin (e^8)
+/// from one key tile to the next, on the causal mask and on a star: the
+/// online softmax must move its reference up and rescale (without it,
+/// `exp(s − m)` overflows f32 at s − m > 88; the rise here is ~40 per tile
+/// and ~250 in all). Half the heads' queries point the other way, so their
+/// scores fall instead and the first tile's reference stands. Against the
+/// dense reference, forward and backward, with the usual bounds.
+#[test]
+fn scores_rising_across_tiles_match_the_dense_reference() {
+    let mut rng = Rng(99);
+    let star = star_pack(&mut rng, 3);
+    for mask in [Mask::causal(6 * TILE + 17), star] {
+        let l = mask.kv_end.len();
+        let mut c = make_case(5, MaskKind::Causal, l, 2, 2, 16, false);
+        c.mask = mask;
+        let d = c.shape.head_dim;
+        // Keys along the first axis, growing with the token index; queries
+        // along +axis (heads 0, 1) or −axis (heads 2, 3), plus noise.
+        for t in 0..l {
+            for g in 0..2 {
+                let key = &mut c.k[(t * 2 + g) * d..][..d];
+                key[0] = 250.0 / l as f64 * t as f64;
+            }
+            for h in 0..4 {
+                let query = &mut c.q[(t * 4 + h) * d..][..d];
+                query[0] = if h < 2 { 4.0 } else { -4.0 };
+            }
+        }
+        let e64 = check_case::<f64>(&c);
+        assert!(e64.iter().all(|&e| e < 1e-12), "{e64:?}");
+        let e32 = check_case::<f32>(&c);
+        assert!(e32.iter().all(|&e| e < 2e-5), "{e32:?}");
+    }
+}
+
 /// Head dims that fill the 16-lane padding exactly (no zero lanes), with
 /// whole and partial last tiles, GQA, rotary on and off and three mask
 /// kinds, against the dense reference with the bounds of the proptests

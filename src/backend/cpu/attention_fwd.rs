@@ -427,7 +427,10 @@ fn softmax_block<'e, T: CpuFloat, const FMA: bool>(
             // The row's first visible block: its O row and sum are 0 (or
             // the sum is the −inf poison mark), nothing to rescale.
             m[i] = row_max;
-        } else if !(row_max <= m[i] + T::from_f64(RESCALE_MARGIN)) {
+        } else if matches!(
+            row_max.partial_cmp(&(m[i] + T::from_f64(RESCALE_MARGIN))),
+            Some(std::cmp::Ordering::Greater) | None
+        ) {
             // (NaN scores also take this branch and poison the row.)
             let m_new = m[i].max_of(row_max);
             let alpha = (m[i] - m_new).exp();

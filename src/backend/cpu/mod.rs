@@ -61,10 +61,11 @@
 //! only atomics are the items' non-finite flags), so results do not depend
 //! on the thread count.
 //!
-//! Work is spread over [`num_threads`] scoped threads, started once per
-//! step: a forward call has two steps (the K, V copies, the query tiles),
-//! a backward call three (the input copies, which also compute `D`, then
-//! the two passes). Each work item stores its finished rows (`O`; or `dK`,
+//! Work is spread over [`num_threads`] threads, the caller and workers
+//! started once per process and parked between calls (a call that finds
+//! them busy, from another thread, uses scoped threads): a forward call has
+//! two parallel steps (the K, V copies, the query tiles), a backward call
+//! three (the input copies, which also compute `D`, then the two passes). Each work item stores its finished rows (`O`; or `dK`,
 //! `dV`; or `dQ`, rotated back when rotary is on) straight into the
 //! caller's token-major output, disjoint rows per item (prefetched for
 //! writing when the item starts). On x86-64 CPUs with
@@ -88,6 +89,7 @@ mod gather;
 mod kernels;
 mod lanes;
 mod layout;
+mod pool;
 mod sdcc;
 mod workspace;
 
@@ -505,9 +507,10 @@ pub(crate) fn hashed_values<T: CpuFloat>(n: usize, salt: u64) -> Vec<T> {
         .collect()
 }
 
-/// Runs `body` on every work item on up to `threads` scoped threads, pulling
-/// items from a shared queue in order (put expensive items first). Each
-/// thread builds its scratch once with `init`.
+/// Runs `body` on every work item on up to `threads` threads (the caller
+/// and the process's pooled workers, [`pool`]), pulling items from a shared
+/// queue in order (put expensive items first). Each thread builds its
+/// scratch once with `init`.
 pub(crate) fn run_parallel<W: Send, S>(
     work: Vec<W>,
     threads: usize,
@@ -523,18 +526,14 @@ pub(crate) fn run_parallel<W: Send, S>(
         return;
     }
     let queue = Mutex::new(work.into_iter());
-    std::thread::scope(|scope| {
-        for _ in 0..n {
-            scope.spawn(|| {
-                let mut scratch = init();
-                loop {
-                    let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
-                    match next {
-                        Some(w) => body(&mut scratch, w),
-                        None => break,
-                    }
-                }
-            });
+    pool::broadcast(n - 1, &|| {
+        let mut scratch = init();
+        loop {
+            let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
+            match next {
+                Some(w) => body(&mut scratch, w),
+                None => break,
+            }
         }
     });
 }

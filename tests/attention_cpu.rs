@@ -845,18 +845,35 @@ fn skip_full_and_partial_tiles_all_match_the_dense_reference() {
 /// blocks of every kind (a sibling's keys: skipped; the prompt's keys: full;
 /// the diagonal: masked).
 fn group_pack(rng: &mut Rng, prompt: usize, n: usize) -> Mask {
-    let mut kv_end = Vec::new();
-    let mut pos = Vec::new();
     let lens: Vec<usize> = (0..n).map(|_| rng.range(5, 60)).collect();
+    fan_pack(prompt, &lens)
+}
+
+/// A prompt of `prompt` tokens, then sibling branches of the given lengths,
+/// each seeing the prompt and itself (positions continue the prompt's).
+fn fan_pack(prompt: usize, lens: &[usize]) -> Mask {
     let l = prompt + lens.iter().sum::<usize>();
-    kv_end.extend(std::iter::repeat_n(l as u32, prompt));
-    pos.extend(0..prompt as u32);
-    for len in lens {
+    let mut kv_end = vec![l as u32; prompt];
+    let mut pos: Vec<u32> = (0..prompt as u32).collect();
+    for &len in lens {
         let end = (kv_end.len() + len) as u32;
         kv_end.extend(std::iter::repeat_n(end, len));
         pos.extend(prompt as u32..(prompt + len) as u32);
     }
     Mask { kv_end, pos }
+}
+
+/// Forward and backward on `mask` (2 kv heads × group 2, head dim 24, rotary
+/// on or off) against the dense reference, f64 and f32. Same bounds as the
+/// other reference checks: f64 agrees to rounding of sums of a few hundred
+/// terms; f32 to ~10 ulp over the pipeline.
+fn check_against_dense(mask: Mask, seed: u64, rope: bool) {
+    let mut c = make_case(seed, MaskKind::Causal, mask.kv_end.len(), 2, 2, 24, rope);
+    c.mask = mask;
+    let e64 = check_case::<f64>(&c);
+    assert!(e64.iter().all(|&e| e < 1e-12), "{e64:?}");
+    let e32 = check_case::<f32>(&c);
+    assert!(e32.iter().all(|&e| e < 2e-5), "{e32:?}");
 }
 
 #[test]
@@ -873,14 +890,7 @@ fn skipped_full_and_masked_register_blocks_match_the_dense_reference() {
             blocks.skip > 0 && blocks.full > 0 && blocks.masked > 0,
             "{blocks:?}"
         );
-        let mut c = make_case(seed, MaskKind::Causal, mask.kv_end.len(), 2, 2, 24, rope);
-        c.mask = mask;
-        // Same bounds as the other reference checks: f64 agrees to rounding
-        // of sums of a few hundred terms; f32 to ~10 ulp over the pipeline.
-        let e64 = check_case::<f64>(&c);
-        assert!(e64.iter().all(|&e| e < 1e-12), "{e64:?}");
-        let e32 = check_case::<f32>(&c);
-        assert!(e32.iter().all(|&e| e < 2e-5), "{e32:?}");
+        check_against_dense(mask, seed, rope);
     }
 }
 
@@ -891,15 +901,7 @@ fn skipped_full_and_masked_register_blocks_match_the_dense_reference() {
 fn star_pack(rng: &mut Rng, branches: usize) -> Mask {
     let prefix = rng.range(20, 150);
     let lens: Vec<usize> = (0..branches).map(|_| rng.range(150, 320)).collect();
-    let l = prefix + lens.iter().sum::<usize>();
-    let mut kv_end = vec![l as u32; prefix];
-    let mut pos: Vec<u32> = (0..prefix as u32).collect();
-    for len in lens {
-        let end = (kv_end.len() + len) as u32;
-        kv_end.extend(std::iter::repeat_n(end, len));
-        pos.extend(prefix as u32..(prefix + len) as u32);
-    }
-    Mask { kv_end, pos }
+    fan_pack(prefix, &lens)
 }
 
 /// Gathered key chunks (and the tiles left to visit around them) against
@@ -915,12 +917,7 @@ fn gathered_key_chunks_match_the_dense_reference() {
         let g = gather_counts(mask.view());
         assert!(g.chunks <= g.tiles, "{g:?}");
         gathered += g.tiles;
-        let mut c = make_case(seed, MaskKind::Causal, mask.kv_end.len(), 2, 2, 24, rope);
-        c.mask = mask;
-        let e64 = check_case::<f64>(&c);
-        assert!(e64.iter().all(|&e| e < 1e-12), "{e64:?}");
-        let e32 = check_case::<f32>(&c);
-        assert!(e32.iter().all(|&e| e < 2e-5), "{e32:?}");
+        check_against_dense(mask, seed, rope);
     }
     assert!(gathered >= 10, "{gathered} gathered tiles");
 }

@@ -376,9 +376,8 @@ pub(crate) fn prefetch_for_write<T>(rows: &[&mut [T]]) {
 /// bench), so when the largest id is below the token count the table has
 /// one row per position `0 ..= max` and tokens look their row up; otherwise
 /// one row per token. Either way at most `tokens · dims` f64s, and the same
-/// values for every token. The per-position rows are built by angle addition
-/// from exact anchors every 32 positions (one `sin_cos` per anchor and
-/// frequency instead of per entry).
+/// values for every token. Angles come from libm at every 32nd position and
+/// by angle addition in between (see [`RopeTable::new`]).
 pub(crate) struct RopeTable {
     half: usize,
     /// Per token, its row of `cos` and `sin`: its position id (one row per
@@ -401,40 +400,37 @@ impl RopeTable {
         } else {
             position_ids.to_vec()
         };
+        // Position p's angles are those of its anchor a = p − p mod ANCHOR
+        // (libm `sin_cos`) turned by k = p mod ANCHOR steps of each
+        // frequency (a rotation precomputed by repeated angle addition):
+        // one `sin_cos` per anchor instead of per entry (per entry, libm
+        // cost ~1 ms per call at 2.3k positions and d = 64), within ~1e-14
+        // of libm's value, and a function of p alone, so both table kinds
+        // give every position the same bits.
+        const ANCHOR: usize = 32;
+        let mut turns = vec![(1.0f64, 0.0f64); ANCHOR * half];
+        for i in 0..half {
+            let (s1, c1) = inv_freq[i].sin_cos();
+            for k in 1..ANCHOR {
+                let (c0, s0) = turns[(k - 1) * half + i];
+                turns[k * half + i] = (c0 * c1 - s0 * s1, s0 * c1 + c0 * s1);
+            }
+        }
         let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(positions.len() * half);
-        if per_position {
-            // Rows for positions 0, 1, 2, …: each row is the previous one
-            // rotated by one step of each frequency (the angle-addition
-            // formulas), re-anchored on `sin_cos` every ANCHOR positions so
-            // that rounding cannot build up (≲ 1e-14 from the exact values);
-            // a libm `sin_cos` per entry cost ~1 ms per call at 2.3k
-            // positions and d = 64.
-            const ANCHOR: usize = 32;
-            let step: Vec<(f64, f64)> = inv_freq.iter().map(|f| f.sin_cos()).collect();
-            for p in 0..positions.len() {
-                if p % ANCHOR == 0 {
-                    for &f in &inv_freq {
-                        let (s, c) = (p as f64 * f).sin_cos();
-                        cos.push(c);
-                        sin.push(s);
-                    }
-                } else {
-                    let prev = (p - 1) * half;
-                    for (i, &(s1, c1)) in step.iter().enumerate() {
-                        let (c0, s0) = (cos[prev + i], sin[prev + i]);
-                        cos.push(c0 * c1 - s0 * s1);
-                        sin.push(s0 * c1 + c0 * s1);
-                    }
+        let mut anchor = vec![(0.0f64, 0.0f64); half];
+        let mut anchored = None;
+        for &p in &positions {
+            let (a, k) = (p as usize / ANCHOR * ANCHOR, p as usize % ANCHOR);
+            if anchored != Some(a) {
+                for (x, &f) in anchor.iter_mut().zip(&inv_freq) {
+                    *x = (a as f64 * f).sin_cos();
                 }
+                anchored = Some(a);
             }
-        } else {
-            for &p in &positions {
-                for &f in &inv_freq {
-                    let (s, c) = (p as f64 * f).sin_cos();
-                    cos.push(c);
-                    sin.push(s);
-                }
+            for (&(sa, ca), &(ck, sk)) in anchor.iter().zip(&turns[k * half..(k + 1) * half]) {
+                cos.push(ca * ck - sa * sk);
+                sin.push(sa * ck + ca * sk);
             }
         }
         RopeTable {
@@ -499,7 +495,7 @@ mod tests {
     /// 5,000, frequencies from 1 to base^(−62/64)) to 2e-14 plus the
     /// rounding of the angle itself (`p · θ_i` in f64 is off by up to half
     /// an ulp of it, and the anchor's angle by as much: 2.5e-16 · p · θ_i);
-    /// the per-token table (position ids past the token count) is libm's.
+    /// the per-token table (position ids past the token count) likewise.
     #[test]
     fn rotary_tables_match_direct_sines_and_cosines() {
         let rope = Rope {
@@ -521,7 +517,7 @@ mod tests {
         };
         let ids: Vec<u32> = (0..5000).map(|t| (t * 7 % 4999) as u32).collect();
         check(&ids, false);
-        check(&[3, 90_000, 17], true);
+        check(&[3, 90_000, 17], false);
     }
 
     /// The rotation matches the formula of [`Rope`] on a hand-computed value,
@@ -559,11 +555,10 @@ mod tests {
         }
     }
 
-    /// Tokens sharing a position id get the same rotation whether the table
-    /// is laid out per position (ids repeat, all below the token count) or
-    /// per token (an id at or above the token count): every token's
-    /// rotation equals the Rope formula at its own position id, computed
-    /// here the same way, bit for bit.
+    /// A position gets the same rotation bits from a per-position table
+    /// (ids below the token count) and from a per-token table (an id at or
+    /// above it), and both are the Rope formula at that position up to the
+    /// angle tables' rounding (1e-14 here: angles below 40 radians).
     #[test]
     fn per_position_and_per_token_tables_agree() {
         let rope = Rope {
@@ -571,24 +566,28 @@ mod tests {
             dims: 6,
         };
         let x = [0.5f64, -1.25, 2.0, 0.75, -0.5, 3.0, 9.0];
-        for ids in [vec![3u32, 0, 3, 1, 2, 1], vec![7, 0, 7, 2]] {
-            let table = RopeTable::new(rope, &ids);
-            assert_eq!(table.rows.is_some(), ids.len() == 6, "{ids:?}");
-            for (t, &p) in ids.iter().enumerate() {
-                let mut got = [0.0; 7];
-                table.rotate(t, &x, &mut got, false);
-                let mut want = x;
-                for i in 0..3 {
-                    let f = rope.base.powf(-2.0 * i as f64 / 6.0);
-                    let (s, c) = (p as f64 * f).sin_cos();
-                    want[i] = x[i] * c - x[i + 3] * s;
-                    want[i + 3] = x[i + 3] * c + x[i] * s;
-                }
-                assert_eq!(got, want, "token {t} at {p}");
-                let mut again = x;
-                table.rotate_in_place(t, &mut again, false);
-                assert_eq!(again, want);
+        let dense: Vec<u32> = (0..45).rev().collect();
+        let sparse = [40u32, 33, 3, 0];
+        let (per_position, per_token) =
+            (RopeTable::new(rope, &dense), RopeTable::new(rope, &sparse));
+        assert!(per_position.rows.is_some() && per_token.rows.is_none());
+        for (t, &p) in sparse.iter().enumerate() {
+            let mut got = [0.0; 7];
+            per_token.rotate(t, &x, &mut got, false);
+            let mut same = [0.0; 7];
+            per_position.rotate(44 - p as usize, &x, &mut same, false);
+            assert_eq!(got, same, "position {p}");
+            let mut again = x;
+            per_token.rotate_in_place(t, &mut again, false);
+            assert_eq!(again, got);
+            for i in 0..3 {
+                let f = rope.base.powf(-2.0 * i as f64 / 6.0);
+                let (s, c) = (p as f64 * f).sin_cos();
+                let want = [x[i] * c - x[i + 3] * s, x[i + 3] * c + x[i] * s];
+                assert!((got[i] - want[0]).abs() < 1e-14, "position {p}");
+                assert!((got[i + 3] - want[1]).abs() < 1e-14, "position {p}");
             }
+            assert_eq!(got[6], 9.0, "lanes past dims are copied");
         }
     }
 

@@ -119,5 +119,8 @@ fn portable_path_matches_the_dense_reference_and_the_f64_backend() {
             assert!(e < bound, "dense {name}: {e:e} (l={l}, d={d}, {t:?})");
         }
     }
-    assert!(cases == 3, "the trees must have partial tiles and gathered keys");
+    assert!(
+        cases == 3,
+        "the trees must have partial tiles and gathered keys"
+    );
 }

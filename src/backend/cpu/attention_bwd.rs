@@ -1,10 +1,10 @@
 //! Tiled attention backward: two deterministic passes (dK, dV per key tile;
 //! dQ per query tile), each recomputing `P` from the saved LSE.
 
+use super::gather::{last_strip_ends, KeyGather};
 use super::kernels::{
     accumulate, live_strip_indices, live_strips, row_strips, scores, simd_dispatch, strip, NS,
 };
-use super::gather::{last_strip_ends, KeyGather};
 use super::lanes;
 use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace;

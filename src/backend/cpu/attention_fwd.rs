@@ -1,9 +1,9 @@
 //! Tiled attention forward with an online softmax.
 
+use super::gather::{last_strip_ends, KeyGather};
 use super::kernels::{
     accumulate, live_strip_indices, live_strips, row_strips, scores, simd_dispatch, strip, NS,
 };
-use super::gather::{last_strip_ends, KeyGather};
 use super::lanes;
 use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace::Staggered;
@@ -239,7 +239,10 @@ struct FwdScratch<T> {
 impl<T: CpuFloat> FwdScratch<T> {
     fn new(dp: usize) -> Self {
         FwdScratch {
-            tiles: Staggered::new([TILE * TILE, TILE * dp, TILE * dp, TILE * dp, TILE * dp], T::ZERO),
+            tiles: Staggered::new(
+                [TILE * TILE, TILE * dp, TILE * dp, TILE * dp, TILE * dp],
+                T::ZERO,
+            ),
             gather: KeyGather::default(),
             m: vec![T::ZERO; TILE],
             sum: vec![T::ZERO; TILE],

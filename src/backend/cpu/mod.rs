@@ -297,7 +297,9 @@ pub fn gather_counts(mask: PackMask<'_>) -> GatherCounts {
         gather.plan(&bounds, q0, q1, qt);
         c.tiles += (0..qt).filter(|&kt| gather.is_gathered(kt)).count() as u64;
         c.chunks += gather.chunks() as u64;
-        c.keys += (0..gather.chunks()).map(|i| gather.chunk_keys(i) as u64).sum::<u64>();
+        c.keys += (0..gather.chunks())
+            .map(|i| gather.chunk_keys(i) as u64)
+            .sum::<u64>();
     }
     c
 }

@@ -36,7 +36,7 @@
 //! Memory is linear in the number of tokens: activations are `[L, d]`,
 //! `[L, heads·hd]` or `[L, ffn]`, logits are kept only at target rows, and the
 //! attention op never forms an `L×L` matrix. Matmuls are cache-blocked loops,
-//! split over rows across threads (`std::thread::scope`) when large enough.
+//! split over rows across the CPU backend's threads when large enough.
 //!
 //! The attention call goes through [`AttentionBackend`], so the same model runs
 //! on any backend; [`CpuAttention`] (the crate's reference op) is the default.
@@ -1007,12 +1007,8 @@ fn par_rows<T: Send>(
         return;
     }
     let per = rows.div_ceil(threads);
-    std::thread::scope(|s| {
-        for (i, chunk) in out.chunks_mut(per * row_len).enumerate() {
-            let f = &f;
-            s.spawn(move || f(i * per, chunk));
-        }
-    });
+    let chunks: Vec<_> = out.chunks_mut(per * row_len).enumerate().collect();
+    cpu::run_parallel(chunks, threads, || (), |_, (i, chunk)| f(i * per, chunk));
 }
 
 /// `C[m, n] = A[m, k] · B[k, n]`, row-major.

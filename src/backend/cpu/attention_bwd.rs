@@ -1,5 +1,10 @@
-//! Tiled attention backward: two deterministic passes (dK, dV per key tile;
-//! dQ per query tile), each recomputing `P` from the saved LSE.
+//! Tiled attention backward: two deterministic kinds of work item (dK, dV
+//! per key tile; dQ per query tile), each recomputing `P` from the saved
+//! LSE. One kv head (with its query heads) at a time: its inputs are copied,
+//! then all its items run in one parallel step while the copies are still in
+//! cache: copies of every head at once (7 arrays of `lpad · dp` per head: 16 MB
+//! at 2.3k tokens, 4 heads, d = 64) would be read back from memory by the
+//! passes (BENCHMARKS.md §2 has the measurement).
 
 use super::gather::{last_strip_ends, KeyGather};
 use super::kernels::{
@@ -176,18 +181,6 @@ fn backward_checked<T: CpuFloat>(
     let lpad = lay.lpad;
     let (hq, hkv) = (shape.q_heads, shape.kv_heads);
     let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids));
-    // D = rowsum(dO ∘ O) per (head, padded row), computed while dO is copied.
-    let mut delta = workspace::take_stale(hq * lpad, T::ZERO);
-    // V rows are copied per key tile by the one item that reads them.
-    let [q2, k2, vt, do2] = lay.copy_inputs([
-        Input::rows_and_columns(q, hq, rope.as_ref()),
-        Input::rows_and_columns(k, hkv, rope.as_ref()),
-        Input::columns(v, hkv, None),
-        Input::rows_and_columns(d_o, hq, None).with_row_dots(o, &mut delta),
-    ]);
-    let (qh, qt) = q2.split_at(q2.len() / 2);
-    let (kh, kt) = k2.split_at(k2.len() / 2);
-    let (doh, dot) = do2.split_at(do2.len() / 2);
 
     // Per (head, padded row): the LSE to subtract, with +inf for rows
     // without a visible key and for padding rows so that exp(s − lse) is
@@ -201,26 +194,7 @@ fn backward_checked<T: CpuFloat>(
     }
 
     let bounds = KeyTileBounds::new(mask.kv_end);
-    let ctx = BwdCtx {
-        lay,
-        group: shape.group(),
-        scale: T::from_f64(params.softmax_scale),
-        kv_end: mask.kv_end,
-        bounds: &bounds,
-        rope: rope.as_ref(),
-        delta: &delta,
-        lse: &lse_eff,
-        qh,
-        qt,
-        kh,
-        kt,
-        v,
-        kv_heads: hkv,
-        vt: &vt,
-        doh,
-        dot,
-    };
-    let tiles = l.div_ceil(TILE);
+    let group = shape.group();
     let scratch = || BwdScratch::new(lay.dp);
     let bad = [(); 3].map(|_| AtomicBool::new(false));
     let flag = |i: usize, finite: bool| {
@@ -228,50 +202,94 @@ fn backward_checked<T: CpuFloat>(
             bad[i].store(true, Ordering::Relaxed);
         }
     };
-
-    // Pass 1: dK, dV per (kv head, key tile), stored into the caller's dk,
-    // dv; earlier key tiles see more query tiles, so they go first.
+    let mut dq_rows = head_tile_rows(&mut *dq, hq, shape.head_dim);
     let mut dk_rows = head_tile_rows(&mut *dk, hkv, shape.head_dim);
     let mut dv_rows = head_tile_rows(&mut *dv, hkv, shape.head_dim);
-    let mut work = Vec::with_capacity(hkv * tiles);
-    for (g, (dk_head, dv_head)) in dk_rows.iter_mut().zip(dv_rows.iter_mut()).enumerate() {
-        for (kt, (dk, dv)) in dk_head
+    let per_group = dq_rows
+        .chunks_mut(group)
+        .zip(dk_rows.iter_mut().zip(dv_rows.iter_mut()));
+    // One kv head and its query heads at a time: their copies (7 arrays of
+    // `lpad · dp` per head) stay in cache while both passes read them,
+    // where copies of all heads at once would be read back from memory.
+    for (g, (dq_group, (dk_head, dv_head))) in per_group.enumerate() {
+        let heads = g * group..(g + 1) * group;
+        // D = rowsum(dO ∘ O) per (head, padded row), computed while dO is
+        // copied. V rows are copied per key tile by the one item that
+        // reads them.
+        let mut delta = workspace::take_stale(group * lpad, T::ZERO);
+        let [q2, k2, vt, do2] = lay.copy_inputs([
+            Input::rows_and_columns(q, hq, rope.as_ref()).heads(heads.clone()),
+            Input::rows_and_columns(k, hkv, rope.as_ref()).heads(g..g + 1),
+            Input::columns(v, hkv, None).heads(g..g + 1),
+            Input::rows_and_columns(d_o, hq, None)
+                .heads(heads.clone())
+                .with_row_dots(o, &mut delta),
+        ]);
+        let (qh, qt) = q2.split_at(q2.len() / 2);
+        let (kh, kt) = k2.split_at(k2.len() / 2);
+        let (doh, dot) = do2.split_at(do2.len() / 2);
+        let ctx = BwdCtx {
+            lay,
+            g,
+            h0: heads.start,
+            group,
+            scale: T::from_f64(params.softmax_scale),
+            kv_end: mask.kv_end,
+            bounds: &bounds,
+            rope: rope.as_ref(),
+            delta: &delta,
+            lse: &lse_eff[heads.start * lpad..heads.end * lpad],
+            qh,
+            qt,
+            kh,
+            kt,
+            v,
+            kv_heads: hkv,
+            vt: &vt,
+            doh,
+            dot,
+        };
+
+        // dK, dV per key tile, stored into the caller's dk, dv; earlier key
+        // tiles see more query tiles, so they go first. Then dQ per (query
+        // head, query tile), stored into the caller's dq, longest first.
+        let mut keys: Vec<_> = dk_head
             .chunks_mut(TILE)
             .zip(dv_head.chunks_mut(TILE))
             .enumerate()
-        {
-            work.push(KeyItem { g, kt, dk, dv });
-        }
+            .map(|(kt, (dk, dv))| KeyItem { kt, dk, dv })
+            .collect();
+        keys.sort_by_key(|w| (std::cmp::Reverse(bounds.query_tile_end(w.kt) - w.kt), w.kt));
+        let mut queries: Vec<_> = dq_group
+            .iter_mut()
+            .zip(heads.clone())
+            .flat_map(|(dq_head, h)| {
+                dq_head
+                    .chunks_mut(TILE)
+                    .enumerate()
+                    .map(move |(qt, dq)| QueryItem { h, qt, dq })
+            })
+            .collect();
+        queries.sort_by_key(|w| std::cmp::Reverse(w.qt));
+        let work = keys
+            .into_iter()
+            .map(BwdItem::Key)
+            .chain(queries.into_iter().map(BwdItem::Query))
+            .collect();
+        run_parallel(work, lay.threads, scratch, |s, item| match item {
+            BwdItem::Key(item) => {
+                prefetch_for_write(item.dk);
+                prefetch_for_write(item.dv);
+                let [dk_ok, dv_ok] = key_tile(&ctx, s, item);
+                flag(1, dk_ok);
+                flag(2, dv_ok);
+            }
+            BwdItem::Query(item) => {
+                prefetch_for_write(item.dq);
+                flag(0, query_tile(&ctx, s, item))
+            }
+        });
     }
-    // Then by key tile, so that the items storing one token range of dk, dv
-    // (all its heads) run one after the other: whole token rows are
-    // written in turn instead of one head's slice of each.
-    work.sort_by_key(|w| (std::cmp::Reverse(bounds.query_tile_end(w.kt) - w.kt), w.kt));
-    run_parallel(work, lay.threads, scratch, |s, item| {
-        prefetch_for_write(item.dk);
-        prefetch_for_write(item.dv);
-        let [dk_ok, dv_ok] = key_tile(&ctx, s, item);
-        flag(1, dk_ok);
-        flag(2, dv_ok);
-    });
-
-    // Pass 2: dQ per (query head, query tile), stored into the caller's dq.
-    let mut dq_rows = head_tile_rows(&mut *dq, hq, shape.head_dim);
-    let mut work: Vec<_> = dq_rows
-        .iter_mut()
-        .enumerate()
-        .flat_map(|(h, dq_head)| {
-            dq_head
-                .chunks_mut(TILE)
-                .enumerate()
-                .map(move |(qt, dq)| QueryItem { h, qt, dq })
-        })
-        .collect();
-    work.sort_by_key(|w| std::cmp::Reverse(w.qt));
-    run_parallel(work, lay.threads, scratch, |s, item| {
-        prefetch_for_write(item.dq);
-        flag(0, query_tile(&ctx, s, item))
-    });
 
     // The first non-finite index of the first bad gradient, as scans of dq,
     // dk, dv in that order report it.
@@ -288,19 +306,25 @@ fn backward_checked<T: CpuFloat>(
     Ok(())
 }
 
+/// What the items of one kv head `g` and its query heads `h0 .. h0 +
+/// group` read: the copies hold those heads only (local head `h − h0`).
 struct BwdCtx<'a, T> {
     lay: Layout,
+    g: usize,
+    h0: usize,
     group: usize,
     scale: T,
     kv_end: &'a [u32],
     bounds: &'a KeyTileBounds,
     /// Rotates dQ, dK back to the unrotated inputs.
     rope: Option<&'a RopeTable>,
-    /// `[q_heads, lpad]`.
+    /// `[group, lpad]`.
     delta: &'a [T],
-    /// `[q_heads, lpad]`, +inf where no key is visible.
+    /// `[group, lpad]`, +inf where no key is visible.
     lse: &'a [T],
-    /// `[heads, lpad, dp]` (`*h`) and `[heads, lpad / TILE, dp, TILE]` (`*t`) copies; q, k rotated.
+    /// `[heads, lpad, dp]` (`*h`) and `[heads, lpad / TILE, dp, TILE]` (`*t`)
+    /// copies of the group's query heads (q, dO) or of kv head `g` (k, v);
+    /// q, k rotated.
     qh: &'a [T],
     qt: &'a [T],
     kh: &'a [T],
@@ -313,8 +337,13 @@ struct BwdCtx<'a, T> {
     dot: &'a [T],
 }
 
+/// One item of the backward of a kv head and its query heads.
+enum BwdItem<'a, 'b, T> {
+    Key(KeyItem<'a, 'b, T>),
+    Query(QueryItem<'a, 'b, T>),
+}
+
 struct KeyItem<'a, 'b, T> {
-    g: usize,
     kt: usize,
     /// The tile's rows (up to `TILE`, `head_dim` values each) of the
     /// caller's token-major dK, dV.
@@ -369,21 +398,21 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
 ) -> [bool; 2] {
     let Layout { l, lpad, d, dp, .. } = ctx.lay;
     let KeyItem {
-        g,
         kt,
         dk: dk_rows,
         dv: dv_rows,
     } = item;
     let k0 = kt * TILE;
     let bk = (k0 + TILE).min(l) - k0;
-    let k_rows = &ctx.kh[(g * lpad + k0) * dp..][..TILE * dp];
+    let k_rows = &ctx.kh[k0 * dp..][..TILE * dp];
     let [st, dpt, dk, dv, v_rows, _] = sc.tiles.parts();
-    ctx.lay.copy_tile(ctx.v, ctx.kv_heads, g, k0, None, v_rows);
+    ctx.lay
+        .copy_tile(ctx.v, ctx.kv_heads, ctx.g, k0, None, v_rows);
     let v_rows = &*v_rows;
     dk.fill(T::ZERO);
     dv.fill(T::ZERO);
-    for h in g * ctx.group..(g + 1) * ctx.group {
-        let head = h * lpad;
+    for local in 0..ctx.group {
+        let head = local * lpad;
         for qt in kt..ctx.bounds.query_tile_end(kt) {
             let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
             let class = ctx.bounds.classify(q0, q1, kt);
@@ -459,15 +488,12 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     let Layout { l, lpad, d, dp, .. } = ctx.lay;
     let QueryItem { h, qt, dq: dq_rows } = item;
     let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
-    let g = h / ctx.group;
-    let head = h * lpad;
+    let head = (h - ctx.h0) * lpad;
     let q_rows = &ctx.qh[(head + q0) * dp..][..TILE * dp];
     let do_rows = &ctx.doh[(head + q0) * dp..][..TILE * dp];
-    let kt_head = &ctx.kt[g * dp * lpad..][..dp * lpad];
-    let vt_head = &ctx.vt[g * dp * lpad..][..dp * lpad];
+    let (kt_head, vt_head, kh_head) = (ctx.kt, ctx.vt, ctx.kh);
     let lse = &ctx.lse[head + q0..head + q0 + TILE];
     let delta = &ctx.delta[head + q0..head + q0 + TILE];
-    let kh_head = &ctx.kh[g * lpad * dp..][..lpad * dp];
     let [s, dpm, dq, kg, vg, krows] = sc.tiles.parts();
     dq.fill(T::ZERO);
     let rows = DqRows {

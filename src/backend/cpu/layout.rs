@@ -25,6 +25,7 @@
 use super::workspace::{self, Buf};
 use super::{run_parallel, CpuFloat, TILE};
 use crate::backend::Rope;
+use std::ops::Range;
 
 /// The head dim is padded to a multiple of this (the kernels' column block).
 pub(crate) const LANES: usize = 16;
@@ -58,7 +59,8 @@ impl Layout {
     /// start-up): input `i` `[l, heads, d]` becomes `[heads, lpad, dp]`
     /// ([`Input::rows`]), `[heads, lpad / TILE, dp, TILE]` ([`Input::columns`]) or the
     /// first followed by the second ([`Input::rows_and_columns`]), rotated by
-    /// its `rope` if given, padding zero; and fills the row dot products an
+    /// its `rope` if given, padding zero, for all its heads or those
+    /// [`Input::heads`] names; and fills the row dot products an
     /// input asks for ([`Input::with_row_dots`]). Every element of the
     /// results is written, so the buffers come from the pool without a
     /// separate zero-fill pass.
@@ -72,7 +74,7 @@ impl Layout {
                 Form::Rows | Form::Columns => 1,
                 Form::Both => 2,
             };
-            workspace::take_stale(copies * x.heads * per_head, T::ZERO)
+            workspace::take_stale(copies * x.copied.len() * per_head, T::ZERO)
         });
         // One work item per (input, head), transposes (the slower kind) first.
         let mut work = Vec::new();
@@ -80,7 +82,7 @@ impl Layout {
             let (rows, columns): (&mut [T], &mut [T]) = match x.form {
                 Form::Rows => (buf, &mut []),
                 Form::Columns => (&mut [], buf),
-                Form::Both => buf.split_at_mut(x.heads * per_head),
+                Form::Both => buf.split_at_mut(x.copied.len() * per_head),
             };
             let mut rows = rows.chunks_mut(per_head);
             let mut columns = columns.chunks_mut(per_head);
@@ -89,7 +91,7 @@ impl Layout {
                 None => (&[][..], &mut [][..]),
             };
             let mut dots = dots.chunks_mut(self.lpad);
-            for h in 0..x.heads {
+            for h in x.copied {
                 work.push(CopyItem {
                     x: x.x,
                     heads: x.heads,
@@ -253,13 +255,15 @@ enum Form {
 pub(crate) struct Input<'a, T> {
     x: &'a [T],
     heads: usize,
+    /// The heads copied (all unless [`Input::heads`] narrows them).
+    copied: Range<usize>,
     rope: Option<&'a RopeTable>,
     form: Form,
     dots: Option<RowDots<'a, T>>,
 }
 
-/// `out[h · lpad + t] = Σ_c with[t, h, c] · x[t, h, c]`, summed in order of
-/// `c` (0 for the padding rows `t >= l`).
+/// `out[(h − copied.start) · lpad + t] = Σ_c with[t, h, c] · x[t, h, c]`,
+/// summed in order of `c` (0 for the padding rows `t >= l`).
 struct RowDots<'a, T> {
     with: &'a [T],
     out: &'a mut [T],
@@ -271,6 +275,7 @@ impl<'a, T> Input<'a, T> {
         Input {
             x,
             heads,
+            copied: 0..heads,
             rope,
             form: Form::Rows,
             dots: None,
@@ -282,6 +287,7 @@ impl<'a, T> Input<'a, T> {
         Input {
             x,
             heads,
+            copied: 0..heads,
             rope,
             form: Form::Columns,
             dots: None,
@@ -295,16 +301,29 @@ impl<'a, T> Input<'a, T> {
         Input {
             x,
             heads,
+            copied: 0..heads,
             rope,
             form: Form::Both,
             dots: None,
         }
     }
 
-    /// Also writes `out[h · lpad + t] = Σ_c with[t, h, c] · x[t, h, c]` (the
-    /// unrotated `x`; summed in order of `c`; 0 for the padding rows
-    /// `t >= l`): `with` is `[l, heads, d]` like `x`, `out` is
-    /// `[heads, lpad]`.
+    /// Copies only the heads `copied` (within `0 .. heads`): the results are
+    /// laid out as above for `copied.len()` heads, the first being
+    /// `copied.start`.
+    pub(crate) fn heads(self, copied: Range<usize>) -> Self {
+        assert!(
+            copied.end <= self.heads,
+            "heads {copied:?} of {}",
+            self.heads
+        );
+        Input { copied, ..self }
+    }
+
+    /// Also writes `out[(h − copied.start) · lpad + t] = Σ_c with[t, h, c] ·
+    /// x[t, h, c]` for the copied heads `h` (the unrotated `x`; summed in
+    /// order of `c`; 0 for the padding rows `t >= l`): `with` is
+    /// `[l, heads, d]` like `x`, `out` is `[copied heads, lpad]`.
     pub(crate) fn with_row_dots(self, with: &'a [T], out: &'a mut [T]) -> Self {
         Input {
             dots: Some(RowDots { with, out }),

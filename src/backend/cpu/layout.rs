@@ -687,6 +687,44 @@ mod tests {
         check(&y);
     }
 
+    /// A copy of a range of heads (as the backward makes per kv head) is
+    /// exactly that range's part of the copy of all heads, in every layout
+    /// and for the row dots; a range that is not the first starts at its
+    /// own first head (a copy from head 0 fails it).
+    #[test]
+    fn a_range_of_heads_is_that_part_of_the_whole_copy() {
+        let (l, d, heads) = (150, 24, 5);
+        let lay = Layout::new(l, d, 3);
+        let per_head = lay.lpad * lay.dp;
+        let x: Vec<f32> = (0..l * heads * d).map(|i| (i % 97) as f32 - 40.0).collect();
+        let w: Vec<f32> = (0..l * heads * d).map(|i| (i % 13) as f32 - 6.0).collect();
+        let mut all_dots = workspace::take_stale(heads * lay.lpad, f32::NAN);
+        let [all_both, all_cols] = lay.copy_inputs([
+            Input::rows_and_columns(&x, heads, None).with_row_dots(&w, &mut all_dots),
+            Input::columns(&x, heads, None),
+        ]);
+        let all_both = all_both.to_vec();
+        let all_cols = all_cols.to_vec();
+        let (all_rows, all_t) = all_both.split_at(heads * per_head);
+        for range in [0..1, 1..3, 4..5, 0..heads] {
+            let n = range.len();
+            let mut dots = workspace::take_stale(n * lay.lpad, f32::NAN);
+            let [both, cols] = lay.copy_inputs([
+                Input::rows_and_columns(&x, heads, None)
+                    .heads(range.clone())
+                    .with_row_dots(&w, &mut dots),
+                Input::columns(&x, heads, None).heads(range.clone()),
+            ]);
+            let (rows, t) = both.split_at(n * per_head);
+            let part = range.start * per_head..range.end * per_head;
+            assert_eq!(rows, &all_rows[part.clone()], "{range:?}");
+            assert_eq!(t, &all_t[part.clone()], "{range:?}");
+            assert_eq!(&cols[..], &all_cols[part], "{range:?}");
+            let dots_part = range.start * lay.lpad..range.end * lay.lpad;
+            assert_eq!(&dots[..], &all_dots[dots_part], "{range:?}");
+        }
+    }
+
     /// `store_row` reports a non-finite value wherever it is in the row
     /// (negative control: a finite row is reported finite), and rotates back
     /// when given a rope, as `rotate` does.

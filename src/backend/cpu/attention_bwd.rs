@@ -2,13 +2,14 @@
 //! per key tile; dQ per query tile), each recomputing `P` from the saved
 //! LSE. One kv head (with its query heads) at a time: its inputs are copied,
 //! then all its items run in one parallel step while the copies are still in
-//! cache: copies of every head at once (7 arrays of `lpad · dp` per head: 16 MB
+//! cache: copies of every head at once (5 arrays of `lpad · dp` per head: 12 MB
 //! at 2.3k tokens, 4 heads, d = 64) would be read back from memory by the
 //! passes (BENCHMARKS.md §2 has the measurement).
 
 use super::gather::{last_strip_ends, KeyGather};
 use super::kernels::{
-    accumulate, live_strip_indices, live_strips, row_strips, scores, simd_dispatch, strip, NS,
+    accumulate, accumulate_t, live_strip_indices, live_strips, row_strips, scores, simd_dispatch,
+    strip, NS,
 };
 use super::lanes;
 use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
@@ -208,46 +209,38 @@ fn backward_checked<T: CpuFloat>(
     let per_group = dq_rows
         .chunks_mut(group)
         .zip(dk_rows.iter_mut().zip(dv_rows.iter_mut()));
-    // One kv head and its query heads at a time: their copies (7 arrays of
+    // One kv head and its query heads at a time: their copies (5 arrays of
     // `lpad · dp` per head) stay in cache while both passes read them,
     // where copies of all heads at once would be read back from memory.
     for (g, (dq_group, (dk_head, dv_head))) in per_group.enumerate() {
         let heads = g * group..(g + 1) * group;
         // D = rowsum(dO ∘ O) per (head, padded row), computed while dO is
-        // copied. V rows are copied per key tile by the one item that
-        // reads them.
+        // copied. Q and dO rows, K rows and columns, V columns: both kinds
+        // of item compute S and dP with query rows, key columns.
         let mut delta = workspace::take_stale(group * lpad, T::ZERO);
-        let [q2, k2, vt, do2] = lay.copy_inputs([
-            Input::rows_and_columns(q, hq, rope.as_ref()).heads(heads.clone()),
+        let [qh, k2, vt, doh] = lay.copy_inputs([
+            Input::rows(q, hq, rope.as_ref()).heads(heads.clone()),
             Input::rows_and_columns(k, hkv, rope.as_ref()).heads(g..g + 1),
             Input::columns(v, hkv, None).heads(g..g + 1),
-            Input::rows_and_columns(d_o, hq, None)
+            Input::rows(d_o, hq, None)
                 .heads(heads.clone())
                 .with_row_dots(o, &mut delta),
         ]);
-        let (qh, qt) = q2.split_at(q2.len() / 2);
         let (kh, kt) = k2.split_at(k2.len() / 2);
-        let (doh, dot) = do2.split_at(do2.len() / 2);
         let ctx = BwdCtx {
             lay,
-            g,
             h0: heads.start,
             group,
             scale: T::from_f64(params.softmax_scale),
-            kv_end: mask.kv_end,
             bounds: &bounds,
             rope: rope.as_ref(),
             delta: &delta,
             lse: &lse_eff[heads.start * lpad..heads.end * lpad],
-            qh,
-            qt,
+            qh: &qh,
             kh,
             kt,
-            v,
-            kv_heads: hkv,
             vt: &vt,
-            doh,
-            dot,
+            doh: &doh,
         };
 
         // dK, dV per key tile, stored into the caller's dk, dv; earlier key
@@ -306,15 +299,13 @@ fn backward_checked<T: CpuFloat>(
     Ok(())
 }
 
-/// What the items of one kv head `g` and its query heads `h0 .. h0 +
-/// group` read: the copies hold those heads only (local head `h − h0`).
+/// What the items of one kv head and its query heads `h0 .. h0 + group`
+/// read: the copies hold those heads only (local head `h − h0`).
 struct BwdCtx<'a, T> {
     lay: Layout,
-    g: usize,
     h0: usize,
     group: usize,
     scale: T,
-    kv_end: &'a [u32],
     bounds: &'a KeyTileBounds,
     /// Rotates dQ, dK back to the unrotated inputs.
     rope: Option<&'a RopeTable>,
@@ -326,15 +317,10 @@ struct BwdCtx<'a, T> {
     /// copies of the group's query heads (q, dO) or of kv head `g` (k, v);
     /// q, k rotated.
     qh: &'a [T],
-    qt: &'a [T],
     kh: &'a [T],
     kt: &'a [T],
-    /// `[tokens, kv_heads, head_dim]`, as given.
-    v: &'a [T],
-    kv_heads: usize,
     vt: &'a [T],
     doh: &'a [T],
-    dot: &'a [T],
 }
 
 /// One item of the backward of a kv head and its query heads.
@@ -359,15 +345,15 @@ struct QueryItem<'a, 'b, T> {
     dq: &'a mut [&'b mut [T]],
 }
 
-/// Per thread, `[TILE, TILE]` scores then P (pass 1) or dS (pass 2);
-/// `[TILE, TILE]` dP, then dS (pass 1); the `[TILE, dp]` gradient rows
-/// being accumulated: dK and dV (pass 1), dQ in the first (pass 2); and
-/// the key tile's `[TILE, dp]` V rows (pass 1).
+/// Per thread, `[TILE, TILE]` scores then P (dK, dV items) or dS (dQ
+/// items); `[TILE, TILE]` dP, then dS (dK, dV items); the `[TILE, dp]`
+/// gradient rows being accumulated: dK and dV, or dQ in the first; and a
+/// chunk of gathered keys for dQ items.
 struct BwdScratch<T> {
-    /// Two `[TILE, TILE]` blocks and four `[TILE, dp]` ones: the dK, dV
-    /// pass's scores, dP, dK, dV accumulators and V rows; the dQ pass's
-    /// scores, dP, dQ accumulator and a chunk of gathered keys (their Kᵀ
-    /// and Vᵀ columns and K rows).
+    /// Two `[TILE, TILE]` blocks and four `[TILE, dp]` ones: a dK, dV item's
+    /// scores, dP, dK and dV accumulators; a dQ item's scores, dP, dQ
+    /// accumulator and a chunk of gathered keys (their Kᵀ and Vᵀ columns
+    /// and K rows).
     tiles: Staggered<T, 6>,
     gather: KeyGather,
 }
@@ -388,8 +374,10 @@ simd_dispatch! {
 }
 
 /// dK, dV of one key tile of kv head `g`, summed over the group's query heads
-/// and over the query tiles `kt .. query_tile_end(kt)` (all that can see it).
-/// Works on transposed blocks: row `j` = key, column `i` = query.
+/// and over the query tiles `kt .. query_tile_end(kt)` (all that can see it):
+/// S and dP of each visited (query tile, key tile) block with query rows and
+/// key columns, as the dQ items compute them, then `dV += Pᵀ dO` and
+/// `dK += dSᵀ Q` by the transposed product ([`accumulate_t`]).
 #[inline(always)]
 fn key_tile_body<T: CpuFloat, const FMA: bool>(
     ctx: &BwdCtx<'_, T>,
@@ -403,63 +391,36 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
         dv: dv_rows,
     } = item;
     let k0 = kt * TILE;
-    let bk = (k0 + TILE).min(l) - k0;
-    let k_rows = &ctx.kh[k0 * dp..][..TILE * dp];
-    let [st, dpt, dk, dv, v_rows, _] = sc.tiles.parts();
-    ctx.lay
-        .copy_tile(ctx.v, ctx.kv_heads, ctx.g, k0, None, v_rows);
-    let v_rows = &*v_rows;
+    let (k_cols, v_cols) = (&ctx.kt[k0 * dp..], &ctx.vt[k0 * dp..]);
+    let [s, dpm, dk, dv, _, _] = sc.tiles.parts();
     dk.fill(T::ZERO);
     dv.fill(T::ZERO);
+    // Keys past the pack's end have kv_end 0: masked.
+    let masks = |c: usize, full: bool| {
+        let k = k0 + c * NS;
+        (!full || k + NS > l).then(|| (k as u32, ctx.bounds.strip_ends(k)))
+    };
     for local in 0..ctx.group {
         let head = local * lpad;
         for qt in kt..ctx.bounds.query_tile_end(kt) {
             let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
-            let class = ctx.bounds.classify(q0, q1, kt);
-            if class == TileClass::Skip {
+            if ctx.bounds.classify(q0, q1, kt) == TileClass::Skip {
                 continue;
             }
-            let live = ctx.bounds.live_key_rows(k0, q0, q1);
-            scores::<T, FMA>(k_rows, &ctx.qt[(head + q0) * dp..], TILE, dp, st, live);
-            scores::<T, FMA>(v_rows, &ctx.dot[(head + q0) * dp..], TILE, dp, dpt, live);
-            let lse = &ctx.lse[head + q0..head + q0 + TILE];
-            let delta = &ctx.delta[head + q0..head + q0 + TILE];
-            for (j, (srow, dprow)) in st
-                .chunks_exact_mut(TILE)
-                .zip(dpt.chunks_exact_mut(TILE))
-                .enumerate()
-            {
-                let strips = row_strips(live, j);
-                if strips == 0 {
-                    continue;
-                }
-                // Key k0 + j is visible to the contiguous queries [k0 + j, kv_end).
-                let (lo, hi) = if j >= bk {
-                    (0, 0)
-                } else if class == TileClass::Full {
-                    (0, TILE)
-                } else {
-                    let k = k0 + j;
-                    let end = ctx.kv_end[k] as usize;
-                    (k.clamp(q0, q1) - q0, end.clamp(q0, q1) - q0)
-                };
-                let lo = lo.min(hi);
-                for c in live_strip_indices(strips) {
-                    let a = c * NS;
-                    lanes::key_strip::<T, FMA>(
-                        strip(srow, c),
-                        strip(dprow, c),
-                        lse[a..a + NS].try_into().expect("NS lanes"),
-                        delta[a..a + NS].try_into().expect("NS lanes"),
-                        a as u32,
-                        lo as u32,
-                        hi as u32,
-                        ctx.scale,
-                    );
-                }
-            }
-            accumulate::<T, FMA>(st, &ctx.doh[(head + q0) * dp..], dp, dv, live);
-            accumulate::<T, FMA>(dpt, &ctx.qh[(head + q0) * dp..], dp, dk, live);
+            let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
+            let q_rows = &ctx.qh[(head + q0) * dp..][..TILE * dp];
+            let do_rows = &ctx.doh[(head + q0) * dp..][..TILE * dp];
+            scores::<T, FMA>(q_rows, k_cols, TILE, dp, s, blocks.live);
+            scores::<T, FMA>(do_rows, v_cols, TILE, dp, dpm, blocks.live);
+            let rows = DqRows {
+                q0,
+                lse: &ctx.lse[head + q0..head + q0 + TILE],
+                delta: &ctx.delta[head + q0..head + q0 + TILE],
+                scale: ctx.scale,
+            };
+            ds_block::<T, FMA, true>(rows, s, dpm, blocks, masks);
+            accumulate_t::<T, FMA>(s, do_rows, dp, dv, blocks.live);
+            accumulate_t::<T, FMA>(dpm, q_rows, dp, dk, blocks.live);
         }
     }
     for x in dk.iter_mut() {
@@ -516,7 +477,7 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         // Every row sees every key of the chunk: only lanes past its last
         // key are masked (first key taken as 0: the rows are past TILE).
         let masks = |_: usize, full: bool| (!full).then_some((0, &ends));
-        ds_block::<T, FMA>(rows, s, dpm, blocks, masks);
+        ds_block::<T, FMA, false>(rows, s, dpm, blocks, masks);
         accumulate::<T, FMA>(s, krows, dp, dq, blocks.live);
     }
 
@@ -535,7 +496,7 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
             let k = k0 + c * NS;
             (!full || k + NS > l).then(|| (k as u32, ctx.bounds.strip_ends(k)))
         };
-        ds_block::<T, FMA>(rows, s, dpm, blocks, masks);
+        ds_block::<T, FMA, false>(rows, s, dpm, blocks, masks);
         accumulate::<T, FMA>(s, &kh_head[k0 * dp..], dp, dq, blocks.live);
     }
     for x in dq.iter_mut() {
@@ -558,13 +519,15 @@ struct DqRows<'a, T> {
     scale: T,
 }
 
-/// `dS = P ∘ (dP − D)` in place of the raw scores `s` of the `blocks.live`
-/// register blocks, with `P = exp(scale · s − LSE)` (0 where masked) and
-/// `dP` in `dpm`. `masks(c, full)` gives strip `c`'s first key and
-/// `kv_end`s when it must be masked for a row whose block `full` says it
-/// holds only visible entries, `None` when it needs no mask.
+/// `dS = P ∘ (dP − D)` of the `blocks.live` register blocks, with
+/// `P = exp(scale · s − LSE)` (0 where masked) from the raw scores `s` and
+/// `dP` in `dpm`: in place of `s` (dQ items), or into `dpm` with `P` in
+/// place of `s` when `KEEP_P` (dK, dV items). `masks(c, full)` gives strip
+/// `c`'s first key and `kv_end`s when it must be masked for a row whose
+/// block `full` says it holds only visible entries, `None` when it needs no
+/// mask.
 #[inline(always)]
-fn ds_block<'e, T: CpuFloat, const FMA: bool>(
+fn ds_block<'e, T: CpuFloat, const FMA: bool, const KEEP_P: bool>(
     DqRows {
         q0,
         lse,
@@ -587,8 +550,11 @@ fn ds_block<'e, T: CpuFloat, const FMA: bool>(
         }
         let (m, dd) = (lse[i], delta[i]);
         if m == T::INFINITY {
-            // No visible key in this row (or a padding row): dS = 0.
+            // No visible key in this row (or a padding row): P = dS = 0.
             live_strips(srow, strips).for_each(|x| *x = [T::ZERO; NS]);
+            if KEEP_P {
+                live_strips(dprow, strips).for_each(|x| *x = [T::ZERO; NS]);
+            }
             continue;
         }
         let full = row_strips(blocks.full, i);
@@ -610,7 +576,11 @@ fn ds_block<'e, T: CpuFloat, const FMA: bool>(
                     &mut unused_visible,
                 ),
             }
-            lanes::exp_times::<T, FMA>(x, &*dx, dd);
+            if KEEP_P {
+                lanes::exp_ds::<T, FMA>(x, dx, dd);
+            } else {
+                lanes::exp_times::<T, FMA>(x, &*dx, dd);
+            }
         }
     }
 }

@@ -1,8 +1,11 @@
-//! The two block products every attention tile is made of, as register-
-//! blocked micro-kernels over whole `TILE`-sized, zero-padded blocks.
+//! The block products every attention tile is made of, as register-blocked
+//! micro-kernels over whole `TILE`-sized, zero-padded blocks: scores
+//! `S = Q Kᵀ` (and `dP = dO Vᵀ`), `O += P V` (and `dQ += dS K`), and the
+//! transposed `dV += Pᵀ dO`, `dK += dSᵀ Q`. Every pass computes its blocks
+//! with query rows and key columns, so one block mask serves all of them.
 //!
-//! Both keep an `MR × NR` block of accumulators in registers and stream one
-//! row of `NR` contiguous values per step, so the inner loop is
+//! Each keeps an `MR × NR` block of accumulators in registers and streams
+//! one row of `NR` contiguous values per step, so the inner loop is
 //! `MR · NR` independent multiply-adds the compiler vectorizes. The bodies are
 //! generic and `#[inline(always)]`; the work items that call them are
 //! defined with [`simd_dispatch`], which runs a copy compiled for AVX2 and
@@ -11,13 +14,13 @@
 use super::layout::LANES;
 use super::{CpuFloat, TILE};
 
-/// Rows of a register block (query rows, or key rows in the transposed
-/// tiles of the dK, dV pass).
+/// Rows of a register block: query rows (key rows of the dK, dV
+/// accumulators in [`accumulate_t`]).
 pub(crate) const MR: usize = 4;
 const NR: usize = LANES;
-/// Strip of keys (or, in the transposed tiles, queries) that a register
-/// block covers: the unit of skipping and masking, and the summed index's
-/// unit in `accumulate` (a divisor of `TILE`, independent of the head dim).
+/// Strip of keys that a register block covers: the unit of skipping and
+/// masking, and the summed index's unit in `accumulate` (a divisor of
+/// `TILE`, independent of the head dim).
 /// `scores` computes a run of live strips as `MR × 2·NS` blocks from its
 /// start, and an odd strip at its end as an `MR × NS` block.
 pub(crate) const NS: usize = 8;
@@ -209,6 +212,82 @@ pub(crate) fn accumulate<T: CpuFloat, const FMA: bool>(
     }
 }
 
+/// The query row blocks of strip `cs` that `live` holds: bit `qb` stands for
+/// rows `qb·MR .. qb·MR + MR` of that strip's columns.
+#[inline(always)]
+fn strip_row_blocks(live: LiveBlocks, cs: usize) -> u32 {
+    let mut blocks = 0;
+    for qb in 0..TILE / MR {
+        blocks |= ((live >> (qb * STRIPS + cs)) as u32 & 1) << qb;
+    }
+    blocks
+}
+
+/// `out[r·dp + c] += Σ_i a[i·TILE + r] · b[i·dp + c]` for `r < TILE`,
+/// `c < dp`, over the rows `i` of `a` whose block in column `r`'s strip is
+/// `live` (the others are taken as 0 and not read): the transpose of a
+/// `TILE × TILE` block (rows `i` = queries, columns `r` = keys) times `TILE`
+/// rows of `b` (row-major, `dp` columns), accumulated into `TILE` rows of
+/// `out` (dV += Pᵀ dO, dK += dSᵀ Q). Each step broadcasts `MR` consecutive
+/// values of a row of `a` against one row of `NR` values of `b`, the same
+/// `MR × NR` register block as [`accumulate`].
+#[inline(always)]
+pub(crate) fn accumulate_t<T: CpuFloat, const FMA: bool>(
+    a: &[T],
+    b: &[T],
+    dp: usize,
+    out: &mut [T],
+    live: LiveBlocks,
+) {
+    let a = &a[..TILE * TILE];
+    let b = &b[..TILE * dp];
+    let out = &mut out[..TILE * dp];
+    for cs in 0..STRIPS {
+        let blocks = strip_row_blocks(live, cs);
+        if blocks == 0 {
+            continue;
+        }
+        for rb in (cs * NS..(cs + 1) * NS).step_by(MR) {
+            for cb in (0..dp).step_by(NR) {
+                let mut acc = [[T::ZERO; NR]; MR];
+                for r in 0..MR {
+                    acc[r].copy_from_slice(&out[(rb + r) * dp + cb..(rb + r) * dp + cb + NR]);
+                }
+                for (i0, i1) in block_runs(blocks) {
+                    for i in i0..i1 {
+                        let x: &[T; MR] = a[i * TILE + rb..][..MR].try_into().expect("MR values");
+                        let bv = &b[i * dp + cb..i * dp + cb + NR];
+                        for r in 0..MR {
+                            for j in 0..NR {
+                                acc[r][j] = madd::<T, FMA>(x[r], bv[j], acc[r][j]);
+                            }
+                        }
+                    }
+                }
+                for r in 0..MR {
+                    out[(rb + r) * dp + cb..(rb + r) * dp + cb + NR].copy_from_slice(&acc[r]);
+                }
+            }
+        }
+    }
+}
+
+/// The row ranges `[a, b)` of the runs of consecutive row blocks in
+/// `blocks` (bit `qb` = rows `qb·MR .. qb·MR + MR`), in order.
+#[inline(always)]
+fn block_runs(blocks: u32) -> impl Iterator<Item = (usize, usize)> {
+    let mut rest = blocks;
+    std::iter::from_fn(move || {
+        if rest == 0 {
+            return None;
+        }
+        let a = rest.trailing_zeros();
+        let n = (!(rest >> a)).trailing_zeros();
+        rest &= !((((1u64 << n) - 1) << a) as u32);
+        Some((a as usize * MR, (a + n) as usize * MR))
+    })
+}
+
 /// `acc + x · y`, fused (one rounding) when `FMA`. Only instantiate
 /// `FMA = true` inside functions compiled with the `fma` target feature:
 /// elsewhere `mul_add` is a slow library call.
@@ -321,6 +400,23 @@ mod tests {
                 );
             }
         }
+        // The transposed product reads the same live entries by columns.
+        let mut out_t = data(rng, TILE * dp);
+        let before = out_t.clone();
+        accumulate_t::<f64, FMA>(&s, &b, dp, &mut out_t, live);
+        for r in 0..TILE {
+            for c in 0..dp {
+                let want = before[r * dp + c]
+                    + (0..TILE)
+                        .filter(|&i| is_live(i, r))
+                        .map(|i| s[i * TILE + r] * b[i * dp + c])
+                        .sum::<f64>();
+                assert!(
+                    (out_t[r * dp + c] - want).abs() < 1e-13,
+                    "accumulate_t[{r}][{c}]"
+                );
+            }
+        }
     }
 
     #[test]
@@ -359,5 +455,22 @@ mod tests {
         assert_eq!(runs(0b0100), [(2 * NS, 3 * NS)]);
         assert_eq!(row_strips(0b1111 << STRIPS, MR), 0b1111);
         assert_eq!(row_strips(0b1111 << STRIPS, MR - 1), 0);
+    }
+
+    #[test]
+    fn row_blocks_of_a_strip_and_their_runs() {
+        // Strip 2 live in row blocks 0, 1, 3 and 15; strip 3 in block 1.
+        let live = block_bit(0, 2) | block_bit(MR, 2) | block_bit(MR, 3) | block_bit(3 * MR, 2);
+        let live = live | block_bit(15 * MR, 2);
+        assert_eq!(strip_row_blocks(live, 2), 1 | 1 << 1 | 1 << 3 | 1 << 15);
+        assert_eq!(strip_row_blocks(live, 3), 1 << 1);
+        assert_eq!(strip_row_blocks(live, 0), 0);
+        let runs = |bits: u32| block_runs(bits).collect::<Vec<_>>();
+        assert_eq!(runs(0), []);
+        assert_eq!(runs(0xffff), [(0, TILE)]);
+        assert_eq!(
+            runs(strip_row_blocks(live, 2)),
+            [(0, 2 * MR), (3 * MR, 4 * MR), (15 * MR, TILE)]
+        );
     }
 }

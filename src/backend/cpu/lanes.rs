@@ -157,48 +157,21 @@ pub(crate) fn exp_times<T: CpuFloat, const SIMD: bool>(x: &mut [T; NS], dp: &[T;
     }
 }
 
-/// One strip of key `k`'s row of the transposed tile (dK, dV pass): the
-/// queries `first..first + NS` that see the key are `lo <= q < hi`. There
-/// `p = exp(scale · x − lse)` and `dx ← (dx − delta) · p`; elsewhere both are
-/// 0. Then `x ← p`.
-#[allow(clippy::too_many_arguments)]
+/// P and dS of the dK, dV pass: `p = exp(x)`, then `dx ← (dx − dd) · p` and
+/// `x ← p` (from scores already scaled, offset by the row's LSE and masked
+/// to −inf, so that masked lanes get `p = 0` and `dS = 0`).
 #[inline(always)]
-pub(crate) fn key_strip<T: CpuFloat, const SIMD: bool>(
-    x: &mut [T; NS],
-    dx: &mut [T; NS],
-    lse: &[T; NS],
-    delta: &[T; NS],
-    first: u32,
-    lo: u32,
-    hi: u32,
-    scale: T,
-) {
+pub(crate) fn exp_ds<T: CpuFloat, const SIMD: bool>(x: &mut [T; NS], dx: &mut [T; NS], dd: T) {
     #[cfg(target_arch = "x86_64")]
     if SIMD {
         if let (Some(x32), Some(dx32)) = (f32_lanes(x), f32_lanes(dx)) {
-            let lse32: [f32; NS] = std::array::from_fn(|j| to_f32(lse[j]));
-            let delta32: [f32; NS] = std::array::from_fn(|j| to_f32(delta[j]));
             // SAFETY: SIMD copies run only where AVX2 and FMA were detected.
-            return unsafe {
-                avx2::key_strip(x32, dx32, &lse32, &delta32, first, lo, hi, to_f32(scale))
-            };
+            return unsafe { avx2::exp_ds(x32, dx32, to_f32(dd)) };
         }
     }
-    let seen: [bool; NS] = std::array::from_fn(|j| (lo..hi).contains(&(first + j as u32)));
-    for j in 0..NS {
-        x[j] = if seen[j] {
-            x[j] * scale - lse[j]
-        } else {
-            T::NEG_INFINITY
-        };
-    }
     T::exp_lanes(x);
-    for j in 0..NS {
-        dx[j] = if seen[j] {
-            (dx[j] - delta[j]) * x[j]
-        } else {
-            T::ZERO
-        };
+    for (dx, &p) in dx.iter_mut().zip(x.iter()) {
+        *dx = (*dx - dd) * p;
     }
 }
 
@@ -393,30 +366,15 @@ mod avx2 {
         );
     }
 
-    #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn key_strip(
-        x: &mut [f32; NS],
-        dx: &mut [f32; NS],
-        lse: &[f32; NS],
-        delta: &[f32; NS],
-        first: u32,
-        lo: u32,
-        hi: u32,
-        scale: f32,
-    ) {
-        let seen = _mm256_castsi256_ps(in_range(
-            first,
-            _mm256_set1_epi32(lo as i32),
-            _mm256_set1_epi32(hi as i32),
-        ));
-        let s = _mm256_sub_ps(_mm256_mul_ps(load(x), _mm256_set1_ps(scale)), load(lse));
-        let s = _mm256_blendv_ps(_mm256_set1_ps(f32::NEG_INFINITY), s, seen);
-        let p = exp(s);
+    pub(super) unsafe fn exp_ds(x: &mut [f32; NS], dx: &mut [f32; NS], dd: f32) {
+        let p = exp(load(x));
         store(x, p);
-        let d = _mm256_mul_ps(_mm256_sub_ps(load(dx), load(delta)), p);
-        store(dx, _mm256_and_ps(seen, d));
+        store(
+            dx,
+            _mm256_mul_ps(_mm256_sub_ps(load(dx), _mm256_set1_ps(dd)), p),
+        );
     }
 
     /// `((0 4)(2 6))((1 5)(3 7))`.
@@ -500,16 +458,8 @@ mod tests {
             for case in 0..2000u32 {
                 let x = strip(&mut rng);
                 let y = strip(&mut rng);
-                let lse = strip(&mut rng).map(|v| {
-                    if v == f32::NEG_INFINITY {
-                        f32::INFINITY
-                    } else {
-                        v
-                    }
-                });
                 let ends: [u32; NS] = std::array::from_fn(|j| (case * 7 + j as u32 * 13) % 40);
                 let (first, q) = (case % 29, case % 37);
-                let (lo, hi) = (case % 11, case % 23);
                 let (scale, m) = (0.125f32 + (case % 5) as f32, y[3].max(-50.0));
                 // SAFETY: AVX2 and FMA were detected above.
                 let (a, b) = unsafe {
@@ -530,9 +480,7 @@ mod tests {
                             run(&|x, _, _| both!(scale_offset, x, scale, m)),
                             run(&|x, acc, _| both!(exp_sum, x, m, acc)),
                             run(&|x, acc, _| both!(exp_times, x, acc, m)),
-                            run(&|x, acc, _| {
-                                both!(key_strip, x, acc, &lse, &y, first, lo, hi, scale)
-                            }),
+                            run(&|x, acc, _| both!(exp_ds, x, acc, m)),
                         ];
                         let reduced = [
                             both!(reduce_max, x).to_bits(),
@@ -564,11 +512,13 @@ mod tests {
             reduce_sum::<f64, true>([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]),
             36.0
         );
-        // Queries 4..12 seeing a key: [6, 9).
-        let (mut p, mut dp) = ([0.0; NS], [1.0; NS]);
-        key_strip::<f64, true>(&mut p, &mut dp, &[0.0; NS], &[0.5; NS], 4, 6, 9, 1.0);
-        assert_eq!(p, [0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]);
-        assert_eq!(dp, [0.0, 0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0]);
+        // Masked lanes (−inf) get p = 0 and dS = 0.
+        let ninf = f64::NEG_INFINITY;
+        let (mut p, mut ds) = ([ninf, 0.0, 0.0, ninf, 0.0, ninf, ninf, 0.0], [1.0; NS]);
+        ds[4] = 3.0;
+        exp_ds::<f64, true>(&mut p, &mut ds, 0.5);
+        assert_eq!(p, [0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]);
+        assert_eq!(ds, [0.0, 0.5, 0.5, 0.0, 2.5, 0.0, 0.0, 0.5]);
         let (mut e, mut sum) = ([0.0f64; NS], [1.0; NS]);
         exp_sum::<f64, true>(&mut e, 0.0, &mut sum);
         assert_eq!((e, sum), ([1.0; NS], [2.0; NS]));

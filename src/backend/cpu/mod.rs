@@ -54,13 +54,16 @@
 //!
 //! Forward runs one work item per (query head, query tile) with an online
 //! softmax. Backward runs one kv head (with its query heads) at a time, so
-//! that the copies its items read (7 arrays of `lpad · dp` per head: 16 MB
-//! for all 4 heads of the bench at 2.3k tokens, 4 MB for one) stay in cache
-//! between being written and being read: its inputs are copied, then two
-//! deterministic kinds of work item run in one parallel step: one per key
-//! tile accumulates dK, dV over the query tiles that can see the key tile
-//! (the contiguous range from the tile's first key to its largest
-//! `kv_end`), one per (query head, query tile) accumulates dQ. Every output
+//! that the copies its items read (Q and dO rows, K rows and columns, V
+//! columns: 5 arrays of `lpad · dp` per head, 12 MB for all 4 heads of the
+//! bench at 2.3k tokens, 3 MB for one) stay in cache between being written
+//! and being read: its inputs are copied, then two deterministic kinds of
+//! work item run in one parallel step: one per key tile accumulates dK, dV
+//! over the query tiles that can see the key tile (the contiguous range
+//! from the tile's first key to its largest `kv_end`), one per (query head,
+//! query tile) accumulates dQ. Both compute `S` and `dP` blocks with query
+//! rows and key columns (the dK, dV items then multiply by their
+//! transpose), so the copies need no transposed Q or dO. Every output
 //! element is accumulated by one item in a fixed order (the only atomics are
 //! the items' non-finite flags), so results do not depend on the thread
 //! count.
@@ -309,15 +312,13 @@ pub fn gather_counts(mask: PackMask<'_>) -> GatherCounts {
     c
 }
 
-/// Per key tile, the min and max of `kv_end` over its keys, and the max over
-/// the finer key groups the micro-kernels' register blocks cover
-/// ([`kernels::MR`] and [`kernels::NS`] keys): computed once per call.
+/// Per key tile, the min and max of `kv_end` over its keys, and over the
+/// finer key groups the micro-kernels' register blocks cover ([`kernels::NS`]
+/// keys): computed once per call.
 pub(crate) struct KeyTileBounds {
     len: usize,
     min_end: Vec<u32>,
     max_end: Vec<u32>,
-    /// Max `kv_end` per group of `MR` keys.
-    row_block_max: Vec<u32>,
     /// Min and max `kv_end` per group of `NS` keys.
     strip_min: Vec<u32>,
     strip_max: Vec<u32>,
@@ -344,7 +345,6 @@ impl KeyTileBounds {
             min_end: mins(TILE),
             strip_min: mins(kernels::NS),
             max_end: maxes(TILE),
-            row_block_max: maxes(kernels::MR),
             strip_max: maxes(kernels::NS),
             padded_ends: (0..kv_end.len().div_ceil(TILE) * TILE)
                 .map(|k| kv_end.get(k).copied().unwrap_or(0))
@@ -405,36 +405,6 @@ impl KeyTileBounds {
             }
         }
         m
-    }
-
-    /// Which register blocks hold a visible entry, as in
-    /// [`Self::query_row_blocks`], for the transposed tile: key rows
-    /// from `k0`, query columns `[q0, q1)` (dK, dV).
-    #[inline]
-    pub(crate) fn live_key_rows(&self, k0: usize, q0: usize, q1: usize) -> LiveBlocks {
-        use kernels::{MR, NS, STRIPS};
-        if self.whole_and_full(q0, q1, k0) {
-            return LiveBlocks::MAX;
-        }
-        let mut live = 0;
-        for rb in 0..TILE / MR {
-            let ka = k0 + rb * MR;
-            if ka >= self.len {
-                break;
-            }
-            let seen_below = self.row_block_max[ka / MR] as usize;
-            for cs in 0..STRIPS {
-                let qa = q0 + cs * NS;
-                if qa >= q1 {
-                    break;
-                }
-                let qb = (qa + NS).min(q1) - 1;
-                if ka <= qb && seen_below > qa {
-                    live |= kernels::block_bit(rb * MR, cs);
-                }
-            }
-        }
-        live
     }
 
     /// Whether the tile of queries `[q0, q1)` and keys from `k0` has `TILE`
@@ -776,8 +746,8 @@ mod tests {
 
     /// Every register block the kernels skip holds no visible entry, and
     /// every block they compute without a mask holds only visible ones,
-    /// checked entry by entry, for the query-row blocks (forward, dQ) and the
-    /// key-row blocks (dK, dV). The census must find skipped and unmasked
+    /// checked entry by entry (the blocks of query rows and key columns that
+    /// every pass computes). The census must find skipped and unmasked
     /// blocks inside partial tiles, or the test would prove nothing.
     #[test]
     fn register_block_masks_are_sound() {
@@ -796,7 +766,6 @@ mod tests {
                     let k1 = (k0 + TILE).min(l);
                     let m = b.query_row_blocks(q0, q1, k0);
                     assert_eq!(m.full & !m.live, 0, "full blocks are live");
-                    let keyed = b.live_key_rows(k0, q0, q1);
                     for rb in 0..TILE / MR {
                         for cs in 0..STRIPS {
                             let bit = kernels::block_bit(rb * MR, cs);
@@ -814,13 +783,6 @@ mod tests {
                             if m.full & bit != 0 {
                                 assert!(pairs.iter().all(|&v| v), "unmasked a hidden entry");
                                 full += 1;
-                            }
-                            // Key rows rb, query strip cs.
-                            let ks = (k0 + rb * MR..k0 + (rb + 1) * MR).filter(|&k| k < k1);
-                            let qs = (q0 + cs * NS..q0 + (cs + 1) * NS).filter(|&q| q < q1);
-                            let any = ks.clone().any(|k| qs.clone().any(|q| seen(q, k)));
-                            if keyed & bit == 0 {
-                                assert!(!any, "skipped a visible entry (key rows)");
                             }
                         }
                     }

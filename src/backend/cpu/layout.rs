@@ -76,7 +76,10 @@ impl Layout {
             };
             workspace::take_stale(copies * x.copied.len() * per_head, T::ZERO)
         });
-        // One work item per (input, head), transposes (the slower kind) first.
+        // One work item per (input, head, piece of up to COPY_TILES tiles),
+        // transposes (the slower kind) first: whole heads were 4 items per
+        // backward step (one kv head), which 2 threads split unevenly.
+        let piece = COPY_TILES * TILE;
         let mut work = Vec::new();
         for (buf, x) in bufs.iter_mut().zip(inputs) {
             let (rows, columns): (&mut [T], &mut [T]) = match x.form {
@@ -92,15 +95,25 @@ impl Layout {
             };
             let mut dots = dots.chunks_mut(self.lpad);
             for h in x.copied {
-                work.push(CopyItem {
-                    x: x.x,
-                    heads: x.heads,
-                    rope: x.rope,
-                    h,
-                    rows: rows.next(),
-                    columns: columns.next(),
-                    dots: dots.next().map(|out| (with, out)),
-                });
+                let mut rows = rows.next().map(|r| r.chunks_mut(piece * self.dp));
+                let mut columns = columns.next().map(|c| c.chunks_mut(piece * self.dp));
+                let mut dots = dots.next().map(|d| d.chunks_mut(piece));
+                for t0 in (0..self.lpad).step_by(piece) {
+                    work.push(CopyItem {
+                        x: x.x,
+                        heads: x.heads,
+                        rope: x.rope,
+                        h,
+                        t0,
+                        t1: (t0 + piece).min(self.lpad),
+                        rows: rows.as_mut().and_then(Iterator::next),
+                        columns: columns.as_mut().and_then(Iterator::next),
+                        dots: dots
+                            .as_mut()
+                            .and_then(Iterator::next)
+                            .map(|out| (with, out)),
+                    });
+                }
             }
         }
         work.sort_by_key(|w| w.columns.is_none());
@@ -183,22 +196,25 @@ impl Layout {
         let _ = (x, heads, h, t0);
     }
 
-    /// One head of one input, `TILE` tokens at a time: the rows go into the
-    /// row-major copy (or `block` when only columns are wanted), then, while
-    /// they are in cache, into the `TILE`-long runs of the transposed copy.
+    /// One piece of one head of one input, `TILE` tokens at a time: the rows
+    /// go into the row-major copy (or `block` when only columns are wanted),
+    /// then, while they are in cache, into the `TILE`-long runs of the
+    /// transposed copy.
     fn copy_head<T: CpuFloat>(&self, block: &mut [T], mut item: CopyItem<'_, '_, T>) {
-        let Layout { lpad, d, dp, .. } = *self;
-        for t0 in (0..lpad).step_by(TILE) {
+        let Layout { d, dp, .. } = *self;
+        for t0 in (item.t0..item.t1).step_by(TILE) {
             self.prefetch_tile_rows(item.x, item.heads, item.h, t0);
+            // Offsets within the piece.
+            let p0 = t0 - item.t0;
             let rows = match item.rows.as_deref_mut() {
-                Some(rows) => &mut rows[t0 * dp..][..TILE * dp],
+                Some(rows) => &mut rows[p0 * dp..][..TILE * dp],
                 None => &mut block[..TILE * dp],
             };
             for (j, row) in rows.chunks_exact_mut(dp).enumerate() {
                 let t = t0 + j;
                 let at = self.padded_row(item.x, item.heads, item.h, t, item.rope, row);
                 if let Some((with, out)) = item.dots.as_mut() {
-                    out[t] = match at {
+                    out[p0 + j] = match at {
                         Some(at) => {
                             let mut acc = T::ZERO;
                             for (&a, &b) in with[at..at + d].iter().zip(&item.x[at..at + d]) {
@@ -211,7 +227,7 @@ impl Layout {
                 }
             }
             if let Some(columns) = item.columns.as_deref_mut() {
-                transpose_tile(rows, dp, &mut columns[t0 * dp..(t0 + TILE) * dp]);
+                transpose_tile(rows, dp, &mut columns[p0 * dp..(p0 + TILE) * dp]);
             }
         }
     }
@@ -223,13 +239,19 @@ struct CopyItem<'a, 'b, T> {
     heads: usize,
     rope: Option<&'a RopeTable>,
     h: usize,
-    /// `[lpad, dp]` of the row-major copy.
+    /// The piece: tokens `t0 .. t1`, whole tiles.
+    t0: usize,
+    t1: usize,
+    /// The piece's rows `[t1 − t0, dp]` of the row-major copy.
     rows: Option<&'b mut [T]>,
-    /// `[lpad / TILE, dp, TILE]` of the transposed copy.
+    /// The piece's tiles `[(t1 − t0) / TILE, dp, TILE]` of the transposed copy.
     columns: Option<&'b mut [T]>,
-    /// The other operand `[l, heads, d]` and this head's `[lpad]` dots.
+    /// The other operand `[l, heads, d]` and the piece's `t1 − t0` dots.
     dots: Option<(&'a [T], &'b mut [T])>,
 }
+
+/// Tiles per work item of [`Layout::copy_inputs`].
+const COPY_TILES: usize = 8;
 
 /// `columns[c · TILE + j] = rows[j · dp + c]` for `j < TILE`, `c < dp`: a
 /// `TILE × dp` block of rows (in cache, just written) into the `dp × TILE`
@@ -615,12 +637,20 @@ mod tests {
     /// [`store_row`], with padding zero, also on pooled buffers that still
     /// hold another call's values. The head dim (21) leaves a partial
     /// `LANES` chunk and the tokens (70) a partial tile, so the remainder
-    /// paths run too.
+    /// paths run too; 1100 tokens are copied in three pieces per head, the
+    /// last one partial.
     #[test]
     fn layouts_round_trip() {
-        let (l, d, heads) = (70, 21, 3);
+        for l in [70, 1100] {
+            round_trip(l);
+        }
+    }
+
+    fn round_trip(l: usize) {
+        let (d, heads) = (21, 3);
         let lay = Layout::new(l, d, 2);
-        assert_eq!((lay.lpad, lay.dp), (128, 32));
+        assert_eq!(lay.dp, 32);
+        assert_eq!(lay.lpad, l.div_ceil(TILE) * TILE);
         let n = lay.lpad * lay.dp * heads;
         let x: Vec<f64> = (0..l * heads * d).map(|i| i as f64 + 1.0).collect();
         let w: Vec<f64> = (0..l * heads * d).map(|i| (i % 7) as f64 - 3.0).collect();

@@ -354,7 +354,7 @@ struct BwdScratch<T> {
     /// scores, dP, dK and dV accumulators; a dQ item's scores, dP, dQ
     /// accumulator and a chunk of gathered keys (their Kᵀ and Vᵀ columns
     /// and K rows).
-    tiles: Staggered<T, 6>,
+    tiles: Staggered<T, 7>,
     gather: KeyGather,
 }
 
@@ -362,7 +362,7 @@ impl<T: CpuFloat> BwdScratch<T> {
     fn new(dp: usize) -> Self {
         let (tile, rows) = (TILE * TILE, TILE * dp);
         BwdScratch {
-            tiles: Staggered::new([tile, tile, rows, rows, rows, rows], T::ZERO),
+            tiles: Staggered::new([tile, tile, rows, rows, rows, rows, rows], T::ZERO),
             gather: KeyGather::default(),
         }
     }
@@ -392,7 +392,7 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
     } = item;
     let k0 = kt * TILE;
     let (k_cols, v_cols) = (&ctx.kt[k0 * dp..], &ctx.vt[k0 * dp..]);
-    let [s, dpm, dk, dv, _, _] = sc.tiles.parts();
+    let [s, dpm, dk, _, _, _, dv] = sc.tiles.parts();
     dk.fill(T::ZERO);
     dv.fill(T::ZERO);
     // Keys past the pack's end have kv_end 0: masked.
@@ -455,7 +455,7 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     let (kt_head, vt_head, kh_head) = (ctx.kt, ctx.vt, ctx.kh);
     let lse = &ctx.lse[head + q0..head + q0 + TILE];
     let delta = &ctx.delta[head + q0..head + q0 + TILE];
-    let [s, dpm, dq, kg, vg, krows] = sc.tiles.parts();
+    let [s, dpm, dq, kg, vg, krows, _] = sc.tiles.parts();
     dq.fill(T::ZERO);
     let rows = DqRows {
         q0,
@@ -463,13 +463,20 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         delta,
         scale: ctx.scale,
     };
-    // The past column-split tiles, as whole chunks of gathered keys.
+    // The past column-split tiles, as whole chunks of gathered keys (still
+    // in the buffers when the previous dQ item of this thread had the same).
     let gather = &mut sc.gather;
     gather.plan(ctx.bounds, q0, q1, qt);
+    let source = ctx.h0 / ctx.group;
+    let held = gather.holds_chunk(source);
     for c in 0..gather.chunks() {
-        let n = gather.gather_columns(c, kt_head, dp, kg);
-        gather.gather_columns(c, vt_head, dp, vg);
-        gather.gather_rows(c, kh_head, dp, krows);
+        let n = if held {
+            gather.chunk_keys(c)
+        } else {
+            gather.gather_columns(c, vt_head, dp, vg);
+            gather.gather_rows(c, kh_head, dp, krows);
+            gather.gather_columns(c, kt_head, dp, kg)
+        };
         let blocks = KeyGather::chunk_blocks(q1 - q0, n);
         let ends = last_strip_ends(n);
         scores::<T, FMA>(q_rows, kg, TILE, dp, s, blocks.live);
@@ -480,6 +487,7 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         ds_block::<T, FMA, false>(rows, s, dpm, blocks, masks);
         accumulate::<T, FMA>(s, krows, dp, dq, blocks.live);
     }
+    gather.keep(source);
 
     for kt in 0..=qt {
         let class = ctx.bounds.classify(q0, q1, kt);

@@ -144,15 +144,6 @@ fn forward_checked<T: CpuFloat>(
     };
 
     let tiles = l.div_ceil(TILE);
-    // Busiest query tiles first, so the queue ends with short items.
-    let cost: Vec<usize> = (0..tiles)
-        .map(|qt| {
-            let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
-            (0..=qt)
-                .filter(|&kt| bounds.classify(q0, q1, kt) != TileClass::Skip)
-                .count()
-        })
-        .collect();
     let mut work = Vec::with_capacity(shape.q_heads * tiles);
     // Every row of `o` and every LSE entry is written by its query tile.
     let mut o_rows = head_tile_rows(o, shape.q_heads, shape.head_dim);
@@ -165,9 +156,12 @@ fn forward_checked<T: CpuFloat>(
             work.push(FwdItem { h, qt, o, lse });
         }
     }
-    // Then by query tile, so that the items storing one token range of `o`
-    // (all its heads) run one after the other.
-    work.sort_by_key(|w| (std::cmp::Reverse(cost[w.qt]), w.qt));
+    // Per kv head, later query tiles first (they see more keys), the query
+    // heads of a tile one after the other: consecutive items of a branch
+    // then have the same gathering plan and reuse its chunk, and the queue
+    // ends with the short first tiles of the last kv head.
+    let group = shape.group();
+    work.sort_by_key(|w| (w.h / group, std::cmp::Reverse(w.qt), w.h));
     let o_bad = AtomicBool::new(false);
     run_parallel(
         work,
@@ -282,11 +276,17 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     sum.fill(T::ZERO);
     o.fill(T::ZERO);
 
-    // The past column-split tiles, as whole chunks of gathered keys.
+    // The past column-split tiles, as whole chunks of gathered keys (still
+    // in the buffers when the previous item of this thread had the same).
     sc.gather.plan(ctx.bounds, q0, q1, qt);
+    let held = sc.gather.holds_chunk(g);
     for c in 0..sc.gather.chunks() {
-        let n = sc.gather.gather_columns(c, kt_head, dp, kg);
-        sc.gather.gather_rows(c, v_head, dp, vg);
+        let n = if held {
+            sc.gather.chunk_keys(c)
+        } else {
+            sc.gather.gather_rows(c, v_head, dp, vg);
+            sc.gather.gather_columns(c, kt_head, dp, kg)
+        };
         let blocks = KeyGather::chunk_blocks(bq, n);
         let ends = last_strip_ends(n);
         scores::<T, FMA>(q_rows, kg, TILE, dp, s, blocks.live);
@@ -297,6 +297,7 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
         softmax_block::<T, FMA>(ctx.scale, rows, s, blocks, masks, m, sum, o);
         accumulate::<T, FMA>(s, vg, dp, o, blocks.live);
     }
+    sc.gather.keep(g);
 
     for kt in 0..=qt {
         let class = ctx.bounds.classify(q0, q1, kt);

@@ -20,7 +20,10 @@
 //! it like a full tile, only its last strip masked (lanes past the chunk's
 //! keys). The gathered tiles are then not visited. Only keys seen by every
 //! row are gathered, so no per-row mask is needed inside a chunk, and the
-//! results equal the tiled ones up to the order of the sums.
+//! results equal the tiled ones up to the order of the sums. The query
+//! tiles of one branch have the same plan; a thread that runs them one
+//! after the other gathers a one-chunk plan's chunk once and keeps it in
+//! its buffers ([`KeyGather::holds_chunk`], [`KeyGather::keep`]).
 //!
 //! On the compaction benchmark (2,294 tokens) this removes 40 of the 302
 //! tile visits of a head; shapes without such splits (a plain causal mask,
@@ -63,6 +66,9 @@ pub(crate) struct KeyGather {
     keys: usize,
     /// Cursor of [`Self::is_gathered`].
     next: usize,
+    /// The source (kv head) and gathered tiles of the one-chunk plan whose
+    /// chunk the caller's buffers hold (see [`Self::holds_chunk`]).
+    held: Option<(usize, Vec<(usize, u64)>)>,
 }
 
 impl KeyGather {
@@ -110,6 +116,32 @@ impl KeyGather {
         self.chunk_start.push(self.runs.len());
         debug_assert_eq!(pos, self.keys);
         debug_assert_eq!(self.chunk_start.len(), self.chunks() + 1);
+    }
+
+    /// Whether the caller's chunk buffers already hold the current plan's
+    /// chunk of `source`: the plan has one chunk, and [`Self::keep`] was
+    /// last told that they were filled for the same source and the same
+    /// gathered tiles (then the same keys: the plans of a branch's query
+    /// tiles are all alike, and items of one source come in query-tile
+    /// order, so a chunk is gathered once per branch instead of per item).
+    pub(crate) fn holds_chunk(&self, source: usize) -> bool {
+        self.chunks() == 1
+            && matches!(&self.held, Some((s, tiles)) if *s == source && *tiles == self.tiles)
+    }
+
+    /// Records what the caller's chunk buffers hold after the current plan
+    /// ran for `source`: its chunk if it has exactly one (a plan of several
+    /// chunks leaves its last, and none leaves the previous contents).
+    pub(crate) fn keep(&mut self, source: usize) {
+        match self.chunks() {
+            0 => {}
+            1 => {
+                let held = self.held.get_or_insert_with(|| (source, Vec::new()));
+                held.0 = source;
+                held.1.clone_from(&self.tiles);
+            }
+            _ => self.held = None,
+        }
     }
 
     /// Chunks of the plan: `⌈keys / TILE⌉`.
@@ -273,6 +305,66 @@ mod tests {
         // Inside the first child nothing is split: no plan.
         g.plan(&bounds, 5 * TILE, 6 * TILE, 5);
         assert_eq!((g.chunks(), g.is_gathered(2)), (0, false));
+    }
+
+    /// A kept one-chunk plan is held for the same source and the same
+    /// gathered tiles only; a plan of several chunks, or none kept, holds
+    /// nothing.
+    #[test]
+    fn a_kept_chunk_is_held_for_the_same_source_and_tiles_only() {
+        let kv_end = star(155, &[530, 600]);
+        let bounds = KeyTileBounds::new(&kv_end);
+        let mut g = KeyGather::default();
+        let l = kv_end.len();
+        let plan =
+            |g: &mut KeyGather, qt: usize| g.plan(&bounds, qt * TILE, ((qt + 1) * TILE).min(l), qt);
+        plan(&mut g, 13);
+        assert_eq!(g.chunks(), 1);
+        assert!(!g.holds_chunk(0), "nothing kept yet");
+        g.keep(0);
+        assert!(g.holds_chunk(0) && !g.holds_chunk(1));
+        // The next tile of the same child gathers the same tiles.
+        plan(&mut g, 14);
+        assert!(g.holds_chunk(0));
+        // A tile of the first child gathers nothing; keeping it leaves the
+        // buffers as they were.
+        plan(&mut g, 5);
+        assert_eq!(g.chunks(), 0);
+        g.keep(0);
+        plan(&mut g, 15);
+        assert!(g.holds_chunk(0));
+        // The second child's last tile (partial) sees the same tiles.
+        plan(&mut g, l.div_ceil(TILE) - 1);
+        assert!(g.holds_chunk(0), "{:?}", g.tiles);
+        // Another tree: other gathered tiles, so not held.
+        let other = star(100, &[530, 600]);
+        let bounds2 = KeyTileBounds::new(&other);
+        g.plan(&bounds2, 13 * TILE, 14 * TILE, 13);
+        assert_eq!(g.chunks(), 1);
+        assert!(!g.holds_chunk(0));
+        // Several chunks: their last chunk overwrote the buffers.
+        // A caterpillar: a 40-key root, then 12 levels of a 30-key leaf and
+        // the 30-key node the path goes on from, then a 300-key tail: a
+        // query tile of the tail sees the root, every node and itself, and
+        // the nodes share their tiles with the leaves.
+        let l3 = 40 + 12 * 60 + 300;
+        let mut many = vec![l3 as u32; 40];
+        for _ in 0..12 {
+            let leaf_end = many.len() + 30;
+            many.extend(std::iter::repeat_n(leaf_end as u32, 30));
+            many.extend(std::iter::repeat_n(l3 as u32, 30));
+        }
+        many.extend(std::iter::repeat_n(l3 as u32, 300));
+        let bounds3 = KeyTileBounds::new(&many);
+        let n = many.len();
+        let several = (1..n.div_ceil(TILE)).find(|&qt| {
+            g.plan(&bounds3, qt * TILE, ((qt + 1) * TILE).min(n), qt);
+            g.chunks() > 1
+        });
+        assert!(several.is_some(), "no plan of several chunks");
+        g.keep(0);
+        plan(&mut g, 13);
+        assert!(!g.holds_chunk(0));
     }
 
     #[test]

@@ -1,11 +1,9 @@
 //! The worker threads behind [`super::run_parallel`]: started once per
 //! process and reused, instead of spawned and joined at every parallel step.
 //!
-//! A forward call has two parallel steps and a backward two per kv head;
-//! spawning two scoped threads costs ~60 µs per step on the 2-core benchmark
-//! machine, a few percent of a call on a short pack. Between steps, threads
-//! spin briefly ([`SPIN`]) before they block, so that the next step does not
-//! wait for a sleeping thread to be woken. [`broadcast`] hands one task to
+//! A forward call has two parallel steps and a backward three; spawning two
+//! scoped threads costs ~60 µs per step on the 2-core benchmark machine, a
+//! few percent of a call on a short pack. [`broadcast`] hands one task to
 //! the calling thread and to `helpers` parked workers at once and returns
 //! when every copy has returned, so the task may borrow from the caller's
 //! stack exactly as a scoped thread may. One task runs on the pool at a
@@ -13,9 +11,8 @@
 //! itself runs a parallel step) falls back to scoped threads.
 
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
-use std::time::{Duration, Instant};
 
 /// A task whose lifetime has been erased to hand it to the workers.
 #[derive(Clone, Copy)]
@@ -46,10 +43,6 @@ struct State {
 struct Pool {
     /// Held by the one `broadcast` that owns the workers.
     busy: AtomicBool,
-    /// Copies of `State::generation` and `State::running`, read without the
-    /// lock by threads spinning before they block (see [`SPIN`]).
-    published: AtomicU64,
-    left: AtomicUsize,
     state: Mutex<State>,
     /// A task was published / the last worker finished one.
     ready: Condvar,
@@ -108,12 +101,9 @@ pub(crate) fn broadcast(helpers: usize, task: &(dyn Fn() + Sync)) {
         st.taken = 0;
         st.running = helpers;
         st.panicked = false;
-        pool.left.store(helpers, Ordering::Release);
-        pool.published.store(st.generation, Ordering::Release);
         pool.ready.notify_all();
     }
     let mine = panic::catch_unwind(AssertUnwindSafe(task));
-    spin_while(|| pool.left.load(Ordering::Acquire) > 0);
     let theirs_panicked = {
         let mut st = pool.lock();
         while st.running > 0 {
@@ -134,7 +124,6 @@ pub(crate) fn broadcast(helpers: usize, task: &(dyn Fn() + Sync)) {
 fn worker(pool: &'static Pool) {
     let mut seen = 0;
     loop {
-        spin_while(|| pool.published.load(Ordering::Acquire) == seen);
         let job = {
             let mut st = pool.lock();
             loop {
@@ -154,32 +143,8 @@ fn worker(pool: &'static Pool) {
         let mut st = pool.lock();
         st.panicked |= !ok;
         st.running -= 1;
-        pool.left.store(st.running, Ordering::Release);
         if st.running == 0 {
             pool.done.notify_all();
-        }
-    }
-}
-
-/// How long a thread spins before it blocks: a worker that has just run a
-/// step, waiting for the next, and the caller waiting for the workers to
-/// finish one. Attention calls run several steps back to back (per kv head
-/// in the backward); woken from a blocking wait, a worker started ~25–45 µs
-/// after the step was published on the 2-vCPU benchmark guest, and the
-/// caller returned ~10 µs after the last worker finished, per step.
-const SPIN: Duration = Duration::from_micros(50);
-
-/// Spins while `cond` holds, for at most [`SPIN`], then returns (the caller
-/// then blocks on the condition variable as before, so a condition that
-/// stays true costs at most [`SPIN`] of one core).
-fn spin_while(cond: impl Fn() -> bool) {
-    let start = Instant::now();
-    while cond() {
-        for _ in 0..32 {
-            std::hint::spin_loop();
-        }
-        if start.elapsed() > SPIN {
-            return;
         }
     }
 }
@@ -187,6 +152,7 @@ fn spin_while(cond: impl Fn() -> bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicUsize;
 
     #[test]
     fn every_copy_runs_once_on_distinct_threads() {

@@ -1,9 +1,12 @@
 //! The worker threads behind [`super::run_parallel`]: started once per
 //! process and reused, instead of spawned and joined at every parallel step.
 //!
-//! A forward call has two parallel steps and a backward three; spawning two
-//! scoped threads costs ~60 µs per step on the 2-core benchmark machine, a
-//! few percent of a call on a short pack. [`broadcast`] hands one task to
+//! A forward call has two parallel steps and a backward two per kv head;
+//! spawning two scoped threads costs ~60 µs per step on the 2-core benchmark
+//! machine, a few percent of a call on a short pack. (Waking a parked worker
+//! still costs ~25–45 µs per step there; spinning before blocking saved
+//! about half a percent of a tree's fwd+bwd but made the process CPU time
+//! that the bench reports erratic, so workers block.) [`broadcast`] hands one task to
 //! the calling thread and to `helpers` parked workers at once and returns
 //! when every copy has returned, so the task may borrow from the caller's
 //! stack exactly as a scoped thread may. One task runs on the pool at a

@@ -8,6 +8,13 @@
 //! (4·d per pair per head forward, ×3.5 for forward+backward), so criterion's
 //! "elem/s" reads as visible-pair FLOP/s. Run: `cargo bench --bench
 //! attention` (a few minutes on 2 cores; filter with e.g. `-- compaction`).
+//!
+//! Like `treeattn bench`, each case writes into output buffers allocated
+//! once outside the timed loop ([`Case::run_into`]), as a training loop or
+//! a caching allocator reuses them: fresh outputs would add the same page
+//! faults to every call whatever the mask, a fixed cost that weighs more on
+//! the tree's shorter pass than on causal (the dense-mask baseline still
+//! allocates per call).
 
 use std::time::Duration;
 
@@ -31,8 +38,9 @@ fn attention(c: &mut Criterion) {
                 .measurement_time(Duration::from_secs(1));
             for case in &cases {
                 g.throughput(Throughput::Elements(case.flops(pass) as u64));
+                let mut out = case.outputs();
                 g.bench_function(case.method.name(), |b| {
-                    b.iter(|| case.run(pass).expect("attention runs"))
+                    b.iter(|| case.run_into(pass, &mut out).expect("attention runs"))
                 });
             }
             g.finish();

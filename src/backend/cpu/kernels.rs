@@ -357,12 +357,12 @@ mod tests {
         (0..n).map(|_| rng.unit() - 0.5).collect()
     }
 
-    /// Both kernels against triple loops on the `live` blocks, with a
+    /// The kernels against triple loops on the `live` blocks, with a
     /// transposed operand of row stride `ld` read from column `col0` (as
     /// when a tile's columns are part of a wider operand). Dead blocks:
-    /// `scores` leaves them as they were, and `accumulate` never reads them
-    /// (dead entries of its input are NaN here, so reading one would poison
-    /// the result). Same products in a different order: 1e-13 absolute on
+    /// `scores` leaves them as they were, and `accumulate`, `accumulate_t`
+    /// never read them (dead entries of their input are NaN here, so
+    /// reading one would poison the result). Same products in a different order: 1e-13 absolute on
     /// sums of up to 64 terms of size < 0.25.
     fn check<const FMA: bool>(rng: &mut Rng, live: LiveBlocks, dp: usize, ld: usize, col0: usize) {
         let a = data(rng, TILE * dp);
@@ -383,38 +383,28 @@ mod tests {
                 }
             }
         }
+        // `accumulate` sums row r's live entries s[r][i], `accumulate_t`
+        // column r's, s[i][r]: the same live entries read by columns.
         let b = data(rng, TILE * dp);
-        let mut out = data(rng, TILE * dp);
-        let before = out.clone();
-        accumulate::<f64, FMA>(&s, &b, dp, &mut out, live);
-        for r in 0..TILE {
-            for c in 0..dp {
-                let want = before[r * dp + c]
-                    + (0..TILE)
-                        .filter(|&i| is_live(r, i))
-                        .map(|i| s[r * TILE + i] * b[i * dp + c])
-                        .sum::<f64>();
-                assert!(
-                    (out[r * dp + c] - want).abs() < 1e-13,
-                    "accumulate[{r}][{c}]"
-                );
-            }
-        }
-        // The transposed product reads the same live entries by columns.
-        let mut out_t = data(rng, TILE * dp);
-        let before = out_t.clone();
-        accumulate_t::<f64, FMA>(&s, &b, dp, &mut out_t, live);
-        for r in 0..TILE {
-            for c in 0..dp {
-                let want = before[r * dp + c]
-                    + (0..TILE)
-                        .filter(|&i| is_live(i, r))
-                        .map(|i| s[i * TILE + r] * b[i * dp + c])
-                        .sum::<f64>();
-                assert!(
-                    (out_t[r * dp + c] - want).abs() < 1e-13,
-                    "accumulate_t[{r}][{c}]"
-                );
+        let row = |r: usize, i: usize| is_live(r, i).then(|| s[r * TILE + i]);
+        let column = |r: usize, i: usize| is_live(i, r).then(|| s[i * TILE + r]);
+        type Kernel = fn(&[f64], &[f64], usize, &mut [f64], LiveBlocks);
+        let products: [(&str, Kernel, &dyn Fn(usize, usize) -> Option<f64>); 2] = [
+            ("accumulate", accumulate::<f64, FMA>, &row),
+            ("accumulate_t", accumulate_t::<f64, FMA>, &column),
+        ];
+        for (name, kernel, entry) in products {
+            let mut out = data(rng, TILE * dp);
+            let before = out.clone();
+            kernel(&s, &b, dp, &mut out, live);
+            for r in 0..TILE {
+                for c in 0..dp {
+                    let want = before[r * dp + c]
+                        + (0..TILE)
+                            .filter_map(|i| entry(r, i).map(|a| a * b[i * dp + c]))
+                            .sum::<f64>();
+                    assert!((out[r * dp + c] - want).abs() < 1e-13, "{name}[{r}][{c}]");
+                }
             }
         }
     }

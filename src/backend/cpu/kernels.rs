@@ -389,7 +389,8 @@ mod tests {
         let row = |r: usize, i: usize| is_live(r, i).then(|| s[r * TILE + i]);
         let column = |r: usize, i: usize| is_live(i, r).then(|| s[i * TILE + r]);
         type Kernel = fn(&[f64], &[f64], usize, &mut [f64], LiveBlocks);
-        let products: [(&str, Kernel, &dyn Fn(usize, usize) -> Option<f64>); 2] = [
+        type Entry<'a> = &'a dyn Fn(usize, usize) -> Option<f64>;
+        let products: [(&str, Kernel, Entry); 2] = [
             ("accumulate", accumulate::<f64, FMA>, &row),
             ("accumulate_t", accumulate_t::<f64, FMA>, &column),
         ];

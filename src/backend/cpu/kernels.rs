@@ -53,19 +53,21 @@ pub(crate) fn row_strips(live: LiveBlocks, r: usize) -> u32 {
     ((live >> (r / MR * STRIPS)) & ((1 << STRIPS) - 1)) as u32
 }
 
-/// The column ranges `[a, b)` of the runs of consecutive live strips in
-/// `strips` (as [`row_strips`] returns), in order.
+/// The ranges `[a · unit, b · unit)` of the runs of consecutive set bits
+/// `a .. b` of `bits`, in order: live strips of a row (`unit` = [`NS`]
+/// columns, as [`row_strips`] returns them) or live row blocks of a strip
+/// (`unit` = [`MR`] rows).
 #[inline(always)]
-pub(crate) fn strip_runs(strips: u32) -> impl Iterator<Item = (usize, usize)> {
-    let mut rest = strips;
+pub(crate) fn bit_runs(bits: u32, unit: usize) -> impl Iterator<Item = (usize, usize)> + Clone {
+    let mut rest = bits;
     std::iter::from_fn(move || {
         if rest == 0 {
             return None;
         }
         let a = rest.trailing_zeros();
         let n = (!(rest >> a)).trailing_zeros();
-        rest &= !(((1u32 << n) - 1) << a);
-        Some((a as usize * NS, (a + n) as usize * NS))
+        rest &= !((((1u64 << n) - 1) << a) as u32);
+        Some((a as usize * unit, (a + n) as usize * unit))
     })
 }
 
@@ -129,7 +131,7 @@ pub(crate) fn scores<T: CpuFloat, const FMA: bool>(
         let out = &mut out[rb * TILE..(rb + MR) * TILE];
         // Each run of live strips in blocks of two strips from its start,
         // and one narrow block for an odd strip at its end.
-        for (a, b) in strip_runs(strips) {
+        for (a, b) in bit_runs(strips, NS) {
             let mut jb = a;
             while jb + 2 * NS <= b {
                 score_block::<T, FMA, { 2 * NS }>(&rows, bt, ld, jb, out);
@@ -189,25 +191,42 @@ pub(crate) fn accumulate<T: CpuFloat, const FMA: bool>(
             continue;
         }
         let rows: [&[T]; MR] = std::array::from_fn(|r| &a[(rb + r) * TILE..(rb + r + 1) * TILE]);
-        for cb in (0..dp).step_by(NR) {
-            let mut acc = [[T::ZERO; NR]; MR];
-            for r in 0..MR {
-                acc[r].copy_from_slice(&out[(rb + r) * dp + cb..(rb + r) * dp + cb + NR]);
-            }
-            for (i0, i1) in strip_runs(strips) {
-                for i in i0..i1 {
-                    let bv = &b[i * dp + cb..i * dp + cb + NR];
-                    for r in 0..MR {
-                        let x = rows[r][i];
-                        for j in 0..NR {
-                            acc[r][j] = madd::<T, FMA>(x, bv[j], acc[r][j]);
-                        }
+        let x = |i: usize| -> [T; MR] { std::array::from_fn(|r| rows[r][i]) };
+        register_block::<T, FMA>(out, b, dp, rb, bit_runs(strips, NS), x);
+    }
+}
+
+/// `out[(rb + r)·dp + c] += Σ_i x(i)[r] · b[i·dp + c]` for `r < MR`, all
+/// `c < dp`, over the `i` of `runs` (ranges of rows of `b`): the register
+/// blocks of [`accumulate`] and [`accumulate_t`], which differ only in
+/// where a row `i` of `b` finds its `MR` multipliers.
+#[inline(always)]
+fn register_block<T: CpuFloat, const FMA: bool>(
+    out: &mut [T],
+    b: &[T],
+    dp: usize,
+    rb: usize,
+    runs: impl Iterator<Item = (usize, usize)> + Clone,
+    x: impl Fn(usize) -> [T; MR],
+) {
+    for cb in (0..dp).step_by(NR) {
+        let mut acc = [[T::ZERO; NR]; MR];
+        for r in 0..MR {
+            acc[r].copy_from_slice(&out[(rb + r) * dp + cb..(rb + r) * dp + cb + NR]);
+        }
+        for (i0, i1) in runs.clone() {
+            for i in i0..i1 {
+                let bv = &b[i * dp + cb..i * dp + cb + NR];
+                let xs = x(i);
+                for r in 0..MR {
+                    for j in 0..NR {
+                        acc[r][j] = madd::<T, FMA>(xs[r], bv[j], acc[r][j]);
                     }
                 }
             }
-            for r in 0..MR {
-                out[(rb + r) * dp + cb..(rb + r) * dp + cb + NR].copy_from_slice(&acc[r]);
-            }
+        }
+        for r in 0..MR {
+            out[(rb + r) * dp + cb..(rb + r) * dp + cb + NR].copy_from_slice(&acc[r]);
         }
     }
 }
@@ -248,44 +267,11 @@ pub(crate) fn accumulate_t<T: CpuFloat, const FMA: bool>(
             continue;
         }
         for rb in (cs * NS..(cs + 1) * NS).step_by(MR) {
-            for cb in (0..dp).step_by(NR) {
-                let mut acc = [[T::ZERO; NR]; MR];
-                for r in 0..MR {
-                    acc[r].copy_from_slice(&out[(rb + r) * dp + cb..(rb + r) * dp + cb + NR]);
-                }
-                for (i0, i1) in block_runs(blocks) {
-                    for i in i0..i1 {
-                        let x: &[T; MR] = a[i * TILE + rb..][..MR].try_into().expect("MR values");
-                        let bv = &b[i * dp + cb..i * dp + cb + NR];
-                        for r in 0..MR {
-                            for j in 0..NR {
-                                acc[r][j] = madd::<T, FMA>(x[r], bv[j], acc[r][j]);
-                            }
-                        }
-                    }
-                }
-                for r in 0..MR {
-                    out[(rb + r) * dp + cb..(rb + r) * dp + cb + NR].copy_from_slice(&acc[r]);
-                }
-            }
+            let x =
+                |i: usize| -> [T; MR] { a[i * TILE + rb..][..MR].try_into().expect("MR values") };
+            register_block::<T, FMA>(out, b, dp, rb, bit_runs(blocks, MR), x);
         }
     }
-}
-
-/// The row ranges `[a, b)` of the runs of consecutive row blocks in
-/// `blocks` (bit `qb` = rows `qb·MR .. qb·MR + MR`), in order.
-#[inline(always)]
-fn block_runs(blocks: u32) -> impl Iterator<Item = (usize, usize)> {
-    let mut rest = blocks;
-    std::iter::from_fn(move || {
-        if rest == 0 {
-            return None;
-        }
-        let a = rest.trailing_zeros();
-        let n = (!(rest >> a)).trailing_zeros();
-        rest &= !((((1u64 << n) - 1) << a) as u32);
-        Some((a as usize * MR, (a + n) as usize * MR))
-    })
 }
 
 /// `acc + x · y`, fused (one rounding) when `FMA`. Only instantiate
@@ -437,8 +423,8 @@ mod tests {
     }
 
     #[test]
-    fn strip_runs_merge_consecutive_strips() {
-        let runs = |bits: u32| strip_runs(bits).collect::<Vec<_>>();
+    fn bit_runs_merge_consecutive_bits() {
+        let runs = |bits: u32| bit_runs(bits, NS).collect::<Vec<_>>();
         assert_eq!(runs(0), []);
         assert_eq!(runs((1 << STRIPS) - 1), [(0, TILE)]);
         assert_eq!(runs(0b1111), [(0, 4 * NS)]);
@@ -456,7 +442,7 @@ mod tests {
         assert_eq!(strip_row_blocks(live, 2), 1 | 1 << 1 | 1 << 3 | 1 << 15);
         assert_eq!(strip_row_blocks(live, 3), 1 << 1);
         assert_eq!(strip_row_blocks(live, 0), 0);
-        let runs = |bits: u32| block_runs(bits).collect::<Vec<_>>();
+        let runs = |bits: u32| bit_runs(bits, MR).collect::<Vec<_>>();
         assert_eq!(runs(0), []);
         assert_eq!(runs(0xffff), [(0, TILE)]);
         assert_eq!(

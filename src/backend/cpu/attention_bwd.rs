@@ -210,7 +210,7 @@ fn backward_checked<T: CpuFloat>(
         .chunks_mut(group)
         .zip(dk_rows.iter_mut().zip(dv_rows.iter_mut()));
     // One kv head and its query heads at a time: their copies (5 arrays of
-    // `lpad · dp` per head) stay in cache while both passes read them,
+    // `lpad · dp` per head) stay in cache while both kinds of item read them,
     // where copies of all heads at once would be read back from memory.
     for (g, (dq_group, (dk_head, dv_head))) in per_group.enumerate() {
         let heads = g * group..(g + 1) * group;
@@ -314,7 +314,7 @@ struct BwdCtx<'a, T> {
     /// `[group, lpad]`, +inf where no key is visible.
     lse: &'a [T],
     /// `[heads, lpad, dp]` (`*h`) and `[heads, lpad / TILE, dp, TILE]` (`*t`)
-    /// copies of the group's query heads (q, dO) or of kv head `g` (k, v);
+    /// copies of the group's query heads (q, dO) or of its kv head (k, v);
     /// q, k rotated.
     qh: &'a [T],
     kh: &'a [T],
@@ -347,13 +347,14 @@ struct QueryItem<'a, 'b, T> {
 
 /// Per thread, `[TILE, TILE]` scores then P (dK, dV items) or dS (dQ
 /// items); `[TILE, TILE]` dP, then dS (dK, dV items); the `[TILE, dp]`
-/// gradient rows being accumulated: dK and dV, or dQ in the first; and a
-/// chunk of gathered keys for dQ items.
+/// gradient rows being accumulated: dK and dV, or dQ; and a chunk of
+/// gathered keys for dQ items.
 struct BwdScratch<T> {
-    /// Two `[TILE, TILE]` blocks and four `[TILE, dp]` ones: a dK, dV item's
-    /// scores, dP, dK and dV accumulators; a dQ item's scores, dP, dQ
-    /// accumulator and a chunk of gathered keys (their Kᵀ and Vᵀ columns
-    /// and K rows).
+    /// Two `[TILE, TILE]` blocks and five `[TILE, dp]` ones: a dK, dV item's
+    /// scores, dP, dK accumulator and (the last) dV accumulator; a dQ item's
+    /// scores, dP, dQ accumulator and a chunk of gathered keys (its Kᵀ and
+    /// Vᵀ columns and K rows), which a dK, dV item never overwrites, so the
+    /// next dQ item of the thread can reuse it ([`KeyGather::holds_chunk`]).
     tiles: Staggered<T, 7>,
     gather: KeyGather,
 }

@@ -70,9 +70,9 @@ fn main() -> treeattn::Result<()> {
         base: 10_000.0,
         dims: d,
     });
-    let fwd = attention_forward(q.view(), k.view(), v.view(), pack.mask(), &params)?;
+    let fwd = attention_forward(q.view(), k.view(), v.view(), pack.mask()?, &params)?;
     let d_o = Array3::from_elem(fwd.o.dim(), 1.0);
-    let grads = attention_backward(&fwd, q.view(), k.view(), v.view(), d_o.view(), pack.mask())?;
+    let grads = attention_backward(&fwd, q.view(), k.view(), v.view(), d_o.view(), pack.mask()?)?;
     println!(
         "O {:?}, LSE {:?}, dQ {:?}, dK {:?}",
         fwd.o.dim(),
@@ -95,7 +95,7 @@ fn main() -> treeattn::Result<()> {
     let kl = sdcc_forward_kl(logits.view(), logits.view(), &pairs, &weights, 1.0)?;
     println!(
         "SDCC pairs (student row, teacher row) {pairs:?}: mean KL {:.4}",
-        kl.loss_mean
+        kl.loss.loss_mean
     );
     Ok(())
 }

@@ -57,11 +57,18 @@ use std::fmt;
 use std::time::Instant;
 
 use crate::backend::cpu::{
-    attention_backward_into, attention_forward_into, computed_entries, gather_counts, num_threads,
-    run_parallel, tile_counts, AttnGrads, AttnOut, CpuFloat, GatherCounts, SdccOut, TileCounts,
-    BLOCK_KEYS, BLOCK_QUERIES, TILE,
+    computed_entries, gather_counts, num_threads, run_parallel, tile_counts, Cpu, CpuFloat,
+    GatherCounts, TileCounts, BLOCK_KEYS, BLOCK_QUERIES, TILE,
 };
-use crate::backend::{check_sdcc_args, AttnParams, AttnShape};
+use crate::backend::{
+    AttentionBackend, AttnArgs, AttnParams, AttnShape, Grads, Host, HostSdcc, Saved, SdccArgs,
+    SdccLoss,
+};
+
+/// The owned results the baselines return, in the contract's types.
+type AttnOut<T> = crate::backend::AttnOut<T, T>;
+type AttnGrads<T> = crate::backend::AttnGrads<T>;
+type SdccOut<T> = crate::backend::SdccOut<T>;
 use crate::gen::{
     self, CompactionParams, FoldParams, GrpoParams, MemexParams, PlainParams, Rng, Shape,
     StackPopParams,
@@ -346,7 +353,7 @@ impl Workload {
             .iter()
             .fold(Cost::default(), |c, p| Cost {
                 tokens: c.tokens + p.len() as u64,
-                pairs: c.pairs + p.mask().visible_pairs(),
+                pairs: c.pairs + mask_of(p).visible_pairs(),
                 targets: c.targets + p.loss.len() as u64,
             })
     }
@@ -412,33 +419,12 @@ fn check_dense(
             DENSE_MAX_BYTES >> 30
         )));
     }
-    shape.validate()?;
-    params.validate(shape)?;
     if params.rope.is_some() {
         return Err(Error::Unsupported(
             "the dense-mask baseline takes pre-rotated inputs (params.rope must be None)".into(),
         ));
     }
-    if mask.len() != shape.tokens {
-        return Err(Error::Pack(format!(
-            "kv_end has {} entries but the attention shape has {} tokens",
-            mask.len(),
-            shape.tokens
-        )));
-    }
-    PackMask::new(mask.kv_end, mask.position_ids)?;
-    for (what, x, n) in [
-        ("q", q, shape.q_len()),
-        ("k", k, shape.kv_len()),
-        ("v", v, shape.kv_len()),
-    ] {
-        if x.len() != n {
-            return Err(Error::Shape(format!(
-                "{what} has {} elements, expected {n} for {shape:?}",
-                x.len()
-            )));
-        }
-    }
+    AttnArgs::<Host, f32>::new(q, k, v, *shape, *mask, *params)?;
     Ok(())
 }
 
@@ -704,7 +690,7 @@ pub fn dense_attention_forward(
     if l == 0 {
         return Ok(AttnOut { o, lse });
     }
-    let allowed = dense_mask(mask.kv_end);
+    let allowed = dense_mask(mask.kv_end());
     let scale = params.softmax_scale as f32;
     let mut s = vec![0.0f32; l * l];
     let mut kt = vec![0.0f32; d * l];
@@ -773,7 +759,7 @@ pub fn dense_attention_backward(
     if l == 0 {
         return Ok(grads);
     }
-    let allowed = dense_mask(mask.kv_end);
+    let allowed = dense_mask(mask.kv_end());
     let scale = params.softmax_scale as f32;
     let mut p = vec![0.0f32; l * l];
     let mut dp = vec![0.0f32; l * l];
@@ -865,13 +851,9 @@ pub fn sdcc_unfused(
     weights: &[f32],
     temperature: f32,
 ) -> Result<SdccOut<f32>> {
-    let (n_student, _) = check_sdcc_args(
-        (student.len(), teacher.len()),
-        vocab,
-        pairs,
-        weights,
-        temperature,
-    )?;
+    let n_student =
+        SdccArgs::<Host, f32>::new(student, teacher, vocab, pairs, weights, temperature)?
+            .student_rows();
     for &(s, t) in pairs {
         for (what, x, r) in [("student", student, s), ("teacher", teacher, t)] {
             let row = &x[r as usize * vocab..][..vocab];
@@ -999,22 +981,8 @@ pub fn sdcc_unfused(
             }
         },
     );
-    let mut loss_sum = 0.0f64;
-    let mut weight_sum = 0.0f64;
-    for (&kl, &w) in per_pair.iter().zip(weights) {
-        if w > 0.0 {
-            loss_sum += w as f64 * kl;
-            weight_sum += w as f64;
-        }
-    }
     Ok(SdccOut {
-        loss_sum,
-        loss_mean: if weight_sum > 0.0 {
-            loss_sum / weight_sum
-        } else {
-            0.0
-        },
-        per_pair,
+        loss: SdccLoss::from_per_pair(per_pair, weights),
         grad_student,
     })
 }
@@ -1071,14 +1039,15 @@ impl SdccCase {
 
     /// The fused op of the CPU backend.
     pub fn fused(&self) -> Result<SdccOut<f32>> {
-        crate::backend::cpu::sdcc_forward_kl(
-            &self.student,
-            &self.teacher,
+        let args = SdccArgs::new(
+            &self.student[..],
+            &self.teacher[..],
             self.vocab,
             &self.pairs,
             &self.weights,
             self.temperature,
-        )
+        )?;
+        Cpu::default().sdcc_owned(&args)
     }
 
     /// [`sdcc_unfused`] on the same inputs.
@@ -1145,10 +1114,10 @@ pub fn sdcc_table(pairs: usize, vocabs: &[usize], reps: usize) -> Result<SdccTab
     for &vocab in vocabs {
         let case = SdccCase::new(pairs, vocab, 7);
         let (a, b) = (case.fused()?, case.unfused()?);
-        if (a.loss_sum - b.loss_sum).abs() > 1e-4 * a.loss_sum.abs() {
+        if (a.loss.loss_sum - b.loss.loss_sum).abs() > 1e-4 * a.loss.loss_sum.abs() {
             return Err(Error::Shape(format!(
                 "fused and unfused SDCC disagree at vocab {vocab}: {} vs {}",
-                a.loss_sum, b.loss_sum
+                a.loss.loss_sum, b.loss.loss_sum
             )));
         }
         let fused = measure(reps, || case.fused().map(drop))?;
@@ -1319,7 +1288,7 @@ impl Case {
                 kv_heads: self.heads,
                 head_dim: self.head_dim,
             };
-            let mask = pack.mask();
+            let mask = pack.mask()?;
             if self.method == Method::DenseMask {
                 let fwd = dense_attention_forward(&x.q, &x.k, &x.v, shape, mask, &params)?;
                 if pass == Pass::ForwardBackward {
@@ -1332,11 +1301,19 @@ impl Case {
                 std::hint::black_box(fwd);
                 continue;
             }
-            attention_forward_into(&x.q, &x.k, &x.v, shape, mask, &params, o, lse)?;
+            let args = AttnArgs::new(&x.q[..], &x.k[..], &x.v[..], shape, mask, params)?;
+            Cpu::default().forward(&args, &mut o[..], &mut lse[..])?;
             if pass == Pass::ForwardBackward {
-                attention_backward_into(
-                    &x.q, &x.k, &x.v, o, lse, &x.d_o, shape, mask, &params, dq, dk, dv,
-                )?;
+                let saved = Saved {
+                    o: &o[..],
+                    lse: &lse[..],
+                };
+                let grads = Grads {
+                    dq: &mut dq[..],
+                    dk: &mut dk[..],
+                    dv: &mut dv[..],
+                };
+                Cpu::default().backward(&args, saved, &x.d_o[..], grads)?;
             }
             std::hint::black_box((o, lse, dq, dk, dv));
         }
@@ -1604,17 +1581,17 @@ pub fn tile_utilization(pack: &Pack, tile: usize) -> f64 {
     if computed == 0 {
         return 0.0;
     }
-    pack.mask().visible_pairs() as f64 / computed as f64
+    mask_of(pack).visible_pairs() as f64 / computed as f64
 }
 
 /// Visible pairs over the entries the CPU kernels compute on `pack`
 /// ([`computed_entries`]); 0 for an empty pack.
 pub fn kernel_utilization(pack: &Pack) -> f64 {
-    let computed = computed_entries(pack.mask());
+    let computed = computed_entries(mask_of(pack));
     if computed == 0 {
         return 0.0;
     }
-    pack.mask().visible_pairs() as f64 / computed as f64
+    mask_of(pack).visible_pairs() as f64 / computed as f64
 }
 
 /// The result of [`quick`]; `Display` prints the comparison table and the
@@ -1692,8 +1669,8 @@ pub fn quick(opts: &Options) -> Result<Table> {
             causal_tile_use: tile_utilization(&w.causal, TILE),
             trie_kernel_use: kernel_utilization(&w.trie),
             causal_kernel_use: kernel_utilization(&w.causal),
-            trie_tiles: tile_counts(w.trie.mask()),
-            trie_gather: gather_counts(w.trie.mask()),
+            trie_tiles: tile_counts(mask_of(&w.trie)),
+            trie_gather: gather_counts(mask_of(&w.trie)),
             trie_balance: forward_balance(&w.trie, opts.heads, num_threads()),
             causal_balance: forward_balance(&w.causal, opts.heads, num_threads()),
         });
@@ -1997,10 +1974,50 @@ impl fmt::Display for CostTable {
     }
 }
 
+/// The mask of a pack the bench built itself (from its own generators, so
+/// valid by construction).
+fn mask_of(pack: &Pack) -> PackMask<'_> {
+    pack.mask()
+        .expect("the bench's generators build packs with a valid kv_end")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::{attention_backward, attention_forward};
+    use crate::backend::HostAttention;
+
+    /// The CPU backend's forward through the contract.
+    fn attention_forward(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: AttnShape,
+        mask: PackMask<'_>,
+        params: &AttnParams,
+    ) -> Result<AttnOut<f32>> {
+        Cpu::default().forward_owned(&AttnArgs::new(q, k, v, shape, mask, *params)?)
+    }
+
+    /// The CPU backend's backward through the contract.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        o: &[f32],
+        lse: &[f32],
+        d_o: &[f32],
+        shape: AttnShape,
+        mask: PackMask<'_>,
+        params: &AttnParams,
+    ) -> Result<AttnGrads<f32>> {
+        let args = AttnArgs::new(q, k, v, shape, mask, *params)?;
+        let fwd = AttnOut {
+            o: o.to_vec(),
+            lse: lse.to_vec(),
+        };
+        Cpu::default().backward_owned(&args, &fwd, d_o)
+    }
 
     /// Largest |a − b| over two equally long slices.
     fn max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -2044,8 +2061,9 @@ mod tests {
                 let k = random(sh.kv_len(), &mut rng);
                 let v = random(sh.kv_len(), &mut rng);
                 let d_o = random(sh.q_len(), &mut rng);
-                let tiled = attention_forward(&q, &k, &v, sh, p.mask(), &params).unwrap();
-                let dense = dense_attention_forward(&q, &k, &v, sh, p.mask(), &params).unwrap();
+                let tiled = attention_forward(&q, &k, &v, sh, p.mask().unwrap(), &params).unwrap();
+                let dense =
+                    dense_attention_forward(&q, &k, &v, sh, p.mask().unwrap(), &params).unwrap();
                 assert!(max_diff(&tiled.o, &dense.o) < 2e-4, "{shape:?} O");
                 assert!(max_diff(&tiled.lse, &dense.lse) < 2e-4, "{shape:?} LSE");
                 let gt = attention_backward(
@@ -2056,7 +2074,7 @@ mod tests {
                     &tiled.lse,
                     &d_o,
                     sh,
-                    p.mask(),
+                    p.mask().unwrap(),
                     &params,
                 )
                 .unwrap();
@@ -2068,7 +2086,7 @@ mod tests {
                     &dense.lse,
                     &d_o,
                     sh,
-                    p.mask(),
+                    p.mask().unwrap(),
                     &params,
                 )
                 .unwrap();
@@ -2079,7 +2097,8 @@ mod tests {
                 // mask differ wherever the tree hides something.
                 if w.junctions > 0 {
                     let causal =
-                        dense_attention_forward(&q, &k, &v, sh, w.causal.mask(), &params).unwrap();
+                        dense_attention_forward(&q, &k, &v, sh, w.causal.mask().unwrap(), &params)
+                            .unwrap();
                     assert!(
                         max_diff(&causal.o, &dense.o) > 1e-2,
                         "{shape:?} mask ignored"
@@ -2150,10 +2169,7 @@ mod tests {
             &x_big,
             &x_big,
             big,
-            PackMask {
-                kv_end: &kv_big,
-                position_ids: &pos_big,
-            },
+            PackMask::new(&kv_big, &pos_big).unwrap(),
             &AttnParams::new(1),
         )
         .map(drop);
@@ -2161,20 +2177,6 @@ mod tests {
             matches!(refused, Err(Error::Unsupported(ref m)) if m.contains("L = 50000")),
             "{refused:?}"
         );
-        let bad = [4u32, 1, 3];
-        let e = dense_attention_forward(
-            &q,
-            &k,
-            &v,
-            sh,
-            PackMask {
-                kv_end: &bad,
-                position_ids: &pos,
-            },
-            &params,
-        )
-        .unwrap_err();
-        assert!(matches!(e, Error::Pack(_)), "{e}");
         let mut lse = out.lse.clone();
         lse[2] = f32::NAN;
         let e =
@@ -2259,7 +2261,15 @@ mod tests {
         let params = AttnParams::new(d);
         let run = |p: &Pack| {
             let x = PackInputs::new(p, h, d);
-            attention_forward(&x.q, &x.k, &x.v, shape_of(p, h, h, d), p.mask(), &params).unwrap()
+            attention_forward(
+                &x.q,
+                &x.k,
+                &x.v,
+                shape_of(p, h, h, d),
+                p.mask().unwrap(),
+                &params,
+            )
+            .unwrap()
         };
         let trie = run(&w.trie);
         let mut checked = 0;
@@ -2315,19 +2325,19 @@ mod tests {
         c.temperature = 1.7;
         let (a, b) = (c.fused().unwrap(), c.unfused().unwrap());
         assert!(
-            (a.loss_sum - b.loss_sum).abs() <= 1e-5 * a.loss_sum.abs(),
+            (a.loss.loss_sum - b.loss.loss_sum).abs() <= 1e-5 * a.loss.loss_sum.abs(),
             "{a:?} {b:?}"
         );
-        assert!(a.loss_sum > 0.0);
-        for (x, y) in a.per_pair.iter().zip(&b.per_pair) {
+        assert!(a.loss.loss_sum > 0.0);
+        for (x, y) in a.loss.per_pair.iter().zip(&b.loss.per_pair) {
             assert!((x - y).abs() <= 1e-5 + 1e-4 * x.abs(), "{x} {y}");
         }
         assert!(max_diff(&a.grad_student, &b.grad_student) < 1e-6);
         assert!(a.grad_student.iter().any(|&g| g.abs() > 1e-5));
         // Student −inf where the teacher has mass: KL = +inf in both.
         c.student[7 * 3000 + 11] = f32::NEG_INFINITY;
-        assert_eq!(c.unfused().unwrap().per_pair[7], f64::INFINITY);
-        assert_eq!(c.fused().unwrap().per_pair[7], f64::INFINITY);
+        assert_eq!(c.unfused().unwrap().loss.per_pair[7], f64::INFINITY);
+        assert_eq!(c.fused().unwrap().loss.per_pair[7], f64::INFINITY);
         // Bad input is an error naming it.
         c.student[3 * 3000 + 2] = f32::NAN;
         let e = c.unfused().unwrap_err();
@@ -2459,9 +2469,9 @@ mod tests {
             for e in p.kv_end.iter_mut() {
                 *e = (*e).min(l as u32);
             }
-            let c = tile_counts(p.mask());
+            let c = tile_counts(p.mask().unwrap());
             let computed = ((c.full + c.partial) * (TILE * TILE) as u64) as f64;
-            let expected = p.mask().visible_pairs() as f64 / computed;
+            let expected = p.mask().unwrap().visible_pairs() as f64 / computed;
             assert!(
                 (tile_utilization(&p, TILE) - expected).abs() < 1e-12,
                 "{shape:?}"

@@ -28,8 +28,8 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::backend::cpu::sdcc_forward_kl;
-use crate::backend::Rope;
+use crate::backend::cpu::Cpu;
+use crate::backend::{HostSdcc, Rope, SdccArgs};
 use crate::logittree::{compare_entries, run_model, ModelRun};
 use crate::model::{Model, ModelConfig};
 use crate::pack::Pack;
@@ -326,14 +326,9 @@ pub fn run(opts: &DemoOptions) -> Result<Report> {
         let logits = model.logits(&fwd, &rows)?;
         let (student, teacher) = logits.split_at(pairs.len() * vocab);
         let index: Vec<(u32, u32)> = (0..pairs.len() as u32).map(|i| (i, i)).collect();
-        let out = sdcc_forward_kl(
-            student,
-            teacher,
-            vocab,
-            &index,
-            &vec![1.0; pairs.len()],
-            temperature,
-        )?;
+        let weights = vec![1.0; pairs.len()];
+        let args = SdccArgs::new(student, teacher, vocab, &index, &weights, temperature)?;
+        let out = Cpu::default().sdcc_owned(&args)?.loss;
         sdcc.kl_mean = out.loss_mean;
         sdcc.kl_max = out.per_pair.iter().fold(0.0, |m: f64, &v| m.max(v));
     }

@@ -17,6 +17,34 @@
 //!    separate passes ([`logittree`]).
 //!
 //! The mask rule: query `q` may attend to key `k` iff `k <= q < kv_end[k]`.
+//!
+//! Every backend implements one contract ([`backend::AttentionBackend`],
+//! [`backend::SdccBackend`]) on arguments validated once
+//! ([`backend::AttnArgs`], [`backend::SdccArgs`]):
+//!
+//! ```
+//! use treeattn::backend::cpu::Cpu;
+//! use treeattn::backend::{AttnArgs, AttnParams, AttnShape, HostAttention};
+//! use treeattn::rollout::{Call, Rollout};
+//! use treeattn::tree::Tree;
+//!
+//! // Two calls; the second rewrites the first's context (a junction).
+//! let rollout = Rollout::new("r1", vec![
+//!     Call::new(vec![1, 2], vec![3]),
+//!     Call::new(vec![1, 9, 3], vec![4]),
+//! ])?;
+//! let pack = Tree::build(&[rollout], false)?.trie_pack();
+//! assert_eq!(pack.tokens, [1, 2, 3, 9, 3, 4]);
+//! assert_eq!(pack.kv_end, [6, 3, 3, 6, 6, 6]);
+//!
+//! let shape = AttnShape { tokens: pack.len(), q_heads: 2, kv_heads: 1, head_dim: 8 };
+//! let x = |n: usize| (0..n).map(|i| (i as f64 * 0.1).cos()).collect::<Vec<f64>>();
+//! let (q, kv) = (x(shape.q_len()), x(shape.kv_len()));
+//! let args = AttnArgs::new(&q[..], &kv[..], &kv[..], shape, pack.mask()?, AttnParams::new(8))?;
+//! let out = Cpu::default().forward_owned(&args)?;
+//! assert_eq!(out.o.len(), shape.q_len());
+//! # Ok::<(), treeattn::Error>(())
+//! ```
 
 pub mod backend;
 pub mod bench;
@@ -33,3 +61,15 @@ pub mod safetensors;
 pub mod tree;
 
 pub use error::{Error, Result};
+
+/// The `ndarray` version the [`ops`] take views of, so that a dependent on
+/// another `ndarray` version still compiles against them.
+pub use ndarray;
+
+/// The `half` version of the kernels' `bf16` / `f16` element types.
+pub use half;
+
+// The README's Rust snippets compile and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

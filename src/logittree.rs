@@ -19,9 +19,10 @@
 
 use std::collections::HashSet;
 
-use crate::backend::cpu::{AttnGrads, CpuFloat};
+use crate::backend::cpu::CpuFloat;
 use crate::backend::AttnParams;
-use crate::model::{AttentionBackend, Model, Params};
+use crate::backend::{AttentionBackend, AttnArgs, AttnGrads, Host, HostAttention};
+use crate::model::{Model, Params};
 use crate::pack::{LossEntry, Pack};
 use crate::{Error, Result};
 
@@ -71,7 +72,7 @@ pub struct ModelRun<T> {
 /// when `packs` is [`crate::tree::Tree::logittree_packs`], one pass for a
 /// single pack. Entries are merged into canonical order and the gradients
 /// summed.
-pub fn run_model<T: CpuFloat, A: AttentionBackend<T>>(
+pub fn run_model<T: CpuFloat, A: AttentionBackend<T, Memory = Host, Lse = T>>(
     model: &Model<T, A>,
     packs: &[Pack],
 ) -> Result<ModelRun<T>> {
@@ -86,7 +87,7 @@ pub fn run_model<T: CpuFloat, A: AttentionBackend<T>>(
         }
         grads.add_assign(&model.backward(&fwd)?)?;
         tokens += pack.len();
-        visible_pairs += pack.mask().visible_pairs();
+        visible_pairs += pack.mask()?.visible_pairs();
     }
     Ok(ModelRun {
         entries,
@@ -123,7 +124,7 @@ pub struct AttnRun<T> {
 /// row of every loss entry, and runs backward with `dO[r] = Σ_{e: row_e = r}
 /// g_e`, where `cotangent` holds `g_e` (`q_heads · head_dim` values) per
 /// entry in canonical order of all packs' entries.
-pub fn run_attention<T: CpuFloat, A: AttentionBackend<T>>(
+pub fn run_attention<T: CpuFloat, A: AttentionBackend<T, Memory = Host, Lse = T>>(
     attention: &A,
     packs: &[Pack],
     inputs: &[AttnInputs<'_, T>],
@@ -167,19 +168,9 @@ pub fn run_attention<T: CpuFloat, A: AttentionBackend<T>>(
                 pack.len()
             )));
         }
-        if x.q.len() != shape.q_len() || x.k.len() != shape.kv_len() || x.v.len() != shape.kv_len()
-        {
-            return Err(Error::Shape(format!(
-                "pass {p}: Q/K/V of {}/{}/{} values, shape {shape:?} needs {}/{}/{}",
-                x.q.len(),
-                x.k.len(),
-                x.v.len(),
-                shape.q_len(),
-                shape.kv_len(),
-                shape.kv_len()
-            )));
-        }
-        let out = attention.forward(x.q, x.k, x.v, shape, pack.mask(), params)?;
+        let args = AttnArgs::new(x.q, x.k, x.v, shape, pack.mask()?, *params)
+            .map_err(|e| Error::Shape(format!("pass {p}: {e}")))?;
+        let out = attention.forward_owned(&args)?;
         let mut d_o = vec![T::ZERO; shape.q_len()];
         for (e, &c) in pack.loss.iter().zip(slot) {
             let row = e.row as usize * width..(e.row as usize + 1) * width;
@@ -191,17 +182,7 @@ pub fn run_attention<T: CpuFloat, A: AttentionBackend<T>>(
                 *d += g;
             }
         }
-        grads.push(attention.backward(
-            x.q,
-            x.k,
-            x.v,
-            &out.o,
-            &out.lse,
-            &d_o,
-            shape,
-            pack.mask(),
-            params,
-        )?);
+        grads.push(attention.backward_owned(&args, &out, &d_o)?);
     }
     Ok(AttnRun {
         entries,

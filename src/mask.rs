@@ -15,10 +15,15 @@ use crate::{Error, Result};
 
 /// The part of a pack that attention needs: the interval mask and the
 /// position ids (one per packed token, used by rotary embeddings).
+///
+/// A `PackMask` is valid by construction: [`PackMask::new`] is the only way
+/// to make one, so every backend reads `kv_end` and the position ids without
+/// checking them again (a kernel indexes with them: an invalid `kv_end` or
+/// too few position ids would read out of bounds).
 #[derive(Clone, Copy, Debug)]
 pub struct PackMask<'a> {
-    pub kv_end: &'a [u32],
-    pub position_ids: &'a [u32],
+    kv_end: &'a [u32],
+    position_ids: &'a [u32],
 }
 
 impl<'a> PackMask<'a> {
@@ -54,6 +59,16 @@ impl<'a> PackMask<'a> {
         })
     }
 
+    /// `kv_end[k]`: key `k` is seen by the queries `k <= q < kv_end[k]`.
+    pub fn kv_end(&self) -> &'a [u32] {
+        self.kv_end
+    }
+
+    /// One position id per packed token (its depth in the trie).
+    pub fn position_ids(&self) -> &'a [u32] {
+        self.position_ids
+    }
+
     /// Number of packed tokens `L`.
     pub fn len(&self) -> usize {
         self.kv_end.len()
@@ -84,15 +99,20 @@ impl<'a> PackMask<'a> {
     /// it with saved forward state so that a backward call with a pack from
     /// another batch is rejected instead of silently computing garbage.
     pub fn fingerprint(&self) -> u64 {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for &x in self.kv_end.iter().chain(self.position_ids.iter()) {
-            for b in x.to_le_bytes() {
-                h ^= b as u64;
-                h = h.wrapping_mul(0x0000_0100_0000_01b3);
-            }
-        }
-        h ^ (self.kv_end.len() as u64)
+        fingerprint(self.kv_end, self.position_ids)
     }
+}
+
+/// [`PackMask::fingerprint`] of `kv_end` and position ids, valid or not.
+pub(crate) fn fingerprint(kv_end: &[u32], position_ids: &[u32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &x in kv_end.iter().chain(position_ids.iter()) {
+        for b in x.to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h ^ (kv_end.len() as u64)
 }
 
 /// The dense boolean mask `[L, L]`, row-major `[q][k]`: entry `q * L + k` is

@@ -38,82 +38,19 @@
 //! attention op never forms an `L×L` matrix. Matmuls are cache-blocked loops,
 //! split over rows across the CPU backend's threads when large enough.
 //!
-//! The attention call goes through [`AttentionBackend`], so the same model runs
-//! on any backend; [`CpuAttention`] (the crate's reference op) is the default.
+//! The attention call goes through the crate's contract
+//! ([`AttentionBackend`] on host memory), so the same model runs on any host
+//! backend; [`Cpu`] (the crate's reference op) is the default.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::backend::cpu::{self, AttnGrads, AttnOut, CpuFloat};
+use crate::backend::cpu::{self, Cpu, CpuFloat};
+use crate::backend::{AttentionBackend, AttnArgs, AttnGrads, Grads, Host, HostAttention, Saved};
 use crate::backend::{AttnParams, AttnShape, Rope};
 use crate::gen::Rng;
 use crate::mask::PackMask;
 use crate::pack::Pack;
 use crate::{Error, Result};
-
-/// The attention op the model calls, in the varlen layout of
-/// [`crate::backend`]: Q `[tokens, q_heads, head_dim]`, K and V
-/// `[tokens, kv_heads, head_dim]`, LSE `[q_heads, tokens]`. Rotary embedding,
-/// when `params.rope` is set, is applied inside the op.
-pub trait AttentionBackend<T> {
-    /// `O = softmax(scale · Q Kᵀ masked) V` and its log-sum-exp.
-    fn forward(
-        &self,
-        q: &[T],
-        k: &[T],
-        v: &[T],
-        shape: AttnShape,
-        mask: PackMask<'_>,
-        params: &AttnParams,
-    ) -> Result<AttnOut<T>>;
-
-    /// dQ, dK, dV from dO and the saved forward (O, LSE).
-    #[allow(clippy::too_many_arguments)]
-    fn backward(
-        &self,
-        q: &[T],
-        k: &[T],
-        v: &[T],
-        o: &[T],
-        lse: &[T],
-        d_o: &[T],
-        shape: AttnShape,
-        mask: PackMask<'_>,
-        params: &AttnParams,
-    ) -> Result<AttnGrads<T>>;
-}
-
-/// The crate's reference CPU attention ([`crate::backend::cpu`]).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CpuAttention;
-
-impl<T: CpuFloat> AttentionBackend<T> for CpuAttention {
-    fn forward(
-        &self,
-        q: &[T],
-        k: &[T],
-        v: &[T],
-        shape: AttnShape,
-        mask: PackMask<'_>,
-        params: &AttnParams,
-    ) -> Result<AttnOut<T>> {
-        cpu::attention_forward(q, k, v, shape, mask, params)
-    }
-
-    fn backward(
-        &self,
-        q: &[T],
-        k: &[T],
-        v: &[T],
-        o: &[T],
-        lse: &[T],
-        d_o: &[T],
-        shape: AttnShape,
-        mask: PackMask<'_>,
-        params: &AttnParams,
-    ) -> Result<AttnGrads<T>> {
-        cpu::attention_backward(q, k, v, o, lse, d_o, shape, mask, params)
-    }
-}
 
 /// Sizes and switches of the tiny transformer.
 #[derive(Clone, Debug, PartialEq)]
@@ -455,7 +392,7 @@ pub struct Target {
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The tiny transformer: configuration, weights and the attention backend.
-pub struct Model<T, A = CpuAttention> {
+pub struct Model<T, A = Cpu> {
     config: ModelConfig,
     params: Params<T>,
     attention: A,
@@ -463,11 +400,11 @@ pub struct Model<T, A = CpuAttention> {
     version: u64,
 }
 
-impl<T: CpuFloat> Model<T, CpuAttention> {
+impl<T: CpuFloat> Model<T, Cpu> {
     /// Random weights from `seed` ([`Params::random`]), CPU attention.
     pub fn new(config: ModelConfig, seed: u64) -> Result<Self> {
         let params = Params::random(&config, seed)?;
-        Model::with_attention(config, params, CpuAttention)
+        Model::with_attention(config, params, Cpu::default())
     }
 }
 
@@ -513,7 +450,7 @@ pub struct Forward<T> {
     model: (u64, u64),
 }
 
-impl<T: CpuFloat, A: AttentionBackend<T>> Model<T, A> {
+impl<T: CpuFloat, A: AttentionBackend<T, Memory = Host, Lse = T>> Model<T, A> {
     /// A model from given weights and attention backend; checks the weights
     /// against the configuration.
     pub fn with_attention(config: ModelConfig, params: Params<T>, attention: A) -> Result<Self> {
@@ -552,7 +489,6 @@ impl<T: CpuFloat, A: AttentionBackend<T>> Model<T, A> {
         targets: &[Target],
     ) -> Result<Forward<T>> {
         let cfg = &self.config;
-        let mask = PackMask::new(mask.kv_end, mask.position_ids)?;
         let l = tokens.len();
         if mask.len() != l {
             return Err(Error::Shape(format!(
@@ -608,18 +544,8 @@ impl<T: CpuFloat, A: AttentionBackend<T>> Model<T, A> {
             let (o, lse) = if l == 0 {
                 (Vec::new(), Vec::new())
             } else {
-                let out = self
-                    .attention
-                    .forward(&q, &k, &v, shape, mask, &attn_params)?;
-                if out.o.len() != shape.q_len() || out.lse.len() != cfg.q_heads * l {
-                    return Err(Error::Shape(format!(
-                        "attention backend returned O of {} and LSE of {} values, expected {} and {}",
-                        out.o.len(),
-                        out.lse.len(),
-                        shape.q_len(),
-                        cfg.q_heads * l
-                    )));
-                }
+                let args = AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, attn_params)?;
+                let out = self.attention.forward_owned(&args)?;
                 (out.o, out.lse)
             };
             let mut x_mid = matmul(&o, &lp.wo, l, qw, d);
@@ -667,8 +593,8 @@ impl<T: CpuFloat, A: AttentionBackend<T>> Model<T, A> {
         Ok(Forward {
             logprobs,
             tokens: tokens.to_vec(),
-            kv_end: mask.kv_end.to_vec(),
-            position_ids: mask.position_ids.to_vec(),
+            kv_end: mask.kv_end().to_vec(),
+            position_ids: mask.position_ids().to_vec(),
             targets: targets.to_vec(),
             layers,
             x_final: x,
@@ -695,7 +621,7 @@ impl<T: CpuFloat, A: AttentionBackend<T>> Model<T, A> {
                 weight: e.weight as f64,
             })
             .collect();
-        self.forward(&pack.tokens, pack.mask(), &targets)
+        self.forward(&pack.tokens, pack.mask()?, &targets)
     }
 
     /// The LM-head matrix `[vocab, d_model]`.
@@ -760,10 +686,7 @@ impl<T: CpuFloat, A: AttentionBackend<T>> Model<T, A> {
             cfg.vocab,
         );
         let l = fwd.tokens.len();
-        let mask = PackMask {
-            kv_end: &fwd.kv_end,
-            position_ids: &fwd.position_ids,
-        };
+        let mask = PackMask::new(&fwd.kv_end, &fwd.position_ids)?;
         let shape = cfg.attn_shape(l);
         let attn_params = cfg.attn_params();
         let mut grads = Params::zeros(cfg);
@@ -859,32 +782,32 @@ impl<T: CpuFloat, A: AttentionBackend<T>> Model<T, A> {
                     dv: Vec::new(),
                 }
             } else {
-                self.attention.backward(
-                    &tape.q,
-                    &tape.k,
-                    &tape.v,
-                    &tape.o,
-                    &tape.lse,
-                    &d_o,
+                let args = AttnArgs::new(
+                    &tape.q[..],
+                    &tape.k[..],
+                    &tape.v[..],
                     shape,
                     mask,
-                    &attn_params,
-                )?
+                    attn_params,
+                )?;
+                let nan = T::from_f64(f64::NAN);
+                let mut g = AttnGrads {
+                    dq: vec![nan; shape.q_len()],
+                    dk: vec![nan; shape.kv_len()],
+                    dv: vec![nan; shape.kv_len()],
+                };
+                let saved = Saved {
+                    o: &tape.o[..],
+                    lse: &tape.lse[..],
+                };
+                let grads = Grads {
+                    dq: &mut g.dq[..],
+                    dk: &mut g.dk[..],
+                    dv: &mut g.dv[..],
+                };
+                self.attention.backward(&args, saved, &d_o[..], grads)?;
+                g
             };
-            if g.dq.len() != shape.q_len()
-                || g.dk.len() != shape.kv_len()
-                || g.dv.len() != shape.kv_len()
-            {
-                return Err(Error::Shape(format!(
-                    "attention backend returned dQ/dK/dV of {}/{}/{} values, expected {}/{}/{}",
-                    g.dq.len(),
-                    g.dk.len(),
-                    g.dv.len(),
-                    shape.q_len(),
-                    shape.kv_len(),
-                    shape.kv_len()
-                )));
-            }
             matmul_at_b_acc(&tape.h_attn, &g.dq, l, d, qw, &mut lg.wq);
             matmul_at_b_acc(&tape.h_attn, &g.dk, l, d, kw, &mut lg.wk);
             matmul_at_b_acc(&tape.h_attn, &g.dv, l, d, kw, &mut lg.wv);
@@ -1155,16 +1078,19 @@ mod tests {
         let cfg = ModelConfig::tiny(50);
         let mut p = Params::<f64>::random(&cfg, 1).unwrap();
         p.layers[1].wk.pop();
-        let err = Model::with_attention(cfg.clone(), p, CpuAttention)
+        let err = Model::with_attention(cfg.clone(), p, Cpu::default())
             .err()
             .unwrap();
         assert!(err.to_string().contains("layers.1.wk"), "{err}");
         let mut tied = cfg.clone();
         tied.tied_embeddings = true;
-        let err =
-            Model::with_attention(tied, Params::<f64>::random(&cfg, 1).unwrap(), CpuAttention)
-                .err()
-                .unwrap();
+        let err = Model::with_attention(
+            tied,
+            Params::<f64>::random(&cfg, 1).unwrap(),
+            Cpu::default(),
+        )
+        .err()
+        .unwrap();
         assert!(err.to_string().contains("tensors"), "{err}");
     }
 
@@ -1184,10 +1110,7 @@ mod tests {
     fn bad_inputs_are_errors() {
         let model = Model::<f64>::new(ModelConfig::tiny(20), 1).unwrap();
         let (kv, pos) = ([3u32, 3, 3], [0u32, 1, 2]);
-        let mask = PackMask {
-            kv_end: &kv,
-            position_ids: &pos,
-        };
+        let mask = PackMask::new(&kv, &pos).unwrap();
         let t = |row, label| Target {
             row,
             label,
@@ -1204,24 +1127,13 @@ mod tests {
         assert!(e.to_string().contains("target 1: label 25"), "{e}");
         let e = model.forward(&[1, 2], mask, &[]).err().unwrap();
         assert!(matches!(e, Error::Shape(_)), "{e}");
-        let bad = PackMask {
-            kv_end: &[3, 0, 3],
-            position_ids: &pos,
-        };
-        assert!(matches!(
-            model.forward(&[1, 2, 3], bad, &[]),
-            Err(Error::Pack(_))
-        ));
     }
 
     #[test]
     fn stale_forward_is_refused() {
         let mut model = Model::<f64>::new(ModelConfig::tiny(20), 1).unwrap();
         let (kv, pos) = ([2u32, 2], [0u32, 1]);
-        let mask = PackMask {
-            kv_end: &kv,
-            position_ids: &pos,
-        };
+        let mask = PackMask::new(&kv, &pos).unwrap();
         let fwd = model
             .forward(
                 &[4, 5],

@@ -72,12 +72,10 @@ pub struct Pack {
 }
 
 impl Pack {
-    /// The attention view: `kv_end` and position ids.
-    pub fn mask(&self) -> PackMask<'_> {
-        PackMask {
-            kv_end: &self.kv_end,
-            position_ids: &self.position_ids,
-        }
+    /// The attention view: `kv_end` and position ids, checked (the fields
+    /// are public, so a pack may have been changed since it was built).
+    pub fn mask(&self) -> Result<PackMask<'_>> {
+        PackMask::new(&self.kv_end, &self.position_ids)
     }
 
     /// Packed length `L`.
@@ -92,7 +90,7 @@ impl Pack {
 
     /// Fingerprint of the mask (see [`PackMask::fingerprint`]).
     pub fn fingerprint(&self) -> u64 {
-        self.mask().fingerprint()
+        crate::mask::fingerprint(&self.kv_end, &self.position_ids)
     }
 
     /// Index of the loss entry for completion token `offset` of call `call`

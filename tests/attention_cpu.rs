@@ -2,9 +2,12 @@
 //! differences, fully masked rows, a negative control, tile coverage and
 //! error handling.
 
+mod common;
+use common::calls;
+
 use ndarray::Array3;
 use proptest::prelude::*;
-use treeattn::backend::cpu::{self, block_counts, gather_counts, tile_counts, CpuFloat, TILE};
+use treeattn::backend::cpu::{block_counts, gather_counts, tile_counts, CpuFloat, TILE};
 use treeattn::backend::{AttnParams, AttnShape, Rope};
 use treeattn::mask::PackMask;
 use treeattn::ops;
@@ -347,9 +350,8 @@ fn check_case<T: CpuFloat>(c: &Case) -> [f64; 5] {
         &c.params,
     );
     let m = c.mask.view();
-    let fwd = cpu::attention_forward(&q, &k, &v, c.shape, m, &c.params).unwrap();
-    let g =
-        cpu::attention_backward(&q, &k, &v, &fwd.o, &fwd.lse, &d_o, c.shape, m, &c.params).unwrap();
+    let fwd = calls::cpu_forward(&q, &k, &v, c.shape, m, &c.params).unwrap();
+    let g = calls::cpu_backward(&q, &k, &v, &fwd.o, &fwd.lse, &d_o, c.shape, m, &c.params).unwrap();
     for x in fwd.o.iter().chain(&g.dq).chain(&g.dk).chain(&g.dv) {
         assert!(x.is_finite(), "non-finite output");
     }
@@ -448,13 +450,13 @@ fn check_into<T: CpuFloat>(c: &Case) {
     for flip in [1.0, -0.5] {
         let t = |x: &[f64]| x.iter().map(|&v| T::from_f64(flip * v)).collect::<Vec<T>>();
         let (q, k, v, d_o) = (t(&c.q), t(&c.k), t(&c.v), t(&c.d_o));
-        let want = cpu::attention_forward(&q, &k, &v, c.shape, m, &c.params).unwrap();
-        cpu::attention_forward_into(&q, &k, &v, c.shape, m, &c.params, &mut o, &mut lse).unwrap();
+        let want = calls::cpu_forward(&q, &k, &v, c.shape, m, &c.params).unwrap();
+        calls::cpu_forward_into(&q, &k, &v, c.shape, m, &c.params, &mut o, &mut lse).unwrap();
         let bits = |x: &[T]| x.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<u64>>();
         assert_eq!(bits(&o), bits(&want.o), "o");
         assert_eq!(bits(&lse), bits(&want.lse), "lse");
-        let g = cpu::attention_backward(&q, &k, &v, &o, &lse, &d_o, c.shape, m, &c.params).unwrap();
-        cpu::attention_backward_into(
+        let g = calls::cpu_backward(&q, &k, &v, &o, &lse, &d_o, c.shape, m, &c.params).unwrap();
+        calls::cpu_backward_into(
             &q, &k, &v, &o, &lse, &d_o, c.shape, m, &c.params, &mut dq, &mut dk, &mut dv,
         )
         .unwrap();
@@ -490,9 +492,9 @@ proptest! {
 #[test]
 fn into_variants_reject_wrong_length_buffers() {
     let (shape, params, m, q, kv) = small();
-    let fwd = cpu::attention_forward(&q, &kv, &kv, shape, m.view(), &params).unwrap();
+    let fwd = calls::cpu_forward(&q, &kv, &kv, shape, m.view(), &params).unwrap();
     let f = |o: &mut [f64], lse: &mut [f64]| {
-        cpu::attention_forward_into(&q, &kv, &kv, shape, m.view(), &params, o, lse)
+        calls::cpu_forward_into(&q, &kv, &kv, shape, m.view(), &params, o, lse)
     };
     let (mut o, mut lse) = (vec![7.0; 512], vec![7.0; 64]);
     shape_err(f(&mut o[1..], &mut lse), "o has 511 elements, expected 512");
@@ -510,7 +512,7 @@ fn into_variants_reject_wrong_length_buffers() {
     assert_eq!((&o, &lse), (&fwd.o, &fwd.lse));
 
     let b = |dq: &mut [f64], dk: &mut [f64], dv: &mut [f64]| {
-        cpu::attention_backward_into(
+        calls::cpu_backward_into(
             &q,
             &kv,
             &kv,
@@ -548,7 +550,7 @@ fn into_variants_reject_wrong_length_buffers() {
     let mut bad_lse = fwd.lse.clone();
     bad_lse[3] = f64::NAN;
     assert!(matches!(
-        cpu::attention_backward_into(
+        calls::cpu_backward_into(
             &q,
             &kv,
             &kv,
@@ -565,8 +567,8 @@ fn into_variants_reject_wrong_length_buffers() {
         Err(Error::NonFinite { index: 3, .. })
     ));
     b(&mut dq, &mut dk, &mut dv).unwrap();
-    let g = cpu::attention_backward(&q, &kv, &kv, &fwd.o, &fwd.lse, &q, shape, m.view(), &params)
-        .unwrap();
+    let g =
+        calls::cpu_backward(&q, &kv, &kv, &fwd.o, &fwd.lse, &q, shape, m.view(), &params).unwrap();
     assert_eq!((&dq, &dk, &dv), (&g.dq, &g.dk, &g.dv));
 }
 
@@ -574,7 +576,7 @@ fn into_variants_reject_wrong_length_buffers() {
 
 /// Σ dO ∘ O for the CPU backend in f64.
 fn loss(c: &Case, q: &[f64], k: &[f64], v: &[f64]) -> f64 {
-    let o = cpu::attention_forward(q, k, v, c.shape, c.mask.view(), &c.params)
+    let o = calls::cpu_forward(q, k, v, c.shape, c.mask.view(), &c.params)
         .unwrap()
         .o;
     o.iter().zip(&c.d_o).map(|(a, b)| a * b).sum()
@@ -590,8 +592,8 @@ fn check_finite_differences(rope: Option<Rope>) {
     let mut c = make_case(rng.next_u64(), MaskKind::Tree, 13, 1, 2, 6, false);
     c.mask = Mask::tree(&mut rng, 13, 0.3, false);
     c.params.rope = rope;
-    let fwd = cpu::attention_forward(&c.q, &c.k, &c.v, c.shape, c.mask.view(), &c.params).unwrap();
-    let g = cpu::attention_backward(
+    let fwd = calls::cpu_forward(&c.q, &c.k, &c.v, c.shape, c.mask.view(), &c.params).unwrap();
+    let g = calls::cpu_backward(
         &c.q,
         &c.k,
         &c.v,
@@ -662,9 +664,8 @@ fn check_masked_rows<T: CpuFloat>() {
         to_t::<T>(&c.d_o),
     );
     let m = c.mask.view();
-    let fwd = cpu::attention_forward(&q, &k, &v, c.shape, m, &c.params).unwrap();
-    let g =
-        cpu::attention_backward(&q, &k, &v, &fwd.o, &fwd.lse, &d_o, c.shape, m, &c.params).unwrap();
+    let fwd = calls::cpu_forward(&q, &k, &v, c.shape, m, &c.params).unwrap();
+    let g = calls::cpu_backward(&q, &k, &v, &fwd.o, &fwd.lse, &d_o, c.shape, m, &c.params).unwrap();
     let (hq, d, l) = (c.shape.q_heads, c.shape.head_dim, c.shape.tokens);
     assert!(fwd
         .o
@@ -696,8 +697,8 @@ fn check_masked_rows<T: CpuFloat>() {
         kv_end: (0..l as u32).collect(),
         pos: vec![0; l],
     };
-    let fwd = cpu::attention_forward(&q, &k, &v, c.shape, all_pad.view(), &c.params).unwrap();
-    let g = cpu::attention_backward(
+    let fwd = calls::cpu_forward(&q, &k, &v, c.shape, all_pad.view(), &c.params).unwrap();
+    let g = calls::cpu_backward(
         &q,
         &k,
         &v,
@@ -753,10 +754,10 @@ fn causal_mask_gives_a_different_answer_on_a_branched_tree() {
         base: 10_000.0,
         dims: 8,
     });
-    let o_tree = cpu::attention_forward(&c.q, &c.k, &c.v, c.shape, tree.view(), &c.params)
+    let o_tree = calls::cpu_forward(&c.q, &c.k, &c.v, c.shape, tree.view(), &c.params)
         .unwrap()
         .o;
-    let o_causal = cpu::attention_forward(&c.q, &c.k, &c.v, c.shape, causal.view(), &c.params)
+    let o_causal = calls::cpu_forward(&c.q, &c.k, &c.v, c.shape, causal.view(), &c.params)
         .unwrap()
         .o;
     let row = c.shape.q_heads * c.shape.head_dim;
@@ -1051,7 +1052,7 @@ fn shape_err(r: treeattn::Result<impl std::fmt::Debug>, needle: &str) {
 fn forward_rejects_bad_inputs() {
     let (shape, params, m, q, kv) = small();
     let f = |q: &[f64], k: &[f64], v: &[f64], shape: AttnShape, m: PackMask<'_>, p: &AttnParams| {
-        cpu::attention_forward(q, k, v, shape, m, p)
+        calls::cpu_forward(q, k, v, shape, m, p)
     };
     assert!(f(&q, &kv, &kv, shape, m.view(), &params).is_ok());
     shape_err(
@@ -1083,39 +1084,15 @@ fn forward_rejects_bad_inputs() {
         f(&q, &kv, &kv, shape, short.view(), &params),
         Err(Error::Pack(_))
     ));
-    // Invalid kv_end built without PackMask::new (the fields are public).
+    // An invalid kv_end cannot reach the backend: PackMask::new is the only
+    // way to a mask (tests/contract.rs covers its errors).
     let mut bad = m.kv_end.clone();
     bad[3] = 2;
-    let r = f(
-        &q,
-        &kv,
-        &kv,
-        shape,
-        PackMask {
-            kv_end: &bad,
-            position_ids: &m.pos,
-        },
-        &params,
-    );
+    let r = PackMask::new(&bad, &m.pos);
     assert!(
         matches!(&r, Err(Error::Pack(msg)) if msg.contains("kv_end[3] = 2")),
         "{r:?}"
     );
-    bad[3] = 17;
-    assert!(matches!(
-        f(
-            &q,
-            &kv,
-            &kv,
-            shape,
-            PackMask {
-                kv_end: &bad,
-                position_ids: &m.pos
-            },
-            &params
-        ),
-        Err(Error::Pack(_))
-    ));
     // Rotary dims that do not fit the head.
     for dims in [3, 10, 0] {
         let p = AttnParams {
@@ -1170,10 +1147,10 @@ fn forward_rejects_bad_inputs() {
 #[test]
 fn backward_rejects_bad_saved_state() {
     let (shape, params, m, q, kv) = small();
-    let fwd = cpu::attention_forward(&q, &kv, &kv, shape, m.view(), &params).unwrap();
+    let fwd = calls::cpu_forward(&q, &kv, &kv, shape, m.view(), &params).unwrap();
     let d_o = q.clone();
     let b = |o: &[f64], lse: &[f64], d_o: &[f64], p: &AttnParams| {
-        cpu::attention_backward(&q, &kv, &kv, o, lse, d_o, shape, m.view(), p)
+        calls::cpu_backward(&q, &kv, &kv, o, lse, d_o, shape, m.view(), p)
     };
     assert!(b(&fwd.o, &fwd.lse, &d_o, &params).is_ok());
     shape_err(b(&fwd.o[1..], &fwd.lse, &d_o, &params), "o has 511");
@@ -1232,8 +1209,8 @@ fn ops_front_matches_the_core_and_accepts_strided_views() {
     let m = c.mask.view();
     let fwd = ops::attention_forward(q.view(), k.view(), v.view(), m, &c.params).unwrap();
     let g = ops::attention_backward(&fwd, q.view(), k.view(), v.view(), d_o.view(), m).unwrap();
-    let core = cpu::attention_forward(&c.q, &c.k, &c.v, c.shape, m, &c.params).unwrap();
-    let core_g = cpu::attention_backward(
+    let core = calls::cpu_forward(&c.q, &c.k, &c.v, c.shape, m, &c.params).unwrap();
+    let core_g = calls::cpu_backward(
         &c.q, &c.k, &c.v, &core.o, &core.lse, &c.d_o, c.shape, m, &c.params,
     )
     .unwrap();
@@ -1310,20 +1287,20 @@ fn overflow_and_unchecked_nan_are_errors_not_nan() {
     let big = |x: &[f64]| x.iter().map(|&v| (v * 1e20) as f32).collect::<Vec<f32>>();
     let (q32, k32) = (big(&q), big(&kv));
     let v32: Vec<f32> = kv.iter().map(|&v| v as f32).collect();
-    let r = cpu::attention_forward(&q32, &k32, &v32, shape, m.view(), &params);
+    let r = calls::cpu_forward(&q32, &k32, &v32, shape, m.view(), &params);
     assert!(
         matches!(&r, Err(Error::NonFinite { what, .. }) if what.contains("f32")),
         "{r:?}"
     );
     let mut q_nan = q.clone();
     q_nan[3] = f64::NAN;
-    let r = cpu::attention_forward(&q_nan, &kv, &kv, shape, m.view(), &params);
+    let r = calls::cpu_forward(&q_nan, &kv, &kv, shape, m.view(), &params);
     assert!(matches!(r, Err(Error::NonFinite { .. })), "{r:?}");
     // Backward: a NaN in d_o (unchecked) surfaces as an error on the gradients.
-    let fwd = cpu::attention_forward(&q, &kv, &kv, shape, m.view(), &params).unwrap();
+    let fwd = calls::cpu_forward(&q, &kv, &kv, shape, m.view(), &params).unwrap();
     let mut d_o = q.clone();
     d_o[0] = f64::NAN;
-    let r = cpu::attention_backward(
+    let r = calls::cpu_backward(
         &q,
         &kv,
         &kv,

@@ -6,9 +6,10 @@
 //! switch, read once per process, is set before any attention call and
 //! never seen by the other tests.
 
-use treeattn::backend::cpu::{
-    attention_backward, attention_forward, gather_counts, tile_counts, uses_avx2_fma, CpuFloat,
-};
+mod common;
+use common::calls;
+
+use treeattn::backend::cpu::{gather_counts, tile_counts, uses_avx2_fma, CpuFloat};
 use treeattn::backend::{AttnParams, AttnShape, Rope};
 use treeattn::bench::{dense_attention_backward, dense_attention_forward};
 use treeattn::gen::{MaskBuilder, Rng};
@@ -68,10 +69,10 @@ fn portable_path_matches_the_dense_reference_and_the_f64_backend() {
         let (k, k64) = data::<f32>(&mut rng, shape.kv_len());
         let (v, v64) = data::<f32>(&mut rng, shape.kv_len());
         let (d_o, do64) = data::<f32>(&mut rng, shape.q_len());
-        let f = attention_forward(&q, &k, &v, shape, mask, &params).unwrap();
-        let f64_ = attention_forward(&q64, &k64, &v64, shape, mask, &params).unwrap();
-        let g = attention_backward(&q, &k, &v, &f.o, &f.lse, &d_o, shape, mask, &params).unwrap();
-        let g64 = attention_backward(
+        let f = calls::cpu_forward(&q, &k, &v, shape, mask, &params).unwrap();
+        let f64_ = calls::cpu_forward(&q64, &k64, &v64, shape, mask, &params).unwrap();
+        let g = calls::cpu_backward(&q, &k, &v, &f.o, &f.lse, &d_o, shape, mask, &params).unwrap();
+        let g64 = calls::cpu_backward(
             &q64, &k64, &v64, &f64_.o, &f64_.lse, &do64, shape, mask, &params,
         )
         .unwrap();

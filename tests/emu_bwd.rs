@@ -22,12 +22,12 @@
 //! (f16), a margin of ~5–10x.
 
 mod common;
+use common::calls;
 
 use half::{bf16, f16};
-use treeattn::backend::cpu;
 use treeattn::backend::emu::{self, DqMode, EmuOptions, KernelElem};
 use treeattn::backend::launch::bwd::BwdTraits;
-use treeattn::backend::{AttnParams, AttnShape, Rope};
+use treeattn::backend::{tolerance, AttnParams, AttnShape, Rope};
 use treeattn::gen::{self, Rng};
 use treeattn::mask::PackMask;
 use treeattn::Error;
@@ -65,7 +65,7 @@ fn inputs<T: KernelElem>(rng: &mut Rng, c: &Case) -> Inputs<T> {
     let (v, vf) = common::random_tensor::<T, _>(rng, s.kv_len(), 1.0);
     let (d_o, dof) = common::random_tensor::<T, _>(rng, s.q_len(), 1.0);
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
-    let fwd = cpu::attention_forward(&qf, &kf, &vf, s, mask, &params(c)).unwrap();
+    let fwd = calls::cpu_forward(&qf, &kf, &vf, s, mask, &params(c)).unwrap();
     let o: Vec<T> = fwd.o.iter().map(|&x| T::from_f32(x)).collect();
     let of = o.iter().map(|e| e.to_f32()).collect();
     Inputs {
@@ -106,9 +106,9 @@ fn run_case<T: KernelElem>(
     let p = params(c);
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
     let [qf, kf, vf, of, dof] = &x.f;
-    let want = cpu::attention_backward(qf, kf, vf, of, &x.lse, dof, s, mask, &p).unwrap();
+    let want = calls::cpu_backward(qf, kf, vf, of, &x.lse, dof, s, mask, &p).unwrap();
     let run_mask = PackMask::new(mask_kv_end, &c.pos).unwrap();
-    let got = emu::attention_backward(
+    let got = calls::emu_backward(
         &x.q, &x.k, &x.v, &x.o, &x.lse, &x.d_o, s, run_mask, &p, mode,
     )
     .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -131,11 +131,10 @@ fn run_case<T: KernelElem>(
     ]
 }
 
+/// Gradient tolerance per element type (the crate's table,
+/// `backend::tolerance`, shared with the GPU check).
 fn tol<T: KernelElem>() -> f64 {
-    match T::DTYPE {
-        emu::Dtype::Bf16 => 2e-2,
-        emu::Dtype::F16 => 5e-3,
-    }
+    tolerance::attention(T::DTYPE).grad_rel
 }
 
 /// Checks one case under the emulator schedule `opts` (the tests rotate
@@ -149,7 +148,7 @@ fn check<T: KernelElem>(rng: &mut Rng, seed: u64, c: &Case, mode: DqMode, opts: 
         c.rope,
         c.kv_end.len()
     );
-    let errs = emu::with_options(opts, || run_case::<T>(rng, &what, c, &c.kv_end, mode));
+    let errs = calls::with_options(opts, || run_case::<T>(rng, &what, c, &c.kv_end, mode));
     eprintln!(
         "{what}: relative Frobenius errors dQ, dK, dV {:.2e} {:.2e} {:.2e}",
         errs[0], errs[1], errs[2]
@@ -334,7 +333,7 @@ fn all_padding_gives_zero_gradients() {
     for mode in [DqMode::Atomic, DqMode::Deterministic] {
         let x = inputs::<bf16>(&mut rng, &c);
         let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
-        let g = emu::attention_backward(
+        let g = calls::emu_backward(
             &x.q,
             &x.k,
             &x.v,
@@ -366,8 +365,8 @@ fn deterministic_mode_is_bit_identical_across_runs() {
     let x = inputs::<bf16>(&mut rng, &c);
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
     let run = |opts: EmuOptions| {
-        emu::with_options(opts, || {
-            emu::attention_backward(
+        calls::with_options(opts, || {
+            calls::emu_backward(
                 &x.q,
                 &x.k,
                 &x.v,
@@ -436,9 +435,9 @@ fn wrong_mask_or_missing_rotary_fails_the_tolerance() {
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
     let [qf, kf, vf, of, dof] = &x.f;
     let want =
-        cpu::attention_backward(qf, kf, vf, of, &x.lse, dof, c.shape, mask, &params(&c)).unwrap();
+        calls::cpu_backward(qf, kf, vf, of, &x.lse, dof, c.shape, mask, &params(&c)).unwrap();
     let plain = AttnParams::new(64);
-    let got = emu::attention_backward(
+    let got = calls::emu_backward(
         &x.q,
         &x.k,
         &x.v,
@@ -539,12 +538,12 @@ fn forward_rope_errors<T: KernelElem>(
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
     let p = params(c);
     let rope = c.rope.expect("a rotary case");
-    let got = emu::with_options(opts, || emu::attention_forward(&q, &k, &v, s, mask, &p)).unwrap();
-    let want = cpu::attention_forward(&qf, &kf, &vf, s, mask, &p).unwrap();
+    let got = calls::with_options(opts, || calls::emu_forward(&q, &k, &v, s, mask, &p)).unwrap();
+    let want = calls::cpu_forward(&qf, &kf, &vf, s, mask, &p).unwrap();
     let plain = AttnParams::new(s.head_dim);
     let qr = rotate_rounded::<T>(&qf, s.q_heads, s.head_dim, &c.pos, rope);
     let kr = rotate_rounded::<T>(&kf, s.kv_heads, s.head_dim, &c.pos, rope);
-    let model = cpu::attention_forward(&qr, &kr, &vf, s, mask, &plain).unwrap();
+    let model = calls::cpu_forward(&qr, &kr, &vf, s, mask, &plain).unwrap();
     let mut lse_err = 0.0f64;
     for (i, (&x, &r)) in got.lse.iter().zip(&model.lse).enumerate() {
         if r == f32::NEG_INFINITY {
@@ -554,7 +553,7 @@ fn forward_rope_errors<T: KernelElem>(
         }
     }
     let o_err = rel_err("o", &got.o, &want.o);
-    let unrotated = cpu::attention_forward(&qf, &kf, &vf, s, mask, &plain).unwrap();
+    let unrotated = calls::cpu_forward(&qf, &kf, &vf, s, mask, &plain).unwrap();
     let unrotated: Vec<T> = unrotated.o.iter().map(|&x| T::from_f32(x)).collect();
     (
         o_err,
@@ -582,13 +581,12 @@ fn emulated_forward_then_backward_matches_the_cpu() {
         let (d_o, dof) = common::random_tensor::<f16, _>(&mut rng, s.q_len(), 1.0);
         let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
         let p = params(&c);
-        let fwd = emu::attention_forward(&q, &k, &v, s, mask, &p).unwrap();
+        let fwd = calls::emu_forward(&q, &k, &v, s, mask, &p).unwrap();
         let mode = [DqMode::Atomic, DqMode::Deterministic][i];
         let got =
-            emu::attention_backward(&q, &k, &v, &fwd.o, &fwd.lse, &d_o, s, mask, &p, mode).unwrap();
-        let cf = cpu::attention_forward(&qf, &kf, &vf, s, mask, &p).unwrap();
-        let want =
-            cpu::attention_backward(&qf, &kf, &vf, &cf.o, &cf.lse, &dof, s, mask, &p).unwrap();
+            calls::emu_backward(&q, &k, &v, &fwd.o, &fwd.lse, &d_o, s, mask, &p, mode).unwrap();
+        let cf = calls::cpu_forward(&qf, &kf, &vf, s, mask, &p).unwrap();
+        let want = calls::cpu_backward(&qf, &kf, &vf, &cf.o, &cf.lse, &dof, s, mask, &p).unwrap();
         let what = format!("seed {seed}: {s:?} rope {:?} {mode:?}", c.rope);
         for (name, g, w) in [
             ("dq", &got.dq, &want.dq),
@@ -714,15 +712,28 @@ fn bad_inputs_are_errors() {
     let lse = vec![1.0f32; 3];
     let p = AttnParams::new(64);
     let bwd = |q: &[bf16], lse: &[f32], shape: AttnShape, p: &AttnParams| {
-        emu::attention_backward(q, &x, &x, &x, lse, &x, shape, mask, p, DqMode::Atomic)
+        calls::emu_backward(q, &x, &x, &x, lse, &x, shape, mask, p, DqMode::Atomic)
     };
     assert!(bwd(&x, &lse, shape, &p).is_ok());
     let d32 = AttnShape {
         head_dim: 32,
         ..shape
     };
+    let x32 = vec![bf16::from_f32(0.5); 3 * 32];
+    let p32 = AttnParams::new(32);
     assert!(matches!(
-        bwd(&x, &lse, d32, &AttnParams::new(32)),
+        calls::emu_backward(
+            &x32,
+            &x32,
+            &x32,
+            &x32,
+            &lse,
+            &x32,
+            d32,
+            mask,
+            &p32,
+            DqMode::Atomic
+        ),
         Err(Error::Unsupported(_))
     ));
     assert!(matches!(
@@ -748,14 +759,6 @@ fn bad_inputs_are_errors() {
             index: 5
         }
     );
-    // kv_end breaking the interval rule (kv_end[1] < 1) behind PackMask's back.
-    let broken = PackMask {
-        kv_end: &[3, 0, 3],
-        position_ids: &pos,
-    };
-    let e = emu::attention_backward(&x, &x, &x, &x, &lse, &x, shape, broken, &p, DqMode::Atomic)
-        .unwrap_err();
-    assert!(matches!(e, Error::Pack(_)), "{e}");
 }
 
 #[test]

@@ -8,10 +8,11 @@
 //! failure message and `TREEATTN_SEED` replays it.
 
 mod common;
+use common::calls;
 
 use half::{bf16, f16};
 use treeattn::backend::emu::shim_selftest::{run, Kernel};
-use treeattn::backend::emu::{with_options, EmuOptions, Schedule};
+use treeattn::backend::emu::{EmuOptions, Schedule};
 
 fn u16s_to_bytes(x: &[u16]) -> Vec<u8> {
     x.iter().flat_map(|v| v.to_le_bytes()).collect()
@@ -36,6 +37,7 @@ fn ldmatrix_lane_layouts_follow_the_ptx_isa() {
             // SAFETY: the kernel reads 256 u16 and writes 4 u32 per lane of one warp.
             unsafe {
                 run(
+                    calls::options(),
                     Kernel::LdmatrixDump,
                     &u16s_to_bytes(&m),
                     &mut out,
@@ -81,7 +83,19 @@ fn mma_chain(a: &[u16], b: &[u16], c: &[f32], bf16_inputs: bool, b_k_major: bool
     let mut out = vec![0u8; 128 * 4];
     let arg = u32::from(bf16_inputs) | (u32::from(b_k_major) << 1);
     // SAFETY: the kernel reads A (256 u16), B (128 u16), C (128 f32) and writes 128 f32.
-    unsafe { run(Kernel::MmaChain, &input, &mut out, arg, 1, 32, 768) }.unwrap();
+    unsafe {
+        run(
+            calls::options(),
+            Kernel::MmaChain,
+            &input,
+            &mut out,
+            arg,
+            1,
+            32,
+            768,
+        )
+    }
+    .unwrap();
     bytes_to_u32s(&out)
         .into_iter()
         .map(f32::from_bits)
@@ -154,7 +168,19 @@ fn shuffles_and_ballot_follow_cuda_semantics() {
         let input: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
         let mut out = vec![0u8; 64 * 7 * 4];
         // SAFETY: 64 threads read one u32 each and write 7 u32 each.
-        unsafe { run(Kernel::Shuffles, &input, &mut out, arg, 1, 64, 0) }.unwrap();
+        unsafe {
+            run(
+                calls::options(),
+                Kernel::Shuffles,
+                &input,
+                &mut out,
+                arg,
+                1,
+                64,
+                0,
+            )
+        }
+        .unwrap();
         let out = bytes_to_u32s(&out);
         let a = arg as usize;
         for i in 0..64usize {
@@ -189,9 +215,20 @@ fn expect_err(kernel: Kernel, arg: u32, grid: u32, block: u32, needles: &[&str])
     let input = vec![0u8; 4096];
     let mut out = vec![0u8; 4096];
     // SAFETY: the error kernels touch at most one u32 per thread (< 1024 threads).
-    let e = unsafe { run(kernel, &input, &mut out, arg, grid, block, 256) }
-        .unwrap_err()
-        .to_string();
+    let e = unsafe {
+        run(
+            calls::options(),
+            kernel,
+            &input,
+            &mut out,
+            arg,
+            grid,
+            block,
+            256,
+        )
+    }
+    .unwrap_err()
+    .to_string();
     for n in needles {
         assert!(
             e.contains(n),
@@ -224,7 +261,19 @@ fn divergent_barriers_are_errors_not_hangs() {
     // Positive control: the same kernel with a uniform count of 3 barriers.
     let mut out = [0u8; 4];
     // SAFETY: this kernel touches no memory.
-    unsafe { run(Kernel::UnevenBarriers, &[], &mut out, 3, 2, 128, 0) }.unwrap();
+    unsafe {
+        run(
+            calls::options(),
+            Kernel::UnevenBarriers,
+            &[],
+            &mut out,
+            3,
+            2,
+            128,
+            0,
+        )
+    }
+    .unwrap();
 }
 
 #[test]
@@ -256,9 +305,20 @@ fn warp_collectives_need_full_masks_and_converged_lanes() {
 fn launches_with_partial_warps_are_rejected() {
     let mut out = [0u8; 4];
     // SAFETY: nothing runs: the launch is rejected.
-    let e = unsafe { run(Kernel::Shuffles, &[], &mut out, 1, 1, 48, 0) }
-        .unwrap_err()
-        .to_string();
+    let e = unsafe {
+        run(
+            calls::options(),
+            Kernel::Shuffles,
+            &[],
+            &mut out,
+            1,
+            1,
+            48,
+            0,
+        )
+    }
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("multiple of 32"), "{e}");
 }
 
@@ -272,8 +332,17 @@ fn shared_memory_is_poisoned_fresh_for_every_block() {
         ..EmuOptions::default()
     };
     // SAFETY: 6 blocks of 64 threads write one u32 each.
-    with_options(one_worker, || unsafe {
-        run(Kernel::PoisonRead, &[], &mut out, 0, 6, 64, 256)
+    calls::with_options(one_worker, || unsafe {
+        run(
+            calls::options(),
+            Kernel::PoisonRead,
+            &[],
+            &mut out,
+            0,
+            6,
+            64,
+            256,
+        )
     })
     .unwrap();
     for (i, w) in bytes_to_u32s(&out).into_iter().enumerate() {
@@ -299,8 +368,9 @@ fn cp_async_lands_at_its_wait_group_or_eagerly() {
             cp_async_eager: eager,
             ..EmuOptions::default()
         };
-        with_options(opts, || unsafe {
+        calls::with_options(opts, || unsafe {
             run(
+                calls::options(),
                 Kernel::CpAsyncGroups,
                 &input,
                 &mut out,
@@ -353,8 +423,9 @@ fn warp_serial_schedules_expose_a_missing_barrier() {
         for barrier in [true, false] {
             let mut out = vec![0u8; 32 * 4];
             // SAFETY: warp 0 reads 32 u32, warp 1 writes 32 u32; smem 128.
-            with_options(opts, || unsafe {
+            calls::with_options(opts, || unsafe {
                 run(
+                    calls::options(),
                     Kernel::MissingBarrier,
                     &input,
                     &mut out,
@@ -386,9 +457,20 @@ fn cp_async_outside_the_inputs_is_an_error() {
     let mut out = vec![0u8; 32 * 12 * 4];
     // SAFETY: the kernel reads the input only with cp.async (checked against
     // its length) and writes 12 u32 per thread.
-    let e = unsafe { run(Kernel::CpAsyncGroups, &input, &mut out, 0, 1, 32, 1024) }
-        .unwrap_err()
-        .to_string();
+    let e = unsafe {
+        run(
+            calls::options(),
+            Kernel::CpAsyncGroups,
+            &input,
+            &mut out,
+            0,
+            1,
+            32,
+            1024,
+        )
+    }
+    .unwrap_err()
+    .to_string();
     assert!(
         e.contains("offset 1008 of the input, a buffer of 1008 bytes"),
         "{e}"
@@ -408,8 +490,17 @@ fn atomics_are_atomic_across_blocks_and_threads() {
         ..EmuOptions::default()
     };
     // SAFETY: the kernel updates the 24 bytes of `out` only.
-    with_options(opts, || unsafe {
-        run(Kernel::Atomics, &[], &mut out, 0, blocks, threads, 0)
+    calls::with_options(opts, || unsafe {
+        run(
+            calls::options(),
+            Kernel::Atomics,
+            &[],
+            &mut out,
+            0,
+            blocks,
+            threads,
+            0,
+        )
     })
     .unwrap();
     let w = bytes_to_u32s(&out);

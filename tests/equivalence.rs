@@ -20,10 +20,11 @@
 //! changes values by 1e-3 or more.
 
 use proptest::prelude::*;
+use treeattn::backend::cpu::Cpu;
 use treeattn::backend::{AttnParams, AttnShape, Rope};
 use treeattn::gen::{self, Rng};
 use treeattn::logittree::{compare_entries, run_attention, run_model, AttnInputs};
-use treeattn::model::{CpuAttention, Model, ModelConfig};
+use treeattn::model::{Model, ModelConfig};
 use treeattn::pack::Pack;
 use treeattn::rollout::{Call, Rollout};
 use treeattn::tree::Tree;
@@ -221,7 +222,7 @@ fn check_attention(seed: u64, q_heads: usize, group: usize, head_dim: usize, rop
             })
             .collect();
         let owned: Vec<Pack> = packs.iter().map(|&p| p.clone()).collect();
-        let run = run_attention(&CpuAttention, &owned, &inputs, &params, &cotangent).unwrap();
+        let run = run_attention(&Cpu::default(), &owned, &inputs, &params, &cotangent).unwrap();
         let dq: Vec<&[f64]> = run.grads.iter().map(|g| g.dq.as_slice()).collect();
         let dk: Vec<&[f64]> = run.grads.iter().map(|g| g.dk.as_slice()).collect();
         let dv: Vec<&[f64]> = run.grads.iter().map(|g| g.dv.as_slice()).collect();

@@ -176,7 +176,7 @@ fn all_targets(rs: &[Rollout]) -> BTreeSet<(u32, u32, u32)> {
 /// run on the pack with this mask computes for that target.
 fn check_entries(pack: &Pack, rs: &[Rollout], what: &str) {
     pack.validate().unwrap();
-    let m = pack.mask();
+    let m = pack.mask().unwrap();
     for e in &pack.loss {
         let call = &rs[e.rollout as usize].calls()[e.call as usize];
         let n = call.context.len() + e.offset as usize;
@@ -231,7 +231,7 @@ proptest! {
                 x = tree.parent(n);
             }
             for k in 0..l {
-                prop_assert_eq!(p.mask().visible(q, k), anc[k], "q={} k={}", q, k);
+                prop_assert_eq!(p.mask().unwrap().visible(q, k), anc[k], "q={} k={}", q, k);
                 prop_assert_eq!(dense[q * l + k], anc[k]);
                 prop_assert_eq!(tree.is_ancestor_or_self(k, q), anc[k]);
             }
@@ -464,7 +464,7 @@ fn tile_map_of_a_trie_pack_skips_finished_branches() {
     let p = Tree::build(std::slice::from_ref(r), false)
         .unwrap()
         .trie_pack();
-    let t = TileMap::new(&p.mask(), 16, 16).unwrap();
+    let t = TileMap::new(&p.mask().unwrap(), 16, 16).unwrap();
     let (skip, full, partial) = t.counts();
     let causal_blocks = (0..t.q_tiles()).map(|a| a + 1).sum::<usize>();
     assert!(
@@ -495,7 +495,7 @@ fn shared_prefixes_store_a_grpo_prompt_once() {
         let call = &group[e.rollout as usize].calls()[e.call as usize];
         let n = call.context.len() + e.offset as usize;
         let seen: Vec<u32> = (0..=e.row as usize)
-            .filter(|&k| pack.mask().visible(e.row as usize, k))
+            .filter(|&k| pack.mask().unwrap().visible(e.row as usize, k))
             .map(|k| pack.tokens[k])
             .collect();
         assert_eq!(seen, call.sequence()[..n]);

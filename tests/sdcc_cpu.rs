@@ -2,9 +2,12 @@
 //! written here, finite differences, infinities, large vocabularies and
 //! error handling.
 
+mod common;
+use common::calls;
+
 use ndarray::Array2;
 use proptest::prelude::*;
-use treeattn::backend::cpu::{self, CpuFloat};
+use treeattn::backend::cpu::CpuFloat;
 use treeattn::gen::Rng;
 use treeattn::{ops, Error};
 
@@ -158,7 +161,7 @@ fn compare<T: CpuFloat>(c: &Case) -> [f64; 3] {
     let s64: Vec<f64> = s.iter().map(|x| x.to_f64()).collect();
     let t64: Vec<f64> = t.iter().map(|x| x.to_f64()).collect();
     let want = direct(&s64, &t64, c.vocab, &c.pairs, &c.weights, c.tau);
-    let got = cpu::sdcc_forward_kl(&s, &t, c.vocab, &c.pairs, &c.weights, c.tau).unwrap();
+    let got = calls::cpu_sdcc(&s, &t, c.vocab, &c.pairs, &c.weights, c.tau).unwrap();
     assert!(got.grad_student.iter().all(|g| g.is_finite()));
     let kl_err = got
         .per_pair
@@ -203,7 +206,7 @@ proptest! {
     #[test]
     fn kl_is_non_negative(seed in any::<u64>(), vocab in 7usize..500) {
         let c = make_case(seed, vocab, 8, 0.2);
-        let out = cpu::sdcc_forward_kl(&c.student, &c.teacher, vocab, &c.pairs, &c.weights, c.tau).unwrap();
+        let out = calls::cpu_sdcc(&c.student, &c.teacher, vocab, &c.pairs, &c.weights, c.tau).unwrap();
         prop_assert!(out.per_pair.iter().all(|&kl| kl >= -1e-12), "{:?}", out.per_pair);
     }
 }
@@ -213,7 +216,7 @@ fn kl_is_zero_and_gradient_zero_when_student_equals_teacher() {
     let mut rng = Rng::new(1);
     let x = logits(&mut rng, 3, 1000, 5.0, 100.0, 0.2);
     let pairs = [(0, 0), (1, 1), (2, 2), (1, 1)];
-    let out = cpu::sdcc_forward_kl(&x, &x, 1000, &pairs, &[1.0, 0.5, 2.0, 1.0], 0.7).unwrap();
+    let out = calls::cpu_sdcc(&x, &x, 1000, &pairs, &[1.0, 0.5, 2.0, 1.0], 0.7).unwrap();
     assert!(
         out.per_pair.iter().all(|&kl| kl == 0.0),
         "{:?}",
@@ -224,7 +227,7 @@ fn kl_is_zero_and_gradient_zero_when_student_equals_teacher() {
     // Negative control: a different teacher gives a positive KL.
     let mut y = x.clone();
     y[5] += 1.0;
-    let out = cpu::sdcc_forward_kl(&x, &y, 1000, &[(0, 0)], &[1.0], 0.7).unwrap();
+    let out = calls::cpu_sdcc(&x, &y, 1000, &[(0, 0)], &[1.0], 0.7).unwrap();
     assert!(out.per_pair[0] > 1e-6);
 }
 
@@ -242,9 +245,9 @@ fn gradient_matches_finite_differences() {
     let pairs = [(0, 1), (2, 0), (0, 0)];
     let weights = [0.7, 1.3, 0.4];
     let tau = 1.7;
-    let out = cpu::sdcc_forward_kl(&student, &teacher, vocab, &pairs, &weights, tau).unwrap();
+    let out = calls::cpu_sdcc(&student, &teacher, vocab, &pairs, &weights, tau).unwrap();
     let loss = |s: &[f64]| {
-        cpu::sdcc_forward_kl(s, &teacher, vocab, &pairs, &weights, tau)
+        calls::cpu_sdcc(s, &teacher, vocab, &pairs, &weights, tau)
             .unwrap()
             .loss_sum
     };
@@ -273,10 +276,10 @@ fn repeated_student_rows_accumulate() {
     let teacher = logits(&mut rng, 3, vocab, 3.0, 10.0, 0.1);
     let pairs = [(1, 0), (0, 2), (1, 2), (1, 1)];
     let weights = [0.5, 1.0, 2.0, 0.25];
-    let all = cpu::sdcc_forward_kl(&student, &teacher, vocab, &pairs, &weights, 1.3).unwrap();
+    let all = calls::cpu_sdcc(&student, &teacher, vocab, &pairs, &weights, 1.3).unwrap();
     let mut summed = vec![0.0; student.len()];
     for (p, w) in pairs.iter().zip(weights) {
-        let one = cpu::sdcc_forward_kl(&student, &teacher, vocab, &[*p], &[w], 1.3).unwrap();
+        let one = calls::cpu_sdcc(&student, &teacher, vocab, &[*p], &[w], 1.3).unwrap();
         for (a, b) in summed.iter_mut().zip(&one.grad_student) {
             *a += b;
         }
@@ -301,19 +304,19 @@ fn infinite_logits_are_handled_exactly() {
         1.0, ninf, 0.5, -2.0, ninf, 3.0, /* row 1 */ 0.0, 0.0, 0.0, 0.0, 0.0, ninf,
     ];
     let teacher = [0.3, ninf, 1.0, ninf, ninf, 2.0];
-    let out = cpu::sdcc_forward_kl(&student, &teacher, vocab, &[(0, 0)], &[1.0], 1.0).unwrap();
+    let out = calls::cpu_sdcc(&student, &teacher, vocab, &[(0, 0)], &[1.0], 1.0).unwrap();
     let want = direct(&student, &teacher, vocab, &[(0, 0)], &[1.0], 1.0);
     assert!(out.per_pair[0].is_finite() && (out.per_pair[0] - want.per_pair[0]).abs() < 1e-14);
     assert!(rel_err(&out.grad_student, &want.grad) < 1e-14);
     // Student −inf where the teacher has mass: KL = +inf, gradient finite
     // (p_s = 0 there: the gradient pushes that logit up by w p_t / τ).
-    let out = cpu::sdcc_forward_kl(&student, &teacher, vocab, &[(1, 0)], &[2.0], 0.5).unwrap();
+    let out = calls::cpu_sdcc(&student, &teacher, vocab, &[(1, 0)], &[2.0], 0.5).unwrap();
     assert_eq!(out.per_pair[0], f64::INFINITY);
     assert_eq!(out.loss_sum, f64::INFINITY);
     assert!(out.grad_student.iter().all(|g| g.is_finite()));
     assert!(out.grad_student[vocab + 5] < 0.0);
     // ... and weight 0 makes such a pair add exactly 0, not 0 · inf = NaN.
-    let out = cpu::sdcc_forward_kl(
+    let out = calls::cpu_sdcc(
         &student,
         &teacher,
         vocab,
@@ -351,18 +354,17 @@ fn ops_front_wraps_the_core() {
     let s = Array2::from_shape_vec((c.student.len() / 50, 50), c.student.clone()).unwrap();
     let t = Array2::from_shape_vec((c.teacher.len() / 50, 50), c.teacher.clone()).unwrap();
     let out = ops::sdcc_forward_kl(s.view(), t.view(), &c.pairs, &c.weights, c.tau).unwrap();
-    let core =
-        cpu::sdcc_forward_kl(&c.student, &c.teacher, 50, &c.pairs, &c.weights, c.tau).unwrap();
+    let core = calls::cpu_sdcc(&c.student, &c.teacher, 50, &c.pairs, &c.weights, c.tau).unwrap();
     assert_eq!(out.grad_student.as_slice().unwrap(), &core.grad_student[..]);
     assert_eq!(out.grad_student.dim(), s.dim());
     assert_eq!(
-        (out.loss_sum, out.loss_mean, &out.per_pair),
+        (out.loss.loss_sum, out.loss.loss_mean, &out.loss.per_pair),
         (core.loss_sum, core.loss_mean, &core.per_pair)
     );
     // Column-major student view: same answer.
     let s_f = s.t().as_standard_layout().into_owned();
     let out_f = ops::sdcc_forward_kl(s_f.t(), t.view(), &c.pairs, &c.weights, c.tau).unwrap();
-    assert_eq!(out_f.per_pair, out.per_pair);
+    assert_eq!(out_f.loss.per_pair, out.loss.per_pair);
     let t_small = Array2::<f64>::zeros((2, 49));
     let r = ops::sdcc_forward_kl(s.view(), t_small.view(), &c.pairs, &c.weights, c.tau);
     assert!(matches!(r, Err(Error::Shape(m)) if m.contains("vocab 50")));
@@ -373,32 +375,32 @@ fn bad_inputs_are_errors() {
     let v = 4;
     let s = [0.0, 1.0, 2.0, 3.0, 1.0, 1.0, 1.0, 1.0];
     let t = [3.0, 2.0, 1.0, 0.0];
-    let ok = |r: treeattn::Result<cpu::SdccOut<f64>>| r.unwrap_err();
+    let ok = |r: treeattn::Result<calls::SdccFlat<f64>>| r.unwrap_err();
     assert!(matches!(
-        ok(cpu::sdcc_forward_kl(&s, &t, 0, &[], &[], 1.0)),
+        ok(calls::cpu_sdcc(&s, &t, 0, &[], &[], 1.0)),
         Error::Shape(_)
     ));
     assert!(
-        matches!(ok(cpu::sdcc_forward_kl(&s, &t, 3, &[], &[], 1.0)), Error::Shape(m) if m.contains("student"))
+        matches!(ok(calls::cpu_sdcc(&s, &t, 3, &[], &[], 1.0)), Error::Shape(m) if m.contains("student"))
     );
     assert!(
-        matches!(ok(cpu::sdcc_forward_kl(&s, &t[..3], v, &[], &[], 1.0)), Error::Shape(m) if m.contains("teacher"))
+        matches!(ok(calls::cpu_sdcc(&s, &t[..3], v, &[], &[], 1.0)), Error::Shape(m) if m.contains("teacher"))
     );
     assert!(matches!(
-        ok(cpu::sdcc_forward_kl(&s, &t, v, &[(0, 0)], &[], 1.0)),
+        ok(calls::cpu_sdcc(&s, &t, v, &[(0, 0)], &[], 1.0)),
         Error::Shape(_)
     ));
     for tau in [0.0, -1.0, f32::NAN, f32::INFINITY] {
         assert!(
             matches!(
-                ok(cpu::sdcc_forward_kl(&s, &t, v, &[(0, 0)], &[1.0], tau)),
+                ok(calls::cpu_sdcc(&s, &t, v, &[(0, 0)], &[1.0], tau)),
                 Error::Unsupported(_)
             ),
             "τ {tau}"
         );
     }
     assert_eq!(
-        ok(cpu::sdcc_forward_kl(
+        ok(calls::cpu_sdcc(
             &s,
             &t,
             v,
@@ -412,10 +414,10 @@ fn bad_inputs_are_errors() {
         }
     );
     assert!(matches!(
-        ok(cpu::sdcc_forward_kl(&s, &t, v, &[(0, 0)], &[-1.0], 1.0)),
+        ok(calls::cpu_sdcc(&s, &t, v, &[(0, 0)], &[-1.0], 1.0)),
         Error::Unsupported(_)
     ));
-    let e = ok(cpu::sdcc_forward_kl(
+    let e = ok(calls::cpu_sdcc(
         &s,
         &t,
         v,
@@ -427,7 +429,7 @@ fn bad_inputs_are_errors() {
         matches!(&e, Error::Pack(m) if m.contains("pair 1") && m.contains("student row 2")),
         "{e:?}"
     );
-    let e = ok(cpu::sdcc_forward_kl(&s, &t, v, &[(0, 1)], &[1.0], 1.0));
+    let e = ok(calls::cpu_sdcc(&s, &t, v, &[(0, 1)], &[1.0], 1.0));
     assert!(
         matches!(&e, Error::Pack(m) if m.contains("teacher row 1")),
         "{e:?}"
@@ -436,11 +438,11 @@ fn bad_inputs_are_errors() {
     let mut s_nan = s;
     s_nan[6] = f64::NAN;
     assert!(
-        cpu::sdcc_forward_kl(&s_nan, &t, v, &[(0, 0)], &[1.0], 1.0).is_ok(),
+        calls::cpu_sdcc(&s_nan, &t, v, &[(0, 0)], &[1.0], 1.0).is_ok(),
         "row 1 is unused"
     );
     assert!(matches!(
-        ok(cpu::sdcc_forward_kl(
+        ok(calls::cpu_sdcc(
             &s_nan,
             &t,
             v,
@@ -452,14 +454,14 @@ fn bad_inputs_are_errors() {
     ));
     let mut t_inf = t;
     t_inf[2] = f64::INFINITY;
-    let e = ok(cpu::sdcc_forward_kl(&s, &t_inf, v, &[(0, 0)], &[1.0], 1.0));
+    let e = ok(calls::cpu_sdcc(&s, &t_inf, v, &[(0, 0)], &[1.0], 1.0));
     assert!(
         matches!(&e, Error::NonFinite { what, index: 2 } if what.contains("teacher")),
         "{e:?}"
     );
     // Finite logits that overflow once divided by a tiny temperature.
     let huge = [1e300, 0.0, 0.0, 0.0];
-    let e = ok(cpu::sdcc_forward_kl(&s, &huge, v, &[(0, 0)], &[1.0], 1e-30));
+    let e = ok(calls::cpu_sdcc(&s, &huge, v, &[(0, 0)], &[1.0], 1e-30));
     assert!(
         matches!(&e, Error::NonFinite { what, .. } if what.contains("temperature")),
         "{e:?}"
@@ -467,15 +469,15 @@ fn bad_inputs_are_errors() {
     // Rows entirely −inf have no distribution.
     let ninf = [f64::NEG_INFINITY; 4];
     assert!(
-        matches!(ok(cpu::sdcc_forward_kl(&s, &ninf, v, &[(0, 0)], &[1.0], 1.0)), Error::NonFinite { what, .. } if what.contains("teacher"))
+        matches!(ok(calls::cpu_sdcc(&s, &ninf, v, &[(0, 0)], &[1.0], 1.0)), Error::NonFinite { what, .. } if what.contains("teacher"))
     );
     let mut s_ninf = s;
     s_ninf[4..].copy_from_slice(&ninf);
     assert!(
-        matches!(ok(cpu::sdcc_forward_kl(&s_ninf, &t, v, &[(1, 0)], &[1.0], 1.0)), Error::NonFinite { what, index: 4 } if what.contains("student"))
+        matches!(ok(calls::cpu_sdcc(&s_ninf, &t, v, &[(1, 0)], &[1.0], 1.0)), Error::NonFinite { what, index: 4 } if what.contains("student"))
     );
     // With several bad pairs the lowest pair index is reported, whatever the thread schedule.
-    let e = ok(cpu::sdcc_forward_kl(
+    let e = ok(calls::cpu_sdcc(
         &s_ninf,
         &ninf,
         v,

@@ -9,8 +9,9 @@
 //! modelled, so a kernel bug shows up as a wrong number or an `Err`.
 
 use super::launch::{self, FwdParams, KvBoundsParams};
-use super::{AttnParams, AttnShape};
-use crate::mask::PackMask;
+use super::{
+    AttentionBackend, BackwardCall, Element, ForwardCall, Host, SdccBackend, SdccCall, SdccLoss,
+};
 use crate::{Error, Result};
 
 pub use super::launch::{Dtype, KernelElem};
@@ -19,13 +20,8 @@ mod bwd;
 mod sdcc;
 pub use super::launch::bwd::DqMode;
 pub use super::launch::sdcc::SdccElem;
-pub use bwd::{
-    attention_backward, attention_backward_into, backward_kernel_traits, last_backward_stats,
-    BackwardStats, GpuAttnGrads,
-};
-pub use sdcc::{
-    sdcc_forward_kl, sdcc_forward_kl_into, sdcc_forward_kl_unfused, sdcc_kernel_traits, GpuSdccOut,
-};
+pub use bwd::{backward_kernel_traits, last_backward_stats, BackwardStats};
+pub use sdcc::sdcc_kernel_traits;
 
 /// How the emulator interleaves the threads of a block. Hardware timing can
 /// put one warp far ahead of another; a kernel with a missing
@@ -41,12 +37,12 @@ pub enum Schedule {
     WarpSerialReverse = 2,
 }
 
-/// Emulator settings for the launches made on this thread (see
-/// [`with_options`]).
+/// Emulator settings of an [`Emu`] backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EmuOptions {
     /// OS threads that run blocks; 0 = one per core.
     pub workers: u32,
+    /// How the threads of a block interleave.
     pub schedule: Schedule,
     /// `false`: a `cp.async` copy lands at its `wait_group` (the latest moment
     /// hardware allows); `true`: at issue (the earliest).
@@ -88,25 +84,83 @@ impl EmuOptions {
     }
 }
 
-thread_local! {
-    static OPTIONS: std::cell::Cell<EmuOptions> = std::cell::Cell::new(EmuOptions::default());
+/// The emulator backend: the kernels of `kernels/` run on the CPU under
+/// the SIMT shim, on host memory, with `bf16` / `f16` attention inputs (an
+/// `f32` LSE) and `bf16` / `f16` / `f32` SDCC logits (an `f32` gradient).
+/// It implements the crate's contract ([`AttentionBackend`],
+/// [`SdccBackend`]) with the launch plans of the CUDA backend, and how it
+/// runs them is set by its fields.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Emu {
+    /// Worker threads, warp schedule and `cp.async` landing time.
+    pub options: EmuOptions,
+    /// How the backward sums dQ.
+    pub dq_mode: DqMode,
 }
 
-/// Runs `f` with `opts` applied to every emulator launch `f` makes on this
-/// thread; the previous options come back afterwards (also on panic).
-pub fn with_options<R>(opts: EmuOptions, f: impl FnOnce() -> R) -> R {
-    struct Restore(EmuOptions);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            OPTIONS.with(|o| o.set(self.0));
+impl Default for Emu {
+    /// Default options, deterministic dQ.
+    fn default() -> Self {
+        Emu::new(EmuOptions::default())
+    }
+}
+
+impl Emu {
+    /// An emulator with `options` and deterministic dQ.
+    pub fn new(options: EmuOptions) -> Emu {
+        Emu {
+            options,
+            dq_mode: DqMode::Deterministic,
         }
     }
-    let _restore = Restore(OPTIONS.with(|o| o.replace(opts)));
-    f()
+
+    /// The same emulator with dQ summed as `mode` says.
+    pub fn with_dq_mode(self, mode: DqMode) -> Emu {
+        Emu {
+            dq_mode: mode,
+            ..self
+        }
+    }
+
+    fn config(&self) -> RawConfig {
+        self.options.raw()
+    }
 }
 
-fn current_config() -> RawConfig {
-    OPTIONS.with(|o| o.get()).raw()
+impl<T: KernelElem> AttentionBackend<T> for Emu {
+    type Memory = Host;
+    type Lse = f32;
+    fn run_forward(&self, call: ForwardCall<'_, '_, Host, T, f32>) -> Result<()> {
+        forward(self, call)
+    }
+    fn run_backward(&self, call: BackwardCall<'_, '_, Host, T, f32>) -> Result<()> {
+        bwd::backward(self, call)
+    }
+}
+
+impl<T: SdccElem> SdccBackend<T> for Emu {
+    type Memory = Host;
+    type Grad = f32;
+    fn run_sdcc(&self, call: SdccCall<'_, '_, Host, T, f32>) -> Result<SdccLoss> {
+        sdcc::sdcc_forward_kl(self, call)
+    }
+}
+
+/// `Err(NonFinite)` at the first NaN or ±inf of a kernel result (`lse`
+/// may hold `−inf`, the mark of a row with no visible key): the policy of
+/// every host backend, so a result that overflowed is never returned.
+fn check_result<T: Element>(what: &str, x: &[T], allow_neg_inf: bool) -> Result<()> {
+    let bad =
+        |v: f64| v.is_nan() || v == f64::INFINITY || (v == f64::NEG_INFINITY && !allow_neg_inf);
+    match x.iter().position(|e| bad(e.to_f64())) {
+        Some(index) => Err(Error::NonFinite {
+            what: format!(
+                "{what} (the kernel's result is not finite: inputs too large or non-finite)"
+            ),
+            index,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Mirror of `ta_emu::Config` (kernels/emu/shim.h).
@@ -174,122 +228,65 @@ fn emu_result(what: &str, rc: i32, err: &[u8]) -> Result<()> {
     )))
 }
 
-/// Output of a GPU-backend forward on host memory.
-#[derive(Clone, Debug)]
-pub struct GpuAttnOut<T> {
-    /// `[tokens, q_heads, head_dim]`.
-    pub o: Vec<T>,
-    /// `[q_heads, tokens]`, natural log; `−inf` for a row with no visible key.
-    pub lse: Vec<f32>,
-}
-
-/// Per-key-tile `(min, max)` of `kv_end` over tiles of `tile` keys (the last
-/// tile may be short), computed by the `tree_attn_kv_tile_bounds` kernel
-/// under the emulator — what the CUDA backend computes once per pack on the
-/// device.
-pub fn kv_tile_bounds(kv_end: &[u32], tile: usize) -> Result<(Vec<u32>, Vec<u32>)> {
-    if tile == 0 || tile > u32::MAX as usize || kv_end.len() > u32::MAX as usize {
-        return Err(Error::Shape(format!(
-            "kv tile bounds: tile {tile} over {} keys",
-            kv_end.len()
-        )));
-    }
-    let n = kv_end.len().div_ceil(tile);
-    if n == 0 {
-        return Ok((Vec::new(), Vec::new()));
-    }
-    let mut lo = vec![0u32; n];
-    let mut hi = vec![0u32; n];
-    let p = KvBoundsParams {
-        kv_end: kv_end.as_ptr() as u64,
-        tile_kv_min: lo.as_mut_ptr() as u64,
-        tile_kv_max: hi.as_mut_ptr() as u64,
-        tokens: kv_end.len() as u32,
-        tile: tile as u32,
-        num_tiles: n as u32,
-        reserved: 0,
-    };
-    let plan = launch::plan_kv_tile_bounds(n);
-    let mut err = [0u8; 1024];
-    // SAFETY: the pointers in `p` are valid for the lengths they describe for
-    // the whole (synchronous) call; `err` is writable for its length.
-    let rc = unsafe {
-        ffi::ta_emu_kv_tile_bounds(
-            &p,
-            plan.grid.0,
-            plan.block.0,
-            &current_config(),
-            err.as_mut_ptr(),
-            err.len(),
-        )
-    };
-    emu_result("tree_attn_kv_tile_bounds", rc, &err)?;
-    Ok((lo, hi))
-}
-
-/// Tree attention forward on the emulator, on one pack (DESIGN §5):
-///
-/// ```text
-/// S = softmax_scale · Q Kᵀ, keeping only pairs with k <= q < kv_end[k]
-/// O = softmax(S) V,   LSE = ln Σ_k exp(S)      (per query row and head)
-/// ```
-///
-/// `q`: `[tokens, q_heads, d]`, `k`, `v`: `[tokens, kv_heads, d]` (GQA: query
-/// head `h` uses kv head `h / (q_heads / kv_heads)`), d ∈ {64, 128}; 16-bit
-/// inputs, f32 accumulation and softmax. A row with no visible key gets
-/// `O = 0`, `LSE = −inf`. With `params.rope`, Q and K are rotated inside the
-/// kernel by the pack's position ids (the convention of
-/// [`crate::backend::Rope`]; rotated tiles are rounded to the element type);
-/// a position id past [`launch::rope::MAX_ROPE_POSITION`] is an `Err`.
-pub fn attention_forward<T: KernelElem>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    shape: AttnShape,
-    mask: PackMask<'_>,
-    params: &AttnParams,
-) -> Result<GpuAttnOut<T>> {
-    // Poisoned: an element the kernel fails to write stays NaN.
-    let mut o = vec![T::from_f32(f32::NAN); shape.q_len()];
-    let mut lse = vec![f32::NAN; shape.q_heads * shape.tokens];
-    attention_forward_into(q, k, v, shape, mask, params, &mut o, &mut lse)?;
-    Ok(GpuAttnOut { o, lse })
-}
-
-/// [`attention_forward`] writing into caller-owned `o` (`[tokens, q_heads,
-/// d]`) and `lse` (`[q_heads, tokens]`); every element of both is written.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_forward_into<T: KernelElem>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    shape: AttnShape,
-    mask: PackMask<'_>,
-    params: &AttnParams,
-    o: &mut [T],
-    lse: &mut [f32],
-) -> Result<()> {
-    let (traits, plan) =
-        launch::plan_forward(&shape, mask.len(), params, (q.len(), k.len(), v.len()))?;
-    if o.len() != shape.q_len() || lse.len() != shape.q_heads * shape.tokens {
-        return Err(Error::Shape(format!(
-            "outputs hold {} (o) and {} (lse) elements, expected {} and {}",
-            o.len(),
-            lse.len(),
-            shape.q_len(),
-            shape.q_heads * shape.tokens
-        )));
-    }
-    if params.check_finite {
-        for (name, x) in [("q", q), ("k", k), ("v", v)] {
-            if let Some(i) = x.iter().position(|e| !e.to_f32().is_finite()) {
-                return Err(Error::NonFinite {
-                    what: name.into(),
-                    index: i,
-                });
-            }
+impl Emu {
+    /// Per-key-tile `(min, max)` of `kv_end` over tiles of `tile` keys (the last
+    /// tile may be short), computed by the `tree_attn_kv_tile_bounds` kernel
+    /// under the emulator — what the CUDA backend computes once per pack on the
+    /// device.
+    pub fn kv_tile_bounds(&self, kv_end: &[u32], tile: usize) -> Result<(Vec<u32>, Vec<u32>)> {
+        if tile == 0 || tile > u32::MAX as usize || kv_end.len() > u32::MAX as usize {
+            return Err(Error::Shape(format!(
+                "kv tile bounds: tile {tile} over {} keys",
+                kv_end.len()
+            )));
         }
+        let n = kv_end.len().div_ceil(tile);
+        if n == 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let mut lo = vec![0u32; n];
+        let mut hi = vec![0u32; n];
+        let p = KvBoundsParams {
+            kv_end: kv_end.as_ptr() as u64,
+            tile_kv_min: lo.as_mut_ptr() as u64,
+            tile_kv_max: hi.as_mut_ptr() as u64,
+            tokens: kv_end.len() as u32,
+            tile: tile as u32,
+            num_tiles: n as u32,
+            reserved: 0,
+        };
+        let plan = launch::plan_kv_tile_bounds(n);
+        let mut err = [0u8; 1024];
+        // SAFETY: the pointers in `p` are valid for the lengths they describe for
+        // the whole (synchronous) call; `err` is writable for its length.
+        let rc = unsafe {
+            ffi::ta_emu_kv_tile_bounds(
+                &p,
+                plan.grid.0,
+                plan.block.0,
+                &self.config(),
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        emu_result("tree_attn_kv_tile_bounds", rc, &err)?;
+        Ok((lo, hi))
     }
+}
+
+/// Tree attention forward on the emulator (the math of
+/// [`AttentionBackend`]): d ∈ {64, 128}; 16-bit inputs, f32 accumulation
+/// and softmax, an f32 LSE. With `params.rope`, Q and K are rotated inside
+/// the kernel by the pack's position ids (rotated tiles are rounded to the
+/// element type); a position id past [`launch::rope::MAX_ROPE_POSITION`] is
+/// an `Err`. Tensors must start at 16-byte aligned addresses (as device
+/// allocations do). A non-finite `o` or `lse` (other than `−inf`) is an
+/// [`Error::NonFinite`].
+fn forward<T: KernelElem>(emu: &Emu, call: ForwardCall<'_, '_, Host, T, f32>) -> Result<()> {
+    let (args, o, lse) = call.into_parts();
+    let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
+    let params = args.params();
+    let (traits, plan) = launch::plan_forward(&shape)?;
     if shape.tokens == 0 {
         return Ok(());
     }
@@ -307,10 +304,10 @@ pub fn attention_forward_into<T: KernelElem>(
             )));
         }
     }
-    let (tile_min, tile_max) = kv_tile_bounds(mask.kv_end, traits.block_n as usize)?;
+    let (tile_min, tile_max) = emu.kv_tile_bounds(mask.kv_end(), traits.block_n as usize)?;
     let tables = params
         .rope
-        .map(|r| launch::rope::RopeTables::new(r, mask.position_ids))
+        .map(|r| launch::rope::RopeTables::new(r, mask.position_ids()))
         .transpose()?;
     let p = FwdParams {
         q: q.as_ptr() as u64,
@@ -318,7 +315,7 @@ pub fn attention_forward_into<T: KernelElem>(
         v: v.as_ptr() as u64,
         o: o.as_mut_ptr() as u64,
         lse: lse.as_mut_ptr() as u64,
-        kv_end: mask.kv_end.as_ptr() as u64,
+        kv_end: mask.kv_end().as_ptr() as u64,
         tile_kv_min: tile_min.as_ptr() as u64,
         tile_kv_max: tile_max.as_ptr() as u64,
         tokens: shape.tokens as u32,
@@ -331,7 +328,7 @@ pub fn attention_forward_into<T: KernelElem>(
             .as_ref()
             .map_or(launch::rope::RopeArgs::default(), |t| {
                 t.args(
-                    mask.position_ids.as_ptr() as u64,
+                    mask.position_ids().as_ptr() as u64,
                     t.cos.as_ptr() as u64,
                     t.sin.as_ptr() as u64,
                 )
@@ -350,7 +347,7 @@ pub fn attention_forward_into<T: KernelElem>(
             plan.grid.1,
             plan.block.0,
             plan.shared_mem_bytes as usize,
-            &current_config(),
+            &emu.config(),
             &mut cp_async_bytes,
             err.as_mut_ptr(),
             err.len(),
@@ -358,7 +355,8 @@ pub fn attention_forward_into<T: KernelElem>(
     };
     emu_result(&traits.kernel_name(T::DTYPE), rc, &err)?;
     LAST_FORWARD.with(|s| s.set(Some(LaunchStats { cp_async_bytes })));
-    Ok(())
+    check_result("o", o, false)?;
+    check_result("lse", lse, true)
 }
 
 /// What an emulated forward launch moved.
@@ -402,7 +400,7 @@ pub fn kernel_traits(head_dim: u32) -> Option<(u32, u32, u32, u32, u32)> {
 /// for `tests/emu_shim.rs`. Not part of the crate's API.
 #[doc(hidden)]
 pub mod shim_selftest {
-    use super::{emu_result, ffi, Result};
+    use super::{emu_result, ffi, EmuOptions, Result};
 
     /// The self-test kernels, in the order of `kKernels` in the C++ file.
     #[derive(Clone, Copy, Debug)]
@@ -421,8 +419,7 @@ pub mod shim_selftest {
     }
 
     /// Launches a self-test kernel on `grid` blocks of `block` threads with
-    /// `smem` bytes of dynamic shared memory, with the emulator options of
-    /// this thread ([`super::with_options`]). The kernel reads `input` and
+    /// `smem` bytes of dynamic shared memory, under `options`. The kernel reads `input` and
     /// writes `output`; the caller sizes both for the kernel (see the C++
     /// comments).
     ///
@@ -435,6 +432,7 @@ pub mod shim_selftest {
     /// `arg`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn run(
+        options: EmuOptions,
         kernel: Kernel,
         input: &[u8],
         output: &mut [u8],
@@ -456,7 +454,7 @@ pub mod shim_selftest {
                 grid,
                 block,
                 smem,
-                &super::current_config(),
+                &options.raw(),
                 err.as_mut_ptr(),
                 err.len(),
             )

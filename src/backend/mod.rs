@@ -6,11 +6,21 @@
 //! - `cuda` (feature `cuda`): the same kernels compiled by nvcc, launched
 //!   through cudarc.
 //!
-//! Every backend takes tensors in the varlen layout of `flash_attn_varlen`:
-//! Q is `[tokens, q_heads, head_dim]`, K and V are `[tokens, kv_heads,
+//! Every backend implements the one contract of [`contract`]
+//! ([`AttentionBackend`], [`SdccBackend`] on validated [`AttnArgs`] /
+//! [`SdccArgs`]), in the varlen layout of `flash_attn_varlen`: Q is
+//! `[tokens, q_heads, head_dim]`, K and V are `[tokens, kv_heads,
 //! head_dim]`, row-major; LSE is `[q_heads, tokens]`.
 
+pub mod contract;
 pub mod cpu;
+pub mod tolerance;
+
+pub use contract::{
+    AttentionBackend, AttnArgs, AttnGrads, AttnOut, BackwardCall, Element, Extent, ForwardCall,
+    Grads, Host, HostAttention, HostSdcc, Memory, Saved, SdccArgs, SdccBackend, SdccCall, SdccLoss,
+    SdccOut, MAX_SDCC_VOCAB,
+};
 
 use crate::{Error, Result};
 
@@ -19,21 +29,46 @@ pub mod cuda;
 pub mod emu;
 pub mod launch;
 
+/// Largest head dim any backend takes. The kernels take 64 and 128; the
+/// CPU backend any size up to this bound (a larger one is almost surely a
+/// wrong argument: one token at head dim 2^24 took 108 s and 16.9 GB).
+pub const MAX_HEAD_DIM: usize = 1024;
+
 /// Sizes of one attention call on a pack of `tokens` tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnShape {
+    /// Packed tokens `L` (rows of q, k, v).
     pub tokens: usize,
+    /// Query heads.
     pub q_heads: usize,
     /// Must divide `q_heads` (GQA: query head `h` reads kv head `h / (q_heads / kv_heads)`).
     pub kv_heads: usize,
+    /// Elements per head and token, at most [`MAX_HEAD_DIM`].
     pub head_dim: usize,
 }
 
 impl AttnShape {
-    /// Checks that the head counts fit together and nothing is zero-sized.
+    /// Checks that the head counts fit together, nothing is zero-sized,
+    /// `head_dim <= MAX_HEAD_DIM` and the element counts fit in `usize`.
     pub fn validate(&self) -> Result<()> {
         if self.q_heads == 0 || self.kv_heads == 0 || self.head_dim == 0 {
             return Err(Error::Shape(format!("zero-sized attention shape {self:?}")));
+        }
+        if self.head_dim > MAX_HEAD_DIM {
+            return Err(Error::Unsupported(format!(
+                "head_dim = {} exceeds the limit of {MAX_HEAD_DIM}",
+                self.head_dim
+            )));
+        }
+        let elements = |heads: usize| {
+            self.tokens
+                .checked_mul(heads)
+                .and_then(|x| x.checked_mul(self.head_dim))
+        };
+        if elements(self.q_heads).is_none() || elements(self.kv_heads).is_none() {
+            return Err(Error::Shape(format!(
+                "attention shape {self:?} overflows usize"
+            )));
         }
         if self.q_heads % self.kv_heads != 0 {
             return Err(Error::Shape(format!(
@@ -55,6 +90,10 @@ impl AttnShape {
     pub fn kv_len(&self) -> usize {
         self.tokens * self.kv_heads * self.head_dim
     }
+    /// Elements of LSE: `q_heads · tokens`.
+    pub fn lse_len(&self) -> usize {
+        self.q_heads * self.tokens
+    }
 }
 
 /// Rotary position embedding applied inside the op, Llama convention
@@ -70,6 +109,7 @@ impl AttnShape {
 /// not. Backward rotates dQ and dK back (by the transpose rotation).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Rope {
+    /// `θ_i = base^(−2i / dims)`; finite and > 1.
     pub base: f64,
     /// Even, at most `head_dim`.
     pub dims: usize,
@@ -80,6 +120,7 @@ pub struct Rope {
 pub struct AttnParams {
     /// Multiplies `Q Kᵀ` before the softmax; usually `1 / sqrt(head_dim)`.
     pub softmax_scale: f64,
+    /// Rotary embedding at the pack's position ids, applied inside the op.
     pub rope: Option<Rope>,
     /// Scan inputs for NaN / ±inf and return [`Error::NonFinite`] (costs one pass).
     pub check_finite: bool,
@@ -118,63 +159,4 @@ impl AttnParams {
         }
         Ok(())
     }
-}
-
-/// Checks the arguments of an SDCC forward-KL call the same way on every
-/// backend and returns the number of (student, teacher) logit rows. `lens`
-/// are the element counts of the student and teacher logits.
-///
-/// Errors: `vocab == 0` or logits not a whole number of rows; `weights` not
-/// one per pair, non-finite or negative; `temperature` non-finite or `<= 0`;
-/// a pair naming a row out of range (the lowest such pair is reported).
-pub fn check_sdcc_args(
-    lens: (usize, usize),
-    vocab: usize,
-    pairs: &[(u32, u32)],
-    weights: &[f32],
-    temperature: f32,
-) -> Result<(usize, usize)> {
-    if vocab == 0 {
-        return Err(Error::Shape("SDCC vocab must be > 0".into()));
-    }
-    for (what, n) in [("student", lens.0), ("teacher", lens.1)] {
-        if n % vocab != 0 {
-            return Err(Error::Shape(format!(
-                "{what} logits have {n} elements, not a multiple of vocab = {vocab}"
-            )));
-        }
-    }
-    if weights.len() != pairs.len() {
-        return Err(Error::Shape(format!(
-            "{} weights for {} SDCC pairs",
-            weights.len(),
-            pairs.len()
-        )));
-    }
-    if !(temperature.is_finite() && temperature > 0.0) {
-        return Err(Error::Unsupported(format!(
-            "SDCC temperature {temperature} must be finite and > 0"
-        )));
-    }
-    if let Some(index) = weights.iter().position(|w| !w.is_finite()) {
-        return Err(Error::NonFinite {
-            what: "SDCC weights".into(),
-            index,
-        });
-    }
-    if let Some(i) = weights.iter().position(|&w| w < 0.0) {
-        return Err(Error::Unsupported(format!(
-            "SDCC weight {i} is {} (weights must be >= 0)",
-            weights[i]
-        )));
-    }
-    let (n_student, n_teacher) = (lens.0 / vocab, lens.1 / vocab);
-    for (i, &(s, t)) in pairs.iter().enumerate() {
-        if s as usize >= n_student || t as usize >= n_teacher {
-            return Err(Error::Pack(format!(
-                "SDCC pair {i} = (student row {s}, teacher row {t}) is out of range: {n_student} student rows, {n_teacher} teacher rows"
-            )));
-        }
-    }
-    Ok((n_student, n_teacher))
 }

@@ -1,8 +1,10 @@
 //! Attention on a pack (DESIGN §5), over `[tokens, heads, head_dim]` views.
 
 use super::{flat, shaped};
-use crate::backend::cpu::{self, CpuFloat};
-use crate::backend::{AttnParams, AttnShape};
+use crate::backend::cpu::{Cpu, CpuFloat};
+use crate::backend::{
+    AttentionBackend, AttnArgs, AttnParams, AttnShape, Grads, HostAttention, Saved,
+};
 use crate::mask::PackMask;
 use crate::{Error, Result};
 use ndarray::{Array2, Array3, ArrayView3};
@@ -71,7 +73,9 @@ pub fn attention_forward<T: CpuFloat>(
     params: &AttnParams,
 ) -> Result<AttnForward<T>> {
     let shape = shape_of(&q, &k, &v)?;
-    let out = cpu::attention_forward(&flat(&q), &flat(&k), &flat(&v), shape, mask, params)?;
+    let (q, k, v) = (flat(&q), flat(&k), flat(&v));
+    let args = AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, *params)?;
+    let out = Cpu::default().forward_owned(&args)?;
     Ok(AttnForward {
         o: shaped((shape.tokens, shape.q_heads, shape.head_dim), out.o, "o")?,
         lse: shaped((shape.q_heads, shape.tokens), out.lse, "lse")?,
@@ -124,21 +128,29 @@ pub fn attention_backward<T: CpuFloat>(
             fwd.o.dim()
         )));
     }
-    let g = cpu::attention_backward(
-        &flat(&q),
-        &flat(&k),
-        &flat(&v),
-        &flat(&fwd.o.view()),
-        &flat(&fwd.lse.view()),
-        &flat(&d_o),
-        shape,
-        mask,
-        &fwd.params,
-    )?;
+    let (qf, kf, vf) = (flat(&q), flat(&k), flat(&v));
+    let args = AttnArgs::new(&qf[..], &kf[..], &vf[..], shape, mask, fwd.params)?;
+    let (o, lse, d_o_flat) = (flat(&fwd.o.view()), flat(&fwd.lse.view()), flat(&d_o));
+    let nan = T::from_f64(f64::NAN);
+    let (mut dq, mut dk, mut dv) = (
+        vec![nan; shape.q_len()],
+        vec![nan; shape.kv_len()],
+        vec![nan; shape.kv_len()],
+    );
+    let saved = Saved {
+        o: &o[..],
+        lse: &lse[..],
+    };
+    let grads = Grads {
+        dq: &mut dq[..],
+        dk: &mut dk[..],
+        dv: &mut dv[..],
+    };
+    Cpu::default().backward(&args, saved, &d_o_flat[..], grads)?;
     Ok(AttnGradients {
-        dq: shaped(q.dim(), g.dq, "dq")?,
-        dk: shaped(k.dim(), g.dk, "dk")?,
-        dv: shaped(v.dim(), g.dv, "dv")?,
+        dq: shaped(q.dim(), dq, "dq")?,
+        dk: shaped(k.dim(), dk, "dk")?,
+        dv: shaped(v.dim(), dv, "dv")?,
     })
 }
 

@@ -1,6 +1,7 @@
 //! The public ops, on `ndarray` views: attention on a pack and the SDCC
-//! fused forward-KL. They run on the CPU reference backend
-//! ([`crate::backend::cpu`]), whose slice-level functions they wrap.
+//! fused forward-KL. They are the `ndarray` adapter of the backend contract
+//! ([`crate::backend::AttentionBackend`], [`crate::backend::SdccBackend`])
+//! and run on the CPU backend ([`crate::backend::cpu::Cpu`]).
 //!
 //! Layouts (those of `flash_attn_varlen`): Q, O, dQ are `[tokens, q_heads,
 //! head_dim]`; K, V, dK, dV are `[tokens, kv_heads, head_dim]`; LSE is
@@ -11,7 +12,7 @@ pub mod attention;
 pub mod sdcc;
 
 pub use attention::{attention_backward, attention_forward, AttnForward, AttnGradients};
-pub use sdcc::{sdcc_forward_kl, SdccLoss};
+pub use sdcc::{sdcc_forward_kl, SdccForward};
 
 use crate::{Error, Result};
 use ndarray::{ArrayView, Dimension};

@@ -1,19 +1,16 @@
 //! SDCC fused forward-KL (DESIGN §5), over `[rows, vocab]` logit views.
 
 use super::{flat, shaped};
-use crate::backend::cpu::{self, CpuFloat};
+use crate::backend::cpu::{Cpu, CpuFloat};
+use crate::backend::{HostSdcc, SdccArgs, SdccLoss};
 use crate::{Error, Result};
 use ndarray::{Array2, ArrayView2};
 
 /// Result of [`sdcc_forward_kl`].
 #[derive(Clone, Debug)]
-pub struct SdccLoss<T> {
-    /// `Σ_pairs w · KL(teacher ‖ student)`.
-    pub loss_sum: f64,
-    /// `loss_sum / Σ w` (0 when `Σ w = 0`).
-    pub loss_mean: f64,
-    /// Unweighted KL per pair, in pair order.
-    pub per_pair: Vec<f64>,
+pub struct SdccForward<T> {
+    /// Sum, mean and per-pair KL (see [`SdccLoss`]).
+    pub loss: SdccLoss,
     /// `∂ loss_sum / ∂ student`, shaped like `student`; rows in several pairs
     /// accumulate.
     pub grad_student: Array2<T>,
@@ -28,7 +25,7 @@ pub struct SdccLoss<T> {
 ///
 /// Fused over vocabulary chunks with an online log-sum-exp, f64
 /// accumulation; the teacher gets no gradient. See
-/// [`cpu::sdcc_forward_kl`] for the passes, the treatment of `−inf` logits
+/// [`crate::backend::SdccBackend`] for the treatment of `−inf` logits
 /// and the errors. `student` and `teacher` must have the same vocabulary
 /// (number of columns).
 pub fn sdcc_forward_kl<T: CpuFloat>(
@@ -37,7 +34,7 @@ pub fn sdcc_forward_kl<T: CpuFloat>(
     pairs: &[(u32, u32)],
     weights: &[f32],
     temperature: f32,
-) -> Result<SdccLoss<T>> {
+) -> Result<SdccForward<T>> {
     let vocab = student.ncols();
     if teacher.ncols() != vocab {
         return Err(Error::Shape(format!(
@@ -45,18 +42,11 @@ pub fn sdcc_forward_kl<T: CpuFloat>(
             teacher.ncols()
         )));
     }
-    let out = cpu::sdcc_forward_kl(
-        &flat(&student),
-        &flat(&teacher),
-        vocab,
-        pairs,
-        weights,
-        temperature,
-    )?;
-    Ok(SdccLoss {
-        loss_sum: out.loss_sum,
-        loss_mean: out.loss_mean,
-        per_pair: out.per_pair,
+    let (s, t) = (flat(&student), flat(&teacher));
+    let args = SdccArgs::new(&s[..], &t[..], vocab, pairs, weights, temperature)?;
+    let out = Cpu::default().sdcc_owned(&args)?;
+    Ok(SdccForward {
+        loss: out.loss,
         grad_student: shaped(student.dim(), out.grad_student, "grad_student")?,
     })
 }

@@ -7,6 +7,7 @@ use treeattn::gen::Rng;
 /// A fresh generator and its seed: `TREEATTN_SEED` when set (to replay a
 /// failure), otherwise the clock. Tests put the seed in every failure
 /// message.
+#[allow(dead_code)]
 pub fn seeded_rng() -> (Rng, u64) {
     let seed = std::env::var("TREEATTN_SEED")
         .ok()
@@ -35,3 +36,4 @@ pub fn random_tensor<T: KernelElem, W: From<f32>>(
     let wide = x.iter().map(|e| W::from(e.to_f32())).collect();
     (x, wide)
 }
+pub mod calls;

@@ -15,17 +15,13 @@ use super::lanes;
 use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace;
 use super::workspace::Staggered;
-use super::{
-    check_finite, check_len, check_qkv, check_result, num_threads, run_parallel, AttnGrads,
-    BlockMasks, CpuFloat, KeyTileBounds, TileClass, TILE,
-};
-use crate::backend::{AttnParams, AttnShape};
-use crate::mask::PackMask;
-use crate::{Error, Result};
+use super::{check_result, run_parallel, BlockMasks, CpuFloat, KeyTileBounds, TileClass, TILE};
+use crate::backend::{BackwardCall, Grads, Host};
+use crate::Result;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Attention backward on a pack, from the forward's `o` and `lse` and the
-/// output gradient `d_o` (`[tokens, q_heads, head_dim]`):
+/// The backward of a validated call on `threads` threads, from the
+/// forward's `O`, `LSE` and the output gradient `dO`:
 ///
 /// ```text
 /// P = exp(scale · Q Kᵀ − LSE) masked      D = rowsum(dO ∘ O)
@@ -36,144 +32,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// With GQA, dK and dV of a kv head sum over its query heads. With
 /// `params.rope`, dQ and dK are with respect to the unrotated q and k.
 /// Rows whose LSE is `−inf` (no visible key) get `dQ = 0` and add nothing.
-/// `params` and `mask` must be those of the forward call.
-///
-/// Errors: everything [`super::attention_forward`] rejects, plus `o`, `d_o`,
-/// `lse` of the wrong length, a NaN or `+inf` in `lse`, and (with
-/// `params.check_finite`) a NaN or ±inf in `o` or `d_o`; and a NaN or ±inf
-/// in the gradients (overflow of `T`, or non-finite inputs left unchecked).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward<T: CpuFloat>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    o: &[T],
-    lse: &[T],
-    d_o: &[T],
-    shape: AttnShape,
-    mask: PackMask<'_>,
-    params: &AttnParams,
-) -> Result<AttnGrads<T>> {
-    backward_on_threads(q, k, v, o, lse, d_o, shape, mask, params, num_threads())
-}
-
-/// [`attention_backward`] writing into the caller's buffers: `dq` like q
-/// `[tokens, q_heads, head_dim]`, `dk` and `dv` like k `[tokens, kv_heads,
-/// head_dim]`. On `Ok` every element of the three is written (their prior
-/// contents are never read), so a training loop can reuse them across calls
-/// without zeroing. On `Err` their contents are unspecified.
-///
-/// Errors: those of [`attention_backward`], and `dq`, `dk` or `dv` of the
-/// wrong length (checked before any work).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward_into<T: CpuFloat>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    o: &[T],
-    lse: &[T],
-    d_o: &[T],
-    shape: AttnShape,
-    mask: PackMask<'_>,
-    params: &AttnParams,
-    dq: &mut [T],
-    dk: &mut [T],
-    dv: &mut [T],
-) -> Result<()> {
-    let threads = num_threads();
-    check_inputs(q, k, v, o, lse, d_o, &shape, &mask, params)?;
-    check_len(
-        "dq",
-        dq.len(),
-        shape.q_len(),
-        "tokens · q_heads · head_dim, like q",
-    )?;
-    let kv_how = "tokens · kv_heads · head_dim, like k";
-    check_len("dk", dk.len(), shape.kv_len(), kv_how)?;
-    check_len("dv", dv.len(), shape.kv_len(), kv_how)?;
-    let grads = [dq, dk, dv];
-    backward_checked(q, k, v, o, lse, d_o, shape, mask, params, grads, threads)
-}
-
-/// [`attention_backward`] on `threads` threads.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward_on_threads<T: CpuFloat>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    o: &[T],
-    lse: &[T],
-    d_o: &[T],
-    shape: AttnShape,
-    mask: PackMask<'_>,
-    params: &AttnParams,
-    threads: usize,
-) -> Result<AttnGrads<T>> {
-    // Validated before allocating: the gradients' sizes come from `shape`.
-    check_inputs(q, k, v, o, lse, d_o, &shape, &mask, params)?;
-    let mut dq = vec![T::ZERO; shape.q_len()];
-    let mut dk = vec![T::ZERO; shape.kv_len()];
-    let mut dv = vec![T::ZERO; shape.kv_len()];
-    let grads = [&mut dq[..], &mut dk[..], &mut dv[..]];
-    backward_checked(q, k, v, o, lse, d_o, shape, mask, params, grads, threads)?;
-    Ok(AttnGrads { dq, dk, dv })
-}
-
-/// Validation of the backward's inputs (see [`attention_backward`]).
-#[allow(clippy::too_many_arguments)]
-fn check_inputs<T: CpuFloat>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    o: &[T],
-    lse: &[T],
-    d_o: &[T],
-    shape: &AttnShape,
-    mask: &PackMask<'_>,
-    params: &AttnParams,
-) -> Result<()> {
-    check_qkv(q, k, v, shape, mask, params)?;
-    let q_how = "tokens · q_heads · head_dim, like q";
-    check_len("o", o.len(), shape.q_len(), q_how)?;
-    check_len("d_o", d_o.len(), shape.q_len(), q_how)?;
-    check_len(
-        "lse",
-        lse.len(),
-        shape.q_heads * shape.tokens,
-        "q_heads · tokens",
-    )?;
-    if let Some(index) = lse
-        .iter()
-        .position(|x| x.partial_cmp(&T::INFINITY) != Some(std::cmp::Ordering::Less))
-    {
-        return Err(Error::NonFinite {
-            what: "lse (NaN or +inf; −inf marks a row with no visible key)".into(),
-            index,
-        });
-    }
-    if params.check_finite {
-        check_finite("o", o)?;
-        check_finite("d_o", d_o)?;
-    }
-    Ok(())
-}
-
-/// The backward on inputs and gradient buffers `[dq, dk, dv]` already
-/// validated.
-#[allow(clippy::too_many_arguments)]
-fn backward_checked<T: CpuFloat>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    o: &[T],
-    lse: &[T],
-    d_o: &[T],
-    shape: AttnShape,
-    mask: PackMask<'_>,
-    params: &AttnParams,
-    [dq, dk, dv]: [&mut [T]; 3],
+/// Errors: a NaN or ±inf in the gradients (overflow of `T`, or non-finite
+/// inputs left unchecked).
+pub(crate) fn backward<T: CpuFloat>(
+    call: BackwardCall<'_, '_, Host, T, T>,
     threads: usize,
 ) -> Result<()> {
+    let (args, saved, d_o, grads) = call.into_parts();
+    let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
+    let params = args.params();
+    let (o, lse) = (saved.o, saved.lse);
+    let Grads { dq, dk, dv } = grads;
     let l = shape.tokens;
     if l == 0 {
         return Ok(());
@@ -181,7 +50,7 @@ fn backward_checked<T: CpuFloat>(
     let lay = Layout::new(l, shape.head_dim, threads);
     let lpad = lay.lpad;
     let (hq, hkv) = (shape.q_heads, shape.kv_heads);
-    let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids));
+    let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids()));
 
     // Per (head, padded row): the LSE to subtract, with +inf for rows
     // without a visible key and for padding rows so that exp(s − lse) is
@@ -194,7 +63,7 @@ fn backward_checked<T: CpuFloat>(
         lse_eff[l..].fill(T::INFINITY);
     }
 
-    let bounds = KeyTileBounds::new(mask.kv_end);
+    let bounds = KeyTileBounds::new(mask.kv_end());
     let group = shape.group();
     let scratch = || BwdScratch::new(lay.dp);
     let bad = [(); 3].map(|_| AtomicBool::new(false));
@@ -597,6 +466,10 @@ fn ds_block<'e, T: CpuFloat, const FMA: bool, const KEEP_P: bool>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::Cpu;
+    use crate::backend::{AttentionBackend, AttnArgs, AttnParams, HostAttention, Saved};
+    use crate::mask::PackMask;
+    use crate::Error;
 
     /// Items store their gradient rows directly and only flag a bad value;
     /// the error must still name the first non-finite index of dq (checked
@@ -619,18 +492,23 @@ mod tests {
             data(shape.kv_len(), 2),
             data(shape.kv_len(), 3),
         );
-        let fwd =
-            super::super::attention_fwd::forward_on_threads(&q, &k, &v, shape, mask, &params, 2)
-                .unwrap();
+        let args = AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, params).unwrap();
+        let fwd = Cpu::with_threads(2).forward_owned(&args).unwrap();
         let mut d_o = data(shape.q_len(), 4);
         let mut dq = vec![0.0; shape.q_len()];
         let mut dk = vec![0.0; shape.kv_len()];
         let mut dv = vec![0.0; shape.kv_len()];
         let mut run = |d_o: &[f64], threads| {
-            let grads = [&mut dq[..], &mut dk[..], &mut dv[..]];
-            let r = backward_checked(
-                &q, &k, &v, &fwd.o, &fwd.lse, d_o, shape, mask, &params, grads, threads,
-            );
+            let grads = Grads {
+                dq: &mut dq[..],
+                dk: &mut dk[..],
+                dv: &mut dv[..],
+            };
+            let saved = Saved {
+                o: &fwd.o[..],
+                lse: &fwd.lse[..],
+            };
+            let r = Cpu::with_threads(threads).backward(&args.reborrow(), saved, d_o, grads);
             let first_bad = |x: &[f64]| x.iter().position(|v| !v.is_finite());
             (r, [first_bad(&dq), first_bad(&dk), first_bad(&dv)])
         };

@@ -7,130 +7,37 @@ use super::kernels::{
 use super::lanes;
 use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace::Staggered;
-use super::{
-    check_len, check_qkv, check_result, num_threads, run_parallel, AttnOut, BlockMasks, CpuFloat,
-    KeyTileBounds, TileClass, TILE,
-};
-use crate::backend::{AttnParams, AttnShape};
-use crate::mask::PackMask;
+use super::{check_result, run_parallel, BlockMasks, CpuFloat, KeyTileBounds, TileClass, TILE};
+use crate::backend::{ForwardCall, Host};
 use crate::{Error, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Attention forward on a pack: `O = softmax(scale · Q Kᵀ masked) V` and
-/// `LSE = ln Σ exp(scale · Q Kᵀ masked)` per query row and head (see the
-/// [module docs](super)).
-///
-/// `q` is `[tokens, q_heads, head_dim]`, `k` and `v` are `[tokens, kv_heads,
-/// head_dim]`, row-major. With `params.rope`, Q and K are rotated by the
-/// pack's position ids before the dot products. Dot products and softmax sums
-/// accumulate in `T`.
-///
-/// Errors: slice lengths that do not match `shape`, `q_heads` not a multiple
-/// of `kv_heads`, a mask of another length or with `kv_end[k] < k` or
-/// `> tokens`, unsupported rotary dims, and (with `params.check_finite`) a
-/// NaN or ±inf in q, k or v; and a NaN or ±inf in the result (scores that
-/// overflow `T`, or non-finite inputs when they were not checked).
-pub fn attention_forward<T: CpuFloat>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    shape: AttnShape,
-    mask: PackMask<'_>,
-    params: &AttnParams,
-) -> Result<AttnOut<T>> {
-    forward_on_threads(q, k, v, shape, mask, params, num_threads())
-}
-
-/// [`attention_forward`] writing into the caller's buffers: `o`
-/// `[tokens, q_heads, head_dim]` and `lse` `[q_heads, tokens]`. On `Ok`
-/// every element of both is written (their prior contents are never read),
-/// so a training loop can reuse them across calls without zeroing. On `Err`
-/// their contents are unspecified.
-///
-/// Errors: those of [`attention_forward`], and `o` or `lse` of the wrong
-/// length (checked before any work).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_forward_into<T: CpuFloat>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    shape: AttnShape,
-    mask: PackMask<'_>,
-    params: &AttnParams,
-    o: &mut [T],
-    lse: &mut [T],
-) -> Result<()> {
-    forward_into_on_threads(q, k, v, shape, mask, params, o, lse, num_threads())
-}
-
-/// [`attention_forward`] on `threads` threads.
-pub(crate) fn forward_on_threads<T: CpuFloat>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    shape: AttnShape,
-    mask: PackMask<'_>,
-    params: &AttnParams,
-    threads: usize,
-) -> Result<AttnOut<T>> {
-    // Validated before allocating: the outputs' sizes come from `shape`.
-    check_qkv(q, k, v, &shape, &mask, params)?;
-    let mut o = vec![T::ZERO; shape.q_len()];
-    let mut lse = vec![T::ZERO; shape.q_heads * shape.tokens];
-    forward_checked(q, k, v, shape, mask, params, &mut o, &mut lse, threads)?;
-    Ok(AttnOut { o, lse })
-}
-
-/// [`attention_forward_into`] on `threads` threads.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn forward_into_on_threads<T: CpuFloat>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    shape: AttnShape,
-    mask: PackMask<'_>,
-    params: &AttnParams,
-    o: &mut [T],
-    lse: &mut [T],
+/// The forward of a validated call on `threads` threads: `O = softmax(scale
+/// · Q Kᵀ masked) V` and `LSE = ln Σ exp(scale · Q Kᵀ masked)` per query
+/// row and head (see the [module docs](super)). With `params.rope`, Q and K
+/// are rotated by the pack's position ids before the dot products. Dot
+/// products and softmax sums accumulate in `T`. Errors: a NaN or ±inf in
+/// the result (scores that overflow `T`, or non-finite inputs when they
+/// were not checked).
+pub(crate) fn forward<T: CpuFloat>(
+    call: ForwardCall<'_, '_, Host, T, T>,
     threads: usize,
 ) -> Result<()> {
-    check_qkv(q, k, v, &shape, &mask, params)?;
-    let q_how = "tokens · q_heads · head_dim, like q";
-    check_len("o", o.len(), shape.q_len(), q_how)?;
-    check_len(
-        "lse",
-        lse.len(),
-        shape.q_heads * shape.tokens,
-        "q_heads · tokens",
-    )?;
-    forward_checked(q, k, v, shape, mask, params, o, lse, threads)
-}
-
-/// The forward on inputs and output buffers already validated.
-#[allow(clippy::too_many_arguments)]
-fn forward_checked<T: CpuFloat>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    shape: AttnShape,
-    mask: PackMask<'_>,
-    params: &AttnParams,
-    o: &mut [T],
-    lse: &mut [T],
-    threads: usize,
-) -> Result<()> {
+    let (args, o, lse) = call.into_parts();
+    let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
+    let params = args.params();
     let l = shape.tokens;
     if l == 0 {
         return Ok(());
     }
     let lay = Layout::new(l, shape.head_dim, threads);
-    let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids));
+    let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids()));
     // Q is copied per query tile by the one item that reads it.
     let [kt, vh] = lay.copy_inputs([
         Input::columns(k, shape.kv_heads, rope.as_ref()),
         Input::rows(v, shape.kv_heads, None),
     ]);
-    let bounds = KeyTileBounds::new(mask.kv_end);
+    let bounds = KeyTileBounds::new(mask.kv_end());
     let ctx = FwdCtx {
         lay,
         group: shape.group(),
@@ -455,6 +362,9 @@ fn softmax_block<'e, T: CpuFloat, const FMA: bool>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::Cpu;
+    use crate::backend::{AttentionBackend, AttnArgs, AttnParams};
+    use crate::mask::PackMask;
 
     /// Items store their rows of `o` directly and only flag a bad value;
     /// the error must still name the first non-finite index of the whole
@@ -473,7 +383,8 @@ mod tests {
         let mut o = vec![0.0; shape.q_len()];
         let mut lse = vec![0.0; hq * l];
         let mut run = |v: &[f32], o: &mut [f32], threads| {
-            forward_checked(&q, &k, v, shape, mask, &params, o, &mut lse, threads)
+            let args = AttnArgs::new(&q[..], &k[..], v, shape, mask, params).unwrap();
+            Cpu::with_threads(threads).forward(&args, o, &mut lse[..])
         };
         assert!(run(&v, &mut o, 2).is_ok(), "negative control");
         assert!(o.iter().all(|x| x.is_finite()));

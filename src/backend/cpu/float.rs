@@ -1,5 +1,6 @@
 //! The element types of the CPU backend.
 
+use crate::backend::Element;
 use std::fmt::{Debug, Display};
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
 
@@ -11,7 +12,8 @@ use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
 /// keeping every `exp` argument `<= 0`); rotary angles and the SDCC loss are
 /// computed in `f64` whatever `Self` is.
 pub trait CpuFloat:
-    Copy
+    Element
+    + Copy
     + Send
     + Sync
     + 'static
@@ -32,12 +34,6 @@ pub trait CpuFloat:
     const ONE: Self;
     const NEG_INFINITY: Self;
     const INFINITY: Self;
-    /// `"f32"` or `"f64"`, for messages.
-    const NAME: &'static str;
-
-    /// Rounds to nearest.
-    fn from_f64(x: f64) -> Self;
-    fn to_f64(self) -> f64;
     fn exp(self) -> Self;
     /// `self · a + b` with one rounding.
     fn mul_add(self, a: Self, b: Self) -> Self;
@@ -65,21 +61,12 @@ pub trait CpuFloat:
 }
 
 macro_rules! impl_cpu_float {
-    ($t:ty, $name:literal, $exp:path, $exp_lanes:path) => {
+    ($t:ty, $exp:path, $exp_lanes:path) => {
         impl CpuFloat for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
             const NEG_INFINITY: Self = <$t>::NEG_INFINITY;
             const INFINITY: Self = <$t>::INFINITY;
-            const NAME: &'static str = $name;
-            #[inline(always)]
-            fn from_f64(x: f64) -> Self {
-                x as $t
-            }
-            #[inline(always)]
-            fn to_f64(self) -> f64 {
-                self as f64
-            }
             #[inline(always)]
             fn exp(self) -> Self {
                 <$t>::exp(self)
@@ -110,8 +97,8 @@ macro_rules! impl_cpu_float {
     };
 }
 
-impl_cpu_float!(f32, "f32", exp_f32, exp_f32_lanes);
-impl_cpu_float!(f64, "f64", f64::exp, exp_f64_lanes);
+impl_cpu_float!(f32, exp_f32, exp_f32_lanes);
+impl_cpu_float!(f64, f64::exp, exp_f64_lanes);
 
 fn exp_f64_lanes(xs: &mut [f64; 8]) {
     xs.iter_mut().for_each(|x| *x = x.exp());

@@ -45,12 +45,12 @@
 //!
 //! The head-major copies come from a bounded process-wide pool of buffers
 //! reused across calls (at most 32 buffers and 1 GiB kept, oldest freed
-//! first), so repeated calls do not fault in fresh pages.
-//! [`attention_forward`] and [`attention_backward`] return fresh `Vec`s
-//! owned by the caller; [`attention_forward_into`] and
-//! [`attention_backward_into`] write every element of buffers the caller
-//! passes in (e.g. reused across a training loop's steps), which saves the
-//! page faults of fresh outputs at every call.
+//! first), so repeated calls do not fault in fresh pages. Calls write
+//! every element of the caller's outputs (the contract's
+//! [`AttentionBackend::forward`], [`AttentionBackend::backward`]), which a
+//! training loop reuses across steps, saving the page faults of fresh
+//! outputs at every call; [`crate::backend::HostAttention`] allocates them
+//! instead.
 //!
 //! Forward runs one work item per (query head, query tile) with an online
 //! softmax. Backward runs one kv head (with its query heads) at a time, so
@@ -102,12 +102,9 @@ mod sdcc;
 mod workspace;
 
 pub use crate::mask::TileClass;
-pub use attention_bwd::{attention_backward, attention_backward_into};
-pub use attention_fwd::{attention_forward, attention_forward_into};
 pub use float::CpuFloat;
-pub use sdcc::{sdcc_forward_kl, SdccOut};
 
-use super::{AttnParams, AttnShape};
+use super::{AttentionBackend, BackwardCall, ForwardCall, Host, SdccBackend, SdccCall, SdccLoss};
 use crate::mask::PackMask;
 use crate::{Error, Result};
 use kernels::LiveBlocks;
@@ -117,25 +114,56 @@ use std::sync::{Mutex, PoisonError};
 /// computes and classifies.
 pub const TILE: usize = 64;
 
-/// Forward result of [`attention_forward`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct AttnOut<T> {
-    /// `[tokens, q_heads, head_dim]`.
-    pub o: Vec<T>,
-    /// `[q_heads, tokens]`, natural log; `−inf` for a row with no visible key.
-    pub lse: Vec<T>,
+/// The CPU backend: tree attention and the SDCC forward KL on host memory,
+/// `f32` or `f64`, on [`Cpu::threads`] threads. It implements the crate's
+/// contract ([`AttentionBackend`], [`SdccBackend`]; LSE and gradients in
+/// the input type).
+///
+/// ```
+/// use treeattn::backend::cpu::Cpu;
+/// assert_eq!(Cpu::with_threads(3).threads(), 3);
+/// assert!(Cpu::default().threads() >= 1);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cpu {
+    threads: Option<usize>,
 }
 
-/// Gradients returned by [`attention_backward`], with respect to the
-/// *unrotated* inputs when rotary is on.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AttnGrads<T> {
-    /// Like q: `[tokens, q_heads, head_dim]`.
-    pub dq: Vec<T>,
-    /// Like k: `[tokens, kv_heads, head_dim]`.
-    pub dk: Vec<T>,
-    /// Like v: `[tokens, kv_heads, head_dim]`.
-    pub dv: Vec<T>,
+impl Cpu {
+    /// A backend that runs on `threads` threads (at least 1): the caller's
+    /// and `threads − 1` pooled workers. Use it to share the machine with a
+    /// host's own thread pool (rayon, OpenMP): the pool's workers are parked
+    /// (blocked, not spinning) between calls.
+    pub fn with_threads(threads: usize) -> Cpu {
+        Cpu {
+            threads: Some(threads.max(1)),
+        }
+    }
+    /// The thread count calls run on: the one given to
+    /// [`Cpu::with_threads`], else [`num_threads`] (the `TREEATTN_THREADS`
+    /// environment variable or the machine's cores).
+    pub fn threads(&self) -> usize {
+        self.threads.unwrap_or_else(num_threads)
+    }
+}
+
+impl<T: CpuFloat> AttentionBackend<T> for Cpu {
+    type Memory = Host;
+    type Lse = T;
+    fn run_forward(&self, call: ForwardCall<'_, '_, Host, T, T>) -> Result<()> {
+        attention_fwd::forward(call, self.threads())
+    }
+    fn run_backward(&self, call: BackwardCall<'_, '_, Host, T, T>) -> Result<()> {
+        attention_bwd::backward(call, self.threads())
+    }
+}
+
+impl<T: CpuFloat> SdccBackend<T> for Cpu {
+    type Memory = Host;
+    type Grad = T;
+    fn run_sdcc(&self, call: SdccCall<'_, '_, Host, T, T>) -> Result<SdccLoss> {
+        sdcc::sdcc_forward_kl(call, self.threads())
+    }
 }
 
 /// Whether the CPU backend's work items run their copies compiled for AVX2
@@ -180,7 +208,7 @@ pub(crate) struct BlockMasks {
 /// Counts the skip / full / partial blocks the CPU attention visits on this
 /// mask (for reports and for tests that must exercise all three paths).
 pub fn tile_counts(mask: PackMask<'_>) -> TileCounts {
-    let bounds = KeyTileBounds::new(mask.kv_end);
+    let bounds = KeyTileBounds::new(mask.kv_end());
     let l = mask.len();
     let tiles = l.div_ceil(TILE);
     let mut c = TileCounts::default();
@@ -219,7 +247,7 @@ pub const BLOCK_KEYS: usize = kernels::NS;
 /// Counts the register blocks of the partial tiles by how the CPU attention
 /// computes them (see [`BlockCounts`]).
 pub fn block_counts(mask: PackMask<'_>) -> BlockCounts {
-    let bounds = KeyTileBounds::new(mask.kv_end);
+    let bounds = KeyTileBounds::new(mask.kv_end());
     let l = mask.len();
     let mut c = BlockCounts::default();
     for qt in 0..l.div_ceil(TILE) {
@@ -256,7 +284,7 @@ pub fn block_counts(mask: PackMask<'_>) -> BlockCounts {
 /// share of the computed work that is useful: 1 would be a kernel that
 /// computes visible pairs only.
 pub fn computed_entries(mask: PackMask<'_>) -> u64 {
-    let bounds = KeyTileBounds::new(mask.kv_end);
+    let bounds = KeyTileBounds::new(mask.kv_end());
     let l = mask.len();
     let mut gather = gather::KeyGather::default();
     let mut live = 0u64;
@@ -296,7 +324,7 @@ pub struct GatherCounts {
 /// Counts the key gathering of the CPU forward and dQ pass on this mask
 /// (see [`GatherCounts`]).
 pub fn gather_counts(mask: PackMask<'_>) -> GatherCounts {
-    let bounds = KeyTileBounds::new(mask.kv_end);
+    let bounds = KeyTileBounds::new(mask.kv_end());
     let l = mask.len();
     let mut gather = gather::KeyGather::default();
     let mut c = GatherCounts::default();
@@ -465,8 +493,8 @@ pub(crate) fn all_visible_case(
     q_heads: usize,
     kv_heads: usize,
     head_dim: usize,
-) -> (AttnShape, Vec<u32>, Vec<u32>) {
-    let shape = AttnShape {
+) -> (crate::backend::AttnShape, Vec<u32>, Vec<u32>) {
+    let shape = crate::backend::AttnShape {
         tokens: l,
         q_heads,
         kv_heads,
@@ -515,27 +543,6 @@ pub(crate) fn run_parallel<W: Send, S>(
     });
 }
 
-/// `Err(Shape)` unless `got == expected`.
-pub(crate) fn check_len(what: &str, got: usize, expected: usize, how: &str) -> Result<()> {
-    if got != expected {
-        return Err(Error::Shape(format!(
-            "{what} has {got} elements, expected {expected} ({how})"
-        )));
-    }
-    Ok(())
-}
-
-/// `Err(NonFinite)` at the first NaN or ±inf.
-pub(crate) fn check_finite<T: CpuFloat>(what: &str, x: &[T]) -> Result<()> {
-    match x.iter().position(|v| !v.is_finite()) {
-        Some(index) => Err(Error::NonFinite {
-            what: what.to_string(),
-            index,
-        }),
-        None => Ok(()),
-    }
-}
-
 /// `Err(NonFinite)` at the first NaN or ±inf of a result. Finite inputs can
 /// still overflow `T` (e.g. `scale · q·k` beyond f32 range); this linear scan
 /// turns that into an error instead of a silent NaN. The attention calls
@@ -554,53 +561,10 @@ pub(crate) fn check_result<T: CpuFloat>(what: &str, x: &[T]) -> Result<()> {
     }
 }
 
-/// Validation shared by forward and backward: shape, params, mask (re-checked,
-/// since `PackMask`'s fields are public), and the q, k, v lengths.
-pub(crate) fn check_qkv<T: CpuFloat>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    shape: &AttnShape,
-    mask: &PackMask<'_>,
-    params: &AttnParams,
-) -> Result<()> {
-    shape.validate()?;
-    params.validate(shape)?;
-    if mask.len() != shape.tokens {
-        return Err(Error::Pack(format!(
-            "kv_end has {} entries but the attention shape has {} tokens",
-            mask.len(),
-            shape.tokens
-        )));
-    }
-    PackMask::new(mask.kv_end, mask.position_ids)?;
-    let elements = |heads: usize| {
-        shape
-            .tokens
-            .checked_mul(heads)
-            .and_then(|x| x.checked_mul(shape.head_dim))
-    };
-    if elements(shape.q_heads).is_none() || elements(shape.kv_heads).is_none() {
-        return Err(Error::Shape(format!(
-            "attention shape {shape:?} overflows usize"
-        )));
-    }
-    let q_how = "tokens · q_heads · head_dim";
-    let kv_how = "tokens · kv_heads · head_dim";
-    check_len("q", q.len(), shape.q_len(), q_how)?;
-    check_len("k", k.len(), shape.kv_len(), kv_how)?;
-    check_len("v", v.len(), shape.kv_len(), kv_how)?;
-    if params.check_finite {
-        check_finite("q", q)?;
-        check_finite("k", k)?;
-        check_finite("v", v)?;
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::{AttnArgs, AttnParams, AttnShape, HostAttention};
 
     #[test]
     fn run_parallel_visits_every_item_once() {
@@ -664,12 +628,10 @@ mod tests {
         );
         let d_o = data(shape.q_len(), 4);
         let run = |threads: usize| {
-            let f = attention_fwd::forward_on_threads(&q, &k, &v, shape, mask, &params, threads)
-                .unwrap();
-            let g = attention_bwd::backward_on_threads(
-                &q, &k, &v, &f.o, &f.lse, &d_o, shape, mask, &params, threads,
-            )
-            .unwrap();
+            let cpu = Cpu::with_threads(threads);
+            let args = AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, params).unwrap();
+            let f = cpu.forward_owned(&args).unwrap();
+            let g = cpu.backward_owned(&args, &f, &d_o).unwrap();
             (f, g)
         };
         let one = run(1);

@@ -1,31 +1,13 @@
 //! SDCC fused forward-KL over the vocabulary (DESIGN §5).
 
-use super::{num_threads, run_parallel, CpuFloat};
-use crate::backend::check_sdcc_args;
+use super::{run_parallel, CpuFloat};
+use crate::backend::{Host, SdccCall, SdccLoss};
 use crate::{Error, Result};
 use std::sync::Mutex;
 
 /// Vocabulary entries per chunk of the online log-sum-exp: one max update
 /// and one rescale per chunk instead of per entry.
 const CHUNK: usize = 1024;
-
-/// Result of [`sdcc_forward_kl`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct SdccOut<T> {
-    /// `Σ_pairs w · KL` (pairs with `w = 0` add exactly 0, even if their KL
-    /// is `+inf`).
-    pub loss_sum: f64,
-    /// `loss_sum / Σ w`: the weighted mean, so that the loss scale does not
-    /// depend on how many diverging targets a batch has nor on how the
-    /// weights are normalized; `0` when `Σ w = 0` (no pairs).
-    pub loss_mean: f64,
-    /// The unweighted `KL(teacher ‖ student)` of each pair, in pair order.
-    pub per_pair: Vec<f64>,
-    /// `∂ loss_sum / ∂ student`, shaped like `student`; rows used by several
-    /// pairs accumulate the sum of their pairs' gradients; rows used by none
-    /// are 0.
-    pub grad_student: Vec<T>,
-}
 
 /// Forward KL of SDCC self-distillation, fused over the vocabulary.
 ///
@@ -58,28 +40,24 @@ pub struct SdccOut<T> {
 /// a pair naming a row out of range; a used row containing NaN or `+inf`,
 /// entirely `−inf`, or overflowing f64 once divided by `τ`. When several pairs are bad, the lowest pair index is
 /// reported.
-pub fn sdcc_forward_kl<T: CpuFloat>(
-    student: &[T],
-    teacher: &[T],
-    vocab: usize,
-    pairs: &[(u32, u32)],
-    weights: &[f32],
-    temperature: f32,
-) -> Result<SdccOut<T>> {
-    check_sdcc_args(
-        (student.len(), teacher.len()),
-        vocab,
-        pairs,
-        weights,
-        temperature,
-    )?;
+///
+/// The gradient goes to the caller's `grad` (validated by [`SdccCall`]):
+/// every element is written; rows no pair names, and the rows of pairs
+/// weighted 0, are 0.
+pub(crate) fn sdcc_forward_kl<T: CpuFloat>(
+    call: SdccCall<'_, '_, Host, T, T>,
+    threads: usize,
+) -> Result<SdccLoss> {
+    let (args, grad) = call.into_parts();
+    let (student, teacher, vocab) = (args.student(), args.teacher(), args.vocab());
+    let (pairs, weights) = (args.pairs(), args.weights());
+    let temperature = args.temperature();
 
     // Pairs grouped by student row (stable: pair order within a row), so
     // that each work item owns one gradient row.
     let mut order: Vec<usize> = (0..pairs.len()).collect();
     order.sort_by_key(|&i| pairs[i].0);
     let mut kl_sorted = vec![0.0f64; pairs.len()];
-    let mut grad = vec![T::ZERO; student.len()];
     let mut work = Vec::new();
     {
         let mut rest_order: &[usize] = &order;
@@ -90,6 +68,7 @@ pub fn sdcc_forward_kl<T: CpuFloat>(
                 .take_while(|&&i| pairs[i].0 as usize == row)
                 .count();
             if n == 0 {
+                grad_row.fill(T::ZERO);
                 continue;
             }
             let (ids, tail) = rest_order.split_at(n);
@@ -104,12 +83,16 @@ pub fn sdcc_forward_kl<T: CpuFloat>(
         }
     }
     work.sort_by_key(|w| std::cmp::Reverse(w.pairs.len()));
+    if work.is_empty() {
+        // No pair: no vocab-sized scratch either (`vocab` may be large).
+        return Ok(SdccLoss::from_per_pair(Vec::new(), weights));
+    }
 
     let inv_tau = 1.0 / temperature as f64;
     let first_error: Mutex<Option<(usize, Error)>> = Mutex::new(None);
     run_parallel(
         work,
-        num_threads(),
+        threads,
         || vec![0.0f64; vocab],
         |acc, item| {
             let RowItem {
@@ -138,6 +121,9 @@ pub fn sdcc_forward_kl<T: CpuFloat>(
                 *kl_out = stats.kl;
                 let w = weights[i] as f64;
                 if w == 0.0 {
+                    if !many {
+                        grad.fill(T::ZERO);
+                    }
                     continue;
                 }
                 let c = w * inv_tau;
@@ -171,25 +157,7 @@ pub fn sdcc_forward_kl<T: CpuFloat>(
     for (&i, &kl) in order.iter().zip(&kl_sorted) {
         per_pair[i] = kl;
     }
-    let mut loss_sum = 0.0f64;
-    let mut weight_sum = 0.0f64;
-    for (&kl, &w) in per_pair.iter().zip(weights) {
-        if w > 0.0 {
-            loss_sum += w as f64 * kl;
-            weight_sum += w as f64;
-        }
-    }
-    let loss_mean = if weight_sum > 0.0 {
-        loss_sum / weight_sum
-    } else {
-        0.0
-    };
-    Ok(SdccOut {
-        loss_sum,
-        loss_mean,
-        per_pair,
-        grad_student: grad,
-    })
+    Ok(SdccLoss::from_per_pair(per_pair, weights))
 }
 
 /// The pairs of one student row and that row's gradient.

@@ -1,20 +1,20 @@
 //! Attention backward on the device (`kernels/tree_attn_bwd.cu`), launched
-//! on a [`CudaBackend`]'s stream.
+//! on a [`super::CudaBackend`]'s stream.
 
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
     PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
 use super::rope::DeviceRope;
-use super::{config, cuda_err, CudaBackend, DevicePack};
+use super::{config, cuda_err, Device};
 use crate::backend::launch::bwd::{plan_backward, BwdParams, BwdTraits, DqMode};
 use crate::backend::launch::{scale_log2, Dtype, KernelElem, LaunchPlan};
-use crate::backend::{AttnParams, AttnShape};
+use crate::backend::{BackwardCall, Grads};
 use crate::{Error, Result};
 
 /// The fatbin built from `kernels/tree_attn_bwd.cu` by build.rs.
@@ -27,8 +27,8 @@ unsafe impl DeviceRepr for BwdParams {}
 /// The stages of one backward call, in launch order where used.
 const STAGES: [&str; 5] = ["pre", "main_atomic", "main_det", "dq", "dq_convert"];
 
-/// The backward kernels loaded on a [`CudaBackend`]'s device.
-pub struct CudaBackward {
+/// The backward kernels, loaded by [`super::CudaBackend::new`].
+pub(crate) struct CudaBackward {
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     /// `[dtype][head dim 64 / 128][stage]`, stages as in [`STAGES`].
@@ -38,8 +38,7 @@ pub struct CudaBackward {
 impl CudaBackward {
     /// Loads the embedded backward kernels on `be`'s device and raises their
     /// dynamic shared memory limits (up to 104,448 bytes).
-    pub fn new(be: &CudaBackend) -> Result<Self> {
-        let ctx = be.context();
+    pub(crate) fn new(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>) -> Result<Self> {
         let module = ctx
             .load_module(Ptx::from_binary(BWD_FATBIN.to_vec()))
             .map_err(cuda_err("loading the embedded backward kernels"))?;
@@ -75,54 +74,33 @@ impl CudaBackward {
             funcs.push(by_d);
         }
         Ok(CudaBackward {
-            stream: be.stream().clone(),
+            stream: stream.clone(),
             _module: module,
             funcs,
         })
     }
 
-    /// Tree attention backward on the device — the math and contract of
-    /// [`crate::backend::emu::attention_backward`]: from the forward's `o` and
-    /// `lse` (`[q_heads, tokens]` f32) and `d_o`, writes every element of
-    /// `dq` (`[tokens, q_heads, d]`), `dk` and `dv` (`[tokens, kv_heads, d]`).
-    /// Scratch (D and the f32 dQ accumulator, `4 · tokens · q_heads · (d +
-    /// 1)` bytes, plus the rotary tables when `params.rope` is set, built from a
-    /// download of the pack's position ids) is
-    /// allocated on the stream per call. Asynchronous on the backend's
-    /// stream. A NaN or `+inf` in `lse` makes the gradients of its row NaN
-    /// (never a silent 0); `params.check_finite` downloads and scans lse, q,
-    /// k, v, o and d_o first and returns the emulator's `Err` instead (slow;
-    /// for debugging).
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_backward<T: KernelElem + DeviceRepr>(
+    /// Tree attention backward on the device (the math of
+    /// [`crate::backend::AttentionBackend`]): from the forward's `o` and
+    /// `lse` (f32) and `d_o`, writes every element of dq, dk, dv. Scratch (D
+    /// and the f32 dQ accumulator, `4 · tokens · q_heads · (d + 1)` bytes,
+    /// plus the rotary tables when `params.rope` is set, built from a
+    /// download of the pack's position ids) is allocated on the stream per
+    /// call. Asynchronous on the backend's stream. A NaN or `+inf` in `lse`
+    /// makes the gradients of its row NaN (never a silent 0);
+    /// `params.check_finite` downloads and scans lse, q, k, v, o and d_o first
+    /// and returns the emulator's `Err` instead (slow; for debugging).
+    pub(crate) fn run<T: KernelElem + DeviceRepr>(
         &self,
-        q: &CudaSlice<T>,
-        k: &CudaSlice<T>,
-        v: &CudaSlice<T>,
-        o: &CudaSlice<T>,
-        lse: &CudaSlice<f32>,
-        d_o: &CudaSlice<T>,
-        shape: AttnShape,
-        pack: &DevicePack,
-        params: &AttnParams,
+        call: BackwardCall<'_, '_, Device, T, f32>,
         mode: DqMode,
-        dq: &mut CudaSlice<T>,
-        dk: &mut CudaSlice<T>,
-        dv: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let lens = [q.len(), k.len(), v.len(), o.len(), d_o.len(), lse.len()];
-        let (traits, plans) = plan_backward(&shape, pack.tokens, params, lens)?;
-        for (name, got, want) in [
-            ("dq", dq.len(), shape.q_len()),
-            ("dk", dk.len(), shape.kv_len()),
-            ("dv", dv.len(), shape.kv_len()),
-        ] {
-            if got != want {
-                return Err(Error::Shape(format!(
-                    "{name} has {got} elements, expected {want} for {shape:?}"
-                )));
-            }
-        }
+        let (args, saved, d_o, grads) = call.into_parts();
+        let (q, k, v, shape, pack) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
+        let params = args.params();
+        let (o, lse) = (saved.o, saved.lse);
+        let Grads { dq, dk, dv } = grads;
+        let (traits, plans) = plan_backward(&shape)?;
         let s = &self.stream;
         if params.check_finite {
             let lse_host = s

@@ -7,17 +7,18 @@
 //!
 //! Use: create a [`CudaBackend`], upload a pack once with
 //! [`CudaBackend::upload_pack`] (kv_end, position ids, and the per-key-tile
-//! min/max of kv_end, computed on the device), then call
-//! [`CudaBackend::attention_forward`] on device buffers in the
-//! `[tokens, heads, head_dim]` layout. Launches go to the backend's stream.
+//! min/max of kv_end, computed on the device), then call the contract's
+//! [`AttentionBackend`] / [`SdccBackend`] methods on device buffers
+//! ([`Device`] memory) in the `[tokens, heads, head_dim]` layout. Launches go
+//! to the backend's stream.
 
-pub mod bwd;
+mod bwd;
 pub mod check;
 mod rope;
-pub mod sdcc;
+mod sdcc;
 
-pub use bwd::CudaBackward;
-pub use sdcc::{CudaSdcc, SdccPairs};
+use bwd::CudaBackward;
+use sdcc::CudaSdcc;
 
 use std::sync::Arc;
 
@@ -28,10 +29,50 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use super::launch::sdcc::SdccElem;
 use super::launch::{self, Dtype, FwdParams, FwdTraits, KernelElem, KvBoundsParams, LaunchPlan};
-use super::{AttnParams, AttnShape};
+use super::{
+    AttentionBackend, BackwardCall, Element, Extent, ForwardCall, Memory, SdccArgs, SdccBackend,
+    SdccCall, SdccLoss,
+};
 use crate::mask::PackMask;
 use crate::{Error, Result};
+
+pub use super::launch::bwd::DqMode;
+
+/// Device memory: cudarc buffers on the backend's device, and a pack
+/// uploaded by [`CudaBackend::upload_pack`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Device;
+
+impl<T> Extent for &CudaSlice<T> {
+    fn len(&self) -> usize {
+        CudaSlice::len(self)
+    }
+}
+
+impl<T> Extent for &mut CudaSlice<T> {
+    fn len(&self) -> usize {
+        CudaSlice::len(self)
+    }
+}
+
+impl Memory for Device {
+    type Ref<'a, T: Element> = &'a CudaSlice<T>;
+    type Mut<'a, T: Element> = &'a mut CudaSlice<T>;
+    type Mask<'a> = &'a DevicePack;
+    fn mask_tokens(mask: &&DevicePack) -> usize {
+        mask.tokens
+    }
+    fn mask_fingerprint(mask: &&DevicePack) -> u64 {
+        mask.fingerprint
+    }
+    /// Device memory is not read from the host here: the backend scans it
+    /// on its stream when `params.check_finite` asks.
+    fn find<T: Element>(_: &&CudaSlice<T>, _: impl Fn(f64) -> bool) -> Option<usize> {
+        None
+    }
+}
 
 /// The fatbin built from `kernels/tree_attn_fwd.cu` by build.rs.
 static FWD_FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tree_attn_fwd.fatbin"));
@@ -65,6 +106,9 @@ pub struct CudaBackend {
     /// Forward kernels indexed by [dtype][head dim 64 / 128].
     fwd: [[CudaFunction; 2]; 2],
     kv_bounds: CudaFunction,
+    bwd: CudaBackward,
+    sdcc: CudaSdcc,
+    dq_mode: DqMode,
 }
 
 impl CudaBackend {
@@ -135,12 +179,36 @@ impl CudaBackend {
         let kv_bounds = load("tree_attn_kv_tile_bounds")?;
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         Ok(CudaBackend {
+            bwd: CudaBackward::new(&ctx, &stream)?,
+            sdcc: CudaSdcc::new(&ctx, &stream)?,
+            dq_mode: DqMode::Deterministic,
             ctx,
             stream,
             _module: module,
             fwd: [bf16, f16],
             kv_bounds,
         })
+    }
+
+    /// The same backend with the backward summing dQ as `mode` says
+    /// (deterministic by default).
+    pub fn with_dq_mode(self, mode: DqMode) -> Self {
+        CudaBackend {
+            dq_mode: mode,
+            ..self
+        }
+    }
+
+    /// The unfused baseline of the SDCC forward KL (log-softmax of each
+    /// side into an f32 `[2, pairs, vocab]` buffer, then an elementwise KL
+    /// and the gradient): the same contract and result as
+    /// [`SdccBackend::sdcc_forward_kl`], for timing the fused kernel against.
+    pub fn sdcc_forward_kl_unfused<T: SdccElem + DeviceRepr>(
+        &self,
+        args: &SdccArgs<'_, Device, T>,
+        grad: &mut CudaSlice<f32>,
+    ) -> Result<SdccLoss> {
+        self.sdcc.run_unfused(SdccCall::new(*args, grad)?)
     }
 
     /// The stream every launch of this backend goes to.
@@ -173,10 +241,10 @@ impl CudaBackend {
         let tiles = tokens.div_ceil(tile as usize);
         let s = &self.stream;
         let kv_end = s
-            .clone_htod(mask.kv_end)
+            .clone_htod(mask.kv_end())
             .map_err(cuda_err("uploading kv_end"))?;
         let position_ids = s
-            .clone_htod(mask.position_ids)
+            .clone_htod(mask.position_ids())
             .map_err(cuda_err("uploading position ids"))?;
         let mut tile_kv_min = s
             .alloc_zeros::<u32>(tiles.max(1))
@@ -218,43 +286,20 @@ impl CudaBackend {
         })
     }
 
-    /// Tree attention forward on the device (same math as
-    /// [`crate::backend::emu::attention_forward`]):
-    ///
-    /// ```text
-    /// S = softmax_scale · Q Kᵀ over pairs with k <= q < kv_end[k];
-    /// O = softmax(S) V;  LSE = ln Σ_k exp(S)  (−inf, O = 0 for a row with no key)
-    /// ```
-    ///
-    /// `q`, `o`: `[tokens, q_heads, d]`; `k`, `v`: `[tokens, kv_heads, d]`;
-    /// `lse`: `[q_heads, tokens]` f32; d ∈ {64, 128}. Asynchronous on
-    /// [`Self::stream`]. `params.check_finite` downloads and scans q, k, v
-    /// first (slow; for debugging). With `params.rope`, Q and K are rotated
-    /// inside the kernel; the rotary tables are built from a download of the
-    /// pack's position ids and uploaded per call.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_forward<T: KernelElem + DeviceRepr>(
+    /// Tree attention forward on the device (the math of
+    /// [`AttentionBackend`]): d ∈ {64, 128}, bf16 / f16 inputs, f32 LSE.
+    /// Asynchronous on [`Self::stream`]. `params.check_finite` downloads and
+    /// scans q, k, v first (slow; for debugging). With `params.rope`, Q and K
+    /// are rotated inside the kernel; the rotary tables are built from a
+    /// download of the pack's position ids and uploaded per call.
+    fn run_forward_kernel<T: KernelElem + DeviceRepr>(
         &self,
-        q: &CudaSlice<T>,
-        k: &CudaSlice<T>,
-        v: &CudaSlice<T>,
-        shape: AttnShape,
-        pack: &DevicePack,
-        params: &AttnParams,
-        o: &mut CudaSlice<T>,
-        lse: &mut CudaSlice<f32>,
+        call: ForwardCall<'_, '_, Device, T, f32>,
     ) -> Result<()> {
-        let (traits, plan) =
-            launch::plan_forward(&shape, pack.tokens, params, (q.len(), k.len(), v.len()))?;
-        if o.len() != shape.q_len() || lse.len() != shape.q_heads * shape.tokens {
-            return Err(Error::Shape(format!(
-                "outputs hold {} (o) and {} (lse) elements, expected {} and {}",
-                o.len(),
-                lse.len(),
-                shape.q_len(),
-                shape.q_heads * shape.tokens
-            )));
-        }
+        let (args, o, lse) = call.into_parts();
+        let (q, k, v, shape, pack) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
+        let params = args.params();
+        let (traits, plan) = launch::plan_forward(&shape)?;
         if pack.tile != traits.block_n {
             return Err(Error::Pack(format!(
                 "pack tile bounds are for tiles of {} keys, the kernel uses {}",
@@ -314,6 +359,25 @@ impl CudaBackend {
         unsafe { b.launch(config(plan)) }
             .map_err(cuda_err("launching the tree attention forward"))?;
         Ok(())
+    }
+}
+
+impl<T: KernelElem + DeviceRepr> AttentionBackend<T> for CudaBackend {
+    type Memory = Device;
+    type Lse = f32;
+    fn run_forward(&self, call: ForwardCall<'_, '_, Device, T, f32>) -> Result<()> {
+        self.run_forward_kernel(call)
+    }
+    fn run_backward(&self, call: BackwardCall<'_, '_, Device, T, f32>) -> Result<()> {
+        self.bwd.run(call, self.dq_mode)
+    }
+}
+
+impl<T: SdccElem + DeviceRepr> SdccBackend<T> for CudaBackend {
+    type Memory = Device;
+    type Grad = f32;
+    fn run_sdcc(&self, call: SdccCall<'_, '_, Device, T, f32>) -> Result<SdccLoss> {
+        self.sdcc.run(call)
     }
 }
 

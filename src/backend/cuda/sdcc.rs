@@ -1,18 +1,19 @@
 //! SDCC forward-KL on the device (`kernels/sdcc_kl.cu`), launched on a
-//! [`CudaBackend`]'s stream.
+//! [`super::CudaBackend`]'s stream.
 
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
     PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
-use super::{config, cuda_err, CudaBackend};
+use super::{config, cuda_err, Device};
 use crate::backend::launch::sdcc::{
-    merge_row_status, plan_sdcc, status_error, vec8, weighted_loss, SdccElem, SdccParams,
+    merge_row_status, plan_sdcc, status_error, vec8, SdccElem, SdccParams,
 };
+use crate::backend::{SdccCall, SdccLoss};
 use crate::{Error, Result};
 
 /// The fatbin built from `kernels/sdcc_kl.cu` by build.rs.
@@ -22,8 +23,8 @@ static SDCC_FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sdcc_kl.fa
 // laid out exactly like `SdccParams` in the kernel.
 unsafe impl DeviceRepr for SdccParams {}
 
-/// The SDCC kernels loaded on a [`CudaBackend`]'s device.
-pub struct CudaSdcc {
+/// The SDCC kernels, loaded by [`super::CudaBackend::new`].
+pub(crate) struct CudaSdcc {
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     /// Indexed by [`SdccElem::CODE`]: bf16, f16, f32.
@@ -33,22 +34,11 @@ pub struct CudaSdcc {
     unfused_kl: CudaFunction,
 }
 
-/// Per-pair results of [`CudaSdcc::sdcc_forward_kl`], on the host.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SdccPairs {
-    /// The unweighted `KL(teacher ‖ student)` of each pair.
-    pub per_pair: Vec<f64>,
-    /// `Σ_pairs w · KL` over pairs with `w > 0`.
-    pub loss_sum: f64,
-    /// `loss_sum / Σ w` (0 when `Σ w = 0`).
-    pub loss_mean: f64,
-}
-
 impl CudaSdcc {
-    /// Loads the embedded SDCC kernels on `be`'s device.
-    pub fn new(be: &CudaBackend) -> Result<Self> {
-        let module = be
-            .context()
+    /// Loads the embedded SDCC kernels on `ctx`'s device, to launch on
+    /// `stream`.
+    pub(crate) fn new(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>) -> Result<Self> {
+        let module = ctx
             .load_module(Ptx::from_binary(SDCC_FATBIN.to_vec()))
             .map_err(cuda_err("loading the embedded SDCC kernels"))?;
         let load = |n: &str| {
@@ -66,7 +56,7 @@ impl CudaSdcc {
             .map(|d| load(&format!("sdcc_unfused_log_softmax_{d}")))
             .collect::<Result<Vec<_>>>()?;
         Ok(CudaSdcc {
-            stream: be.stream().clone(),
+            stream: stream.clone(),
             unfused_kl: load("sdcc_unfused_kl")?,
             _module: module,
             funcs,
@@ -74,39 +64,21 @@ impl CudaSdcc {
         })
     }
 
-    /// SDCC forward KL on the device — the math and contract of
-    /// [`crate::backend::emu::sdcc_forward_kl`] (and of the CPU backend):
-    /// `pairs` and `weights` on the host (they are uploaded), logits and the
-    /// f32 gradient (`[student rows, vocab]`, every element written: rows no
-    /// pair names are zeroed, rows several pairs name are summed with f32
-    /// atomics) on the device. Synchronises the stream once at the end to
-    /// read the per-pair KL and status words (O(pairs) bytes) and turn a bad
-    /// row into the CPU backend's error.
-    #[allow(clippy::too_many_arguments)]
-    pub fn sdcc_forward_kl<T: SdccElem + DeviceRepr>(
+    /// SDCC forward KL on the device (the math of
+    /// [`crate::backend::SdccBackend`]): `pairs` and `weights` on the host
+    /// (they are uploaded), logits and the f32 gradient on the device (every
+    /// element written: rows no pair names are zeroed, rows several pairs
+    /// name are summed with f32 atomics). Synchronises the stream once at the
+    /// end to read the per-pair KL and status words (O(pairs) bytes) and turn
+    /// a bad row into the CPU backend's error.
+    pub(crate) fn run<T: SdccElem + DeviceRepr>(
         &self,
-        student: &CudaSlice<T>,
-        teacher: &CudaSlice<T>,
-        vocab: usize,
-        pairs: &[(u32, u32)],
-        weights: &[f32],
-        temperature: f32,
-        grad: &mut CudaSlice<f32>,
-    ) -> Result<SdccPairs> {
-        let plan = plan_sdcc(
-            (student.len(), teacher.len()),
-            vocab,
-            pairs,
-            weights,
-            temperature,
-        )?;
-        if grad.len() != student.len() {
-            return Err(Error::Shape(format!(
-                "SDCC gradient has {} elements, the student logits {}",
-                grad.len(),
-                student.len()
-            )));
-        }
+        call: SdccCall<'_, '_, Device, T, f32>,
+    ) -> Result<SdccLoss> {
+        let (args, grad) = call.into_parts();
+        let plan = plan_sdcc(&args)?;
+        let (student, teacher, vocab) = (args.student(), args.teacher(), args.vocab());
+        let (pairs, weights, temperature) = (args.pairs(), args.weights(), args.temperature());
         let s = &self.stream;
         // Zero the rows the kernel does not store: all of them when it adds.
         let mut row = 0;
@@ -125,11 +97,7 @@ impl CudaSdcc {
                 .map_err(cuda_err("zeroing gradient rows"))?;
         }
         if pairs.is_empty() {
-            return Ok(SdccPairs {
-                per_pair: Vec::new(),
-                loss_sum: 0.0,
-                loss_mean: 0.0,
-            });
+            return Ok(SdccLoss::from_per_pair(Vec::new(), weights));
         }
         let flat: Vec<u32> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
         let dpairs = s
@@ -185,52 +153,26 @@ impl CudaSdcc {
             .clone_dtoh(&status)
             .map_err(cuda_err("downloading status words"))?;
         status_error(&status, pairs, vocab)?;
-        let (loss_sum, loss_mean) = weighted_loss(&per_pair, weights);
-        Ok(SdccPairs {
-            per_pair,
-            loss_sum,
-            loss_mean,
-        })
+        Ok(SdccLoss::from_per_pair(per_pair, weights))
     }
 
-    /// The unfused baseline of [`Self::sdcc_forward_kl`] (log-softmax of each
-    /// side into an f32 `[2, pairs, vocab]` buffer allocated here, then an
-    /// elementwise KL and the gradient; `kernels/sdcc_kl.cu`): the same
-    /// contract and result, for timing the fused kernel against.
-    #[allow(clippy::too_many_arguments)]
-    pub fn sdcc_forward_kl_unfused<T: SdccElem + DeviceRepr>(
+    /// The unfused baseline of [`Self::run`] (log-softmax of each side into
+    /// an f32 `[2, pairs, vocab]` buffer allocated here, then an elementwise
+    /// KL and the gradient; `kernels/sdcc_kl.cu`): the same contract and
+    /// result, for timing the fused kernel against.
+    pub(crate) fn run_unfused<T: SdccElem + DeviceRepr>(
         &self,
-        student: &CudaSlice<T>,
-        teacher: &CudaSlice<T>,
-        vocab: usize,
-        pairs: &[(u32, u32)],
-        weights: &[f32],
-        temperature: f32,
-        grad: &mut CudaSlice<f32>,
-    ) -> Result<SdccPairs> {
-        let plan = plan_sdcc(
-            (student.len(), teacher.len()),
-            vocab,
-            pairs,
-            weights,
-            temperature,
-        )?;
-        if grad.len() != student.len() {
-            return Err(Error::Shape(format!(
-                "SDCC gradient has {} elements, the student logits {}",
-                grad.len(),
-                student.len()
-            )));
-        }
+        call: SdccCall<'_, '_, Device, T, f32>,
+    ) -> Result<SdccLoss> {
+        let (args, grad) = call.into_parts();
+        let plan = plan_sdcc(&args)?;
+        let (student, teacher, vocab) = (args.student(), args.teacher(), args.vocab());
+        let (pairs, weights, temperature) = (args.pairs(), args.weights(), args.temperature());
         let s = &self.stream;
         s.memset_zeros(grad)
             .map_err(cuda_err("zeroing the gradient"))?;
         if pairs.is_empty() {
-            return Ok(SdccPairs {
-                per_pair: Vec::new(),
-                loss_sum: 0.0,
-                loss_mean: 0.0,
-            });
+            return Ok(SdccLoss::from_per_pair(Vec::new(), weights));
         }
         let n = pairs.len();
         let flat: Vec<u32> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
@@ -299,11 +241,6 @@ impl CudaSdcc {
             .clone_dtoh(&row_status)
             .map_err(cuda_err("downloading status words"))?;
         status_error(&merge_row_status(&row_status), pairs, vocab)?;
-        let (loss_sum, loss_mean) = weighted_loss(&per_pair, weights);
-        Ok(SdccPairs {
-            per_pair,
-            loss_sum,
-            loss_mean,
-        })
+        Ok(SdccLoss::from_per_pair(per_pair, weights))
     }
 }

@@ -1,11 +1,10 @@
 //! Attention backward on the emulator (`kernels/tree_attn_bwd.cu`).
 
-use super::{current_config, emu_result, kv_tile_bounds, KernelElem, RawConfig};
+use super::{check_result, emu_result, Emu, KernelElem, RawConfig};
 use crate::backend::launch::bwd::{plan_backward, BwdParams, DqMode};
 use crate::backend::launch::rope::{RopeArgs, RopeTables};
 use crate::backend::launch::{scale_log2, LaunchPlan};
-use crate::backend::{AttnParams, AttnShape};
-use crate::mask::PackMask;
+use crate::backend::{BackwardCall, Grads, Host};
 use crate::{Error, Result};
 
 mod ffi {
@@ -30,114 +29,23 @@ mod ffi {
     }
 }
 
-/// Gradients of a GPU-backend backward on host memory, with respect to the
-/// *unrotated* q and k when rotary is on.
-#[derive(Clone, Debug)]
-pub struct GpuAttnGrads<T> {
-    /// `[tokens, q_heads, head_dim]`.
-    pub dq: Vec<T>,
-    /// `[tokens, kv_heads, head_dim]`.
-    pub dk: Vec<T>,
-    /// `[tokens, kv_heads, head_dim]`.
-    pub dv: Vec<T>,
-}
-
-/// Tree attention backward on the emulator, on one pack (DESIGN §5), from the
-/// forward's `o` and `lse` and the output gradient `d_o`:
-///
-/// ```text
-/// P = exp(scale · Q Kᵀ − LSE) masked      D = rowsum(dO ∘ O)
-/// dS = P ∘ (dO Vᵀ − D)
-/// dQ = scale · dS K    dK = scale · dSᵀ Q    dV = Pᵀ dO
-/// ```
-///
-/// Shapes as [`super::attention_forward`]; `lse` is `[q_heads, tokens]` f32
-/// (natural log, `−inf` for a row with no visible key: its dQ is 0 and it
-/// adds nothing). dK and dV of a kv head sum over its query heads (GQA). With
-/// `params.rope`, Q and K are rotated inside the kernels and dQ, dK are with
-/// respect to the unrotated inputs. 16-bit inputs and outputs, f32
-/// accumulation; `mode` picks how dQ is summed ([`DqMode`]). `params` and
-/// `mask` must be those of the forward call.
-///
-/// Errors: everything [`super::attention_forward`] rejects;
-/// `o`, `d_o`, `lse` of the wrong length; a NaN or `+inf` in `lse`; with
-/// `params.check_finite`, a NaN or ±inf in q, k, v, o or d_o; a position id
-/// past [`crate::backend::launch::rope::MAX_ROPE_POSITION`] with rotary.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward<T: KernelElem>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    o: &[T],
-    lse: &[f32],
-    d_o: &[T],
-    shape: AttnShape,
-    mask: PackMask<'_>,
-    params: &AttnParams,
-    mode: DqMode,
-) -> Result<GpuAttnGrads<T>> {
-    // Poisoned: an element the kernels fail to write stays NaN.
-    let nan = T::from_f32(f32::NAN);
-    let mut g = GpuAttnGrads {
-        dq: vec![nan; shape.q_len()],
-        dk: vec![nan; shape.kv_len()],
-        dv: vec![nan; shape.kv_len()],
-    };
-    attention_backward_into(
-        q, k, v, o, lse, d_o, shape, mask, params, mode, &mut g.dq, &mut g.dk, &mut g.dv,
-    )?;
-    Ok(g)
-}
-
-/// [`attention_backward`] writing into caller-owned `dq`, `dk`, `dv`; every
-/// element of the three is written.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward_into<T: KernelElem>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    o: &[T],
-    lse: &[f32],
-    d_o: &[T],
-    shape: AttnShape,
-    mask: PackMask<'_>,
-    params: &AttnParams,
-    mode: DqMode,
-    dq: &mut [T],
-    dk: &mut [T],
-    dv: &mut [T],
+/// Tree attention backward on the emulator (the math of
+/// [`crate::backend::AttentionBackend`]), from the forward's `o`, its f32
+/// `lse` and `d_o`. With `params.rope`, Q and K are rotated inside the
+/// kernels and dQ, dK are with respect to the unrotated inputs. 16-bit
+/// inputs and outputs, f32 accumulation; `emu.dq_mode` picks how dQ is
+/// summed ([`DqMode`]). A non-finite gradient is an [`Error::NonFinite`].
+pub(super) fn backward<T: KernelElem>(
+    emu: &Emu,
+    call: BackwardCall<'_, '_, Host, T, f32>,
 ) -> Result<()> {
-    let lens = [q.len(), k.len(), v.len(), o.len(), d_o.len(), lse.len()];
-    let (traits, plans) = plan_backward(&shape, mask.len(), params, lens)?;
-    // PackMask's fields are public: re-check the interval rule.
-    PackMask::new(mask.kv_end, mask.position_ids)?;
-    for (name, got, want) in [
-        ("dq", dq.len(), shape.q_len()),
-        ("dk", dk.len(), shape.kv_len()),
-        ("dv", dv.len(), shape.kv_len()),
-    ] {
-        if got != want {
-            return Err(Error::Shape(format!(
-                "{name} has {got} elements, expected {want} for {shape:?}"
-            )));
-        }
-    }
-    if let Some(index) = lse.iter().position(|&x| x.is_nan() || x == f32::INFINITY) {
-        return Err(Error::NonFinite {
-            what: "lse (NaN or +inf; −inf marks a row with no visible key)".into(),
-            index,
-        });
-    }
-    if params.check_finite {
-        for (name, x) in [("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o)] {
-            if let Some(index) = x.iter().position(|e| !e.to_f32().is_finite()) {
-                return Err(Error::NonFinite {
-                    what: name.into(),
-                    index,
-                });
-            }
-        }
-    }
+    let (args, saved, d_o, grads) = call.into_parts();
+    let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
+    let params = args.params();
+    let (o, lse) = (saved.o, saved.lse);
+    let Grads { dq, dk, dv } = grads;
+    let mode = emu.dq_mode;
+    let (traits, plans) = plan_backward(&shape)?;
     if shape.tokens == 0 {
         return Ok(());
     }
@@ -159,16 +67,16 @@ pub fn attention_backward_into<T: KernelElem>(
     }
     let tables = params
         .rope
-        .map(|r| RopeTables::new(r, mask.position_ids))
+        .map(|r| RopeTables::new(r, mask.position_ids()))
         .transpose()?;
     let rope = tables.as_ref().map_or(RopeArgs::default(), |t| {
         t.args(
-            mask.position_ids.as_ptr() as u64,
+            mask.position_ids().as_ptr() as u64,
             t.cos.as_ptr() as u64,
             t.sin.as_ptr() as u64,
         )
     });
-    let (tile_min, tile_max) = kv_tile_bounds(mask.kv_end, traits.block_n as usize)?;
+    let (tile_min, tile_max) = emu.kv_tile_bounds(mask.kv_end(), traits.block_n as usize)?;
     // Poisoned, so that the kernels, not this allocation, must provide every
     // value (and the accumulator's zeros in atomic mode).
     let mut delta = vec![f32::NAN; shape.q_heads * shape.tokens];
@@ -185,7 +93,7 @@ pub fn attention_backward_into<T: KernelElem>(
         dq: dq.as_mut_ptr() as u64,
         dk: dk.as_mut_ptr() as u64,
         dv: dv.as_mut_ptr() as u64,
-        kv_end: mask.kv_end.as_ptr() as u64,
+        kv_end: mask.kv_end().as_ptr() as u64,
         tile_kv_min: tile_min.as_ptr() as u64,
         tile_kv_max: tile_max.as_ptr() as u64,
         rope,
@@ -228,7 +136,7 @@ pub fn attention_backward_into<T: KernelElem>(
                 plan.grid.1,
                 plan.block.0,
                 plan.shared_mem_bytes as usize,
-                &current_config(),
+                &emu.config(),
                 &mut bytes,
                 err.as_mut_ptr(),
                 err.len(),
@@ -242,7 +150,9 @@ pub fn attention_backward_into<T: KernelElem>(
         }
     }
     LAST_BACKWARD.with(|s| s.set(Some(stats)));
-    Ok(())
+    check_result("dq", dq, false)?;
+    check_result("dk", dk, false)?;
+    check_result("dv", dv, false)
 }
 
 /// What the kernels of an emulated backward moved with `cp.async` (zero-filled

@@ -3,7 +3,7 @@
 //! (student row, teacher row) pair, 336 bytes of dynamic shared memory.
 
 use super::LaunchPlan;
-use crate::backend::check_sdcc_args;
+use crate::backend::{Element, Memory, SdccArgs};
 use crate::{Error, Result};
 
 mod sealed {
@@ -15,31 +15,28 @@ mod sealed {
 
 /// A logits element type of the SDCC kernel: `half::bf16`, `half::f16` or
 /// `f32` (f32 accumulation inside, f64 for the per-pair combination).
-pub trait SdccElem: sealed::Sealed + Copy + Send + Sync + bytemuck::Pod + 'static {
+pub trait SdccElem:
+    sealed::Sealed + Element + Copy + Send + Sync + bytemuck::Pod + 'static
+{
     /// The code the emulator entry point takes (0 = bf16, 1 = f16, 2 = f32).
     const CODE: u32;
-    /// The name used in the kernel symbol (`sdcc_kl_{name}`).
-    const NAME: &'static str;
     fn to_f32(self) -> f32;
 }
 
 impl SdccElem for half::bf16 {
     const CODE: u32 = 0;
-    const NAME: &'static str = "bf16";
     fn to_f32(self) -> f32 {
         half::bf16::to_f32(self)
     }
 }
 impl SdccElem for half::f16 {
     const CODE: u32 = 1;
-    const NAME: &'static str = "f16";
     fn to_f32(self) -> f32 {
         half::f16::to_f32(self)
     }
 }
 impl SdccElem for f32 {
     const CODE: u32 = 2;
-    const NAME: &'static str = "f32";
     fn to_f32(self) -> f32 {
         self
     }
@@ -69,17 +66,9 @@ pub struct SdccPlan {
     pub used: Vec<bool>,
 }
 
-/// Checks one SDCC call the way the CPU backend does
-/// (`backend::cpu::sdcc_forward_kl`) and plans it. `lens` are the element
-/// counts of the student and teacher logits.
-pub fn plan_sdcc(
-    lens: (usize, usize),
-    vocab: usize,
-    pairs: &[(u32, u32)],
-    weights: &[f32],
-    temperature: f32,
-) -> Result<SdccPlan> {
-    let (n_student, _) = check_sdcc_args(lens, vocab, pairs, weights, temperature)?;
+/// Plans a validated SDCC call. Errors: more pairs than one grid takes.
+pub fn plan_sdcc<M: Memory, T: Element>(args: &SdccArgs<'_, M, T>) -> Result<SdccPlan> {
+    let (pairs, n_student) = (args.pairs(), args.student_rows());
     if pairs.len() > i32::MAX as usize {
         return Err(Error::Unsupported(format!(
             "{} SDCC pairs exceed one launch's grid",
@@ -157,25 +146,6 @@ pub(crate) fn status_error(status: &[u32], pairs: &[(u32, u32)], vocab: usize) -
         what: format!("SDCC pair {i}: {what} logits row {row} {kind}"),
         index: row * vocab,
     })
-}
-
-/// `(Σ w_i KL_i, Σ w_i KL_i / Σ w_i)` over the pairs with `w_i > 0` (so that
-/// a zero-weight pair with `KL = +inf` adds exactly 0); `(0, 0)` when no
-/// weight is positive. The loss of the CPU backend's `SdccOut`.
-pub fn weighted_loss(per_pair: &[f64], weights: &[f32]) -> (f64, f64) {
-    let (mut loss_sum, mut weight_sum) = (0.0f64, 0.0f64);
-    for (&kl, &w) in per_pair.iter().zip(weights) {
-        if w > 0.0 {
-            loss_sum += w as f64 * kl;
-            weight_sum += w as f64;
-        }
-    }
-    let mean = if weight_sum > 0.0 {
-        loss_sum / weight_sum
-    } else {
-        0.0
-    };
-    (loss_sum, mean)
 }
 
 /// Whether the fused kernel may move 8 entries per 16-byte vector: the

@@ -102,7 +102,7 @@ pub fn run(args: Vec<String>) -> Result<()> {
             b.rollouts.len(),
             b.pack.len(),
             b.pack.loss.len(),
-            b.pack.mask().visible_pairs(),
+            b.pack.mask()?.visible_pairs(),
             b.sdcc
                 .as_ref()
                 .map_or(String::new(), |p| format!(", {} SDCC pairs", p.len()))

@@ -31,6 +31,9 @@ const CUDA_SOURCES: &[&str] = &[
 ];
 const HEADERS: &[&str] = &[
     "kernels/common.cuh",
+    "kernels/kernel_traits.cuh",
+    "kernels/mask.cuh",
+    "kernels/tile_load.cuh",
     "kernels/rope.cuh",
     "kernels/emu/shim.h",
 ];

@@ -16,6 +16,7 @@ use crate::{Error, Result};
 pub use super::launch::{Dtype, KernelElem};
 
 mod bwd;
+mod ffi;
 mod sdcc;
 pub use super::launch::bwd::DqMode;
 pub use super::launch::sdcc::SdccElem;
@@ -23,6 +24,7 @@ pub use bwd::{
     attention_backward, attention_backward_into, backward_kernel_traits, last_backward_stats,
     BackwardStats, GpuAttnGrads,
 };
+use ffi::RawConfig;
 pub use sdcc::{
     sdcc_forward_kl, sdcc_forward_kl_into, sdcc_forward_kl_unfused, sdcc_kernel_traits, GpuSdccOut,
 };
@@ -107,59 +109,6 @@ pub fn with_options<R>(opts: EmuOptions, f: impl FnOnce() -> R) -> R {
 
 fn current_config() -> RawConfig {
     OPTIONS.with(|o| o.get()).raw()
-}
-
-/// Mirror of `ta_emu::Config` (kernels/emu/shim.h).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct RawConfig {
-    workers: u32,
-    schedule: u32,
-    cp_async_eager: u32,
-    reserved: u32,
-}
-
-mod ffi {
-    use super::{FwdParams, KvBoundsParams, RawConfig};
-    extern "C" {
-        pub fn ta_emu_fwd_traits(head_dim: u32, out: *mut i32) -> i32;
-        #[allow(clippy::too_many_arguments)]
-        pub fn ta_emu_tree_attn_fwd(
-            dtype: u32,
-            head_dim: u32,
-            p: *const FwdParams,
-            grid_x: u32,
-            grid_y: u32,
-            block_threads: u32,
-            smem: usize,
-            config: *const RawConfig,
-            cp_async_bytes: *mut u64,
-            err: *mut u8,
-            err_len: usize,
-        ) -> i32;
-        pub fn ta_emu_kv_tile_bounds(
-            p: *const KvBoundsParams,
-            grid_x: u32,
-            block_threads: u32,
-            config: *const RawConfig,
-            err: *mut u8,
-            err_len: usize,
-        ) -> i32;
-        #[allow(clippy::too_many_arguments)]
-        pub fn ta_emu_selftest(
-            which: u32,
-            input: *const u8,
-            input_len: usize,
-            output: *mut u8,
-            arg: u32,
-            grid: u32,
-            block: u32,
-            smem: usize,
-            config: *const RawConfig,
-            err: *mut u8,
-            err_len: usize,
-        ) -> i32;
-    }
 }
 
 /// Turns an emulator return code and message buffer into a `Result`.

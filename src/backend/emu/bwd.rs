@@ -1,34 +1,12 @@
 //! Attention backward on the emulator (`kernels/tree_attn_bwd.cu`).
 
-use super::{current_config, emu_result, kv_tile_bounds, KernelElem, RawConfig};
+use super::{current_config, emu_result, ffi, kv_tile_bounds, KernelElem};
 use crate::backend::launch::bwd::{plan_backward, BwdParams, DqMode};
 use crate::backend::launch::rope::{RopeArgs, RopeTables};
 use crate::backend::launch::{scale_log2, LaunchPlan};
 use crate::backend::{AttnParams, AttnShape};
 use crate::mask::PackMask;
 use crate::{Error, Result};
-
-mod ffi {
-    use super::{BwdParams, RawConfig};
-    extern "C" {
-        pub fn ta_emu_bwd_traits(head_dim: u32, out: *mut i32) -> i32;
-        #[allow(clippy::too_many_arguments)]
-        pub fn ta_emu_tree_attn_bwd(
-            dtype: u32,
-            head_dim: u32,
-            stage: u32,
-            p: *const BwdParams,
-            grid_x: u32,
-            grid_y: u32,
-            block_threads: u32,
-            smem: usize,
-            config: *const RawConfig,
-            cp_async_bytes: *mut u64,
-            err: *mut u8,
-            err_len: usize,
-        ) -> i32;
-    }
-}
 
 /// Gradients of a GPU-backend backward on host memory, with respect to the
 /// *unrotated* q and k when rotary is on.

@@ -1,40 +1,10 @@
 //! SDCC forward-KL on the emulator (`kernels/sdcc_kl.cu`).
 
-use super::{current_config, emu_result, RawConfig};
+use super::{current_config, emu_result, ffi};
 use crate::backend::launch::sdcc::{
     merge_row_status, plan_sdcc, status_error, vec8, weighted_loss, SdccElem, SdccParams,
 };
 use crate::{Error, Result};
-
-mod ffi {
-    use super::{RawConfig, SdccParams};
-    extern "C" {
-        pub fn ta_emu_sdcc_traits(out: *mut i32);
-        #[allow(clippy::too_many_arguments)]
-        pub fn ta_emu_sdcc_unfused(
-            dtype: u32,
-            stage: u32,
-            p: *const SdccParams,
-            grid_x: u32,
-            grid_y: u32,
-            block_threads: u32,
-            smem: usize,
-            config: *const RawConfig,
-            err: *mut u8,
-            err_len: usize,
-        ) -> i32;
-        pub fn ta_emu_sdcc_kl(
-            dtype: u32,
-            p: *const SdccParams,
-            grid_x: u32,
-            block_threads: u32,
-            smem: usize,
-            config: *const RawConfig,
-            err: *mut u8,
-            err_len: usize,
-        ) -> i32;
-    }
-}
 
 /// Result of [`sdcc_forward_kl`].
 #[derive(Clone, Debug, PartialEq)]

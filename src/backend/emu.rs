@@ -353,7 +353,8 @@ pub fn kernel_traits(head_dim: u32) -> Option<(u32, u32, u32, u32, u32)> {
 pub mod shim_selftest {
     use super::{emu_result, ffi, Result};
 
-    /// The self-test kernels, in the order of `kKernels` in the C++ file.
+    /// The self-test kernels, in the order of `kKernels` in the C++ file,
+    /// then `ThrowOnHost`, which throws from the entry point itself.
     #[derive(Clone, Copy, Debug)]
     pub enum Kernel {
         LdmatrixDump = 0,
@@ -367,6 +368,8 @@ pub mod shim_selftest {
         UnevenBarriers = 8,
         MissingBarrier = 9,
         Atomics = 10,
+        Throws = 11,
+        ThrowOnHost = 12,
     }
 
     /// Launches a self-test kernel on `grid` blocks of `block` threads with

@@ -1,6 +1,10 @@
 //! Every `extern "C"` entry point of the emulator (`kernels/emu/*.cpp`) and
 //! the `#[repr(C)]` mirror of its launch settings, in one place. The entry
-//! points return 0, or nonzero with a NUL-terminated message in `err`.
+//! points return 0, or nonzero with a NUL-terminated message in `err`. None
+//! lets a C++ exception unwind into Rust (undefined behaviour through
+//! `extern "C"`): each is `noexcept` and catches everything into an error
+//! code (`ta_emu::guard_entry`, kernels/emu/shim.h); an exception in a kernel
+//! thread fails the launch like `__trap()` (tests/emu_shim.rs).
 
 use crate::backend::launch::bwd::BwdParams;
 use crate::backend::launch::sdcc::SdccParams;

@@ -1,9 +1,11 @@
 //! Builds the kernels of `kernels/`.
 //!
-//! - Always: the SIMT emulator — the same `.cu` sources compiled as host C++
-//!   against `kernels/emu/shim.h` (`-DTA_EMU`) with the `cc` crate, so that
-//!   `cargo test` runs the kernels on the CPU. Always optimised (`-O2`): the
-//!   emulator's speed is what keeps the kernel tests short.
+//! - With the `emu` feature (on for the crate's own tests, off by default):
+//!   the SIMT emulator — the same `.cu` sources compiled as host C++ against
+//!   `kernels/emu/shim.h` (`-DTA_EMU`) with the `cc` crate, so that `cargo
+//!   test` runs the kernels on the CPU. Always optimised (`-O2`): the
+//!   emulator's speed is what keeps the kernel tests short. Without it no C++
+//!   is compiled at all.
 //! - With the `cuda` feature: `nvcc` compiles the kernels to one fatbin with
 //!   SASS for sm_80 and sm_90a and PTX for compute_80, embedded by
 //!   `backend::cuda` with `include_bytes!`. The `ptxas -v` report is written
@@ -31,6 +33,9 @@ const CUDA_SOURCES: &[&str] = &[
 ];
 const HEADERS: &[&str] = &[
     "kernels/common.cuh",
+    "kernels/kernel_traits.cuh",
+    "kernels/mask.cuh",
+    "kernels/tile_load.cuh",
     "kernels/rope.cuh",
     "kernels/emu/shim.h",
 ];
@@ -40,7 +45,9 @@ fn main() {
         println!("cargo:rerun-if-changed={f}");
     }
     println!("cargo:rerun-if-changed=build.rs");
-    build_emulator();
+    if env::var_os("CARGO_FEATURE_EMU").is_some() {
+        build_emulator();
+    }
     if env::var_os("CARGO_FEATURE_CUDA").is_some() {
         build_cuda();
     }

@@ -30,9 +30,9 @@
 //   tree_attn_bwd_dq_convert   accumulator → dQ in the element type, rotating
 //                       back through rotary when it is on.
 //
-// Main kernel tiling (BwdTraits): a key tile of kBlockN = 64 keys, 4 warps,
-// warp w owns keys 16w..16w+15 and holds their dK and dV (16 x D each, f32,
-// mma C fragments) for the whole block. K and V of the tile stay in shared
+// Main kernel tiling (BwdTraits, kernel_traits.cuh): a key tile of kBlockN =
+// 64 keys, 4 warps, warp w owns keys 16w..16w+15 and holds their dK and dV
+// (16 x D each, f32, mma C fragments) for the whole block. K and V of the tile stay in shared
 // memory; query tiles of kBlockM rows (64 for D = 64, 32 for D = 128, to keep
 // the f32 accumulators plus Sᵀ and dPᵀ under 255 registers) stream through a
 // double-buffered cp.async pipeline (Q, dO, lse2, D). Per query tile:
@@ -65,7 +65,8 @@
 // of max(k, x), read off the tile's kv_end staged in shared memory (64
 // compares per step, the same result in every thread). Each visited tile is
 // full (no element mask: k1 − 1 <= q0, min kv_end >= q1, both tiles inside
-// the pack) or partial (element mask k <= q < kv_end[k]).
+// the pack) or partial (element mask k <= q < kv_end[k]); both tests are
+// mask.cuh's. Tiles are staged by tile_load.cuh's loader.
 //
 // Block order: the main kernel's blockIdx.x is the key tile (the first key
 // tiles are seen by the most queries: heaviest first); the dQ kernel runs
@@ -86,7 +87,10 @@
 // they land, so every product above is in the rotated frame; dK is staged in
 // shared memory (f32) at the end of the main kernel and rotated back on its
 // way out, dQ is rotated back by the convert kernel.
+#include "kernel_traits.cuh"
+#include "mask.cuh"
 #include "rope.cuh"
+#include "tile_load.cuh"
 
 // Arguments of every backward kernel (one struct by value). Mirrored by
 // `crate::backend::launch::bwd::BwdParams` in Rust: keep the two in step.
@@ -117,68 +121,6 @@ struct TreeAttnBwdParams {
 };
 
 #define TA_LOG2E 1.4426950408889634f
-
-template <class E, int D>
-struct BwdTraits {
-    using Elem = E;
-    static constexpr int kHeadDim = D;
-    static constexpr int kBlockN = 64;  // keys per block (= the kv_end bounds tile)
-    static constexpr int kBlockM = D == 64 ? 64 : 32;  // queries per streamed tile
-    static constexpr int kWarps = 4;
-    static constexpr int kThreads = kWarps * 32;
-    static constexpr int kRowStride = D + 8;            // 16-bit elements
-    static constexpr int kDsStride = kBlockM + 8;       // dSᵀ rows (16-bit)
-    static constexpr int kDkStride = D + 4;             // f32 dK staging rows
-    static constexpr int kKvElems = kBlockN * kRowStride;
-    static constexpr int kQElems = kBlockM * kRowStride;
-    // Shared memory, in bytes: K, V | Q[2], dO[2] | dSᵀ | lse2[2], D[2] | kv_end.
-    static constexpr int kOffQ = 2 * kKvElems * 2;
-    static constexpr int kOffDs = kOffQ + 4 * kQElems * 2;
-    static constexpr int kOffRowStats = kOffDs + kBlockN * kDsStride * 2;
-    static constexpr int kOffKvEnd = kOffRowStats + 4 * kBlockM * 4;
-    static constexpr int kSmemBytes = kOffKvEnd + kBlockN * 4;
-    static_assert(D % 16 == 0 && kBlockN == 16 * kWarps && kBlockM % 16 == 0, "tile shape");
-    static_assert(kWarps % (kBlockM / 16) == 0 && (D / 16) % (kWarps / (kBlockM / 16)) == 0,
-                  "dQ split of BM x D over the warps");
-    // dK staged in f32 reuses the Q / dO buffers.
-    static_assert(kBlockN * kDkStride * 4 <= 4 * kQElems * 2, "dK staging fits");
-    static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
-};
-
-// Tiling of tree_attn_bwd_dq (deterministic dQ): the forward's.
-template <class E, int D>
-struct BwdDqTraits {
-    using Elem = E;
-    static constexpr int kHeadDim = D;
-    static constexpr int kBlockM = 64;
-    static constexpr int kBlockN = 64;
-    static constexpr int kWarps = 4;
-    static constexpr int kThreads = kWarps * 32;
-    static constexpr int kRowStride = D + 8;
-    static constexpr int kTileElems = 64 * kRowStride;
-    // Q, dO, K[2], V[2].
-    static constexpr int kSmemBytes = 6 * kTileElems * 2;
-    static_assert(D % 16 == 0 && kBlockM == 16 * kWarps, "tile shape");
-};
-
-// Stages rows [row0, row0 + Rows) of one head of a [tokens, heads, D] tensor
-// into shared memory (row stride RS), 16 bytes per cp.async; rows at or past
-// `tokens` are zero-filled.
-template <int Rows, int D, int RS, int Threads>
-__device__ __forceinline__ void ta_bwd_load_tile(uint16_t* smem, const uint16_t* __restrict__ g, uint32_t row0,
-                                                 uint32_t tokens, uint32_t heads, uint32_t head) {
-    constexpr int kChunks = D / 8;
-    static_assert((Rows * kChunks) % Threads == 0, "whole copy rounds per tile");
-#pragma unroll
-    for (int it = 0; it < Rows * kChunks / Threads; ++it) {
-        const int i = it * Threads + threadIdx.x;
-        const int r = i / kChunks, cc = i % kChunks;
-        const uint32_t row = row0 + r;
-        const bool ok = row < tokens;
-        const uint16_t* src = ok ? g + ((size_t)row * heads + head) * D + cc * 8 : g;
-        ta_cp_async_16(smem + r * RS + cc * 8, src, ok);
-    }
-}
 
 // lse2 = LSE · log2 e, or +inf for a row with no visible key and for rows past
 // the pack, so that exp2(S·c − lse2) is exactly 0 there. An invalid LSE (NaN
@@ -286,17 +228,17 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     const unsigned lane = ta_lane(), warp = threadIdx.x / 32;
     const unsigned g = lane >> 2, c = lane & 3;
 
-    ta_bwd_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, k0, L, p.kv_heads, kv_head);
-    ta_bwd_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, k0, L, p.kv_heads, kv_head);
+    ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, k0, L, p.kv_heads, kv_head);
+    ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, k0, L, p.kv_heads, kv_head);
     ta_cp_async_commit();
     // kv_end of the tile; keys past the pack are seen by nobody (0).
-    if (threadIdx.x < BN) skv[threadIdx.x] = k0 + threadIdx.x < L ? p.kv_end[k0 + threadIdx.x] : 0u;
+    if (threadIdx.x < BN) skv[threadIdx.x] = ta_key_end(p.kv_end, k0 + threadIdx.x, L);
     // This thread's two keys (rows g and g + 8 of the warp's 16).
     uint32_t key[2], key_end[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         key[r] = k0 + warp * 16 + g + 8 * r;
-        key_end[r] = key[r] < L ? p.kv_end[key[r]] : 0u;
+        key_end[r] = ta_key_end(p.kv_end, key[r], L);
     }
     ta_cp_async_wait<0>();
     __syncthreads();
@@ -317,13 +259,12 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
         return best == 0xffffffffu ? best : best / BM;
     };
     const uint32_t first_qt = next_qtile(0);
-    const bool k_full_tile = k0 + BN <= L;
     const uint32_t tile_min = p.tile_kv_min[tile];
 
     // Stages query tile qt of query head `head` into buffer b.
     auto stage = [&](uint32_t head, uint32_t qt, int b) {
-        ta_bwd_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head);
-        ta_bwd_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head);
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head);
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head);
         for (int i = threadIdx.x; i < BM; i += Tr::kThreads) {
             const uint32_t row = qt * BM + i;
             slse[b * BM + i] = ta_bwd_lse2(p, head, row);
@@ -366,7 +307,9 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
         ta_bwd_mm_abt<E, D, BM, RS>(s, sk + warp * 16 * RS, qb);
         ta_bwd_mm_abt<E, D, BM, RS>(dp, sv + warp * 16 * RS, dob);
 
-        const bool full = k_full_tile && q0 + BM <= L && k0 + BN - 1 <= q0 && tile_min >= q0 + BM;
+        // Full also needs the whole query tile inside the pack: q1 is not
+        // clipped here, and a query tile that runs past the pack is partial.
+        const bool full = TA_TILE_FULL(BN, k0, q0, q0 + BM, tile_min, L) && q0 + BM <= L;
 #pragma unroll
         for (int n = 0; n < kMTiles; ++n) {
 #pragma unroll
@@ -375,7 +318,7 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
                 const uint32_t qrow = q0 + ql;
                 const int r = i >> 1;
                 float pv = ta_exp2(s[n][i] * p.scale_log2 - lse2[ql]);
-                if (!full && !(key[r] <= qrow && qrow < key_end[r])) pv = 0.f;
+                if (!full && !TA_VISIBLE(key[r], key_end[r], qrow)) pv = 0.f;
                 s[n][i] = pv;                         // Pᵀ
                 dp[n][i] = pv * (dp[n][i] - dlt[ql]);  // dSᵀ
             }
@@ -491,13 +434,13 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
         return t;
     };
 
-    ta_bwd_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
-    ta_bwd_load_tile<BM, D, RS, Tr::kThreads>(sdo, p.d_o, q0, L, p.q_heads, head);
+    ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
+    ta_load_tile<BM, D, RS, Tr::kThreads>(sdo, p.d_o, q0, L, p.q_heads, head);
     ta_cp_async_commit();
     uint32_t t = next_tile(0);
     if (t < t_end) {
-        ta_bwd_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, t * BN, L, p.kv_heads, kv_head);
-        ta_bwd_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head);
+        ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, t * BN, L, p.kv_heads, kv_head);
+        ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head);
     }
     ta_cp_async_commit();
     ta_cp_async_wait<1>();  // Q, dO have landed
@@ -524,9 +467,9 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     while (t < t_end) {
         const uint32_t tn = next_tile(t + 1);
         if (tn < t_end) {
-            ta_bwd_load_tile<BN, D, RS, Tr::kThreads>(sk + (buf ^ 1) * Tr::kTileElems, p.k, tn * BN, L, p.kv_heads,
+            ta_load_tile<BN, D, RS, Tr::kThreads>(sk + (buf ^ 1) * Tr::kTileElems, p.k, tn * BN, L, p.kv_heads,
                                                       kv_head);
-            ta_bwd_load_tile<BN, D, RS, Tr::kThreads>(sv + (buf ^ 1) * Tr::kTileElems, p.v, tn * BN, L, p.kv_heads,
+            ta_load_tile<BN, D, RS, Tr::kThreads>(sv + (buf ^ 1) * Tr::kTileElems, p.v, tn * BN, L, p.kv_heads,
                                                       kv_head);
         }
         ta_cp_async_commit();
@@ -544,17 +487,17 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
         ta_bwd_mm_abt<E, D, BN, RS>(s, sq + warp * 16 * RS, kt);
         ta_bwd_mm_abt<E, D, BN, RS>(dp, sdo + warp * 16 * RS, vt);
 
-        const bool full = k0 + BN <= L && k0 + BN - 1 <= q0 && p.tile_kv_min[t] >= q1;
+        const bool full = TA_TILE_FULL(BN, k0, q0, q1, p.tile_kv_min[t], L);
 #pragma unroll
         for (int n = 0; n < kNTiles; ++n) {
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const uint32_t col = k0 + n * 8 + 2 * c + j;
-                const uint32_t end = col < L ? p.kv_end[col] : 0u;
+                const uint32_t end = ta_key_end(p.kv_end, col, L);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     float pv = ta_exp2(s[n][2 * r + j] * p.scale_log2 - lse2[r]);
-                    if (!full && !(col <= rows[r] && rows[r] < end)) pv = 0.f;
+                    if (!full && !TA_VISIBLE(col, end, rows[r])) pv = 0.f;
                     dp[n][2 * r + j] = pv * (dp[n][2 * r + j] - dlt[r]);  // dS
                 }
             }

@@ -8,11 +8,11 @@
 // elements, row-major; LSE: [q_heads, tokens] f32; GQA: query head h reads kv
 // head h / (q_heads / kv_heads).
 //
-// Tiling. One block per (query tile of kBlockM = 64 rows, query head): grid
-// (ceil(L / 64), q_heads), the last query tile first; 4 warps, warp w owns
-// query rows 16w..16w+15 of the tile. The block stages K and V tiles (64 x D,
-// two buffers each) in
-// dynamic shared memory, rows padded by 8 elements (16 bytes) so that the 8
+// Tiling (FwdTraits, kernel_traits.cuh). One block per (query tile of
+// kBlockM = 64 rows, query head): grid (ceil(L / 64), q_heads), the last
+// query tile first; 4 warps, warp w owns query rows 16w..16w+15 of the tile.
+// The block stages K and V tiles (64 x D, two buffers each) in dynamic
+// shared memory, rows padded by 8 elements (16 bytes) so that the 8
 // row addresses of an ldmatrix fall in distinct bank groups: 4·64·(D+8)·2
 // bytes (36,864 for D = 64, 69,632 for D = 128: two blocks per SM on A100,
 // where a separate Q tile would have allowed one). The Q tile passes through
@@ -35,7 +35,7 @@
 // Epilogue: each warp normalises its O rows, stages them in its own 16 rows
 // of the Q tile's space and writes them out as 16-byte row-contiguous stores.
 //
-// Pipeline. cp.async with two buffers: while tile j is computed, the next
+// Pipeline. cp.async (ta_load_tile, tile_load.cuh) with two buffers: while tile j is computed, the next
 // non-skipped tile is in flight; one commit group per tile (an empty group
 // when there is no next tile, so wait_group 1 is always right).
 //
@@ -46,8 +46,10 @@
 //           key of the tile; the tile is never loaded: the loop walks only
 //           the non-skipped tiles and prefetches the next one;
 //   full    when the tile lies inside the pack (k0 + 64 <= L), k1 − 1 <= q0
-//           and min kv_end >= q1: every pair is visible, no element mask;
-//   partial otherwise: S[q][k] = −inf unless k < L and k <= q < kv_end[k].
+//           and min kv_end >= q1: every pair is visible, no element mask
+//           (TA_TILE_FULL, mask.cuh);
+//   partial otherwise: S[q][k] = −inf unless k < L and k <= q < kv_end[k]
+//           (ta_key_end, TA_VISIBLE).
 // Padding keys (kv_end[k] == k) are seen by nobody, their tiles are partial.
 // Rows and keys past L are zero-filled on load, masked, and never stored.
 //
@@ -61,7 +63,10 @@
 // Rotary (optional, rope.half > 0): the Q tile and each K tile are rotated
 // in place in shared memory right after they land (rope.cuh: cos / sin from
 // per-position tables, f32 math, rounded back to E), one extra barrier each.
+#include "kernel_traits.cuh"
+#include "mask.cuh"
 #include "rope.cuh"
+#include "tile_load.cuh"
 
 // Kernel arguments (one struct by value). Mirrored by
 // `crate::backend::launch::FwdParams` in Rust: keep the two in step.
@@ -92,42 +97,6 @@ struct KvTileBoundsParams {
     uint32_t num_tiles;
     uint32_t reserved;
 };
-
-template <class E, int D>
-struct FwdTraits {
-    using Elem = E;
-    static constexpr int kHeadDim = D;
-    static constexpr int kBlockM = 64;
-    static constexpr int kBlockN = 64;
-    static constexpr int kWarps = 4;
-    static constexpr int kThreads = kWarps * 32;
-    static constexpr int kRowStride = D + 8;  // elements; +16 bytes against bank conflicts
-    static constexpr int kKvElems = kBlockN * kRowStride;
-    // K[2], V[2]; the Q tile lives in K buffer 1 until its fragments are in
-    // registers, and the O tile passes through it at the end.
-    static constexpr int kSmemBytes = 4 * kKvElems * 2;
-    static_assert(D % 16 == 0 && kBlockM == 16 * kWarps && kBlockN % 16 == 0, "tile shape");
-    static_assert(kBlockM <= kBlockN, "the Q tile must fit in a K buffer");
-};
-
-// Stages rows [row0, row0 + rows) of one head of a [tokens, heads, D] tensor
-// into shared memory (row stride RowStride), 16 bytes per cp.async; rows at or
-// past `tokens` are zero-filled.
-template <int Rows, int D, int RowStride, int Threads>
-__device__ __forceinline__ void ta_load_tile(uint16_t* smem, const uint16_t* __restrict__ g, uint32_t row0,
-                                             uint32_t tokens, uint32_t heads, uint32_t head) {
-    constexpr int kChunks = D / 8;
-    static_assert((Rows * kChunks) % Threads == 0, "whole copy rounds per tile");
-#pragma unroll
-    for (int it = 0; it < Rows * kChunks / Threads; ++it) {
-        const int i = it * Threads + threadIdx.x;
-        const int r = i / kChunks, c = i % kChunks;
-        const uint32_t row = row0 + r;
-        const bool ok = row < tokens;
-        const uint16_t* src = ok ? g + ((size_t)row * heads + head) * D + c * 8 : g;
-        ta_cp_async_16(smem + r * RowStride + c * 8, src, ok);
-    }
-}
 
 template <class Tr>
 __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
@@ -231,17 +200,17 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
             }
         }
 
-        const bool full = k0 + BN <= L && k0 + BN - 1 <= q0 && p.tile_kv_min[t] >= q1;
-        if (!full) {
+        const bool full = TA_TILE_FULL(BN, k0, q0, q1, p.tile_kv_min[t], L);
+        if (!full) {  // element mask (mask.cuh)
 #pragma unroll
             for (int n = 0; n < kNTiles; ++n) {
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
                     const uint32_t col = k0 + n * 8 + 2 * c + j;
-                    const uint32_t end = col < L ? p.kv_end[col] : 0u;
+                    const uint32_t end = ta_key_end(p.kv_end, col, L);
 #pragma unroll
                     for (int r = 0; r < 2; ++r)
-                        if (!(col <= rows[r] && rows[r] < end)) s[n][2 * r + j] = -INFINITY;
+                        if (!TA_VISIBLE(col, end, rows[r])) s[n][2 * r + j] = -INFINITY;
                 }
             }
         }

@@ -2,7 +2,8 @@
 //! `ldmatrix` and `mma.m16n8k16` against the PTX ISA and a scalar matmul,
 //! shuffles and ballots against their CUDA definitions, the cp.async group
 //! model, shared-memory poisoning, and the errors the emulator must raise
-//! instead of hanging (divergent barriers, partial masks, unconverged warps).
+//! instead of hanging (divergent barriers, partial masks, unconverged warps)
+//! or aborting (C++ exceptions).
 //!
 //! Inputs are fresh random numbers every run; the seed is printed in every
 //! failure message and `TREEATTN_SEED` replays it.
@@ -517,4 +518,53 @@ fn atomics_are_atomic_across_blocks_and_threads() {
         u64::from(n),
         "atomicAdd(u64)"
     );
+}
+
+#[test]
+fn cpp_exceptions_become_errors_not_aborts() {
+    // From a kernel thread (on a fiber), with one and with several OS
+    // threads running blocks: the exception's message, not a divergent
+    // barrier (the other 63 threads wait at the second one).
+    for workers in [1, 3] {
+        let opts = EmuOptions {
+            workers,
+            ..EmuOptions::default()
+        };
+        calls::with_options(opts, || {
+            expect_err(
+                Kernel::Throws,
+                37,
+                4,
+                64,
+                &[
+                    "C++ exception in the kernel: thrown by thread 37",
+                    "thread (37,0,0)",
+                ],
+            )
+        });
+    }
+    // From the entry point itself, on the calling thread.
+    expect_err(
+        Kernel::ThrowOnHost,
+        0,
+        1,
+        32,
+        &["ta_emu_selftest: C++ exception: thrown by the entry point"],
+    );
+    // The emulator still works on this thread afterwards.
+    let mut out = [0u8; 4];
+    // SAFETY: this kernel touches no memory.
+    unsafe {
+        run(
+            calls::options(),
+            Kernel::UnevenBarriers,
+            &[],
+            &mut out,
+            3,
+            2,
+            128,
+            0,
+        )
+    }
+    .unwrap();
 }

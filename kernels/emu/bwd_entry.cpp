@@ -25,22 +25,24 @@ int check_plan(const char* what, unsigned block_threads, size_t smem, int want_t
 // Traits of the backward kernels for head_dim: out = {main block_m, main
 // block_n, main threads, main smem_bytes, dq block_m, dq threads, dq
 // smem_bytes}. Returns 0, or 1 for a head dim without kernels.
-extern "C" int ta_emu_bwd_traits(uint32_t head_dim, int32_t* out) {
-    auto fill = [&](auto main, auto dq) {
-        using M = decltype(main);
-        using Q = decltype(dq);
-        out[0] = M::kBlockM;
-        out[1] = M::kBlockN;
-        out[2] = M::kThreads;
-        out[3] = M::kSmemBytes;
-        out[4] = Q::kBlockM;
-        out[5] = Q::kThreads;
-        out[6] = Q::kSmemBytes;
-        return 0;
-    };
-    if (head_dim == 64) return fill(BwdTraits<ta_bf16, 64>{}, BwdDqTraits<ta_bf16, 64>{});
-    if (head_dim == 128) return fill(BwdTraits<ta_bf16, 128>{}, BwdDqTraits<ta_bf16, 128>{});
-    return 1;
+extern "C" int ta_emu_bwd_traits(uint32_t head_dim, int32_t* out) noexcept {
+    return ta_emu::guard_entry("ta_emu_bwd_traits", nullptr, 0, [&]() -> int {
+        auto fill = [&](auto main, auto dq) {
+            using M = decltype(main);
+            using Q = decltype(dq);
+            out[0] = M::kBlockM;
+            out[1] = M::kBlockN;
+            out[2] = M::kThreads;
+            out[3] = M::kSmemBytes;
+            out[4] = Q::kBlockM;
+            out[5] = Q::kThreads;
+            out[6] = Q::kSmemBytes;
+            return 0;
+        };
+        if (head_dim == 64) return fill(BwdTraits<ta_bf16, 64>{}, BwdDqTraits<ta_bf16, 64>{});
+        if (head_dim == 128) return fill(BwdTraits<ta_bf16, 128>{}, BwdDqTraits<ta_bf16, 128>{});
+        return 1;
+    });
 }
 
 // stage: 0 = tree_attn_bwd_pre, 1 = tree_attn_bwd_main_atomic, 2 =
@@ -50,52 +52,54 @@ extern "C" int ta_emu_bwd_traits(uint32_t head_dim, int32_t* out) {
 extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t stage, const TreeAttnBwdParams* p,
                                     uint32_t grid_x, uint32_t grid_y, uint32_t block_threads, size_t smem,
                                     const ta_emu::Config* config, uint64_t* cp_async_bytes, char* err,
-                                    size_t err_len) {
-    const dim3 grid(grid_x, grid_y), block(block_threads);
-    // The buffers the kernels read with cp.async.
-    const size_t q_bytes = size_t(p->tokens) * p->q_heads * head_dim * 2;
-    const size_t kv_bytes = size_t(p->tokens) * p->kv_heads * head_dim * 2;
-    const ta_emu::GlobalRange ranges[] = {
-        {p->q, q_bytes, "q"}, {p->k, kv_bytes, "k"}, {p->v, kv_bytes, "v"}, {p->d_o, q_bytes, "d_o"}};
-    ta_emu::LaunchIo io;
-    io.ranges = ranges;
-    io.num_ranges = 4;
-    io.cp_async_bytes = cp_async_bytes;
-    auto launch = [&](void (*kernel)(const TreeAttnBwdParams)) {
-        return ta_emu::launch_kernel<TreeAttnBwdParams>(kernel, *p, grid, block, smem, *config, err, err_len, io);
-    };
+                                    size_t err_len) noexcept {
+    return ta_emu::guard_entry("ta_emu_tree_attn_bwd", err, err_len, [&]() -> int {
+        const dim3 grid(grid_x, grid_y), block(block_threads);
+        // The buffers the kernels read with cp.async.
+        const size_t q_bytes = size_t(p->tokens) * p->q_heads * head_dim * 2;
+        const size_t kv_bytes = size_t(p->tokens) * p->kv_heads * head_dim * 2;
+        const ta_emu::GlobalRange ranges[] = {
+            {p->q, q_bytes, "q"}, {p->k, kv_bytes, "k"}, {p->v, kv_bytes, "v"}, {p->d_o, q_bytes, "d_o"}};
+        ta_emu::LaunchIo io;
+        io.ranges = ranges;
+        io.num_ranges = 4;
+        io.cp_async_bytes = cp_async_bytes;
+        auto launch = [&](void (*kernel)(const TreeAttnBwdParams)) {
+            return ta_emu::launch_kernel<TreeAttnBwdParams>(kernel, *p, grid, block, smem, *config, err, err_len, io);
+        };
 #define TA_CASE(DT, HD, E, SUFFIX)                                                                             \
-    if (dtype == DT && head_dim == HD) {                                                                      \
-        using M = BwdTraits<E, HD>;                                                                           \
-        using Q = BwdDqTraits<E, HD>;                                                                         \
-        switch (stage) {                                                                                      \
-            case 0:                                                                                           \
-                if (check_plan("tree_attn_bwd_pre", block_threads, smem, 128, 0, err, err_len)) return 1;    \
-                return launch(tree_attn_bwd_pre_##SUFFIX);                                                    \
-            case 1:                                                                                           \
-            case 2:                                                                                           \
-                if (check_plan("tree_attn_bwd_main", block_threads, smem, M::kThreads, M::kSmemBytes, err,   \
-                               err_len))                                                                      \
-                    return 1;                                                                                 \
-                return launch(stage == 1 ? tree_attn_bwd_main_atomic_##SUFFIX : tree_attn_bwd_main_det_##SUFFIX); \
-            case 3:                                                                                           \
-                if (check_plan("tree_attn_bwd_dq", block_threads, smem, Q::kThreads, Q::kSmemBytes, err,     \
-                               err_len))                                                                      \
-                    return 1;                                                                                 \
-                return launch(tree_attn_bwd_dq_##SUFFIX);                                                     \
-            case 4:                                                                                           \
-                if (check_plan("tree_attn_bwd_dq_convert", block_threads, smem, 128, 0, err, err_len))       \
-                    return 1;                                                                                 \
-                return launch(tree_attn_bwd_dq_convert_##SUFFIX);                                             \
-            default:                                                                                          \
-                break;                                                                                        \
-        }                                                                                                     \
-    }
-    TA_CASE(0, 64, ta_bf16, bf16_d64)
-    TA_CASE(0, 128, ta_bf16, bf16_d128)
-    TA_CASE(1, 64, ta_f16, f16_d64)
-    TA_CASE(1, 128, ta_f16, f16_d128)
+        if (dtype == DT && head_dim == HD) {                                                                      \
+            using M = BwdTraits<E, HD>;                                                                           \
+            using Q = BwdDqTraits<E, HD>;                                                                         \
+            switch (stage) {                                                                                      \
+                case 0:                                                                                           \
+                    if (check_plan("tree_attn_bwd_pre", block_threads, smem, 128, 0, err, err_len)) return 1;    \
+                    return launch(tree_attn_bwd_pre_##SUFFIX);                                                    \
+                case 1:                                                                                           \
+                case 2:                                                                                           \
+                    if (check_plan("tree_attn_bwd_main", block_threads, smem, M::kThreads, M::kSmemBytes, err,   \
+                                   err_len))                                                                      \
+                        return 1;                                                                                 \
+                    return launch(stage == 1 ? tree_attn_bwd_main_atomic_##SUFFIX : tree_attn_bwd_main_det_##SUFFIX); \
+                case 3:                                                                                           \
+                    if (check_plan("tree_attn_bwd_dq", block_threads, smem, Q::kThreads, Q::kSmemBytes, err,     \
+                                   err_len))                                                                      \
+                        return 1;                                                                                 \
+                    return launch(tree_attn_bwd_dq_##SUFFIX);                                                     \
+                case 4:                                                                                           \
+                    if (check_plan("tree_attn_bwd_dq_convert", block_threads, smem, 128, 0, err, err_len))       \
+                        return 1;                                                                                 \
+                    return launch(tree_attn_bwd_dq_convert_##SUFFIX);                                             \
+                default:                                                                                          \
+                    break;                                                                                        \
+            }                                                                                                     \
+        }
+        TA_CASE(0, 64, ta_bf16, bf16_d64)
+        TA_CASE(0, 128, ta_bf16, bf16_d128)
+        TA_CASE(1, 64, ta_f16, f16_d64)
+        TA_CASE(1, 128, ta_f16, f16_d128)
 #undef TA_CASE
-    snprintf(err, err_len, "no backward kernel for dtype %u, head_dim %u, stage %u", dtype, head_dim, stage);
-    return 1;
+        snprintf(err, err_len, "no backward kernel for dtype %u, head_dim %u, stage %u", dtype, head_dim, stage);
+        return 1;
+    });
 }

@@ -24,49 +24,55 @@ int check_plan(unsigned block_threads, size_t smem, char* err, size_t err_len) {
 // dtype: 0 = bf16, 1 = f16. Traits of the forward kernel for head_dim:
 // out = {block_m, block_n, threads, smem_bytes, row_stride}. Returns 0, or 1
 // for a head dim without a kernel.
-extern "C" int ta_emu_fwd_traits(uint32_t head_dim, int32_t* out) {
-    auto fill = [&](auto tr) {
-        using Tr = decltype(tr);
-        out[0] = Tr::kBlockM;
-        out[1] = Tr::kBlockN;
-        out[2] = Tr::kThreads;
-        out[3] = Tr::kSmemBytes;
-        out[4] = Tr::kRowStride;
-        return 0;
-    };
-    if (head_dim == 64) return fill(FwdTraits<ta_bf16, 64>{});
-    if (head_dim == 128) return fill(FwdTraits<ta_bf16, 128>{});
-    return 1;
+extern "C" int ta_emu_fwd_traits(uint32_t head_dim, int32_t* out) noexcept {
+    return ta_emu::guard_entry("ta_emu_fwd_traits", nullptr, 0, [&]() -> int {
+        auto fill = [&](auto tr) {
+            using Tr = decltype(tr);
+            out[0] = Tr::kBlockM;
+            out[1] = Tr::kBlockN;
+            out[2] = Tr::kThreads;
+            out[3] = Tr::kSmemBytes;
+            out[4] = Tr::kRowStride;
+            return 0;
+        };
+        if (head_dim == 64) return fill(FwdTraits<ta_bf16, 64>{});
+        if (head_dim == 128) return fill(FwdTraits<ta_bf16, 128>{});
+        return 1;
+    });
 }
 
 extern "C" int ta_emu_tree_attn_fwd(uint32_t dtype, uint32_t head_dim, const TreeAttnFwdParams* p, uint32_t grid_x,
                                     uint32_t grid_y, uint32_t block_threads, size_t smem, const ta_emu::Config* config,
                                     uint64_t* cp_async_bytes, char* err,
-                                    size_t err_len) {
-    const dim3 grid(grid_x, grid_y), block(block_threads);
-    const size_t q_bytes = size_t(p->tokens) * p->q_heads * head_dim * 2;
-    const size_t kv_bytes = size_t(p->tokens) * p->kv_heads * head_dim * 2;
-    const ta_emu::GlobalRange ranges[] = {{p->q, q_bytes, "q"}, {p->k, kv_bytes, "k"}, {p->v, kv_bytes, "v"}};
-    ta_emu::LaunchIo io;
-    io.ranges = ranges;
-    io.num_ranges = 3;
-    io.cp_async_bytes = cp_async_bytes;
+                                    size_t err_len) noexcept {
+    return ta_emu::guard_entry("ta_emu_tree_attn_fwd", err, err_len, [&]() -> int {
+        const dim3 grid(grid_x, grid_y), block(block_threads);
+        const size_t q_bytes = size_t(p->tokens) * p->q_heads * head_dim * 2;
+        const size_t kv_bytes = size_t(p->tokens) * p->kv_heads * head_dim * 2;
+        const ta_emu::GlobalRange ranges[] = {{p->q, q_bytes, "q"}, {p->k, kv_bytes, "k"}, {p->v, kv_bytes, "v"}};
+        ta_emu::LaunchIo io;
+        io.ranges = ranges;
+        io.num_ranges = 3;
+        io.cp_async_bytes = cp_async_bytes;
 #define TA_CASE(DT, HD, E, NAME)                                                                      \
-    if (dtype == DT && head_dim == HD) {                                                             \
-        if (check_plan<FwdTraits<E, HD>>(block_threads, smem, err, err_len)) return 1;               \
-        return ta_emu::launch_kernel<TreeAttnFwdParams>(NAME, *p, grid, block, smem, *config, err, err_len, io); \
-    }
-    TA_CASE(0, 64, ta_bf16, tree_attn_fwd_bf16_d64)
-    TA_CASE(0, 128, ta_bf16, tree_attn_fwd_bf16_d128)
-    TA_CASE(1, 64, ta_f16, tree_attn_fwd_f16_d64)
-    TA_CASE(1, 128, ta_f16, tree_attn_fwd_f16_d128)
+        if (dtype == DT && head_dim == HD) {                                                             \
+            if (check_plan<FwdTraits<E, HD>>(block_threads, smem, err, err_len)) return 1;               \
+            return ta_emu::launch_kernel<TreeAttnFwdParams>(NAME, *p, grid, block, smem, *config, err, err_len, io); \
+        }
+        TA_CASE(0, 64, ta_bf16, tree_attn_fwd_bf16_d64)
+        TA_CASE(0, 128, ta_bf16, tree_attn_fwd_bf16_d128)
+        TA_CASE(1, 64, ta_f16, tree_attn_fwd_f16_d64)
+        TA_CASE(1, 128, ta_f16, tree_attn_fwd_f16_d128)
 #undef TA_CASE
-    snprintf(err, err_len, "no forward kernel for dtype %u, head_dim %u", dtype, head_dim);
-    return 1;
+        snprintf(err, err_len, "no forward kernel for dtype %u, head_dim %u", dtype, head_dim);
+        return 1;
+    });
 }
 
 extern "C" int ta_emu_kv_tile_bounds(const KvTileBoundsParams* p, uint32_t grid_x, uint32_t block_threads,
-                                     const ta_emu::Config* config, char* err, size_t err_len) {
-    return ta_emu::launch_kernel<KvTileBoundsParams>(tree_attn_kv_tile_bounds, *p, dim3(grid_x), dim3(block_threads), 0,
-                                             *config, err, err_len);
+                                     const ta_emu::Config* config, char* err, size_t err_len) noexcept {
+    return ta_emu::guard_entry("ta_emu_kv_tile_bounds", err, err_len, [&]() -> int {
+        return ta_emu::launch_kernel<KvTileBoundsParams>(tree_attn_kv_tile_bounds, *p, dim3(grid_x), dim3(block_threads), 0,
+                                                 *config, err, err_len);
+    });
 }

@@ -176,8 +176,24 @@ static void to_fiber(Block& b, Fiber& f) {
 
 }  // namespace ta_emu
 
+// A C++ exception thrown by a kernel thread stops here, on the fiber's own
+// stack (the switch code below it has no unwind information): it fails the
+// launch like __trap(), with the exception's message. The handler is left
+// before fail() switches away, so no caught exception stays on the OS
+// thread's exception stack.
 extern "C" [[noreturn]] void ta_emu_fiber_main(ta_emu::Fiber* f) {
-    f->block->launch->body(f->block->launch->ctx);
+    bool threw = false;
+    char what[256] = "";
+    try {
+        f->block->launch->body(f->block->launch->ctx);
+    } catch (const std::exception& e) {
+        threw = true;
+        snprintf(what, sizeof what, "%s", e.what());
+    } catch (...) {
+        threw = true;
+        snprintf(what, sizeof what, "(not a std::exception)");
+    }
+    if (threw) ta_emu::fail("C++ exception in the kernel: %s", what);
     f->st = ta_emu::St::Done;
     ta_emu::to_scheduler(f);
     __builtin_trap();  // a finished fiber is never resumed
@@ -697,38 +713,54 @@ int launch(const Launch& l, char* err, size_t err_len) {
     std::atomic<bool> stop{false};
     std::mutex err_mu;
     std::string first_error;
+    auto fail_launch = [&](const std::string& e) {
+        std::lock_guard<std::mutex> g(err_mu);
+        if (first_error.empty()) first_error = e;
+        stop = true;
+    };
+    // A worker lets no exception out: from a std::thread it would terminate
+    // the process. One from the scheduler side (allocation) fails the launch.
     auto work = [&]() {
         Block b;
-        std::string e;
-        if (!setup_block(b, l, e)) {
-            std::lock_guard<std::mutex> g(err_mu);
-            if (first_error.empty()) first_error = e;
-            stop = true;
-            return;
-        }
-        for (;;) {
-            if (stop.load(std::memory_order_relaxed)) break;
-            uint64_t i = next.fetch_add(1);
-            if (i >= blocks) break;
-            b.idx = dim3(unsigned(i % l.grid.x), unsigned((i / l.grid.x) % l.grid.y),
-                         unsigned(i / (uint64_t(l.grid.x) * l.grid.y)));
-            b.error.clear();
-            if (!run_block(b)) {
-                std::lock_guard<std::mutex> g(err_mu);
-                if (first_error.empty()) first_error = b.error;
-                stop = true;
-                break;
+        try {
+            std::string e;
+            if (!setup_block(b, l, e)) {
+                fail_launch(e);
+            } else {
+                for (;;) {
+                    if (stop.load(std::memory_order_relaxed)) break;
+                    uint64_t i = next.fetch_add(1);
+                    if (i >= blocks) break;
+                    b.idx = dim3(unsigned(i % l.grid.x), unsigned((i / l.grid.x) % l.grid.y),
+                                 unsigned(i / (uint64_t(l.grid.x) * l.grid.y)));
+                    b.error.clear();
+                    if (!run_block(b)) {
+                        fail_launch(b.error);
+                        break;
+                    }
+                }
             }
+        } catch (const std::exception& ex) {
+            fail_launch(std::string("emulator: C++ exception: ") + ex.what());
+        } catch (...) {
+            fail_launch("emulator: C++ exception (not a std::exception)");
         }
         g_block = nullptr;
-        munmap(b.mapping, b.mapping_bytes);
+        if (b.mapping) munmap(b.mapping, b.mapping_bytes);
         total_cp_async_bytes += b.cp_async_bytes;
     };
     if (workers == 1) {
         work();
     } else {
         std::vector<std::thread> ts;
-        for (unsigned i = 0; i < workers; i++) ts.emplace_back(work);
+        try {
+            ts.reserve(workers);
+            for (unsigned i = 0; i < workers; i++) ts.emplace_back(work);
+        } catch (const std::exception&) {
+            // Fewer OS threads than asked for (std::system_error): the ones
+            // that started share the grid; with none, this thread runs it.
+            if (ts.empty()) work();
+        }
         for (auto& t : ts) t.join();
     }
     if (!first_error.empty()) return report(first_error);

@@ -30,7 +30,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <exception>
 #include <type_traits>
 
 struct dim3 {
@@ -245,5 +247,23 @@ int launch_kernel(void (*kernel)(const P), const P& params, dim3 grid, dim3 bloc
     l.config = config;
     l.io = io;
     return launch(l, err, err_len);
+}
+
+// The body of every `extern "C"` entry point Rust calls: a C++ exception
+// unwinding into Rust through an `extern "C"` function is undefined
+// behaviour, so none may leave. `body()` returns the entry's code (0 = ok);
+// an exception becomes code 1 with "<what>: C++ exception: <message>" in err
+// (when there is a buffer). Exceptions inside a kernel thread never get this
+// far: ta_emu_fiber_main turns them into a launch error (runtime.cpp).
+template <class F>
+int guard_entry(const char* what, char* err, size_t err_len, F&& body) noexcept {
+    try {
+        return body();
+    } catch (const std::exception& e) {
+        if (err && err_len) snprintf(err, err_len, "%s: C++ exception: %s", what, e.what());
+    } catch (...) {
+        if (err && err_len) snprintf(err, err_len, "%s: C++ exception (not a std::exception)", what);
+    }
+    return 1;
 }
 }  // namespace ta_emu

@@ -4,6 +4,8 @@
 #include "../common.cuh"
 
 #include <cstdio>
+#include <stdexcept>
+#include <string>
 
 namespace {
 
@@ -185,25 +187,40 @@ __global__ void atomics(const SelfTestParams p) {
     atomicAdd(reinterpret_cast<unsigned long long*>(&w[4]), 1ull);
 }
 
+// Thread `arg` of every block throws a C++ exception between two barriers:
+// the launch must fail with the exception's message (not a divergent
+// barrier, not std::terminate), whichever OS thread runs the block.
+__global__ void throws(const SelfTestParams p) {
+    __syncthreads();
+    if (threadIdx.x == p.arg) throw std::runtime_error("thrown by thread " + std::to_string(p.arg));
+    __syncthreads();
+}
+
 using SelfTestKernel = void (*)(const SelfTestParams);
-const SelfTestKernel kKernels[] = {ldmatrix_dump, mma_chain,     shuffles,        divergent_barrier,
-                                   partial_mask,  not_converged, poison_read,     cp_async_groups,
-                                   uneven_barriers, missing_barrier, atomics};
+const SelfTestKernel kKernels[] = {ldmatrix_dump,   mma_chain,       shuffles, divergent_barrier, partial_mask,
+                                   not_converged,   poison_read,     cp_async_groups, uneven_barriers,
+                                   missing_barrier, atomics,         throws};
+constexpr uint32_t kNumKernels = sizeof kKernels / sizeof kKernels[0];
 
 }  // namespace
 
 // `in` is registered as the one buffer cp.async may read (in_bytes long).
+// which == kNumKernels (one past the kernels) throws from the entry point
+// itself, on the calling thread: the test of ta_emu::guard_entry.
 extern "C" int ta_emu_selftest(uint32_t which, const void* in, size_t in_bytes, void* out, uint32_t arg,
                                uint32_t grid, uint32_t block, size_t smem, const ta_emu::Config* config, char* err,
-                               size_t err_len) {
-    if (which >= sizeof kKernels / sizeof kKernels[0]) {
-        snprintf(err, err_len, "no self-test kernel %u", which);
-        return 1;
-    }
-    const ta_emu::GlobalRange input{in, in_bytes, "the input"};
-    ta_emu::LaunchIo io;
-    io.ranges = &input;
-    io.num_ranges = 1;
-    return ta_emu::launch_kernel<SelfTestParams>(kKernels[which], SelfTestParams{in, out, arg}, dim3(grid),
-                                                 dim3(block), smem, *config, err, err_len, io);
+                               size_t err_len) noexcept {
+    return ta_emu::guard_entry("ta_emu_selftest", err, err_len, [&]() -> int {
+        if (which == kNumKernels) throw std::runtime_error("thrown by the entry point");
+        if (which > kNumKernels) {
+            snprintf(err, err_len, "no self-test kernel %u", which);
+            return 1;
+        }
+        const ta_emu::GlobalRange input{in, in_bytes, "the input"};
+        ta_emu::LaunchIo io;
+        io.ranges = &input;
+        io.num_ranges = 1;
+        return ta_emu::launch_kernel<SelfTestParams>(kKernels[which], SelfTestParams{in, out, arg}, dim3(grid),
+                                                     dim3(block), smem, *config, err, err_len, io);
+    });
 }

@@ -17,10 +17,12 @@ use crate::{Error, Result};
 pub use super::launch::{Dtype, KernelElem};
 
 mod bwd;
+mod ffi;
 mod sdcc;
 pub use super::launch::bwd::DqMode;
 pub use super::launch::sdcc::SdccElem;
 pub use bwd::{backward_kernel_traits, last_backward_stats, BackwardStats};
+use ffi::RawConfig;
 pub use sdcc::sdcc_kernel_traits;
 
 /// How the emulator interleaves the threads of a block. Hardware timing can
@@ -160,59 +162,6 @@ fn check_result<T: Element>(what: &str, x: &[T], allow_neg_inf: bool) -> Result<
             index,
         }),
         None => Ok(()),
-    }
-}
-
-/// Mirror of `ta_emu::Config` (kernels/emu/shim.h).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct RawConfig {
-    workers: u32,
-    schedule: u32,
-    cp_async_eager: u32,
-    reserved: u32,
-}
-
-mod ffi {
-    use super::{FwdParams, KvBoundsParams, RawConfig};
-    extern "C" {
-        pub fn ta_emu_fwd_traits(head_dim: u32, out: *mut i32) -> i32;
-        #[allow(clippy::too_many_arguments)]
-        pub fn ta_emu_tree_attn_fwd(
-            dtype: u32,
-            head_dim: u32,
-            p: *const FwdParams,
-            grid_x: u32,
-            grid_y: u32,
-            block_threads: u32,
-            smem: usize,
-            config: *const RawConfig,
-            cp_async_bytes: *mut u64,
-            err: *mut u8,
-            err_len: usize,
-        ) -> i32;
-        pub fn ta_emu_kv_tile_bounds(
-            p: *const KvBoundsParams,
-            grid_x: u32,
-            block_threads: u32,
-            config: *const RawConfig,
-            err: *mut u8,
-            err_len: usize,
-        ) -> i32;
-        #[allow(clippy::too_many_arguments)]
-        pub fn ta_emu_selftest(
-            which: u32,
-            input: *const u8,
-            input_len: usize,
-            output: *mut u8,
-            arg: u32,
-            grid: u32,
-            block: u32,
-            smem: usize,
-            config: *const RawConfig,
-            err: *mut u8,
-            err_len: usize,
-        ) -> i32;
     }
 }
 
@@ -402,7 +351,8 @@ pub fn kernel_traits(head_dim: u32) -> Option<(u32, u32, u32, u32, u32)> {
 pub mod shim_selftest {
     use super::{emu_result, ffi, EmuOptions, Result};
 
-    /// The self-test kernels, in the order of `kKernels` in the C++ file.
+    /// The self-test kernels, in the order of `kKernels` in the C++ file,
+    /// then `ThrowOnHost`, which throws from the entry point itself.
     #[derive(Clone, Copy, Debug)]
     pub enum Kernel {
         LdmatrixDump = 0,
@@ -416,6 +366,8 @@ pub mod shim_selftest {
         UnevenBarriers = 8,
         MissingBarrier = 9,
         Atomics = 10,
+        Throws = 11,
+        ThrowOnHost = 12,
     }
 
     /// Launches a self-test kernel on `grid` blocks of `block` threads with

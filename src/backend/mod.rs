@@ -1,8 +1,9 @@
 //! Backends that run the ops on a pack.
 //!
 //! - [`cpu`]: the reference, always built; f32 and f64, tiled, multithreaded.
-//! - `emu`: the CUDA C++ kernels of `kernels/` compiled as host C++ against a
-//!   SIMT shim, so kernel code is tested by `cargo test` with no GPU.
+//! - `emu` (feature `emu`, on for the crate's own tests): the CUDA C++ kernels
+//!   of `kernels/` compiled as host C++ against a SIMT shim, so kernel code is
+//!   tested by `cargo test` with no GPU.
 //! - `cuda` (feature `cuda`): the same kernels compiled by nvcc, launched
 //!   through cudarc.
 //!
@@ -26,7 +27,11 @@ use crate::{Error, Result};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "emu")]
 pub mod emu;
+// The kernel-argument mirrors and plan helpers of `launch` are crate-private
+// and used only by the emu and cuda backends: unused with neither feature.
+#[cfg_attr(not(any(feature = "emu", feature = "cuda")), allow(dead_code))]
 pub mod launch;
 
 /// Largest head dim any backend takes. The kernels take 64 and 128; the

@@ -511,7 +511,8 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
     }
 }
 
-#[cfg(test)]
+// Needs the emulator (feature `emu`: on in `cargo test`).
+#[cfg(all(test, feature = "emu"))]
 mod tests {
     use super::*;
     use crate::backend::emu;

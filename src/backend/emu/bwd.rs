@@ -1,33 +1,11 @@
 //! Attention backward on the emulator (`kernels/tree_attn_bwd.cu`).
 
-use super::{check_result, emu_result, Emu, KernelElem, RawConfig};
+use super::{check_result, emu_result, ffi, Emu, KernelElem};
 use crate::backend::launch::bwd::{plan_backward, BwdParams, DqMode};
 use crate::backend::launch::rope::{RopeArgs, RopeTables};
 use crate::backend::launch::{scale_log2, LaunchPlan};
 use crate::backend::{BackwardCall, Grads, Host};
 use crate::{Error, Result};
-
-mod ffi {
-    use super::{BwdParams, RawConfig};
-    extern "C" {
-        pub fn ta_emu_bwd_traits(head_dim: u32, out: *mut i32) -> i32;
-        #[allow(clippy::too_many_arguments)]
-        pub fn ta_emu_tree_attn_bwd(
-            dtype: u32,
-            head_dim: u32,
-            stage: u32,
-            p: *const BwdParams,
-            grid_x: u32,
-            grid_y: u32,
-            block_threads: u32,
-            smem: usize,
-            config: *const RawConfig,
-            cp_async_bytes: *mut u64,
-            err: *mut u8,
-            err_len: usize,
-        ) -> i32;
-    }
-}
 
 /// Tree attention backward on the emulator (the math of
 /// [`crate::backend::AttentionBackend`]), from the forward's `o`, its f32

@@ -1,41 +1,11 @@
 //! SDCC forward-KL on the emulator (`kernels/sdcc_kl.cu`).
 
-use super::{emu_result, Emu, RawConfig};
+use super::{emu_result, ffi, Emu};
 use crate::backend::launch::sdcc::{
     merge_row_status, plan_sdcc, status_error, vec8, SdccElem, SdccParams,
 };
 use crate::backend::{Host, SdccArgs, SdccCall, SdccLoss, SdccOut};
 use crate::Result;
-
-mod ffi {
-    use super::{RawConfig, SdccParams};
-    extern "C" {
-        pub fn ta_emu_sdcc_traits(out: *mut i32);
-        #[allow(clippy::too_many_arguments)]
-        pub fn ta_emu_sdcc_unfused(
-            dtype: u32,
-            stage: u32,
-            p: *const SdccParams,
-            grid_x: u32,
-            grid_y: u32,
-            block_threads: u32,
-            smem: usize,
-            config: *const RawConfig,
-            err: *mut u8,
-            err_len: usize,
-        ) -> i32;
-        pub fn ta_emu_sdcc_kl(
-            dtype: u32,
-            p: *const SdccParams,
-            grid_x: u32,
-            block_threads: u32,
-            smem: usize,
-            config: *const RawConfig,
-            err: *mut u8,
-            err_len: usize,
-        ) -> i32;
-    }
-}
 
 /// SDCC forward KL on the emulator (the math of
 /// [`crate::backend::SdccBackend`]): logits bf16, f16 or f32; sums in f32

@@ -1,0 +1,74 @@
+// Compile-time tiling of the attention kernels: tile sizes, warps, the
+// shared-memory row stride and the dynamic shared-memory layout of each
+// kernel. The Rust launch plans mirror these (`backend::launch::FwdTraits`,
+// `backend::launch::bwd::BwdTraits`) and the emulator entry points check every
+// launch against them (kernels/emu/fwd_entry.cpp, bwd_entry.cpp).
+//
+// Common to all: 16-bit elements (E = ta_bf16 or ta_f16), head dim D a
+// multiple of 16, blocks of kWarps = 4 warps, tiles of kBlockM query rows and
+// kBlockN keys staged in shared memory row-major with a row stride of D + 8
+// elements: the 8 row addresses of an ldmatrix are then 16 bytes apart modulo
+// 128 and fall in distinct bank groups (no bank conflicts).
+#pragma once
+
+#include "common.cuh"
+
+template <class E, int D, int BM, int BN>
+struct TaTileTraits {
+    using Elem = E;
+    static constexpr int kHeadDim = D;
+    static constexpr int kBlockM = BM;
+    static constexpr int kBlockN = BN;
+    static constexpr int kWarps = 4;
+    static constexpr int kThreads = kWarps * 32;
+    static constexpr int kRowStride = D + 8;  // elements; +16 bytes against bank conflicts
+    static_assert(D % 16 == 0 && BM % 16 == 0 && BN % 16 == 0, "tile shape");
+};
+
+// Forward (tree_attn_fwd.cu): a query tile of 64 rows per block, warp w owns
+// rows 16w..16w+15; key tiles of 64.
+template <class E, int D>
+struct FwdTraits : TaTileTraits<E, D, 64, 64> {
+    using Base = TaTileTraits<E, D, 64, 64>;
+    static constexpr int kKvElems = Base::kBlockN * Base::kRowStride;
+    // K[2], V[2]; the Q tile lives in K buffer 1 until its fragments are in
+    // registers, and the O tile passes through it at the end.
+    static constexpr int kSmemBytes = 4 * kKvElems * 2;
+    static_assert(Base::kBlockM == 16 * Base::kWarps, "one 16-row slice per warp");
+    static_assert(Base::kBlockM <= Base::kBlockN, "the Q tile must fit in a K buffer");
+};
+
+// Backward main kernel (tree_attn_bwd.cu): a key tile of 64 per block, warp w
+// owns keys 16w..16w+15; query tiles of 64 rows for D = 64, 32 for D = 128 (to
+// keep the f32 dK, dV accumulators plus Sᵀ and dPᵀ under 255 registers).
+template <class E, int D>
+struct BwdTraits : TaTileTraits<E, D, D == 64 ? 64 : 32, 64> {
+    using Base = TaTileTraits<E, D, D == 64 ? 64 : 32, 64>;
+    static constexpr int kBlockM = Base::kBlockM, kBlockN = Base::kBlockN, kRowStride = Base::kRowStride;
+    static constexpr int kDsStride = kBlockM + 8;  // dSᵀ rows (16-bit)
+    static constexpr int kDkStride = D + 4;        // f32 dK staging rows
+    static constexpr int kKvElems = kBlockN * kRowStride;
+    static constexpr int kQElems = kBlockM * kRowStride;
+    // Shared memory, in bytes: K, V | Q[2], dO[2] | dSᵀ | lse2[2], D[2] | kv_end.
+    static constexpr int kOffQ = 2 * kKvElems * 2;
+    static constexpr int kOffDs = kOffQ + 4 * kQElems * 2;
+    static constexpr int kOffRowStats = kOffDs + kBlockN * kDsStride * 2;
+    static constexpr int kOffKvEnd = kOffRowStats + 4 * kBlockM * 4;
+    static constexpr int kSmemBytes = kOffKvEnd + kBlockN * 4;
+    static_assert(kBlockN == 16 * Base::kWarps, "one 16-key slice per warp");
+    static_assert(Base::kWarps % (kBlockM / 16) == 0 && (D / 16) % (Base::kWarps / (kBlockM / 16)) == 0,
+                  "dQ split of BM x D over the warps");
+    // dK staged in f32 reuses the Q / dO buffers.
+    static_assert(kBlockN * kDkStride * 4 <= 4 * kQElems * 2, "dK staging fits");
+    static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
+};
+
+// Backward deterministic dQ kernel (tree_attn_bwd.cu): the forward's tiling.
+template <class E, int D>
+struct BwdDqTraits : TaTileTraits<E, D, 64, 64> {
+    using Base = TaTileTraits<E, D, 64, 64>;
+    static constexpr int kTileElems = 64 * Base::kRowStride;
+    // Q, dO, K[2], V[2].
+    static constexpr int kSmemBytes = 6 * kTileElems * 2;
+    static_assert(Base::kBlockM == 16 * Base::kWarps && Base::kBlockM == 64 && Base::kBlockN == 64, "tile shape");
+};

@@ -1,0 +1,54 @@
+// The interval mask of DESIGN §4, as the attention kernels apply it: query q
+// sees key k iff k <= q < kv_end[k]. Written once here for the forward, the
+// backward's main (key-tile) kernel and its deterministic dQ kernel.
+//
+// Two levels, matching the tiling (a key tile of BN keys against a tile of
+// query rows):
+//
+//   tile level     TA_TILE_FULL: every (query, key) pair of the two tiles is
+//                  visible, so the kernel skips the element mask. Which tiles
+//                  are skipped outright (no visible pair) is decided by each
+//                  kernel's tile walk from the per-key-tile min / max of
+//                  kv_end (tree_attn_kv_tile_bounds), not here.
+//   element level  ta_key_end + TA_VISIBLE, applied to each accumulator
+//                  entry of a partial tile. The kernels hold S (forward, dQ
+//                  kernel: rows = queries) or Sᵀ (main backward: rows = keys)
+//                  in mma C fragments, so a thread tests its own entries: rows
+//                  g and g + 8 of its warp's 16, columns 2c, 2c + 1 of each
+//                  8-wide n-tile (g = lane / 4, c = lane % 4).
+//
+// Keys past the pack have key end 0 (seen by nobody), as do padding keys
+// (kv_end[k] == k): their tiles are never full. Query rows past the pack are
+// never stored (forward) or carry P = 0 through lse2 = +inf (backward).
+#pragma once
+
+#include "common.cuh"
+
+// A key tile [k0, k0 + BN) is fully visible to the query rows [q0, q1) when
+// it lies inside the pack (k0 + BN <= tokens), its last key precedes the
+// first query (k0 + BN − 1 <= q0: causal part), and every key's interval
+// reaches past the last query (tile_kv_min >= q1: the keys' subtrees contain
+// all the queries). q1 is exclusive; the forward and the dQ kernel pass it
+// clipped to the pack. `tile_kv_min` (the key tile's min of kv_end) is
+// evaluated only when the two position tests pass, so off-diagonal tiles cost
+// no load. The Rust copy of this rule is `backend::launch::tile_class` (tests
+// count tiles with it).
+//
+// TA_TILE_FULL and TA_VISIBLE are macros, not inline functions: with the
+// same tests behind an inline function nvcc lays out the unrolled mask loop
+// differently, and the D = 64 forward, which sits at exactly 128 registers,
+// spills 16 bytes (ptxas, CUDA 13.0, sm_80 and sm_90a). As macros the forward
+// and the dQ kernel compile to the same cubin as with the tests written out in
+// place, and no kernel's register count moves.
+#define TA_TILE_FULL(BN, k0, q0, q1, tile_kv_min, tokens) \
+    ((k0) + (BN) <= (tokens) && (k0) + (BN) - 1 <= (q0) && (tile_kv_min) >= (q1))
+
+// kv_end of `key` as the element mask reads it: 0 for a key past the pack
+// (which the tile loader zero-filled), so that no query sees it.
+__device__ __forceinline__ uint32_t ta_key_end(const uint32_t* kv_end, uint32_t key, uint32_t tokens) {
+    return key < tokens ? kv_end[key] : 0u;
+}
+
+// Whether `query` sees `key`, given the key's end from ta_key_end (a macro
+// for the reason above).
+#define TA_VISIBLE(key, key_end, query) ((key) <= (query) && (query) < (key_end))

@@ -1,0 +1,36 @@
+// The tile loader shared by the forward and backward kernels: rows
+// [row0, row0 + Rows) of one head of a [tokens, heads, D] tensor of 16-bit
+// elements, global -> shared memory through cp.async.
+//
+// Tiling. A row of D elements is D / 8 chunks of 16 bytes; the block's
+// Threads threads take the Rows · D / 8 chunks round-robin (chunk i in round
+// `it` is it · Threads + threadIdx.x), one cp.async of 16 bytes each, so a
+// warp's 32 copies cover whole consecutive rows (coalesced global reads). The
+// tile lands row-major in shared memory with a row stride of RowStride
+// elements (the kernels pad rows by 8 elements so that the 8 row addresses of
+// an ldmatrix fall in distinct bank groups: kernel_traits.cuh). Rows at or
+// past `tokens` are zero-filled (cp.async with src-size 0: nothing is read
+// from global memory, `g` itself stands in as the valid dummy source), so a
+// partial last tile computes with zeros and the kernels mask those rows.
+//
+// The caller commits the copies as one group (ta_cp_async_commit) and waits
+// for them (ta_cp_async_wait) before reading the tile.
+#pragma once
+
+#include "common.cuh"
+
+template <int Rows, int D, int RowStride, int Threads>
+__device__ __forceinline__ void ta_load_tile(uint16_t* smem, const uint16_t* __restrict__ g, uint32_t row0,
+                                             uint32_t tokens, uint32_t heads, uint32_t head) {
+    constexpr int kChunks = D / 8;
+    static_assert((Rows * kChunks) % Threads == 0, "whole copy rounds per tile");
+#pragma unroll
+    for (int it = 0; it < Rows * kChunks / Threads; ++it) {
+        const int i = it * Threads + threadIdx.x;
+        const int r = i / kChunks, c = i % kChunks;
+        const uint32_t row = row0 + r;
+        const bool ok = row < tokens;
+        const uint16_t* src = ok ? g + ((size_t)row * heads + head) * D + c * 8 : g;
+        ta_cp_async_16(smem + r * RowStride + c * 8, src, ok);
+    }
+}

@@ -28,6 +28,7 @@ pub mod mask;
 pub mod model;
 pub mod ops;
 pub mod pack;
+pub mod rng;
 pub mod rollout;
 pub mod safetensors;
 pub mod tree;

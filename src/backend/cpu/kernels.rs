@@ -337,7 +337,7 @@ pub(crate) fn cpu_has_avx2_fma() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gen::Rng;
+    use crate::rng::Rng;
 
     fn data(rng: &mut Rng, n: usize) -> Vec<f64> {
         (0..n).map(|_| rng.unit() - 0.5).collect()

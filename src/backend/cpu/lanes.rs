@@ -411,7 +411,7 @@ mod avx2 {
 mod tests {
     use super::*;
     use crate::backend::cpu::kernels::cpu_has_avx2_fma;
-    use crate::gen::Rng;
+    use crate::rng::Rng;
 
     /// Scores-like lanes: mostly moderate values, some −inf (masked
     /// earlier), zeros and large magnitudes, so every branch of `exp` and

@@ -1,11 +1,11 @@
 //! Tiled attention forward with an online softmax.
 
 use super::gather::{last_strip_ends, KeyGather};
-use super::kernels::{
+use super::lanes;
+use super::microkernel::{
     accumulate, live_strip_indices, live_strips, row_strips, scores, simd_dispatch, strip, NS,
 };
-use super::lanes;
-use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
+use super::operands::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace::Staggered;
 use super::{
     check_len, check_qkv, check_result, num_threads, run_parallel, AttnOut, BlockMasks, CpuFloat,

@@ -29,7 +29,7 @@
 //! tile visits of a head; shapes without such splits (a plain causal mask,
 //! fold, stack-pop) never gather.
 
-use super::kernels::{NS, STRIPS};
+use super::microkernel::{NS, STRIPS};
 use super::{CpuFloat, KeyTileBounds, TileClass, TILE};
 
 // A tile's keys are one `u64` bit mask.
@@ -213,7 +213,7 @@ impl KeyGather {
     /// rows: every block of those rows and the chunk's strips is live, and
     /// all but a partial last strip need no mask.
     pub(crate) fn chunk_blocks(rows: usize, keys: usize) -> super::BlockMasks {
-        use super::kernels::{block_bit, MR};
+        use super::microkernel::{block_bit, MR};
         let mut m = super::BlockMasks::default();
         for rb in (0..rows).step_by(MR) {
             for cs in 0..keys.div_ceil(NS) {

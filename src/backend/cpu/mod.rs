@@ -94,9 +94,9 @@ mod attention_bwd;
 mod attention_fwd;
 mod float;
 mod gather;
-mod kernels;
 mod lanes;
-mod layout;
+mod microkernel;
+mod operands;
 mod pool;
 mod sdcc;
 mod workspace;
@@ -110,7 +110,7 @@ pub use sdcc::{sdcc_forward_kl, SdccOut};
 use super::{AttnParams, AttnShape};
 use crate::mask::PackMask;
 use crate::{Error, Result};
-use kernels::LiveBlocks;
+use microkernel::LiveBlocks;
 use std::sync::{Mutex, PoisonError};
 
 /// Side of the square (query tile × key tile) blocks the CPU backend
@@ -145,7 +145,7 @@ pub struct AttnGrads<T> {
 /// the same code runs: the same results up to the rounding of fused
 /// multiply-adds).
 pub fn uses_avx2_fma() -> bool {
-    kernels::has_avx2_fma()
+    microkernel::has_avx2_fma()
 }
 
 /// Number of worker threads the CPU backend uses: the environment variable
@@ -212,9 +212,9 @@ pub struct BlockCounts {
 }
 
 /// Queries per register block.
-pub const BLOCK_QUERIES: usize = kernels::MR;
+pub const BLOCK_QUERIES: usize = microkernel::MR;
 /// Keys per register block.
-pub const BLOCK_KEYS: usize = kernels::NS;
+pub const BLOCK_KEYS: usize = microkernel::NS;
 
 /// Counts the register blocks of the partial tiles by how the CPU attention
 /// computes them (see [`BlockCounts`]).
@@ -230,10 +230,10 @@ pub fn block_counts(mask: PackMask<'_>) -> BlockCounts {
             }
             let m = bounds.query_row_blocks(q0, q1, kt * TILE);
             let rows = (q1 - q0).div_ceil(BLOCK_QUERIES);
-            let strips = ((kt + 1) * TILE).min(l).div_ceil(BLOCK_KEYS) - kt * kernels::STRIPS;
+            let strips = ((kt + 1) * TILE).min(l).div_ceil(BLOCK_KEYS) - kt * microkernel::STRIPS;
             for rb in 0..rows {
                 for cs in 0..strips {
-                    let bit = kernels::block_bit(rb * BLOCK_QUERIES, cs);
+                    let bit = microkernel::block_bit(rb * BLOCK_QUERIES, cs);
                     if m.live & bit == 0 {
                         c.skip += 1;
                     } else if m.full & bit != 0 {
@@ -313,7 +313,7 @@ pub fn gather_counts(mask: PackMask<'_>) -> GatherCounts {
 }
 
 /// Per key tile, the min and max of `kv_end` over its keys, and over the
-/// finer key groups the micro-kernels' register blocks cover ([`kernels::NS`]
+/// finer key groups the micro-kernels' register blocks cover ([`microkernel::NS`]
 /// keys): computed once per call.
 pub(crate) struct KeyTileBounds {
     len: usize,
@@ -343,9 +343,9 @@ impl KeyTileBounds {
         KeyTileBounds {
             len: kv_end.len(),
             min_end: mins(TILE),
-            strip_min: mins(kernels::NS),
+            strip_min: mins(microkernel::NS),
             max_end: maxes(TILE),
-            strip_max: maxes(kernels::NS),
+            strip_max: maxes(microkernel::NS),
             padded_ends: (0..kv_end.len().div_ceil(TILE) * TILE)
                 .map(|k| kv_end.get(k).copied().unwrap_or(0))
                 .collect(),
@@ -355,8 +355,8 @@ impl KeyTileBounds {
     /// `kv_end` of keys `k..k + NS` (`k` a multiple of `NS` within the
     /// padded tiles), 0 for keys past the last token.
     #[inline(always)]
-    pub(crate) fn strip_ends(&self, k: usize) -> &[u32; kernels::NS] {
-        self.padded_ends[k..k + kernels::NS]
+    pub(crate) fn strip_ends(&self, k: usize) -> &[u32; microkernel::NS] {
+        self.padded_ends[k..k + microkernel::NS]
             .try_into()
             .expect("NS keys")
     }
@@ -371,7 +371,7 @@ impl KeyTileBounds {
     /// smallest `kv_end` is `> qb` (DESIGN §5's rules, per block).
     #[inline]
     pub(crate) fn query_row_blocks(&self, q0: usize, q1: usize, k0: usize) -> BlockMasks {
-        use kernels::{MR, NS, STRIPS};
+        use microkernel::{MR, NS, STRIPS};
         if self.whole_and_full(q0, q1, k0) {
             return BlockMasks {
                 live: LiveBlocks::MAX,
@@ -395,7 +395,7 @@ impl KeyTileBounds {
                     break;
                 }
                 let qb = (qa + MR).min(q1) - 1;
-                let bit = kernels::block_bit(rb * MR, cs);
+                let bit = microkernel::block_bit(rb * MR, cs);
                 if ka <= qb && hi_end > qa {
                     m.live |= bit;
                     if kb <= qa && lo_end > qb {
@@ -422,7 +422,7 @@ impl KeyTileBounds {
     /// seen by all of these queries (`kv_end >= q1`) or by none (`kv_end <=
     /// q0`); `None` if some key is seen by some of them only.
     pub(crate) fn uniform_keys(&self, q0: usize, q1: usize, kt: usize) -> Option<u64> {
-        use kernels::{NS, STRIPS};
+        use microkernel::{NS, STRIPS};
         debug_assert!((kt + 1) * TILE <= q0);
         let mut seen = 0u64;
         for cs in 0..STRIPS {
@@ -731,7 +731,7 @@ mod tests {
         // visible, invisible and mixed; and some padding keys.
         for _ in 0..l / 32 {
             let k = next(l);
-            let size = 1 + next(3 * kernels::NS);
+            let size = 1 + next(3 * microkernel::NS);
             let end = (k + size).min(l) as u32;
             for e in &mut kv_end[k..(k + size).min(l)] {
                 *e = (*e).min(end);
@@ -751,7 +751,7 @@ mod tests {
     /// blocks inside partial tiles, or the test would prove nothing.
     #[test]
     fn register_block_masks_are_sound() {
-        use kernels::{MR, NS, STRIPS};
+        use microkernel::{MR, NS, STRIPS};
         let (mut dead, mut full) = (0, 0);
         for seed in 0..6u64 {
             let l = [200, 257, 64 * 5 + 3][seed as usize % 3];
@@ -768,7 +768,7 @@ mod tests {
                     assert_eq!(m.full & !m.live, 0, "full blocks are live");
                     for rb in 0..TILE / MR {
                         for cs in 0..STRIPS {
-                            let bit = kernels::block_bit(rb * MR, cs);
+                            let bit = microkernel::block_bit(rb * MR, cs);
                             // Query rows rb, key strip cs.
                             let qs = (q0 + rb * MR..q0 + (rb + 1) * MR).filter(|&q| q < q1);
                             let ks = (k0 + cs * NS..k0 + (cs + 1) * NS).filter(|&k| k < k1);

@@ -25,6 +25,7 @@ pub mod error;
 pub mod gen;
 pub mod logittree;
 pub mod mask;
+mod matmul;
 pub mod model;
 pub mod ops;
 pub mod pack;

@@ -6,6 +6,7 @@
 use crate::backend::cpu::{num_threads, run_parallel, AttnGrads, AttnOut, CpuFloat, SdccOut};
 use crate::backend::{check_sdcc_args, AttnParams, AttnShape};
 use crate::mask::{dense_mask, PackMask};
+use crate::matmul::{matmul, Mat};
 use crate::{Error, Result};
 
 /// The most memory the dense-mask baseline may take for its `L × L`
@@ -64,118 +65,15 @@ fn check_dense(
     Ok(())
 }
 
-/// `C[i, j] = Σ_p A[i, p] · B[p, j]` for `i < m`, `j < n`, `p < depth`; all
-/// row-major with leading dimensions `lda`, `ldb`, `ldc`. Register blocks of
-/// 4 rows × 16 columns, the depth loop innermost; with `FMA` the
-/// multiply-adds are fused (only inside an `fma` target-feature function:
-/// elsewhere `mul_add` is a slow library call).
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn gemm_body<const FMA: bool>(
-    m: usize,
-    n: usize,
-    depth: usize,
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    ldb: usize,
-    c: &mut [f32],
-    ldc: usize,
-) {
-    const MR: usize = 4;
-    const NR: usize = 16;
-    for i in (0..m).step_by(MR) {
-        let rows = (m - i).min(MR);
-        for j in (0..n).step_by(NR) {
-            let cols = (n - j).min(NR);
-            let mut acc = [[0.0f32; NR]; MR];
-            if rows == MR && cols == NR {
-                for p in 0..depth {
-                    let bp: &[f32; NR] = b[p * ldb + j..][..NR].try_into().expect("NR columns");
-                    for (r, acc_r) in acc.iter_mut().enumerate() {
-                        let x = a[(i + r) * lda + p];
-                        for (y, &bv) in acc_r.iter_mut().zip(bp) {
-                            *y = if FMA { x.mul_add(bv, *y) } else { *y + x * bv };
-                        }
-                    }
-                }
-            } else {
-                for p in 0..depth {
-                    let bp = &b[p * ldb + j..][..cols];
-                    for (r, acc_r) in acc.iter_mut().enumerate().take(rows) {
-                        let x = a[(i + r) * lda + p];
-                        for (y, &bv) in acc_r.iter_mut().zip(bp) {
-                            *y = if FMA { x.mul_add(bv, *y) } else { *y + x * bv };
-                        }
-                    }
-                }
-            }
-            for (r, acc_r) in acc.iter().enumerate().take(rows) {
-                c[(i + r) * ldc + j..][..cols].copy_from_slice(&acc_r[..cols]);
-            }
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_avx2_fma(
-    m: usize,
-    n: usize,
-    depth: usize,
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    ldb: usize,
-    c: &mut [f32],
-    ldc: usize,
-) {
-    gemm_body::<true>(m, n, depth, a, lda, b, ldb, c, ldc)
-}
-
-/// [`gemm_body`], compiled for AVX2 with FMA when the CPU has both (the
-/// instruction set the CPU backend's kernels use, so the comparison is
-/// fair), portable otherwise.
-#[allow(clippy::too_many_arguments)]
-fn gemm(
-    m: usize,
-    n: usize,
-    depth: usize,
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    ldb: usize,
-    c: &mut [f32],
-    ldc: usize,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the running CPU supports AVX2 and FMA (checked just above).
-        unsafe { gemm_avx2_fma(m, n, depth, a, lda, b, ldb, c, ldc) };
-        return;
-    }
-    gemm_body::<false>(m, n, depth, a, lda, b, ldb, c, ldc)
-}
-
 /// Rows per work item of the dense baseline.
 const DENSE_ROWS: usize = 32;
 
 /// `C = A · B` with `A` `[m, depth]`, `B` `[depth, n]`, `C` `[m, n]`
-/// (contiguous, `m = c.len() / n`), rows of `C` spread over the CPU
-/// backend's threads.
+/// (contiguous, `m = c.len() / n`): the crate's one CPU matrix product
+/// (`src/matmul.rs`), rows of `C` spread over the CPU backend's threads.
 fn par_gemm(n: usize, depth: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
-    let work: Vec<_> = c.chunks_mut(DENSE_ROWS * n).enumerate().collect();
-    run_parallel(
-        work,
-        num_threads(),
-        || (),
-        |_, (blk, c_rows)| {
-            let r0 = blk * DENSE_ROWS;
-            let rows = c_rows.len() / n;
-            gemm(rows, n, depth, &a[r0 * depth..], depth, b, n, c_rows, n);
-        },
-    );
+    let m = c.len() / n;
+    matmul(m, depth, n, Mat::rows(a, depth), Mat::rows(b, n), c, false);
 }
 
 /// `[rows, cols]` → `[cols, rows]`, in 32 × 32 blocks, in parallel.

@@ -23,6 +23,8 @@ pub mod bench;
 pub mod demo;
 pub mod error;
 pub mod gen;
+#[cfg(feature = "cuda")]
+pub mod gpu_check;
 pub mod logittree;
 pub mod mask;
 mod matmul;

@@ -12,7 +12,6 @@
 //! `[tokens, heads, head_dim]` layout. Launches go to the backend's stream.
 
 pub mod bwd;
-pub mod check;
 mod rope;
 pub mod sdcc;
 

@@ -31,7 +31,8 @@ use crate::backend::cuda::{CudaBackend, CudaBackward, CudaSdcc, DevicePack};
 use crate::backend::launch::bwd::DqMode;
 use crate::backend::launch::{Dtype, KernelElem};
 use crate::backend::{AttnParams, AttnShape, Rope};
-use crate::gen::{MaskBuilder, Rng};
+use crate::gen::MaskBuilder;
+use crate::rng::Rng;
 use crate::{Error, Result};
 
 fn tol(dtype: Dtype) -> f64 {

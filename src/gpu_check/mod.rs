@@ -15,6 +15,10 @@
 //!    (4·d per pair per head, DESIGN §7).
 //!
 //! The reference is the CPU backend (`backend::cpu::attention_forward::<f64>`).
+//!
+//! The harness lives outside the backend (it is a test driver, and the only
+//! user of the rollout generators' mask builder next to the kernels); it is
+//! compiled only with the `cuda` feature.
 
 use std::fmt::Write as _;
 
@@ -22,10 +26,11 @@ mod bwd;
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::CudaBackend;
+use crate::backend::cuda::CudaBackend;
 use crate::backend::launch::{count_tiles, FwdTraits, KernelElem};
 use crate::backend::{AttnParams, AttnShape};
-use crate::gen::{MaskBuilder, Rng};
+use crate::gen::MaskBuilder;
+use crate::rng::Rng;
 use crate::{Error, Result};
 
 /// What `gpu-check` runs.

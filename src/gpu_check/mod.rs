@@ -406,7 +406,7 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
         opts.reps, tiles.block_m, tiles.block_n
     );
     rep.push_str(&table);
-    // Backward and SDCC (check/bwd.rs).
+    // Backward and SDCC (gpu_check/bwd.rs).
     failures.extend(bwd::run(&be, &mut rng, opts, &mut rep)?);
     if failures.is_empty() {
         Ok(rep)

@@ -12,7 +12,7 @@
 //! multiples of the 64-token tile. Inputs are fresh every run; the seed is in
 //! every failure message and `TREEATTN_SEED` replays it.
 //!
-//! Tolerances (DESIGN issue 4): relative Frobenius error of O at most 1e-2
+//! Tolerances (issue 4): relative Frobenius error of O at most 1e-2
 //! for bf16 and 2e-3 for f16 — the kernel rounds P to the input type before
 //! P·V and rounds O on output, each a relative error of up to 2^-9 (bf16) or
 //! 2^-12 (f16) per element, so the Frobenius error sits near those values;

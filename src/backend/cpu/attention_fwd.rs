@@ -357,8 +357,8 @@ struct Rows {
 /// become rare once a row has seen a few blocks (FlashAttention-4's
 /// conditional rescaling). On a tree, where rows see fewer blocks than on
 /// a long causal sequence, more of their blocks come early, when the
-/// maximum still moves: rescaling on every increase cost the tree's full
-/// tiles ~5% more per entry than causal's.
+/// maximum still moves, so rescaling on every increase costs a tree more
+/// per entry than causal (BENCHMARKS.md §7).
 const RESCALE_MARGIN: f64 = 8.0;
 
 /// One step of the online softmax over a block of `TILE` keys: the raw

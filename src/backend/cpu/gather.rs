@@ -25,9 +25,8 @@
 //! after the other gathers a one-chunk plan's chunk once and keeps it in
 //! its buffers ([`KeyGather::holds_chunk`], [`KeyGather::keep`]).
 //!
-//! On the compaction benchmark (2,294 tokens) this removes 40 of the 302
-//! tile visits of a head; shapes without such splits (a plain causal mask,
-//! fold, stack-pop) never gather.
+//! Shapes without such splits (a plain causal mask, fold, stack-pop) never
+//! gather; BENCHMARKS.md §7 has what it removes on the compaction tree.
 
 use super::microkernel::{NS, STRIPS};
 use super::{CpuFloat, KeyTileBounds, TileClass, TILE};

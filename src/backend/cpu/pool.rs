@@ -2,11 +2,11 @@
 //! process and reused, instead of spawned and joined at every parallel step.
 //!
 //! A forward call has two parallel steps and a backward two per kv head;
-//! spawning two scoped threads costs ~60 µs per step on the 2-core benchmark
-//! machine, a few percent of a call on a short pack. (Waking a parked worker
-//! still costs ~25–45 µs per step there; spinning before blocking saved
-//! about half a percent of a tree's fwd+bwd but made the process CPU time
-//! that the bench reports erratic, so workers block.) [`broadcast`] hands one task to
+//! spawning threads at every step is a visible share of a call on a short
+//! pack. (Waking a parked worker still costs something per step; spinning
+//! before blocking gains little and makes the process CPU time that the
+//! bench reports erratic, so workers block. BENCHMARKS.md §7 has the
+//! figures.) [`broadcast`] hands one task to
 //! the calling thread and to `helpers` parked workers at once and returns
 //! when every copy has returned, so the task may borrow from the caller's
 //! stack exactly as a scoped thread may. One task runs on the pool at a

@@ -369,7 +369,7 @@ pub fn dense_attention_backward(
 /// 6. scatter-add the `g_i` into the `[rows, vocab]` student gradient.
 ///
 /// Peak memory: four `[pairs, vocab]` f32 tensors live at once (after step 2
-/// and at step 5) plus the gradient; see [`SdccCase::unfused_peak_bytes`].
+/// and at step 5) plus the gradient; see [`SdccCase::unfused_peak_bytes`](super::SdccCase::unfused_peak_bytes).
 /// Exponentials are f32; the row sums of the log-softmax and the KL sums
 /// accumulate in f64 (a plain f32 sum over 150k entries would drift by
 /// ~1e-3; frameworks use pairwise f32 sums of comparable accuracy).

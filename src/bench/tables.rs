@@ -186,7 +186,7 @@ pub struct ShapeInfo {
     /// CPU backend's tile size.
     pub trie_tile_use: f64,
     pub causal_tile_use: f64,
-    /// Visible pairs over [`computed_entries`] (the register blocks the CPU
+    /// Visible pairs over [`computed_entries`](crate::backend::cpu::computed_entries) (the register blocks the CPU
     /// kernels compute) of the trie pack and of the causal pack.
     pub trie_kernel_use: f64,
     pub causal_kernel_use: f64,

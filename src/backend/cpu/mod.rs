@@ -8,7 +8,7 @@
 //! # Attention
 //!
 //! Per query head `h` (reading kv head `h / (q_heads / kv_heads)`), with the
-//! interval mask `k <= q < kv_end[k]` of [`PackMask`]:
+//! interval mask `k <= q < kv_end[k]` of [`PackMask`](crate::mask::PackMask):
 //!
 //! ```text
 //! S = scale · Q Kᵀ (masked entries = −inf)   P = softmax(S) row-wise
@@ -86,7 +86,7 @@
 //! multiply-adds. `f32` exponentials use a polynomial within 2 ulp; `f64` uses
 //! `f64::exp`. A NaN or infinity in a result (scores overflowing `T`,
 //! or non-finite inputs when `check_finite` is off) is reported as
-//! [`Error::NonFinite`], never returned: each work item checks the rows it
+//! [`Error::NonFinite`](crate::Error::NonFinite), never returned: each work item checks the rows it
 //! stores, and only when one reports a bad value is the output scanned for
 //! the first bad index.
 

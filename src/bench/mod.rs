@@ -52,6 +52,13 @@
 //! ([`Case::run_into`]), as a training loop reuses output memory;
 //! [`tile_utilization`] and [`forward_balance`] explain the CPU kernel's
 //! throughput on a mask.
+//!
+//! # Files
+//!
+//! `workloads` (shapes, packs, inputs, [`Case`], [`SdccCase`]), `baselines`
+//! (dense mask, unfused SDCC), `timing`, `diagnosis`, `tables` (the
+//! comparisons and their printing). The workload sizes are the rollout
+//! generators' presets ([`Size`], `bench_scale()` in [`crate::gen`]).
 
 mod baselines;
 mod diagnosis;

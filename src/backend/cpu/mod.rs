@@ -95,11 +95,11 @@
 //! `attention_fwd`, `attention_bwd` and `sdcc` are the calls; `bounds` the
 //! per-tile `kv_end` bounds and the tile and register-block classification;
 //! `gather` the key gathering; `microkernel` the register-blocked block
-//! products and `lanes` the row-softmax steps (portable and AVX2); `operands` the
-//! head-major operand copies and the rotary table; `workspace` the buffer
-//! pool; `pool` the worker threads and [`num_threads`]; `census` the
-//! reports ([`tile_counts`] and friends); `checks` the input checks; `float`
-//! [`CpuFloat`].
+//! products and `lanes` the row-softmax steps (portable and AVX2);
+//! `operands` the head-major operand copies and the rotary table;
+//! `workspace` the buffer pool; `pool` the worker threads and
+//! [`num_threads`]; `census` the reports ([`tile_counts`] and friends);
+//! `checks` the input checks; `float` [`CpuFloat`].
 
 mod attention_bwd;
 mod attention_fwd;

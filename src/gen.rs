@@ -14,9 +14,12 @@
 //!
 //! Shapes ([`Shape`]): compaction, stack pop, fold, memex, GRPO group,
 //! no-edit control, and the worked example of DESIGN §4. Each parameter
-//! struct has CPU-sized defaults (hundreds to a few thousand tokens) and a
-//! `paper_scale()` constructor with the sizes of DESIGN §1.
+//! struct has CPU-sized defaults (hundreds to a few thousand tokens), a
+//! `bench_scale()` constructor (trie packs of 1–2k tokens, what the CPU
+//! benchmarks time) and a `paper_scale()` constructor with the sizes of
+//! DESIGN §1; [`Size`] names the three presets.
 
+pub use crate::rng::Rng;
 use crate::rollout::{Call, Rollout};
 use crate::{Error, Result};
 
@@ -47,43 +50,8 @@ pub const EXPAND: u32 = 10;
 /// Memex index tokens `INDEX_BASE + i` stand for the `i`-th evicted span.
 pub const INDEX_BASE: u32 = 32;
 
-/// SplitMix64: a small, fast, seedable generator (Steele, Lea, Flood 2014).
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
+/// Token draws of the generators (content ids in `CONTENT_MIN..VOCAB`).
 impl Rng {
-    /// A generator from a seed.
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `lo..=hi` (multiply-shift; the bias is below 2^-32 for the
-    /// ranges used here).
-    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
-        let span = (hi - lo + 1) as u64;
-        lo + (((self.next_u64() >> 32) * span) >> 32) as usize
-    }
-
-    /// Uniform in `[0, 1)`.
-    pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Uniform on the grid `{-1 + i·2^-23 : 0 <= i < 2^24}` in `[-1, 1)`:
-    /// 24 random bits, every value exact in f32 (test tensors).
-    pub fn signed_unit(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-
     /// `n` content tokens.
     pub fn tokens(&mut self, n: usize) -> Vec<u32> {
         (0..n)
@@ -347,6 +315,24 @@ impl Default for CompactionParams {
 }
 
 impl CompactionParams {
+    /// [`Size::Bench`]: a trie pack of 1–2k tokens for the CPU benchmarks,
+    /// with a 768-token window, a 192-token reserve, 3 compactions and the
+    /// last 2 turns kept.
+    pub fn bench_scale() -> Self {
+        CompactionParams {
+            system_len: (100, 160),
+            task_len: (20, 60),
+            completion_len: (20, 60),
+            tool_len: (40, 120),
+            window: 768,
+            reserve: 192,
+            compactions: 3,
+            summary_len: (40, 80),
+            keep_turns: 2,
+            final_turns: 2,
+        }
+    }
+
     /// DESIGN §1: 80k window, compaction below 10,240 free tokens, 3
     /// compactions, summaries up to 2k, system prompt 10–20k, last 2 turns kept.
     pub fn paper_scale() -> Self {
@@ -434,6 +420,21 @@ impl Default for StackPopParams {
 }
 
 impl StackPopParams {
+    /// [`Size::Bench`]: 1–2 frames over a 250–400-token system prompt.
+    pub fn bench_scale() -> Self {
+        StackPopParams {
+            system_len: (250, 400),
+            task_len: (20, 60),
+            completion_len: (20, 40),
+            tool_len: (40, 120),
+            frames: (1, 2),
+            turns_before_frame: (1, 3),
+            frame_turns: (1, 3),
+            return_len: (15, 30),
+            final_turns: 1,
+        }
+    }
+
     /// DESIGN §1, TC-RAG: K ≈ 0.87, |E| ≈ 156, D ≈ 29.
     pub fn paper_scale() -> Self {
         StackPopParams {
@@ -507,6 +508,20 @@ impl Default for FoldParams {
 }
 
 impl FoldParams {
+    /// [`Size::Bench`]: 2 folds over a 250–400-token system prompt.
+    pub fn bench_scale() -> Self {
+        FoldParams {
+            system_len: (250, 400),
+            task_len: (20, 60),
+            completion_len: (20, 40),
+            tool_len: (40, 90),
+            folds: (2, 2),
+            turns_per_fold: (2, 3),
+            summary_len: (15, 30),
+            final_turns: 1,
+        }
+    }
+
     /// DESIGN §1, AgentFold: K ≈ 1.94, |E| ≈ 84, D ≈ 58.
     pub fn paper_scale() -> Self {
         FoldParams {
@@ -570,6 +585,19 @@ impl Default for MemexParams {
 }
 
 impl MemexParams {
+    /// [`Size::Bench`]: 2 evictions over a 250–400-token system prompt.
+    pub fn bench_scale() -> Self {
+        MemexParams {
+            system_len: (250, 400),
+            task_len: (20, 60),
+            completion_len: (20, 40),
+            tool_len: (35, 47),
+            evictions: (2, 2),
+            turns_between: (2, 3),
+            final_turns: 1,
+        }
+    }
+
     /// DESIGN §1, MemexRL: K ≈ 2.00, |E| ≈ 41, D ≈ 125.
     pub fn paper_scale() -> Self {
         MemexParams {
@@ -648,6 +676,18 @@ impl Default for GrpoParams {
 }
 
 impl GrpoParams {
+    /// [`Size::Bench`]: a group of 16 on a shared 250–400-token system prompt.
+    pub fn bench_scale() -> Self {
+        GrpoParams {
+            group: 16,
+            system_len: (250, 400),
+            task_len: (20, 60),
+            completion_len: (30, 80),
+            tool_len: (40, 80),
+            turns: (0, 1),
+        }
+    }
+
     /// A group of 16 on a 2–4k prompt with a few tool turns.
     pub fn paper_scale() -> Self {
         GrpoParams {
@@ -700,6 +740,17 @@ impl Default for PlainParams {
 }
 
 impl PlainParams {
+    /// [`Size::Bench`]: a no-edit rollout as long as the other bench shapes.
+    pub fn bench_scale() -> Self {
+        PlainParams {
+            system_len: (250, 400),
+            task_len: (20, 60),
+            completion_len: (30, 90),
+            tool_len: (60, 160),
+            turns: (4, 6),
+        }
+    }
+
     /// Long multi-turn rollout without edits.
     pub fn paper_scale() -> Self {
         PlainParams {
@@ -783,59 +834,100 @@ impl Shape {
     }
 }
 
+/// How large the generated rollouts are: which preset of each shape's
+/// parameters [`generate_at`] uses (`default()`, `bench_scale()` or
+/// `paper_scale()`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Size {
+    /// The generators' CPU-sized defaults (hundreds of tokens): for tests.
+    Small,
+    /// Trie packs of roughly 1–2k tokens: what the CPU benchmarks run on.
+    Bench,
+    /// The generators' `paper_scale()` sizes (windows up to 80k): for GPUs.
+    Paper,
+}
+
+impl Size {
+    /// `"small"`, `"bench"` or `"paper"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Size::Small => "small",
+            Size::Bench => "bench",
+            Size::Paper => "paper",
+        }
+    }
+
+    /// Parses a command-line name.
+    pub fn parse(s: &str) -> Result<Size> {
+        [Size::Small, Size::Bench, Size::Paper]
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| {
+                Error::Usage(format!(
+                    "unknown size {s:?}; expected small, bench or paper"
+                ))
+            })
+    }
+}
+
 /// Generates the rollouts of `shape` from `seed`, CPU-sized or at paper
-/// scale; ids are `{shape}-{seed}` (GRPO: `grpo-{seed}-{i}`; golden: `golden`).
+/// scale ([`generate_at`] with [`Size::Small`] or [`Size::Paper`]).
 pub fn generate(shape: Shape, seed: u64, paper_scale: bool) -> Result<Vec<Rollout>> {
+    let size = if paper_scale {
+        Size::Paper
+    } else {
+        Size::Small
+    };
+    generate_at(shape, seed, size)
+}
+
+/// The preset of `size`: `default()`, `bench`, or `paper`.
+fn preset<P: Default>(size: Size, bench: fn() -> P, paper: fn() -> P) -> P {
+    match size {
+        Size::Small => P::default(),
+        Size::Bench => bench(),
+        Size::Paper => paper(),
+    }
+}
+
+/// Generates the rollouts of `shape` from `seed` with the parameter preset
+/// of `size`; ids are `{shape}-{seed}` (GRPO: `grpo-{seed}-{i}`; golden:
+/// `golden`, the same at every size).
+pub fn generate_at(shape: Shape, seed: u64, size: Size) -> Result<Vec<Rollout>> {
     let mut rng = Rng::new(seed);
     let id = format!("{}-{seed}", shape.name());
     Ok(match shape {
         Shape::Golden => vec![golden()],
         Shape::Compaction => {
-            let p = if paper_scale {
-                CompactionParams::paper_scale()
-            } else {
-                CompactionParams::default()
-            };
+            let p = preset(
+                size,
+                CompactionParams::bench_scale,
+                CompactionParams::paper_scale,
+            );
             vec![compaction(&p, &mut rng, &id)?]
         }
         Shape::StackPop => {
-            let p = if paper_scale {
-                StackPopParams::paper_scale()
-            } else {
-                StackPopParams::default()
-            };
+            let p = preset(
+                size,
+                StackPopParams::bench_scale,
+                StackPopParams::paper_scale,
+            );
             vec![stack_pop(&p, &mut rng, &id)?]
         }
         Shape::Fold => {
-            let p = if paper_scale {
-                FoldParams::paper_scale()
-            } else {
-                FoldParams::default()
-            };
+            let p = preset(size, FoldParams::bench_scale, FoldParams::paper_scale);
             vec![fold(&p, &mut rng, &id)?]
         }
         Shape::Memex => {
-            let p = if paper_scale {
-                MemexParams::paper_scale()
-            } else {
-                MemexParams::default()
-            };
+            let p = preset(size, MemexParams::bench_scale, MemexParams::paper_scale);
             vec![memex(&p, &mut rng, &id)?]
         }
         Shape::Grpo => {
-            let p = if paper_scale {
-                GrpoParams::paper_scale()
-            } else {
-                GrpoParams::default()
-            };
+            let p = preset(size, GrpoParams::bench_scale, GrpoParams::paper_scale);
             grpo(&p, &mut rng, &id)?
         }
         Shape::Plain => {
-            let p = if paper_scale {
-                PlainParams::paper_scale()
-            } else {
-                PlainParams::default()
-            };
+            let p = preset(size, PlainParams::bench_scale, PlainParams::paper_scale);
             vec![plain(&p, &mut rng, &id)?]
         }
     })
@@ -845,17 +937,6 @@ pub fn generate(shape: Shape, seed: u64, paper_scale: bool) -> Result<Vec<Rollou
 mod tests {
     use super::*;
     use crate::tree::RolloutStats;
-
-    #[test]
-    fn rng_is_deterministic_and_in_range() {
-        let (mut a, mut b) = (Rng::new(7), Rng::new(7));
-        for _ in 0..1000 {
-            let x = a.range(3, 9);
-            assert_eq!(x, b.range(3, 9));
-            assert!((3..=9).contains(&x));
-        }
-        assert_ne!(Rng::new(1).next_u64(), Rng::new(2).next_u64());
-    }
 
     #[test]
     fn shapes_have_the_edits_they_promise() {

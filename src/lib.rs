@@ -51,11 +51,15 @@ pub mod bench;
 pub mod demo;
 pub mod error;
 pub mod gen;
+#[cfg(feature = "cuda")]
+pub mod gpu_check;
 pub mod logittree;
 pub mod mask;
+mod matmul;
 pub mod model;
 pub mod ops;
 pub mod pack;
+pub mod rng;
 pub mod rollout;
 pub mod safetensors;
 pub mod tree;

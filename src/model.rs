@@ -35,8 +35,9 @@
 //!
 //! Memory is linear in the number of tokens: activations are `[L, d]`,
 //! `[L, heads·hd]` or `[L, ffn]`, logits are kept only at target rows, and the
-//! attention op never forms an `L×L` matrix. Matmuls are cache-blocked loops,
-//! split over rows across the CPU backend's threads when large enough.
+//! attention op never forms an `L×L` matrix. Matmuls are the crate's one CPU
+//! matrix product (the private `matmul` module), split over rows across the CPU
+//! backend's threads when large enough.
 //!
 //! The attention call goes through the crate's contract
 //! ([`AttentionBackend`] on host memory), so the same model runs on any host
@@ -44,11 +45,12 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::backend::cpu::{self, Cpu, CpuFloat};
+use crate::backend::cpu::{Cpu, CpuFloat};
 use crate::backend::{AttentionBackend, AttnArgs, AttnGrads, Grads, Host, HostAttention, Saved};
 use crate::backend::{AttnParams, AttnShape, Rope};
 use crate::gen::Rng;
 use crate::mask::PackMask;
+use crate::matmul::{matmul as gemm, Mat};
 use crate::pack::Pack;
 use crate::{Error, Result};
 
@@ -903,114 +905,31 @@ fn rms_norm_backward<T: CpuFloat>(
     dx
 }
 
-/// Multiply-adds below which a matmul stays on the calling thread.
-const PARALLEL_WORK: usize = 1 << 18;
-/// Rows of the left operand processed together, so that a block of the right
-/// operand is reused from cache across them.
-const ROW_BLOCK: usize = 16;
-/// Rows of the right operand per cache block.
-const INNER_BLOCK: usize = 128;
-
-/// Splits `out` (rows of `row_len` values) into contiguous row ranges, one per
-/// thread ([`cpu::num_threads`]) when `work` is large enough, and runs `f(first_row, rows)` on each.
-fn par_rows<T: Send>(
-    out: &mut [T],
-    row_len: usize,
-    work: usize,
-    f: impl Fn(usize, &mut [T]) + Sync,
-) {
-    let rows = out.len().checked_div(row_len).unwrap_or(0);
-    let threads = if work < PARALLEL_WORK {
-        1
-    } else {
-        cpu::num_threads().min(rows.max(1))
-    };
-    if threads <= 1 {
-        f(0, out);
-        return;
-    }
-    let per = rows.div_ceil(threads);
-    let chunks: Vec<_> = out.chunks_mut(per * row_len).enumerate().collect();
-    cpu::run_parallel(chunks, threads, || (), |_, (i, chunk)| f(i * per, chunk));
-}
-
 /// `C[m, n] = A[m, k] · B[k, n]`, row-major.
 fn matmul<T: CpuFloat>(a: &[T], b: &[T], m: usize, k: usize, n: usize) -> Vec<T> {
     let mut c = vec![T::ZERO; m * n];
-    par_rows(&mut c, n, m * k * n, |row0, c| {
-        let rows = c.len() / n.max(1);
-        for i0 in (0..rows).step_by(ROW_BLOCK) {
-            let i1 = (i0 + ROW_BLOCK).min(rows);
-            for p0 in (0..k).step_by(INNER_BLOCK) {
-                let p1 = (p0 + INNER_BLOCK).min(k);
-                for i in i0..i1 {
-                    let a_row = &a[(row0 + i) * k..(row0 + i + 1) * k];
-                    let c_row = &mut c[i * n..(i + 1) * n];
-                    for p in p0..p1 {
-                        let av = a_row[p];
-                        for (cv, &bv) in c_row.iter_mut().zip(&b[p * n..(p + 1) * n]) {
-                            *cv += av * bv;
-                        }
-                    }
-                }
-            }
-        }
-    });
+    gemm(m, k, n, Mat::rows(a, k), Mat::rows(b, n), &mut c, false);
     c
 }
 
-/// `C[m, k] = A[m, n] · B[k, n]ᵀ`, row-major (row-by-row dot products).
+/// `C[m, k] = A[m, n] · B[k, n]ᵀ`, row-major.
 fn matmul_a_bt<T: CpuFloat>(a: &[T], b: &[T], m: usize, n: usize, k: usize) -> Vec<T> {
     let mut c = vec![T::ZERO; m * k];
-    par_rows(&mut c, k, m * k * n, |row0, c| {
-        let rows = c.len() / k.max(1);
-        for j0 in (0..k).step_by(INNER_BLOCK) {
-            let j1 = (j0 + INNER_BLOCK).min(k);
-            for i in 0..rows {
-                let a_row = &a[(row0 + i) * n..(row0 + i + 1) * n];
-                for j in j0..j1 {
-                    c[i * k + j] = dot(a_row, &b[j * n..(j + 1) * n]);
-                }
-            }
-        }
-    });
+    gemm(
+        m,
+        n,
+        k,
+        Mat::rows(a, n),
+        Mat::transposed(b, n),
+        &mut c,
+        false,
+    );
     c
 }
 
 /// `C[k, n] += A[m, k]ᵀ · B[m, n]` (a weight gradient summed over rows).
 fn matmul_at_b_acc<T: CpuFloat>(a: &[T], b: &[T], m: usize, k: usize, n: usize, c: &mut [T]) {
-    par_rows(c, n, m * k * n, |p_first, c| {
-        let ps = c.len() / n.max(1);
-        for i0 in (0..m).step_by(ROW_BLOCK) {
-            let i1 = (i0 + ROW_BLOCK).min(m);
-            for p in 0..ps {
-                let c_row = &mut c[p * n..(p + 1) * n];
-                for i in i0..i1 {
-                    let av = a[i * k + p_first + p];
-                    for (cv, &bv) in c_row.iter_mut().zip(&b[i * n..(i + 1) * n]) {
-                        *cv += av * bv;
-                    }
-                }
-            }
-        }
-    });
-}
-
-/// Dot product with four independent accumulators (lets the loop pipeline).
-fn dot<T: CpuFloat>(x: &[T], y: &[T]) -> T {
-    let mut acc = [T::ZERO; 4];
-    let (xc, yc) = (x.chunks_exact(4), y.chunks_exact(4));
-    let (xr, yr) = (xc.remainder(), yc.remainder());
-    for (a, b) in xc.zip(yc) {
-        for j in 0..4 {
-            acc[j] += a[j] * b[j];
-        }
-    }
-    let mut s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    for (&a, &b) in xr.iter().zip(yr) {
-        s += a * b;
-    }
-    s
+    gemm(k, m, n, Mat::transposed(a, k), Mat::rows(b, n), c, true);
 }
 
 #[cfg(test)]
@@ -1041,7 +960,7 @@ mod tests {
         (0..len).map(|_| rng.unit() - 0.5).collect()
     }
 
-    /// The three blocked kernels against a triple loop, on sizes that are not
+    /// The three products against a triple loop, on sizes that are not
     /// multiples of the blocks and large enough to take the threaded path.
     #[test]
     fn blocked_matmuls_match_the_definition() {

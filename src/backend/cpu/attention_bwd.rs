@@ -7,12 +7,12 @@
 //! passes (BENCHMARKS.md §2 has the measurement).
 
 use super::gather::{last_strip_ends, KeyGather};
-use super::kernels::{
+use super::lanes;
+use super::microkernel::{
     accumulate, accumulate_t, live_strip_indices, live_strips, row_strips, scores, simd_dispatch,
     strip, NS,
 };
-use super::lanes;
-use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
+use super::operands::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace;
 use super::workspace::Staggered;
 use super::{check_result, run_parallel, BlockMasks, CpuFloat, KeyTileBounds, TileClass, TILE};

@@ -1,11 +1,11 @@
 //! Tiled attention forward with an online softmax.
 
 use super::gather::{last_strip_ends, KeyGather};
-use super::kernels::{
+use super::lanes;
+use super::microkernel::{
     accumulate, live_strip_indices, live_strips, row_strips, scores, simd_dispatch, strip, NS,
 };
-use super::lanes;
-use super::layout::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
+use super::operands::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace::Staggered;
 use super::{check_result, run_parallel, BlockMasks, CpuFloat, KeyTileBounds, TileClass, TILE};
 use crate::backend::{ForwardCall, Host};
@@ -264,8 +264,8 @@ struct Rows {
 /// become rare once a row has seen a few blocks (FlashAttention-4's
 /// conditional rescaling). On a tree, where rows see fewer blocks than on
 /// a long causal sequence, more of their blocks come early, when the
-/// maximum still moves: rescaling on every increase cost the tree's full
-/// tiles ~5% more per entry than causal's.
+/// maximum still moves, so rescaling on every increase costs a tree more
+/// per entry than causal (BENCHMARKS.md §7).
 const RESCALE_MARGIN: f64 = 8.0;
 
 /// One step of the online softmax over a block of `TILE` keys: the raw

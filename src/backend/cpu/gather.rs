@@ -25,11 +25,10 @@
 //! after the other gathers a one-chunk plan's chunk once and keeps it in
 //! its buffers ([`KeyGather::holds_chunk`], [`KeyGather::keep`]).
 //!
-//! On the compaction benchmark (2,294 tokens) this removes 40 of the 302
-//! tile visits of a head; shapes without such splits (a plain causal mask,
-//! fold, stack-pop) never gather.
+//! Shapes without such splits (a plain causal mask, fold, stack-pop) never
+//! gather; BENCHMARKS.md §7 has what it removes on the compaction tree.
 
-use super::kernels::{NS, STRIPS};
+use super::microkernel::{NS, STRIPS};
 use super::{CpuFloat, KeyTileBounds, TileClass, TILE};
 
 // A tile's keys are one `u64` bit mask.
@@ -213,7 +212,7 @@ impl KeyGather {
     /// rows: every block of those rows and the chunk's strips is live, and
     /// all but a partial last strip need no mask.
     pub(crate) fn chunk_blocks(rows: usize, keys: usize) -> super::BlockMasks {
-        use super::kernels::{block_bit, MR};
+        use super::microkernel::{block_bit, MR};
         let mut m = super::BlockMasks::default();
         for rb in (0..rows).step_by(MR) {
             for cs in 0..keys.div_ceil(NS) {

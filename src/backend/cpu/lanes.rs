@@ -17,7 +17,7 @@
 //! bit-identical: the backend gives the same bits on every x86-64 CPU, and
 //! the tests compare the two bodies exactly.
 
-use super::kernels::NS;
+use super::microkernel::NS;
 use super::CpuFloat;
 use std::any::TypeId;
 
@@ -410,8 +410,8 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::kernels::cpu_has_avx2_fma;
-    use crate::gen::Rng;
+    use crate::backend::cpu::microkernel::cpu_has_avx2_fma;
+    use crate::rng::Rng;
 
     /// Scores-like lanes: mostly moderate values, some −inf (masked
     /// earlier), zeros and large magnitudes, so every branch of `exp` and

@@ -8,7 +8,7 @@
 //! # Attention
 //!
 //! Per query head `h` (reading kv head `h / (q_heads / kv_heads)`), with the
-//! interval mask `k <= q < kv_end[k]` of [`PackMask`]:
+//! interval mask `k <= q < kv_end[k]` of [`PackMask`](crate::mask::PackMask):
 //!
 //! ```text
 //! S = scale · Q Kᵀ (masked entries = −inf)   P = softmax(S) row-wise
@@ -86,29 +86,49 @@
 //! multiply-adds. `f32` exponentials use a polynomial within 2 ulp; `f64` uses
 //! `f64::exp`. A NaN or infinity in a result (scores overflowing `T`,
 //! or non-finite inputs when `check_finite` is off) is reported as
-//! [`Error::NonFinite`], never returned: each work item checks the rows it
+//! [`Error::NonFinite`](crate::Error::NonFinite), never returned: each work item checks the rows it
 //! stores, and only when one reports a bad value is the output scanned for
 //! the first bad index.
+//!
+//! # Files
+//!
+//! `attention_fwd`, `attention_bwd` and `sdcc` are the calls; `bounds` the
+//! per-tile `kv_end` bounds and the tile and register-block classification;
+//! `gather` the key gathering; `microkernel` the register-blocked block
+//! products and `lanes` the row-softmax steps (portable and AVX2);
+//! `operands` the head-major operand copies and the rotary table;
+//! `workspace` the buffer pool; `pool` the worker threads and
+//! [`num_threads`]; `census` the reports ([`tile_counts`] and friends);
+//! `checks` the input checks; `float` [`CpuFloat`].
 
 mod attention_bwd;
 mod attention_fwd;
+mod bounds;
+mod census;
+mod checks;
 mod float;
 mod gather;
-mod kernels;
 mod lanes;
-mod layout;
+mod microkernel;
+mod operands;
 mod pool;
 mod sdcc;
 mod workspace;
 
 pub use crate::mask::TileClass;
+pub use census::{
+    block_counts, computed_entries, gather_counts, tile_counts, BlockCounts, GatherCounts,
+    TileCounts, BLOCK_KEYS, BLOCK_QUERIES,
+};
 pub use float::CpuFloat;
+pub use pool::num_threads;
+
+pub(crate) use bounds::{BlockMasks, KeyTileBounds};
+pub(crate) use checks::check_result;
+pub(crate) use pool::run_parallel;
 
 use super::{AttentionBackend, BackwardCall, ForwardCall, Host, SdccBackend, SdccCall, SdccLoss};
-use crate::mask::PackMask;
-use crate::{Error, Result};
-use kernels::LiveBlocks;
-use std::sync::{Mutex, PoisonError};
+use crate::Result;
 
 /// Side of the square (query tile × key tile) blocks the CPU backend
 /// computes and classifies.
@@ -173,316 +193,7 @@ impl<T: CpuFloat> SdccBackend<T> for Cpu {
 /// the same code runs: the same results up to the rounding of fused
 /// multiply-adds).
 pub fn uses_avx2_fma() -> bool {
-    kernels::has_avx2_fma()
-}
-
-/// Number of worker threads the CPU backend uses: the environment variable
-/// `TREEATTN_THREADS` if it holds a positive integer, otherwise
-/// `std::thread::available_parallelism()` (1 if unknown).
-pub fn num_threads() -> usize {
-    std::env::var("TREEATTN_THREADS")
-        .ok()
-        .and_then(|s| s.trim().parse::<usize>().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
-/// Census of the (query tile, key tile) blocks of a pack at the CPU
-/// backend's [`TILE`] size, over the lower block triangle (key tile index <=
-/// query tile index; blocks above it are never visited).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TileCounts {
-    pub skip: u64,
-    pub full: u64,
-    pub partial: u64,
-}
-
-/// Register-block masks of one tile (see [`LiveBlocks`]): `live` blocks
-/// hold a visible entry, `full` ones (a subset) hold only visible entries.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct BlockMasks {
-    pub live: LiveBlocks,
-    pub full: LiveBlocks,
-}
-
-/// Counts the skip / full / partial blocks the CPU attention visits on this
-/// mask (for reports and for tests that must exercise all three paths).
-pub fn tile_counts(mask: PackMask<'_>) -> TileCounts {
-    let bounds = KeyTileBounds::new(mask.kv_end());
-    let l = mask.len();
-    let tiles = l.div_ceil(TILE);
-    let mut c = TileCounts::default();
-    for qt in 0..tiles {
-        let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
-        for kt in 0..=qt {
-            match bounds.classify(q0, q1, kt) {
-                TileClass::Skip => c.skip += 1,
-                TileClass::Full => c.full += 1,
-                TileClass::Partial => c.partial += 1,
-            }
-        }
-    }
-    c
-}
-
-/// Census of the register blocks ([`BLOCK_QUERIES`] queries × [`BLOCK_KEYS`]
-/// keys, the micro-kernels' unit) inside the partial tiles of a pack, as the
-/// forward and the dQ pass classify them: `skip` blocks hold no visible
-/// entry and are not computed, `full` ones need no per-element mask,
-/// `masked` ones are masked element-wise. Blocks past the last token are not
-/// counted. (The partial tiles that are gathered, [`gather_counts`], are
-/// computed as chunks instead.)
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct BlockCounts {
-    pub skip: u64,
-    pub full: u64,
-    pub masked: u64,
-}
-
-/// Queries per register block.
-pub const BLOCK_QUERIES: usize = kernels::MR;
-/// Keys per register block.
-pub const BLOCK_KEYS: usize = kernels::NS;
-
-/// Counts the register blocks of the partial tiles by how the CPU attention
-/// computes them (see [`BlockCounts`]).
-pub fn block_counts(mask: PackMask<'_>) -> BlockCounts {
-    let bounds = KeyTileBounds::new(mask.kv_end());
-    let l = mask.len();
-    let mut c = BlockCounts::default();
-    for qt in 0..l.div_ceil(TILE) {
-        let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
-        for kt in 0..=qt {
-            if bounds.classify(q0, q1, kt) != TileClass::Partial {
-                continue;
-            }
-            let m = bounds.query_row_blocks(q0, q1, kt * TILE);
-            let rows = (q1 - q0).div_ceil(BLOCK_QUERIES);
-            let strips = ((kt + 1) * TILE).min(l).div_ceil(BLOCK_KEYS) - kt * kernels::STRIPS;
-            for rb in 0..rows {
-                for cs in 0..strips {
-                    let bit = kernels::block_bit(rb * BLOCK_QUERIES, cs);
-                    if m.live & bit == 0 {
-                        c.skip += 1;
-                    } else if m.full & bit != 0 {
-                        c.full += 1;
-                    } else {
-                        c.masked += 1;
-                    }
-                }
-            }
-        }
-    }
-    c
-}
-
-/// The (query, key) entries the CPU forward and dQ pass compute on this
-/// mask: the live register blocks ([`BLOCK_QUERIES`] × [`BLOCK_KEYS`]) of
-/// every tile that is neither skipped nor gathered, and of every chunk of
-/// gathered keys ([`gather_counts`]), whole blocks (the kernels compute
-/// whole blocks, padding lanes included). Visible pairs over this is the
-/// share of the computed work that is useful: 1 would be a kernel that
-/// computes visible pairs only.
-pub fn computed_entries(mask: PackMask<'_>) -> u64 {
-    let bounds = KeyTileBounds::new(mask.kv_end());
-    let l = mask.len();
-    let mut gather = gather::KeyGather::default();
-    let mut live = 0u64;
-    for qt in 0..l.div_ceil(TILE) {
-        let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
-        gather.plan(&bounds, q0, q1, qt);
-        for c in 0..gather.chunks() {
-            let blocks = gather::KeyGather::chunk_blocks(q1 - q0, gather.chunk_keys(c));
-            live += u64::from(blocks.live.count_ones());
-        }
-        for kt in 0..=qt {
-            if bounds.classify(q0, q1, kt) != TileClass::Skip && !gather.is_gathered(kt) {
-                live += u64::from(bounds.query_row_blocks(q0, q1, kt * TILE).live.count_ones());
-            }
-        }
-    }
-    live * (BLOCK_QUERIES * BLOCK_KEYS) as u64
-}
-
-/// Census of key gathering on a pack (per head): the partial tiles that the
-/// CPU forward and dQ pass compute as chunks of gathered keys instead of
-/// visiting them, and those chunks. A past key tile (wholly before the query
-/// tile) whose keys are each seen by all of the query tile's rows or by none
-/// (a run of ancestors starting or ending inside it) is gathered when the
-/// query tile has several such tiles whose seen keys fit in fewer chunks of
-/// [`TILE`] keys; each chunk is then computed like a full tile.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct GatherCounts {
-    /// (Query tile, key tile) pairs gathered instead of visited.
-    pub tiles: u64,
-    /// Chunks computed in their place.
-    pub chunks: u64,
-    /// Keys gathered, summed over query tiles.
-    pub keys: u64,
-}
-
-/// Counts the key gathering of the CPU forward and dQ pass on this mask
-/// (see [`GatherCounts`]).
-pub fn gather_counts(mask: PackMask<'_>) -> GatherCounts {
-    let bounds = KeyTileBounds::new(mask.kv_end());
-    let l = mask.len();
-    let mut gather = gather::KeyGather::default();
-    let mut c = GatherCounts::default();
-    for qt in 0..l.div_ceil(TILE) {
-        let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
-        gather.plan(&bounds, q0, q1, qt);
-        c.tiles += (0..qt).filter(|&kt| gather.is_gathered(kt)).count() as u64;
-        c.chunks += gather.chunks() as u64;
-        c.keys += (0..gather.chunks())
-            .map(|i| gather.chunk_keys(i) as u64)
-            .sum::<u64>();
-    }
-    c
-}
-
-/// Per key tile, the min and max of `kv_end` over its keys, and over the
-/// finer key groups the micro-kernels' register blocks cover ([`kernels::NS`]
-/// keys): computed once per call.
-pub(crate) struct KeyTileBounds {
-    len: usize,
-    min_end: Vec<u32>,
-    max_end: Vec<u32>,
-    /// Min and max `kv_end` per group of `NS` keys.
-    strip_min: Vec<u32>,
-    strip_max: Vec<u32>,
-    /// `kv_end` padded with 0 (seen by no query) to whole tiles.
-    padded_ends: Vec<u32>,
-}
-
-impl KeyTileBounds {
-    pub(crate) fn new(kv_end: &[u32]) -> Self {
-        let maxes = |n: usize| -> Vec<u32> {
-            kv_end
-                .chunks(n)
-                .map(|c| c.iter().copied().max().unwrap_or(0))
-                .collect()
-        };
-        let mins = |n: usize| -> Vec<u32> {
-            kv_end
-                .chunks(n)
-                .map(|c| c.iter().copied().min().unwrap_or(0))
-                .collect()
-        };
-        KeyTileBounds {
-            len: kv_end.len(),
-            min_end: mins(TILE),
-            strip_min: mins(kernels::NS),
-            max_end: maxes(TILE),
-            strip_max: maxes(kernels::NS),
-            padded_ends: (0..kv_end.len().div_ceil(TILE) * TILE)
-                .map(|k| kv_end.get(k).copied().unwrap_or(0))
-                .collect(),
-        }
-    }
-
-    /// `kv_end` of keys `k..k + NS` (`k` a multiple of `NS` within the
-    /// padded tiles), 0 for keys past the last token.
-    #[inline(always)]
-    pub(crate) fn strip_ends(&self, k: usize) -> &[u32; kernels::NS] {
-        self.padded_ends[k..k + kernels::NS]
-            .try_into()
-            .expect("NS keys")
-    }
-
-    /// The register blocks of the (queries `[q0, q1)`, keys from `k0`) tile
-    /// that hold a visible entry, and those whose entries are all visible,
-    /// with query rows and key columns (forward, dQ). A block of queries
-    /// `[qa, qb]` and keys `[ka, kb]` holds none when `ka > qb` (all keys
-    /// after all queries) or the keys' largest `kv_end` is `<= qa` (they are
-    /// seen by none of the queries); blocks past the last token or query
-    /// hold none either. It needs no mask when `kb <= qa` and the keys'
-    /// smallest `kv_end` is `> qb` (DESIGN §5's rules, per block).
-    #[inline]
-    pub(crate) fn query_row_blocks(&self, q0: usize, q1: usize, k0: usize) -> BlockMasks {
-        use kernels::{MR, NS, STRIPS};
-        if self.whole_and_full(q0, q1, k0) {
-            return BlockMasks {
-                live: LiveBlocks::MAX,
-                full: LiveBlocks::MAX,
-            };
-        }
-        let mut m = BlockMasks::default();
-        for cs in 0..STRIPS {
-            let ka = k0 + cs * NS;
-            if ka >= self.len {
-                break;
-            }
-            let kb = (ka + NS).min(self.len) - 1;
-            let (lo_end, hi_end) = (
-                self.strip_min[ka / NS] as usize,
-                self.strip_max[ka / NS] as usize,
-            );
-            for rb in 0..TILE / MR {
-                let qa = q0 + rb * MR;
-                if qa >= q1 {
-                    break;
-                }
-                let qb = (qa + MR).min(q1) - 1;
-                let bit = kernels::block_bit(rb * MR, cs);
-                if ka <= qb && hi_end > qa {
-                    m.live |= bit;
-                    if kb <= qa && lo_end > qb {
-                        m.full |= bit;
-                    }
-                }
-            }
-        }
-        m
-    }
-
-    /// Whether the tile of queries `[q0, q1)` and keys from `k0` has `TILE`
-    /// of each and all its entries visible: then every register block is
-    /// live and needs no mask, without looking at them one by one.
-    #[inline]
-    fn whole_and_full(&self, q0: usize, q1: usize, k0: usize) -> bool {
-        q1 - q0 == TILE
-            && k0 + TILE <= self.len
-            && self.classify(q0, q1, k0 / TILE) == TileClass::Full
-    }
-
-    /// The keys of key tile `kt`, which lies wholly before `q0`, seen by the
-    /// queries `[q0, q1)` (bit `j` = key `kt · TILE + j`), if each of them is
-    /// seen by all of these queries (`kv_end >= q1`) or by none (`kv_end <=
-    /// q0`); `None` if some key is seen by some of them only.
-    pub(crate) fn uniform_keys(&self, q0: usize, q1: usize, kt: usize) -> Option<u64> {
-        use kernels::{NS, STRIPS};
-        debug_assert!((kt + 1) * TILE <= q0);
-        let mut seen = 0u64;
-        for cs in 0..STRIPS {
-            let s = kt * STRIPS + cs;
-            if self.strip_min[s] as usize >= q1 {
-                seen |= ((1 << NS) - 1) << (cs * NS);
-            } else if self.strip_max[s] as usize > q0 {
-                for (j, &end) in self.strip_ends(s * NS).iter().enumerate() {
-                    if end as usize >= q1 {
-                        seen |= 1 << (cs * NS + j);
-                    } else if end as usize > q0 {
-                        return None;
-                    }
-                }
-            }
-        }
-        Some(seen)
-    }
-
-    /// Class of the block of queries `[q0, q1)` against key tile `kt`.
-    #[inline]
-    pub(crate) fn classify(&self, q0: usize, q1: usize, kt: usize) -> TileClass {
-        let k0 = kt * TILE;
-        let k1 = (k0 + TILE).min(self.len);
-        crate::mask::classify_tile(q0, q1, k0, k1, self.min_end[kt], self.max_end[kt])
-    }
-
-    /// One past the last query tile that can see key tile `kt`.
-    #[inline]
-    pub(crate) fn query_tile_end(&self, kt: usize) -> usize {
-        (self.max_end[kt] as usize).div_ceil(TILE)
-    }
+    microkernel::has_avx2_fma()
 }
 
 /// A test attention shape over a mask where every key is seen by every
@@ -512,82 +223,11 @@ pub(crate) fn hashed_values<T: CpuFloat>(n: usize, salt: u64) -> Vec<T> {
         .collect()
 }
 
-/// Runs `body` on every work item on up to `threads` threads (the caller
-/// and the process's pooled workers, [`pool`]), pulling items from a shared
-/// queue in order (put expensive items first). Each thread builds its
-/// scratch once with `init`.
-pub(crate) fn run_parallel<W: Send, S>(
-    work: Vec<W>,
-    threads: usize,
-    init: impl Fn() -> S + Sync,
-    body: impl Fn(&mut S, W) + Sync,
-) {
-    let n = threads.min(work.len());
-    if n <= 1 {
-        let mut scratch = init();
-        for w in work {
-            body(&mut scratch, w);
-        }
-        return;
-    }
-    let queue = Mutex::new(work.into_iter());
-    pool::broadcast(n - 1, &|| {
-        let mut scratch = init();
-        loop {
-            let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
-            match next {
-                Some(w) => body(&mut scratch, w),
-                None => break,
-            }
-        }
-    });
-}
-
-/// `Err(NonFinite)` at the first NaN or ±inf of a result. Finite inputs can
-/// still overflow `T` (e.g. `scale · q·k` beyond f32 range); this linear scan
-/// turns that into an error instead of a silent NaN. The attention calls
-/// run it only once a work item has reported a non-finite row, to name the
-/// first bad index.
-pub(crate) fn check_result<T: CpuFloat>(what: &str, x: &[T]) -> Result<()> {
-    match x.iter().position(|v| !v.is_finite()) {
-        Some(index) => Err(Error::NonFinite {
-            what: format!(
-                "{what} (the result overflowed {}: inputs too large or non-finite)",
-                T::NAME
-            ),
-            index,
-        }),
-        None => Ok(()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::backend::{AttnArgs, AttnParams, AttnShape, HostAttention};
-
-    #[test]
-    fn run_parallel_visits_every_item_once() {
-        for threads in [1, 3, 64] {
-            let mut out = vec![0u32; 100];
-            let work: Vec<_> = out.chunks_mut(7).enumerate().collect();
-            run_parallel(
-                work,
-                threads,
-                || 0u32,
-                |calls, (i, chunk)| {
-                    *calls += 1;
-                    chunk.iter_mut().for_each(|x| *x += i as u32 + 1);
-                },
-            );
-            assert!(
-                out.iter()
-                    .enumerate()
-                    .all(|(j, &x)| x == (j / 7) as u32 + 1),
-                "{threads} threads"
-            );
-        }
-    }
+    use crate::mask::PackMask;
 
     /// Each output block is written by one work item in a fixed order, so
     /// results are bit-identical whatever the thread count.
@@ -638,119 +278,5 @@ mod tests {
         for threads in [2, 5] {
             assert!(run(threads) == one, "{threads} threads");
         }
-    }
-
-    /// DESIGN §5's rules on a pack with a trunk `[0, 64)` seen by all, a
-    /// branch `[64, 128)` and a sibling branch `[128, 192)`.
-    #[test]
-    fn classification_follows_the_design_rules() {
-        let kv_end: Vec<u32> = (0..192)
-            .map(|k| {
-                if k < 64 {
-                    192
-                } else if k < 128 {
-                    128
-                } else {
-                    192
-                }
-            })
-            .collect();
-        let b = KeyTileBounds::new(&kv_end);
-        assert_eq!(b.classify(64, 128, 0), TileClass::Full);
-        assert_eq!(b.classify(128, 192, 1), TileClass::Skip, "sibling branch");
-        assert_eq!(b.classify(128, 192, 0), TileClass::Full);
-        assert_eq!(b.classify(0, 64, 0), TileClass::Partial, "diagonal");
-        assert_eq!(b.classify(0, 64, 1), TileClass::Skip, "above the diagonal");
-        assert_eq!(
-            (
-                b.query_tile_end(0),
-                b.query_tile_end(1),
-                b.query_tile_end(2)
-            ),
-            (3, 2, 3)
-        );
-        // A padding key makes an otherwise full block partial.
-        let mut padded = kv_end.clone();
-        padded[5] = 5;
-        assert_eq!(
-            KeyTileBounds::new(&padded).classify(64, 128, 0),
-            TileClass::Partial
-        );
-    }
-
-    /// A random `kv_end` with `k < kv_end[k] <= l`, or `== k` (padding) for
-    /// a few keys: the block rules only assume `kv_end[k] >= k`.
-    fn random_kv_end(seed: u64, l: usize) -> Vec<u32> {
-        let mut s = seed;
-        let mut next = move |n: usize| {
-            s = s
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            (s >> 33) as usize % n
-        };
-        let mut kv_end = vec![l as u32; l];
-        // Nested closed subtrees of varied sizes, so that blocks are
-        // visible, invisible and mixed; and some padding keys.
-        for _ in 0..l / 32 {
-            let k = next(l);
-            let size = 1 + next(3 * kernels::NS);
-            let end = (k + size).min(l) as u32;
-            for e in &mut kv_end[k..(k + size).min(l)] {
-                *e = (*e).min(end);
-            }
-        }
-        for _ in 0..l / 100 {
-            let k = next(l);
-            kv_end[k] = k as u32;
-        }
-        kv_end
-    }
-
-    /// Every register block the kernels skip holds no visible entry, and
-    /// every block they compute without a mask holds only visible ones,
-    /// checked entry by entry (the blocks of query rows and key columns that
-    /// every pass computes). The census must find skipped and unmasked
-    /// blocks inside partial tiles, or the test would prove nothing.
-    #[test]
-    fn register_block_masks_are_sound() {
-        use kernels::{MR, NS, STRIPS};
-        let (mut dead, mut full) = (0, 0);
-        for seed in 0..6u64 {
-            let l = [200, 257, 64 * 5 + 3][seed as usize % 3];
-            let kv_end = random_kv_end(seed, l);
-            let b = KeyTileBounds::new(&kv_end);
-            let seen = |q: usize, k: usize| k <= q && q < kv_end[k] as usize;
-            let tiles = l.div_ceil(TILE);
-            for qt in 0..tiles {
-                let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
-                for kt in 0..=qt {
-                    let k0 = kt * TILE;
-                    let k1 = (k0 + TILE).min(l);
-                    let m = b.query_row_blocks(q0, q1, k0);
-                    assert_eq!(m.full & !m.live, 0, "full blocks are live");
-                    for rb in 0..TILE / MR {
-                        for cs in 0..STRIPS {
-                            let bit = kernels::block_bit(rb * MR, cs);
-                            // Query rows rb, key strip cs.
-                            let qs = (q0 + rb * MR..q0 + (rb + 1) * MR).filter(|&q| q < q1);
-                            let ks = (k0 + cs * NS..k0 + (cs + 1) * NS).filter(|&k| k < k1);
-                            let pairs: Vec<bool> = qs
-                                .flat_map(|q| ks.clone().map(move |k| (q, k)))
-                                .map(|(q, k)| seen(q, k))
-                                .collect();
-                            if m.live & bit == 0 {
-                                assert!(!pairs.contains(&true), "skipped a visible entry");
-                                dead += !pairs.is_empty() as usize;
-                            }
-                            if m.full & bit != 0 {
-                                assert!(pairs.iter().all(|&v| v), "unmasked a hidden entry");
-                                full += 1;
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        assert!(dead > 100 && full > 100, "{dead} skipped, {full} unmasked");
     }
 }

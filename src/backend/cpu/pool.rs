@@ -2,11 +2,11 @@
 //! process and reused, instead of spawned and joined at every parallel step.
 //!
 //! A forward call has two parallel steps and a backward two per kv head;
-//! spawning two scoped threads costs ~60 µs per step on the 2-core benchmark
-//! machine, a few percent of a call on a short pack. (Waking a parked worker
-//! still costs ~25–45 µs per step there; spinning before blocking saved
-//! about half a percent of a tree's fwd+bwd but made the process CPU time
-//! that the bench reports erratic, so workers block.) [`broadcast`] hands one task to
+//! spawning threads at every step is a visible share of a call on a short
+//! pack. (Waking a parked worker still costs something per step; spinning
+//! before blocking gains little and makes the process CPU time that the
+//! bench reports erratic, so workers block. BENCHMARKS.md §7 has the
+//! figures.) [`broadcast`] hands one task to
 //! the calling thread and to `helpers` parked workers at once and returns
 //! when every copy has returned, so the task may borrow from the caller's
 //! stack exactly as a scoped thread may. One task runs on the pool at a
@@ -152,10 +152,75 @@ fn worker(pool: &'static Pool) {
     }
 }
 
+/// Number of worker threads the CPU backend uses: the environment variable
+/// `TREEATTN_THREADS` if it holds a positive integer, otherwise
+/// `std::thread::available_parallelism()` (1 if unknown).
+pub fn num_threads() -> usize {
+    std::env::var("TREEATTN_THREADS")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// Runs `body` on every work item on up to `threads` threads (the caller
+/// and the process's pooled workers, [`broadcast`]), pulling items from a shared
+/// queue in order (put expensive items first). Each thread builds its
+/// scratch once with `init`.
+pub(crate) fn run_parallel<W: Send, S>(
+    work: Vec<W>,
+    threads: usize,
+    init: impl Fn() -> S + Sync,
+    body: impl Fn(&mut S, W) + Sync,
+) {
+    let n = threads.min(work.len());
+    if n <= 1 {
+        let mut scratch = init();
+        for w in work {
+            body(&mut scratch, w);
+        }
+        return;
+    }
+    let queue = Mutex::new(work.into_iter());
+    broadcast(n - 1, &|| {
+        let mut scratch = init();
+        loop {
+            let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
+            match next {
+                Some(w) => body(&mut scratch, w),
+                None => break,
+            }
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn run_parallel_visits_every_item_once() {
+        for threads in [1, 3, 64] {
+            let mut out = vec![0u32; 100];
+            let work: Vec<_> = out.chunks_mut(7).enumerate().collect();
+            run_parallel(
+                work,
+                threads,
+                || 0u32,
+                |calls, (i, chunk)| {
+                    *calls += 1;
+                    chunk.iter_mut().for_each(|x| *x += i as u32 + 1);
+                },
+            );
+            assert!(
+                out.iter()
+                    .enumerate()
+                    .all(|(j, &x)| x == (j / 7) as u32 + 1),
+                "{threads} threads"
+            );
+        }
+    }
 
     #[test]
     fn every_copy_runs_once_on_distinct_threads() {

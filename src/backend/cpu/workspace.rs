@@ -4,7 +4,7 @@
 //! `heads · lpad · dp` arrays, megabytes at a few thousand tokens. Allocated
 //! fresh, the allocator maps them from the OS at every call and each page is
 //! faulted in on first touch, a fixed cost per call (thousands of minor
-//! faults, milliseconds at L ≈ 2k) that does not parallelize. A training
+//! faults at L ≈ 2k; BENCHMARKS.md §7) that does not parallelize. A training
 //! step calls attention with the same shapes for every layer, so
 //! [`take_stale`] hands out a buffer a previous call gave back and [`Buf`]
 //! gives it back when dropped.

@@ -12,8 +12,7 @@
 //! ([`Device`] memory) in the `[tokens, heads, head_dim]` layout. Launches go
 //! to the backend's stream.
 
-mod bwd;
-pub mod check;
+pub(crate) mod bwd;
 mod rope;
 mod sdcc;
 
@@ -106,7 +105,7 @@ pub struct CudaBackend {
     /// Forward kernels indexed by [dtype][head dim 64 / 128].
     fwd: [[CudaFunction; 2]; 2],
     kv_bounds: CudaFunction,
-    bwd: CudaBackward,
+    pub(crate) bwd: CudaBackward,
     sdcc: CudaSdcc,
     dq_mode: DqMode,
 }

@@ -13,10 +13,10 @@ treeattn gen SHAPE... [--seed N] [--out FILE.jsonl] [--paper-scale]
 
 Generates rollouts of each SHAPE in turn, all from the same seed (default 0),
 and writes them as JSON Lines to FILE (stdout when --out is absent or `-`).
-Shapes: golden (the worked example of DESIGN §4), compaction, stack-pop, fold,
-memex, grpo (a group of 16 rollouts sharing a prompt), plain (no edits).
+Shapes: golden (the worked example of DESIGN.md §4), compaction, stack-pop,
+fold, memex, grpo (a group of 16 rollouts sharing a prompt), plain (no edits).
 Ids are SHAPE-SEED (grpo: grpo-SEED-00 .. -15; golden: golden); a file must
-not repeat an id. --paper-scale uses the sizes of DESIGN §1 instead of the
+not repeat an id. --paper-scale uses the sizes of DESIGN.md §1 instead of the
 CPU-sized defaults.";
 
 pub fn run(args: Vec<String>) -> Result<()> {

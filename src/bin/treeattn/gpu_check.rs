@@ -1,5 +1,5 @@
 //! `treeattn gpu-check`: the CUDA kernels against a reference on fresh random
-//! packs, then timings; a thin front over `treeattn::backend::cuda::check`.
+//! packs, then timings; a thin front over `treeattn::gpu_check`.
 //! Without the `cuda` feature it says how to build it.
 
 use treeattn::{Error, Result};
@@ -50,7 +50,7 @@ fn check(
     heads: Option<u64>,
     reps: Option<u64>,
 ) -> Result<()> {
-    use treeattn::backend::cuda::check::{run as run_check, CheckOptions};
+    use treeattn::gpu_check::{run as run_check, CheckOptions};
     let mut opts = CheckOptions::default();
     if let Some(d) = device {
         opts.device = to_usize("device", d)?;

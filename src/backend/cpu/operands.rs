@@ -444,8 +444,8 @@ impl RopeTable {
         // Position p's angles are those of its anchor a = p − p mod ANCHOR
         // (libm `sin_cos`) turned by k = p mod ANCHOR steps of each
         // frequency (a rotation precomputed by repeated angle addition):
-        // one `sin_cos` per anchor instead of per entry (per entry, libm
-        // cost ~1 ms per call at 2.3k positions and d = 64), within ~1e-14
+        // one `sin_cos` per anchor instead of per entry (libm per entry is a
+        // measurable share of a call; BENCHMARKS.md §7), within ~1e-14
         // of libm's value, and a function of p alone, so both table kinds
         // give every position the same bits.
         const ANCHOR: usize = 32;

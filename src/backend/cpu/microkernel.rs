@@ -11,7 +11,7 @@
 //! defined with [`simd_dispatch`], which runs a copy compiled for AVX2 and
 //! FMA (`FMA = true`) where the CPU has them and `FMA = false` elsewhere.
 
-use super::layout::LANES;
+use super::operands::LANES;
 use super::{CpuFloat, TILE};
 
 /// Rows of a register block: query rows (key rows of the dK, dV
@@ -294,7 +294,7 @@ macro_rules! simd_dispatch {
         $(#[$doc])*
         fn $name<T: CpuFloat>($($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
-            if $crate::backend::cpu::kernels::has_avx2_fma() {
+            if $crate::backend::cpu::microkernel::has_avx2_fma() {
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2<T: CpuFloat>($($arg: $ty),*) -> $ret {
                     $body::<T, true>($($arg),*)
@@ -337,7 +337,7 @@ pub(crate) fn cpu_has_avx2_fma() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gen::Rng;
+    use crate::rng::Rng;
 
     fn data(rng: &mut Rng, n: usize) -> Vec<f64> {
         (0..n).map(|_| rng.unit() - 0.5).collect()

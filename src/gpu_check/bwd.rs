@@ -31,7 +31,8 @@ use crate::backend::launch::bwd::DqMode;
 use crate::backend::launch::{Dtype, KernelElem};
 use crate::backend::tolerance::SDCC;
 use crate::backend::{AttnParams, AttnShape, Rope};
-use crate::gen::{MaskBuilder, Rng};
+use crate::gen::MaskBuilder;
+use crate::rng::Rng;
 use crate::{Error, Result};
 
 /// Gradient tolerance per element type: the table the emulator tests use.

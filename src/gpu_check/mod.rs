@@ -15,6 +15,10 @@
 //!    (4·d per pair per head, DESIGN §7).
 //!
 //! The reference is the CPU backend (`backend::cpu::attention_forward::<f64>`).
+//!
+//! The harness lives outside the backend (it is a test driver, and the only
+//! user of the rollout generators' mask builder next to the kernels); it is
+//! compiled only with the `cuda` feature.
 
 use std::fmt::Write as _;
 
@@ -22,8 +26,8 @@ mod bwd;
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
-use super::{CudaBackend, Device, DevicePack};
 use crate::backend::cpu::Cpu;
+use crate::backend::cuda::{CudaBackend, Device, DevicePack};
 use crate::backend::launch::bwd::DqMode;
 use crate::backend::launch::sdcc::SdccElem;
 use crate::backend::launch::{count_tiles, FwdTraits, KernelElem};
@@ -31,8 +35,9 @@ use crate::backend::{
     AttentionBackend, AttnArgs, AttnParams, AttnShape, BackwardCall, Grads, HostAttention,
     HostSdcc, Saved, SdccArgs, SdccBackend, SdccLoss, SdccOut,
 };
-use crate::gen::{MaskBuilder, Rng};
+use crate::gen::MaskBuilder;
 use crate::mask::PackMask;
+use crate::rng::Rng;
 use crate::{Error, Result};
 
 /// What `gpu-check` runs.
@@ -499,7 +504,7 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
         opts.reps, tiles.block_m, tiles.block_n
     );
     rep.push_str(&table);
-    // Backward and SDCC (check/bwd.rs).
+    // Backward and SDCC (gpu_check/bwd.rs).
     failures.extend(bwd::run(&be, &mut rng, opts, &mut rep)?);
     if failures.is_empty() {
         Ok(rep)

@@ -91,25 +91,7 @@ impl Args {
 
 /// Reads and validates a JSONL rollout file.
 pub fn read_rollouts(path: &str) -> Result<Vec<treeattn::rollout::Rollout>> {
-    let f = std::fs::File::open(path).map_err(|e| Error::Io(format!("{path}: {e}")))?;
-    treeattn::rollout::read_jsonl(std::io::BufReader::new(f)).map_err(|e| match e {
-        Error::Json { line, msg } => Error::Json {
-            line,
-            msg: format!("{path}: {msg}"),
-        },
-        Error::Rollout {
-            rollout,
-            call,
-            field,
-            msg,
-        } => Error::Rollout {
-            rollout,
-            call,
-            field,
-            msg: format!("{path}: {msg}"),
-        },
-        other => other,
-    })
+    treeattn::rollout::read_jsonl_file(std::path::Path::new(path))
 }
 
 /// Exactly one positional argument, named `what` in the error.

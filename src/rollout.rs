@@ -468,6 +468,15 @@ pub fn read_jsonl<R: BufRead>(reader: R) -> Result<Vec<Rollout>> {
 /// every error names the path. A directory or an unreadable file is an
 /// [`Error::Io`].
 pub fn read_jsonl_file(path: &std::path::Path) -> Result<Vec<Rollout>> {
+    read_jsonl_file_progress(path, |_, _| {})
+}
+
+/// [`read_jsonl_file`], calling `progress(bytes read, file size)` as it
+/// reads (for a progress display).
+pub fn read_jsonl_file_progress(
+    path: &std::path::Path,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<Vec<Rollout>> {
     let shown = path.display();
     let meta = std::fs::metadata(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;
     if meta.is_dir() {
@@ -476,6 +485,26 @@ pub fn read_jsonl_file(path: &std::path::Path) -> Result<Vec<Rollout>> {
         )));
     }
     let f = std::fs::File::open(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;
+    struct Counting<'a, R, F: FnMut(u64, u64)> {
+        inner: R,
+        done: u64,
+        total: u64,
+        progress: &'a mut F,
+    }
+    impl<R: std::io::Read, F: FnMut(u64, u64)> std::io::Read for Counting<'_, R, F> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.inner.read(buf)?;
+            self.done += n as u64;
+            (self.progress)(self.done, self.total);
+            Ok(n)
+        }
+    }
+    let f = Counting {
+        inner: f,
+        done: 0,
+        total: meta.len(),
+        progress: &mut progress,
+    };
     read_jsonl(std::io::BufReader::new(f)).map_err(|e| match e {
         Error::Json { line, msg } => Error::Json {
             line,

@@ -207,7 +207,7 @@ pub fn check_size(source: &str, tree: &Tree, vocab: usize) -> Result<()> {
              rollouts, or use `treeattn inspect` / `treeattn pack` on the whole file",
             tree.len(),
             logits as f64 * 4.0 / (1u64 << 30) as f64,
-            MAX_DEMO_LOGITS * 4 >> 20
+            (MAX_DEMO_LOGITS * 4) >> 20
         )));
     }
     Ok(())

@@ -385,7 +385,7 @@ pub fn pack_tensors(
 ) -> Result<Vec<(String, Tensor)>> {
     pack.validate()?;
     if let Some((i, e)) = pack.loss.iter().enumerate().find(|(_, e)| {
-        !(e.weight >= 0.0) || e.logprob.is_some_and(|l| !(l.is_finite() && l <= 0.0))
+        e.weight.is_nan() || e.weight < 0.0 || e.logprob.is_some_and(|l| !l.is_finite() || l > 0.0)
     }) {
         return Err(Error::Pack(format!(
             "loss entry {i}: weight {} / log-prob {:?} cannot be written (weights are non-negative, log-probs finite and at most 0)",
@@ -565,14 +565,14 @@ pub fn pack_from_tensors(st: &SafeTensors, call_base: &[u64]) -> Result<Pack> {
                     }
                 ))
             })?;
-        if !(weights[i].is_finite() && weights[i] >= 0.0) {
+        if !weights[i].is_finite() || weights[i] < 0.0 {
             return Err(Error::Pack(format!(
                 "loss_weights[{i}] = {} is not a finite non-negative weight",
                 weights[i]
             )));
         }
         if let Some(lp) = &logprobs {
-            if !(lp[i].is_finite() && lp[i] <= 0.0) {
+            if !lp[i].is_finite() || lp[i] > 0.0 {
                 return Err(Error::Pack(format!(
                     "loss_logprobs[{i}] = {} is not a log-probability (finite, at most 0)",
                     lp[i]

@@ -947,7 +947,7 @@ mod tests {
         // One token repeated a million times, re-rendered between markers.
         let a = vec![x; n];
         let b: Vec<u32> = std::iter::once(1)
-            .chain(std::iter::repeat(x).take(n))
+            .chain(std::iter::repeat_n(x, n))
             .chain([2])
             .collect();
         let (al, steps) = align_counted(&a, &b, MIN_BLOCK);

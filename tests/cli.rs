@@ -453,3 +453,29 @@ fn inspect_of_a_directory_says_so() {
         stderr(&o)
     );
 }
+
+#[test]
+fn pack_progress_only_on_a_terminal() {
+    let d = scratch("progress");
+    let out = d.join("p.safetensors");
+    let o = run(&["pack", SAMPLE, "--out", out.to_str().unwrap()]);
+    assert!(o.status.success());
+    assert!(stderr(&o).is_empty(), "not a terminal: {}", stderr(&o));
+    // Under a pseudo-terminal (util-linux `script`), progress appears.
+    let cmd = format!(
+        "{} pack {SAMPLE} --out {} --budget 1000",
+        env!("CARGO_BIN_EXE_treeattn"),
+        out.display()
+    );
+    let Ok(o) = Command::new("script")
+        .args(["-qefc", &cmd, "/dev/null"])
+        .output()
+    else {
+        eprintln!("no `script` here: the terminal half is skipped");
+        return;
+    };
+    let text = stdout(&o);
+    assert!(o.status.success(), "{text}");
+    assert!(text.contains("read 22 rollouts; packing"), "{text}");
+    assert!(text.contains("writing pack 1 of "), "{text}");
+}

@@ -427,9 +427,10 @@ pub struct Batch {
     pub sdcc: Option<Vec<SdccPair>>,
 }
 
-/// How many earlier bins sharing a first token with a rollout
-/// [`batch`] checks for room (by the nodes the rollout would add there)
-/// before the first bin with room for the rollout's whole size.
+/// How many earlier bins sharing a first token with a rollout, and with
+/// room for the nodes it adds to the union of all bins, [`batch`] checks for
+/// room by the nodes it would add there (before the first bin with room for
+/// the rollout's whole size); it visits at most four times as many bins.
 pub const SHARE_CANDIDATES: usize = 256;
 
 /// Free room per bin in a max segment tree: the first bin with room for `x`
@@ -467,6 +468,31 @@ impl FirstFit {
         }
     }
 
+    /// The first bin at or after `from` whose room is at least `x`.
+    fn first_with_from(&self, x: usize, from: usize) -> Option<usize> {
+        fn go(
+            t: &FirstFit,
+            n: usize,
+            lo: usize,
+            hi: usize,
+            x: usize,
+            from: usize,
+        ) -> Option<usize> {
+            if hi <= from || t.tree[n] < x || lo >= t.len {
+                return None;
+            }
+            if hi - lo == 1 {
+                return Some(lo);
+            }
+            let mid = (lo + hi) / 2;
+            go(t, 2 * n, lo, mid, x, from).or_else(|| go(t, 2 * n + 1, mid, hi, x, from))
+        }
+        if self.len == 0 {
+            return None;
+        }
+        go(self, 1, 0, self.cap, x, from)
+    }
+
     /// The first bin whose room is at least `x`.
     fn first_with(&self, x: usize) -> Option<usize> {
         if self.len == 0 || self.tree[1] < x {
@@ -491,9 +517,10 @@ impl FirstFit {
 /// index; each goes into the first pack it still fits in, else a new pack.
 /// With `share_prefixes` (trie layout), a rollout's size in a pack is the
 /// number of trie nodes it adds there, so rollouts sharing a prompt (a GRPO
-/// group) cost their prompt once (of the earlier packs sharing a first token
-/// with the rollout, the first [`SHARE_CANDIDATES`] are tried). Loss entries
-/// carry input indices. A rollout that alone exceeds the budget is an error.
+/// group) cost their prompt once (of the earlier packs that share a first
+/// token with the rollout and have room for what it adds to all packs'
+/// union, the first [`SHARE_CANDIDATES`] are tried). Loss entries carry
+/// input indices. A rollout that alone exceeds the budget is an error.
 ///
 /// Cost: O(n log n) in the number of rollouts plus their tokens (the pack
 /// search is a segment tree over the packs' free room).
@@ -530,6 +557,8 @@ pub fn batch(
     // With sharing: the bins holding a call that starts with a given token
     // (only those can hold any of a rollout's nodes already).
     let mut by_root: HashMap<u32, BTreeSet<usize>> = HashMap::new();
+    // With sharing: the union of every bin's trie.
+    let mut placed = TrieBuilder::default();
     for i in order {
         let r = &rollouts[i];
         if sizes[i] > budget_tokens {
@@ -545,16 +574,27 @@ pub fn batch(
         // the nodes it would add there.
         let mut slot = room.first_with(sizes[i]);
         if share_trie {
+            // A bin holds a subset of all nodes placed so far, so the nodes
+            // `r` adds to their union bound its cost in any bin from below:
+            // only bins with at least that much room, before `slot`, that
+            // share a first token with `r`, can take it at a smaller cost.
+            let least = placed.added_by(0, r, usize::MAX).unwrap_or(usize::MAX);
             let roots: BTreeSet<u32> = r.calls().iter().map(|c| c.context[0]).collect();
-            let mut cands: Vec<usize> = roots
-                .iter()
-                .filter_map(|t| by_root.get(t))
-                .flat_map(|s| s.range(..slot.unwrap_or(usize::MAX)).take(SHARE_CANDIDATES))
-                .copied()
-                .collect();
-            cands.sort_unstable();
-            cands.dedup();
-            for &c in cands.iter().take(SHARE_CANDIDATES) {
+            let end = slot.unwrap_or(bins.len());
+            let (mut from, mut visits, mut checks) = (0, 0, 0);
+            while let Some(c) = room.first_with_from(least, from).filter(|&c| c < end) {
+                visits += 1;
+                if visits > 4 * SHARE_CANDIDATES || checks >= SHARE_CANDIDATES {
+                    break;
+                }
+                from = c + 1;
+                if !roots
+                    .iter()
+                    .any(|t| by_root.get(t).is_some_and(|b| b.contains(&c)))
+                {
+                    continue;
+                }
+                checks += 1;
                 let free = budget_tokens - bins[c].used;
                 if bins[c].trie.added_by(0, r, free).is_some() {
                     slot = Some(c);
@@ -578,6 +618,7 @@ pub fn batch(
         if share_trie {
             b.trie.add(0, r)?;
             b.used = b.trie.len();
+            placed.add(0, r)?;
             for c in r.calls() {
                 by_root.entry(c.context[0]).or_default().insert(slot);
             }

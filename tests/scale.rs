@@ -67,3 +67,35 @@ fn prefix_sharing_batch_is_near_linear() {
         "share-prefixes {t_shared:.2} s against {t_plain:.2} s without"
     );
 }
+
+#[test]
+fn prefix_sharing_batch_with_a_common_system_prompt_is_near_linear() {
+    let mut s = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |m: u64| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s % m) as u32
+    };
+    // Every rollout starts with the same 200-token system prompt, so every
+    // pack shares a first token (and 200 nodes) with every rollout.
+    let system: Vec<u32> = (0..200).map(|_| next(50_000)).collect();
+    let rs: Vec<Rollout> = (0..5000)
+        .map(|i| {
+            let mut ctx = system.clone();
+            ctx.extend((0..20 + next(40)).map(|_| next(50_000)));
+            let comp: Vec<u32> = (0..1 + next(20)).map(|_| next(50_000)).collect();
+            Rollout::new(format!("s{i}"), vec![Call::new(ctx, comp)]).unwrap()
+        })
+        .collect();
+    let t = Instant::now();
+    let shared = batch(&rs, 1000, true, Layout::Trie).unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    eprintln!(
+        "5,000 rollouts with one system prompt, budget 1000: {secs:.3} s, {} packs",
+        shared.len()
+    );
+    // The prompt is stored once per pack: about 13 responses per pack.
+    assert!(shared.len() < 5000 / 10, "{} packs", shared.len());
+    assert!(secs < 10.0, "{secs:.1} s");
+}

@@ -352,6 +352,19 @@ fn pack_output_is_all_or_nothing() {
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(listing(&d).is_empty(), "{:?}", listing(&d));
+    // Writing pack 1 fails (a directory holds its name): pack 0, written
+    // first, must not be left behind (it used to be, with exit 1).
+    std::fs::create_dir(d.join("p-00001.safetensors")).unwrap();
+    let o = run(&[
+        "pack",
+        SAMPLE,
+        "--out",
+        out.to_str().unwrap(),
+        "--budget",
+        "1000",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(listing(&d), vec!["p-00001.safetensors".to_string()]);
 }
 
 #[test]

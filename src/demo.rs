@@ -33,7 +33,7 @@ use crate::backend::{HostSdcc, Rope, SdccArgs};
 use crate::logittree::{compare_entries, run_model, ModelRun};
 use crate::model::{Model, ModelConfig};
 use crate::pack::Pack;
-use crate::rollout::{read_jsonl, Rollout};
+use crate::rollout::Rollout;
 use crate::tree::Tree;
 use crate::{Error, Result};
 
@@ -161,14 +161,7 @@ fn load(opts: &DemoOptions) -> Result<(String, Vec<Rollout>)> {
         ));
     };
     let name = path.display().to_string();
-    let file = std::fs::File::open(path).map_err(|e| Error::Io(format!("{name}: {e}")))?;
-    let rollouts = read_jsonl(std::io::BufReader::new(file)).map_err(|e| match e {
-        Error::Json { line, msg } => Error::Json {
-            line,
-            msg: format!("{name}: {msg}"),
-        },
-        other => other,
-    })?;
+    let rollouts = crate::rollout::read_jsonl_file(path)?;
     if rollouts.is_empty() {
         return Err(Error::Io(format!("{name}: no rollouts in the file")));
     }
@@ -192,6 +185,34 @@ fn reindex(pack: &Pack, ids: &[u32]) -> Result<Pack> {
     Ok(p)
 }
 
+/// Most trie tokens the demo takes: it runs a dense model forward and
+/// backward over five layouts, LogitTree's K+1 passes among them.
+pub const MAX_DEMO_TOKENS: usize = 20_000;
+
+/// Most logits (rows × vocabulary) of the largest pass the demo takes:
+/// 2^27 f32 values, 512 MiB per logits buffer (the backward holds a few).
+pub const MAX_DEMO_LOGITS: usize = 1 << 27;
+
+/// Refuses, before any model work, a forest the demo cannot run in bounded
+/// time and memory: more than [`MAX_DEMO_TOKENS`] trie tokens, or a largest
+/// pass (the replicated pack) whose logits exceed [`MAX_DEMO_LOGITS`].
+pub fn check_size(source: &str, tree: &Tree, vocab: usize) -> Result<()> {
+    let replicated: usize = tree.branches().iter().map(|b| b.len as usize).sum();
+    let logits = replicated.saturating_mul(vocab);
+    if tree.len() > MAX_DEMO_TOKENS || logits > MAX_DEMO_LOGITS {
+        return Err(Error::Unsupported(format!(
+            "{source}: {} trie tokens ({replicated} in the replicated pack) over {vocab} distinct \
+             token ids, {:.1} GiB of f32 logits in one pass; the demo takes at most {MAX_DEMO_TOKENS} \
+             trie tokens and {MAX_DEMO_LOGITS} logits per pass ({} MiB). Run it on a few \
+             rollouts, or use `treeattn inspect` / `treeattn pack` on the whole file",
+            tree.len(),
+            logits as f64 * 4.0 / (1u64 << 30) as f64,
+            (MAX_DEMO_LOGITS * 4) >> 20
+        )));
+    }
+    Ok(())
+}
+
 /// Runs the demo (see the module docs).
 pub fn run(opts: &DemoOptions) -> Result<Report> {
     if opts.repeats == 0 {
@@ -202,6 +223,7 @@ pub fn run(opts: &DemoOptions) -> Result<Report> {
     let mut ids = tree.tokens().to_vec();
     ids.sort_unstable();
     ids.dedup();
+    check_size(&source, &tree, ids.len())?;
     let config = demo_config(ids.len());
     let model = Model::<f32>::new(config.clone(), opts.seed)?;
     let pack = |p: Pack| reindex(&p, &ids);
@@ -444,6 +466,31 @@ impl fmt::Display for Report {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_paper_scale_rollout_is_refused_up_front() {
+        // Issue 17: one 195k-token compaction rollout ran 11+ minutes at
+        // 10 GB; now it is an Err before any model work.
+        let rs = crate::gen::generate(crate::gen::Shape::Compaction, 0, true).unwrap();
+        let path =
+            std::env::temp_dir().join(format!("treeattn-demo-big-{}.jsonl", std::process::id()));
+        crate::rollout::write_jsonl(std::fs::File::create(&path).unwrap(), &rs).unwrap();
+        let t = Instant::now();
+        let e = run(&DemoOptions {
+            input: Some(path.clone()),
+            repeats: 1,
+            ..DemoOptions::default()
+        })
+        .unwrap_err();
+        std::fs::remove_file(&path).unwrap();
+        assert!(matches!(e, Error::Unsupported(_)), "{e}");
+        let s = e.to_string();
+        assert!(
+            s.contains("trie tokens") && s.contains(&MAX_DEMO_TOKENS.to_string()),
+            "{s}"
+        );
+        assert!(t.elapsed().as_secs_f64() < 30.0, "refused quickly");
+    }
 
     #[test]
     fn sample_demo_is_exact_and_naive_methods_drift() {

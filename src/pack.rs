@@ -28,7 +28,7 @@
 //! only the targets present on the final call's sequence (see [`crate::tree`])
 //! at a position >= 1, scored there.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use crate::mask::PackMask;
 use crate::rollout::Rollout;
@@ -425,6 +425,89 @@ pub struct Batch {
     pub sdcc: Option<Vec<SdccPair>>,
 }
 
+/// How many earlier bins sharing a first token with a rollout, and with
+/// room for the nodes it adds to the union of all bins, [`batch`] checks for
+/// room by the nodes it would add there (before the first bin with room for
+/// the rollout's whole size); it visits at most four times as many bins.
+pub const SHARE_CANDIDATES: usize = 256;
+
+/// Free room per bin in a max segment tree: the first bin with room for `x`
+/// in O(log bins).
+#[derive(Default)]
+struct FirstFit {
+    /// Leaves at `cap..2 * cap`; `tree[n]` = max of its two children.
+    tree: Vec<usize>,
+    cap: usize,
+    len: usize,
+}
+
+impl FirstFit {
+    fn push(&mut self, free: usize) {
+        if self.len == self.cap {
+            let cap = (self.cap * 2).max(1);
+            let mut tree = vec![0; 2 * cap];
+            tree[cap..cap + self.len].copy_from_slice(&self.tree[self.cap..self.cap + self.len]);
+            self.tree = tree;
+            self.cap = cap;
+            for n in (1..cap).rev() {
+                self.tree[n] = self.tree[2 * n].max(self.tree[2 * n + 1]);
+            }
+        }
+        self.len += 1;
+        self.set(self.len - 1, free);
+    }
+
+    fn set(&mut self, i: usize, free: usize) {
+        let mut n = self.cap + i;
+        self.tree[n] = free;
+        while n > 1 {
+            n /= 2;
+            self.tree[n] = self.tree[2 * n].max(self.tree[2 * n + 1]);
+        }
+    }
+
+    /// The first bin at or after `from` whose room is at least `x`.
+    fn first_with_from(&self, x: usize, from: usize) -> Option<usize> {
+        fn go(
+            t: &FirstFit,
+            n: usize,
+            lo: usize,
+            hi: usize,
+            x: usize,
+            from: usize,
+        ) -> Option<usize> {
+            if hi <= from || t.tree[n] < x || lo >= t.len {
+                return None;
+            }
+            if hi - lo == 1 {
+                return Some(lo);
+            }
+            let mid = (lo + hi) / 2;
+            go(t, 2 * n, lo, mid, x, from).or_else(|| go(t, 2 * n + 1, mid, hi, x, from))
+        }
+        if self.len == 0 {
+            return None;
+        }
+        go(self, 1, 0, self.cap, x, from)
+    }
+
+    /// The first bin whose room is at least `x`.
+    fn first_with(&self, x: usize) -> Option<usize> {
+        if self.len == 0 || self.tree[1] < x {
+            return None;
+        }
+        let mut n = 1;
+        while n < self.cap {
+            n = if self.tree[2 * n] >= x {
+                2 * n
+            } else {
+                2 * n + 1
+            };
+        }
+        Some(n - self.cap)
+    }
+}
+
 /// Packs `rollouts` into packs of at most `budget_tokens` tokens each.
 ///
 /// Greedy first-fit decreasing: rollouts sorted by their own size in the
@@ -432,8 +515,13 @@ pub struct Batch {
 /// index; each goes into the first pack it still fits in, else a new pack.
 /// With `share_prefixes` (trie layout), a rollout's size in a pack is the
 /// number of trie nodes it adds there, so rollouts sharing a prompt (a GRPO
-/// group) cost their prompt once. Loss entries carry input indices. A
-/// rollout that alone exceeds the budget is an error.
+/// group) cost their prompt once (of the earlier packs that share a first
+/// token with the rollout and have room for what it adds to all packs'
+/// union, the first [`SHARE_CANDIDATES`] are tried). Loss entries carry
+/// input indices. A rollout that alone exceeds the budget is an error.
+///
+/// Cost: O(n log n) in the number of rollouts plus their tokens (the pack
+/// search is a segment tree over the packs' free room).
 pub fn batch(
     rollouts: &[Rollout],
     budget_tokens: usize,
@@ -462,6 +550,13 @@ pub fn batch(
         trie: TrieBuilder,
     }
     let mut bins: Vec<Bin> = Vec::new();
+    // Free room of every bin, for "first bin with room >= x" in O(log bins).
+    let mut room = FirstFit::default();
+    // With sharing: the bins holding a call that starts with a given token
+    // (only those can hold any of a rollout's nodes already).
+    let mut by_root: HashMap<u32, BTreeSet<usize>> = HashMap::new();
+    // With sharing: the union of every bin's trie.
+    let mut placed = TrieBuilder::default();
     for i in order {
         let r = &rollouts[i];
         if sizes[i] > budget_tokens {
@@ -472,14 +567,40 @@ pub fn batch(
                 layout.name()
             )));
         }
-        let cost = |b: &Bin| {
-            if share_trie {
-                b.trie.added_by(0, r)
-            } else {
-                sizes[i]
+        // First fit: the first bin with room for the rollout's own size,
+        // unless an earlier bin that shares a prefix with it has room for
+        // the nodes it would add there.
+        let mut slot = room.first_with(sizes[i]);
+        if share_trie {
+            // A bin holds a subset of all nodes placed so far, so the nodes
+            // `r` adds to their union bound its cost in any bin from below:
+            // only bins with at least that much room, before `slot`, that
+            // share a first token with `r`, can take it at a smaller cost.
+            let least = placed.added_by(0, r, usize::MAX).unwrap_or(usize::MAX);
+            let roots: BTreeSet<u32> = r.calls().iter().map(|c| c.context[0]).collect();
+            let end = slot.unwrap_or(bins.len());
+            let (mut from, mut visits, mut checks) = (0, 0, 0);
+            while let Some(c) = room.first_with_from(least, from).filter(|&c| c < end) {
+                visits += 1;
+                if visits > 4 * SHARE_CANDIDATES || checks >= SHARE_CANDIDATES {
+                    break;
+                }
+                from = c + 1;
+                if !roots
+                    .iter()
+                    .any(|t| by_root.get(t).is_some_and(|b| b.contains(&c)))
+                {
+                    continue;
+                }
+                checks += 1;
+                let free = budget_tokens - bins[c].used;
+                if bins[c].trie.added_by(0, r, free).is_some() {
+                    slot = Some(c);
+                    break;
+                }
             }
-        };
-        let slot = match bins.iter().position(|b| b.used + cost(b) <= budget_tokens) {
+        }
+        let slot = match slot {
             Some(s) => s,
             None => {
                 bins.push(Bin {
@@ -487,6 +608,7 @@ pub fn batch(
                     members: Vec::new(),
                     trie: TrieBuilder::default(),
                 });
+                room.push(budget_tokens);
                 bins.len() - 1
             }
         };
@@ -494,10 +616,15 @@ pub fn batch(
         if share_trie {
             b.trie.add(0, r)?;
             b.used = b.trie.len();
+            placed.add(0, r)?;
+            for c in r.calls() {
+                by_root.entry(c.context[0]).or_default().insert(slot);
+            }
         } else {
             b.used += sizes[i];
         }
         b.members.push(i as u32);
+        room.set(slot, budget_tokens - b.used);
     }
     bins.into_iter()
         .map(|mut b| {
@@ -517,4 +644,95 @@ pub fn batch(
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rollout::Call;
+
+    /// First fit as it was before issue 17: every bin tried in order.
+    fn first_fit_reference(rs: &[Rollout], budget: usize, share: bool) -> Vec<Vec<u32>> {
+        let sizes: Vec<usize> = rs
+            .iter()
+            .map(|r| Tree::build(std::slice::from_ref(r), false).unwrap().len())
+            .collect();
+        let mut order: Vec<usize> = (0..rs.len()).collect();
+        order.sort_by_key(|&i| (std::cmp::Reverse(sizes[i]), i));
+        let mut bins: Vec<(usize, Vec<u32>, TrieBuilder)> = Vec::new();
+        for i in order {
+            let cost = |b: &(usize, Vec<u32>, TrieBuilder)| {
+                if share {
+                    b.2.added_by(0, &rs[i], usize::MAX).unwrap()
+                } else {
+                    sizes[i]
+                }
+            };
+            let slot = match bins.iter().position(|b| b.0 + cost(b) <= budget) {
+                Some(s) => s,
+                None => {
+                    bins.push((0, Vec::new(), TrieBuilder::default()));
+                    bins.len() - 1
+                }
+            };
+            let b = &mut bins[slot];
+            if share {
+                b.2.add(0, &rs[i]).unwrap();
+                b.0 = b.2.len();
+            } else {
+                b.0 += sizes[i];
+            }
+            b.1.push(i as u32);
+        }
+        bins.into_iter()
+            .map(|mut b| {
+                b.1.sort_unstable();
+                b.1
+            })
+            .collect()
+    }
+
+    #[test]
+    fn first_fit_is_unchanged_by_the_segment_tree_and_root_index() {
+        let mut s = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % n) as u32
+        };
+        for case in 0..40 {
+            // Few first tokens and a tiny vocabulary: much sharing, many
+            // partly shared bins, duplicates included.
+            let rs: Vec<Rollout> = (0..60)
+                .map(|r| {
+                    let first = next(3);
+                    let mut ctx: Vec<u32> = vec![first];
+                    ctx.extend((0..next(6)).map(|_| next(3)));
+                    let comp: Vec<u32> = (0..1 + next(4)).map(|_| next(3)).collect();
+                    let mut calls = vec![Call::new(ctx.clone(), comp.clone())];
+                    if next(2) == 0 {
+                        let mut c2 = ctx.clone();
+                        c2.extend(&comp);
+                        c2.push(next(3));
+                        calls.push(Call::new(c2, vec![next(3)]));
+                    }
+                    Rollout::new(format!("r{r}"), calls).unwrap()
+                })
+                .collect();
+            let budget = 12 + case % 30;
+            for share in [false, true] {
+                let got: Vec<Vec<u32>> = batch(&rs, budget, share, Layout::Trie)
+                    .unwrap()
+                    .into_iter()
+                    .map(|b| b.rollouts)
+                    .collect();
+                assert_eq!(
+                    got,
+                    first_fit_reference(&rs, budget, share),
+                    "case {case}, share {share}"
+                );
+            }
+        }
+    }
 }

@@ -14,14 +14,18 @@
 //! A valid rollout has a non-empty id (in JSON a string; a number is accepted
 //! and kept as its decimal text), at least one call, and in every call a
 //! non-empty `context` (the first completion token needs a predicting row), a
-//! non-empty `completion`, and, when present, exactly one finite `logprobs`
-//! entry per completion token. Token ids are `u32`.
+//! non-empty `completion`, and, when present, exactly one `logprobs` entry per
+//! completion token, each finite, at most 0 (a log-probability) and inside
+//! the f32 range. Token ids are `u32`.
 //!
 //! JSON Lines: one rollout per line. Blank (whitespace-only) lines are skipped;
 //! every other line must be one rollout object, and rollout ids must be unique
-//! within a file. Unknown keys are ignored (harness logs carry extra fields).
+//! within a file. Unknown keys are ignored (harness logs carry extra fields),
+//! but a key repeated inside one object is an error (which one would count is
+//! ambiguous). A UTF-8 byte-order mark at the start of the input is skipped.
 //! Every problem is reported as an `Err` naming the line (1-based), rollout id,
-//! call index and field.
+//! call index and field; JSON syntax errors give the column on that line, and
+//! a read failure (a directory, say) is an [`Error::Io`] with the line.
 
 use std::io::{BufRead, Write};
 
@@ -133,6 +137,16 @@ impl Rollout {
                         format!("non-finite logprob {} at offset {j}", lp[j]),
                     ));
                 }
+                if let Some(j) = lp.iter().position(|&x| x > 0.0) {
+                    return Err(err(
+                        Some(c),
+                        "logprobs",
+                        format!(
+                            "logprob {} at offset {j} is positive: a log-probability is at most 0",
+                            lp[j]
+                        ),
+                    ));
+                }
             }
             if call.sequence_len() > u32::MAX as usize / 2 {
                 return Err(err(
@@ -198,11 +212,96 @@ impl Rollout {
     }
 }
 
+/// A serde_json error without its "at line 1" (the caller names the file
+/// line): the message and the column on the line.
+fn json_msg(e: &serde_json::Error) -> String {
+    let full = e.to_string();
+    let msg = match full.rfind(" at line ") {
+        Some(p) => &full[..p],
+        None => &full,
+    };
+    if e.column() > 0 {
+        format!("{msg} at column {}", e.column())
+    } else {
+        msg.to_string()
+    }
+}
+
+/// Parses JSON like `serde_json::from_str::<Value>`, but a key repeated in
+/// one object is an error instead of "the last one wins".
+pub(crate) fn parse_json_strict(text: &str) -> std::result::Result<Value, serde_json::Error> {
+    use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
+    use std::fmt;
+
+    struct Strict;
+    impl<'de> DeserializeSeed<'de> for Strict {
+        type Value = Value;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Value, D::Error> {
+            d.deserialize_any(Strict)
+        }
+    }
+    impl<'de> Visitor<'de> for Strict {
+        type Value = Value;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_bool<E>(self, v: bool) -> std::result::Result<Value, E> {
+            Ok(Value::Bool(v))
+        }
+        fn visit_i64<E>(self, v: i64) -> std::result::Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_u64<E>(self, v: u64) -> std::result::Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_f64<E>(self, v: f64) -> std::result::Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_str<E>(self, v: &str) -> std::result::Result<Value, E> {
+            Ok(Value::String(v.to_string()))
+        }
+        fn visit_string<E>(self, v: String) -> std::result::Result<Value, E> {
+            Ok(Value::String(v))
+        }
+        fn visit_unit<E>(self) -> std::result::Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_none<E>(self) -> std::result::Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Value, D::Error> {
+            d.deserialize_any(Strict)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Value, A::Error> {
+            let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+            while let Some(x) = seq.next_element_seed(Strict)? {
+                v.push(x);
+            }
+            Ok(Value::Array(v))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Value, A::Error> {
+            let mut m = serde_json::Map::new();
+            while let Some(k) = map.next_key::<String>()? {
+                if m.contains_key(&k) {
+                    return Err(A::Error::custom(format!("duplicate key {k:?}")));
+                }
+                let v = map.next_value_seed(Strict)?;
+                m.insert(k, v);
+            }
+            Ok(Value::Object(m))
+        }
+    }
+    let mut de = serde_json::Deserializer::from_str(text);
+    let v = Strict.deserialize(&mut de)?;
+    de.end()?;
+    Ok(v)
+}
+
 /// Parses one JSONL line (already known to be non-blank) into a rollout.
 fn parse_line(text: &str, line: usize) -> Result<Rollout> {
-    let v: Value = serde_json::from_str(text).map_err(|e| Error::Json {
+    let v: Value = parse_json_strict(text).map_err(|e| Error::Json {
         line,
-        msg: e.to_string(),
+        msg: json_msg(&e),
     })?;
     let obj = v.as_object().ok_or_else(|| Error::Json {
         line,
@@ -278,13 +377,22 @@ fn parse_line(text: &str, line: usize) -> Result<Rollout> {
                 a.iter()
                     .enumerate()
                     .map(|(i, x)| {
-                        x.as_f64().map(|f| f as f32).ok_or_else(|| {
+                        let f = x.as_f64().ok_or_else(|| {
                             rerr(
                                 Some(c),
                                 "logprobs",
                                 format!("entry {i} = {x} is not a number"),
                             )
-                        })
+                        })?;
+                        let v = f as f32;
+                        if v.is_infinite() {
+                            return Err(rerr(
+                                Some(c),
+                                "logprobs",
+                                format!("entry {i} = {x} is outside the f32 range"),
+                            ));
+                        }
+                        Ok(v)
                     })
                     .collect::<Result<Vec<f32>>>()?,
             ),
@@ -324,10 +432,21 @@ pub fn read_jsonl<R: BufRead>(reader: R) -> Result<Vec<Rollout>> {
     let mut seen = std::collections::HashMap::new();
     for (i, line) in reader.lines().enumerate() {
         let line_no = i + 1;
-        let text = line.map_err(|e| Error::Json {
-            line: line_no,
-            msg: format!("cannot read line: {e}"),
+        let mut text = line.map_err(|e| {
+            if e.kind() == std::io::ErrorKind::InvalidData {
+                Error::Json {
+                    line: line_no,
+                    msg: "the line is not valid UTF-8".into(),
+                }
+            } else {
+                Error::Io(format!("reading line {line_no}: {e}"))
+            }
         })?;
+        if line_no == 1 {
+            if let Some(rest) = text.strip_prefix('\u{feff}') {
+                text = rest.to_string();
+            }
+        }
         if text.trim().is_empty() {
             continue;
         }
@@ -343,6 +462,68 @@ pub fn read_jsonl<R: BufRead>(reader: R) -> Result<Vec<Rollout>> {
         out.push(r);
     }
     Ok(out)
+}
+
+/// Reads rollouts from a JSON Lines file (same rules as [`read_jsonl`]);
+/// every error names the path. A directory or an unreadable file is an
+/// [`Error::Io`].
+pub fn read_jsonl_file(path: &std::path::Path) -> Result<Vec<Rollout>> {
+    read_jsonl_file_progress(path, |_, _| {})
+}
+
+/// [`read_jsonl_file`], calling `progress(bytes read, file size)` as it
+/// reads (for a progress display).
+pub fn read_jsonl_file_progress(
+    path: &std::path::Path,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<Vec<Rollout>> {
+    let shown = path.display();
+    let meta = std::fs::metadata(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;
+    if meta.is_dir() {
+        return Err(Error::Io(format!(
+            "{shown}: is a directory, not a JSON Lines file"
+        )));
+    }
+    let f = std::fs::File::open(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;
+    struct Counting<'a, R, F: FnMut(u64, u64)> {
+        inner: R,
+        done: u64,
+        total: u64,
+        progress: &'a mut F,
+    }
+    impl<R: std::io::Read, F: FnMut(u64, u64)> std::io::Read for Counting<'_, R, F> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.inner.read(buf)?;
+            self.done += n as u64;
+            (self.progress)(self.done, self.total);
+            Ok(n)
+        }
+    }
+    let f = Counting {
+        inner: f,
+        done: 0,
+        total: meta.len(),
+        progress: &mut progress,
+    };
+    read_jsonl(std::io::BufReader::new(f)).map_err(|e| match e {
+        Error::Json { line, msg } => Error::Json {
+            line,
+            msg: format!("{shown}: {msg}"),
+        },
+        Error::Rollout {
+            rollout,
+            call,
+            field,
+            msg,
+        } => Error::Rollout {
+            rollout,
+            call,
+            field,
+            msg: format!("{shown}: {msg}"),
+        },
+        Error::Io(m) => Error::Io(format!("{shown}: {m}")),
+        other => other,
+    })
 }
 
 /// Parses rollouts from a JSON Lines string (same rules as [`read_jsonl`]).

@@ -1,11 +1,17 @@
-//! A small writer and reader for the safetensors format, and the tensor set
-//! of a pack.
+//! Pack files: the tensor set of a pack in the safetensors format, read and
+//! written by Hugging Face's `safetensors` crate (fuzzed upstream), with this
+//! module's own checks on top (no repeated header key, only the dtypes a
+//! pack uses, and in [`pack_from_tensors`] every pack invariant).
 //!
 //! File layout: an 8-byte little-endian header size `N`, then `N` bytes of
 //! JSON (padded with spaces to a multiple of 8), then the data. The header
 //! maps each tensor name to `{"dtype", "shape", "data_offsets": [begin,
-//! end]}` (byte offsets into the data, contiguous, in writing order) and may
-//! hold `"__metadata__"`, a map of strings. Data is little-endian, row-major.
+//! end]}` (byte offsets into the data, contiguous) and may hold
+//! `"__metadata__"`, a map of strings. Data is little-endian, row-major.
+//!
+//! Files are written atomically: to a temporary file in the same directory,
+//! synced, then renamed over the target ([`write_file`], [`StagedFiles`] for
+//! several files that appear together or not at all).
 //!
 //! Pack files ([`pack_tensors`]) hold, for a pack of `L` tokens and `T` loss
 //! entries:
@@ -27,9 +33,10 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use serde_json::{json, Value};
-
 use crate::pack::{LossEntry, Pack, SdccPair};
+
+/// The `format` value in a pack file's metadata.
+pub const PACK_FORMAT: &str = "treeattn-pack-v1";
 use crate::{Error, Result};
 
 /// Element types this crate writes and reads.
@@ -58,16 +65,6 @@ impl Dtype {
             Dtype::F32 => "F32",
             Dtype::F64 => "F64",
         }
-    }
-
-    fn parse(s: &str) -> Option<Dtype> {
-        Some(match s {
-            "I64" => Dtype::I64,
-            "I32" => Dtype::I32,
-            "F32" => Dtype::F32,
-            "F64" => Dtype::F64,
-            _ => return None,
-        })
     }
 }
 
@@ -134,18 +131,42 @@ impl Tensor {
     }
 }
 
-/// Serializes named tensors (written in the given order) and string metadata.
+impl safetensors::View for &Tensor {
+    fn dtype(&self) -> safetensors::Dtype {
+        match self.dtype {
+            Dtype::I64 => safetensors::Dtype::I64,
+            Dtype::I32 => safetensors::Dtype::I32,
+            Dtype::F32 => safetensors::Dtype::F32,
+            Dtype::F64 => safetensors::Dtype::F64,
+        }
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.data)
+    }
+
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+fn st_err(e: safetensors::SafeTensorError) -> Error {
+    Error::Pack(format!("safetensors: {e}"))
+}
+
+/// Serializes named tensors and string metadata (tensors are laid out by
+/// the `safetensors` crate: by dtype alignment, then name).
 pub fn serialize(
     tensors: &[(String, Tensor)],
     metadata: &BTreeMap<String, String>,
 ) -> Result<Vec<u8>> {
-    let mut header = serde_json::Map::new();
-    if !metadata.is_empty() {
-        header.insert("__metadata__".into(), json!(metadata));
-    }
-    let mut offset = 0usize;
+    let mut seen = std::collections::HashSet::new();
     for (name, t) in tensors {
-        if name == "__metadata__" || header.contains_key(name) {
+        if name == "__metadata__" || !seen.insert(name.as_str()) {
             return Err(Error::Shape(format!(
                 "tensor name {name:?} is reserved or repeated"
             )));
@@ -158,23 +179,14 @@ pub fn serialize(
                 t.data.len()
             )));
         }
-        header.insert(
-            name.clone(),
-            json!({"dtype": t.dtype.name(), "shape": t.shape, "data_offsets": [offset, offset + t.data.len()]}),
-        );
-        offset += t.data.len();
     }
-    let mut head = Value::Object(header).to_string().into_bytes();
-    while head.len() % 8 != 0 {
-        head.push(b' ');
-    }
-    let mut out = Vec::with_capacity(8 + head.len() + offset);
-    out.extend_from_slice(&(head.len() as u64).to_le_bytes());
-    out.extend_from_slice(&head);
-    for (_, t) in tensors {
-        out.extend_from_slice(&t.data);
-    }
-    Ok(out)
+    let info = (!metadata.is_empty()).then(|| {
+        metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect::<std::collections::HashMap<_, _>>()
+    });
+    safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), info).map_err(st_err)
 }
 
 /// A parsed safetensors file.
@@ -193,130 +205,174 @@ impl SafeTensors {
     }
 }
 
-/// Parses a safetensors buffer, checking the header and that the data
-/// offsets tile the data section exactly.
+/// Parses a safetensors buffer: the `safetensors` crate checks the header
+/// size, the JSON, the offsets (contiguous, covering the data exactly) and
+/// the shapes against the byte counts; on top of it a header key may not
+/// repeat and only I64, I32, F32 and F64 tensors are taken.
 pub fn deserialize(bytes: &[u8]) -> Result<SafeTensors> {
     let bad = |m: String| Error::Pack(format!("safetensors: {m}"));
-    if bytes.len() < 8 {
-        return Err(bad(format!(
-            "{} bytes is shorter than the 8-byte header size",
-            bytes.len()
-        )));
-    }
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(st_err)?;
+    // The crate has validated the header bounds and UTF-8; serde keeps the
+    // last of two equal keys, so look for repeats here.
     let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
-    if n > bytes.len() - 8 {
-        return Err(bad(format!(
-            "header size {n} exceeds the file ({} bytes)",
-            bytes.len()
-        )));
-    }
-    let header: Value =
-        serde_json::from_slice(&bytes[8..8 + n]).map_err(|e| bad(format!("header JSON: {e}")))?;
-    let header = header
-        .as_object()
-        .ok_or_else(|| bad("header is not a JSON object".into()))?;
-    let data = &bytes[8 + n..];
+    let head = std::str::from_utf8(&bytes[8..8 + n]).map_err(|e| bad(format!("header: {e}")))?;
+    let header =
+        crate::rollout::parse_json_strict(head).map_err(|e| bad(format!("header JSON: {e}")))?;
     let mut metadata = BTreeMap::new();
-    let mut spans = Vec::new();
+    if let Some(m) = header.get("__metadata__") {
+        for (k, x) in m
+            .as_object()
+            .ok_or_else(|| bad("__metadata__ is not an object".into()))?
+        {
+            let s = x
+                .as_str()
+                .ok_or_else(|| bad(format!("metadata {k:?} is not a string")))?;
+            metadata.insert(k.clone(), s.to_string());
+        }
+    }
     let mut tensors = BTreeMap::new();
-    for (name, v) in header {
-        if name == "__metadata__" {
-            for (k, x) in v
-                .as_object()
-                .ok_or_else(|| bad("__metadata__ is not an object".into()))?
-            {
-                let s = x
-                    .as_str()
-                    .ok_or_else(|| bad(format!("metadata {k:?} is not a string")))?;
-                metadata.insert(k.clone(), s.to_string());
-            }
-            continue;
-        }
-        let dtype = v["dtype"].as_str().and_then(Dtype::parse).ok_or_else(|| {
-            bad(format!(
-                "tensor {name:?}: unsupported or missing dtype {}",
-                v["dtype"]
-            ))
-        })?;
-        let shape: Vec<usize> = v["shape"]
-            .as_array()
-            .ok_or_else(|| bad(format!("tensor {name:?}: missing shape")))?
-            .iter()
-            .map(|d| d.as_u64().map(|d| d as usize))
-            .collect::<Option<_>>()
-            .ok_or_else(|| {
-                bad(format!(
-                    "tensor {name:?}: shape entries must be non-negative integers"
-                ))
-            })?;
-        let off: Vec<usize> = v["data_offsets"]
-            .as_array()
-            .filter(|a| a.len() == 2)
-            .and_then(|a| {
-                a.iter()
-                    .map(|d| d.as_u64().map(|d| d as usize))
-                    .collect::<Option<_>>()
-            })
-            .ok_or_else(|| {
-                bad(format!(
-                    "tensor {name:?}: data_offsets must be [begin, end]"
-                ))
-            })?;
-        let (b, e) = (off[0], off[1]);
-        if b > e || e > data.len() {
-            return Err(bad(format!(
-                "tensor {name:?}: data_offsets [{b}, {e}] outside {} data bytes",
-                data.len()
-            )));
-        }
-        let t = Tensor {
-            dtype,
-            shape,
-            data: data[b..e].to_vec(),
+    for (name, view) in st.iter() {
+        let dtype = match view.dtype() {
+            safetensors::Dtype::I64 => Dtype::I64,
+            safetensors::Dtype::I32 => Dtype::I32,
+            safetensors::Dtype::F32 => Dtype::F32,
+            safetensors::Dtype::F64 => Dtype::F64,
+            other => return Err(bad(format!("tensor {name:?}: unsupported dtype {other}"))),
         };
-        if t.numel().and_then(|x| x.checked_mul(dtype.size())) != Some(e - b) {
-            return Err(bad(format!(
-                "tensor {name:?}: shape {:?} does not match {} bytes",
-                t.shape,
-                e - b
-            )));
-        }
-        spans.push((b, e, name.clone()));
-        tensors.insert(name.clone(), t);
-    }
-    spans.sort();
-    let mut at = 0;
-    for (b, e, name) in &spans {
-        if *b != at {
-            return Err(bad(format!(
-                "tensor {name:?} starts at byte {b}, expected {at} (offsets must be contiguous)"
-            )));
-        }
-        at = *e;
-    }
-    if at != data.len() {
-        return Err(bad(format!(
-            "tensors cover {at} of {} data bytes",
-            data.len()
-        )));
+        tensors.insert(
+            name.to_string(),
+            Tensor {
+                dtype,
+                shape: view.shape().to_vec(),
+                data: view.data().to_vec(),
+            },
+        );
     }
     Ok(SafeTensors { tensors, metadata })
 }
 
-/// Writes a safetensors file.
+/// Files written to temporary names next to their targets, renamed into
+/// place together by [`StagedFiles::commit`]. Dropped uncommitted (an error,
+/// a panic), it removes every temporary file; a failed commit also removes
+/// the targets it had already renamed. A killed process leaves at most
+/// `.NAME.tmp-PID-*` files, never a truncated target.
+#[derive(Debug, Default)]
+pub struct StagedFiles {
+    /// (temporary, target)
+    staged: Vec<(std::path::PathBuf, std::path::PathBuf)>,
+}
+
+impl StagedFiles {
+    pub fn new() -> StagedFiles {
+        StagedFiles::default()
+    }
+
+    /// Writes `bytes` to a temporary file beside `target` and syncs it.
+    pub fn stage(&mut self, target: &Path, bytes: &[u8]) -> Result<()> {
+        use std::io::Write;
+        let name = target
+            .file_name()
+            .ok_or_else(|| Error::Io(format!("{}: not a file path", target.display())))?;
+        let tmp = target.with_file_name(format!(
+            ".{}.tmp-{}-{}",
+            name.to_string_lossy(),
+            std::process::id(),
+            self.staged.len()
+        ));
+        let io = |e: std::io::Error| Error::Io(format!("{}: {e}", tmp.display()));
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(io)?;
+        self.staged.push((tmp.clone(), target.to_path_buf()));
+        f.write_all(bytes).map_err(io)?;
+        f.sync_all().map_err(io)?;
+        Ok(())
+    }
+
+    /// Renames every staged file over its target.
+    pub fn commit(mut self) -> Result<()> {
+        let staged = std::mem::take(&mut self.staged);
+        for (k, (tmp, target)) in staged.iter().enumerate() {
+            if let Err(e) = std::fs::rename(tmp, target) {
+                for (_, done) in &staged[..k] {
+                    let _ = std::fs::remove_file(done);
+                }
+                for (t, _) in &staged[k..] {
+                    let _ = std::fs::remove_file(t);
+                }
+                return Err(Error::Io(format!("{}: {e}", target.display())));
+            }
+        }
+        if let Some(dir) = staged.first().and_then(|(_, t)| t.parent()) {
+            // Make the renames durable where the platform allows it.
+            let dir = if dir.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                dir
+            };
+            if let Ok(d) = std::fs::File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for StagedFiles {
+    fn drop(&mut self) {
+        for (tmp, _) in &self.staged {
+            let _ = std::fs::remove_file(tmp);
+        }
+    }
+}
+
+/// Writes a safetensors file atomically (temporary file, then rename).
 pub fn write_file(
     path: &Path,
     tensors: &[(String, Tensor)],
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
     let bytes = serialize(tensors, metadata)?;
-    std::fs::write(path, bytes).map_err(|e| Error::Io(format!("{}: {e}", path.display())))
+    let mut s = StagedFiles::new();
+    s.stage(path, &bytes)?;
+    s.commit()
 }
 
 /// Reads a safetensors file.
 pub fn read_file(path: &Path) -> Result<SafeTensors> {
     let bytes = std::fs::read(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
-    deserialize(&bytes)
+    deserialize(&bytes).map_err(|e| match e {
+        Error::Pack(m) => Error::Pack(format!("{}: {m}", path.display())),
+        other => other,
+    })
+}
+
+/// The string metadata of a safetensors file, reading only its header
+/// (`None` when the file is not safetensors).
+pub fn read_metadata(path: &Path) -> Result<Option<BTreeMap<String, String>>> {
+    use std::io::Read;
+    let io = |e: std::io::Error| Error::Io(format!("{}: {e}", path.display()));
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mut n = [0u8; 8];
+    if f.read_exact(&mut n).is_err() {
+        return Ok(None);
+    }
+    let n = u64::from_le_bytes(n);
+    if n > 100_000_000 {
+        return Ok(None);
+    }
+    let mut head = Vec::new();
+    f.take(n).read_to_end(&mut head).map_err(io)?;
+    let Ok(Ok(v)) = std::str::from_utf8(&head).map(crate::rollout::parse_json_strict) else {
+        return Ok(None);
+    };
+    Ok(v.get("__metadata__").and_then(|m| m.as_object()).map(|m| {
+        m.iter()
+            .filter_map(|(k, x)| Some((k.clone(), x.as_str()?.to_string())))
+            .collect()
+    }))
 }
 
 /// The tensors of a pack file (see the module docs). `call_base[r]` is the
@@ -327,6 +383,24 @@ pub fn pack_tensors(
     sdcc: Option<&[SdccPair]>,
     call_base: &[u64],
 ) -> Result<Vec<(String, Tensor)>> {
+    pack.validate()?;
+    if let Some((i, e)) = pack.loss.iter().enumerate().find(|(_, e)| {
+        e.weight.is_nan() || e.weight < 0.0 || e.logprob.is_some_and(|l| !l.is_finite() || l > 0.0)
+    }) {
+        return Err(Error::Pack(format!(
+            "loss entry {i}: weight {} / log-prob {:?} cannot be written (weights are non-negative, log-probs finite and at most 0)",
+            e.weight, e.logprob
+        )));
+    }
+    if let Some(p) = sdcc.and_then(|ps| {
+        ps.iter()
+            .find(|p| p.student_row as usize >= pack.len() || p.teacher_row as usize >= pack.len())
+    }) {
+        return Err(Error::Pack(format!(
+            "SDCC pair {p:?} outside the pack of {} rows",
+            pack.len()
+        )));
+    }
     let i64s = |v: &mut dyn Iterator<Item = i64>| Tensor::from_i64(&v.collect::<Vec<_>>());
     let mut global_calls = Vec::with_capacity(pack.loss.len());
     for e in &pack.loss {
@@ -396,10 +470,43 @@ pub fn pack_tensors(
 }
 
 /// Reads a pack back from the tensors of [`pack_tensors`]: `call_base` maps
-/// global call indices back to (rollout, call). The result is validated.
+/// global call indices back to (rollout, call) (`call_base[r]` is rollout
+/// `r`'s first call; with `call_base[r + 1]` present, calls of rollout `r`
+/// must lie below it).
+///
+/// Every tensor must be 1-D with the pack's dtype (`[L]` or `[T]`, not
+/// `[1, L]`); loss weights finite and non-negative; log-probs (present only
+/// when every target has one: absent is the missing tensor, never NaN)
+/// finite and at most 0; SDCC rows inside the pack and paired; a `format`
+/// in the metadata, when present, `treeattn-pack-v1`. The result is then
+/// validated as a [`Pack`] (mask, loss rows, order).
 pub fn pack_from_tensors(st: &SafeTensors, call_base: &[u64]) -> Result<Pack> {
+    if let Some(f) = st.metadata.get("format") {
+        if f != PACK_FORMAT {
+            return Err(Error::Pack(format!(
+                "metadata format {f:?}, expected {PACK_FORMAT:?}"
+            )));
+        }
+    }
+    let one_d = |name: &str, dtype: Dtype| -> Result<&Tensor> {
+        let t = st.get(name)?;
+        if t.dtype != dtype {
+            return Err(Error::Pack(format!(
+                "tensor {name:?} has dtype {}, expected {}",
+                t.dtype.name(),
+                dtype.name()
+            )));
+        }
+        if t.shape.len() != 1 {
+            return Err(Error::Pack(format!(
+                "tensor {name:?} has shape {:?}, expected one dimension",
+                t.shape
+            )));
+        }
+        Ok(t)
+    };
     let u32s = |name: &str| -> Result<Vec<u32>> {
-        st.get(name)?
+        one_d(name, Dtype::I64)?
             .to_i64()?
             .into_iter()
             .enumerate()
@@ -411,28 +518,29 @@ pub fn pack_from_tensors(st: &SafeTensors, call_base: &[u64]) -> Result<Pack> {
     let (rows, labels, calls, offsets, rollouts) = (
         u32s("loss_rows")?,
         u32s("loss_labels")?,
-        st.get("loss_call")?.to_i64()?,
+        one_d("loss_call", Dtype::I64)?.to_i64()?,
         u32s("loss_offset")?,
         u32s("loss_rollout")?,
     );
-    let weights = st.get("loss_weights")?.to_f32()?;
+    let weights = one_d("loss_weights", Dtype::F32)?.to_f32()?;
     let logprobs = match st.tensors.get("loss_logprobs") {
-        Some(t) => Some(t.to_f32()?),
+        Some(_) => Some(one_d("loss_logprobs", Dtype::F32)?.to_f32()?),
         None => None,
     };
     let t = rows.len();
-    if [
-        labels.len(),
-        calls.len(),
-        offsets.len(),
-        rollouts.len(),
-        weights.len(),
-    ]
-    .iter()
-    .any(|&n| n != t)
-        || logprobs.as_ref().is_some_and(|l| l.len() != t)
-    {
-        return Err(Error::Pack("loss tensors have different lengths".into()));
+    for (name, n) in [
+        ("loss_labels", labels.len()),
+        ("loss_call", calls.len()),
+        ("loss_offset", offsets.len()),
+        ("loss_rollout", rollouts.len()),
+        ("loss_weights", weights.len()),
+        ("loss_logprobs", logprobs.as_ref().map_or(t, Vec::len)),
+    ] {
+        if n != t {
+            return Err(Error::Pack(format!(
+                "tensor {name:?} has {n} entries, loss_rows has {t}"
+            )));
+        }
     }
     let mut loss = Vec::with_capacity(t);
     for i in 0..t {
@@ -440,21 +548,43 @@ pub fn pack_from_tensors(st: &SafeTensors, call_base: &[u64]) -> Result<Pack> {
         let base = *call_base
             .get(r)
             .ok_or_else(|| Error::Pack(format!("loss_rollout[{i}] = {r} has no call offset")))?;
-        let call = (calls[i] as u64)
-            .checked_sub(base)
-            .filter(|_| calls[i] >= 0)
+        let end = call_base.get(r + 1).copied().unwrap_or(u64::MAX);
+        let call = u64::try_from(calls[i])
+            .ok()
+            .filter(|&c| c >= base && c < end)
+            .map(|c| c - base)
+            .and_then(|c| u32::try_from(c).ok())
             .ok_or_else(|| {
                 Error::Pack(format!(
-                    "loss_call[{i}] = {} is before rollout {r}'s first call {base}",
-                    calls[i]
+                    "loss_call[{i}] = {} is not a call of rollout {r} (calls {base}..{})",
+                    calls[i],
+                    if end == u64::MAX {
+                        "".to_string()
+                    } else {
+                        end.to_string()
+                    }
                 ))
             })?;
+        if !weights[i].is_finite() || weights[i] < 0.0 {
+            return Err(Error::Pack(format!(
+                "loss_weights[{i}] = {} is not a finite non-negative weight",
+                weights[i]
+            )));
+        }
+        if let Some(lp) = &logprobs {
+            if !lp[i].is_finite() || lp[i] > 0.0 {
+                return Err(Error::Pack(format!(
+                    "loss_logprobs[{i}] = {} is not a log-probability (finite, at most 0)",
+                    lp[i]
+                )));
+            }
+        }
         loss.push(LossEntry {
             row: rows[i],
             label: labels[i],
             weight: weights[i],
             rollout: rollouts[i],
-            call: call as u32,
+            call,
             offset: offsets[i],
             logprob: logprobs.as_ref().map(|l| l[i]),
         });
@@ -465,8 +595,61 @@ pub fn pack_from_tensors(st: &SafeTensors, call_base: &[u64]) -> Result<Pack> {
         kv_end: u32s("kv_end")?,
         loss,
     };
+    if p.position_ids.len() != p.tokens.len() {
+        return Err(Error::Pack(format!(
+            "tensor \"position_ids\" has {} entries, tokens has {}",
+            p.position_ids.len(),
+            p.tokens.len()
+        )));
+    }
     p.validate()?;
+    sdcc_rows_from_tensors(st, p.len())?;
     Ok(p)
+}
+
+/// The SDCC pairs of a pack file as (student row, teacher row), checked:
+/// both tensors present or both absent, 1-D, equally long, every row inside
+/// the pack of `len` tokens. `None` when the file has no SDCC tensors.
+pub fn sdcc_rows_from_tensors(st: &SafeTensors, len: usize) -> Result<Option<Vec<(u32, u32)>>> {
+    let get = |name: &str| -> Result<Option<Vec<u32>>> {
+        let Some(t) = st.tensors.get(name) else {
+            return Ok(None);
+        };
+        if t.dtype != Dtype::I64 || t.shape.len() != 1 {
+            return Err(Error::Pack(format!(
+                "tensor {name:?} is {} {:?}, expected a 1-D I64 tensor",
+                t.dtype.name(),
+                t.shape
+            )));
+        }
+        t.to_i64()?
+            .into_iter()
+            .enumerate()
+            .map(|(i, x)| {
+                u32::try_from(x)
+                    .ok()
+                    .filter(|&r| (r as usize) < len)
+                    .ok_or_else(|| {
+                        Error::Pack(format!(
+                            "{name}[{i}] = {x} is outside the pack of {len} rows"
+                        ))
+                    })
+            })
+            .collect::<Result<Vec<u32>>>()
+            .map(Some)
+    };
+    match (get("sdcc_student_rows")?, get("sdcc_teacher_rows")?) {
+        (None, None) => Ok(None),
+        (Some(s), Some(t)) if s.len() == t.len() => Ok(Some(s.into_iter().zip(t).collect())),
+        (Some(s), Some(t)) => Err(Error::Pack(format!(
+            "{} SDCC student rows but {} teacher rows",
+            s.len(),
+            t.len()
+        ))),
+        _ => Err(Error::Pack(
+            "only one of sdcc_student_rows and sdcc_teacher_rows is present".into(),
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -493,6 +676,171 @@ mod tests {
             vec![0.5, f32::NEG_INFINITY]
         );
         assert!(back.get("a").unwrap().to_f32().is_err());
+    }
+
+    use crate::rollout::{Call, Rollout};
+    use crate::tree::Tree;
+
+    /// The worked example's pack, its tensors and call offsets.
+    fn golden_tensors() -> (Vec<(String, Tensor)>, Vec<u64>) {
+        let r = Rollout::new(
+            "g",
+            vec![
+                Call::new(vec![10, 11, 20], vec![30, 31]),
+                Call::new(vec![10, 11, 20, 30, 31, 40], vec![32]),
+                Call::new(vec![10, 11, 20, 30, 31, 40, 32, 1], vec![50, 51]),
+                Call {
+                    context: vec![10, 11, 3, 50, 51, 40, 32],
+                    completion: vec![33],
+                    logprobs: Some(vec![-0.25]),
+                },
+            ],
+        )
+        .unwrap();
+        let tree = Tree::build(&[r], false).unwrap();
+        let pairs = tree.sdcc_pairs();
+        let t = pack_tensors(&tree.trie_pack(), Some(&pairs), &[0, 4]).unwrap();
+        (t, vec![0, 4])
+    }
+
+    /// Reading the golden tensors after `edit` must fail naming `what`.
+    fn rejects(what: &str, edit: impl FnOnce(&mut Vec<(String, Tensor)>)) {
+        let (mut t, base) = golden_tensors();
+        edit(&mut t);
+        let st = deserialize(&serialize(&t, &BTreeMap::new()).unwrap()).unwrap();
+        let e = pack_from_tensors(&st, &base).unwrap_err();
+        assert!(e.to_string().contains(what), "{what}: {e}");
+    }
+
+    fn set(t: &mut [(String, Tensor)], name: &str, v: Tensor) {
+        t.iter_mut().find(|(n, _)| n == name).unwrap().1 = v;
+    }
+
+    #[test]
+    fn the_pack_reader_checks_what_it_reads() {
+        let (t, base) = golden_tensors();
+        let st = deserialize(&serialize(&t, &BTreeMap::new()).unwrap()).unwrap();
+        let p = pack_from_tensors(&st, &base).unwrap();
+        assert_eq!(p.len(), 16);
+        assert_eq!(sdcc_rows_from_tensors(&st, 16).unwrap().unwrap().len(), 3);
+        // A call index past u32 used to wrap to call 0.
+        rejects("loss_call[0]", |t| {
+            let mut c = t
+                .iter()
+                .find(|(n, _)| n == "loss_call")
+                .unwrap()
+                .1
+                .to_i64()
+                .unwrap();
+            c[0] = 1 << 32;
+            set(t, "loss_call", Tensor::from_i64(&c));
+        });
+        // A call of the next rollout, or before the first.
+        rejects("loss_call[5]", |t| {
+            let mut c = t
+                .iter()
+                .find(|(n, _)| n == "loss_call")
+                .unwrap()
+                .1
+                .to_i64()
+                .unwrap();
+            c[5] = 4;
+            set(t, "loss_call", Tensor::from_i64(&c));
+        });
+        rejects("loss_weights[2]", |t| {
+            set(
+                t,
+                "loss_weights",
+                Tensor::from_f32(&[1.0, 1.0, -1.0, 1.0, 1.0, 1.0]),
+            );
+        });
+        rejects("loss_logprobs[1]", |t| {
+            let lp = [-0.5, f32::NAN, -0.5, -0.5, -0.5, -0.5];
+            t.push(("loss_logprobs".into(), Tensor::from_f32(&lp)));
+        });
+        rejects("loss_logprobs[0]", |t| {
+            let lp = [3.0, -0.5, -0.5, -0.5, -0.5, -0.5];
+            t.push(("loss_logprobs".into(), Tensor::from_f32(&lp)));
+        });
+        rejects("sdcc_teacher_rows[1]", |t| {
+            set(t, "sdcc_teacher_rows", Tensor::from_i64(&[7, 16, 5]));
+        });
+        rejects("teacher rows", |t| {
+            set(t, "sdcc_teacher_rows", Tensor::from_i64(&[7, 8]));
+        });
+        rejects("only one of", |t| {
+            t.retain(|(n, _)| n != "sdcc_student_rows")
+        });
+        // [1, L] where [L] is expected.
+        rejects("shape [1, 16]", |t| {
+            let tok = &mut t.iter_mut().find(|(n, _)| n == "tokens").unwrap().1;
+            tok.shape = vec![1, 16];
+        });
+        rejects("dtype I32", |t| {
+            set(
+                t,
+                "kv_end",
+                Tensor {
+                    dtype: Dtype::I32,
+                    shape: vec![16],
+                    data: vec![0; 64],
+                },
+            );
+        });
+        rejects("position_ids", |t| {
+            set(t, "position_ids", Tensor::from_i64(&[0; 15]))
+        });
+    }
+
+    #[test]
+    fn a_repeated_header_key_is_an_error() {
+        // Two entries for "a": serde would keep the last one silently.
+        let head = r#"{"a":{"dtype":"I64","shape":[1],"data_offsets":[0,8]},"a":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}}"#;
+        let mut head = head.as_bytes().to_vec();
+        while head.len() % 8 != 0 {
+            head.push(b' ');
+        }
+        let mut bytes = (head.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(&head);
+        bytes.extend(7i64.to_le_bytes());
+        let e = deserialize(&bytes).unwrap_err();
+        assert!(e.to_string().contains("duplicate key"), "{e}");
+    }
+
+    #[test]
+    fn the_writer_refuses_what_the_reader_would_reject() {
+        let tree = Tree::build(
+            &[Rollout::new("w", vec![Call::new(vec![1, 2], vec![3])]).unwrap()],
+            false,
+        )
+        .unwrap();
+        let mut p = tree.trie_pack();
+        p.loss[0].weight = -2.0;
+        assert!(pack_tensors(&p, None, &[0]).is_err());
+    }
+
+    #[test]
+    fn staged_files_appear_together_or_not_at_all() {
+        let dir = std::env::temp_dir().join(format!("treeattn-staged-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b) = (dir.join("a.bin"), dir.join("b.bin"));
+        {
+            let mut s = StagedFiles::new();
+            s.stage(&a, b"one").unwrap();
+            s.stage(&b, b"two").unwrap();
+            // Dropped without commit: nothing is left, not even temporaries.
+        }
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+        let mut s = StagedFiles::new();
+        s.stage(&a, b"one").unwrap();
+        s.stage(&b, b"two").unwrap();
+        assert!(!a.exists());
+        s.commit().unwrap();
+        assert_eq!(std::fs::read(&a).unwrap(), b"one");
+        assert_eq!(std::fs::read(&b).unwrap(), b"two");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

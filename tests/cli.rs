@@ -264,3 +264,231 @@ fn gen_regenerates_the_sample_exactly() {
     let o = run(&["gen", "golden", "golden"]);
     assert_eq!(o.status.code(), Some(2), "duplicate ids are refused");
 }
+
+#[test]
+fn version_and_help_per_subcommand() {
+    let o = run(&["--version"]);
+    assert!(o.status.success());
+    assert!(
+        stdout(&o).contains(env!("CARGO_PKG_VERSION")),
+        "{}",
+        stdout(&o)
+    );
+    // `help pack` is pack's help, not the global one.
+    let o = run(&["help", "pack"]);
+    assert!(o.status.success());
+    assert!(stdout(&o).contains("--share-prefixes"), "{}", stdout(&o));
+    assert!(!stdout(&o).contains("gpu-check"), "{}", stdout(&o));
+    // Every bench option is in its help.
+    let o = run(&["bench", "--help"]);
+    for opt in [
+        "--shape",
+        "--reps",
+        "--heads",
+        "--head-dim",
+        "--size",
+        "--seed",
+        "--costs-only",
+        "--sdcc",
+    ] {
+        assert!(stdout(&o).contains(opt), "{opt}");
+    }
+}
+
+#[test]
+fn one_rollout_is_singular() {
+    let d = scratch("plural");
+    let f = d.join("one.jsonl");
+    let o = run(&["gen", "golden", "--out", f.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("wrote 1 rollout to"), "{}", stderr(&o));
+    let out = d.join("one.safetensors");
+    let o = run(&["pack", f.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains(": 1 rollout, L = 16"), "{}", stdout(&o));
+    let o = run(&["inspect", f.to_str().unwrap()]);
+    assert!(
+        stdout(&o).contains(": 1 rollout, 4 calls"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+/// Names in a directory, sorted.
+fn listing(d: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn pack_output_is_all_or_nothing() {
+    let d = scratch("atomic");
+    let out = d.join("p.safetensors");
+    // The sample needs several packs at 1000 tokens; at 300 one rollout is
+    // too big, which is only found after the smaller ones would have been
+    // written: nothing may be left behind.
+    let o = run(&[
+        "pack",
+        SAMPLE,
+        "--out",
+        out.to_str().unwrap(),
+        "--budget",
+        "300",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(listing(&d).is_empty(), "{:?}", listing(&d));
+    // A write that fails (the output directory is missing) leaves nothing.
+    let o = run(&[
+        "pack",
+        SAMPLE,
+        "--out",
+        d.join("missing/p.safetensors").to_str().unwrap(),
+        "--budget",
+        "1000",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(listing(&d).is_empty(), "{:?}", listing(&d));
+    // Writing pack 1 fails (a directory holds its name): pack 0, written
+    // first, must not be left behind (it used to be, with exit 1).
+    std::fs::create_dir(d.join("p-00001.safetensors")).unwrap();
+    let o = run(&[
+        "pack",
+        SAMPLE,
+        "--out",
+        out.to_str().unwrap(),
+        "--budget",
+        "1000",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(listing(&d), vec!["p-00001.safetensors".to_string()]);
+}
+
+#[test]
+fn a_rerun_with_fewer_packs_leaves_no_stale_files() {
+    let d = scratch("stale");
+    let out = d.join("p.safetensors");
+    let pack = |budget: &str| {
+        let o = run(&[
+            "pack",
+            SAMPLE,
+            "--out",
+            out.to_str().unwrap(),
+            "--budget",
+            budget,
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        o
+    };
+    pack("1000");
+    let many = listing(&d);
+    assert!(
+        many.len() > 2 && many.iter().all(|n| n.starts_with("p-")),
+        "{many:?}"
+    );
+    let o = pack("100000");
+    assert_eq!(listing(&d), vec!["p.safetensors".to_string()]);
+    assert!(stderr(&o).contains("removed"), "{}", stderr(&o));
+    // And back: the single file of the earlier run goes too.
+    pack("1000");
+    assert_eq!(listing(&d), many);
+    // A file named like a pack that is not one is refused, untouched.
+    std::fs::write(d.join("p-00099.safetensors"), b"not a pack").unwrap();
+    let o = run(&[
+        "pack",
+        SAMPLE,
+        "--out",
+        out.to_str().unwrap(),
+        "--budget",
+        "1000",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("p-00099"), "{}", stderr(&o));
+    assert_eq!(
+        std::fs::read(d.join("p-00099.safetensors")).unwrap(),
+        b"not a pack"
+    );
+}
+
+#[test]
+fn pack_refuses_to_overwrite_its_input() {
+    let d = scratch("self");
+    let f = d.join("in.jsonl");
+    std::fs::copy(SAMPLE, &f).unwrap();
+    let before = std::fs::read(&f).unwrap();
+    let sub = d.join("sub");
+    std::fs::create_dir_all(&sub).unwrap();
+    let via_dots = sub.join("../in.jsonl");
+    for out in [f.clone(), via_dots] {
+        let o = run(&["pack", f.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(stderr(&o).contains("input"), "{}", stderr(&o));
+    }
+    assert_eq!(std::fs::read(&f).unwrap(), before);
+}
+
+#[test]
+fn gen_into_a_closed_pipe_exits_0() {
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_treeattn"))
+        .args(["gen", "compaction", "grpo", "fold", "--paper-scale"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read one line, then close the pipe (what `| head -1` does).
+    let mut first = [0u8; 64];
+    use std::io::Read;
+    child
+        .stdout
+        .as_mut()
+        .unwrap()
+        .read_exact(&mut first)
+        .unwrap();
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{:?}: {}", o.status, stderr(&o));
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+}
+
+#[test]
+fn inspect_of_a_directory_says_so() {
+    let d = scratch("dir");
+    let o = run(&["inspect", d.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("is a directory"), "{}", stderr(&o));
+    assert!(
+        !stderr(&o).contains("invalid rollout JSON"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn pack_progress_only_on_a_terminal() {
+    let d = scratch("progress");
+    let out = d.join("p.safetensors");
+    let o = run(&["pack", SAMPLE, "--out", out.to_str().unwrap()]);
+    assert!(o.status.success());
+    assert!(stderr(&o).is_empty(), "not a terminal: {}", stderr(&o));
+    // Under a pseudo-terminal (util-linux `script`), progress appears.
+    let cmd = format!(
+        "{} pack {SAMPLE} --out {} --budget 1000",
+        env!("CARGO_BIN_EXE_treeattn"),
+        out.display()
+    );
+    let Ok(o) = Command::new("script")
+        .args(["-qefc", &cmd, "/dev/null"])
+        .output()
+    else {
+        eprintln!("no `script` here: the terminal half is skipped");
+        return;
+    };
+    let text = stdout(&o);
+    assert!(o.status.success(), "{text}");
+    assert!(text.contains("read 22 rollouts; packing"), "{text}");
+    assert!(text.contains("writing pack 1 of "), "{text}");
+}

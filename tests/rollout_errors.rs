@@ -204,3 +204,83 @@ fn invalid_utf8_is_an_error_not_a_panic() {
         Error::Json { line: 1, .. }
     ));
 }
+
+#[test]
+fn positive_logprobs_are_errors() {
+    // A log-probability is at most 0; 5.0 or 100 is a logit or a mistake.
+    for lp in ["5.0", "100", "1e-3"] {
+        let bad = format!(
+            r#"{{"id": "b", "calls": [{{"context": [1], "completion": [2, 3], "logprobs": [-0.5, {lp}]}}]}}"#
+        );
+        let e = second_line(&bad);
+        assert!(e.to_string().contains("offset 1"), "{e}");
+        assert!(e.to_string().contains("positive"), "{e}");
+        assert_rollout_err(e, "b", Some(0), "logprobs", 2);
+    }
+    let pos = Call {
+        context: vec![1],
+        completion: vec![2],
+        logprobs: Some(vec![5.0]),
+    };
+    assert!(Rollout::new("c", vec![pos]).is_err());
+    // 0 (certainty) and -0 are valid.
+    let zero =
+        r#"{"id": "z", "calls": [{"context": [1], "completion": [2, 3], "logprobs": [0, -0.0]}]}"#;
+    assert!(parse_jsonl(zero).is_ok());
+}
+
+#[test]
+fn duplicate_json_keys_are_errors() {
+    for bad in [
+        r#"{"id": "b", "id": "c", "calls": [{"context": [1], "completion": [2]}]}"#,
+        r#"{"id": "b", "calls": [{"context": [1], "completion": [2], "context": [5]}]}"#,
+        r#"{"id": "b", "calls": [{"context": [1], "completion": [2]}], "calls": []}"#,
+    ] {
+        let e = second_line(bad);
+        assert!(matches!(e, Error::Json { line: 2, .. }), "{e}");
+        assert!(e.to_string().contains("duplicate key"), "{e}");
+    }
+    // Repeated keys in unrelated objects are fine.
+    let ok = r#"{"id": "b", "meta": {"x": 1}, "calls": [{"context": [1], "completion": [2], "meta": {"x": 2}}]}"#;
+    assert!(parse_jsonl(ok).is_ok());
+}
+
+#[test]
+fn json_errors_name_the_file_line_and_column_only() {
+    let e = second_line(r#"{"id": "b", "calls": [}"#);
+    let s = e.to_string();
+    assert!(s.starts_with("line 2: "), "{s}");
+    assert!(s.contains("column 23"), "{s}");
+    assert!(!s.contains("line 1"), "one line number only: {s}");
+}
+
+#[test]
+fn a_byte_order_mark_at_the_start_is_skipped() {
+    let with_bom = format!("\u{feff}{GOOD}\n");
+    let rs = parse_jsonl(&with_bom).unwrap();
+    assert_eq!(rs[0].id(), "a");
+    // Only at the start of the input: elsewhere it is not JSON.
+    let e = parse_jsonl(&format!("{GOOD}\n\u{feff}{GOOD}\n")).unwrap_err();
+    assert!(matches!(e, Error::Json { line: 2, .. }), "{e}");
+}
+
+#[test]
+fn logprobs_outside_f32_say_so() {
+    let bad = r#"{"id": "b", "calls": [{"context": [1], "completion": [2], "logprobs": [-1e39]}]}"#;
+    let s = second_line(bad).to_string();
+    assert!(s.contains("-1e+39") && s.contains("f32 range"), "{s}");
+    assert!(!s.contains("inf"), "{s}");
+}
+
+#[test]
+fn a_directory_is_an_io_error() {
+    let dir = std::env::temp_dir();
+    let e = treeattn::rollout::read_jsonl_file(&dir).unwrap_err();
+    assert!(matches!(e, Error::Io(_)), "{e:?}");
+    assert!(e.to_string().contains("directory"), "{e}");
+    let missing = dir.join("treeattn-no-such-file.jsonl");
+    assert!(matches!(
+        treeattn::rollout::read_jsonl_file(&missing).unwrap_err(),
+        Error::Io(_)
+    ));
+}

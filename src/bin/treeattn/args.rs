@@ -1,139 +1,65 @@
-//! A tiny argument parser: `--flag`, `--key VALUE` / `--key=VALUE`, and
-//! positionals. Options are taken out by name; whatever is left must be
-//! positional, so a misspelt option is a usage error, not silently ignored.
+//! Shared helpers of the subcommands: number parsers for clap, reading a
+//! rollout file, writing to stdout through a closed pipe, plurals.
 
 use treeattn::{Error, Result};
 
-pub struct Args {
-    items: Vec<String>,
+/// A non-negative integer; `_` may group digits (`1_000_000`).
+pub fn number(s: &str) -> std::result::Result<u64, String> {
+    s.replace('_', "")
+        .parse::<u64>()
+        .map_err(|_| format!("{s:?} is not a non-negative integer"))
 }
 
-impl Args {
-    pub fn new(items: Vec<String>) -> Args {
-        Args { items }
-    }
-
-    /// True (and removed) when `--help` or `-h` is present.
-    pub fn help(&mut self) -> bool {
-        let n = self.items.len();
-        self.items.retain(|a| a != "--help" && a != "-h");
-        self.items.len() != n
-    }
-
-    /// Removes `--name`; true when it was present.
-    pub fn flag(&mut self, name: &str) -> Result<bool> {
-        let full = format!("--{name}");
-        if let Some(bad) = self
-            .items
-            .iter()
-            .find(|a| a.starts_with(&format!("{full}=")))
-        {
-            return Err(Error::Usage(format!("{bad}: --{name} takes no value")));
-        }
-        let n = self.items.len();
-        self.items.retain(|a| *a != full);
-        Ok(self.items.len() != n)
-    }
-
-    /// Removes `--name VALUE` or `--name=VALUE` and returns the value.
-    pub fn value(&mut self, name: &str) -> Result<Option<String>> {
-        let full = format!("--{name}");
-        let prefix = format!("{full}=");
-        let mut found = None;
-        let mut i = 0;
-        while i < self.items.len() {
-            if self.items[i] == full {
-                if i + 1 >= self.items.len() {
-                    return Err(Error::Usage(format!("{full} needs a value")));
-                }
-                let v = self.items.remove(i + 1);
-                self.items.remove(i);
-                if found.replace(v).is_some() {
-                    return Err(Error::Usage(format!("{full} given twice")));
-                }
-            } else if let Some(v) = self.items[i].strip_prefix(&prefix) {
-                let v = v.to_string();
-                self.items.remove(i);
-                if found.replace(v).is_some() {
-                    return Err(Error::Usage(format!("{full} given twice")));
-                }
-            } else {
-                i += 1;
-            }
-        }
-        Ok(found)
-    }
-
-    /// Removes `--name N` and parses it as an unsigned integer.
-    pub fn number(&mut self, name: &str) -> Result<Option<u64>> {
-        match self.value(name)? {
-            None => Ok(None),
-            Some(v) => {
-                v.replace('_', "").parse::<u64>().map(Some).map_err(|_| {
-                    Error::Usage(format!("--{name} {v:?} is not a non-negative integer"))
-                })
-            }
-        }
-    }
-
-    /// The remaining arguments, which must all be positional.
-    pub fn positionals(self) -> Result<Vec<String>> {
-        if let Some(opt) = self
-            .items
-            .iter()
-            .find(|a| a.starts_with('-') && a.len() > 1)
-        {
-            return Err(Error::Usage(format!("unknown option {opt}")));
-        }
-        Ok(self.items)
+/// A positive integer that fits in `usize`.
+pub fn positive(s: &str) -> std::result::Result<usize, String> {
+    match number(s)? {
+        0 => Err("must be at least 1".into()),
+        n => usize::try_from(n).map_err(|_| format!("{n} is too large")),
     }
 }
 
 /// Reads and validates a JSONL rollout file.
 pub fn read_rollouts(path: &str) -> Result<Vec<treeattn::rollout::Rollout>> {
-    let f = std::fs::File::open(path).map_err(|e| Error::Io(format!("{path}: {e}")))?;
-    treeattn::rollout::read_jsonl(std::io::BufReader::new(f)).map_err(|e| match e {
-        Error::Json { line, msg } => Error::Json {
-            line,
-            msg: format!("{path}: {msg}"),
-        },
-        Error::Rollout {
-            rollout,
-            call,
-            field,
-            msg,
-        } => Error::Rollout {
-            rollout,
-            call,
-            field,
-            msg: format!("{path}: {msg}"),
-        },
-        other => other,
-    })
+    treeattn::rollout::read_jsonl_file(std::path::Path::new(path))
 }
 
-/// Exactly one positional argument, named `what` in the error.
-pub fn one_file(args: Args, what: &str) -> Result<String> {
-    let mut p = args.positionals()?;
-    match p.len() {
-        1 => Ok(p.remove(0)),
-        0 => Err(Error::Usage(format!("missing {what}"))),
-        _ => Err(Error::Usage(format!(
-            "expected one {what}, got {}",
-            p.len()
-        ))),
+/// `1 rollout`, `2 rollouts`.
+pub fn plural(n: usize, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
     }
 }
 
-/// Writes `text` to stdout; a closed pipe (`treeattn inspect ... | head`)
-/// ends the output quietly instead of failing.
+/// Whether an i/o error is a closed pipe (`treeattn ... | head`): the
+/// reader has gone, so the output ends quietly instead of failing.
+pub fn closed_pipe(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::BrokenPipe
+}
+
+/// Writes `text` to stdout; a closed pipe ends the output quietly.
 pub fn emit(text: &str) -> Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
-        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
-            Err(Error::Io(format!("stdout: {e}")))
-        }
+        Err(e) if !closed_pipe(&e) => Err(Error::Io(format!("stdout: {e}"))),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_and_plurals() {
+        assert_eq!(number("1_000"), Ok(1000));
+        assert!(number("-1").is_err() && number("x").is_err());
+        assert_eq!(positive("3"), Ok(3));
+        assert!(positive("0").unwrap_err().contains("at least 1"));
+        assert_eq!(plural(1, "rollout"), "1 rollout");
+        assert_eq!(plural(0, "rollout"), "0 rollouts");
+        assert_eq!(plural(2, "SDCC pair"), "2 SDCC pairs");
     }
 }

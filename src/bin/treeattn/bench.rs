@@ -1,15 +1,16 @@
 //! `treeattn bench`: the quick attention comparison of `treeattn::bench`.
 
+use clap::Args;
 use treeattn::bench::{costs, quick, sdcc_table, Options, Size};
 use treeattn::gen::Shape;
-use treeattn::{Error, Result};
+use treeattn::Result;
 
-use crate::args::{emit, Args};
+use crate::args::{emit, number, positive};
 
-const HELP: &str = "\
-treeattn bench [--shape SHAPE[,SHAPE...]] [--reps N] [--heads H] [--head-dim D]
-               [--size small|bench|paper] [--seed N] [--costs-only | --sdcc]
-
+/// Time attention (trie pack vs LogitTree K+1 passes, replicated, dense
+/// mask, Naive-Compressed) per shape; or count costs only, or time SDCC.
+#[derive(Args, Debug)]
+#[command(long_about = "\
 Times attention forward and forward+backward (CPU backend, f32) on each tree
 shape for: the trie pack (one exact pass), the branch-replicated pack, LogitTree's
 K+1 causal passes, a dense-mask attention over the trie pack (L×L mask and
@@ -18,64 +19,61 @@ tokens, visible pairs, GFLOP (4·d·heads per visible pair forward, ×3.5 with t
 backward), median time, GFLOP/s and ratios to the trie pack, then per shape the
 trie's FLOP/s over causal and its cost over Naive-Compressed.
 
-Defaults: all shapes (compaction, stack-pop, fold, memex, grpo, plain), 3 reps,
-4 heads of dim 64, size bench (trie packs of ~1-2k tokens), seed 0. Threads:
-TREEATTN_THREADS or all cores. Build with --release.
+Threads: TREEATTN_THREADS or all cores. Build with --release.")]
+pub struct BenchArgs {
+    /// Shapes, comma-separated (compaction, stack-pop, fold, memex, grpo,
+    /// plain, golden) [default: all but golden].
+    #[arg(long, value_name = "SHAPE,...")]
+    shape: Option<String>,
+    /// Timed repetitions (the median is shown) [default: 3].
+    #[arg(long, value_name = "N", value_parser = positive)]
+    reps: Option<usize>,
+    /// Attention heads [default: 4].
+    #[arg(long, value_name = "H", value_parser = positive)]
+    heads: Option<usize>,
+    /// Head dimension [default: 64].
+    #[arg(long, value_name = "D", value_parser = positive)]
+    head_dim: Option<usize>,
+    /// Tree sizes: small (hundreds of tokens), bench (trie packs of ~1-2k
+    /// tokens), paper (windows of up to 80k tokens, with --costs-only)
+    /// [default: bench].
+    #[arg(long, value_name = "small|bench|paper")]
+    size: Option<String>,
+    /// Seed of the generated trees [default: 0].
+    #[arg(long, value_name = "N", value_parser = number)]
+    seed: Option<u64>,
+    /// Count tokens and visible pairs of every method without timing.
+    #[arg(long, conflicts_with = "sdcc")]
+    costs_only: bool,
+    /// Time the SDCC forward KL instead, fused against unfused (both
+    /// softmaxes materialised), 128 pairs, vocabularies of 32k and 150k,
+    /// with the peak memory of each.
+    #[arg(long)]
+    sdcc: bool,
+}
 
---costs-only counts tokens and visible pairs of every method without timing
-anything (use it with --size paper: windows of up to 80k tokens).
---sdcc times the SDCC forward KL instead, fused against unfused (both
-softmaxes materialised), 128 pairs, vocabularies of 32k and 150k, with the
-peak memory of each.";
-
-pub fn run(args: Vec<String>) -> Result<()> {
-    let mut a = Args::new(args);
-    if a.help() {
-        return emit(&format!("{HELP}\n"));
-    }
+pub fn run(a: BenchArgs) -> Result<()> {
     let mut opts = Options::default();
-    if let Some(list) = a.value("shape")? {
+    if let Some(list) = &a.shape {
         opts.shapes = list
             .split(',')
             .map(|s| Shape::parse(s.trim()))
             .collect::<Result<_>>()?;
     }
-    let positive = |name: &str, v: Option<u64>, default: usize| -> Result<usize> {
-        match v {
-            None => Ok(default),
-            Some(0) => Err(Error::Usage(format!("--{name} must be at least 1"))),
-            Some(n) => {
-                usize::try_from(n).map_err(|_| Error::Usage(format!("--{name} {n} is too large")))
-            }
-        }
-    };
-    opts.reps = positive("reps", a.number("reps")?, opts.reps)?;
-    opts.heads = positive("heads", a.number("heads")?, opts.heads)?;
-    opts.head_dim = positive("head-dim", a.number("head-dim")?, opts.head_dim)?;
-    if let Some(s) = a.value("size")? {
-        opts.size = Size::parse(&s)?;
+    opts.reps = a.reps.unwrap_or(opts.reps);
+    opts.heads = a.heads.unwrap_or(opts.heads);
+    opts.head_dim = a.head_dim.unwrap_or(opts.head_dim);
+    if let Some(s) = &a.size {
+        opts.size = Size::parse(s)?;
     }
-    opts.seed = a.number("seed")?.unwrap_or(opts.seed);
-    let costs_only = a.flag("costs-only")?;
-    let sdcc = a.flag("sdcc")?;
-    let rest = a.positionals()?;
-    if let Some(extra) = rest.first() {
-        return Err(Error::Usage(format!(
-            "unexpected argument {extra:?} (shapes go after --shape, comma-separated)"
-        )));
-    }
-    if costs_only && sdcc {
-        return Err(Error::Usage(
-            "--costs-only and --sdcc exclude each other".into(),
-        ));
-    }
-    if sdcc {
+    opts.seed = a.seed.unwrap_or(opts.seed);
+    if a.sdcc {
         return emit(&format!(
             "{}",
             sdcc_table(128, &[32_000, 150_000], opts.reps)?
         ));
     }
-    if costs_only {
+    if a.costs_only {
         return emit(&format!("{}", costs(&opts)?));
     }
     emit(&format!("{}", quick(&opts)?))
@@ -84,39 +82,49 @@ pub fn run(args: Vec<String>) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::run;
+    use clap::Parser;
     use treeattn::Error;
 
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        bench: super::BenchArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<super::BenchArgs, String> {
+        Cli::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
+            .map(|c| c.bench)
+            .map_err(|e| e.to_string())
+    }
+
     fn usage(args: &[&str]) -> String {
-        match run(args.iter().map(|s| s.to_string()).collect()) {
-            Err(Error::Usage(m)) => m,
-            other => panic!("{args:?}: expected a usage error, got {other:?}"),
+        match parse(args) {
+            Err(m) => m,
+            Ok(a) => match run(a) {
+                Err(Error::Usage(m)) => m,
+                other => panic!("{args:?}: expected a usage error, got {other:?}"),
+            },
         }
     }
 
     // Bad options are rejected before anything is timed.
     #[test]
     fn bad_options_are_usage_errors() {
-        assert!(usage(&["--reps", "0"]).contains("--reps must be at least 1"));
+        assert!(usage(&["--reps", "0"]).contains("at least 1"));
         assert!(usage(&["--heads", "0"]).contains("--heads"));
         assert!(usage(&["--head-dim", "x"]).contains("not a non-negative integer"));
         assert!(usage(&["--shape", "compaction,tree"]).contains("unknown shape \"tree\""));
         assert!(usage(&["--size", "huge"]).contains("unknown size"));
-        assert!(usage(&["--costs-only=yes"]).contains("takes no value"));
-        assert!(usage(&["--warmup", "2"]).contains("unknown option --warmup"));
+        assert!(usage(&["--costs-only=yes"]).contains("--costs-only"));
+        assert!(usage(&["--warmup", "2"]).contains("--warmup"));
         assert!(usage(&["compaction"]).contains("unexpected argument"));
-        assert!(usage(&["--sdcc", "--costs-only"]).contains("exclude each other"));
+        assert!(usage(&["--sdcc", "--costs-only"]).contains("cannot be used with"));
         assert!(usage(&["--size", "paper"]).contains("use --costs-only"));
     }
 
     #[test]
     fn costs_only_runs_without_timing() {
-        assert_eq!(
-            run(vec![
-                "--costs-only".into(),
-                "--shape".into(),
-                "golden".into()
-            ]),
-            Ok(())
-        );
+        let a = parse(&["--costs-only", "--shape", "golden"]).unwrap();
+        assert_eq!(run(a), Ok(()));
     }
 }

@@ -1,12 +1,18 @@
 //! `treeattn demo`: a thin front over [`treeattn::demo::run`].
 
+use std::path::PathBuf;
+
+use clap::Args;
 use treeattn::demo::{run as run_demo, DemoOptions};
-use treeattn::{Error, Result};
+use treeattn::Result;
 
-use crate::args::{emit, Args};
+use crate::args::{emit, number, positive};
 
-const HELP: &str = "\
-treeattn demo [--input FILE.jsonl] [--seed N] [--repeats N]
+/// The main job: trie pack vs LogitTree vs naive methods on a tiny model
+/// (bundled sample by default).
+#[derive(Args, Debug)]
+#[command(long_about = "\
+The main job: trie pack vs LogitTree vs naive methods on a tiny model.
 
 Packs the rollouts (the bundled sample by default) into one forest, runs a
 tiny random-weight transformer (f32) forward and backward on the trie pack,
@@ -15,34 +21,25 @@ Naive-Compressed, and prints per method: tokens processed, attention FLOPs
 (visible pairs × 4·head_dim × heads × layers, forward) and wall time; the
 largest |Δ log-prob| of trie vs LogitTree; the drift of the naive methods
 against the exact log-probs; SDCC's forward KL at the diverging targets.
---seed sets the model weights (default 0); --repeats how many timed runs per
-method (default 3, the best is shown).";
+Inputs larger than the demo's limit (see `treeattn::demo::MAX_DEMO_TOKENS`)
+are refused up front with the figures; use `treeattn inspect` for those.")]
+pub struct DemoArgs {
+    /// Rollouts to run on (JSON Lines); default: the bundled sample.
+    #[arg(long, value_name = "FILE.jsonl")]
+    input: Option<PathBuf>,
+    /// Seed of the model weights.
+    #[arg(long, value_name = "N", default_value = "0", value_parser = number)]
+    seed: u64,
+    /// Timed runs per method (the best is shown).
+    #[arg(long, value_name = "N", default_value = "3", value_parser = positive)]
+    repeats: usize,
+}
 
-pub fn run(args: Vec<String>) -> Result<()> {
-    let mut a = Args::new(args);
-    if a.help() {
-        return emit(&format!("{HELP}\n"));
-    }
-    let defaults = DemoOptions::default();
-    let input = a.value("input")?.map(Into::into);
-    let seed = a.number("seed")?.unwrap_or(defaults.seed);
-    let repeats = match a.number("repeats")? {
-        None => defaults.repeats,
-        Some(0) => return Err(Error::Usage("--repeats must be at least 1".into())),
-        Some(n) => {
-            usize::try_from(n).map_err(|_| Error::Usage(format!("--repeats {n} is too large")))?
-        }
-    };
-    let extra = a.positionals()?;
-    if !extra.is_empty() {
-        return Err(Error::Usage(format!(
-            "demo takes no positional arguments, got {extra:?}"
-        )));
-    }
+pub fn run(a: DemoArgs) -> Result<()> {
     let report = run_demo(&DemoOptions {
-        input,
-        seed,
-        repeats,
+        input: a.input,
+        seed: a.seed,
+        repeats: a.repeats,
     })?;
     emit(&format!("{report}\n"))
 }

@@ -2,38 +2,49 @@
 
 use std::io::Write;
 
+use clap::Args;
 use treeattn::gen::{generate, Shape};
-use treeattn::rollout::write_jsonl;
+use treeattn::safetensors::StagedFiles;
 use treeattn::{Error, Result};
 
-use crate::args::{emit, Args};
+use crate::args::{closed_pipe, number, plural};
 
-const HELP: &str = "\
-treeattn gen SHAPE... [--seed N] [--out FILE.jsonl] [--paper-scale]
-
-Generates rollouts of each SHAPE in turn, all from the same seed (default 0),
-and writes them as JSON Lines to FILE (stdout when --out is absent or `-`).
-Shapes: golden (the worked example of DESIGN.md §4), compaction, stack-pop,
-fold, memex, grpo (a group of 16 rollouts sharing a prompt), plain (no edits).
+/// Generate rollouts (golden, compaction, stack-pop, fold, memex, grpo, plain).
+#[derive(Args, Debug)]
+#[command(long_about = "\
+Generates rollouts of each SHAPE in turn, all from the same seed, and writes
+them as JSON Lines to FILE (stdout when --out is absent or `-`; a closed pipe,
+as in `treeattn gen ... | head`, ends the output quietly).
+Shapes: golden (the worked example of DESIGN.md §4), compaction, stack-pop, fold,
+memex, grpo (a group of 16 rollouts sharing a prompt), plain (no edits).
 Ids are SHAPE-SEED (grpo: grpo-SEED-00 .. -15; golden: golden); a file must
-not repeat an id. --paper-scale uses the sizes of DESIGN.md §1 instead of the
-CPU-sized defaults.";
+not repeat an id. A file is written atomically (a temporary file, renamed).")]
+pub struct GenArgs {
+    /// Tree shapes to generate, in order.
+    #[arg(value_name = "SHAPE", required = true, value_parser = shape)]
+    shapes: Vec<Shape>,
+    /// Seed of every generator.
+    #[arg(long, value_name = "N", default_value = "0", value_parser = number)]
+    seed: u64,
+    /// Output file (`-` for stdout).
+    #[arg(long, value_name = "FILE.jsonl")]
+    out: Option<String>,
+    /// The sizes of DESIGN.md §1 instead of the CPU-sized defaults.
+    #[arg(long)]
+    paper_scale: bool,
+}
 
-pub fn run(args: Vec<String>) -> Result<()> {
-    let mut a = Args::new(args);
-    if a.help() {
-        return emit(&format!("{HELP}\n"));
-    }
-    let seed = a.number("seed")?.unwrap_or(0);
-    let out = a.value("out")?;
-    let paper = a.flag("paper-scale")?;
-    let shapes = a.positionals()?;
-    if shapes.is_empty() {
-        return Err(Error::Usage("gen needs at least one SHAPE".into()));
-    }
+fn shape(s: &str) -> std::result::Result<Shape, String> {
+    Shape::parse(s).map_err(|e| match e {
+        Error::Usage(m) => m,
+        other => other.to_string(),
+    })
+}
+
+pub fn run(a: GenArgs) -> Result<()> {
     let mut rollouts = Vec::new();
-    for s in &shapes {
-        rollouts.extend(generate(Shape::parse(s)?, seed, paper)?);
+    for &s in &a.shapes {
+        rollouts.extend(generate(s, a.seed, a.paper_scale)?);
     }
     let mut seen = std::collections::HashSet::new();
     if let Some(r) = rollouts.iter().find(|r| !seen.insert(r.id().to_string())) {
@@ -42,14 +53,26 @@ pub fn run(args: Vec<String>) -> Result<()> {
             r.id()
         )));
     }
-    match out.as_deref() {
-        None | Some("-") => write_jsonl(std::io::stdout().lock(), &rollouts),
+    match a.out.as_deref() {
+        None | Some("-") => {
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            let written = rollouts
+                .iter()
+                .try_for_each(|r| writeln!(out, "{}", r.to_json()))
+                .and_then(|_| out.flush());
+            match written {
+                // The reader has gone (`| head`): not an error.
+                Err(e) if !closed_pipe(&e) => Err(Error::Io(format!("stdout: {e}"))),
+                _ => Ok(()),
+            }
+        }
         Some(path) => {
-            let f = std::fs::File::create(path).map_err(|e| Error::Io(format!("{path}: {e}")))?;
-            let mut w = std::io::BufWriter::new(f);
-            write_jsonl(&mut w, &rollouts)?;
-            w.flush().map_err(|e| Error::Io(format!("{path}: {e}")))?;
-            eprintln!("wrote {} rollouts to {path}", rollouts.len());
+            let mut bytes = Vec::new();
+            treeattn::rollout::write_jsonl(&mut bytes, &rollouts)?;
+            let mut staged = StagedFiles::new();
+            staged.stage(std::path::Path::new(path), &bytes)?;
+            staged.commit()?;
+            eprintln!("wrote {} to {path}", plural(rollouts.len(), "rollout"));
             Ok(())
         }
     }

@@ -4,11 +4,14 @@
 
 use treeattn::{Error, Result};
 
-use crate::args::{emit, Args};
+use clap::Args;
 
-const HELP: &str = "\
-treeattn gpu-check [--device N] [--seed S] [--tokens N] [--heads H] [--reps R]
+use crate::args::number;
 
+/// CUDA kernels vs reference on random packs, then timings (needs a build
+/// with --features cuda).
+#[derive(Args, Debug)]
+#[command(long_about = "\
 On a machine with an NVIDIA GPU (driver for CUDA 13.0 or newer): runs the CUDA
 tree-attention kernels on fresh random packs (trees, forests with padding,
 varlen, causal, a GRPO fan; GQA; head dims 64 and 128; bf16 and f16) against a
@@ -16,26 +19,27 @@ reference, with outputs poisoned and every element checked, then times tree
 packs against a causal run of the same kernel and size (CUDA events, warm-up,
 median of R runs, inputs larger than L2). Prints a table last; exits 1 if any
 check fails. Needs a binary built with `cargo build --release --features cuda`
-(see scripts/gpu-check.sh).
-Defaults: --device 0, --seed from the clock, --tokens 16384, --heads 16, --reps 50.";
+(see scripts/gpu-check.sh).")]
+pub struct GpuCheckArgs {
+    /// CUDA device ordinal [default: 0].
+    #[arg(long, value_name = "N", value_parser = number)]
+    device: Option<u64>,
+    /// Seed of the random packs [default: from the clock].
+    #[arg(long, value_name = "S", value_parser = number)]
+    seed: Option<u64>,
+    /// Tokens of the timed packs [default: 16384].
+    #[arg(long, value_name = "N", value_parser = number)]
+    tokens: Option<u64>,
+    /// Query heads of the timed packs [default: 16].
+    #[arg(long, value_name = "H", value_parser = number)]
+    heads: Option<u64>,
+    /// Timed runs, the median is shown [default: 50].
+    #[arg(long, value_name = "R", value_parser = number)]
+    reps: Option<u64>,
+}
 
-pub fn run(args: Vec<String>) -> Result<()> {
-    let mut a = Args::new(args);
-    if a.help() {
-        return emit(&format!("{HELP}\n"));
-    }
-    let device = a.number("device")?;
-    let seed = a.number("seed")?;
-    let tokens = a.number("tokens")?;
-    let heads = a.number("heads")?;
-    let reps = a.number("reps")?;
-    let extra = a.positionals()?;
-    if !extra.is_empty() {
-        return Err(Error::Usage(format!(
-            "gpu-check takes no positional arguments, got {extra:?}"
-        )));
-    }
-    check(device, seed, tokens, heads, reps)
+pub fn run(a: GpuCheckArgs) -> Result<()> {
+    check(a.device, a.seed, a.tokens, a.heads, a.reps)
 }
 
 fn to_usize(name: &str, v: u64) -> Result<usize> {
@@ -69,7 +73,7 @@ fn check(
         opts.reps = to_usize("reps", r)?;
     }
     let table = run_check(&opts)?;
-    emit(&format!("{table}\n"))
+    crate::args::emit(&format!("{table}\n"))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -7,11 +7,14 @@ use treeattn::tree::{RolloutStats, Tree};
 
 use treeattn::Result;
 
-use crate::args::{emit, one_file, read_rollouts, Args};
+use clap::Args;
 
-const HELP: &str = "\
-treeattn inspect FILE.jsonl
+use crate::args::{emit, plural, read_rollouts};
 
+/// Per rollout: calls, junctions K, branches, targets, diverging targets D,
+/// evictions, dedup ratio, and a drawing of the conditioning tree.
+#[derive(Args, Debug)]
+#[command(long_about = "\
 For each rollout: calls, junctions K (calls whose context does not extend the
 previous call's sequence), branches (root-to-leaf paths of the trie), targets
 (sampled tokens), diverging targets D (targets present on the final call's
@@ -20,17 +23,18 @@ at each junction, trie tokens, summed branch lengths and the dedup ratio
 (trie / branches). Then the tree: one bar per branch, `░` for the prefix it
 shares with the branch it forks from, `█` for its own tokens, and a line per
 junction. The file totals compare separate tries with one trie whose rollouts
-share identical prefixes (a GRPO group's prompt).";
+share identical prefixes (a GRPO group's prompt).")]
+pub struct InspectArgs {
+    /// Rollouts, one JSON object per line.
+    #[arg(value_name = "FILE.jsonl")]
+    file: String,
+}
 
 /// Width of the longest branch's bar.
 const BAR: usize = 48;
 
-pub fn run(args: Vec<String>) -> Result<()> {
-    let mut a = Args::new(args);
-    if a.help() {
-        return emit(&format!("{HELP}\n"));
-    }
-    let path = one_file(a, "FILE.jsonl")?;
+pub fn run(a: InspectArgs) -> Result<()> {
+    let path = a.file;
     let rollouts = read_rollouts(&path)?;
     let mut trie_total = 0;
     let mut out = String::new();
@@ -42,10 +46,16 @@ pub fn run(args: Vec<String>) -> Result<()> {
     let shared = Tree::build(&rollouts, true)?.len();
     let _ = writeln!(
         out,
-        "{path}: {} rollouts, {} calls, {} targets; trie tokens {} separately, {} with shared prefixes",
-        rollouts.len(),
-        rollouts.iter().map(|r| r.calls().len()).sum::<usize>(),
-        rollouts.iter().map(Rollout::targets).sum::<usize>(),
+        "{path}: {}, {}, {}; trie tokens {} separately, {} with shared prefixes",
+        plural(rollouts.len(), "rollout"),
+        plural(
+            rollouts.iter().map(|r| r.calls().len()).sum::<usize>(),
+            "call"
+        ),
+        plural(
+            rollouts.iter().map(Rollout::targets).sum::<usize>(),
+            "target"
+        ),
         trie_total,
         shared
     );
@@ -56,8 +66,10 @@ fn draw_rollout(out: &mut String, index: usize, r: &Rollout, s: &RolloutStats) {
     // Writing to a String cannot fail.
     let _ = writeln!(
         out,
-        "rollout {index} {:?}: {} calls, {} targets (sampled tokens)",
-        s.id, s.calls, s.targets
+        "rollout {index} {:?}: {}, {} (sampled tokens)",
+        s.id,
+        plural(s.calls, "call"),
+        plural(s.targets, "target")
     );
     let _ = writeln!(
         out,

@@ -1,5 +1,6 @@
 //! `treeattn`: inspect rollouts, pack them into safetensors, generate sample
-//! data. Hand-written argument parsing; one module per subcommand.
+//! data, run the demo and the benchmarks. Arguments parsed by clap (derive);
+//! one module per subcommand.
 
 mod args;
 mod bench;
@@ -9,41 +10,58 @@ mod gpu_check;
 mod inspect;
 mod pack;
 
+use clap::{Parser, Subcommand};
 use treeattn::Error;
 
-const HELP: &str = "\
-treeattn — exact, deduplicated packing of agent rollouts with context edits
+/// Exact, deduplicated packing of agent rollouts with context edits.
+#[derive(Parser, Debug)]
+#[command(
+    name = "treeattn",
+    version,
+    subcommand_required = true,
+    arg_required_else_help = false,
+    after_help = "Exit status: 0 on success, 2 for bad usage, 1 for bad input or i/o errors; \
+errors are printed to stderr as `error: ...`.\n`treeattn help COMMAND` or `treeattn COMMAND --help` \
+shows the options of one command."
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
 
-USAGE:
-    treeattn <COMMAND> [ARGS] [--help]
-
-COMMANDS:
-    demo [--input FILE.jsonl] [--seed N] [--repeats N]
-                           the main job: trie pack vs LogitTree vs naive
-                           methods on a tiny model (bundled sample by default)
-    inspect FILE.jsonl     per rollout: calls, junctions K, branches, targets,
-                           diverging targets D, evictions, dedup ratio, and a
-                           drawing of the conditioning tree
-    pack FILE.jsonl --out PACK.safetensors [--budget TOKENS] [--share-prefixes]
-                           [--layout trie|replicated]
-                           write the exact pack(s) as safetensors
-    gen SHAPE... [--seed N] [--out FILE.jsonl] [--paper-scale]
-                           generate rollouts (golden, compaction, stack-pop,
-                           fold, memex, grpo, plain)
-    gpu-check [--device N] [--seed S] [--tokens N] [--heads H] [--reps R]
-                           CUDA kernels vs reference on random packs, then
-                           timings (needs a build with --features cuda)
-    bench [--shape S,...] [--reps N] [--heads H] [--head-dim D]
-                           time attention (trie pack vs LogitTree K+1 passes,
-                           replicated, dense mask, Naive-Compressed) per shape
-    help                   this text
-
-Exit status: 0 on success, 2 for bad usage, 1 for bad input or i/o errors;
-errors are printed to stderr as `error: ...`.";
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    Demo(demo::DemoArgs),
+    Inspect(inspect::InspectArgs),
+    Pack(pack::PackArgs),
+    Gen(gen::GenArgs),
+    GpuCheck(gpu_check::GpuCheckArgs),
+    Bench(bench::BenchArgs),
+}
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let code = match dispatch(args) {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                // Help and version go to stdout; a closed pipe is fine.
+                let _ = args::emit(&e.render().to_string());
+                std::process::exit(0);
+            }
+            let _ = e.print();
+            std::process::exit(2);
+        }
+    };
+    let result = match cli.cmd {
+        Cmd::Demo(a) => demo::run(a),
+        Cmd::Inspect(a) => inspect::run(a),
+        Cmd::Pack(a) => pack::run(a),
+        Cmd::Gen(a) => gen::run(a),
+        Cmd::GpuCheck(a) => gpu_check::run(a),
+        Cmd::Bench(a) => bench::run(a),
+    };
+    let code = match result {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e}");
@@ -58,19 +76,13 @@ fn main() {
     std::process::exit(code);
 }
 
-fn dispatch(mut args: Vec<String>) -> treeattn::Result<()> {
-    if args.is_empty() {
-        return Err(Error::Usage("no command given".into()));
-    }
-    let cmd = args.remove(0);
-    match cmd.as_str() {
-        "-h" | "--help" | "help" => args::emit(&format!("{HELP}\n")),
-        "demo" => demo::run(args),
-        "inspect" => inspect::run(args),
-        "pack" => pack::run(args),
-        "gen" => gen::run(args),
-        "gpu-check" => gpu_check::run(args),
-        "bench" => bench::run(args),
-        other => Err(Error::Usage(format!("unknown command {other:?}"))),
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_definition_is_consistent() {
+        Cli::command().debug_assert();
     }
 }

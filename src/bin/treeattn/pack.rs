@@ -1,18 +1,20 @@
 //! `treeattn pack`: rollouts in, safetensors pack files out.
 
 use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
+use clap::{Args, ValueEnum};
 use treeattn::pack::{batch, Layout};
-use treeattn::safetensors::{pack_tensors, write_file};
+use treeattn::safetensors::{pack_tensors, read_metadata, serialize, StagedFiles, PACK_FORMAT};
 use treeattn::{Error, Result};
 
-use crate::args::{emit, one_file, read_rollouts, Args};
+use crate::args::{emit, number, plural};
 
-const HELP: &str = "\
-treeattn pack FILE.jsonl --out PACK.safetensors [--budget TOKENS] [--share-prefixes]
-                         [--layout trie|replicated]
-
+/// Write the exact pack(s) of a JSONL file as safetensors.
+#[derive(Args, Debug)]
+#[command(long_about = "\
 Packs the rollouts of FILE into exact packs of at most TOKENS tokens each
 (default: one pack for the whole file) by greedy first-fit decreasing on each
 rollout's size in the layout. With --share-prefixes (trie layout), rollouts in
@@ -22,7 +24,13 @@ branch its own chain, the paper's 4D layout).
 
 Output: one safetensors file per pack. With one pack it is PACK.safetensors
 itself; with several, pack i goes to PACK-00000.safetensors, PACK-00001...
-(the index inserted before the extension). Tensors (L tokens, T loss entries):
+(the index inserted before the extension). The files are written to
+temporary names and renamed into place only when every pack has been
+written: on any error nothing is left behind. Pack files of an earlier run
+at the same PACK that this run does not overwrite (PACK-00007 when this run
+writes 5 packs) are removed after the new ones are in place; a file with such
+a name that is not a treeattn pack is refused before anything is written, as
+is a PACK that is FILE itself. Tensors (L tokens, T loss entries):
   tokens, position_ids, kv_end            [L] int64
   loss_rows, loss_labels, loss_call,
   loss_offset, loss_rollout               [T] int64
@@ -33,36 +41,97 @@ Mask: query q sees key k iff k <= q < kv_end[k]; position_ids are depths.
 Loss: row loss_rows[t]'s logits predict loss_labels[t]; loss_call is the call's
 global index in FILE's order counting from 0; loss entries are sorted by
 (rollout, call, offset). Metadata (__metadata__): format, layout, source,
-pack index and count, rollout indices and ids (JSON arrays).";
+pack index and count, rollout indices and ids (JSON arrays).
+Progress goes to stderr when it is a terminal.")]
+pub struct PackArgs {
+    /// Rollouts, one JSON object per line.
+    #[arg(value_name = "FILE.jsonl")]
+    file: String,
+    /// Output file (PACK-00000.safetensors, ... with several packs).
+    #[arg(long, value_name = "PACK.safetensors")]
+    out: PathBuf,
+    /// Token budget per pack [default: one pack for the whole file].
+    #[arg(long, value_name = "TOKENS", value_parser = budget)]
+    budget: Option<u64>,
+    /// Rollouts in a pack share identical prefixes (trie layout).
+    #[arg(long)]
+    share_prefixes: bool,
+    /// Pack layout.
+    #[arg(long, value_enum, default_value_t = LayoutArg::Trie)]
+    layout: LayoutArg,
+}
 
-pub fn run(args: Vec<String>) -> Result<()> {
-    let mut a = Args::new(args);
-    if a.help() {
-        return emit(&format!("{HELP}\n"));
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LayoutArg {
+    /// Deduplicated pre-order trie.
+    Trie,
+    /// Each branch its own chain (the paper's 4D layout).
+    Replicated,
+}
+
+fn budget(s: &str) -> std::result::Result<u64, String> {
+    match number(s)? {
+        0 => Err("--budget must be positive".into()),
+        n => Ok(n),
     }
-    let out = a
-        .value("out")?
-        .ok_or_else(|| Error::Usage("pack needs --out PACK.safetensors".into()))?;
-    let budget = a.number("budget")?;
-    let share = a.flag("share-prefixes")?;
-    let layout = match a.value("layout")?.as_deref() {
-        None | Some("trie") => Layout::Trie,
-        Some("replicated") => Layout::Replicated,
-        Some(other) => {
-            return Err(Error::Usage(format!(
-                "--layout {other:?}: expected trie or replicated"
-            )))
+}
+
+/// Progress lines on stderr, only when it is a terminal.
+struct Progress {
+    on: bool,
+    start: Instant,
+}
+
+impl Progress {
+    fn say(&self, msg: &str) {
+        if self.on {
+            eprintln!("[{:6.1} s] {msg}", self.start.elapsed().as_secs_f64());
         }
-    };
-    if budget == Some(0) {
-        return Err(Error::Usage("--budget must be positive".into()));
     }
-    let input = one_file(a, "FILE.jsonl")?;
-    let rollouts = read_rollouts(&input)?;
+}
+
+pub fn run(a: PackArgs) -> Result<()> {
+    let layout = match a.layout {
+        LayoutArg::Trie => Layout::Trie,
+        LayoutArg::Replicated => Layout::Replicated,
+    };
+    let share = a.share_prefixes;
+    let input = a.file;
+    let progress = Progress {
+        on: std::io::stderr().is_terminal(),
+        start: Instant::now(),
+    };
+    if a.out.is_dir() {
+        return Err(Error::Usage(format!(
+            "--out {}: is a directory; give a file name",
+            a.out.display()
+        )));
+    }
+    refuse_input_as_output(Path::new(&input), &a.out)?;
+    let mut last = Instant::now();
+    let rollouts =
+        treeattn::rollout::read_jsonl_file_progress(Path::new(&input), |done, total| {
+            if progress.on && last.elapsed().as_secs_f64() >= 0.5 {
+                last = Instant::now();
+                progress.say(&format!(
+                    "reading {input}: {:.0}% of {:.1} MB",
+                    100.0 * done as f64 / total.max(1) as f64,
+                    total as f64 / 1e6
+                ));
+            }
+        })?;
     if rollouts.is_empty() {
         return Err(Error::Io(format!("{input}: no rollouts")));
     }
-    let budget = budget.map_or(usize::MAX, |b| usize::try_from(b).unwrap_or(usize::MAX));
+    progress.say(&format!(
+        "read {}; packing ({} layout{})",
+        plural(rollouts.len(), "rollout"),
+        layout.name(),
+        if share { ", shared prefixes" } else { "" }
+    ));
+    let budget = a
+        .budget
+        .map_or(usize::MAX, |b| usize::try_from(b).unwrap_or(usize::MAX));
     let batches = batch(&rollouts, budget, share, layout)?;
     let mut call_base = Vec::with_capacity(rollouts.len());
     let mut calls = 0u64;
@@ -71,8 +140,15 @@ pub fn run(args: Vec<String>) -> Result<()> {
         calls += r.calls().len() as u64;
     }
     let n = batches.len();
+    let paths: Vec<PathBuf> = (0..n).map(|i| output_path(&a.out, i, n)).collect();
+    for p in &paths {
+        refuse_input_as_output(Path::new(&input), p)?;
+    }
+    let stale = stale_packs(&a.out, &paths)?;
+    let mut staged = StagedFiles::new();
+    let mut lines = String::new();
     for (i, b) in batches.iter().enumerate() {
-        let path = output_path(Path::new(&out), i, n);
+        progress.say(&format!("writing pack {} of {n}", i + 1));
         let tensors = pack_tensors(&b.pack, b.sdcc.as_deref(), &call_base)?;
         let ids: Vec<&str> = b
             .rollouts
@@ -80,7 +156,7 @@ pub fn run(args: Vec<String>) -> Result<()> {
             .map(|&r| rollouts[r as usize].id())
             .collect();
         let meta = BTreeMap::from([
-            ("format".to_string(), "treeattn-pack-v1".to_string()),
+            ("format".to_string(), PACK_FORMAT.to_string()),
             ("layout".to_string(), layout.name().to_string()),
             ("share_prefixes".to_string(), share.to_string()),
             ("source".to_string(), input.clone()),
@@ -95,20 +171,27 @@ pub fn run(args: Vec<String>) -> Result<()> {
                 serde_json::to_string(&ids).expect("string list"),
             ),
         ]);
-        write_file(&path, &tensors, &meta)?;
-        emit(&format!(
-            "{}: {} rollouts, L = {} tokens, T = {} loss entries, {} visible pairs{}\n",
-            path.display(),
-            b.rollouts.len(),
+        staged.stage(&paths[i], &serialize(&tensors, &meta)?)?;
+        lines.push_str(&format!(
+            "{}: {}, L = {} tokens, T = {} loss entries, {} visible pairs{}\n",
+            paths[i].display(),
+            plural(b.rollouts.len(), "rollout"),
             b.pack.len(),
             b.pack.loss.len(),
             b.pack.mask()?.visible_pairs(),
-            b.sdcc
-                .as_ref()
-                .map_or(String::new(), |p| format!(", {} SDCC pairs", p.len()))
-        ))?;
+            b.sdcc.as_ref().map_or(String::new(), |p| format!(
+                ", {}",
+                plural(p.len(), "SDCC pair")
+            ))
+        ));
     }
-    Ok(())
+    staged.commit()?;
+    for s in &stale {
+        std::fs::remove_file(s).map_err(|e| Error::Io(format!("{}: {e}", s.display())))?;
+        eprintln!("removed {} (a pack of an earlier run)", s.display());
+    }
+    progress.say("done");
+    emit(&lines)
 }
 
 /// `PACK.safetensors` for a single pack, else `PACK-00000.safetensors`, ...
@@ -116,13 +199,92 @@ fn output_path(out: &Path, i: usize, n: usize) -> PathBuf {
     if n == 1 {
         return out.to_path_buf();
     }
-    let stem = out
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let name = match out.extension() {
-        Some(ext) => format!("{stem}-{i:05}.{}", ext.to_string_lossy()),
+    let (stem, ext) = stem_ext(out);
+    let name = match ext {
+        Some(ext) => format!("{stem}-{i:05}.{ext}"),
         None => format!("{stem}-{i:05}"),
     };
     out.with_file_name(name)
+}
+
+fn stem_ext(out: &Path) -> (String, Option<String>) {
+    (
+        out.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        out.extension().map(|e| e.to_string_lossy().into_owned()),
+    )
+}
+
+/// The path as the file system resolves it (the parent directory resolved
+/// when the file does not exist yet).
+fn resolved(p: &Path) -> Option<PathBuf> {
+    if let Ok(c) = std::fs::canonicalize(p) {
+        return Some(c);
+    }
+    let parent = match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    Some(std::fs::canonicalize(parent).ok()?.join(p.file_name()?))
+}
+
+/// An `--out` that is (or resolves to, through links or `..`) the input
+/// would overwrite the rollouts being read.
+fn refuse_input_as_output(input: &Path, out: &Path) -> Result<()> {
+    if let (Some(i), Some(o)) = (resolved(input), resolved(out)) {
+        if i == o {
+            return Err(Error::Usage(format!(
+                "--out {} is the input file {}: refusing to overwrite it",
+                out.display(),
+                input.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Files named like the packs of an earlier run at `out` (`out` itself and
+/// `STEM-NNNNN.EXT`) that this run will not overwrite. A file with such a
+/// name that is not a treeattn pack is an error (nothing is removed).
+fn stale_packs(out: &Path, written: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let dir = match out.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let (stem, ext) = stem_ext(out);
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Ok(Vec::new()); // the staging write reports a missing directory
+    };
+    let mut stale = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let numbered = name
+            .strip_prefix(&format!("{stem}-"))
+            .and_then(|rest| match &ext {
+                Some(x) => rest.strip_suffix(&format!(".{x}")),
+                None => Some(rest),
+            })
+            .is_some_and(|num| num.len() >= 5 && num.bytes().all(|c| c.is_ascii_digit()));
+        let path = dir.join(&name);
+        let is_out = Some(name.as_str()) == out.file_name().and_then(|n| n.to_str());
+        if !(numbered || is_out) || written.iter().any(|w| w.file_name() == path.file_name()) {
+            continue;
+        }
+        if !path.is_file() {
+            continue;
+        }
+        let ours = read_metadata(&path)?
+            .is_some_and(|m| m.get("format").map(String::as_str) == Some(PACK_FORMAT));
+        if !ours {
+            return Err(Error::Io(format!(
+                "{}: named like a pack of this output but not a treeattn pack; refusing to \
+                 leave it next to the new packs (move it or choose another --out)",
+                path.display()
+            )));
+        }
+        stale.push(path);
+    }
+    stale.sort();
+    Ok(stale)
 }

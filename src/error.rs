@@ -11,19 +11,33 @@ pub enum Error {
     /// A rollout that breaks the calls format (DESIGN §2): names the rollout
     /// id, the call index (if the problem is inside one call) and the field.
     Rollout {
+        /// Id of the rollout.
         rollout: String,
+        /// Index of the call, when the problem is inside one.
         call: Option<usize>,
+        /// The JSON field at fault.
         field: &'static str,
+        /// What is wrong.
         msg: String,
     },
     /// A JSON Lines input that cannot be parsed; `line` counts from 1.
-    Json { line: usize, msg: String },
+    Json {
+        /// Line of the input.
+        line: usize,
+        /// What is wrong.
+        msg: String,
+    },
     /// Tensor shapes or lengths that do not fit together.
     Shape(String),
     /// A configuration the op does not support (head dim, dtype, ...).
     Unsupported(String),
     /// A NaN or infinity where finite values are required.
-    NonFinite { what: String, index: usize },
+    NonFinite {
+        /// The tensor or field.
+        what: String,
+        /// Index of its first bad element.
+        index: usize,
+    },
     /// A pack that is malformed or does not belong to the tensors given.
     Pack(String),
     /// File system errors, with the path.

@@ -103,9 +103,13 @@ pub fn run_model<T: CpuFloat, A: AttentionBackend<T, Memory = Host, Lse = T>>(
 /// Q `[tokens, q_heads, head_dim]`, K and V `[tokens, kv_heads, head_dim]`.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnInputs<'a, T> {
+    /// Queries, `[tokens, q_heads, head_dim]`.
     pub q: &'a [T],
+    /// Keys, `[tokens, kv_heads, head_dim]`.
     pub k: &'a [T],
+    /// Values, `[tokens, kv_heads, head_dim]`.
     pub v: &'a [T],
+    /// Sizes of the pass.
     pub shape: crate::backend::AttnShape,
 }
 
@@ -198,9 +202,11 @@ pub struct EntryDiff {
     pub compared: usize,
     /// Entries only the first (second) method scores.
     pub only_first: usize,
+    /// Entries only the second method scores.
     pub only_second: usize,
     /// Largest and mean `|a − b|` over all compared values.
     pub max_abs: f64,
+    /// Mean `|a − b|` over all compared values.
     pub mean_abs: f64,
     /// Largest `|a|` or `|b|` among the compared values (the scale that
     /// `max_abs` is relative to).

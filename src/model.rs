@@ -59,11 +59,15 @@ use crate::{Error, Result};
 pub struct ModelConfig {
     /// Token ids and labels must be `< vocab`.
     pub vocab: usize,
+    /// Width of the residual stream.
     pub d_model: usize,
+    /// Transformer blocks.
     pub layers: usize,
+    /// Query heads.
     pub q_heads: usize,
     /// Divides `q_heads` (GQA).
     pub kv_heads: usize,
+    /// Elements per head.
     pub head_dim: usize,
     /// Hidden width of the SwiGLU MLP.
     pub ffn_dim: usize,
@@ -205,6 +209,7 @@ impl<T> LayerParams<T> {
 pub struct Params<T> {
     /// `[vocab, d_model]`
     pub embed: Vec<T>,
+    /// One block's weights per layer.
     pub layers: Vec<LayerParams<T>>,
     /// `[d_model]`
     pub final_norm: Vec<T>,
@@ -384,8 +389,11 @@ impl<T: CpuFloat> Params<T> {
 /// weighted by `weight` in the objective `J`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Target {
+    /// Packed row whose logits predict the label.
     pub row: u32,
+    /// The target token.
     pub label: u32,
+    /// Its weight in `J`.
     pub weight: f64,
 }
 
@@ -467,10 +475,12 @@ impl<T: CpuFloat, A: AttentionBackend<T, Memory = Host, Lse = T>> Model<T, A> {
         })
     }
 
+    /// The model's sizes and switches.
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }
 
+    /// The model's weights.
     pub fn params(&self) -> &Params<T> {
         &self.params
     }

@@ -64,8 +64,11 @@ impl LossEntry {
 /// A packed sequence with its interval mask and loss entries.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Pack {
+    /// Token ids in pre-order (the trie layout) or branch order.
     pub tokens: Vec<u32>,
+    /// Depth of each token in its call's sequence (rotary positions).
     pub position_ids: Vec<u32>,
+    /// The interval mask: query `q` sees key `k` iff `k <= q < kv_end[k]`.
     pub kv_end: Vec<u32>,
     /// Sorted by `(rollout, call, offset)`.
     pub loss: Vec<LossEntry>,
@@ -144,11 +147,17 @@ impl Pack {
 /// stream), the teacher row is its loss row on its live branch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SdccPair {
+    /// Row of the target in the compressed (rightmost) stream.
     pub student_row: u32,
+    /// Row of the same target on its live branch.
     pub teacher_row: u32,
+    /// Rollout of the target (index in the tree / batch).
     pub rollout: u32,
+    /// Call of the target within its rollout.
     pub call: u32,
+    /// Offset of the target in its call's completion.
     pub offset: u32,
+    /// The sampled token.
     pub label: u32,
 }
 
@@ -417,6 +426,7 @@ impl Tree {
 /// One pack of a batch.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
+    /// The packed sequence.
     pub pack: Pack,
     /// Input indices of the rollouts in this pack, increasing.
     pub rollouts: Vec<u32>,

@@ -36,7 +36,9 @@ use crate::{Error, Result};
 /// One model call: the rendered prompt and what the model sampled.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Call {
+    /// The full rendered prompt of the call.
     pub context: Vec<u32>,
+    /// The tokens the model sampled (the targets).
     pub completion: Vec<u32>,
     /// Rollout log-probability of each completion token, if the harness logged it.
     pub logprobs: Option<Vec<f32>>,

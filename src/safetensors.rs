@@ -42,9 +42,13 @@ use crate::{Error, Result};
 /// Element types this crate writes and reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dtype {
+    /// `I64`.
     I64,
+    /// `I32`.
     I32,
+    /// `F32`.
     F32,
+    /// `F64`.
     F64,
 }
 
@@ -71,8 +75,11 @@ impl Dtype {
 /// A tensor: dtype, shape and little-endian bytes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
+    /// Element type.
     pub dtype: Dtype,
+    /// Dimensions, outermost first.
     pub shape: Vec<usize>,
+    /// Little-endian element bytes.
     pub data: Vec<u8>,
 }
 
@@ -192,7 +199,9 @@ pub fn serialize(
 /// A parsed safetensors file.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SafeTensors {
+    /// Tensors by name.
     pub tensors: BTreeMap<String, Tensor>,
+    /// The `__metadata__` strings.
     pub metadata: BTreeMap<String, String>,
 }
 
@@ -263,6 +272,7 @@ pub struct StagedFiles {
 }
 
 impl StagedFiles {
+    /// No file staged yet.
     pub fn new() -> StagedFiles {
         StagedFiles::default()
     }

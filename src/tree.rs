@@ -721,7 +721,9 @@ pub struct BranchStats {
 /// The figures of one rollout's conditioning tree (issue 2, point 2).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RolloutStats {
+    /// The rollout's id.
     pub id: String,
+    /// Number of calls.
     pub calls: usize,
     /// Junctions K: calls whose context does not extend the previous call's
     /// `context ++ completion`.
@@ -741,7 +743,9 @@ pub struct RolloutStats {
     pub branch_tokens: usize,
     /// `trie_tokens / branch_tokens`.
     pub dedup_ratio: f64,
+    /// Each junction, in call order.
     pub junction_list: Vec<Junction>,
+    /// Each branch, in pre-order.
     pub branch_list: Vec<BranchStats>,
 }
 

@@ -27,7 +27,9 @@ mod sealed {
 /// The 16-bit storage types the kernels take (f32 accumulation inside).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dtype {
+    /// bfloat16.
     Bf16,
+    /// IEEE half precision.
     F16,
 }
 
@@ -52,7 +54,9 @@ impl Dtype {
 pub trait KernelElem:
     sealed::Sealed + crate::backend::Element + Copy + Send + Sync + bytemuck::Pod + 'static
 {
+    /// The storage type as the kernels name it.
     const DTYPE: Dtype;
+    /// Widens exactly.
     fn to_f32(self) -> f32;
     /// Round to nearest even.
     fn from_f32(x: f32) -> Self;
@@ -82,11 +86,13 @@ impl KernelElem for half::f16 {
 /// `FwdTraits`; the emulator checks every launch against the C++ one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FwdTraits {
+    /// Head dim of the kernel (64 or 128).
     pub head_dim: u32,
     /// Query rows per block.
     pub block_m: u32,
     /// Keys per key tile (also the tile of the per-tile kv_end bounds).
     pub block_n: u32,
+    /// Threads per block.
     pub threads: u32,
     /// Shared-memory row stride in elements (`head_dim + 8`).
     pub row_stride: u32,
@@ -129,8 +135,11 @@ impl FwdTraits {
 /// Grid, block and dynamic shared memory of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchPlan {
+    /// Blocks per grid dimension.
     pub grid: (u32, u32, u32),
+    /// Threads per block dimension.
     pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block.
     pub shared_mem_bytes: u32,
 }
 

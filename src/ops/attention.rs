@@ -45,8 +45,11 @@ impl<T> AttnForward<T> {
 /// respect to the unrotated q, k when rotary is on.
 #[derive(Clone, Debug)]
 pub struct AttnGradients<T> {
+    /// Like q: `[tokens, q_heads, head_dim]`.
     pub dq: Array3<T>,
+    /// Like k: `[tokens, kv_heads, head_dim]`.
     pub dk: Array3<T>,
+    /// Like v: `[tokens, kv_heads, head_dim]`.
     pub dv: Array3<T>,
 }
 

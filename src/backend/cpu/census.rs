@@ -13,8 +13,11 @@ use crate::mask::PackMask;
 /// query tile index; blocks above it are never visited).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TileCounts {
+    /// Blocks with no visible pair (not computed).
     pub skip: u64,
+    /// Blocks with only visible pairs (no mask).
     pub full: u64,
+    /// Mixed blocks (masked element-wise).
     pub partial: u64,
 }
 
@@ -47,8 +50,11 @@ pub fn tile_counts(mask: PackMask<'_>) -> TileCounts {
 /// computed as chunks instead.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BlockCounts {
+    /// Blocks with no visible entry.
     pub skip: u64,
+    /// Blocks with only visible entries.
     pub full: u64,
+    /// Blocks masked element-wise.
     pub masked: u64,
 }
 

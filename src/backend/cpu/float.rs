@@ -30,14 +30,21 @@ pub trait CpuFloat:
     + SubAssign
     + MulAssign
 {
+    /// 0.
     const ZERO: Self;
+    /// 1.
     const ONE: Self;
+    /// −∞.
     const NEG_INFINITY: Self;
+    /// +∞.
     const INFINITY: Self;
+    /// `e^self`.
     fn exp(self) -> Self;
     /// `self · a + b` with one rounding.
     fn mul_add(self, a: Self, b: Self) -> Self;
+    /// Natural logarithm.
     fn ln(self) -> Self;
+    /// Neither NaN nor ±∞.
     fn is_finite(self) -> bool;
     /// `x ← exp(x)` for every element, `exp(−inf) = 0` exactly. Arguments
     /// are `<= 0` in every use (scores minus their max or their LSE). `f64`

@@ -34,12 +34,14 @@ pub enum DqMode {
 /// C++ ones).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BwdTraits {
+    /// Head dim of the kernels (64 or 128).
     pub head_dim: u32,
     /// Query rows per streamed tile of the main kernel (64 for d 64, 32 for
     /// d 128: the f32 dK, dV accumulators leave room for no more).
     pub block_m: u32,
     /// Keys per block of the main kernel (= the kv_end bounds tile).
     pub block_n: u32,
+    /// Threads per block of the main kernel.
     pub threads: u32,
     /// Query rows per block of the deterministic dQ kernel.
     pub dq_block_m: u32,

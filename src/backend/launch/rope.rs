@@ -14,8 +14,11 @@ pub const MAX_ROPE_POSITION: u32 = 1 << 22;
 /// rounded once to f32.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeTables {
+    /// `dims / 2`: the rotated pairs per position.
     pub half: u32,
+    /// `cos(p θ_i)`, `[positions, half]`.
     pub cos: Vec<f32>,
+    /// `sin(p θ_i)`, `[positions, half]`.
     pub sin: Vec<f32>,
 }
 

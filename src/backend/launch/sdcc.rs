@@ -20,6 +20,7 @@ pub trait SdccElem:
 {
     /// The code the emulator entry point takes (0 = bf16, 1 = f16, 2 = f32).
     const CODE: u32;
+    /// Widens exactly.
     fn to_f32(self) -> f32;
 }
 
@@ -57,7 +58,9 @@ pub(crate) const STATUS_TEACHER_ALL_NEG_INF: u32 = 8;
 /// The rows an SDCC call uses and how its gradient is written.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SdccPlan {
+    /// One block per pair.
     pub launch: LaunchPlan,
+    /// Rows of the student logits.
     pub student_rows: usize,
     /// Some student row is named by several pairs: the kernel adds its
     /// gradient with f32 atomics into a zeroed buffer.

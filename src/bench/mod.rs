@@ -88,8 +88,8 @@ pub use baselines::{
 };
 pub use diagnosis::{forward_balance, kernel_utilization, tile_utilization};
 pub use tables::{
-    costs, quick, sdcc_table, CostTable, Options, Row, SdccRow, SdccTable, ShapeCosts, ShapeInfo,
-    Table,
+    costs, quick, quick_with, sdcc_table, CostTable, Options, Row, SdccRow, SdccTable, ShapeCosts,
+    ShapeInfo, Table,
 };
 pub use timing::{measure, measure_round_robin, process_cpu_seconds, Timing};
 pub use workloads::{

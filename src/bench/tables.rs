@@ -246,6 +246,14 @@ impl Table {
 /// (too large to time here; see [`costs`]), and any error of the generators
 /// or the ops.
 pub fn quick(opts: &Options) -> Result<Table> {
+    quick_with(opts, |_| Ok(()))
+}
+
+/// [`quick`], handing the table's text to `emit` as it is produced: the
+/// header first, then each shape's rows as soon as that shape is timed (a
+/// full run takes minutes); the summary is [`Table::summary`] once it
+/// returns. An `Err` from `emit` stops the run.
+pub fn quick_with(opts: &Options, mut emit: impl FnMut(&str) -> Result<()>) -> Result<Table> {
     if opts.shapes.is_empty() {
         return Err(Error::Usage("no shapes to benchmark".into()));
     }
@@ -265,6 +273,7 @@ pub fn quick(opts: &Options) -> Result<Table> {
         shapes: Vec::new(),
         rows: Vec::new(),
     };
+    emit(&table.text(|t, f| t.write_head(f)))?;
     for &shape in &opts.shapes {
         let w = Workload::generate(shape, opts.seed, opts.size)?;
         table.shapes.push(ShapeInfo {
@@ -305,12 +314,34 @@ pub fn quick(opts: &Options) -> Result<Table> {
                 time,
             });
         }
+        emit(&table.text(|t, f| t.write_rows(f, shape)))?;
     }
     Ok(table)
 }
 
 impl fmt::Display for Table {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.write_head(f)?;
+        for s in &self.shapes {
+            self.write_rows(f, s.shape)?;
+        }
+        self.write_summary(f)
+    }
+}
+
+impl Table {
+    /// The summary and diagnosis that follow the rows.
+    pub fn summary(&self) -> String {
+        self.text(|t, f| t.write_summary(f))
+    }
+
+    fn text(&self, write: impl Fn(&Self, &mut String) -> fmt::Result) -> String {
+        let mut s = String::new();
+        write(self, &mut s).expect("writing to a String does not fail");
+        s
+    }
+
+    fn write_head(&self, f: &mut dyn fmt::Write) -> fmt::Result {
         let o = &self.options;
         writeln!(
             f,
@@ -339,10 +370,13 @@ impl fmt::Display for Table {
             "cpu ms",
             "GFLOP/s",
             "time×"
-        )?;
+        )
+    }
+
+    fn write_rows(&self, f: &mut dyn fmt::Write, shape: Shape) -> fmt::Result {
         let opt =
             |x: Option<f64>, scale: f64| x.map_or("-".to_string(), |v| format!("{:.1}", v * scale));
-        for r in &self.rows {
+        for r in self.rows.iter().filter(|r| r.shape == shape) {
             let trie = self.row(r.shape, Method::Trie, r.pass);
             let rel = |x: f64, y: Option<f64>| y.map_or(f64::NAN, |y| x / y);
             writeln!(
@@ -362,6 +396,10 @@ impl fmt::Display for Table {
                 rel(r.time.wall_s, trie.map(|t| t.time.wall_s)),
             )?;
         }
+        Ok(())
+    }
+
+    fn write_summary(&self, f: &mut dyn fmt::Write) -> fmt::Result {
         writeln!(f)?;
         writeln!(
             f,
@@ -611,7 +649,19 @@ mod tests {
             heads: 1,
             head_dim: 8,
         };
-        let t = quick(&opts).unwrap();
+        // Printed as produced: the header, then one piece per shape holding
+        // that shape's rows; with the summary they make the whole table.
+        let mut pieces = Vec::new();
+        let t = quick_with(&opts, |s| {
+            pieces.push(s.to_string());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(pieces.len(), 1 + 2, "{pieces:?}");
+        assert!(pieces[0].contains("GFLOP/s") && !pieces[0].contains("fold"));
+        assert!(pieces[1].lines().all(|l| l.starts_with("fold")));
+        assert!(pieces[2].lines().all(|l| l.starts_with("grpo")));
+        assert_eq!(pieces.concat() + &t.summary(), t.to_string());
         assert_eq!(t.rows.len(), 2 * Method::ALL.len() * 2);
         for s in [Shape::Fold, Shape::Grpo] {
             for pass in [Pass::Forward, Pass::ForwardBackward] {

@@ -1,7 +1,7 @@
 //! `treeattn bench`: the quick attention comparison of `treeattn::bench`.
 
 use clap::Args;
-use treeattn::bench::{costs, quick, sdcc_table, Options, Size};
+use treeattn::bench::{costs, quick_with, sdcc_table, Options, Size};
 use treeattn::gen::Shape;
 use treeattn::Result;
 
@@ -76,7 +76,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.costs_only {
         return emit(&format!("{}", costs(&opts)?));
     }
-    emit(&format!("{}", quick(&opts)?))
+    // Rows are printed as each shape is timed; the summary at the end.
+    let table = quick_with(&opts, emit)?;
+    emit(&table.summary())
 }
 
 #[cfg(test)]

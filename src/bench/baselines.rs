@@ -188,7 +188,7 @@ fn recompute_p(s: &mut [f32], allowed: &[bool], l: usize, scale: f32, lse: &[f32
 /// Errors: as [`attention_forward`], `Unsupported` for `params.rope`, and
 /// `Unsupported` when the `L × L` buffers would exceed [`DENSE_MAX_BYTES`].
 ///
-/// [`attention_forward`]: crate::backend::cpu::attention_forward
+/// [`attention_forward`]: crate::backend::AttentionBackend::forward
 pub fn dense_attention_forward(
     q: &[f32],
     k: &[f32],
@@ -232,7 +232,7 @@ pub fn dense_attention_forward(
 /// Errors: as [`attention_backward`] (wrong lengths, NaN or +inf in `lse`),
 /// and `Unsupported` for `params.rope`.
 ///
-/// [`attention_backward`]: crate::backend::cpu::attention_backward
+/// [`attention_backward`]: crate::backend::AttentionBackend::backward
 #[allow(clippy::too_many_arguments)]
 pub fn dense_attention_backward(
     q: &[f32],
@@ -337,7 +337,7 @@ pub fn dense_attention_backward(
 
 /// SDCC forward KL the unfused way (what `log_softmax` + `kl_div` +
 /// autograd run): same inputs, semantics and result as
-/// [`crate::backend::cpu::sdcc_forward_kl`], but every intermediate is a
+/// [`crate::backend::SdccBackend::sdcc_forward_kl`] on the CPU backend, but every intermediate is a
 /// materialised `[pairs, vocab]` f32 tensor, one pass each:
 ///
 /// 1. gather the pairs' student and teacher rows, divided by `τ`;

@@ -294,7 +294,7 @@ impl Case {
 
     /// [`Case::run`] with the CPU backend writing into `out` (from
     /// [`Case::outputs`] of this case) through
-    /// [`attention_forward_into`] / [`attention_backward_into`], the way a
+    /// the contract's [`AttentionBackend::forward`] / [`AttentionBackend::backward`], the way a
     /// training loop or a caching allocator reuses output memory across
     /// steps. The dense-mask baseline allocates its outputs as before.
     ///

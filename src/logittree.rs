@@ -186,7 +186,7 @@ pub fn run_attention<T: CpuFloat, A: AttentionBackend<T, Memory = Host, Lse = T>
                 *d += g;
             }
         }
-        grads.push(attention.backward_owned(&args, &out, &d_o)?);
+        grads.push(attention.backward_owned(&args, out.saved(), &d_o)?);
     }
     Ok(AttnRun {
         entries,

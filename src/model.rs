@@ -46,7 +46,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::backend::cpu::{Cpu, CpuFloat};
-use crate::backend::{AttentionBackend, AttnArgs, AttnGrads, Grads, Host, HostAttention, Saved};
+use crate::backend::{AttentionBackend, AttnArgs, AttnGrads, Host, HostAttention, Saved};
 use crate::backend::{AttnParams, AttnShape, Rope};
 use crate::gen::Rng;
 use crate::mask::PackMask;
@@ -802,23 +802,11 @@ impl<T: CpuFloat, A: AttentionBackend<T, Memory = Host, Lse = T>> Model<T, A> {
                     mask,
                     attn_params,
                 )?;
-                let nan = T::from_f64(f64::NAN);
-                let mut g = AttnGrads {
-                    dq: vec![nan; shape.q_len()],
-                    dk: vec![nan; shape.kv_len()],
-                    dv: vec![nan; shape.kv_len()],
-                };
                 let saved = Saved {
                     o: &tape.o[..],
                     lse: &tape.lse[..],
                 };
-                let grads = Grads {
-                    dq: &mut g.dq[..],
-                    dk: &mut g.dk[..],
-                    dv: &mut g.dv[..],
-                };
-                self.attention.backward(&args, saved, &d_o[..], grads)?;
-                g
+                self.attention.backward_owned(&args, saved, &d_o)?
             };
             matmul_at_b_acc(&tape.h_attn, &g.dq, l, d, qw, &mut lg.wq);
             matmul_at_b_acc(&tape.h_attn, &g.dk, l, d, kw, &mut lg.wk);

@@ -196,7 +196,7 @@ fn forward_backward<T: Element, B: HostAttention<T>>(
     d_o: &[T],
 ) -> (Vec<f64>, Vec<f64>) {
     let fwd = backend.forward_owned(args).unwrap();
-    let g = backend.backward_owned(args, &fwd, d_o).unwrap();
+    let g = backend.backward_owned(args, fwd.saved(), d_o).unwrap();
     let wide = |x: &[T]| x.iter().map(|e| e.to_f64()).collect::<Vec<_>>();
     (wide(&fwd.o), wide(&g.dq))
 }

@@ -339,6 +339,20 @@ pub struct Saved<'i, M: Memory, T: Element, L: Element> {
     pub lse: M::Ref<'i, L>,
 }
 
+impl<'i, T: Element, L: Element> Saved<'i, Host, T, L> {
+    /// The same state borrowed for a shorter lifetime (see
+    /// [`AttnArgs::reborrow`]).
+    pub fn reborrow<'b>(&self) -> Saved<'b, Host, T, L>
+    where
+        'i: 'b,
+    {
+        Saved {
+            o: self.o,
+            lse: self.lse,
+        }
+    }
+}
+
 /// The gradients a backward writes, with respect to the *unrotated* q and
 /// k when rotary is on.
 pub struct Grads<'o, M: Memory, T: Element> {
@@ -484,6 +498,17 @@ pub struct AttnOut<T, L> {
     pub lse: Vec<L>,
 }
 
+impl<T: Element, L: Element> AttnOut<T, L> {
+    /// The forward's saved state, for [`HostAttention::backward_owned`] or
+    /// [`AttentionBackend::backward`].
+    pub fn saved(&self) -> Saved<'_, Host, T, L> {
+        Saved {
+            o: &self.o[..],
+            lse: &self.lse[..],
+        }
+    }
+}
+
 /// Owned gradients of a backward on host memory
 /// ([`HostAttention::backward_owned`]), with respect to the unrotated q, k.
 #[derive(Clone, Debug, PartialEq)]
@@ -509,12 +534,13 @@ pub trait HostAttention<T: Element>: AttentionBackend<T, Memory = Host> {
         Ok(AttnOut { o, lse })
     }
 
-    /// [`AttentionBackend::backward`] from an owned forward result, into
-    /// fresh vectors.
+    /// [`AttentionBackend::backward`] into fresh vectors, from the saved
+    /// state of the forward (an [`AttnOut::saved`], or the caller's own `o`
+    /// and `lse`).
     fn backward_owned(
         &self,
         args: &AttnArgs<'_, Host, T>,
-        fwd: &AttnOut<T, Self::Lse>,
+        saved: Saved<'_, Host, T, Self::Lse>,
         d_o: &[T],
     ) -> Result<AttnGrads<T>> {
         let s = args.shape();
@@ -524,16 +550,12 @@ pub trait HostAttention<T: Element>: AttentionBackend<T, Memory = Host> {
             dk: vec![nan; s.kv_len()],
             dv: vec![nan; s.kv_len()],
         };
-        let saved = Saved {
-            o: &fwd.o[..],
-            lse: &fwd.lse[..],
-        };
         let grads = Grads {
             dq: &mut g.dq[..],
             dk: &mut g.dk[..],
             dv: &mut g.dv[..],
         };
-        self.backward(&args.reborrow(), saved, d_o, grads)?;
+        self.backward(&args.reborrow(), saved.reborrow(), d_o, grads)?;
         Ok(g)
     }
 }

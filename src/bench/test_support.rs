@@ -2,7 +2,7 @@
 
 use super::{AttnGrads, AttnOut};
 use crate::backend::cpu::Cpu;
-use crate::backend::{AttnArgs, AttnParams, AttnShape, HostAttention};
+use crate::backend::{AttnArgs, AttnParams, AttnShape, HostAttention, Saved};
 use crate::mask::PackMask;
 use crate::pack::Pack;
 use crate::rng::Rng;
@@ -56,9 +56,5 @@ pub(crate) fn attention_backward(
     params: &AttnParams,
 ) -> Result<AttnGrads<f32>> {
     let args = AttnArgs::new(q, k, v, shape, mask, *params)?;
-    let fwd = AttnOut {
-        o: o.to_vec(),
-        lse: lse.to_vec(),
-    };
-    Cpu::default().backward_owned(&args, &fwd, d_o)
+    Cpu::default().backward_owned(&args, Saved { o, lse }, d_o)
 }

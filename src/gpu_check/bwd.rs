@@ -87,13 +87,13 @@ fn check_backward<T: KernelElem + DeviceRepr>(
     let of: Vec<f32> = o.iter().map(|e| e.to_f32()).collect();
     // The CPU backward of the O the device sees (rounded to T).
     let want = {
-        use crate::backend::{AttnArgs, HostAttention};
+        use crate::backend::{AttnArgs, HostAttention, Saved};
         let args = AttnArgs::new(&qf[..], &kf[..], &vf[..], shape, mask, params)?;
-        let rounded = crate::backend::AttnOut {
-            o: of.clone(),
-            lse: fwd.lse.clone(),
+        let rounded = Saved {
+            o: &of[..],
+            lse: &fwd.lse[..],
         };
-        crate::backend::cpu::Cpu::default().backward_owned(&args, &rounded, &dof)?
+        crate::backend::cpu::Cpu::default().backward_owned(&args, rounded, &dof)?
     };
 
     let dp = be.upload_pack(mask)?;

@@ -2,9 +2,7 @@
 
 use super::{flat, shaped};
 use crate::backend::cpu::{Cpu, CpuFloat};
-use crate::backend::{
-    AttentionBackend, AttnArgs, AttnParams, AttnShape, Grads, HostAttention, Saved,
-};
+use crate::backend::{AttnArgs, AttnParams, AttnShape, HostAttention, Saved};
 use crate::mask::PackMask;
 use crate::{Error, Result};
 use ndarray::{Array2, Array3, ArrayView3};
@@ -134,26 +132,15 @@ pub fn attention_backward<T: CpuFloat>(
     let (qf, kf, vf) = (flat(&q), flat(&k), flat(&v));
     let args = AttnArgs::new(&qf[..], &kf[..], &vf[..], shape, mask, fwd.params)?;
     let (o, lse, d_o_flat) = (flat(&fwd.o.view()), flat(&fwd.lse.view()), flat(&d_o));
-    let nan = T::from_f64(f64::NAN);
-    let (mut dq, mut dk, mut dv) = (
-        vec![nan; shape.q_len()],
-        vec![nan; shape.kv_len()],
-        vec![nan; shape.kv_len()],
-    );
     let saved = Saved {
         o: &o[..],
         lse: &lse[..],
     };
-    let grads = Grads {
-        dq: &mut dq[..],
-        dk: &mut dk[..],
-        dv: &mut dv[..],
-    };
-    Cpu::default().backward(&args, saved, &d_o_flat[..], grads)?;
+    let g = Cpu::default().backward_owned(&args, saved, &d_o_flat)?;
     Ok(AttnGradients {
-        dq: shaped(q.dim(), dq, "dq")?,
-        dk: shaped(k.dim(), dk, "dk")?,
-        dv: shaped(v.dim(), dv, "dv")?,
+        dq: shaped(q.dim(), g.dq, "dq")?,
+        dk: shaped(k.dim(), g.dk, "dk")?,
+        dv: shaped(v.dim(), g.dv, "dv")?,
     })
 }
 

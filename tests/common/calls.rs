@@ -58,19 +58,7 @@ pub fn cpu_backward<T: CpuFloat>(
     params: &AttnParams,
 ) -> Result<AttnGrads<T>> {
     let args = AttnArgs::new(q, k, v, shape, mask, *params)?;
-    let nan = T::from_f64(f64::NAN);
-    let mut g = AttnGrads {
-        dq: vec![nan; shape.q_len()],
-        dk: vec![nan; shape.kv_len()],
-        dv: vec![nan; shape.kv_len()],
-    };
-    let grads = Grads {
-        dq: &mut g.dq[..],
-        dk: &mut g.dk[..],
-        dv: &mut g.dv[..],
-    };
-    Cpu::default().backward(&args, Saved { o, lse }, d_o, grads)?;
-    Ok(g)
+    Cpu::default().backward_owned(&args, Saved { o, lse }, d_o)
 }
 
 pub fn cpu_forward_into<T: CpuFloat>(
@@ -177,21 +165,9 @@ pub fn emu_backward<T: KernelElem>(
     mode: DqMode,
 ) -> Result<AttnGrads<T>> {
     let args = AttnArgs::new(q, k, v, shape, mask, *params)?;
-    let nan = T::from_f32(f32::NAN);
-    let mut g = AttnGrads {
-        dq: vec![nan; shape.q_len()],
-        dk: vec![nan; shape.kv_len()],
-        dv: vec![nan; shape.kv_len()],
-    };
-    let grads = Grads {
-        dq: &mut g.dq[..],
-        dk: &mut g.dk[..],
-        dv: &mut g.dv[..],
-    };
     emu()
         .with_dq_mode(mode)
-        .backward(&args, Saved { o, lse }, d_o, grads)?;
-    Ok(g)
+        .backward_owned(&args, Saved { o, lse }, d_o)
 }
 
 pub fn emu_sdcc<T: SdccElem>(

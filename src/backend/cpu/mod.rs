@@ -271,7 +271,7 @@ mod tests {
             let cpu = Cpu::with_threads(threads);
             let args = AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, params).unwrap();
             let f = cpu.forward_owned(&args).unwrap();
-            let g = cpu.backward_owned(&args, &f, &d_o).unwrap();
+            let g = cpu.backward_owned(&args, f.saved(), &d_o).unwrap();
             (f, g)
         };
         let one = run(1);

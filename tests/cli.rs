@@ -492,3 +492,55 @@ fn pack_progress_only_on_a_terminal() {
     assert!(text.contains("read 22 rollouts; packing"), "{text}");
     assert!(text.contains("writing pack 1 of "), "{text}");
 }
+
+#[test]
+fn bench_on_a_pack_file_prints_json_and_refuses_bad_options() {
+    let d = scratch("bench-pack");
+    let out = d.join("sample.safetensors");
+    let o = run(&["pack", SAMPLE, "--out", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let args = |extra: &[&str]| {
+        let mut a = vec!["bench", "--pack", out.to_str().unwrap(), "--reps", "1"];
+        a.extend_from_slice(extra);
+        run(&a)
+    };
+    let o = args(&[
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "16",
+        "--threads",
+        "1",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let rs = sample();
+    let tree = Tree::build(&rs, false).unwrap();
+    let pack = tree.trie_pack();
+    assert_eq!(json["tokens"], pack.len() as u64);
+    assert_eq!(json["visible_pairs"], pack.mask().unwrap().visible_pairs());
+    assert_eq!(
+        (json["threads"].clone(), json["kv_heads"].clone()),
+        (1.into(), 1.into())
+    );
+    assert!(json["fwd_gflops"].as_f64().unwrap() > 0.0);
+    let o = args(&["--threads", "1"]);
+    assert!(
+        o.status.success() && stdout(&o).contains("tree/causal"),
+        "{}",
+        stderr(&o)
+    );
+    // Heads that do not divide, and --json without --pack, are errors.
+    let o = args(&["--heads", "3", "--kv-heads", "2"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
+    assert!(
+        stderr(&o).contains("multiple of kv_heads"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(&["bench", "--json"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+}

@@ -76,6 +76,7 @@ fn mask_of(pack: &crate::pack::Pack) -> crate::mask::PackMask<'_> {
 
 mod baselines;
 mod diagnosis;
+mod on_pack;
 mod tables;
 #[cfg(test)]
 mod test_support;
@@ -87,6 +88,7 @@ pub use baselines::{
     dense_attention_backward, dense_attention_forward, sdcc_unfused, DENSE_MAX_BYTES,
 };
 pub use diagnosis::{forward_balance, kernel_utilization, tile_utilization};
+pub use on_pack::{time_pack, PackBenchOptions, PackTiming, PassTiming};
 pub use tables::{
     costs, quick, quick_with, sdcc_table, CostTable, Options, Row, SdccRow, SdccTable, ShapeCosts,
     ShapeInfo, Table,

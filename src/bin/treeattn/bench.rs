@@ -1,9 +1,11 @@
 //! `treeattn bench`: the quick attention comparison of `treeattn::bench`.
 
 use clap::Args;
-use treeattn::bench::{costs, quick_with, sdcc_table, Options, Size};
+use std::path::PathBuf;
+
+use treeattn::bench::{costs, quick_with, sdcc_table, time_pack, Options, PackBenchOptions, Size};
 use treeattn::gen::Shape;
-use treeattn::Result;
+use treeattn::{Error, Result};
 
 use crate::args::{emit, number, positive};
 
@@ -45,6 +47,22 @@ pub struct BenchArgs {
     /// Count tokens and visible pairs of every method without timing.
     #[arg(long, conflicts_with = "sdcc")]
     costs_only: bool,
+    /// Time forward and forward+backward on this pack file (from `treeattn
+    /// pack`) and on a causal mask of the same length, instead of the
+    /// generated shapes.
+    #[arg(long, value_name = "FILE.safetensors", conflicts_with_all = ["shape", "size", "costs_only", "sdcc"])]
+    pack: Option<PathBuf>,
+    /// With --pack: kv heads (divides --heads) [default: --heads].
+    #[arg(long, value_name = "H", value_parser = positive, requires = "pack")]
+    kv_heads: Option<usize>,
+    /// With --pack: CPU threads [default: TREEATTN_THREADS or all cores].
+    #[arg(long, value_name = "N", value_parser = positive, requires = "pack")]
+    threads: Option<usize>,
+    /// With --pack: print one JSON object (tokens, visible_pairs, fwd_ms,
+    /// fwd_bwd_ms, fwd_gflops, fwd_bwd_gflops, causal_fwd_gflops,
+    /// causal_fwd_bwd_gflops, threads, isa, ...) instead of a table.
+    #[arg(long, requires = "pack")]
+    json: bool,
     /// Time the SDCC forward KL instead, fused against unfused (both
     /// softmaxes materialised), 128 pairs, vocabularies of 32k and 150k,
     /// with the peak memory of each.
@@ -67,6 +85,40 @@ pub fn run(a: BenchArgs) -> Result<()> {
         opts.size = Size::parse(s)?;
     }
     opts.seed = a.seed.unwrap_or(opts.seed);
+    if let Some(path) = &a.pack {
+        let st = treeattn::safetensors::read_file(path)?;
+        let ids = |name: &str| -> Result<Vec<u32>> {
+            st.get(name)?
+                .to_i64()?
+                .into_iter()
+                .enumerate()
+                .map(|(i, x)| {
+                    u32::try_from(x).map_err(|_| {
+                        Error::Pack(format!(
+                            "{}: {name}[{i}] = {x} is not a u32",
+                            path.display()
+                        ))
+                    })
+                })
+                .collect()
+        };
+        let (kv_end, position_ids) = (ids("kv_end")?, ids("position_ids")?);
+        let pack_opts = PackBenchOptions {
+            heads: opts.heads,
+            kv_heads: a.kv_heads.unwrap_or(opts.heads),
+            head_dim: opts.head_dim,
+            threads: a
+                .threads
+                .unwrap_or_else(treeattn::backend::cpu::num_threads),
+            reps: opts.reps,
+        };
+        let t = time_pack(&kv_end, &position_ids, pack_opts)?;
+        return emit(&if a.json {
+            t.to_json() + "\n"
+        } else {
+            t.to_string()
+        });
+    }
     if a.sdcc {
         return emit(&format!(
             "{}",

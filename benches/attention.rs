@@ -9,6 +9,10 @@
 //! "elem/s" reads as visible-pair FLOP/s. Run: `cargo bench --bench
 //! attention` (a few minutes on 2 cores; filter with e.g. `-- compaction`).
 //!
+//! The `long` groups time one compaction tree of ~8k and ~16k tokens
+//! against the causal mask of its length (`cargo bench --bench attention --
+//! long`).
+//!
 //! Like `treeattn bench`, each case writes into output buffers allocated
 //! once outside the timed loop ([`Case::run_into`]), as a training loop or
 //! a caching allocator reuses them: fresh outputs would add the same page
@@ -19,7 +23,13 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use treeattn::backend::cpu::Cpu;
+use treeattn::backend::{AttentionBackend, AttnArgs, AttnParams, AttnShape, Grads, Saved};
 use treeattn::bench::{Case, Method, Pass, Size, Workload, SHAPES};
+use treeattn::gen::{self, CompactionParams};
+use treeattn::mask::PackMask;
+use treeattn::rng::Rng;
+use treeattn::tree::Tree;
 
 const HEADS: usize = 4;
 const HEAD_DIM: usize = 64;
@@ -48,5 +58,102 @@ fn attention(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, attention);
+/// One compaction tree with every length of [`CompactionParams::bench_scale`]
+/// (and its window) times `scale`: a single tree of several thousand tokens.
+fn long_compaction_pack(scale: usize) -> treeattn::pack::Pack {
+    let b = CompactionParams::bench_scale();
+    let s = |(lo, hi): (usize, usize)| (lo * scale, hi * scale);
+    let p = CompactionParams {
+        system_len: s(b.system_len),
+        task_len: s(b.task_len),
+        completion_len: s(b.completion_len),
+        tool_len: s(b.tool_len),
+        window: b.window * scale,
+        reserve: b.reserve * scale,
+        summary_len: s(b.summary_len),
+        ..b
+    };
+    let r = gen::compaction(&p, &mut Rng::new(1), "long").expect("the generator runs");
+    Tree::build(&[r], false)
+        .expect("a valid rollout")
+        .trie_pack()
+}
+
+/// The long-sequence groups of issue 15: one compaction tree of ~8k and
+/// ~16k tokens against the causal mask of the same length, forward and
+/// forward+backward, 8 heads of dim 64 (elements = visible-pair FLOPs).
+fn long(c: &mut Criterion) {
+    let (heads, d) = (8, 64);
+    for scale in [6, 12] {
+        let pack = long_compaction_pack(scale);
+        let l = pack.len();
+        let shape = AttnShape {
+            tokens: l,
+            q_heads: heads,
+            kv_heads: heads,
+            head_dim: d,
+        };
+        let mut rng = Rng::new(7);
+        let mut random = |n: usize| (0..n).map(|_| rng.signed_unit()).collect::<Vec<f32>>();
+        let (q, k, v, d_o) = (
+            random(shape.q_len()),
+            random(shape.kv_len()),
+            random(shape.kv_len()),
+            random(shape.q_len()),
+        );
+        let causal = vec![l as u32; l];
+        let masks = [
+            ("trie", pack.mask().expect("a valid pack")),
+            (
+                "causal",
+                PackMask::new(&causal, &pack.position_ids).expect("causal"),
+            ),
+        ];
+        for pass in [Pass::Forward, Pass::ForwardBackward] {
+            let mut g = c.benchmark_group(format!("long/compaction-{l}/{}", pass.name()));
+            g.sample_size(10)
+                .warm_up_time(Duration::from_millis(500))
+                .measurement_time(Duration::from_secs(3));
+            for (name, mask) in masks {
+                let per_pair = 4.0 * d as f64 * heads as f64;
+                let bwd = if pass == Pass::ForwardBackward {
+                    3.5
+                } else {
+                    1.0
+                };
+                g.throughput(Throughput::Elements(
+                    (mask.visible_pairs() as f64 * per_pair * bwd) as u64,
+                ));
+                let args = AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, AttnParams::new(d))
+                    .expect("valid arguments");
+                let (mut o, mut lse) = (vec![0.0; shape.q_len()], vec![0.0; shape.lse_len()]);
+                let mut grads =
+                    [shape.q_len(), shape.kv_len(), shape.kv_len()].map(|n| vec![0.0; n]);
+                let cpu = Cpu::default();
+                g.bench_function(name, |b| {
+                    b.iter(|| {
+                        cpu.forward(&args, &mut o[..], &mut lse[..])
+                            .expect("forward");
+                        if pass == Pass::ForwardBackward {
+                            let [dq, dk, dv] = &mut grads;
+                            let saved = Saved {
+                                o: &o[..],
+                                lse: &lse[..],
+                            };
+                            let g = Grads {
+                                dq: &mut dq[..],
+                                dk: &mut dk[..],
+                                dv: &mut dv[..],
+                            };
+                            cpu.backward(&args, saved, &d_o[..], g).expect("backward");
+                        }
+                    })
+                });
+            }
+            g.finish();
+        }
+    }
+}
+
+criterion_group!(benches, attention, long);
 criterion_main!(benches);

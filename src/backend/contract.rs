@@ -364,24 +364,25 @@ pub struct Grads<'o, M: Memory, T: Element> {
     pub dv: M::Mut<'o, T>,
 }
 
-/// A backward call: the forward's validated inputs, its saved `O`, `LSE`,
-/// the output gradient `dO` and the caller's gradient buffers.
-pub struct BackwardCall<'i, 'o, M: Memory, T: Element, L: Element> {
+/// A backward call: the forward's validated inputs (borrowed for `'i`),
+/// its saved `O`, `LSE` and the output gradient `dO` (for `'s`) and the
+/// caller's gradient buffers (for `'o`).
+pub struct BackwardCall<'i, 's, 'o, M: Memory, T: Element, L: Element> {
     args: AttnArgs<'i, M, T>,
-    saved: Saved<'i, M, T, L>,
-    d_o: M::Ref<'i, T>,
+    saved: Saved<'s, M, T, L>,
+    d_o: M::Ref<'s, T>,
     grads: Grads<'o, M, T>,
 }
 
-impl<'i, 'o, M: Memory, T: Element, L: Element> BackwardCall<'i, 'o, M, T, L> {
+impl<'i, 's, 'o, M: Memory, T: Element, L: Element> BackwardCall<'i, 's, 'o, M, T, L> {
     /// Errors: `o`, `d_o`, `lse`, `dq`, `dk`, `dv` of the wrong length
     /// ([`Error::Shape`]); a NaN or `+inf` in `lse` on host memory
     /// ([`Error::NonFinite`]; `−inf` marks a row with no visible key); with
     /// `params.check_finite` on host memory, a NaN or ±inf in `o` or `d_o`.
     pub fn new(
         args: AttnArgs<'i, M, T>,
-        saved: Saved<'i, M, T, L>,
-        d_o: M::Ref<'i, T>,
+        saved: Saved<'s, M, T, L>,
+        d_o: M::Ref<'s, T>,
         grads: Grads<'o, M, T>,
     ) -> Result<Self> {
         let s = args.shape;
@@ -419,8 +420,8 @@ impl<'i, 'o, M: Memory, T: Element, L: Element> BackwardCall<'i, 'o, M, T, L> {
         self,
     ) -> (
         AttnArgs<'i, M, T>,
-        Saved<'i, M, T, L>,
-        M::Ref<'i, T>,
+        Saved<'s, M, T, L>,
+        M::Ref<'s, T>,
         Grads<'o, M, T>,
     ) {
         (self.args, self.saved, self.d_o, self.grads)
@@ -459,7 +460,10 @@ pub trait AttentionBackend<T: Element> {
     fn run_forward(&self, call: ForwardCall<'_, '_, Self::Memory, T, Self::Lse>) -> Result<()>;
 
     /// Runs a validated backward call: writes every element of dq, dk, dv.
-    fn run_backward(&self, call: BackwardCall<'_, '_, Self::Memory, T, Self::Lse>) -> Result<()>;
+    fn run_backward(
+        &self,
+        call: BackwardCall<'_, '_, '_, Self::Memory, T, Self::Lse>,
+    ) -> Result<()>;
 
     /// The forward of `args` into the caller's `o` (like q) and `lse`
     /// (`[q_heads, tokens]`). Errors: as [`ForwardCall::new`], then the
@@ -478,11 +482,11 @@ pub trait AttentionBackend<T: Element> {
     /// forward that produced `saved`) for the output gradient `d_o`, into
     /// the caller's `grads`. Errors: as [`BackwardCall::new`], then the
     /// backend's own.
-    fn backward<'i, 'o>(
+    fn backward<'i, 's, 'o>(
         &self,
         args: &AttnArgs<'i, Self::Memory, T>,
-        saved: Saved<'i, Self::Memory, T, Self::Lse>,
-        d_o: <Self::Memory as Memory>::Ref<'i, T>,
+        saved: Saved<'s, Self::Memory, T, Self::Lse>,
+        d_o: <Self::Memory as Memory>::Ref<'s, T>,
         grads: Grads<'o, Self::Memory, T>,
     ) -> Result<()> {
         self.run_backward(BackwardCall::new(*args, saved, d_o, grads)?)
@@ -555,7 +559,7 @@ pub trait HostAttention<T: Element>: AttentionBackend<T, Memory = Host> {
             dk: &mut g.dk[..],
             dv: &mut g.dv[..],
         };
-        self.backward(&args.reborrow(), saved.reborrow(), d_o, grads)?;
+        self.backward(args, saved.reborrow(), d_o, grads)?;
         Ok(g)
     }
 }

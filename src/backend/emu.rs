@@ -135,7 +135,7 @@ impl<T: KernelElem> AttentionBackend<T> for Emu {
     fn run_forward(&self, call: ForwardCall<'_, '_, Host, T, f32>) -> Result<()> {
         forward(self, call)
     }
-    fn run_backward(&self, call: BackwardCall<'_, '_, Host, T, f32>) -> Result<()> {
+    fn run_backward(&self, call: BackwardCall<'_, '_, '_, Host, T, f32>) -> Result<()> {
         bwd::backward(self, call)
     }
 }

@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// Errors: a NaN or ±inf in the gradients (overflow of `T`, or non-finite
 /// inputs left unchecked).
 pub(crate) fn backward<T: CpuFloat>(
-    call: BackwardCall<'_, '_, Host, T, T>,
+    call: BackwardCall<'_, '_, '_, Host, T, T>,
     threads: usize,
 ) -> Result<()> {
     let (args, saved, d_o, grads) = call.into_parts();

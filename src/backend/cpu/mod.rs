@@ -173,7 +173,7 @@ impl<T: CpuFloat> AttentionBackend<T> for Cpu {
     fn run_forward(&self, call: ForwardCall<'_, '_, Host, T, T>) -> Result<()> {
         attention_fwd::forward(call, self.threads())
     }
-    fn run_backward(&self, call: BackwardCall<'_, '_, Host, T, T>) -> Result<()> {
+    fn run_backward(&self, call: BackwardCall<'_, '_, '_, Host, T, T>) -> Result<()> {
         attention_bwd::backward(call, self.threads())
     }
 }

@@ -92,7 +92,7 @@ impl CudaBackward {
     /// and returns the emulator's `Err` instead (slow; for debugging).
     pub(crate) fn run<T: KernelElem + DeviceRepr>(
         &self,
-        call: BackwardCall<'_, '_, Device, T, f32>,
+        call: BackwardCall<'_, '_, '_, Device, T, f32>,
         mode: DqMode,
     ) -> Result<()> {
         let (args, saved, d_o, grads) = call.into_parts();

@@ -367,7 +367,7 @@ impl<T: KernelElem + DeviceRepr> AttentionBackend<T> for CudaBackend {
     fn run_forward(&self, call: ForwardCall<'_, '_, Device, T, f32>) -> Result<()> {
         self.run_forward_kernel(call)
     }
-    fn run_backward(&self, call: BackwardCall<'_, '_, Device, T, f32>) -> Result<()> {
+    fn run_backward(&self, call: BackwardCall<'_, '_, '_, Device, T, f32>) -> Result<()> {
         self.bwd.run(call, self.dq_mode)
     }
 }

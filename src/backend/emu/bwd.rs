@@ -15,7 +15,7 @@ use crate::{Error, Result};
 /// summed ([`DqMode`]). A non-finite gradient is an [`Error::NonFinite`].
 pub(super) fn backward<T: KernelElem>(
     emu: &Emu,
-    call: BackwardCall<'_, '_, Host, T, f32>,
+    call: BackwardCall<'_, '_, '_, Host, T, f32>,
 ) -> Result<()> {
     let (args, saved, d_o, grads) = call.into_parts();
     let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());

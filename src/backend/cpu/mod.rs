@@ -121,7 +121,7 @@ pub use census::{
     TileCounts, BLOCK_KEYS, BLOCK_QUERIES,
 };
 pub use float::CpuFloat;
-pub use pool::num_threads;
+pub use pool::{num_threads, set_default_threads};
 
 pub(crate) use bounds::{BlockMasks, KeyTileBounds};
 pub(crate) use checks::check_result;
@@ -160,8 +160,9 @@ impl Cpu {
         }
     }
     /// The thread count calls run on: the one given to
-    /// [`Cpu::with_threads`], else [`num_threads`] (the `TREEATTN_THREADS`
-    /// environment variable or the machine's cores).
+    /// [`Cpu::with_threads`], else [`num_threads`] (the process-wide
+    /// [`set_default_threads`], else the `TREEATTN_THREADS` environment
+    /// variable, else the machine's cores), read at every call.
     pub fn threads(&self) -> usize {
         self.threads.unwrap_or_else(num_threads)
     }

@@ -14,7 +14,7 @@
 //! itself runs a parallel step) falls back to scoped threads.
 
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 
 /// A task whose lifetime has been erased to hand it to the workers.
@@ -152,15 +152,54 @@ fn worker(pool: &'static Pool) {
     }
 }
 
-/// Number of worker threads the CPU backend uses: the environment variable
-/// `TREEATTN_THREADS` if it holds a positive integer, otherwise
-/// `std::thread::available_parallelism()` (1 if unknown).
+/// The process-wide default set by [`set_default_threads`]; 0 = not set.
+static DEFAULT_THREADS: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets the thread count that [`crate::backend::cpu::Cpu::default`] (and
+/// every other caller of [`num_threads`]: the model's matrix product, the
+/// bench baselines) uses from now on, in this process; `0` clears it, so
+/// that the `TREEATTN_THREADS` environment variable (or the machine's
+/// cores) applies again. A backend built with
+/// [`crate::backend::cpu::Cpu::with_threads`] keeps its own count.
+///
+/// Coexisting with a host's thread pool (rayon, OpenMP, a framework's
+/// intra-op pool): a call runs on the *calling* thread plus `n − 1` workers
+/// of this module's own pool, started on first use and parked (blocked on a
+/// condition variable, not spinning) between calls, so they take no CPU
+/// while the host computes. The two pools do not know about each other:
+/// give the host and treeattn counts whose sum fits the cores when both
+/// run at once (e.g. call treeattn from a rayon task with
+/// `set_default_threads(1)`, or give it all the cores when it runs between
+/// the host's parallel regions). A call made while another call holds the
+/// pool (two host threads calling at once, or a call from inside a
+/// treeattn task) runs on scoped threads instead; it is never queued
+/// behind the other.
+///
+/// ```
+/// use treeattn::backend::cpu::{num_threads, set_default_threads, Cpu};
+/// set_default_threads(2);
+/// assert_eq!(num_threads(), 2);
+/// assert_eq!(Cpu::default().threads(), 2);
+/// assert_eq!(Cpu::with_threads(3).threads(), 3);
+/// set_default_threads(0); // back to TREEATTN_THREADS or all cores
+/// ```
+pub fn set_default_threads(threads: usize) {
+    DEFAULT_THREADS.store(threads, Ordering::Relaxed);
+}
+
+/// Number of threads the CPU backend uses by default: the count given to
+/// [`set_default_threads`] if one is set, else the environment variable
+/// `TREEATTN_THREADS` if it holds a positive integer (read at every call),
+/// otherwise `std::thread::available_parallelism()` (1 if unknown).
 pub fn num_threads() -> usize {
-    std::env::var("TREEATTN_THREADS")
-        .ok()
-        .and_then(|s| s.trim().parse::<usize>().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    match DEFAULT_THREADS.load(Ordering::Relaxed) {
+        0 => std::env::var("TREEATTN_THREADS")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+        n => n,
+    }
 }
 
 /// Runs `body` on every work item on up to `threads` threads (the caller

@@ -5,6 +5,14 @@
 //! [`CudaBackend::new`] needs a driver, and it returns an `Err` (never a
 //! panic) when there is none.
 //!
+//! cudarc's loading mode: this crate asks for `fallback-dynamic-loading`
+//! (not `dynamic-loading`), so that it builds in one project with crates
+//! that ask for `dynamic-linking` (candle-core 0.11 does; cudarc refuses
+//! both `dynamic-*` features at once). Alone it loads `libcuda` at run
+//! time; beside such a crate cudarc links it, and a program then needs the
+//! driver library to start. Either way the driver check is
+//! [`driver_present`], which does not depend on cudarc's mode.
+//!
 //! Use: create a [`CudaBackend`], upload a pack once with
 //! [`CudaBackend::upload_pack`] (kv_end, position ids, and the per-key-tile
 //! min/max of kv_end, computed on the device), then call the contract's
@@ -38,6 +46,24 @@ use crate::mask::PackMask;
 use crate::{Error, Result};
 
 pub use super::launch::bwd::DqMode;
+
+/// Whether the CUDA driver library (`libcuda.so.1` / `libcuda.so`,
+/// `nvcuda.dll` on Windows) can be loaded on this machine: without it every
+/// cudarc call panics, so [`CudaBackend::new`] asks first. Independent of
+/// cudarc's loading mode (its own `is_culib_present` exists only with
+/// `dynamic-loading`, which is off when another crate in the build asks
+/// for `dynamic-linking`).
+pub fn driver_present() -> bool {
+    #[cfg(windows)]
+    const NAMES: &[&str] = &["nvcuda.dll"];
+    #[cfg(not(windows))]
+    const NAMES: &[&str] = &["libcuda.so.1", "libcuda.so"];
+    NAMES.iter().any(|name| {
+        // SAFETY: loads the driver library, as cudarc itself does on first
+        // use; its initializers are the driver's own.
+        unsafe { libloading::Library::new(*name) }.is_ok()
+    })
+}
 
 /// Device memory: cudarc buffers on the backend's device, and a pack
 /// uploaded by [`CudaBackend::upload_pack`].
@@ -117,8 +143,8 @@ impl CudaBackend {
     /// device, a device older than sm_80, a driver too old for the embedded
     /// code (CUDA 13.0, driver 580, is needed).
     pub fn new(ordinal: usize) -> Result<Self> {
-        // SAFETY: only tries to dlopen libcuda; cudarc panics on first use otherwise.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        // cudarc panics on first use without a driver library.
+        if !driver_present() {
             return Err(Error::Cuda(
                 "no CUDA driver found (libcuda.so could not be loaded): this machine has no NVIDIA GPU driver; \
                  use the cpu or emu backend"
@@ -429,8 +455,7 @@ mod tests {
 
     #[test]
     fn no_driver_is_an_error_not_a_panic() {
-        // SAFETY: only probes for the library.
-        let present = unsafe { cudarc::driver::sys::is_culib_present() };
+        let present = driver_present();
         match CudaBackend::new(0) {
             Ok(be) => assert!(present, "a backend without a driver: {:?}", be.describe()),
             Err(e) if !present => assert!(e.to_string().contains("no CUDA driver"), "{e}"),

@@ -1,0 +1,934 @@
+//! The C ABI of treeattn: a thin layer over the crate's contract
+//! (`treeattn::backend`), never a second implementation.
+//!
+//! Every function returns a status code (`TREEATTN_OK` = 0 or one of the
+//! `TREEATTN_ERR_*` codes) and writes its results through caller-owned
+//! pointers; on failure [`treeattn_last_error`] returns the message (per
+//! thread). No panic crosses the boundary: every entry runs under
+//! `catch_unwind` and reports a panic as `TREEATTN_ERR_PANIC`. Pointers
+//! are checked for null (a null pointer with a zero length is an empty
+//! array) and alignment; lengths are derived from the sizes given and
+//! checked for overflow; output buffers must not overlap each other or the
+//! inputs (checked). The header is `include/treeattn.h`, generated from
+//! this file by cbindgen and kept in sync by `tests/header.rs`.
+//!
+//! Layouts are those of the contract (`flash_attn_varlen`'s): q, o, dO, dQ
+//! `[tokens, q_heads, head_dim]`; k, v, dK, dV `[tokens, kv_heads,
+//! head_dim]`; LSE `[q_heads, tokens]`; logits `[rows, vocab]`, row-major.
+
+#![allow(clippy::missing_safety_doc)]
+
+use std::cell::RefCell;
+use std::ffi::{c_char, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use treeattn::backend::cpu::{self, Cpu, CpuFloat};
+use treeattn::backend::{
+    AttentionBackend, AttnArgs, AttnParams, AttnShape, Element, Grads, Rope, Saved, SdccArgs,
+    SdccBackend,
+};
+use treeattn::mask::PackMask;
+use treeattn::pack::{Pack, SdccPair};
+use treeattn::rollout::{Call, Rollout};
+use treeattn::tree::Tree;
+use treeattn::Error;
+
+/// Success.
+pub const TREEATTN_OK: i32 = 0;
+/// A required pointer was null (with a non-zero length).
+pub const TREEATTN_ERR_NULL: i32 = 1;
+/// Sizes, lengths, alignment or overlap of the arguments do not fit.
+pub const TREEATTN_ERR_SHAPE: i32 = 2;
+/// A rollout that breaks the calls format (empty context, ...).
+pub const TREEATTN_ERR_ROLLOUT: i32 = 3;
+/// An invalid mask / pack (kv_end out of range, SDCC row out of range).
+pub const TREEATTN_ERR_PACK: i32 = 4;
+/// Unsupported parameters (head dim, softmax scale, rotary settings, ...).
+pub const TREEATTN_ERR_UNSUPPORTED: i32 = 5;
+/// A NaN or infinity where finite values are required.
+pub const TREEATTN_ERR_NON_FINITE: i32 = 6;
+/// A CUDA error (builds with the `cuda` feature).
+pub const TREEATTN_ERR_CUDA: i32 = 7;
+/// Any other error (i/o, ...).
+pub const TREEATTN_ERR_OTHER: i32 = 8;
+/// A panic inside treeattn, caught at the boundary (a bug: please report).
+pub const TREEATTN_ERR_PANIC: i32 = 9;
+
+/// `field` of [`treeattn_pack_u32`]: the pack's token ids, `len` entries.
+pub const TREEATTN_PACK_TOKENS: u32 = 0;
+/// Depth position ids, `len` entries.
+pub const TREEATTN_PACK_POSITION_IDS: u32 = 1;
+/// The mask: query q sees key k iff `k <= q < kv_end[k]`; `len` entries.
+pub const TREEATTN_PACK_KV_END: u32 = 2;
+/// Loss entries: the row whose logits predict the label.
+pub const TREEATTN_PACK_LOSS_ROW: u32 = 3;
+/// Loss entries: the target token.
+pub const TREEATTN_PACK_LOSS_LABEL: u32 = 4;
+/// Loss entries: the rollout's index in the input.
+pub const TREEATTN_PACK_LOSS_ROLLOUT: u32 = 5;
+/// Loss entries: the call's index in its rollout.
+pub const TREEATTN_PACK_LOSS_CALL: u32 = 6;
+/// Loss entries: the offset in the call's completion.
+pub const TREEATTN_PACK_LOSS_OFFSET: u32 = 7;
+/// SDCC pairs: the student row (compressed-stream row).
+pub const TREEATTN_PACK_SDCC_STUDENT_ROW: u32 = 8;
+/// SDCC pairs: the teacher row (live row).
+pub const TREEATTN_PACK_SDCC_TEACHER_ROW: u32 = 9;
+
+/// `field` of [`treeattn_pack_f32`]: loss entries' weights.
+pub const TREEATTN_PACK_LOSS_WEIGHT: u32 = 0;
+/// Loss entries' rollout log-probs (NaN where the input had none).
+pub const TREEATTN_PACK_LOSS_LOGPROB: u32 = 1;
+
+/// A packed conditioning tree (opaque): built by [`treeattn_pack_build`],
+/// read with the getters, freed by [`treeattn_pack_free`].
+pub struct TreeattnPack {
+    pack: Pack,
+    /// The pack's arrays as the getters hand them out (struct of arrays).
+    u32s: [Vec<u32>; 10],
+    f32s: [Vec<f32>; 2],
+}
+
+/// Sizes of an attention call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TreeattnShape {
+    /// Tokens of the pack (`L`).
+    pub tokens: usize,
+    /// Query heads (a multiple of `kv_heads`).
+    pub q_heads: usize,
+    /// Key / value heads.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+}
+
+/// Parameters of an attention call; a null pointer means the defaults
+/// (`1 / sqrt(head_dim)`, no rotary, no finiteness scan).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TreeattnParams {
+    /// Multiplies `Q Kᵀ` before the softmax; `0` means `1 / sqrt(head_dim)`.
+    pub softmax_scale: f64,
+    /// Rotary dims (even, at most head_dim) at the pack's position ids;
+    /// `0` turns rotary off.
+    pub rope_dims: usize,
+    /// Rotary base (e.g. 10000), used when `rope_dims > 0`.
+    pub rope_base: f64,
+    /// Non-zero: scan the inputs for NaN / ±inf first.
+    pub check_finite: i32,
+}
+
+/// Result of an SDCC call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TreeattnSdccLoss {
+    /// `Σ_pairs w · KL`.
+    pub loss_sum: f64,
+    /// `loss_sum / Σ w` (0 when `Σ w = 0`).
+    pub loss_mean: f64,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// An error at the boundary: a status code and its message.
+struct Fail(i32, String);
+
+impl From<Error> for Fail {
+    fn from(e: Error) -> Fail {
+        let code = match e {
+            Error::Shape(_) => TREEATTN_ERR_SHAPE,
+            Error::Rollout { .. } => TREEATTN_ERR_ROLLOUT,
+            Error::Pack(_) => TREEATTN_ERR_PACK,
+            Error::Unsupported(_) => TREEATTN_ERR_UNSUPPORTED,
+            Error::NonFinite { .. } => TREEATTN_ERR_NON_FINITE,
+            Error::Cuda(_) => TREEATTN_ERR_CUDA,
+            _ => TREEATTN_ERR_OTHER,
+        };
+        Fail(code, e.to_string())
+    }
+}
+
+type R<T> = std::result::Result<T, Fail>;
+
+fn set_last_error(msg: &str) {
+    let c = CString::new(msg.replace('\0', "\\0")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+/// Runs `f` at the boundary: its status code, the message stored for
+/// [`treeattn_last_error`] on failure, a panic caught.
+fn guard(f: impl FnOnce() -> R<()>) -> i32 {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => TREEATTN_OK,
+        Ok(Err(Fail(code, msg))) => {
+            set_last_error(&msg);
+            code
+        }
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic payload".into());
+            set_last_error(&format!("panic inside treeattn (a bug): {what}"));
+            TREEATTN_ERR_PANIC
+        }
+    }
+}
+
+fn null(what: &str) -> Fail {
+    Fail(TREEATTN_ERR_NULL, format!("`{what}` is a null pointer"))
+}
+
+/// `len` elements at `p`: null only with `len == 0`, aligned for `T`.
+unsafe fn slice<'a, T>(what: &str, p: *const T, len: usize) -> R<&'a [T]> {
+    if p.is_null() {
+        return if len == 0 { Ok(&[]) } else { Err(null(what)) };
+    }
+    check_ptr(
+        what,
+        p as usize,
+        len,
+        std::mem::size_of::<T>(),
+        std::mem::align_of::<T>(),
+    )?;
+    Ok(std::slice::from_raw_parts(p, len))
+}
+
+/// As [`slice`], writable.
+unsafe fn slice_mut<'a, T>(what: &str, p: *mut T, len: usize) -> R<&'a mut [T]> {
+    if p.is_null() {
+        return if len == 0 {
+            Ok(&mut [])
+        } else {
+            Err(null(what))
+        };
+    }
+    check_ptr(
+        what,
+        p as usize,
+        len,
+        std::mem::size_of::<T>(),
+        std::mem::align_of::<T>(),
+    )?;
+    Ok(std::slice::from_raw_parts_mut(p, len))
+}
+
+fn check_ptr(what: &str, addr: usize, len: usize, size: usize, align: usize) -> R<()> {
+    if addr % align != 0 {
+        return Err(Fail(
+            TREEATTN_ERR_SHAPE,
+            format!("`{what}` = {addr:#x} is not aligned to {align} bytes"),
+        ));
+    }
+    match len.checked_mul(size) {
+        Some(bytes) if bytes <= isize::MAX as usize && addr.checked_add(bytes).is_some() => Ok(()),
+        _ => Err(Fail(
+            TREEATTN_ERR_SHAPE,
+            format!("`{what}`: {len} elements overflow the address space"),
+        )),
+    }
+}
+
+/// Byte range of a named buffer, for the overlap check.
+fn range<T>(what: &'static str, s: &[T]) -> (&'static str, usize, usize) {
+    let a = s.as_ptr() as usize;
+    (what, a, a + std::mem::size_of_val(s))
+}
+
+/// `Err` when an output overlaps another output or an input (the outputs
+/// are written while the inputs are read: Rust's `&mut` must be unique).
+fn no_overlap(outputs: &[(&str, usize, usize)], inputs: &[(&str, usize, usize)]) -> R<()> {
+    for (i, &(name, a0, a1)) in outputs.iter().enumerate() {
+        let others = outputs[i + 1..].iter().chain(inputs);
+        for &(other, b0, b1) in others {
+            if a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1 {
+                return Err(Fail(
+                    TREEATTN_ERR_SHAPE,
+                    format!("output `{name}` overlaps `{other}`"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The version of this library (`"0.1.0"`), a static NUL-terminated string.
+#[no_mangle]
+pub extern "C" fn treeattn_version() -> *const c_char {
+    static V: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
+    V.as_ptr() as *const c_char
+}
+
+/// The message of the last failed call on this thread (`""` if none
+/// failed yet). Valid until the next failing call on the same thread;
+/// successful calls leave it unchanged.
+#[no_mangle]
+pub extern "C" fn treeattn_last_error() -> *const c_char {
+    LAST_ERROR
+        .try_with(|e| e.borrow().as_ptr())
+        .unwrap_or(c"".as_ptr())
+}
+
+/// Sets the CPU backend's default thread count for this process (the
+/// calling thread plus `threads − 1` pooled workers, parked between
+/// calls); `0` goes back to the `TREEATTN_THREADS` environment variable or
+/// all cores. See README "Embedding" for sharing cores with a host pool.
+#[no_mangle]
+pub extern "C" fn treeattn_set_threads(threads: usize) -> i32 {
+    guard(|| {
+        cpu::set_default_threads(threads);
+        Ok(())
+    })
+}
+
+/// Writes the thread count a call would run on now.
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_get_threads(out: *mut usize) -> i32 {
+    guard(|| {
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        *out = cpu::num_threads();
+        Ok(())
+    })
+}
+
+/// Builds the trie pack of `n_rollouts` rollouts given as flat arrays.
+///
+/// Calls are numbered over all rollouts: rollout `r` has calls
+/// `rollout_offsets[r] .. rollout_offsets[r + 1]` (`n_rollouts + 1`
+/// entries, starting at 0, non-decreasing). Call `c`'s context is
+/// `context_tokens[context_offsets[c] .. context_offsets[c + 1]]` and its
+/// completion `completion_tokens[completion_offsets[c] ..
+/// completion_offsets[c + 1]]` (both offset arrays have `n_calls + 1`
+/// entries, `n_calls = rollout_offsets[n_rollouts]`). `logprobs` is null
+/// or one rollout log-prob per completion token (aligned with
+/// `completion_tokens`). `share_prefixes` non-zero shares prefixes across
+/// rollouts (one trie over all of them). Rollouts are named by their index.
+/// On success `*out` owns the pack (free it with [`treeattn_pack_free`]).
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn treeattn_pack_build(
+    n_rollouts: usize,
+    rollout_offsets: *const usize,
+    context_tokens: *const u32,
+    context_offsets: *const usize,
+    completion_tokens: *const u32,
+    completion_offsets: *const usize,
+    logprobs: *const f32,
+    share_prefixes: i32,
+    out: *mut *mut TreeattnPack,
+) -> i32 {
+    guard(|| {
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        *out = std::ptr::null_mut();
+        let n1 = n_rollouts
+            .checked_add(1)
+            .ok_or_else(|| Fail(TREEATTN_ERR_SHAPE, "n_rollouts overflows".into()))?;
+        let ro = slice("rollout_offsets", rollout_offsets, n1)?;
+        let n_calls = offsets_end("rollout_offsets", ro)?;
+        let co = slice("context_offsets", context_offsets, n_calls + 1)?;
+        let po = slice("completion_offsets", completion_offsets, n_calls + 1)?;
+        let ctx = slice(
+            "context_tokens",
+            context_tokens,
+            offsets_end("context_offsets", co)?,
+        )?;
+        let n_completion = offsets_end("completion_offsets", po)?;
+        let comp = slice("completion_tokens", completion_tokens, n_completion)?;
+        let lp = if logprobs.is_null() {
+            None
+        } else {
+            Some(slice("logprobs", logprobs, n_completion)?)
+        };
+        let mut rollouts = Vec::with_capacity(n_rollouts);
+        for r in 0..n_rollouts {
+            let calls = (ro[r]..ro[r + 1])
+                .map(|c| {
+                    let (a, b) = (po[c], po[c + 1]);
+                    Call {
+                        context: ctx[co[c]..co[c + 1]].to_vec(),
+                        completion: comp[a..b].to_vec(),
+                        logprobs: lp.map(|l| l[a..b].to_vec()),
+                    }
+                })
+                .collect();
+            rollouts.push(Rollout::new(r.to_string(), calls)?);
+        }
+        let tree = Tree::build(&rollouts, share_prefixes != 0)?;
+        let pack = tree.trie_pack();
+        let sdcc: Vec<SdccPair> = tree.sdcc_pairs();
+        let l = &pack.loss;
+        let u32s = [
+            pack.tokens.clone(),
+            pack.position_ids.clone(),
+            pack.kv_end.clone(),
+            l.iter().map(|e| e.row).collect(),
+            l.iter().map(|e| e.label).collect(),
+            l.iter().map(|e| e.rollout).collect(),
+            l.iter().map(|e| e.call).collect(),
+            l.iter().map(|e| e.offset).collect(),
+            sdcc.iter().map(|p| p.student_row).collect(),
+            sdcc.iter().map(|p| p.teacher_row).collect(),
+        ];
+        let f32s = [
+            l.iter().map(|e| e.weight).collect(),
+            l.iter().map(|e| e.logprob.unwrap_or(f32::NAN)).collect(),
+        ];
+        *out = Box::into_raw(Box::new(TreeattnPack { pack, u32s, f32s }));
+        Ok(())
+    })
+}
+
+/// Checks an offsets array (starts at 0, non-decreasing) and returns its
+/// last entry.
+fn offsets_end(what: &str, o: &[usize]) -> R<usize> {
+    if o.first() != Some(&0) {
+        return Err(Fail(TREEATTN_ERR_SHAPE, format!("`{what}[0]` must be 0")));
+    }
+    if let Some(i) = o.windows(2).position(|w| w[1] < w[0]) {
+        return Err(Fail(
+            TREEATTN_ERR_SHAPE,
+            format!(
+                "`{what}` decreases at entry {}: {} after {}",
+                i + 1,
+                o[i + 1],
+                o[i]
+            ),
+        ));
+    }
+    Ok(*o.last().expect("checked non-empty"))
+}
+
+/// Frees a pack (null is allowed and does nothing).
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_pack_free(pack: *mut TreeattnPack) {
+    if !pack.is_null() {
+        // Dropping plain vectors cannot panic; catch_unwind anyway.
+        let _ = catch_unwind(AssertUnwindSafe(|| drop(Box::from_raw(pack))));
+    }
+}
+
+/// Writes the pack's token count (`L`), its loss entries and SDCC pairs
+/// (any of the out pointers may be null).
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_pack_sizes(
+    pack: *const TreeattnPack,
+    tokens: *mut usize,
+    loss_entries: *mut usize,
+    sdcc_pairs: *mut usize,
+) -> i32 {
+    guard(|| {
+        let p = pack.as_ref().ok_or_else(|| null("pack"))?;
+        for (out, n) in [
+            (tokens, p.pack.len()),
+            (loss_entries, p.pack.loss.len()),
+            (sdcc_pairs, p.u32s[8].len()),
+        ] {
+            if let Some(o) = out.as_mut() {
+                *o = n;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Points `*data` at one of the pack's `uint32_t` arrays
+/// (`TREEATTN_PACK_TOKENS` ... `TREEATTN_PACK_SDCC_TEACHER_ROW`) and writes
+/// its length; the array lives as long as the pack.
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_pack_u32(
+    pack: *const TreeattnPack,
+    field: u32,
+    data: *mut *const u32,
+    len: *mut usize,
+) -> i32 {
+    guard(|| {
+        let p = pack.as_ref().ok_or_else(|| null("pack"))?;
+        let v = p.u32s.get(field as usize).ok_or_else(|| {
+            Fail(
+                TREEATTN_ERR_SHAPE,
+                format!("no uint32_t pack field {field} (0..=9)"),
+            )
+        })?;
+        write_array(v, data, len)
+    })
+}
+
+/// As [`treeattn_pack_u32`] for the `float` arrays
+/// (`TREEATTN_PACK_LOSS_WEIGHT`, `TREEATTN_PACK_LOSS_LOGPROB`).
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_pack_f32(
+    pack: *const TreeattnPack,
+    field: u32,
+    data: *mut *const f32,
+    len: *mut usize,
+) -> i32 {
+    guard(|| {
+        let p = pack.as_ref().ok_or_else(|| null("pack"))?;
+        let v = p.f32s.get(field as usize).ok_or_else(|| {
+            Fail(
+                TREEATTN_ERR_SHAPE,
+                format!("no float pack field {field} (0..=1)"),
+            )
+        })?;
+        write_array(v, data, len)
+    })
+}
+
+unsafe fn write_array<T>(v: &[T], data: *mut *const T, len: *mut usize) -> R<()> {
+    if data.is_null() {
+        return Err(null("data"));
+    }
+    if len.is_null() {
+        return Err(null("len"));
+    }
+    *data = v.as_ptr();
+    *len = v.len();
+    Ok(())
+}
+
+fn shape_of(s: TreeattnShape) -> R<AttnShape> {
+    let shape = AttnShape {
+        tokens: s.tokens,
+        q_heads: s.q_heads,
+        kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+    };
+    shape.validate()?;
+    Ok(shape)
+}
+
+unsafe fn params_of(p: *const TreeattnParams, shape: &AttnShape) -> R<AttnParams> {
+    let mut params = AttnParams::new(shape.head_dim);
+    if let Some(p) = p.as_ref() {
+        if p.softmax_scale != 0.0 {
+            params.softmax_scale = p.softmax_scale;
+        }
+        if p.rope_dims != 0 {
+            params.rope = Some(Rope {
+                base: p.rope_base,
+                dims: p.rope_dims,
+            });
+        }
+        params.check_finite = p.check_finite != 0;
+    }
+    params.validate(shape)?;
+    Ok(params)
+}
+
+/// The inputs shared by forward and backward, as host slices.
+struct Inputs<'a, T> {
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    kv_end: &'a [u32],
+    pos: &'a [u32],
+    shape: AttnShape,
+    params: AttnParams,
+}
+
+impl<'a, T> Inputs<'a, T> {
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn new(
+        q: *const T,
+        k: *const T,
+        v: *const T,
+        shape: TreeattnShape,
+        kv_end: *const u32,
+        position_ids: *const u32,
+        params: *const TreeattnParams,
+    ) -> R<Self> {
+        // Validated (sizes > 0, no overflow) before any length is used.
+        let shape = shape_of(shape)?;
+        let params = params_of(params, &shape)?;
+        let nonnull = |what, p: *const u8| if p.is_null() { Err(null(what)) } else { Ok(()) };
+        nonnull("q", q as _)?;
+        nonnull("k", k as _)?;
+        nonnull("v", v as _)?;
+        nonnull("kv_end", kv_end as _)?;
+        nonnull("position_ids", position_ids as _)?;
+        Ok(Inputs {
+            q: slice("q", q, shape.q_len())?,
+            k: slice("k", k, shape.kv_len())?,
+            v: slice("v", v, shape.kv_len())?,
+            kv_end: slice("kv_end", kv_end, shape.tokens)?,
+            pos: slice("position_ids", position_ids, shape.tokens)?,
+            shape,
+            params,
+        })
+    }
+    fn ranges(&self) -> Vec<(&'static str, usize, usize)> {
+        vec![
+            range("q", self.q),
+            range("k", self.k),
+            range("v", self.v),
+            range("kv_end", self.kv_end),
+            range("position_ids", self.pos),
+        ]
+    }
+    fn args(&self) -> R<AttnArgs<'a, treeattn::backend::Host, T>>
+    where
+        T: Element,
+    {
+        let mask = PackMask::new(self.kv_end, self.pos)?;
+        Ok(AttnArgs::new(
+            self.q,
+            self.k,
+            self.v,
+            self.shape,
+            mask,
+            self.params,
+        )?)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn forward<T: CpuFloat>(
+    q: *const T,
+    k: *const T,
+    v: *const T,
+    shape: TreeattnShape,
+    kv_end: *const u32,
+    position_ids: *const u32,
+    params: *const TreeattnParams,
+    o: *mut T,
+    lse: *mut T,
+) -> i32 {
+    guard(|| {
+        let inputs = Inputs::new(q, k, v, shape, kv_end, position_ids, params)?;
+        let s = inputs.shape;
+        if o.is_null() {
+            return Err(null("o"));
+        }
+        if lse.is_null() {
+            return Err(null("lse"));
+        }
+        let o = slice_mut("o", o, s.q_len())?;
+        let lse = slice_mut("lse", lse, s.lse_len())?;
+        no_overlap(&[range("o", o), range("lse", lse)], &inputs.ranges())?;
+        let args = inputs.args()?;
+        Cpu::default().forward(&args, o, lse)?;
+        Ok(())
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn backward<T: CpuFloat>(
+    q: *const T,
+    k: *const T,
+    v: *const T,
+    shape: TreeattnShape,
+    kv_end: *const u32,
+    position_ids: *const u32,
+    params: *const TreeattnParams,
+    o: *const T,
+    lse: *const T,
+    d_o: *const T,
+    dq: *mut T,
+    dk: *mut T,
+    dv: *mut T,
+) -> i32 {
+    guard(|| {
+        let inputs = Inputs::new(q, k, v, shape, kv_end, position_ids, params)?;
+        let s = inputs.shape;
+        for (what, p) in [
+            ("o", o as *const u8),
+            ("lse", lse as _),
+            ("d_o", d_o as _),
+            ("dq", dq as _),
+            ("dk", dk as _),
+            ("dv", dv as _),
+        ] {
+            if p.is_null() {
+                return Err(null(what));
+            }
+        }
+        let o = slice("o", o, s.q_len())?;
+        let lse = slice("lse", lse, s.lse_len())?;
+        let d_o = slice("d_o", d_o, s.q_len())?;
+        let dq = slice_mut("dq", dq, s.q_len())?;
+        let dk = slice_mut("dk", dk, s.kv_len())?;
+        let dv = slice_mut("dv", dv, s.kv_len())?;
+        let mut ins = inputs.ranges();
+        ins.extend([range("o", o), range("lse", lse), range("d_o", d_o)]);
+        no_overlap(&[range("dq", dq), range("dk", dk), range("dv", dv)], &ins)?;
+        let args = inputs.args()?;
+        Cpu::default().backward(&args, Saved { o, lse }, d_o, Grads { dq, dk, dv })?;
+        Ok(())
+    })
+}
+
+/// Tree attention forward on host memory, `float`, on the CPU backend:
+/// `o` (like q) and `lse` (`[q_heads, tokens]`, natural log; `-inf` for a
+/// row with no visible key). `kv_end` and `position_ids` have `tokens`
+/// entries (a pack's arrays); `params` may be null (defaults).
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_attention_forward_f32(
+    q: *const f32,
+    k: *const f32,
+    v: *const f32,
+    shape: TreeattnShape,
+    kv_end: *const u32,
+    position_ids: *const u32,
+    params: *const TreeattnParams,
+    o: *mut f32,
+    lse: *mut f32,
+) -> i32 {
+    forward(q, k, v, shape, kv_end, position_ids, params, o, lse)
+}
+
+/// As [`treeattn_attention_forward_f32`], `double`.
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_attention_forward_f64(
+    q: *const f64,
+    k: *const f64,
+    v: *const f64,
+    shape: TreeattnShape,
+    kv_end: *const u32,
+    position_ids: *const u32,
+    params: *const TreeattnParams,
+    o: *mut f64,
+    lse: *mut f64,
+) -> i32 {
+    forward(q, k, v, shape, kv_end, position_ids, params, o, lse)
+}
+
+/// Tree attention backward on host memory, `float`: from the forward's
+/// inputs (same shape, mask and params), its `o` and `lse`, and the output
+/// gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k),
+/// with respect to the unrotated q and k.
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_attention_backward_f32(
+    q: *const f32,
+    k: *const f32,
+    v: *const f32,
+    shape: TreeattnShape,
+    kv_end: *const u32,
+    position_ids: *const u32,
+    params: *const TreeattnParams,
+    o: *const f32,
+    lse: *const f32,
+    d_o: *const f32,
+    dq: *mut f32,
+    dk: *mut f32,
+    dv: *mut f32,
+) -> i32 {
+    backward(
+        q,
+        k,
+        v,
+        shape,
+        kv_end,
+        position_ids,
+        params,
+        o,
+        lse,
+        d_o,
+        dq,
+        dk,
+        dv,
+    )
+}
+
+/// As [`treeattn_attention_backward_f32`], `double`.
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_attention_backward_f64(
+    q: *const f64,
+    k: *const f64,
+    v: *const f64,
+    shape: TreeattnShape,
+    kv_end: *const u32,
+    position_ids: *const u32,
+    params: *const TreeattnParams,
+    o: *const f64,
+    lse: *const f64,
+    d_o: *const f64,
+    dq: *mut f64,
+    dk: *mut f64,
+    dv: *mut f64,
+) -> i32 {
+    backward(
+        q,
+        k,
+        v,
+        shape,
+        kv_end,
+        position_ids,
+        params,
+        o,
+        lse,
+        d_o,
+        dq,
+        dk,
+        dv,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn sdcc<T: CpuFloat>(
+    student: *const T,
+    student_rows: usize,
+    teacher: *const T,
+    teacher_rows: usize,
+    vocab: usize,
+    pairs: *const u32,
+    weights: *const f32,
+    n_pairs: usize,
+    temperature: f32,
+    grad_student: *mut T,
+    loss: *mut TreeattnSdccLoss,
+    per_pair: *mut f64,
+) -> i32 {
+    guard(|| {
+        let elems = |rows: usize, what: &str| {
+            rows.checked_mul(vocab)
+                .ok_or_else(|| Fail(TREEATTN_ERR_SHAPE, format!("{what}_rows · vocab overflows")))
+        };
+        let (ns, nt) = (
+            elems(student_rows, "student")?,
+            elems(teacher_rows, "teacher")?,
+        );
+        let n2 = n_pairs
+            .checked_mul(2)
+            .ok_or_else(|| Fail(TREEATTN_ERR_SHAPE, "n_pairs overflows".into()))?;
+        if loss.is_null() {
+            return Err(null("loss"));
+        }
+        let student = slice("student", student, ns)?;
+        let teacher = slice("teacher", teacher, nt)?;
+        let flat = slice("pairs", pairs, n2)?;
+        let weights = slice("weights", weights, n_pairs)?;
+        let grad = slice_mut("grad_student", grad_student, ns)?;
+        let per = if per_pair.is_null() {
+            None
+        } else {
+            Some(slice_mut("per_pair", per_pair, n_pairs)?)
+        };
+        let mut outs = vec![range("grad_student", grad)];
+        if let Some(p) = &per {
+            outs.push(range("per_pair", p));
+        }
+        let lr = (
+            loss as usize,
+            loss as usize + std::mem::size_of::<TreeattnSdccLoss>(),
+        );
+        outs.push(("loss", lr.0, lr.1));
+        no_overlap(
+            &outs,
+            &[
+                range("student", student),
+                range("teacher", teacher),
+                range("pairs", flat),
+                range("weights", weights),
+            ],
+        )?;
+        let pairs: Vec<(u32, u32)> = flat.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+        let args = SdccArgs::new(student, teacher, vocab, &pairs, weights, temperature)?;
+        let out = Cpu::default().sdcc_forward_kl(&args, grad)?;
+        if let Some(p) = per {
+            p.copy_from_slice(&out.per_pair);
+        }
+        *loss = TreeattnSdccLoss {
+            loss_sum: out.loss_sum,
+            loss_mean: out.loss_mean,
+        };
+        Ok(())
+    })
+}
+
+/// The fused SDCC forward KL on host memory, `float`: student logits
+/// `[student_rows, vocab]`, teacher logits `[teacher_rows, vocab]`,
+/// `n_pairs` pairs as `pairs[2i]` = student row, `pairs[2i + 1]` = teacher
+/// row, one weight each, temperature `τ > 0`. Writes the gradient of
+/// `Σ w · KL(teacher ‖ student)` with respect to the student logits into
+/// `grad_student` (like the student; rows no pair names are 0), the loss
+/// into `*loss`, and, when `per_pair` is not null, each pair's unweighted KL.
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_sdcc_forward_kl_f32(
+    student: *const f32,
+    student_rows: usize,
+    teacher: *const f32,
+    teacher_rows: usize,
+    vocab: usize,
+    pairs: *const u32,
+    weights: *const f32,
+    n_pairs: usize,
+    temperature: f32,
+    grad_student: *mut f32,
+    loss: *mut TreeattnSdccLoss,
+    per_pair: *mut f64,
+) -> i32 {
+    sdcc(
+        student,
+        student_rows,
+        teacher,
+        teacher_rows,
+        vocab,
+        pairs,
+        weights,
+        n_pairs,
+        temperature,
+        grad_student,
+        loss,
+        per_pair,
+    )
+}
+
+/// As [`treeattn_sdcc_forward_kl_f32`], `double` logits and gradient.
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_sdcc_forward_kl_f64(
+    student: *const f64,
+    student_rows: usize,
+    teacher: *const f64,
+    teacher_rows: usize,
+    vocab: usize,
+    pairs: *const u32,
+    weights: *const f32,
+    n_pairs: usize,
+    temperature: f32,
+    grad_student: *mut f64,
+    loss: *mut TreeattnSdccLoss,
+    per_pair: *mut f64,
+) -> i32 {
+    sdcc(
+        student,
+        student_rows,
+        teacher,
+        teacher_rows,
+        vocab,
+        pairs,
+        weights,
+        n_pairs,
+        temperature,
+        grad_student,
+        loss,
+        per_pair,
+    )
+}
+
+/// The message of a status code, for callers that print codes
+/// (a static NUL-terminated string; never null).
+#[no_mangle]
+pub extern "C" fn treeattn_status_name(status: i32) -> *const c_char {
+    let s: &CStr = match status {
+        TREEATTN_OK => c"ok",
+        TREEATTN_ERR_NULL => c"null pointer",
+        TREEATTN_ERR_SHAPE => c"shape",
+        TREEATTN_ERR_ROLLOUT => c"rollout",
+        TREEATTN_ERR_PACK => c"pack",
+        TREEATTN_ERR_UNSUPPORTED => c"unsupported",
+        TREEATTN_ERR_NON_FINITE => c"non-finite",
+        TREEATTN_ERR_CUDA => c"cuda",
+        TREEATTN_ERR_OTHER => c"other",
+        TREEATTN_ERR_PANIC => c"panic",
+        _ => c"unknown status",
+    };
+    s.as_ptr()
+}

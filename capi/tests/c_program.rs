@@ -1,0 +1,113 @@
+//! Compiles `tests/c/smoke.c` with the system C compiler (`$CC`, else
+//! `cc`), links it against the shared library cargo built for this test
+//! run (`libtreeattn_capi.so`), and runs it. The program checks the pack of
+//! the README's worked example, attention forward / backward against the
+//! values the Rust API computes here (written to a file it reads) and
+//! against its own dense reference, SDCC, and the status codes and
+//! messages of bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use treeattn::backend::cpu::Cpu;
+use treeattn::backend::{AttnArgs, AttnParams, AttnShape, HostAttention};
+use treeattn::rollout::{Call, Rollout};
+use treeattn::tree::Tree;
+
+/// The directory that holds the library cargo built with this test: the
+/// test binary lives in `<target>/<profile>/deps`, the library is uplifted
+/// to `<target>/<profile>`.
+fn library_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile = exe.parent().and_then(Path::parent).expect("<profile>/deps");
+    let lib = profile.join(format!(
+        "{}treeattn_capi{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ));
+    assert!(
+        lib.exists(),
+        "{} not found: cargo builds the cdylib with the tests",
+        lib.display()
+    );
+    profile.to_path_buf()
+}
+
+/// O, dQ, dK, dV of the C program's f64 call, computed with the Rust API.
+fn expected() -> String {
+    let rollout = Rollout::new(
+        "r17",
+        vec![
+            Call::new(vec![10, 11, 20], vec![30, 31]),
+            Call::new(vec![10, 11, 20, 30, 31, 40], vec![32]),
+            Call::new(vec![10, 11, 20, 30, 31, 40, 32, 1], vec![50, 51]),
+            Call::new(vec![10, 11, 3, 50, 51, 40, 32], vec![33]),
+        ],
+    )
+    .unwrap();
+    let pack = Tree::build(&[rollout], false).unwrap().trie_pack();
+    let shape = AttnShape {
+        tokens: pack.len(),
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+    };
+    let wave = |n: usize, f: fn(f64) -> f64, a: f64| (0..n).map(|i| f(i as f64 * a)).collect();
+    let q: Vec<f64> = wave(shape.q_len(), f64::sin, 0.37);
+    let k: Vec<f64> = wave(shape.kv_len(), f64::sin, 0.53);
+    let v: Vec<f64> = wave(shape.kv_len(), f64::sin, 0.71);
+    let d_o: Vec<f64> = wave(shape.q_len(), f64::cos, 0.29);
+    let mask = pack.mask().unwrap();
+    let args = AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, AttnParams::new(16)).unwrap();
+    let fwd = Cpu::default().forward_owned(&args).unwrap();
+    let g = Cpu::default()
+        .backward_owned(&args, fwd.saved(), &d_o)
+        .unwrap();
+    [&fwd.o, &g.dq, &g.dk, &g.dv]
+        .iter()
+        .flat_map(|a| a.iter())
+        .map(|x| format!("{x:.17e}\n"))
+        .collect()
+}
+
+#[test]
+fn c_program_links_and_passes() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let lib_dir = library_dir();
+    let want = tmp.join("capi-expected.txt");
+    std::fs::write(&want, expected()).unwrap();
+    let exe = tmp.join("treeattn-capi-smoke");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(&cc)
+        .args([
+            "-std=c99",
+            "-O1",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-pedantic",
+        ])
+        .arg("-I")
+        .arg(root.join("../include"))
+        .arg(root.join("tests/c/smoke.c"))
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(&lib_dir)
+        .arg("-ltreeattn_capi")
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .arg("-lm")
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run the C compiler `{cc}`: {e}"));
+    assert!(status.success(), "compiling tests/c/smoke.c failed");
+    let out = Command::new(&exe).arg(&want).output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(out.status.success(), "the C program failed:\n{text}");
+    assert!(text.contains("all C ABI checks passed"), "{text}");
+}

@@ -375,7 +375,9 @@ def sdcc_forward_kl(
     mass gives KL = +inf. No ``[P, vocab]`` softmax is materialised: the
     crate computes both log-sum-exps and the gradient in a pass over each
     row; the only extra memory is the gradient, shaped like ``logits``.
-    bfloat16 / float16 logits are computed in float32.
+    bfloat16 / float16 logits are computed in float32. The crate takes
+    ``weights`` and ``tau`` as float32 (``tau = 0.7`` means
+    ``float32(0.7)``), whatever the logits' dtype.
     """
     for name, t in (("logits", logits), ("student_rows", student_rows), ("teacher_rows", teacher_rows)):
         if not isinstance(t, Tensor):

@@ -114,6 +114,8 @@ def test_same_tensors_as_cli(tmp_path):
         ([{"id": "neg", "calls": [{"context": [-1], "completion": [2]}]}], ["context"]),
         ([{"calls": [{"context": [1], "completion": [2]}]}], ["id"]),
         ([{"id": "ok", "calls": [{"context": [1], "completion": [2]}]}, 5], ["rollouts[1]"]),
+        ([{"id": "nan", "calls": [{"context": [1], "completion": [2], "logprobs": [float("nan")]}]}], ["rollouts[0]", "'nan'", "NaN"]),
+        ([{"id": "obj", "calls": [{"context": [object()], "completion": [2]}]}], ["rollouts[0]", "JSON"]),
     ],
 )
 def test_bad_rollouts_raise_value_error_naming_what(rollouts, words):

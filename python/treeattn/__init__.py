@@ -139,8 +139,14 @@ def pack(
                     '{"id": ..., "calls": [...]}'
                 )
             try:
-                lines.append(json.dumps(r, allow_nan=True))
-            except (TypeError, ValueError) as e:
+                lines.append(json.dumps(r, allow_nan=False))
+            except ValueError:
+                # JSON has no NaN / infinity: say where, as the file reader would.
+                raise ValueError(
+                    f"rollouts[{i}] (id {r.get('id')!r}) holds a NaN or infinity: "
+                    "token ids are integers and logprobs must be finite and <= 0"
+                ) from None
+            except TypeError as e:
                 raise ValueError(f"rollouts[{i}] is not JSON-serialisable: {e}") from None
         source, value = "text", "\n".join(lines)
     else:

@@ -1,0 +1,598 @@
+//! `treeattn._native`: the PyO3 adapter of the treeattn crate for Python.
+//!
+//! Thin by design: every function here turns Python arguments into the
+//! crate's validated argument types (`AttnArgs`, `SdccArgs`, `PackMask`,
+//! rollouts parsed by the crate's own JSONL reader) and calls the crate's
+//! one contract (`AttentionBackend`, `SdccBackend` on `backend::cpu::Cpu`,
+//! `pack::batch`, `safetensors::pack_tensors`). No attention, softmax or
+//! packing logic lives here.
+//!
+//! Tensors cross as raw data pointers of contiguous CPU tensors (the
+//! `treeattn.torch` wrapper checks device, dtype, contiguity and element
+//! counts before it calls in; this module checks null and alignment again),
+//! so nothing is copied; the computation runs with the GIL released.
+//!
+//! Errors: the crate's `Error` becomes `ValueError` for bad input,
+//! `OSError` for i/o and `RuntimeError` otherwise; a Rust panic is caught
+//! at the boundary and becomes a `RuntimeError`, never a
+//! `pyo3_runtime.PanicException` (a `BaseException`).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use treeattn::backend::cpu::Cpu;
+use treeattn::backend::{
+    AttentionBackend, AttnArgs, AttnParams, AttnShape, Element, Grads, Host, Rope, Saved, SdccArgs,
+    SdccBackend,
+};
+use treeattn::mask::PackMask;
+use treeattn::pack::{batch, Layout};
+use treeattn::rollout::{parse_jsonl, read_jsonl_file, Rollout};
+use treeattn::safetensors::{pack_tensors, Dtype};
+use treeattn::tree::RolloutStats;
+use treeattn::Error;
+
+/// The crate's error as the Python exception a caller expects.
+fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        Error::Rollout { .. }
+        | Error::Json { .. }
+        | Error::Shape(_)
+        | Error::Unsupported(_)
+        | Error::NonFinite { .. }
+        | Error::Pack(_)
+        | Error::Usage(_) => PyValueError::new_err(msg),
+        Error::Io(_) => PyOSError::new_err(msg),
+        Error::Cuda(_) => PyRuntimeError::new_err(msg),
+    }
+}
+
+/// Runs `f`, turning a panic into a `RuntimeError` (a panic is a bug in the
+/// crate, never the caller's input; it must not unwind into Python).
+fn guarded<R>(f: impl FnOnce() -> PyResult<R>) -> PyResult<R> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let what = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(PyRuntimeError::new_err(format!(
+                "treeattn internal error (a bug, please report it): {what}"
+            )))
+        }
+    }
+}
+
+/// A read-only host slice of `len` elements at address `ptr` (from
+/// `tensor.data_ptr()`). Null or misaligned addresses are refused; an empty
+/// slice never touches `ptr`.
+///
+/// Safety: the caller (the Python wrapper) guarantees that `ptr` is the
+/// data of a live contiguous CPU tensor of at least `len` elements of type
+/// `T`, not written while the slice lives.
+unsafe fn slice<'a, T>(what: &str, ptr: usize, len: usize) -> PyResult<&'a [T]> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    check_ptr::<T>(what, ptr)?;
+    Ok(std::slice::from_raw_parts(ptr as *const T, len))
+}
+
+/// A writable host slice; see [`slice`]. Safety: also, nothing else reads
+/// or writes that memory while the slice lives.
+unsafe fn slice_mut<'a, T>(what: &str, ptr: usize, len: usize) -> PyResult<&'a mut [T]> {
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    check_ptr::<T>(what, ptr)?;
+    Ok(std::slice::from_raw_parts_mut(ptr as *mut T, len))
+}
+
+fn check_ptr<T>(what: &str, ptr: usize) -> PyResult<()> {
+    if ptr == 0 {
+        return Err(PyValueError::new_err(format!("{what}: null data pointer")));
+    }
+    if ptr % std::mem::align_of::<T>() != 0 {
+        return Err(PyValueError::new_err(format!(
+            "{what}: data pointer {ptr:#x} is not aligned to {} bytes",
+            std::mem::align_of::<T>()
+        )));
+    }
+    Ok(())
+}
+
+/// The shape and parameters of one attention call, as the wrapper gives them.
+#[derive(Clone, Copy)]
+struct Call {
+    shape: AttnShape,
+    params: AttnParams,
+}
+
+fn attn_call(
+    tokens: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f64,
+    rope_base: Option<f64>,
+    rope_dims: Option<usize>,
+) -> Call {
+    let mut params = AttnParams::new(head_dim);
+    params.softmax_scale = scale;
+    params.rope = rope_base.map(|base| Rope {
+        base,
+        dims: rope_dims.unwrap_or(head_dim),
+    });
+    Call {
+        shape: AttnShape {
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim,
+        },
+        params,
+    }
+}
+
+/// Addresses of one attention call's tensors (plain integers, so that the
+/// closure run without the GIL is `Send`).
+#[derive(Clone, Copy)]
+struct Ptrs {
+    q: usize,
+    k: usize,
+    v: usize,
+    kv_end: usize,
+    pos: usize,
+}
+
+fn cpu(threads: usize) -> Cpu {
+    if threads == 0 {
+        Cpu::default()
+    } else {
+        Cpu::with_threads(threads)
+    }
+}
+
+/// Forward of element type `T` into the caller's `o` and `lse`.
+///
+/// Safety: see [`slice`] for every address.
+unsafe fn forward_t<T: Element>(
+    c: Call,
+    p: Ptrs,
+    o: usize,
+    lse: usize,
+    threads: usize,
+) -> PyResult<()>
+where
+    Cpu: AttentionBackend<T, Memory = Host, Lse = T>,
+{
+    let s = c.shape;
+    let kv_end = slice::<u32>("kv_end", p.kv_end, s.tokens)?;
+    let pos = slice::<u32>("position_ids", p.pos, s.tokens)?;
+    let mask = PackMask::new(kv_end, pos).map_err(to_py)?;
+    let args = AttnArgs::<Host, T>::new(
+        slice("q", p.q, s.q_len())?,
+        slice("k", p.k, s.kv_len())?,
+        slice("v", p.v, s.kv_len())?,
+        s,
+        mask,
+        c.params,
+    )
+    .map_err(to_py)?;
+    let o = slice_mut::<T>("o", o, s.q_len())?;
+    let lse = slice_mut::<T>("lse", lse, s.lse_len())?;
+    cpu(threads).forward(&args, o, lse).map_err(to_py)
+}
+
+/// Backward of element type `T` into the caller's `dq`, `dk`, `dv`.
+///
+/// Safety: see [`slice`] for every address.
+#[allow(clippy::too_many_arguments)]
+unsafe fn backward_t<T: Element>(
+    c: Call,
+    p: Ptrs,
+    o: usize,
+    lse: usize,
+    d_o: usize,
+    dq: usize,
+    dk: usize,
+    dv: usize,
+    threads: usize,
+) -> PyResult<()>
+where
+    Cpu: AttentionBackend<T, Memory = Host, Lse = T>,
+{
+    let s = c.shape;
+    let kv_end = slice::<u32>("kv_end", p.kv_end, s.tokens)?;
+    let pos = slice::<u32>("position_ids", p.pos, s.tokens)?;
+    let mask = PackMask::new(kv_end, pos).map_err(to_py)?;
+    let args = AttnArgs::<Host, T>::new(
+        slice("q", p.q, s.q_len())?,
+        slice("k", p.k, s.kv_len())?,
+        slice("v", p.v, s.kv_len())?,
+        s,
+        mask,
+        c.params,
+    )
+    .map_err(to_py)?;
+    let saved = Saved {
+        o: slice::<T>("o", o, s.q_len())?,
+        lse: slice::<T>("lse", lse, s.lse_len())?,
+    };
+    let d_o = slice::<T>("grad_out", d_o, s.q_len())?;
+    let grads = Grads {
+        dq: slice_mut::<T>("dq", dq, s.q_len())?,
+        dk: slice_mut::<T>("dk", dk, s.kv_len())?,
+        dv: slice_mut::<T>("dv", dv, s.kv_len())?,
+    };
+    cpu(threads)
+        .backward(&args, saved, d_o, grads)
+        .map_err(to_py)
+}
+
+fn dtype_error(dtype: &str) -> PyErr {
+    PyValueError::new_err(format!(
+        "dtype {dtype:?}: the CPU backend computes in float32 or float64"
+    ))
+}
+
+/// Tree attention forward on contiguous CPU buffers (see `treeattn.torch`).
+#[pyfunction]
+#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0))]
+#[allow(clippy::too_many_arguments)]
+fn attention_forward(
+    py: Python<'_>,
+    dtype: &str,
+    q: usize,
+    k: usize,
+    v: usize,
+    kv_end: usize,
+    position_ids: usize,
+    o: usize,
+    lse: usize,
+    tokens: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f64,
+    rope_base: Option<f64>,
+    rope_dims: Option<usize>,
+    threads: usize,
+) -> PyResult<()> {
+    let c = attn_call(
+        tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims,
+    );
+    let p = Ptrs {
+        q,
+        k,
+        v,
+        kv_end,
+        pos: position_ids,
+    };
+    let dtype = dtype.to_string();
+    py.detach(move || {
+        guarded(|| unsafe {
+            match dtype.as_str() {
+                "float32" => forward_t::<f32>(c, p, o, lse, threads),
+                "float64" => forward_t::<f64>(c, p, o, lse, threads),
+                other => Err(dtype_error(other)),
+            }
+        })
+    })
+}
+
+/// Tree attention backward on contiguous CPU buffers (see `treeattn.torch`).
+#[pyfunction]
+#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0))]
+#[allow(clippy::too_many_arguments)]
+fn attention_backward(
+    py: Python<'_>,
+    dtype: &str,
+    q: usize,
+    k: usize,
+    v: usize,
+    kv_end: usize,
+    position_ids: usize,
+    o: usize,
+    lse: usize,
+    grad_out: usize,
+    dq: usize,
+    dk: usize,
+    dv: usize,
+    tokens: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f64,
+    rope_base: Option<f64>,
+    rope_dims: Option<usize>,
+    threads: usize,
+) -> PyResult<()> {
+    let c = attn_call(
+        tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims,
+    );
+    let p = Ptrs {
+        q,
+        k,
+        v,
+        kv_end,
+        pos: position_ids,
+    };
+    let dtype = dtype.to_string();
+    py.detach(move || {
+        guarded(|| unsafe {
+            match dtype.as_str() {
+                "float32" => backward_t::<f32>(c, p, o, lse, grad_out, dq, dk, dv, threads),
+                "float64" => backward_t::<f64>(c, p, o, lse, grad_out, dq, dk, dv, threads),
+                other => Err(dtype_error(other)),
+            }
+        })
+    })
+}
+
+/// SDCC forward KL of element type `T`: student and teacher rows both index
+/// `logits`; the gradient of `Σ w·KL` goes to `grad` (like `logits`).
+///
+/// Safety: see [`slice`] for every address.
+#[allow(clippy::too_many_arguments)]
+unsafe fn sdcc_t<T: Element>(
+    logits: usize,
+    rows: usize,
+    vocab: usize,
+    student: usize,
+    teacher: usize,
+    pairs: usize,
+    weights: usize,
+    tau: f32,
+    grad: usize,
+    threads: usize,
+) -> PyResult<(f64, f64, Vec<f64>)>
+where
+    Cpu: SdccBackend<T, Memory = Host, Grad = T>,
+{
+    let n = rows.checked_mul(vocab).ok_or_else(|| {
+        PyValueError::new_err(format!("logits: {rows} x {vocab} elements overflow"))
+    })?;
+    let logits = slice::<T>("logits", logits, n)?;
+    let s = slice::<i64>("student_rows", student, pairs)?;
+    let t = slice::<i64>("teacher_rows", teacher, pairs)?;
+    let mut pair_list = Vec::with_capacity(pairs);
+    for (i, (&a, &b)) in s.iter().zip(t).enumerate() {
+        for (what, r) in [("student_rows", a), ("teacher_rows", b)] {
+            if r < 0 || r as u64 >= rows as u64 {
+                return Err(PyValueError::new_err(format!(
+                    "{what}[{i}] = {r} is outside the {rows} rows of logits"
+                )));
+            }
+        }
+        pair_list.push((a as u32, b as u32));
+    }
+    let weights = slice::<f32>("weights", weights, pairs)?;
+    let args =
+        SdccArgs::<Host, T>::new(logits, logits, vocab, &pair_list, weights, tau).map_err(to_py)?;
+    let grad = slice_mut::<T>("grad", grad, n)?;
+    let loss = cpu(threads).sdcc_forward_kl(&args, grad).map_err(to_py)?;
+    Ok((loss.loss_sum, loss.loss_mean, loss.per_pair))
+}
+
+/// SDCC forward KL on contiguous CPU buffers (see `treeattn.torch`):
+/// returns `(loss_sum, loss_mean, kl_per_pair)`.
+#[pyfunction]
+#[pyo3(signature = (dtype, logits, rows, vocab, student_rows, teacher_rows, pairs, weights, tau, grad, threads=0))]
+#[allow(clippy::too_many_arguments)]
+fn sdcc_forward_kl(
+    py: Python<'_>,
+    dtype: &str,
+    logits: usize,
+    rows: usize,
+    vocab: usize,
+    student_rows: usize,
+    teacher_rows: usize,
+    pairs: usize,
+    weights: usize,
+    tau: f32,
+    grad: usize,
+    threads: usize,
+) -> PyResult<(f64, f64, Vec<f64>)> {
+    let dtype = dtype.to_string();
+    py.detach(move || {
+        guarded(|| unsafe {
+            match dtype.as_str() {
+                "float32" => sdcc_t::<f32>(
+                    logits,
+                    rows,
+                    vocab,
+                    student_rows,
+                    teacher_rows,
+                    pairs,
+                    weights,
+                    tau,
+                    grad,
+                    threads,
+                ),
+                "float64" => sdcc_t::<f64>(
+                    logits,
+                    rows,
+                    vocab,
+                    student_rows,
+                    teacher_rows,
+                    pairs,
+                    weights,
+                    tau,
+                    grad,
+                    threads,
+                ),
+                other => Err(dtype_error(other)),
+            }
+        })
+    })
+}
+
+fn layout_of(name: &str) -> PyResult<Layout> {
+    match name {
+        "trie" => Ok(Layout::Trie),
+        "replicated" => Ok(Layout::Replicated),
+        other => Err(PyValueError::new_err(format!(
+            "layout {other:?}: expected \"trie\" or \"replicated\""
+        ))),
+    }
+}
+
+fn dtype_name(d: Dtype) -> &'static str {
+    match d {
+        Dtype::I64 => "int64",
+        Dtype::I32 => "int32",
+        Dtype::F32 => "float32",
+        Dtype::F64 => "float64",
+    }
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &RolloutStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("id", &s.id)?;
+    d.set_item("calls", s.calls)?;
+    d.set_item("junctions", s.junctions)?;
+    d.set_item("branches", s.branches)?;
+    d.set_item("targets", s.targets)?;
+    d.set_item("present", s.present)?;
+    d.set_item("diverging", s.diverging)?;
+    d.set_item("trie_tokens", s.trie_tokens)?;
+    d.set_item("branch_tokens", s.branch_tokens)?;
+    d.set_item("dedup_ratio", s.dedup_ratio)?;
+    let evicted: usize = s.branch_list.iter().map(|b| b.evicted).sum();
+    d.set_item("evicted", evicted)?;
+    Ok(d)
+}
+
+/// What one pack holds before Python turns it into tensors.
+struct PackOut {
+    tensors: Vec<(String, &'static str, Vec<u8>)>,
+    logprobs: Vec<f32>,
+    rollout_indices: Vec<u32>,
+}
+
+fn pack_rollouts(
+    rollouts: &[Rollout],
+    layout: Layout,
+    share: bool,
+    budget: Option<u64>,
+) -> treeattn::Result<(Vec<PackOut>, Vec<RolloutStats>)> {
+    if rollouts.is_empty() {
+        return Err(Error::Usage("no rollouts to pack".into()));
+    }
+    let budget = budget.map_or(usize::MAX, |b| usize::try_from(b).unwrap_or(usize::MAX));
+    let batches = batch(rollouts, budget, share, layout)?;
+    let mut call_base = Vec::with_capacity(rollouts.len());
+    let mut calls = 0u64;
+    for r in rollouts {
+        call_base.push(calls);
+        calls += r.calls().len() as u64;
+    }
+    let mut out = Vec::with_capacity(batches.len());
+    for b in &batches {
+        // The very tensors `treeattn pack` writes to its files.
+        let tensors = pack_tensors(&b.pack, b.sdcc.as_deref(), &call_base)?
+            .into_iter()
+            .filter(|(name, _)| name != "loss_logprobs")
+            .map(|(name, t)| (name, dtype_name(t.dtype), t.data))
+            .collect();
+        // Log-probs per target, NaN where a call logged none (the file
+        // writes the tensor only when every target has one).
+        let logprobs = b
+            .pack
+            .loss
+            .iter()
+            .map(|e| e.logprob.unwrap_or(f32::NAN))
+            .collect();
+        out.push(PackOut {
+            tensors,
+            logprobs,
+            rollout_indices: b.rollouts.clone(),
+        });
+    }
+    let stats = rollouts
+        .iter()
+        .map(RolloutStats::of)
+        .collect::<treeattn::Result<Vec<_>>>()?;
+    Ok((out, stats))
+}
+
+/// Packs rollouts given as JSON Lines text (`source = "text"`) or a file
+/// path (`source = "file"`), as `treeattn pack` does. Returns a list of
+/// dicts: `tensors` (name → (dtype, little-endian bytes)), `loss_logprobs`
+/// (float32 bytes, NaN where none), `rollout_indices`, `rollout_ids`,
+/// `stats` (one dict per rollout of the pack).
+#[pyfunction]
+#[pyo3(signature = (source, value, layout="trie", share_prefixes=false, budget=None))]
+fn pack<'py>(
+    py: Python<'py>,
+    source: &str,
+    value: &str,
+    layout: &str,
+    share_prefixes: bool,
+    budget: Option<u64>,
+) -> PyResult<Bound<'py, PyList>> {
+    let layout = layout_of(layout)?;
+    if budget == Some(0) {
+        return Err(PyValueError::new_err("budget must be positive"));
+    }
+    let (source, value) = (source.to_string(), value.to_string());
+    let (packs, stats, ids) = py.detach(move || {
+        guarded(|| {
+            let rollouts = match source.as_str() {
+                "text" => parse_jsonl(&value),
+                "file" => read_jsonl_file(std::path::Path::new(&value)),
+                other => {
+                    return Err(PyValueError::new_err(format!("source {other:?}")));
+                }
+            }
+            .map_err(to_py)?;
+            let (packs, stats) =
+                pack_rollouts(&rollouts, layout, share_prefixes, budget).map_err(to_py)?;
+            let ids: Vec<String> = rollouts.iter().map(|r| r.id().to_string()).collect();
+            Ok((packs, stats, ids))
+        })
+    })?;
+    let list = PyList::empty(py);
+    for p in packs {
+        let d = PyDict::new(py);
+        let tensors = PyDict::new(py);
+        for (name, dtype, data) in &p.tensors {
+            tensors.set_item(name, (*dtype, PyBytes::new(py, data)))?;
+        }
+        d.set_item("tensors", tensors)?;
+        let lp: Vec<u8> = p.logprobs.iter().flat_map(|x| x.to_le_bytes()).collect();
+        d.set_item("loss_logprobs", PyBytes::new(py, &lp))?;
+        d.set_item("rollout_indices", p.rollout_indices.clone())?;
+        let pack_ids: Vec<&str> = p
+            .rollout_indices
+            .iter()
+            .map(|&r| ids[r as usize].as_str())
+            .collect();
+        d.set_item("rollout_ids", pack_ids)?;
+        let st = PyList::empty(py);
+        for &r in &p.rollout_indices {
+            st.append(stats_dict(py, &stats[r as usize])?)?;
+        }
+        d.set_item("stats", st)?;
+        list.append(d)?;
+    }
+    Ok(list)
+}
+
+/// The native half of the `treeattn` Python package.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(attention_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(sdcc_forward_kl, m)?)?;
+    m.add_function(wrap_pyfunction!(pack, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

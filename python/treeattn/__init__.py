@@ -1,0 +1,179 @@
+"""treeattn: exact, deduplicated attention on packed conditioning trees.
+
+Python bindings of the Rust crate ``treeattn`` (PyO3, abi3). Everything here
+is a thin adapter over the crate's one contract:
+
+- :func:`pack` packs rollouts (a JSONL path or a list of dicts shaped like its
+  lines) exactly as ``treeattn pack`` does and returns :class:`Pack` objects
+  holding torch tensors named like the pack file's tensors;
+- :mod:`treeattn.torch` has the autograd ops ``tree_attention`` and
+  ``sdcc_forward_kl`` (``torch.library`` custom ops, CPU backend);
+- :mod:`treeattn.hf` plugs the op into Hugging Face transformers.
+
+The mask rule of a pack: query ``q`` sees key ``k`` iff
+``k <= q < kv_end[k]``; ``position_ids`` are depths in the trie.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from . import _native
+
+__all__ = ["pack", "Pack", "__version__"]
+__version__ = _native.__version__
+
+# Names and dtypes of the tensors of a pack, as in the pack files
+# (README "Command line"). loss_logprobs is NaN where a target has none.
+PACK_TENSORS = (
+    "tokens",
+    "position_ids",
+    "kv_end",
+    "loss_rows",
+    "loss_labels",
+    "loss_weights",
+    "loss_call",
+    "loss_offset",
+    "loss_rollout",
+    "loss_logprobs",
+    "sdcc_student_rows",
+    "sdcc_teacher_rows",
+)
+
+
+@dataclass
+class Pack:
+    """One pack: ``L`` tokens, ``T`` loss entries, ``P`` SDCC pairs.
+
+    Tensors (CPU, like the pack files): ``tokens``, ``position_ids``,
+    ``kv_end`` ``[L]`` int64; ``loss_rows``, ``loss_labels``, ``loss_call``
+    (global call index in input order, from 0), ``loss_offset``,
+    ``loss_rollout`` (input index of the rollout) ``[T]`` int64;
+    ``loss_weights`` ``[T]`` float32; ``loss_logprobs`` ``[T]`` float32, NaN
+    where a call logged no log-probs; ``sdcc_student_rows``,
+    ``sdcc_teacher_rows`` ``[P]`` int64 (trie layout; ``None`` for the
+    replicated layout, where student rows are not defined).
+
+    Also: ``layout``, ``rollout_indices`` and ``rollout_ids`` (the rollouts
+    in this pack, input order), ``stats`` (one dict per rollout of the pack:
+    ``calls``, ``junctions`` (K), ``branches``, ``targets``, ``present``,
+    ``diverging`` (D), ``trie_tokens``, ``branch_tokens``, ``dedup_ratio``,
+    ``evicted``).
+    """
+
+    tokens: Any
+    position_ids: Any
+    kv_end: Any
+    loss_rows: Any
+    loss_labels: Any
+    loss_weights: Any
+    loss_call: Any
+    loss_offset: Any
+    loss_rollout: Any
+    loss_logprobs: Any
+    sdcc_student_rows: Optional[Any]
+    sdcc_teacher_rows: Optional[Any]
+    layout: str = "trie"
+    rollout_indices: List[int] = field(default_factory=list)
+    rollout_ids: List[str] = field(default_factory=list)
+    stats: List[Dict[str, Any]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def tensors(self) -> Dict[str, Any]:
+        """The tensors by name (absent SDCC tensors left out)."""
+        return {
+            n: getattr(self, n) for n in PACK_TENSORS if getattr(self, n) is not None
+        }
+
+
+def _tensor(dtype: str, data: bytes):
+    import torch
+
+    dt = {"int64": torch.int64, "float32": torch.float32, "int32": torch.int32,
+          "float64": torch.float64}[dtype]
+    if len(data) == 0:
+        return torch.empty(0, dtype=dt)
+    # frombuffer shares the (immutable) bytes; clone to own writable memory.
+    return torch.frombuffer(bytearray(data), dtype=dt).clone()
+
+
+def pack(
+    rollouts: Union[str, "os.PathLike[str]", Sequence[Dict[str, Any]]],
+    layout: str = "trie",
+    share_prefixes: bool = False,
+    budget: Optional[int] = None,
+) -> List[Pack]:
+    """Packs rollouts exactly as ``treeattn pack`` does.
+
+    ``rollouts``: a path to a JSON Lines file, or a list of dicts shaped like
+    its lines, ``{"id": ..., "calls": [{"context": [...], "completion":
+    [...], "logprobs": [...]?}]}``. ``layout``: ``"trie"`` (deduplicated
+    pre-order trie) or ``"replicated"`` (each branch its own chain).
+    ``share_prefixes``: rollouts in a pack share identical prefixes (trie
+    layout). ``budget``: token budget per pack (default: one pack).
+
+    Bad rollouts raise ``ValueError`` naming the rollout id, call and field
+    (for a list, a JSON error names ``line i+1`` for ``rollouts[i]``); an
+    unreadable file raises ``OSError``.
+    """
+    if layout not in ("trie", "replicated"):
+        raise ValueError(f'layout {layout!r}: expected "trie" or "replicated"')
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise ValueError(f"budget must be a positive int or None, got {budget!r}")
+        if budget <= 0:
+            raise ValueError(f"budget must be positive, got {budget}")
+    if isinstance(rollouts, (str, os.PathLike)):
+        source, value = "file", os.fspath(rollouts)
+    elif isinstance(rollouts, (list, tuple)):
+        lines = []
+        for i, r in enumerate(rollouts):
+            if not isinstance(r, dict):
+                raise ValueError(
+                    f"rollouts[{i}] is a {type(r).__name__}, expected a dict "
+                    '{"id": ..., "calls": [...]}'
+                )
+            try:
+                lines.append(json.dumps(r, allow_nan=False))
+            except ValueError:
+                # JSON has no NaN / infinity: say where, as the file reader would.
+                raise ValueError(
+                    f"rollouts[{i}] (id {r.get('id')!r}) holds a NaN or infinity: "
+                    "token ids are integers and logprobs must be finite and <= 0"
+                ) from None
+            except TypeError as e:
+                raise ValueError(f"rollouts[{i}] is not JSON-serialisable: {e}") from None
+        source, value = "text", "\n".join(lines)
+    else:
+        raise ValueError(
+            f"rollouts must be a JSONL path or a list of dicts, got {type(rollouts).__name__}"
+        )
+    out = []
+    for p in _native.pack(source, value, layout, share_prefixes, budget):
+        t = {name: _tensor(dt, data) for name, (dt, data) in p["tensors"].items()}
+        out.append(
+            Pack(
+                tokens=t["tokens"],
+                position_ids=t["position_ids"],
+                kv_end=t["kv_end"],
+                loss_rows=t["loss_rows"],
+                loss_labels=t["loss_labels"],
+                loss_weights=t["loss_weights"],
+                loss_call=t["loss_call"],
+                loss_offset=t["loss_offset"],
+                loss_rollout=t["loss_rollout"],
+                loss_logprobs=_tensor("float32", p["loss_logprobs"]),
+                sdcc_student_rows=t.get("sdcc_student_rows"),
+                sdcc_teacher_rows=t.get("sdcc_teacher_rows"),
+                layout=layout,
+                rollout_indices=list(p["rollout_indices"]),
+                rollout_ids=list(p["rollout_ids"]),
+                stats=list(p["stats"]),
+            )
+        )
+    return out

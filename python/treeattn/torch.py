@@ -1,0 +1,420 @@
+"""PyTorch ops over the treeattn crate's CPU backend.
+
+- :func:`tree_attention` — exact attention on a packed conditioning tree
+  (mask ``k <= q < kv_end[k]``), optional fused rotary embedding, GQA;
+- :func:`sdcc_forward_kl` — the fused forward KL of SDCC self-distillation.
+
+Both are ``torch.library`` custom ops (``treeattn::tree_attention_fwd``,
+``treeattn::tree_attention_bwd``, ``treeattn::sdcc_forward_kl``) with fake
+(meta) implementations and autograd, so they pass
+``torch.library.opcheck`` and run under ``torch.compile(fullgraph=True)``
+(dynamo treats them as opaque calls).
+
+Precision: the CPU backend computes in float32 or float64. bfloat16 and
+float16 inputs are cast to float32 before the op, computed in float32 and
+the result cast back to the input dtype (gradients flow through the casts).
+
+Devices: CPU tensors only. This build of the extension has no CUDA support
+(the crate's ``cuda`` feature is not built here): CUDA tensors raise a
+``RuntimeError`` saying so. Tensors on different devices, wrong shapes or
+dtypes and out-of-range ``kv_end`` raise ``ValueError`` naming the argument.
+
+Zero-copy: contiguous CPU inputs of the compute dtype are read in place
+through their data pointers (non-contiguous ones are copied once by
+``.contiguous()``); outputs are allocated by torch and written by the crate;
+the computation runs with the GIL released.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _native
+
+__all__ = ["tree_attention", "sdcc_forward_kl", "set_num_threads", "get_num_threads"]
+
+_threads = 0  # 0: the crate's default (TREEATTN_THREADS or all cores)
+
+
+def set_num_threads(n: int) -> None:
+    """Threads the crate's CPU kernels use (0: ``TREEATTN_THREADS`` or all cores)."""
+    global _threads
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"set_num_threads: n must be an int >= 0, got {n!r}")
+    _threads = n
+
+
+def get_num_threads() -> int:
+    """The value given to :func:`set_num_threads` (0: the crate's default)."""
+    return _threads
+
+
+_COMPUTE = {
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+    torch.bfloat16: torch.float32,
+    torch.float16: torch.float32,
+}
+_INT = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
+def _dtype_name(t: Tensor) -> str:
+    return {torch.float32: "float32", torch.float64: "float64"}[t.dtype]
+
+
+def _ptr(t: Tensor) -> int:
+    return t.data_ptr() if t.numel() > 0 else 0
+
+
+def _mask_u32(kv_end: Tensor, position_ids: Optional[Tensor], L: int) -> Tuple[Tensor, Tensor]:
+    """Checks the values of kv_end and position_ids (real tensors, inside the
+    op) and returns them as contiguous int32 buffers (read as u32)."""
+    if L > 0:
+        idx = torch.arange(L, dtype=torch.int64)
+        ke = kv_end.to(torch.int64)
+        bad = (ke < idx) | (ke > L)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"kv_end[{i}] = {int(ke[i])} breaks {i} <= kv_end[k] <= L = {L} "
+                "(a key is seen by the queries k <= q < kv_end[k])"
+            )
+    ke32 = kv_end.to(torch.int32).contiguous()
+    if position_ids is None:
+        pos32 = torch.zeros(L, dtype=torch.int32)
+    else:
+        p = position_ids.to(torch.int64)
+        bad = (p < 0) | (p > 0xFFFFFFFF)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"position_ids[{i}] = {int(p[i])} is outside 0..2^32-1")
+        # Values up to 2^32-1 keep their bits in int32 (the crate reads u32).
+        pos32 = torch.where(p > 0x7FFFFFFF, p - (1 << 32), p).to(torch.int32).contiguous()
+    return ke32, pos32
+
+
+# --------------------------------------------------------------------------
+# tree attention
+
+
+@torch.library.custom_op("treeattn::tree_attention_fwd", mutates_args=(), device_types="cpu")
+def _attn_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_end: Tensor,
+    position_ids: Optional[Tensor],
+    scale: float,
+    rope_base: Optional[float],
+    rope_dims: Optional[int],
+    threads: int,
+) -> Tuple[Tensor, Tensor]:
+    L, hq, d = q.shape
+    hkv = k.shape[1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    ke, pos = _mask_u32(kv_end, position_ids, L)
+    o = torch.empty_like(q)
+    lse = torch.empty((hq, L), dtype=q.dtype)
+    _native.attention_forward(
+        _dtype_name(q), _ptr(q), _ptr(k), _ptr(v), _ptr(ke), _ptr(pos), _ptr(o), _ptr(lse),
+        L, hq, hkv, d, scale, rope_base, rope_dims, threads,
+    )
+    return o, lse
+
+
+@_attn_fwd.register_fake
+def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads):
+    L, hq, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((hq, L))
+
+
+@torch.library.custom_op("treeattn::tree_attention_bwd", mutates_args=(), device_types="cpu")
+def _attn_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_end: Tensor,
+    position_ids: Optional[Tensor],
+    o: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    scale: float,
+    rope_base: Optional[float],
+    rope_dims: Optional[int],
+    threads: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    L, hq, d = q.shape
+    hkv = k.shape[1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o, lse, grad_out = o.contiguous(), lse.contiguous(), grad_out.to(q.dtype).contiguous()
+    ke, pos = _mask_u32(kv_end, position_ids, L)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _native.attention_backward(
+        _dtype_name(q), _ptr(q), _ptr(k), _ptr(v), _ptr(ke), _ptr(pos), _ptr(o), _ptr(lse),
+        _ptr(grad_out), _ptr(dq), _ptr(dk), _ptr(dv),
+        L, hq, hkv, d, scale, rope_base, rope_dims, threads,
+    )
+    return dq, dk, dv
+
+
+@_attn_bwd.register_fake
+def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_dims, threads):
+    f = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
+    return f(q), f(k), f(v)
+
+
+def _attn_setup(ctx, inputs, output):
+    q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, kv_end, position_ids, o, lse)
+    ctx.params = (scale, rope_base, rope_dims, threads)
+    ctx.mark_non_differentiable(lse)
+
+
+def _attn_backward(ctx, grad_o, grad_lse):
+    q, k, v, kv_end, position_ids, o, lse = ctx.saved_tensors
+    scale, rope_base, rope_dims, threads = ctx.params
+    if grad_o is None:
+        grad_o = torch.zeros_like(o)
+    dq, dk, dv = _attn_bwd(
+        q, k, v, kv_end, position_ids, o, lse, grad_o, scale, rope_base, rope_dims, threads
+    )
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_attn_fwd.register_autograd(_attn_backward, setup_context=_attn_setup)
+
+
+def _check_device(name: str, t: Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, q is on {device}: all tensors must be on one device")
+
+
+def _no_cuda(what: str) -> None:
+    raise RuntimeError(
+        f"{what}: CUDA tensors are not supported by this build of treeattn "
+        "(the extension was built without the crate's `cuda` feature); "
+        "move the tensors to the CPU"
+    )
+
+
+def tree_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_end: Tensor,
+    *,
+    scale: Optional[float] = None,
+    position_ids: Optional[Tensor] = None,
+    rope_base: Optional[float] = None,
+    rope_dims: Optional[int] = None,
+) -> Tensor:
+    """Exact attention on a packed tree: query ``q`` sees key ``k`` iff
+    ``k <= q < kv_end[k]``.
+
+    ``q``: ``[L, Hq, d]``; ``k``, ``v``: ``[L, Hkv, d]`` with ``Hkv`` dividing
+    ``Hq`` (GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``);
+    ``kv_end``: ``[L]`` integers with ``k <= kv_end[k] <= L``
+    (``kv_end[k] == k`` is a padding key no query sees). ``scale``: softmax
+    scale, default ``1/sqrt(d)``. With ``rope_base``, q and k are rotated
+    inside the op at ``position_ids`` (required then), Llama rotate-half
+    convention, ``θ_i = rope_base^(−2i/rope_dims)`` over the first
+    ``rope_dims`` lanes (default ``d``); gradients are with respect to the
+    unrotated q and k. Returns O ``[L, Hq, d]`` in q's dtype; a query row
+    with no visible key gets O = 0 (and zero gradients), never NaN.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("kv_end", kv_end)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if position_ids is not None and not isinstance(position_ids, Tensor):
+        raise ValueError(f"position_ids must be a torch.Tensor or None, got {type(position_ids).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [L, Hq, d], got shape {tuple(q.shape)}")
+    if k.dim() != 3:
+        raise ValueError(f"k must be [L, Hkv, d], got shape {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    L, hq, d = q.shape
+    if L == 0 or hq == 0 or d == 0:
+        raise ValueError(f"q must be non-empty, got shape {tuple(q.shape)}")
+    if k.shape[0] != L:
+        raise ValueError(f"k has {k.shape[0]} tokens, q has {L}")
+    if k.shape[2] != d:
+        raise ValueError(f"k has head dim {k.shape[2]}, q has {d}")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"k has {hkv} kv heads, which must divide q's {hq} heads")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _COMPUTE:
+            raise ValueError(f"{name} has dtype {t.dtype}: expected float32, float64, bfloat16 or float16")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if kv_end.dim() != 1 or kv_end.shape[0] != L:
+        raise ValueError(f"kv_end must be [L] = [{L}], got shape {tuple(kv_end.shape)}")
+    if kv_end.dtype not in _INT:
+        raise ValueError(f"kv_end has dtype {kv_end.dtype}: expected an integer dtype")
+    if position_ids is not None:
+        if position_ids.dim() != 1 or position_ids.shape[0] != L:
+            raise ValueError(f"position_ids must be [L] = [{L}], got shape {tuple(position_ids.shape)}")
+        if position_ids.dtype not in _INT:
+            raise ValueError(f"position_ids has dtype {position_ids.dtype}: expected an integer dtype")
+    if rope_base is not None:
+        if position_ids is None:
+            raise ValueError("rope_base is set but position_ids is None: rotary needs the position ids")
+        rope_base = float(rope_base)
+        if not (math.isfinite(rope_base) and rope_base > 1.0):
+            raise ValueError(f"rope_base = {rope_base} must be finite and > 1")
+        if rope_dims is None:
+            rope_dims = d
+        if isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or rope_dims <= 0 or rope_dims % 2 or rope_dims > d:
+            raise ValueError(f"rope_dims = {rope_dims!r} must be an even int in 2..={d}")
+    elif rope_dims is not None:
+        raise ValueError("rope_dims is set but rope_base is None")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0.0):
+        raise ValueError(f"scale = {scale} must be finite and > 0")
+    device = q.device
+    for name, t in (("k", k), ("v", v), ("kv_end", kv_end), ("position_ids", position_ids)):
+        if t is not None:
+            _check_device(name, t, device)
+    if device.type == "cuda":
+        _no_cuda("tree_attention")
+    if device.type not in ("cpu", "meta"):
+        raise ValueError(f"q is on {device}: treeattn runs on CPU tensors")
+    cdt = _COMPUTE[q.dtype]
+    o, _lse = _attn_fwd(
+        q.to(cdt), k.to(cdt), v.to(cdt), kv_end, position_ids,
+        scale, rope_base, rope_dims, _threads,
+    )
+    return o.to(q.dtype)
+
+
+# --------------------------------------------------------------------------
+# SDCC forward KL
+
+
+@torch.library.custom_op("treeattn::sdcc_forward_kl", mutates_args=(), device_types="cpu")
+def _sdcc(
+    logits: Tensor,
+    student_rows: Tensor,
+    teacher_rows: Tensor,
+    weights: Tensor,
+    tau: float,
+    threads: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    rows, vocab = logits.shape
+    logits = logits.contiguous()
+    s = student_rows.to(torch.int64).contiguous()
+    t = teacher_rows.to(torch.int64).contiguous()
+    w = weights.to(torch.float32).contiguous()
+    grad = torch.empty_like(logits)
+    _loss_sum, loss_mean, per_pair = _native.sdcc_forward_kl(
+        _dtype_name(logits), _ptr(logits), rows, vocab, _ptr(s), _ptr(t), s.numel(),
+        _ptr(w), tau, _ptr(grad), threads,
+    )
+    # The crate's gradient is that of Σ w·KL; loss_mean = Σ w·KL / Σ w.
+    wsum = float(w.to(torch.float64).clamp_min(0).sum())
+    if wsum > 0:
+        grad.div_(wsum)
+    else:
+        grad.zero_()
+    return (
+        torch.tensor(loss_mean, dtype=logits.dtype),
+        torch.tensor(per_pair, dtype=logits.dtype).reshape(-1),
+        grad,
+    )
+
+
+@_sdcc.register_fake
+def _(logits, student_rows, teacher_rows, weights, tau, threads):
+    return (
+        logits.new_empty(()),
+        logits.new_empty((student_rows.shape[0],)),
+        torch.empty_like(logits, memory_format=torch.contiguous_format),
+    )
+
+
+def _sdcc_setup(ctx, inputs, output):
+    _loss, kl, grad = output
+    ctx.save_for_backward(grad)
+    ctx.mark_non_differentiable(kl, grad)
+
+
+def _sdcc_backward(ctx, grad_loss, _grad_kl, _grad_grad):
+    (grad,) = ctx.saved_tensors
+    return grad * grad_loss, None, None, None, None, None
+
+
+_sdcc.register_autograd(_sdcc_backward, setup_context=_sdcc_setup)
+
+
+def sdcc_forward_kl(
+    logits: Tensor,
+    student_rows: Tensor,
+    teacher_rows: Tensor,
+    weights: Optional[Tensor] = None,
+    tau: float = 1.0,
+) -> Tuple[Tensor, Tensor]:
+    """SDCC forward KL(teacher ‖ student) over the vocabulary, fused.
+
+    ``logits``: ``[rows, vocab]`` (e.g. the pack's logits); pair ``i`` is
+    (student row ``student_rows[i]``, teacher row ``teacher_rows[i]``) of
+    the same tensor; ``weights`` ``[P]`` non-negative (default ones); ``tau``
+    the softmax temperature, ``p = softmax(logits / tau)``. Returns
+    ``(loss_mean, kl_per_pair)``: ``loss_mean = Σ w·KL / Σ w`` (0 when
+    ``Σ w = 0``), differentiable with respect to the *student* rows only
+    (the teacher is stop-gradient: ``∂/∂student = w (p_s − p_t) / (τ Σ w)``);
+    ``kl_per_pair`` ``[P]`` (unweighted, for logging) carries no gradient.
+    A teacher entry of −inf adds exactly 0; a student −inf under teacher
+    mass gives KL = +inf. No ``[P, vocab]`` softmax is materialised: the
+    crate computes both log-sum-exps and the gradient in a pass over each
+    row; the only extra memory is the gradient, shaped like ``logits``.
+    bfloat16 / float16 logits are computed in float32. The crate takes
+    ``weights`` and ``tau`` as float32 (``tau = 0.7`` means
+    ``float32(0.7)``), whatever the logits' dtype.
+    """
+    for name, t in (("logits", logits), ("student_rows", student_rows), ("teacher_rows", teacher_rows)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"logits must be [rows, vocab] with vocab > 0, got shape {tuple(logits.shape)}")
+    if logits.dtype not in _COMPUTE:
+        raise ValueError(f"logits has dtype {logits.dtype}: expected float32, float64, bfloat16 or float16")
+    for name, t in (("student_rows", student_rows), ("teacher_rows", teacher_rows)):
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D [P], got shape {tuple(t.shape)}")
+        if t.dtype not in _INT:
+            raise ValueError(f"{name} has dtype {t.dtype}: expected an integer dtype")
+    if student_rows.shape != teacher_rows.shape:
+        raise ValueError(
+            f"student_rows has {student_rows.shape[0]} pairs, teacher_rows {teacher_rows.shape[0]}"
+        )
+    P = student_rows.shape[0]
+    if weights is None:
+        weights = torch.ones(P, dtype=torch.float32, device=logits.device)
+    else:
+        if not isinstance(weights, Tensor):
+            raise ValueError(f"weights must be a torch.Tensor or None, got {type(weights).__name__}")
+        if weights.dim() != 1 or weights.shape[0] != P:
+            raise ValueError(f"weights must be [P] = [{P}], got shape {tuple(weights.shape)}")
+        if not weights.dtype.is_floating_point:
+            raise ValueError(f"weights has dtype {weights.dtype}: expected a float dtype")
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (math.isfinite(tau) and tau > 0):
+        raise ValueError(f"tau = {tau!r} must be finite and > 0")
+    device = logits.device
+    for name, t in (("student_rows", student_rows), ("teacher_rows", teacher_rows), ("weights", weights)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, logits is on {device}: all tensors must be on one device")
+    if device.type == "cuda":
+        _no_cuda("sdcc_forward_kl")
+    if device.type not in ("cpu", "meta"):
+        raise ValueError(f"logits is on {device}: treeattn runs on CPU tensors")
+    cdt = _COMPUTE[logits.dtype]
+    loss, kl, _grad = _sdcc(logits.to(cdt), student_rows, teacher_rows, weights.detach(), float(tau), _threads)
+    return loss.to(logits.dtype), kl.to(logits.dtype)

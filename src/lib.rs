@@ -48,6 +48,8 @@
 
 pub mod backend;
 pub mod bench;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod demo;
 pub mod error;
 pub mod gen;

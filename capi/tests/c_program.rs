@@ -14,23 +14,28 @@ use treeattn::backend::{AttnArgs, AttnParams, AttnShape, HostAttention};
 use treeattn::rollout::{Call, Rollout};
 use treeattn::tree::Tree;
 
-/// The directory that holds the library cargo built with this test: the
-/// test binary lives in `<target>/<profile>/deps`, the library is uplifted
-/// to `<target>/<profile>`.
+/// The directory that holds the shared library cargo built with this
+/// test: the test binary's own directory (`<target>/<profile>/deps`, where
+/// `cargo test` leaves the cdylib; it uplifts it to `<target>/<profile>`
+/// only for `cargo build`). Of the two, the newer copy.
 fn library_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
-    let profile = exe.parent().and_then(Path::parent).expect("<profile>/deps");
-    let lib = profile.join(format!(
+    let deps = exe.parent().expect("<profile>/deps").to_path_buf();
+    let name = format!(
         "{}treeattn_capi{}",
         std::env::consts::DLL_PREFIX,
         std::env::consts::DLL_SUFFIX
-    ));
-    assert!(
-        lib.exists(),
-        "{} not found: cargo builds the cdylib with the tests",
-        lib.display()
     );
-    profile.to_path_buf()
+    let candidates = [deps.clone(), deps.parent().unwrap_or(&deps).to_path_buf()];
+    candidates
+        .into_iter()
+        .filter_map(|dir| {
+            let modified = std::fs::metadata(dir.join(&name)).ok()?.modified().ok()?;
+            Some((modified, dir))
+        })
+        .max()
+        .map(|(_, dir)| dir)
+        .unwrap_or_else(|| panic!("{name} not found next to {}", exe.display()))
 }
 
 /// O, dQ, dK, dV of the C program's f64 call, computed with the Rust API.

@@ -1,0 +1,249 @@
+//! The candle op (feature `candle`): gradients through candle's autograd
+//! equal those of candle's own softmax attention with the dense mask, and a
+//! tiny attention block on a trie pack gives every call's log-probs equal
+//! to running that call alone.
+#![cfg(feature = "candle")]
+
+use candle_core::{DType, Device, IndexOp, Tensor, Var, D};
+use treeattn::backend::{AttnParams, Rope};
+use treeattn::candle::tree_attention;
+use treeattn::mask::{dense_mask, PackMask};
+use treeattn::pack::Pack;
+use treeattn::rng::Rng;
+use treeattn::rollout::{Call, Rollout};
+use treeattn::tree::Tree;
+
+type R<T> = candle_core::Result<T>;
+
+fn random(rng: &mut Rng, dims: &[usize], dtype: DType) -> R<Tensor> {
+    let n: usize = dims.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| rng.signed_unit() as f64).collect();
+    Tensor::from_vec(v, dims, &Device::Cpu)?.to_dtype(dtype)
+}
+
+/// Softmax attention in candle ops with the dense `[L, L]` 0/1 mask of
+/// `kv_end`: q `[L, Hq, d]`, k, v `[L, Hkv, d]` → `[L, Hq, d]`.
+fn dense_attention(q: &Tensor, k: &Tensor, v: &Tensor, kv_end: &[u32], scale: f64) -> R<Tensor> {
+    let (l, hq, _) = q.dims3()?;
+    let group = hq / k.dim(1)?;
+    let ones: Vec<f64> = dense_mask(kv_end)
+        .iter()
+        .map(|&b| if b { 1.0 } else { 0.0 })
+        .collect();
+    let mask = Tensor::from_vec(ones, (l, l), &Device::Cpu)?.to_dtype(q.dtype())?;
+    let mut heads = Vec::with_capacity(hq);
+    for h in 0..hq {
+        let qh = q.i((.., h, ..))?.contiguous()?;
+        let kh = k.i((.., h / group, ..))?.contiguous()?;
+        let vh = v.i((.., h / group, ..))?.contiguous()?;
+        let s = (qh.matmul(&kh.t()?)? * scale)?;
+        let m = s.max_keepdim(1)?.detach();
+        let e = (s.broadcast_sub(&m)?.exp()? * &mask)?;
+        let p = e.broadcast_div(&e.sum_keepdim(1)?)?;
+        heads.push(p.matmul(&vh)?);
+    }
+    Tensor::stack(&heads, 1)
+}
+
+fn golden() -> Rollout {
+    Rollout::new(
+        "golden",
+        vec![
+            Call::new(vec![10, 11, 20], vec![30, 31]),
+            Call::new(vec![10, 11, 20, 30, 31, 40], vec![32]),
+            Call::new(vec![10, 11, 20, 30, 31, 40, 32, 1], vec![50, 51]),
+            Call::new(vec![10, 11, 3, 50, 51, 40, 32], vec![33]),
+        ],
+    )
+    .unwrap()
+}
+
+/// A stack pop: call 2 returns to call 0's frame with a result.
+fn stack_pop() -> Rollout {
+    Rollout::new(
+        "pop",
+        vec![
+            Call::new(vec![10, 11, 21], vec![35, 36]),
+            Call::new(vec![10, 11, 21, 35, 36, 41, 42], vec![37, 38, 39]),
+            Call::new(vec![10, 11, 21, 35, 36, 43, 39], vec![44]),
+        ],
+    )
+    .unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+fn gradients_match_dense(dtype: DType, tol: f64) -> R<()> {
+    let tree = Tree::build(&[golden(), stack_pop()], true).unwrap();
+    let pack = tree.trie_pack();
+    let mask = pack.mask().unwrap();
+    let (l, hq, hkv, d) = (pack.len(), 4, 2, 8);
+    let mut rng = Rng::new(7);
+    let q = Var::from_tensor(&random(&mut rng, &[l, hq, d], dtype)?)?;
+    let k = Var::from_tensor(&random(&mut rng, &[l, hkv, d], dtype)?)?;
+    let v = Var::from_tensor(&random(&mut rng, &[l, hkv, d], dtype)?)?;
+    let w = random(&mut rng, &[l, hq, d], dtype)?;
+    let params = AttnParams::new(d);
+
+    let o = tree_attention(&q, &k, &v, &mask, &params)?;
+    let g = (&o * &w)?.sum_all()?.backward()?;
+    let o_ref = dense_attention(&q, &k, &v, &pack.kv_end, params.softmax_scale)?;
+    let g_ref = (&o_ref * &w)?.sum_all()?.backward()?;
+
+    assert_eq!(o.dtype(), dtype);
+    let diff = max_diff(&o, &o_ref);
+    assert!(diff <= tol, "{dtype:?} O differs by {diff:e}");
+    for (name, x) in [("dq", &q), ("dk", &k), ("dv", &v)] {
+        let (a, b) = (g.get(x).unwrap(), g_ref.get(x).unwrap());
+        assert_eq!(a.dims(), x.dims(), "{name}");
+        let diff = max_diff(a, b);
+        assert!(
+            diff <= tol,
+            "{dtype:?} {name} differs by {diff:e} (tolerance {tol:e})"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn f64_gradients_equal_dense_softmax_attention() -> R<()> {
+    gradients_match_dense(DType::F64, 1e-9)
+}
+
+#[test]
+fn f32_gradients_equal_dense_softmax_attention() -> R<()> {
+    gradients_match_dense(DType::F32, 1e-5)
+}
+
+#[test]
+fn bf16_runs_through_f32() -> R<()> {
+    let (kv_end, pos) = ([3u32, 2, 3], [0u32, 1, 1]);
+    let mask = PackMask::new(&kv_end, &pos).unwrap();
+    let mut rng = Rng::new(3);
+    let q = random(&mut rng, &[3, 2, 4], DType::F32)?;
+    let kv = random(&mut rng, &[3, 1, 4], DType::F32)?;
+    let params = AttnParams::new(4);
+    let o32 = tree_attention(&q, &kv, &kv, &mask, &params)?;
+    let (qb, kb) = (q.to_dtype(DType::BF16)?, kv.to_dtype(DType::BF16)?);
+    let ob = tree_attention(&qb, &kb, &kb, &mask, &params)?;
+    assert_eq!(ob.dtype(), DType::BF16);
+    let diff = max_diff(&ob.to_dtype(DType::F32)?, &o32);
+    assert!(diff < 2e-2, "bf16 vs f32 {diff}");
+    Ok(())
+}
+
+#[test]
+fn bad_input_is_an_error() {
+    let (kv_end, pos) = ([3u32, 2, 3], [0u32, 1, 1]);
+    let mask = PackMask::new(&kv_end, &pos).unwrap();
+    let dev = Device::Cpu;
+    let q = Tensor::zeros((3, 3, 4), DType::F32, &dev).unwrap();
+    let kv = Tensor::zeros((3, 2, 4), DType::F32, &dev).unwrap();
+    let e = tree_attention(&q, &kv, &kv, &mask, &AttnParams::new(4)).unwrap_err();
+    assert!(e.to_string().contains("multiple"), "{e}");
+    let q4 = Tensor::zeros((4, 2, 4), DType::F32, &dev).unwrap();
+    let kv4 = Tensor::zeros((4, 1, 4), DType::F32, &dev).unwrap();
+    let e = tree_attention(&q4, &kv4, &kv4, &mask, &AttnParams::new(4)).unwrap_err();
+    assert!(e.to_string().contains("mask"), "{e}");
+    let qi = Tensor::zeros((3, 2, 4), DType::U32, &dev).unwrap();
+    let ki = Tensor::zeros((3, 1, 4), DType::U32, &dev).unwrap();
+    let e = tree_attention(&qi, &ki, &ki, &mask, &AttnParams::new(4)).unwrap_err();
+    assert!(e.to_string().contains("unsupported"), "{e}");
+}
+
+/// A tiny Llama-style attention block (embedding, GQA attention with
+/// rotary at the pack's position ids, residual, output head) in candle ops,
+/// with the op for attention: log-probs `[L, vocab]` of a pack.
+struct Block {
+    emb: Tensor,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    head: Tensor,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+}
+
+impl Block {
+    fn new(vocab: usize, dm: usize) -> R<Block> {
+        let (hq, hkv, d) = (4, 2, 8);
+        let mut rng = Rng::new(11);
+        let f = DType::F64;
+        Ok(Block {
+            emb: random(&mut rng, &[vocab, dm], f)?,
+            wq: random(&mut rng, &[dm, hq * d], f)?,
+            wk: random(&mut rng, &[dm, hkv * d], f)?,
+            wv: random(&mut rng, &[dm, hkv * d], f)?,
+            wo: random(&mut rng, &[hq * d, dm], f)?,
+            head: random(&mut rng, &[dm, vocab], f)?,
+            hq,
+            hkv,
+            d,
+        })
+    }
+
+    fn log_probs(&self, tokens: &[u32], mask: &PackMask<'_>) -> R<Tensor> {
+        let l = tokens.len();
+        let ids = Tensor::from_vec(tokens.to_vec(), l, &Device::Cpu)?;
+        let x = self.emb.index_select(&ids, 0)?;
+        let q = x.matmul(&self.wq)?.reshape((l, self.hq, self.d))?;
+        let k = x.matmul(&self.wk)?.reshape((l, self.hkv, self.d))?;
+        let v = x.matmul(&self.wv)?.reshape((l, self.hkv, self.d))?;
+        let mut params = AttnParams::new(self.d);
+        params.rope = Some(Rope {
+            base: 10000.0,
+            dims: self.d,
+        });
+        let o = tree_attention(&q, &k, &v, mask, &params)?.reshape((l, self.hq * self.d))?;
+        let h = (x + o.matmul(&self.wo)?)?;
+        let logits = h.matmul(&self.head)?;
+        let m = logits.max_keepdim(D::Minus1)?;
+        let z = logits
+            .broadcast_sub(&m)?
+            .exp()?
+            .sum_keepdim(D::Minus1)?
+            .log()?;
+        logits.broadcast_sub(&(m + z)?)
+    }
+}
+
+#[test]
+fn trie_pack_log_probs_equal_each_call_alone() -> R<()> {
+    let rollouts = [golden(), stack_pop()];
+    let tree = Tree::build(&rollouts, true).unwrap();
+    let pack: Pack = tree.trie_pack();
+    let block = Block::new(64, 16)?;
+    let lp = block.log_probs(&pack.tokens, &pack.mask().unwrap())?;
+    let mut worst = 0.0f64;
+    for e in &pack.loss {
+        let call = &rollouts[e.rollout as usize].calls()[e.call as usize];
+        let seq = call.sequence();
+        let n = seq.len();
+        let (kv_end, pos) = (vec![n as u32; n], (0..n as u32).collect::<Vec<_>>());
+        let alone = block.log_probs(&seq, &PackMask::new(&kv_end, &pos).unwrap())?;
+        let row = call.context.len() + e.offset as usize - 1;
+        let a = alone.i((row, e.label as usize))?.to_scalar::<f64>()?;
+        let p = lp
+            .i((e.row as usize, e.label as usize))?
+            .to_scalar::<f64>()?;
+        worst = worst.max((a - p).abs());
+    }
+    assert_eq!(pack.loss.len(), 12);
+    assert!(worst <= 1e-12, "trie pack vs calls alone: {worst:e}");
+    Ok(())
+}

@@ -122,12 +122,22 @@ pub(crate) fn scores<T: CpuFloat, const FMA: bool>(
     out: &mut [T],
     live: LiveBlocks,
 ) {
-    scores_in::<T, FMA>(a, bt, ld, dp, out, live, wide_blocks())
+    scores_in::<T, FMA>(
+        a,
+        bt,
+        ld,
+        dp,
+        out,
+        live,
+        wide_blocks() && live == LiveBlocks::MAX,
+    )
 }
 
 /// Whether the block products use the wide register blocks (up to
 /// `MR × 64` accumulators, 16 of the 32 AVX-512 registers): on the AVX-512
-/// path only, where they fit in registers (with AVX2's 16 they would spill).
+/// path only, where they fit in registers (with AVX2's 16 they would spill),
+/// and (at the call sites) only on tiles whose blocks are all live: on
+/// partial tiles they made trees' fwd+bwd 15–20 % slower (BENCHMARKS §8).
 /// Each output element gets the same operations in the same order either
 /// way, so the same bits.
 #[inline(always)]
@@ -221,7 +231,14 @@ pub(crate) fn accumulate<T: CpuFloat, const FMA: bool>(
     out: &mut [T],
     live: LiveBlocks,
 ) {
-    accumulate_in::<T, FMA>(a, b, dp, out, live, wide_blocks())
+    accumulate_in::<T, FMA>(
+        a,
+        b,
+        dp,
+        out,
+        live,
+        wide_blocks() && live == LiveBlocks::MAX,
+    )
 }
 
 /// [`accumulate`], with the wide register blocks when `wide`.
@@ -339,7 +356,14 @@ pub(crate) fn accumulate_t<T: CpuFloat, const FMA: bool>(
     out: &mut [T],
     live: LiveBlocks,
 ) {
-    accumulate_t_in::<T, FMA>(a, b, dp, out, live, wide_blocks())
+    accumulate_t_in::<T, FMA>(
+        a,
+        b,
+        dp,
+        out,
+        live,
+        wide_blocks() && live == LiveBlocks::MAX,
+    )
 }
 
 /// [`accumulate_t`], with the wide register blocks when `wide`.
@@ -469,12 +493,11 @@ fn isa_from_env(best: Isa) -> Isa {
     wanted.min(best)
 }
 
-/// The code path run when the environment does not choose: AVX2 + FMA at
-/// most. The AVX-512 copy computes full tiles ~30 % faster but tree masks'
-/// forward+backward ~15–20 % slower on the Zen 5 guest it was measured on
-/// (BENCHMARKS.md §8), so it runs only when asked for (`TREEATTN_ISA=avx512`).
+/// The code path run when the environment does not choose: the best the
+/// CPU has (BENCHMARKS.md §8: AVX-512, with wide blocks on fully live
+/// tiles only, took 0.59–0.66× the AVX2 path's time on trees and causal).
 fn default_isa(best: Isa) -> Isa {
-    best.min(Isa::Avx2Fma)
+    best
 }
 
 /// The best code path the running CPU supports (checked by std, cached).

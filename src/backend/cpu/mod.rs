@@ -80,9 +80,9 @@
 //! AVX2 and FMA (detected at run time) the work items run a copy compiled
 //! for those features, whose `f32` row-softmax steps (masking, `exp`, lane
 //! maxima and sums, one strip of 8 keys at a time) are written with AVX2
-//! intrinsics; with AVX-512 (F, VL, BW, DQ) and `TREEATTN_ISA=avx512` a
-//! copy compiled for it, with wider register blocks and the same bits as
-//! the AVX2 copy; elsewhere, or
+//! intrinsics; with AVX-512 (F, VL, BW, DQ) a copy compiled for it, with
+//! wider register blocks on fully live tiles and the same bits as the AVX2
+//! copy; elsewhere, or
 //! with `TREEATTN_PORTABLE=1` ([`isa`], [`uses_avx2_fma`]; `TREEATTN_ISA`
 //! chooses), the portable copy of the same code, whose softmax
 //! steps give the same bits and whose matmuls differ only by the rounding
@@ -225,11 +225,9 @@ impl Isa {
 }
 
 /// The code path the CPU backend's work items run, decided when the process
-/// first asks: AVX2 + FMA where the CPU has them, else portable;
-/// `TREEATTN_ISA=avx512` asks for the AVX-512 copy where the CPU has
-/// AVX-512 F/VL/BW/DQ (not the default: faster on full tiles, slower on
-/// trees' forward+backward where measured, BENCHMARKS.md §8),
-/// `TREEATTN_ISA=portable` (or `TREEATTN_PORTABLE=1`) the portable copy.
+/// first asks: the best the CPU has (AVX-512 F/VL/BW/DQ, else AVX2 + FMA,
+/// else portable), lowered by the environment: `TREEATTN_ISA=avx2`,
+/// `TREEATTN_ISA=portable` (or `TREEATTN_PORTABLE=1`).
 pub fn isa() -> Isa {
     microkernel::isa()
 }

@@ -7,7 +7,7 @@
 use std::fmt;
 
 use super::timing::{measure_round_robin, Timing};
-use crate::backend::cpu::{uses_avx2_fma, Cpu};
+use crate::backend::cpu::{isa, Cpu};
 use crate::backend::{AttentionBackend, AttnArgs, AttnParams, AttnShape, Grads, Saved};
 use crate::mask::PackMask;
 use crate::rng::Rng;
@@ -50,7 +50,7 @@ pub struct PackTiming {
     pub fwd: PassTiming,
     /// Forward then backward.
     pub fwd_bwd: PassTiming,
-    /// The CPU code path that ran: `"avx2+fma"` or `"portable"`.
+    /// The CPU code path that ran: `"avx512"`, `"avx2+fma"` or `"portable"`.
     pub isa: &'static str,
 }
 
@@ -236,11 +236,7 @@ pub fn time_pack(
             tree: times[1],
             causal: times[3],
         },
-        isa: if uses_avx2_fma() {
-            "avx2+fma"
-        } else {
-            "portable"
-        },
+        isa: isa().name(),
     })
 }
 

@@ -4,7 +4,7 @@
 //!
 //! Every function has one portable body (plain loops over `[T; NS]`), and
 //! for `f32` in the `SIMD` instantiation (the copies of the work items
-//! compiled for AVX2 and FMA, see [`super::uses_avx2_fma`]) an AVX2
+//! compiled for AVX2 and FMA or for AVX-512, see [`super::isa`]) an AVX2
 //! body written with `std::arch` intrinsics. The compiler's auto-vectorizer
 //! handles the plain loops well on long rows but turns short, masked strips
 //! into scalar, branchy code depending on what surrounds them; the

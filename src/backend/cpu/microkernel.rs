@@ -8,8 +8,13 @@
 //! one row of `NR` contiguous values per step, so the inner loop is
 //! `MR · NR` independent multiply-adds the compiler vectorizes. The bodies are
 //! generic and `#[inline(always)]`; the work items that call them are
-//! defined with [`simd_dispatch`], which runs a copy compiled for AVX2 and
-//! FMA (`FMA = true`) where the CPU has them and `FMA = false` elsewhere.
+//! defined with [`simd_dispatch`], which runs a copy compiled for AVX-512 or
+//! for AVX2 and FMA (`FMA = true`) where the CPU has them ([`isa`]) and
+//! `FMA = false` elsewhere. On the AVX-512 path the blocks are wider (up to
+//! `MR × 64`: 16 of its 32 registers hold accumulators, each step loads up
+//! to 4 vectors of a row and broadcasts `MR` values for up to 16
+//! multiply-adds), the same operations per output element in the same
+//! order, so the same bits as the AVX2 path.
 
 use super::operands::LANES;
 use super::{CpuFloat, TILE};
@@ -117,6 +122,40 @@ pub(crate) fn scores<T: CpuFloat, const FMA: bool>(
     out: &mut [T],
     live: LiveBlocks,
 ) {
+    scores_in::<T, FMA>(
+        a,
+        bt,
+        ld,
+        dp,
+        out,
+        live,
+        wide_blocks() && live == LiveBlocks::MAX,
+    )
+}
+
+/// Whether the block products use the wide register blocks (up to
+/// `MR × 64` accumulators, 16 of the 32 AVX-512 registers): on the AVX-512
+/// path only, where they fit in registers (with AVX2's 16 they would spill),
+/// and (at the call sites) only on tiles whose blocks are all live: on
+/// partial tiles they made trees' fwd+bwd 15–20 % slower (BENCHMARKS §9).
+/// Each output element gets the same operations in the same order either
+/// way, so the same bits.
+#[inline(always)]
+fn wide_blocks() -> bool {
+    isa() == Isa::Avx512
+}
+
+/// [`scores`], with the wide register blocks when `wide`.
+#[inline(always)]
+fn scores_in<T: CpuFloat, const FMA: bool>(
+    a: &[T],
+    bt: &[T],
+    ld: usize,
+    dp: usize,
+    out: &mut [T],
+    live: LiveBlocks,
+    wide: bool,
+) {
     let a = &a[..TILE * dp];
     let out = &mut out[..TILE * TILE];
     // Every column block read below ends within the first `TILE` columns of
@@ -133,6 +172,16 @@ pub(crate) fn scores<T: CpuFloat, const FMA: bool>(
         // and one narrow block for an odd strip at its end.
         for (a, b) in bit_runs(strips, NS) {
             let mut jb = a;
+            if wide {
+                while jb + 8 * NS <= b {
+                    score_block::<T, FMA, { 8 * NS }>(&rows, bt, ld, jb, out);
+                    jb += 8 * NS;
+                }
+                if jb + 4 * NS <= b {
+                    score_block::<T, FMA, { 4 * NS }>(&rows, bt, ld, jb, out);
+                    jb += 4 * NS;
+                }
+            }
             while jb + 2 * NS <= b {
                 score_block::<T, FMA, { 2 * NS }>(&rows, bt, ld, jb, out);
                 jb += 2 * NS;
@@ -182,6 +231,26 @@ pub(crate) fn accumulate<T: CpuFloat, const FMA: bool>(
     out: &mut [T],
     live: LiveBlocks,
 ) {
+    accumulate_in::<T, FMA>(
+        a,
+        b,
+        dp,
+        out,
+        live,
+        wide_blocks() && live == LiveBlocks::MAX,
+    )
+}
+
+/// [`accumulate`], with the wide register blocks when `wide`.
+#[inline(always)]
+fn accumulate_in<T: CpuFloat, const FMA: bool>(
+    a: &[T],
+    b: &[T],
+    dp: usize,
+    out: &mut [T],
+    live: LiveBlocks,
+    wide: bool,
+) {
     let a = &a[..TILE * TILE];
     let b = &b[..TILE * dp];
     let out = &mut out[..TILE * dp];
@@ -192,7 +261,7 @@ pub(crate) fn accumulate<T: CpuFloat, const FMA: bool>(
         }
         let rows: [&[T]; MR] = std::array::from_fn(|r| &a[(rb + r) * TILE..(rb + r + 1) * TILE]);
         let x = |i: usize| -> [T; MR] { std::array::from_fn(|r| rows[r][i]) };
-        register_block::<T, FMA>(out, b, dp, rb, bit_runs(strips, NS), x);
+        register_block::<T, FMA>(out, b, dp, rb, bit_runs(strips, NS), x, wide);
     }
 }
 
@@ -208,26 +277,55 @@ fn register_block<T: CpuFloat, const FMA: bool>(
     rb: usize,
     runs: impl Iterator<Item = (usize, usize)> + Clone,
     x: impl Fn(usize) -> [T; MR],
+    wide: bool,
 ) {
-    for cb in (0..dp).step_by(NR) {
-        let mut acc = [[T::ZERO; NR]; MR];
-        for r in 0..MR {
-            acc[r].copy_from_slice(&out[(rb + r) * dp + cb..(rb + r) * dp + cb + NR]);
+    let mut cb = 0;
+    if wide {
+        while cb + 4 * NR <= dp {
+            register_block_w::<T, FMA, { 4 * NR }>(out, b, dp, rb, cb, runs.clone(), &x);
+            cb += 4 * NR;
         }
-        for (i0, i1) in runs.clone() {
-            for i in i0..i1 {
-                let bv = &b[i * dp + cb..i * dp + cb + NR];
-                let xs = x(i);
-                for r in 0..MR {
-                    for j in 0..NR {
-                        acc[r][j] = madd::<T, FMA>(xs[r], bv[j], acc[r][j]);
-                    }
+        if cb + 2 * NR <= dp {
+            register_block_w::<T, FMA, { 2 * NR }>(out, b, dp, rb, cb, runs.clone(), &x);
+            cb += 2 * NR;
+        }
+    }
+    while cb < dp {
+        register_block_w::<T, FMA, NR>(out, b, dp, rb, cb, runs.clone(), &x);
+        cb += NR;
+    }
+}
+
+/// One `MR × W` block of [`register_block`]: columns `cb..cb + W`.
+#[inline(always)]
+fn register_block_w<T: CpuFloat, const FMA: bool, const W: usize>(
+    out: &mut [T],
+    b: &[T],
+    dp: usize,
+    rb: usize,
+    cb: usize,
+    runs: impl Iterator<Item = (usize, usize)>,
+    x: &impl Fn(usize) -> [T; MR],
+) {
+    let mut acc = [[T::ZERO; W]; MR];
+    for r in 0..MR {
+        acc[r].copy_from_slice(&out[(rb + r) * dp + cb..(rb + r) * dp + cb + W]);
+    }
+    for (i0, i1) in runs {
+        for i in i0..i1 {
+            let bv: &[T; W] = b[i * dp + cb..i * dp + cb + W]
+                .try_into()
+                .expect("W columns");
+            let xs = x(i);
+            for r in 0..MR {
+                for j in 0..W {
+                    acc[r][j] = madd::<T, FMA>(xs[r], bv[j], acc[r][j]);
                 }
             }
         }
-        for r in 0..MR {
-            out[(rb + r) * dp + cb..(rb + r) * dp + cb + NR].copy_from_slice(&acc[r]);
-        }
+    }
+    for r in 0..MR {
+        out[(rb + r) * dp + cb..(rb + r) * dp + cb + W].copy_from_slice(&acc[r]);
     }
 }
 
@@ -258,6 +356,26 @@ pub(crate) fn accumulate_t<T: CpuFloat, const FMA: bool>(
     out: &mut [T],
     live: LiveBlocks,
 ) {
+    accumulate_t_in::<T, FMA>(
+        a,
+        b,
+        dp,
+        out,
+        live,
+        wide_blocks() && live == LiveBlocks::MAX,
+    )
+}
+
+/// [`accumulate_t`], with the wide register blocks when `wide`.
+#[inline(always)]
+fn accumulate_t_in<T: CpuFloat, const FMA: bool>(
+    a: &[T],
+    b: &[T],
+    dp: usize,
+    out: &mut [T],
+    live: LiveBlocks,
+    wide: bool,
+) {
     let a = &a[..TILE * TILE];
     let b = &b[..TILE * dp];
     let out = &mut out[..TILE * dp];
@@ -269,7 +387,7 @@ pub(crate) fn accumulate_t<T: CpuFloat, const FMA: bool>(
         for rb in (cs * NS..(cs + 1) * NS).step_by(MR) {
             let x =
                 |i: usize| -> [T; MR] { a[i * TILE + rb..][..MR].try_into().expect("MR values") };
-            register_block::<T, FMA>(out, b, dp, rb, bit_runs(blocks, MR), x);
+            register_block::<T, FMA>(out, b, dp, rb, bit_runs(blocks, MR), x, wide);
         }
     }
 }
@@ -287,21 +405,36 @@ fn madd<T: CpuFloat, const FMA: bool>(x: T, y: T, acc: T) -> T {
 }
 
 /// Defines a work-item function `$name` that runs `$body::<T, true>` in a
-/// copy compiled for AVX2 and FMA where [`has_avx2_fma`] says so, and the
-/// portable `$body::<T, false>` elsewhere.
+/// copy compiled for AVX-512 (F, VL, BW, DQ) or for AVX2 and FMA, as
+/// [`isa`] chooses, and the portable `$body::<T, false>` elsewhere. The two
+/// SIMD copies are the same code (the same operations in the same order,
+/// fused multiply-adds in both) compiled for different registers, so they
+/// give the same bits.
 macro_rules! simd_dispatch {
     ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty => $body:ident) => {
         $(#[$doc])*
         fn $name<T: CpuFloat>($($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
-            if $crate::backend::cpu::microkernel::has_avx2_fma() {
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2<T: CpuFloat>($($arg: $ty),*) -> $ret {
-                    $body::<T, true>($($arg),*)
+            match $crate::backend::cpu::microkernel::isa() {
+                $crate::backend::cpu::Isa::Avx512 => {
+                    #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
+                    unsafe fn avx512<T: CpuFloat>($($arg: $ty),*) -> $ret {
+                        $body::<T, true>($($arg),*)
+                    }
+                    // SAFETY: the running CPU supports AVX-512 F, VL, BW,
+                    // DQ, AVX2 and FMA (checked at run time).
+                    return unsafe { avx512($($arg),*) };
                 }
-                // SAFETY: the running CPU supports AVX2 and FMA (checked at
-                // run time).
-                return unsafe { avx2($($arg),*) };
+                $crate::backend::cpu::Isa::Avx2Fma => {
+                    #[target_feature(enable = "avx2,fma")]
+                    unsafe fn avx2<T: CpuFloat>($($arg: $ty),*) -> $ret {
+                        $body::<T, true>($($arg),*)
+                    }
+                    // SAFETY: the running CPU supports AVX2 and FMA (checked
+                    // at run time).
+                    return unsafe { avx2($($arg),*) };
+                }
+                $crate::backend::cpu::Isa::Portable => {}
             }
             $body::<T, false>($($arg),*)
         }
@@ -309,15 +442,88 @@ macro_rules! simd_dispatch {
 }
 pub(crate) use simd_dispatch;
 
-/// Whether the work items run their `avx2,fma` copies: the running CPU has
-/// AVX2 and FMA and the environment variable `TREEATTN_PORTABLE` is not `1`
-/// (decided once per process).
+use super::Isa;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// The code path in use: 0 until first asked, else `Isa as u8 + 1`.
+static ISA: AtomicU8 = AtomicU8::new(0);
+
+/// The code path the work items run: decided once per process from the CPU
+/// and the environment (see [`super::isa`]), or set by [`force_isa`].
+#[inline]
+pub(crate) fn isa() -> Isa {
+    match ISA.load(Ordering::Relaxed) {
+        1 => Isa::Portable,
+        2 => Isa::Avx2Fma,
+        3 => Isa::Avx512,
+        _ => {
+            let chosen = isa_from_env(best_isa());
+            // A racing first call decides the same way; a `force_isa` in
+            // between wins.
+            let _ = ISA.compare_exchange(0, chosen as u8 + 1, Ordering::Relaxed, Ordering::Relaxed);
+            isa()
+        }
+    }
+}
+
+/// `isa`, run from now on if the running CPU has it (else nothing changes
+/// and the result is `false`).
+pub(crate) fn force_isa(isa: Isa) -> bool {
+    if isa > best_isa() {
+        return false;
+    }
+    ISA.store(isa as u8 + 1, Ordering::Relaxed);
+    true
+}
+
+/// What the environment asks for, within `best` (what the CPU has):
+/// `TREEATTN_PORTABLE=1` or `TREEATTN_ISA=portable` the portable copy,
+/// `TREEATTN_ISA=avx2` at most AVX2, `TREEATTN_ISA=avx512` at most AVX-512;
+/// otherwise the default, [`default_isa`].
+fn isa_from_env(best: Isa) -> Isa {
+    if std::env::var("TREEATTN_PORTABLE").is_ok_and(|v| v.trim() == "1") {
+        return Isa::Portable;
+    }
+    let wanted = match std::env::var("TREEATTN_ISA").as_deref().map(str::trim) {
+        Ok("portable") => Isa::Portable,
+        Ok("avx2") | Ok("avx2+fma") => Isa::Avx2Fma,
+        Ok("avx512") => Isa::Avx512,
+        _ => default_isa(best),
+    };
+    wanted.min(best)
+}
+
+/// The code path run when the environment does not choose: the best the
+/// CPU has (BENCHMARKS.md §9: AVX-512, with wide blocks on fully live
+/// tiles only, took 0.59–0.66× the AVX2 path's time on trees and causal).
+fn default_isa(best: Isa) -> Isa {
+    best
+}
+
+/// The best code path the running CPU supports (checked by std, cached).
+pub(crate) fn best_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if !cpu_has_avx2_fma() {
+            Isa::Portable
+        } else if has!("avx512f") && has!("avx512vl") && has!("avx512bw") && has!("avx512dq") {
+            Isa::Avx512
+        } else {
+            Isa::Avx2Fma
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        Isa::Portable
+    }
+}
+
+/// Whether the work items run one of their SIMD copies (AVX2 + FMA or
+/// AVX-512, both with the AVX2 row softmax).
 #[inline]
 pub(crate) fn has_avx2_fma() -> bool {
-    static USE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *USE.get_or_init(|| {
-        cpu_has_avx2_fma() && std::env::var("TREEATTN_PORTABLE").map_or(true, |v| v.trim() != "1")
-    })
+    isa() != Isa::Portable
 }
 
 /// Whether the running CPU has AVX2 and FMA (checked once by std, then
@@ -350,12 +556,19 @@ mod tests {
     /// never read them (dead entries of their input are NaN here, so
     /// reading one would poison the result). Same products in a different order: 1e-13 absolute on
     /// sums of up to 64 terms of size < 0.25.
-    fn check<const FMA: bool>(rng: &mut Rng, live: LiveBlocks, dp: usize, ld: usize, col0: usize) {
+    fn check<const FMA: bool>(
+        rng: &mut Rng,
+        live: LiveBlocks,
+        dp: usize,
+        ld: usize,
+        col0: usize,
+        wide: bool,
+    ) {
         let a = data(rng, TILE * dp);
         let bt = data(rng, dp * ld);
         let sentinel = 7.0;
         let mut s = vec![sentinel; TILE * TILE];
-        scores::<f64, FMA>(&a, &bt[col0..], ld, dp, &mut s, live);
+        scores_in::<f64, FMA>(&a, &bt[col0..], ld, dp, &mut s, live, wide);
         let is_live = |r: usize, j: usize| row_strips(live, r) >> (j / NS) & 1 == 1;
         for r in 0..TILE {
             for j in 0..TILE {
@@ -374,16 +587,16 @@ mod tests {
         let b = data(rng, TILE * dp);
         let row = |r: usize, i: usize| is_live(r, i).then(|| s[r * TILE + i]);
         let column = |r: usize, i: usize| is_live(i, r).then(|| s[i * TILE + r]);
-        type Kernel = fn(&[f64], &[f64], usize, &mut [f64], LiveBlocks);
+        type Kernel = fn(&[f64], &[f64], usize, &mut [f64], LiveBlocks, bool);
         type Entry<'a> = &'a dyn Fn(usize, usize) -> Option<f64>;
         let products: [(&str, Kernel, Entry); 2] = [
-            ("accumulate", accumulate::<f64, FMA>, &row),
-            ("accumulate_t", accumulate_t::<f64, FMA>, &column),
+            ("accumulate", accumulate_in::<f64, FMA>, &row),
+            ("accumulate_t", accumulate_t_in::<f64, FMA>, &column),
         ];
         for (name, kernel, entry) in products {
             let mut out = data(rng, TILE * dp);
             let before = out.clone();
-            kernel(&s, &b, dp, &mut out, live);
+            kernel(&s, &b, dp, &mut out, live, wide);
             for r in 0..TILE {
                 for c in 0..dp {
                     let want = before[r * dp + c]
@@ -399,16 +612,18 @@ mod tests {
     #[test]
     fn kernels_match_triple_loops_on_live_blocks() {
         let mut rng = Rng::new(11);
-        for fma in [false, true] {
+        for (fma, wide) in [(false, false), (true, false), (false, true), (true, true)] {
             let run = |rng: &mut Rng, live, dp, ld, col0| {
                 if fma {
-                    check::<true>(rng, live, dp, ld, col0)
+                    check::<true>(rng, live, dp, ld, col0, wide)
                 } else {
-                    check::<false>(rng, live, dp, ld, col0)
+                    check::<false>(rng, live, dp, ld, col0, wide)
                 }
             };
-            // Every block, from a wider operand.
+            // Every block, from a wider operand; head dims that take each
+            // width of the wide blocks (64 + 32 + 16 columns).
             run(&mut rng, ALL_LIVE, 48, 3 * TILE + 5, 70);
+            run(&mut rng, ALL_LIVE, 112, TILE, 0);
             for _ in 0..4 {
                 let live = (rng.next_u64() as LiveBlocks) << 64 | rng.next_u64() as LiveBlocks;
                 run(&mut rng, live, 32, TILE, 0);

@@ -80,10 +80,13 @@
 //! AVX2 and FMA (detected at run time) the work items run a copy compiled
 //! for those features, whose `f32` row-softmax steps (masking, `exp`, lane
 //! maxima and sums, one strip of 8 keys at a time) are written with AVX2
-//! intrinsics; elsewhere, or with `TREEATTN_PORTABLE=1` ([`uses_avx2_fma`]),
-//! the portable copy of the same code, whose softmax steps give the same
-//! bits and whose matmuls differ only by the rounding of fused
-//! multiply-adds. `f32` exponentials use a polynomial within 2 ulp; `f64` uses
+//! intrinsics; with AVX-512 (F, VL, BW, DQ) a copy compiled for it, with
+//! wider register blocks on fully live tiles and the same bits as the AVX2
+//! copy; elsewhere, or
+//! with `TREEATTN_PORTABLE=1` ([`isa`], [`uses_avx2_fma`]; `TREEATTN_ISA`
+//! chooses), the portable copy of the same code, whose softmax
+//! steps give the same bits and whose matmuls differ only by the rounding
+//! of fused multiply-adds. `f32` exponentials use a polynomial within 2 ulp; `f64` uses
 //! `f64::exp`. A NaN or infinity in a result (scores overflowing `T`,
 //! or non-finite inputs when `check_finite` is off) is reported as
 //! [`Error::NonFinite`](crate::Error::NonFinite), never returned: each work item checks the rows it
@@ -187,14 +190,61 @@ impl<T: CpuFloat> SdccBackend<T> for Cpu {
     }
 }
 
-/// Whether the CPU backend's work items run their copies compiled for AVX2
-/// and FMA (with the AVX2 row softmax): true on x86-64 CPUs that have both,
-/// unless the environment variable `TREEATTN_PORTABLE` is `1` when the
-/// process first asks (then, as on every other CPU, the portable copy of
-/// the same code runs: the same results up to the rounding of fused
-/// multiply-adds).
+/// Whether the CPU backend's work items run one of their SIMD copies
+/// (AVX-512 or AVX2, both with FMA and the AVX2 row softmax): true on x86-64
+/// CPUs that have AVX2 and FMA, unless the environment variable
+/// `TREEATTN_PORTABLE` is `1` (or `TREEATTN_ISA` is `portable`) when the
+/// process first asks (then, as on every other CPU, the portable copy of the
+/// same code runs: the same results up to the rounding of fused
+/// multiply-adds). [`isa`] says which copy.
 pub fn uses_avx2_fma() -> bool {
     microkernel::has_avx2_fma()
+}
+
+/// The code paths of the CPU backend's work items, in order of the
+/// features they need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Isa {
+    /// Plain Rust, compiled for the target's baseline.
+    Portable,
+    /// Compiled for AVX2 and FMA (8-lane `f32` registers).
+    Avx2Fma,
+    /// Compiled for AVX-512 F, VL, BW, DQ (with AVX2 and FMA): the same
+    /// code as [`Isa::Avx2Fma`] with 16-lane registers, so the same bits.
+    Avx512,
+}
+
+impl Isa {
+    /// `"portable"`, `"avx2+fma"` or `"avx512"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2Fma => "avx2+fma",
+            Isa::Avx512 => "avx512",
+        }
+    }
+}
+
+/// The code path the CPU backend's work items run, decided when the process
+/// first asks: the best the CPU has (AVX-512 F/VL/BW/DQ, else AVX2 + FMA,
+/// else portable), lowered by the environment: `TREEATTN_ISA=avx2`,
+/// `TREEATTN_ISA=portable` (or `TREEATTN_PORTABLE=1`).
+pub fn isa() -> Isa {
+    microkernel::isa()
+}
+
+/// The best code path the running CPU supports, whatever the environment.
+pub fn best_isa() -> Isa {
+    microkernel::best_isa()
+}
+
+/// Runs later calls on `isa` if the running CPU supports it (returns
+/// whether it does; nothing changes when not). For tests and benchmarks
+/// that compare the paths in one process: the switch is process-wide, so
+/// calls running concurrently on other threads may see either path.
+#[doc(hidden)]
+pub fn force_isa(isa: Isa) -> bool {
+    microkernel::force_isa(isa)
 }
 
 /// A test attention shape over a mask where every key is seen by every

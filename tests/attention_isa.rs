@@ -1,0 +1,118 @@
+//! The CPU backend's code paths side by side in one process: each path the
+//! machine supports ([`best_isa`] and below) is forced in turn with
+//! [`force_isa`] and runs the same f32 and f64 forward and backward on tree
+//! masks (partial tiles, gathered keys, padding, GQA, rotary). A test binary
+//! of its own with one test, since the switch is process-wide.
+//!
+//! Tolerances:
+//! - AVX-512 against AVX2 + FMA: bit for bit. Both copies are the same
+//!   code (fused multiply-adds, the same AVX2 row-softmax intrinsics, no
+//!   reassociation) compiled for wider registers: vectorizing a lane-wise
+//!   loop changes no element's operations or their order.
+//! - A SIMD path against the portable one: they differ only in the
+//!   rounding of fused multiply-adds (the softmax steps give the same bits,
+//!   `lanes`' tests), i.e. by ~1 ulp per product-sum step; the bounds are
+//!   those of `attention_portable` (each path against the f64 backend),
+//!   relative Frobenius 1e-5 on O and LSE and 2e-5 on the gradients in f32,
+//!   1e-12 in f64.
+
+mod common;
+use common::calls;
+
+use treeattn::backend::cpu::{best_isa, force_isa, isa, CpuFloat, Isa};
+use treeattn::backend::{AttnParams, AttnShape, Rope};
+use treeattn::gen::{MaskBuilder, Rng};
+
+/// Relative Frobenius error of `got` against `want` (finite entries of
+/// `want` only: rows with no visible key have LSE −inf on every path).
+fn rel<T: CpuFloat>(got: &[T], want: &[T]) -> f64 {
+    let (mut num, mut den) = (0.0, 0.0);
+    for (&g, &w) in got.iter().zip(want) {
+        let (g, w) = (g.to_f64(), w.to_f64());
+        if w.is_finite() {
+            num += (g - w).powi(2);
+            den += w * w;
+        } else {
+            assert_eq!(g.to_bits(), w.to_bits(), "non-finite entries differ");
+        }
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// Every output of one forward and backward, in order o, lse, dq, dk, dv.
+type Outputs<T> = [Vec<T>; 5];
+
+fn run_all<T: CpuFloat>(seed: u64, tol: f64) {
+    let mut rng = Rng::new(seed);
+    for (d, rope) in [(64, false), (40, true), (128, false)] {
+        let mut b = MaskBuilder::new();
+        b.push_tree(&mut rng, 0, 24, 4, true);
+        b.push_fan(70, 3, 30);
+        b.push_fan(90, 4, 170);
+        b.push_padding(5);
+        let l = b.len();
+        let mask = b.mask().unwrap();
+        let shape = AttnShape {
+            tokens: l,
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: d,
+        };
+        let mut params = AttnParams::new(d);
+        params.rope = rope.then_some(Rope {
+            base: 10_000.0,
+            dims: d,
+        });
+        let mut data = |n: usize| -> Vec<T> {
+            (0..n)
+                .map(|_| T::from_f64(rng.signed_unit() as f64))
+                .collect()
+        };
+        let (q, k, v, d_o) = (
+            data(shape.q_len()),
+            data(shape.kv_len()),
+            data(shape.kv_len()),
+            data(shape.q_len()),
+        );
+        let mut results: Vec<(Isa, Outputs<T>)> = Vec::new();
+        for path in [Isa::Portable, Isa::Avx2Fma, Isa::Avx512] {
+            if path > best_isa() {
+                assert!(!force_isa(path), "{path:?} forced on a CPU without it");
+                continue;
+            }
+            assert!(force_isa(path));
+            assert_eq!(isa(), path);
+            let f = calls::cpu_forward(&q, &k, &v, shape, mask, &params).unwrap();
+            let g =
+                calls::cpu_backward(&q, &k, &v, &f.o, &f.lse, &d_o, shape, mask, &params).unwrap();
+            results.push((path, [f.o, f.lse, g.dq, g.dk, g.dv]));
+        }
+        let names = ["o", "lse", "dq", "dk", "dv"];
+        let (_, portable) = &results[0];
+        for (path, out) in &results[1..] {
+            for (i, name) in names.iter().enumerate() {
+                let bound = if i < 2 { tol } else { 2.0 * tol };
+                let e = rel(&out[i], &portable[i]);
+                assert!(
+                    e < bound,
+                    "{path:?} vs portable, {name}: {e:e} (d={d}, rope={rope})"
+                );
+            }
+        }
+        if let [(_, avx2), (_, avx512)] = &results[1..] {
+            for (i, name) in names.iter().enumerate() {
+                let bits = |x: &[T]| x.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
+                assert!(
+                    bits(&avx512[i]) == bits(&avx2[i]),
+                    "avx512 vs avx2+fma, {name}: not bit-identical (d={d}, rope={rope})"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_code_path_matches_the_portable_one() {
+    run_all::<f32>(43, 1e-5);
+    run_all::<f64>(44, 1e-12);
+}

@@ -198,7 +198,7 @@ unsafe fn slice<'a, T>(what: &str, p: *const T, len: usize) -> R<&'a [T]> {
     Ok(std::slice::from_raw_parts(p, len))
 }
 
-/// As [`slice`], writable.
+/// As [`slice()`], writable.
 unsafe fn slice_mut<'a, T>(what: &str, p: *mut T, len: usize) -> R<&'a mut [T]> {
     if p.is_null() {
         return if len == 0 {

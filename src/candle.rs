@@ -174,7 +174,7 @@ impl TreeAttention {
         };
         let fwd = AttnOut { o, lse };
         let g = Cpu::default()
-            .backward_owned(&args, &fwd, &d_o)
+            .backward_owned(&args, fwd.saved(), &d_o)
             .map_err(err)?;
         Ok([g.dq, g.dk, g.dv])
     }

@@ -382,6 +382,286 @@ int32_t treeattn_sdcc_forward_kl_f64(const double *student,
  */
 const char *treeattn_status_name(int32_t status);
 
+/**
+ * Tree attention forward on device memory, `__nv_bfloat16` elements
+ * (passed as `void *`): q `[tokens, q_heads, head_dim]`, k and v
+ * `[tokens, kv_heads, head_dim]`; writes `o` (like q, bf16) and `lse`
+ * (`[q_heads, tokens]`, `float`, natural log, `-inf` for a row with no
+ * visible key). Head dim 64 or 128. `kv_end` and `position_ids` are the
+ * pack's host arrays (`tokens` entries); `params` may be null (defaults).
+ * Enqueued on `stream` of device `device`; see the module notes.
+ */
+int32_t treeattn_cuda_attention_forward_bf16(int32_t device,
+                                             void *stream,
+                                             const void *q,
+                                             const void *k,
+                                             const void *v,
+                                             struct TreeattnShape shape,
+                                             const uint32_t *kv_end,
+                                             const uint32_t *position_ids,
+                                             const struct TreeattnParams *params,
+                                             void *o,
+                                             float *lse);
+
+/**
+ * As [`treeattn_cuda_attention_forward_bf16`], `__half` elements.
+ */
+int32_t treeattn_cuda_attention_forward_f16(int32_t device,
+                                            void *stream,
+                                            const void *q,
+                                            const void *k,
+                                            const void *v,
+                                            struct TreeattnShape shape,
+                                            const uint32_t *kv_end,
+                                            const uint32_t *position_ids,
+                                            const struct TreeattnParams *params,
+                                            void *o,
+                                            float *lse);
+
+/**
+ * Tree attention backward on device memory, `__nv_bfloat16`: from the
+ * forward's inputs (same shape, pack and params), its `o` and `lse`
+ * (`float`) and the output gradient `d_o` (like q), writes `dq` (like q),
+ * `dk`, `dv` (like k), with respect to the unrotated q and k. Scratch
+ * (`4 · tokens · q_heads · (head_dim + 1)` bytes) is allocated and freed
+ * on `stream`.
+ */
+int32_t treeattn_cuda_attention_backward_bf16(int32_t device,
+                                              void *stream,
+                                              const void *q,
+                                              const void *k,
+                                              const void *v,
+                                              struct TreeattnShape shape,
+                                              const uint32_t *kv_end,
+                                              const uint32_t *position_ids,
+                                              const struct TreeattnParams *params,
+                                              const void *o,
+                                              const float *lse,
+                                              const void *d_o,
+                                              void *dq,
+                                              void *dk,
+                                              void *dv);
+
+/**
+ * As [`treeattn_cuda_attention_backward_bf16`], `__half` elements.
+ */
+int32_t treeattn_cuda_attention_backward_f16(int32_t device,
+                                             void *stream,
+                                             const void *q,
+                                             const void *k,
+                                             const void *v,
+                                             struct TreeattnShape shape,
+                                             const uint32_t *kv_end,
+                                             const uint32_t *position_ids,
+                                             const struct TreeattnParams *params,
+                                             const void *o,
+                                             const float *lse,
+                                             const void *d_o,
+                                             void *dq,
+                                             void *dk,
+                                             void *dv);
+
+/**
+ * The fused SDCC forward KL on device logits, `__nv_bfloat16`: student
+ * `[student_rows, vocab]` and teacher `[teacher_rows, vocab]` (device;
+ * they may be one buffer), `pairs` (`2·n_pairs`: student row, teacher
+ * row) and `weights` on the host; writes the `float` gradient of
+ * `Σ w · KL(teacher ‖ student)` with respect to the student logits into
+ * the device buffer `grad_student` (like the student; rows no pair names
+ * are 0), the loss into `*loss` and, when `per_pair` (host) is not null,
+ * each pair's unweighted KL. Waits for `stream` once.
+ */
+int32_t treeattn_cuda_sdcc_forward_kl_bf16(int32_t device,
+                                           void *stream,
+                                           const void *student,
+                                           size_t student_rows,
+                                           const void *teacher,
+                                           size_t teacher_rows,
+                                           size_t vocab,
+                                           const uint32_t *pairs,
+                                           const float *weights,
+                                           size_t n_pairs,
+                                           float temperature,
+                                           float *grad_student,
+                                           struct TreeattnSdccLoss *loss,
+                                           double *per_pair);
+
+/**
+ * As [`treeattn_cuda_sdcc_forward_kl_bf16`], `__half` logits.
+ */
+int32_t treeattn_cuda_sdcc_forward_kl_f16(int32_t device,
+                                          void *stream,
+                                          const void *student,
+                                          size_t student_rows,
+                                          const void *teacher,
+                                          size_t teacher_rows,
+                                          size_t vocab,
+                                          const uint32_t *pairs,
+                                          const float *weights,
+                                          size_t n_pairs,
+                                          float temperature,
+                                          float *grad_student,
+                                          struct TreeattnSdccLoss *loss,
+                                          double *per_pair);
+
+/**
+ * As [`treeattn_cuda_sdcc_forward_kl_bf16`], `float` logits.
+ */
+int32_t treeattn_cuda_sdcc_forward_kl_f32(int32_t device,
+                                          void *stream,
+                                          const void *student,
+                                          size_t student_rows,
+                                          const void *teacher,
+                                          size_t teacher_rows,
+                                          size_t vocab,
+                                          const uint32_t *pairs,
+                                          const float *weights,
+                                          size_t n_pairs,
+                                          float temperature,
+                                          float *grad_student,
+                                          struct TreeattnSdccLoss *loss,
+                                          double *per_pair);
+
+/**
+ * Tree attention forward on device memory, `__nv_bfloat16` elements
+ * (passed as `void *`): q `[tokens, q_heads, head_dim]`, k and v
+ * `[tokens, kv_heads, head_dim]`; writes `o` (like q, bf16) and `lse`
+ * (`[q_heads, tokens]`, `float`, natural log, `-inf` for a row with no
+ * visible key). Head dim 64 or 128. `kv_end` and `position_ids` are the
+ * pack's host arrays (`tokens` entries); `params` may be null (defaults).
+ * Enqueued on `stream` of device `device`; see the module notes.
+ */
+int32_t treeattn_cuda_attention_forward_bf16(int32_t device,
+                                             void *stream,
+                                             const void *q,
+                                             const void *k,
+                                             const void *v,
+                                             struct TreeattnShape shape,
+                                             const uint32_t *kv_end,
+                                             const uint32_t *position_ids,
+                                             const struct TreeattnParams *params,
+                                             void *o,
+                                             float *lse);
+
+/**
+ * As [`treeattn_cuda_attention_forward_bf16`], `__half` elements.
+ */
+int32_t treeattn_cuda_attention_forward_f16(int32_t device,
+                                            void *stream,
+                                            const void *q,
+                                            const void *k,
+                                            const void *v,
+                                            struct TreeattnShape shape,
+                                            const uint32_t *kv_end,
+                                            const uint32_t *position_ids,
+                                            const struct TreeattnParams *params,
+                                            void *o,
+                                            float *lse);
+
+/**
+ * Tree attention backward on device memory, `__nv_bfloat16`: from the
+ * forward's inputs (same shape, pack and params), its `o` and `lse`
+ * (`float`) and the output gradient `d_o` (like q), writes `dq` (like q),
+ * `dk`, `dv` (like k), with respect to the unrotated q and k. Scratch
+ * (`4 · tokens · q_heads · (head_dim + 1)` bytes) is allocated and freed
+ * on `stream`.
+ */
+int32_t treeattn_cuda_attention_backward_bf16(int32_t device,
+                                              void *stream,
+                                              const void *q,
+                                              const void *k,
+                                              const void *v,
+                                              struct TreeattnShape shape,
+                                              const uint32_t *kv_end,
+                                              const uint32_t *position_ids,
+                                              const struct TreeattnParams *params,
+                                              const void *o,
+                                              const float *lse,
+                                              const void *d_o,
+                                              void *dq,
+                                              void *dk,
+                                              void *dv);
+
+/**
+ * As [`treeattn_cuda_attention_backward_bf16`], `__half` elements.
+ */
+int32_t treeattn_cuda_attention_backward_f16(int32_t device,
+                                             void *stream,
+                                             const void *q,
+                                             const void *k,
+                                             const void *v,
+                                             struct TreeattnShape shape,
+                                             const uint32_t *kv_end,
+                                             const uint32_t *position_ids,
+                                             const struct TreeattnParams *params,
+                                             const void *o,
+                                             const float *lse,
+                                             const void *d_o,
+                                             void *dq,
+                                             void *dk,
+                                             void *dv);
+
+/**
+ * The fused SDCC forward KL on device logits, `__nv_bfloat16`: student
+ * `[student_rows, vocab]` and teacher `[teacher_rows, vocab]` (device;
+ * they may be one buffer), `pairs` (`2·n_pairs`: student row, teacher
+ * row) and `weights` on the host; writes the `float` gradient of
+ * `Σ w · KL(teacher ‖ student)` with respect to the student logits into
+ * the device buffer `grad_student` (like the student; rows no pair names
+ * are 0), the loss into `*loss` and, when `per_pair` (host) is not null,
+ * each pair's unweighted KL. Waits for `stream` once.
+ */
+int32_t treeattn_cuda_sdcc_forward_kl_bf16(int32_t device,
+                                           void *stream,
+                                           const void *student,
+                                           size_t student_rows,
+                                           const void *teacher,
+                                           size_t teacher_rows,
+                                           size_t vocab,
+                                           const uint32_t *pairs,
+                                           const float *weights,
+                                           size_t n_pairs,
+                                           float temperature,
+                                           float *grad_student,
+                                           struct TreeattnSdccLoss *loss,
+                                           double *per_pair);
+
+/**
+ * As [`treeattn_cuda_sdcc_forward_kl_bf16`], `__half` logits.
+ */
+int32_t treeattn_cuda_sdcc_forward_kl_f16(int32_t device,
+                                          void *stream,
+                                          const void *student,
+                                          size_t student_rows,
+                                          const void *teacher,
+                                          size_t teacher_rows,
+                                          size_t vocab,
+                                          const uint32_t *pairs,
+                                          const float *weights,
+                                          size_t n_pairs,
+                                          float temperature,
+                                          float *grad_student,
+                                          struct TreeattnSdccLoss *loss,
+                                          double *per_pair);
+
+/**
+ * As [`treeattn_cuda_sdcc_forward_kl_bf16`], `float` logits.
+ */
+int32_t treeattn_cuda_sdcc_forward_kl_f32(int32_t device,
+                                          void *stream,
+                                          const void *student,
+                                          size_t student_rows,
+                                          const void *teacher,
+                                          size_t teacher_rows,
+                                          size_t vocab,
+                                          const uint32_t *pairs,
+                                          const float *weights,
+                                          size_t n_pairs,
+                                          float temperature,
+                                          float *grad_student,
+                                          struct TreeattnSdccLoss *loss,
+                                          double *per_pair);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -18,6 +18,9 @@
 
 #![allow(clippy::missing_safety_doc)]
 
+mod cuda;
+pub use cuda::*;
+
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -75,14 +75,13 @@ fn expected() -> String {
         .collect()
 }
 
-#[test]
-fn c_program_links_and_passes() {
+/// Compiles `tests/c/{source}` against the header and the shared library
+/// of this test run; returns the executable.
+fn compile(source: &str, extra: &[&str]) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
     let lib_dir = library_dir();
-    let want = tmp.join("capi-expected.txt");
-    std::fs::write(&want, expected()).unwrap();
-    let exe = tmp.join("treeattn-capi-smoke");
+    let exe = tmp.join(format!("treeattn-capi-{}", source.trim_end_matches(".c")));
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let status = Command::new(&cc)
         .args([
@@ -95,7 +94,7 @@ fn c_program_links_and_passes() {
         ])
         .arg("-I")
         .arg(root.join("../include"))
-        .arg(root.join("tests/c/smoke.c"))
+        .arg(root.join("tests/c").join(source))
         .arg("-o")
         .arg(&exe)
         .arg("-L")
@@ -103,16 +102,50 @@ fn c_program_links_and_passes() {
         .arg("-ltreeattn_capi")
         .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
         .arg("-lm")
+        .args(extra)
         .status()
         .unwrap_or_else(|e| panic!("cannot run the C compiler `{cc}`: {e}"));
-    assert!(status.success(), "compiling tests/c/smoke.c failed");
-    let out = Command::new(&exe).arg(&want).output().unwrap();
+    assert!(status.success(), "compiling tests/c/{source} failed");
+    exe
+}
+
+fn run(exe: &Path, args: &[&Path]) -> (bool, String) {
+    // The library this test built, first: cargo's LD_LIBRARY_PATH also
+    // names `<target>/<profile>`, where an older `cargo build` may have
+    // left another copy (searched before the executable's RUNPATH).
+    let out = Command::new(exe)
+        .args(args)
+        .env("LD_LIBRARY_PATH", library_dir())
+        .output()
+        .unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
     println!("{text}");
-    assert!(out.status.success(), "the C program failed:\n{text}");
+    (out.status.success(), text)
+}
+
+#[test]
+fn c_program_links_and_passes() {
+    let want = Path::new(env!("CARGO_TARGET_TMPDIR")).join("capi-expected.txt");
+    std::fs::write(&want, expected()).unwrap();
+    let exe = compile("smoke.c", &[]);
+    let (ok, text) = run(&exe, &[&want]);
+    assert!(ok, "the C program failed:\n{text}");
     assert!(text.contains("all C ABI checks passed"), "{text}");
+}
+
+/// The device entries from a C host that owns context, memory and stream
+/// (`tests/c/device.c`, the driver API loaded with dlopen): on a GPU
+/// machine with the `cuda` feature, bf16 / f16 attention and SDCC against
+/// the CPU entries; here, without a GPU, their clean failure. The GPU check
+/// script runs the same program with `--require-gpu`.
+#[test]
+fn c_device_program_links_and_passes() {
+    let exe = compile("device.c", &["-ldl"]);
+    let (ok, text) = run(&exe, &[]);
+    assert!(ok, "the C device program failed:\n{text}");
+    assert!(text.contains("device C ABI checks passed"), "{text}");
 }

@@ -32,6 +32,7 @@ fn header_is_up_to_date() {
     cbindgen::Builder::new()
         .with_config(config)
         .with_src(dir.join("src/lib.rs"))
+        .with_src(dir.join("src/cuda.rs"))
         .generate()
         .expect("cbindgen parses src/lib.rs")
         .write(&mut generated);

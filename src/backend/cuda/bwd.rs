@@ -28,8 +28,9 @@ unsafe impl DeviceRepr for BwdParams {}
 const STAGES: [&str; 5] = ["pre", "main_atomic", "main_det", "dq", "dq_convert"];
 
 /// The backward kernels, loaded by [`super::CudaBackend::new`].
+#[derive(Clone)]
 pub(crate) struct CudaBackward {
-    stream: Arc<CudaStream>,
+    pub(super) stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     /// `[dtype][head dim 64 / 128][stage]`, stages as in [`STAGES`].
     funcs: Vec<Vec<Vec<CudaFunction>>>,

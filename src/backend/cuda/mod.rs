@@ -21,6 +21,11 @@
 //! to the backend's stream.
 
 pub(crate) mod bwd;
+pub mod host;
+
+/// The cudarc this backend is built with (its buffers and streams are the
+/// [`Device`] memory), for hosts that name its types.
+pub use cudarc;
 mod rope;
 mod sdcc;
 
@@ -123,7 +128,49 @@ fn config(plan: LaunchPlan) -> LaunchConfig {
     }
 }
 
+/// Retains device `ordinal`'s primary context (the one the CUDA runtime,
+/// and so PyTorch and JAX, use: cudarc's [`CudaContext::new`] creates no
+/// context of its own) after checking that a driver and the device exist
+/// and that the device can run the kernels.
+pub(crate) fn open_context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    // cudarc panics on first use without a driver library.
+    if !driver_present() {
+        return Err(Error::Cuda(
+            "no CUDA driver found (libcuda.so could not be loaded): this machine has no NVIDIA GPU driver; \
+             use the cpu or emu backend"
+                .into(),
+        ));
+    }
+    let count = CudaContext::device_count().map_err(cuda_err("cuInit / device count"))?;
+    if ordinal >= count.max(0) as usize {
+        return Err(Error::Cuda(format!(
+            "no CUDA device {ordinal}: {count} device(s) present"
+        )));
+    }
+    let ctx = CudaContext::new(ordinal).map_err(cuda_err("retaining the primary context"))?;
+    check_device(&ctx)?;
+    Ok(ctx)
+}
+
+/// The kernels need sm_80 or newer.
+fn check_device(ctx: &CudaContext) -> Result<()> {
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(cuda_err("compute capability"))?;
+    if major < 8 {
+        return Err(Error::Unsupported(format!(
+            "device {} has compute capability {major}.{minor}; the kernels need 8.0 or newer \
+             (mma.sync bf16, ldmatrix, cp.async)",
+            ctx.ordinal()
+        )));
+    }
+    Ok(())
+}
+
 /// A CUDA device with the treeattn kernels loaded and a stream to launch on.
+///
+/// Cloning is cheap (the loaded modules are shared).
+#[derive(Clone)]
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -137,36 +184,59 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
-    /// Opens device `ordinal`, loads the kernels, creates a stream.
+    /// Opens device `ordinal` (its primary context), loads the kernels,
+    /// creates a stream of its own. A host that owns the stream (candle,
+    /// PyTorch, a C++ framework) uses [`Self::with_stream`] /
+    /// [`Self::on_stream`] instead, or the borrowed-pointer entries of
+    /// [`host`].
     ///
     /// Errors (never panics): no CUDA driver library on this machine, no such
     /// device, a device older than sm_80, a driver too old for the embedded
     /// code (CUDA 13.0, driver 580, is needed).
     pub fn new(ordinal: usize) -> Result<Self> {
-        // cudarc panics on first use without a driver library.
-        if !driver_present() {
-            return Err(Error::Cuda(
-                "no CUDA driver found (libcuda.so could not be loaded): this machine has no NVIDIA GPU driver; \
-                 use the cpu or emu backend"
-                    .into(),
-            ));
-        }
-        let count = CudaContext::device_count().map_err(cuda_err("cuInit / device count"))?;
-        if ordinal >= count.max(0) as usize {
+        let ctx = open_context(ordinal)?;
+        let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
+        Self::load(ctx, stream)
+    }
+
+    /// Loads the kernels into the context of a stream someone else owns
+    /// (candle's device stream, a stream wrapped with
+    /// [`CudaContext::wrap_borrowed_stream`]) and launches on that stream:
+    /// no context and no stream is created. Loading takes milliseconds; for
+    /// one call per step keep the backend, or load once and use
+    /// [`Self::on_stream`] per stream.
+    ///
+    /// Errors as [`Self::new`].
+    pub fn with_stream(stream: &Arc<CudaStream>) -> Result<Self> {
+        let ctx = stream.context().clone();
+        check_device(&ctx)?;
+        Self::load(ctx, stream.clone())
+    }
+
+    /// This backend's kernels launched on `stream` (a cheap copy: the
+    /// loaded modules are shared). `stream` must belong to this backend's
+    /// context (an `Err` otherwise: the kernels are loaded per context).
+    pub fn on_stream(&self, stream: &Arc<CudaStream>) -> Result<Self> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
             return Err(Error::Cuda(format!(
-                "no CUDA device {ordinal}: {count} device(s) present"
+                "the stream belongs to another CUDA context (device {}) than this backend's (device {}): \
+                 load the kernels there with CudaBackend::with_stream",
+                stream.context().ordinal(),
+                self.ctx.ordinal()
             )));
         }
-        let ctx = CudaContext::new(ordinal).map_err(cuda_err("creating the context"))?;
+        let mut be = self.clone();
+        be.stream = stream.clone();
+        be.bwd.stream = stream.clone();
+        be.sdcc.stream = stream.clone();
+        Ok(be)
+    }
+
+    fn load(ctx: Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<Self> {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(cuda_err("compute capability"))?;
-        if major < 8 {
-            return Err(Error::Unsupported(format!(
-                "device {ordinal} has compute capability {major}.{minor}; the kernels need 8.0 or newer \
-                 (mma.sync bf16, ldmatrix, cp.async)"
-            )));
-        }
+        let ordinal = ctx.ordinal();
         let module = ctx.load_module(Ptx::from_binary(FWD_FATBIN.to_vec())).map_err(|e| {
             Error::Cuda(format!(
                 "loading the embedded kernels (SASS sm_80/sm_90a, PTX compute_80, built by CUDA 13.0) on \
@@ -202,7 +272,6 @@ impl CudaBackend {
         }
         let [bf16, f16]: [[CudaFunction; 2]; 2] = fwd.try_into().expect("two dtypes");
         let kv_bounds = load("tree_attn_kv_tile_bounds")?;
-        let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         Ok(CudaBackend {
             bwd: CudaBackward::new(&ctx, &stream)?,
             sdcc: CudaSdcc::new(&ctx, &stream)?,

@@ -24,8 +24,9 @@ static SDCC_FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sdcc_kl.fa
 unsafe impl DeviceRepr for SdccParams {}
 
 /// The SDCC kernels, loaded by [`super::CudaBackend::new`].
+#[derive(Clone)]
 pub(crate) struct CudaSdcc {
-    stream: Arc<CudaStream>,
+    pub(super) stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     /// Indexed by [`SdccElem::CODE`]: bf16, f16, f32.
     funcs: Vec<CudaFunction>,

@@ -1,0 +1,280 @@
+//! Entries for a host that owns the memory and the stream: PyTorch, JAX,
+//! candle, a C++ framework. The host gives device addresses (its tensors'
+//! data pointers) and a stream; treeattn creates no context (it uses the
+//! device's primary context, the CUDA runtime's) and no stream, enqueues
+//! its kernels on the host's stream, and frees nothing it did not
+//! allocate. These are thin adapters: each wraps the addresses as borrowed
+//! cudarc buffers and runs the one contract ([`AttnArgs`], [`SdccArgs`],
+//! the [`AttentionBackend`] / [`SdccBackend`] impls of [`CudaBackend`]), so
+//! the checks and the math are the same as for owned buffers.
+//!
+//! Typical use (the Python extension and the C ABI do this):
+//!
+//! ```no_run
+//! # fn main() -> treeattn::Result<()> {
+//! use treeattn::backend::cuda::{host, CudaBackend};
+//! # let (raw_stream, kv_end, pos): (cudarc::driver::sys::CUstream, Vec<u32>, Vec<u32>) = todo!();
+//! # let (q, k, v, o, lse) = (0u64, 0u64, 0u64, 0u64, 0u64);
+//! // Once per device: the kernels loaded into the primary context.
+//! let kernels = host::primary(0)?;
+//! // Per call, on the host's current stream:
+//! let be = unsafe { host::on_raw_stream(&kernels, raw_stream) }?;
+//! let pack = be.upload_pack(treeattn::mask::PackMask::new(&kv_end, &pos)?)?;
+//! let shape = treeattn::backend::AttnShape { tokens: kv_end.len(), q_heads: 8, kv_heads: 8, head_dim: 128 };
+//! let call = host::RawAttention { q, k, v, shape, params: treeattn::backend::AttnParams::new(128) };
+//! unsafe { be.forward_raw::<half::bf16>(&pack, call, o, lse) }?;
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+
+use super::{open_context, CudaBackend, DevicePack};
+use crate::backend::launch::sdcc::SdccElem;
+use crate::backend::launch::KernelElem;
+use crate::backend::{
+    AttentionBackend, AttnArgs, AttnParams, AttnShape, Grads, Saved, SdccArgs, SdccBackend,
+    SdccLoss,
+};
+use crate::{Error, Result};
+
+/// A caller-owned device buffer seen as a cudarc buffer for the duration of
+/// one call: never freed here (dropping it gives the address back).
+struct Borrowed<T>(ManuallyDrop<CudaSlice<T>>);
+
+impl<T> Borrowed<T> {
+    /// Borrows `len` elements at `addr`. Null or misaligned addresses of a
+    /// non-empty buffer are an `Err` naming `what`.
+    ///
+    /// Safety: `addr` is a live allocation of the stream's context holding
+    /// at least `len` elements of `T`, valid until the work enqueued on
+    /// the stream with it has run.
+    unsafe fn new(
+        stream: &Arc<CudaStream>,
+        what: &str,
+        addr: CUdeviceptr,
+        len: usize,
+    ) -> Result<Self> {
+        if len > 0 && addr == 0 {
+            return Err(Error::Shape(format!(
+                "{what}: null device pointer for {len} elements"
+            )));
+        }
+        if addr % std::mem::align_of::<T>() as u64 != 0 {
+            return Err(Error::Shape(format!(
+                "{what}: device pointer {addr:#x} is not aligned to {} bytes",
+                std::mem::align_of::<T>()
+            )));
+        }
+        // SAFETY: as the caller promises; the slice is leaked, not freed,
+        // on drop.
+        Ok(Borrowed(ManuallyDrop::new(unsafe {
+            stream.upgrade_device_ptr(addr, len)
+        })))
+    }
+}
+
+impl<T> Drop for Borrowed<T> {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here; `leak` gives up the address without
+        // freeing it.
+        let slice = unsafe { ManuallyDrop::take(&mut self.0) };
+        let _ = slice.leak();
+    }
+}
+
+/// Device addresses and sizes of one attention call's inputs, caller-owned.
+/// q is `[tokens, q_heads, head_dim]`, k and v `[tokens, kv_heads,
+/// head_dim]`, contiguous, of the element type the entry is called with.
+#[derive(Clone, Copy, Debug)]
+pub struct RawAttention {
+    /// Address of q.
+    pub q: CUdeviceptr,
+    /// Address of k.
+    pub k: CUdeviceptr,
+    /// Address of v.
+    pub v: CUdeviceptr,
+    /// Sizes (validated by [`AttnArgs::new`]).
+    pub shape: AttnShape,
+    /// Softmax scale, rotary, finiteness scan.
+    pub params: AttnParams,
+}
+
+/// The backend of device `ordinal`, its kernels loaded into the device's
+/// primary context (the CUDA runtime's: PyTorch's, JAX's), loaded once per
+/// process and device and cached. Its own stream is the legacy default
+/// stream, which nothing here launches on: take [`on_raw_stream`] or
+/// [`CudaBackend::on_stream`] per call. Event tracking is off for this
+/// context wrapper (as for any kernel a host launches, the host orders
+/// its work on its streams; every buffer treeattn allocates is used and
+/// freed on the stream of its call).
+pub fn primary(ordinal: usize) -> Result<CudaBackend> {
+    static LOADED: Mutex<Option<HashMap<usize, CudaBackend>>> = Mutex::new(None);
+    let mut guard = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    if let Some(be) = map.get(&ordinal) {
+        return Ok(be.clone());
+    }
+    let ctx = open_context(ordinal)?;
+    // SAFETY: this context wrapper is ours; no stream is created in it and
+    // every buffer allocated through it lives on one caller stream (see
+    // above), so there is no cross-stream use to track.
+    unsafe { ctx.disable_event_tracking() };
+    let be = CudaBackend::with_stream(&ctx.default_stream())?;
+    map.insert(ordinal, be.clone());
+    Ok(be)
+}
+
+/// `kernels` launching on a stream the host owns (`cudaStream_t` and
+/// `CUstream` are the same handle; null is the legacy default stream).
+/// Nothing is created and the stream is never destroyed here.
+///
+/// # Safety
+/// `stream` is a live stream of `kernels`' context (for [`primary`]: the
+/// device's primary context, where PyTorch's and JAX's streams live) and
+/// stays alive while the returned backend and what it allocated are used.
+pub unsafe fn on_raw_stream(kernels: &CudaBackend, stream: CUstream) -> Result<CudaBackend> {
+    // SAFETY: as the caller promises.
+    let wrapped = unsafe { kernels.ctx.wrap_borrowed_stream(stream) };
+    kernels.on_stream(&wrapped)
+}
+
+impl CudaBackend {
+    /// Tree attention forward on caller-owned device memory: writes `o`
+    /// (`[tokens, q_heads, head_dim]`, element `T`) and `lse` (`[q_heads,
+    /// tokens]`, f32, natural log) on this backend's stream, as
+    /// [`AttentionBackend::forward`] does on owned buffers (same checks,
+    /// same errors).
+    ///
+    /// # Safety
+    /// Every address is a live allocation of this backend's context with
+    /// the elements `a.shape` says (`o` like q, `lse` `q_heads · tokens`
+    /// f32), valid until the enqueued work has run; `o` and `lse` overlap
+    /// nothing else of the call.
+    pub unsafe fn forward_raw<T: KernelElem + DeviceRepr>(
+        &self,
+        pack: &DevicePack,
+        a: RawAttention,
+        o: CUdeviceptr,
+        lse: CUdeviceptr,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let sh = a.shape;
+        sh.validate()?;
+        let (q, k, v) = unsafe {
+            (
+                Borrowed::<T>::new(s, "q", a.q, sh.q_len())?,
+                Borrowed::<T>::new(s, "k", a.k, sh.kv_len())?,
+                Borrowed::<T>::new(s, "v", a.v, sh.kv_len())?,
+            )
+        };
+        let mut o = unsafe { Borrowed::<T>::new(s, "o", o, sh.q_len())? };
+        let mut lse = unsafe { Borrowed::<f32>::new(s, "lse", lse, sh.lse_len())? };
+        let args = AttnArgs::new(&*q.0, &*k.0, &*v.0, sh, pack, a.params)?;
+        self.forward(&args, &mut *o.0, &mut *lse.0)
+    }
+
+    /// Tree attention backward on caller-owned device memory: from the
+    /// forward's inputs `a`, its `o` and `lse` and the output gradient
+    /// `d_o` (like q), writes `dq` (like q), `dk` and `dv` (like k), with
+    /// respect to the unrotated q and k, on this backend's stream (scratch
+    /// is allocated and freed on it), as [`AttentionBackend::backward`].
+    ///
+    /// # Safety
+    /// As [`Self::forward_raw`]; `d_o` like q; `dq`, `dk`, `dv` overlap
+    /// nothing else of the call.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn backward_raw<T: KernelElem + DeviceRepr>(
+        &self,
+        pack: &DevicePack,
+        a: RawAttention,
+        o: CUdeviceptr,
+        lse: CUdeviceptr,
+        d_o: CUdeviceptr,
+        dq: CUdeviceptr,
+        dk: CUdeviceptr,
+        dv: CUdeviceptr,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let sh = a.shape;
+        sh.validate()?;
+        let (q, k, v, o, lse, d_o) = unsafe {
+            (
+                Borrowed::<T>::new(s, "q", a.q, sh.q_len())?,
+                Borrowed::<T>::new(s, "k", a.k, sh.kv_len())?,
+                Borrowed::<T>::new(s, "v", a.v, sh.kv_len())?,
+                Borrowed::<T>::new(s, "o", o, sh.q_len())?,
+                Borrowed::<f32>::new(s, "lse", lse, sh.lse_len())?,
+                Borrowed::<T>::new(s, "d_o", d_o, sh.q_len())?,
+            )
+        };
+        let (mut dq, mut dk, mut dv) = unsafe {
+            (
+                Borrowed::<T>::new(s, "dq", dq, sh.q_len())?,
+                Borrowed::<T>::new(s, "dk", dk, sh.kv_len())?,
+                Borrowed::<T>::new(s, "dv", dv, sh.kv_len())?,
+            )
+        };
+        let args = AttnArgs::new(&*q.0, &*k.0, &*v.0, sh, pack, a.params)?;
+        self.backward(
+            &args,
+            Saved {
+                o: &*o.0,
+                lse: &*lse.0,
+            },
+            &*d_o.0,
+            Grads {
+                dq: &mut *dq.0,
+                dk: &mut *dk.0,
+                dv: &mut *dv.0,
+            },
+        )
+    }
+
+    /// The fused SDCC forward KL on caller-owned device logits: student
+    /// `[student_rows, vocab]` and teacher `[teacher_rows, vocab]` (element
+    /// `T`; they may be the same buffer), pairs and weights on the host;
+    /// writes the f32 gradient (like the student) and returns the loss, as
+    /// [`SdccBackend::sdcc_forward_kl`] (it synchronises the stream once to
+    /// read the per-pair KL).
+    ///
+    /// # Safety
+    /// Every address is a live allocation of this backend's context of the
+    /// size given; `grad` overlaps neither logits buffer.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn sdcc_raw<T: SdccElem + DeviceRepr>(
+        &self,
+        student: CUdeviceptr,
+        student_rows: usize,
+        teacher: CUdeviceptr,
+        teacher_rows: usize,
+        vocab: usize,
+        pairs: &[(u32, u32)],
+        weights: &[f32],
+        temperature: f32,
+        grad: CUdeviceptr,
+    ) -> Result<SdccLoss> {
+        let s = &self.stream;
+        let elems = |rows: usize, what: &str| {
+            rows.checked_mul(vocab)
+                .ok_or_else(|| Error::Shape(format!("{what}: {rows} × {vocab} elements overflow")))
+        };
+        let (ns, nt) = (
+            elems(student_rows, "student")?,
+            elems(teacher_rows, "teacher")?,
+        );
+        let (st, te) = unsafe {
+            (
+                Borrowed::<T>::new(s, "student", student, ns)?,
+                Borrowed::<T>::new(s, "teacher", teacher, nt)?,
+            )
+        };
+        let mut g = unsafe { Borrowed::<f32>::new(s, "grad", grad, ns)? };
+        let args = SdccArgs::new(&*st.0, &*te.0, vocab, pairs, weights, temperature)?;
+        self.sdcc_forward_kl(&args, &mut *g.0)
+    }
+}

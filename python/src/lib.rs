@@ -360,19 +360,7 @@ where
         PyValueError::new_err(format!("logits: {rows} x {vocab} elements overflow"))
     })?;
     let logits = slice::<T>("logits", logits, n)?;
-    let s = slice::<i64>("student_rows", student, pairs)?;
-    let t = slice::<i64>("teacher_rows", teacher, pairs)?;
-    let mut pair_list = Vec::with_capacity(pairs);
-    for (i, (&a, &b)) in s.iter().zip(t).enumerate() {
-        for (what, r) in [("student_rows", a), ("teacher_rows", b)] {
-            if r < 0 || r as u64 >= rows as u64 {
-                return Err(PyValueError::new_err(format!(
-                    "{what}[{i}] = {r} is outside the {rows} rows of logits"
-                )));
-            }
-        }
-        pair_list.push((a as u32, b as u32));
-    }
+    let pair_list = host_pairs(student, teacher, pairs, rows)?;
     let weights = slice::<f32>("weights", weights, pairs)?;
     let args =
         SdccArgs::<Host, T>::new(logits, logits, vocab, &pair_list, weights, tau).map_err(to_py)?;
@@ -432,6 +420,306 @@ fn sdcc_forward_kl(
             }
         })
     })
+}
+
+/// Whether this extension was built with the crate's `cuda` feature (the
+/// device entries below then run the kernels; otherwise they raise).
+#[pyfunction]
+fn cuda_built() -> bool {
+    cfg!(feature = "cuda")
+}
+
+/// Device entries: torch's CUDA tensors (bf16 / f16 attention; bf16, f16,
+/// f32 SDCC logits) on torch's current stream, through the crate's
+/// borrowed-pointer entries (`backend::cuda::host`): the kernels are
+/// loaded once per device into its primary context (torch's), no context
+/// or stream is created, nothing is copied. The pack's `kv_end` and
+/// position ids come as host buffers (checked there, uploaded on the
+/// stream per call).
+#[cfg(feature = "cuda")]
+mod device {
+    use super::*;
+    use treeattn::backend::cuda::host::{self, RawAttention};
+    use treeattn::backend::cuda::CudaBackend;
+
+    /// The kernels of `device` launching on torch's stream `stream`.
+    ///
+    /// Safety: `stream` is a live stream of that device's primary context.
+    unsafe fn backend(device: usize, stream: usize) -> treeattn::Result<CudaBackend> {
+        let kernels = host::primary(device)?;
+        host::on_raw_stream(&kernels, stream as _)
+    }
+
+    /// One attention call on the device.
+    ///
+    /// Safety: every address is the data of a live contiguous tensor of
+    /// the size the call says, on `device` (host buffers for kv_end and
+    /// position ids).
+    pub(super) unsafe fn attention(
+        forward: bool,
+        dtype: &str,
+        device: usize,
+        stream: usize,
+        c: Call,
+        p: Ptrs,
+        outs: &[usize],
+    ) -> PyResult<()> {
+        let s = c.shape;
+        let kv_end = slice::<u32>("kv_end", p.kv_end, s.tokens)?;
+        let pos = slice::<u32>("position_ids", p.pos, s.tokens)?;
+        let mask = PackMask::new(kv_end, pos).map_err(to_py)?;
+        let be = backend(device, stream).map_err(to_py)?;
+        let pack = be.upload_pack(mask).map_err(to_py)?;
+        let a = RawAttention {
+            q: p.q as u64,
+            k: p.k as u64,
+            v: p.v as u64,
+            shape: s,
+            params: c.params,
+        };
+        let o = |i: usize| outs[i] as u64;
+        let r = match (forward, dtype) {
+            (true, "bfloat16") => be.forward_raw::<treeattn::half::bf16>(&pack, a, o(0), o(1)),
+            (true, "float16") => be.forward_raw::<treeattn::half::f16>(&pack, a, o(0), o(1)),
+            (false, "bfloat16") => be.backward_raw::<treeattn::half::bf16>(
+                &pack,
+                a,
+                o(0),
+                o(1),
+                o(2),
+                o(3),
+                o(4),
+                o(5),
+            ),
+            (false, "float16") => {
+                be.backward_raw::<treeattn::half::f16>(&pack, a, o(0), o(1), o(2), o(3), o(4), o(5))
+            }
+            (_, other) => {
+                return Err(PyValueError::new_err(format!(
+                    "dtype {other:?}: the CUDA kernels take bfloat16 or float16"
+                )))
+            }
+        };
+        r.map_err(to_py)
+    }
+
+    /// SDCC on device logits; pairs and weights on the host.
+    ///
+    /// Safety: as [`attention`]; `grad` is an f32 device buffer like logits.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn sdcc(
+        dtype: &str,
+        device: usize,
+        stream: usize,
+        logits: usize,
+        rows: usize,
+        vocab: usize,
+        pairs: &[(u32, u32)],
+        weights: &[f32],
+        tau: f32,
+        grad: usize,
+    ) -> PyResult<(f64, f64, Vec<f64>)> {
+        let be = backend(device, stream).map_err(to_py)?;
+        let (l, g) = (logits as u64, grad as u64);
+        let loss = match dtype {
+            "bfloat16" => {
+                be.sdcc_raw::<treeattn::half::bf16>(l, rows, l, rows, vocab, pairs, weights, tau, g)
+            }
+            "float16" => {
+                be.sdcc_raw::<treeattn::half::f16>(l, rows, l, rows, vocab, pairs, weights, tau, g)
+            }
+            "float32" => be.sdcc_raw::<f32>(l, rows, l, rows, vocab, pairs, weights, tau, g),
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "dtype {other:?}: the CUDA SDCC kernel takes bfloat16, float16 or float32"
+                )))
+            }
+        }
+        .map_err(to_py)?;
+        Ok((loss.loss_sum, loss.loss_mean, loss.per_pair))
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_cuda_build(what: &str) -> PyErr {
+    PyRuntimeError::new_err(format!(
+        "{what}: CUDA tensors are not supported by this build of treeattn (the extension was built \
+         without the crate's `cuda` feature; rebuild it with \
+         MATURIN_PEP517_ARGS=\"--features cuda\" pip install ./python, nvcc 13 on PATH or in \
+         TREEATTN_NVCC), or move the tensors to the CPU"
+    ))
+}
+
+/// Tree attention forward on CUDA tensors (see `treeattn.torch`): q, k, v,
+/// o device addresses (bf16 / f16), lse an f32 device buffer `[q_heads,
+/// tokens]`, kv_end and position_ids host int32 buffers; enqueued on
+/// `stream` (torch's current stream of `device`).
+#[pyfunction]
+#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None))]
+#[allow(clippy::too_many_arguments, unused_variables)]
+fn cuda_attention_forward(
+    py: Python<'_>,
+    dtype: &str,
+    device: usize,
+    stream: usize,
+    q: usize,
+    k: usize,
+    v: usize,
+    kv_end: usize,
+    position_ids: usize,
+    o: usize,
+    lse: usize,
+    tokens: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f64,
+    rope_base: Option<f64>,
+    rope_dims: Option<usize>,
+) -> PyResult<()> {
+    #[cfg(feature = "cuda")]
+    {
+        let c = attn_call(
+            tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims,
+        );
+        let p = Ptrs {
+            q,
+            k,
+            v,
+            kv_end,
+            pos: position_ids,
+        };
+        let dtype = dtype.to_string();
+        py.detach(move || {
+            guarded(|| unsafe { device::attention(true, &dtype, device, stream, c, p, &[o, lse]) })
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(no_cuda_build("tree_attention"))
+}
+
+/// Tree attention backward on CUDA tensors (see `cuda_attention_forward`):
+/// o, grad_out, dq, dk, dv in q's dtype, lse f32.
+#[pyfunction]
+#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None))]
+#[allow(clippy::too_many_arguments, unused_variables)]
+fn cuda_attention_backward(
+    py: Python<'_>,
+    dtype: &str,
+    device: usize,
+    stream: usize,
+    q: usize,
+    k: usize,
+    v: usize,
+    kv_end: usize,
+    position_ids: usize,
+    o: usize,
+    lse: usize,
+    grad_out: usize,
+    dq: usize,
+    dk: usize,
+    dv: usize,
+    tokens: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f64,
+    rope_base: Option<f64>,
+    rope_dims: Option<usize>,
+) -> PyResult<()> {
+    #[cfg(feature = "cuda")]
+    {
+        let c = attn_call(
+            tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims,
+        );
+        let p = Ptrs {
+            q,
+            k,
+            v,
+            kv_end,
+            pos: position_ids,
+        };
+        let dtype = dtype.to_string();
+        py.detach(move || {
+            guarded(|| unsafe {
+                device::attention(
+                    false,
+                    &dtype,
+                    device,
+                    stream,
+                    c,
+                    p,
+                    &[o, lse, grad_out, dq, dk, dv],
+                )
+            })
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(no_cuda_build("tree_attention"))
+}
+
+/// SDCC forward KL on CUDA logits (see `treeattn.torch`): pairs (int64
+/// student / teacher rows) and f32 weights on the host, the f32 gradient
+/// of `Σ w·KL` into the device buffer `grad`; returns `(loss_sum,
+/// loss_mean, kl_per_pair)` (waits for the stream once).
+#[pyfunction]
+#[pyo3(signature = (dtype, device, stream, logits, rows, vocab, student_rows, teacher_rows, pairs, weights, tau, grad))]
+#[allow(clippy::too_many_arguments, unused_variables)]
+fn cuda_sdcc_forward_kl(
+    py: Python<'_>,
+    dtype: &str,
+    device: usize,
+    stream: usize,
+    logits: usize,
+    rows: usize,
+    vocab: usize,
+    student_rows: usize,
+    teacher_rows: usize,
+    pairs: usize,
+    weights: usize,
+    tau: f32,
+    grad: usize,
+) -> PyResult<(f64, f64, Vec<f64>)> {
+    #[cfg(feature = "cuda")]
+    {
+        let dtype = dtype.to_string();
+        py.detach(move || {
+            guarded(|| unsafe {
+                let pair_list = host_pairs(student_rows, teacher_rows, pairs, rows)?;
+                let w = slice::<f32>("weights", weights, pairs)?;
+                device::sdcc(
+                    &dtype, device, stream, logits, rows, vocab, &pair_list, w, tau, grad,
+                )
+            })
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(no_cuda_build("sdcc_forward_kl"))
+}
+
+/// Student / teacher rows (host int64) as checked `(u32, u32)` pairs.
+///
+/// Safety: see [`slice`].
+unsafe fn host_pairs(
+    student: usize,
+    teacher: usize,
+    pairs: usize,
+    rows: usize,
+) -> PyResult<Vec<(u32, u32)>> {
+    let s = slice::<i64>("student_rows", student, pairs)?;
+    let t = slice::<i64>("teacher_rows", teacher, pairs)?;
+    let mut pair_list = Vec::with_capacity(pairs);
+    for (i, (&a, &b)) in s.iter().zip(t).enumerate() {
+        for (what, r) in [("student_rows", a), ("teacher_rows", b)] {
+            if r < 0 || r as u64 >= rows as u64 {
+                return Err(PyValueError::new_err(format!(
+                    "{what}[{i}] = {r} is outside the {rows} rows of logits"
+                )));
+            }
+        }
+        pair_list.push((a as u32, b as u32));
+    }
+    Ok(pair_list)
 }
 
 fn layout_of(name: &str) -> PyResult<Layout> {
@@ -593,6 +881,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(sdcc_forward_kl, m)?)?;
     m.add_function(wrap_pyfunction!(pack, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_built, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_attention_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_attention_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_sdcc_forward_kl, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

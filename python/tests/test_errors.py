@@ -74,6 +74,7 @@ def test_attention_non_finite_input_is_an_error():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.skipif(tt.cuda_built(), reason="this build has the CUDA kernels (tests/test_cuda.py)")
 def test_cuda_tensors_say_no_cuda_build():
     args = {n: t.cuda() for n, t in good().items()}
     with pytest.raises(RuntimeError, match="without the crate's `cuda` feature"):

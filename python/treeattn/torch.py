@@ -1,4 +1,4 @@
-"""PyTorch ops over the treeattn crate's CPU backend.
+"""PyTorch ops over the treeattn crate's backends (CPU; CUDA when built).
 
 - :func:`tree_attention` — exact attention on a packed conditioning tree
   (mask ``k <= q < kv_end[k]``), optional fused rotary embedding, GQA;
@@ -11,13 +11,24 @@ Both are ``torch.library`` custom ops (``treeattn::tree_attention_fwd``,
 (dynamo treats them as opaque calls).
 
 Precision: the CPU backend computes in float32 or float64. bfloat16 and
-float16 inputs are cast to float32 before the op, computed in float32 and
-the result cast back to the input dtype (gradients flow through the casts).
+float16 CPU inputs are cast to float32 before the op, computed in float32
+and the result cast back to the input dtype (gradients flow through the
+casts).
 
-Devices: CPU tensors only. This build of the extension has no CUDA support
-(the crate's ``cuda`` feature is not built here): CUDA tensors raise a
-``RuntimeError`` saying so. Tensors on different devices, wrong shapes or
-dtypes and out-of-range ``kv_end`` raise ``ValueError`` naming the argument.
+Devices: CPU tensors run the crate's CPU backend. CUDA tensors run the
+crate's CUDA kernels when the extension was built with the crate's
+``cuda`` feature (``MATURIN_PEP517_ARGS="--features cuda" pip install
+./python``, nvcc 13 at build time; :func:`cuda_built` tells): attention in
+bfloat16 or float16 with head dim 64 or 128 (an f32 softmax, an f32 LSE),
+SDCC on bfloat16, float16 or float32 logits. They run on torch's current
+stream with torch's device pointers (the kernels are loaded once per device
+into its primary context, torch's; no context or stream is created). The
+pack's ``kv_end`` / ``position_ids`` are read on the host (copied there if
+they live on the GPU) and uploaded per call. float32 / float64 CUDA inputs
+to attention raise ``ValueError`` (cast them; nothing is cast silently);
+an extension built without ``cuda`` raises ``RuntimeError`` saying so.
+Tensors on different devices, wrong shapes or dtypes and out-of-range
+``kv_end`` raise ``ValueError`` naming the argument.
 
 Zero-copy: contiguous CPU inputs of the compute dtype are read in place
 through their data pointers (non-contiguous ones are copied once by
@@ -35,7 +46,7 @@ from torch import Tensor
 
 from . import _native
 
-__all__ = ["tree_attention", "sdcc_forward_kl", "set_num_threads", "get_num_threads"]
+__all__ = ["tree_attention", "sdcc_forward_kl", "set_num_threads", "get_num_threads", "cuda_built"]
 
 _threads = 0  # 0: the crate's default (TREEATTN_THREADS or all cores)
 
@@ -129,7 +140,7 @@ def _attn_fwd(
 @_attn_fwd.register_fake
 def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads):
     L, hq, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((hq, L))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((hq, L), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("treeattn::tree_attention_bwd", mutates_args=(), device_types="cpu")
@@ -167,6 +178,64 @@ def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_di
     return f(q), f(k), f(v)
 
 
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    """The LSE's dtype: the CUDA kernels keep it in float32 for bf16 / f16
+    inputs; the CPU backend in the compute dtype."""
+    return torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+
+
+def _stream(t: Tensor) -> int:
+    """torch's current stream on t's device, as a cudaStream_t address."""
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _host(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.cpu()
+
+
+@_attn_fwd.register_kernel("cuda")
+def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads):
+    L, hq, d = q.shape
+    hkv = k.shape[1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    ke, pos = _mask_u32(_host(kv_end), _host(position_ids), L)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((hq, L), dtype=torch.float32, device=q.device)
+    _native.cuda_attention_forward(
+        _CUDA_NAMES.get(q.dtype, str(q.dtype)), q.get_device(), _stream(q),
+        _ptr(q), _ptr(k), _ptr(v), _ptr(ke), _ptr(pos), _ptr(o), _ptr(lse),
+        L, hq, hkv, d, scale, rope_base, rope_dims,
+    )
+    return o, lse
+
+
+@_attn_bwd.register_kernel("cuda")
+def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_dims, threads):
+    L, hq, d = q.shape
+    hkv = k.shape[1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o, lse = o.contiguous(), lse.to(torch.float32).contiguous()
+    grad_out = grad_out.to(q.dtype).contiguous()
+    ke, pos = _mask_u32(_host(kv_end), _host(position_ids), L)
+    f = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
+    dq, dk, dv = f(q), f(k), f(v)
+    _native.cuda_attention_backward(
+        _CUDA_NAMES.get(q.dtype, str(q.dtype)), q.get_device(), _stream(q),
+        _ptr(q), _ptr(k), _ptr(v), _ptr(ke), _ptr(pos), _ptr(o), _ptr(lse), _ptr(grad_out),
+        _ptr(dq), _ptr(dk), _ptr(dv),
+        L, hq, hkv, d, scale, rope_base, rope_dims,
+    )
+    return dq, dk, dv
+
+
+_CUDA_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def cuda_built() -> bool:
+    """Whether this build of the extension has the crate's CUDA kernels."""
+    return bool(_native.cuda_built())
+
+
 def _attn_setup(ctx, inputs, output):
     q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads = inputs
     o, lse = output
@@ -197,8 +266,9 @@ def _check_device(name: str, t: Tensor, device: torch.device) -> None:
 def _no_cuda(what: str) -> None:
     raise RuntimeError(
         f"{what}: CUDA tensors are not supported by this build of treeattn "
-        "(the extension was built without the crate's `cuda` feature); "
-        "move the tensors to the CPU"
+        "(the extension was built without the crate's `cuda` feature: rebuild it with "
+        "MATURIN_PEP517_ARGS=\"--features cuda\" pip install ./python); "
+        "or move the tensors to the CPU"
     )
 
 
@@ -284,9 +354,17 @@ def tree_attention(
         if t is not None:
             _check_device(name, t, device)
     if device.type == "cuda":
-        _no_cuda("tree_attention")
+        if not cuda_built():
+            _no_cuda("tree_attention")
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"q has dtype {q.dtype} on {device}: the CUDA kernels take bfloat16 or float16 "
+                "(cast q, k, v, e.g. q.to(torch.bfloat16); nothing is cast silently)"
+            )
+        o, _lse = _attn_fwd(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads)
+        return o
     if device.type not in ("cpu", "meta"):
-        raise ValueError(f"q is on {device}: treeattn runs on CPU tensors")
+        raise ValueError(f"q is on {device}: treeattn runs on CPU and CUDA tensors")
     cdt = _COMPUTE[q.dtype]
     o, _lse = _attn_fwd(
         q.to(cdt), k.to(cdt), v.to(cdt), kv_end, position_ids,
@@ -337,6 +415,31 @@ def _(logits, student_rows, teacher_rows, weights, tau, threads):
         logits.new_empty(()),
         logits.new_empty((student_rows.shape[0],)),
         torch.empty_like(logits, memory_format=torch.contiguous_format),
+    )
+
+
+@_sdcc.register_kernel("cuda")
+def _(logits, student_rows, teacher_rows, weights, tau, threads):
+    rows, vocab = logits.shape
+    logits = logits.contiguous()
+    s = student_rows.to("cpu", torch.int64).contiguous()
+    t = teacher_rows.to("cpu", torch.int64).contiguous()
+    w = weights.to("cpu", torch.float32).contiguous()
+    grad = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
+    _loss_sum, loss_mean, per_pair = _native.cuda_sdcc_forward_kl(
+        _CUDA_NAMES.get(logits.dtype, str(logits.dtype)), logits.get_device(), _stream(logits),
+        _ptr(logits), rows, vocab, _ptr(s), _ptr(t), s.numel(), _ptr(w), tau, _ptr(grad),
+    )
+    wsum = float(w.to(torch.float64).clamp_min(0).sum())
+    if wsum > 0:
+        grad.div_(wsum)
+    else:
+        grad.zero_()
+    dev = logits.device
+    return (
+        torch.tensor(loss_mean, dtype=logits.dtype, device=dev),
+        torch.tensor(per_pair, dtype=logits.dtype, device=dev).reshape(-1),
+        grad.to(logits.dtype),
     )
 
 
@@ -412,9 +515,17 @@ def sdcc_forward_kl(
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, logits is on {device}: all tensors must be on one device")
     if device.type == "cuda":
-        _no_cuda("sdcc_forward_kl")
+        if not cuda_built():
+            _no_cuda("sdcc_forward_kl")
+        if logits.dtype not in _CUDA_NAMES:
+            raise ValueError(
+                f"logits has dtype {logits.dtype} on {device}: the CUDA SDCC kernel takes "
+                "bfloat16, float16 or float32"
+            )
+        loss, kl, _grad = _sdcc(logits, student_rows, teacher_rows, weights.detach(), float(tau), _threads)
+        return loss, kl
     if device.type not in ("cpu", "meta"):
-        raise ValueError(f"logits is on {device}: treeattn runs on CPU tensors")
+        raise ValueError(f"logits is on {device}: treeattn runs on CPU and CUDA tensors")
     cdt = _COMPUTE[logits.dtype]
     loss, kl, _grad = _sdcc(logits.to(cdt), student_rows, teacher_rows, weights.detach(), float(tau), _threads)
     return loss.to(logits.dtype), kl.to(logits.dtype)

@@ -13,7 +13,11 @@
 #      forward+backward timed against causal and LogitTree's K+1 branch
 #      passes, and SDCC fused against its unfused baseline;
 #   3. optionally (GPU_CHECK_SANITIZE=1) a small run under compute-sanitizer
-#      memcheck and racecheck.
+#      memcheck and racecheck;
+#   4. the host-stream entries from their hosts, when scripts/gpu-build.sh
+#      built them into target/gpu-carry (GPU_CARRY): the C program
+#      capi/tests/c/device.c and python/tests/test_cuda.py with the cuda
+#      wheel.
 # The table is printed last. Logs also go to $OUT when it is set.
 #
 # Environment: TREEATTN_BIN (default target/release/treeattn), GPU_CHECK_ARGS
@@ -50,4 +54,33 @@ echo "== treeattn gpu-check"
 timeout 420 "$BIN" gpu-check ${GPU_CHECK_ARGS:-} 2>&1 | tee "$LOG_DIR/gpu-check.log"
 s=${PIPESTATUS[0]}
 [ $s -ne 0 ] && { echo "gpu-check: exit $s"; rc=1; }
+
+# The host-stream entries, from the hosts that use them (built by
+# scripts/gpu-build.sh into $CARRY; each section is skipped with a line
+# when its artifact is absent, and its failure does not stop the others).
+CARRY=${GPU_CARRY:-target/gpu-carry}
+echo "== C host on the device (capi/tests/c/device.c: its context, memory and stream)"
+if [ -x "$CARRY/capi-device" ]; then
+    timeout 120 "$CARRY/capi-device" --require-gpu 2>&1 | tee "$LOG_DIR/capi-device.log"
+    s=${PIPESTATUS[0]}
+    [ $s -ne 0 ] && { echo "capi-device: exit $s"; rc=1; }
+else
+    echo "skipped: no $CARRY/capi-device (run scripts/gpu-build.sh and carry $CARRY)"
+fi
+echo "== torch op on CUDA tensors (python/tests/test_cuda.py, torch's current stream)"
+wheel=$(ls "$CARRY"/treeattn-*.whl 2>/dev/null | head -1)
+if [ -n "$wheel" ] && command -v python3 >/dev/null; then
+    venv=$(mktemp -d)
+    # The machine's torch, seen from a venv that adds only the wheel.
+    python3 -m venv --system-site-packages "$venv"
+    "$venv/bin/python" -c "import pytest" 2>/dev/null \
+        || "$venv/bin/python" -m pip install --quiet --no-index --find-links "$CARRY/wheels" pytest
+    "$venv/bin/python" -m pip install --quiet --no-deps --no-index "$wheel"
+    (cd python/tests && timeout 300 "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs test_cuda.py) \
+        2>&1 | tee "$LOG_DIR/python-cuda.log"
+    s=${PIPESTATUS[0]}
+    [ $s -ne 0 ] && { echo "python test_cuda: exit $s"; rc=1; }
+else
+    echo "skipped: no wheel in $CARRY (run scripts/gpu-build.sh and carry $CARRY)"
+fi
 exit $rc

@@ -60,6 +60,19 @@ def test_native_entries_without_cuda_say_how_to_build():
         _native.cuda_sdcc_forward_kl("float32", 0, 0, 0, 1, 1, 0, 0, 0, 0, 1.0, 0)
 
 
+@pytest.mark.skipif(
+    not tt.cuda_built() or torch.cuda.is_available(), reason="a cuda build on a machine without a GPU"
+)
+def test_cuda_build_without_a_gpu_says_so():
+    # The pack is read on the host first; the device addresses (dummies)
+    # are never touched: the backend fails before any launch.
+    ke, pos = torch.tensor([1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="no CUDA driver|CUDA device"):
+        _native.cuda_attention_forward(
+            "bfloat16", 0, 0, 256, 256, 256, ke.data_ptr(), pos.data_ptr(), 256, 256, 1, 1, 1, 64, 0.125
+        )
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fake_lse_dtype_matches_the_cuda_kernel(dtype):
     # The CUDA kernel's LSE is float32 for bf16 / f16 inputs; the fake must

@@ -278,3 +278,21 @@ impl CudaBackend {
         self.sdcc_forward_kl(&args, &mut *g.0)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn primary_without_a_driver_is_an_error_not_a_panic() {
+        match primary(0) {
+            Ok(be) => assert!(super::super::driver_present(), "{:?}", be.describe()),
+            Err(e) if !super::super::driver_present() => {
+                assert!(e.to_string().contains("no CUDA driver"), "{e}")
+            }
+            Err(e) => eprintln!("driver present, no usable device: {e}"),
+        }
+        // A second call asks again (failures are not cached).
+        assert_eq!(primary(0).is_ok(), primary(0).is_ok());
+    }
+}

@@ -10,8 +10,11 @@
 //! applies) in f32 or f64, bf16 / f16 through f32; the LSE it computes is
 //! kept in the op, so the backward (candle's `backward()` reaches the op's
 //! `bwd`) runs the contract's backward without a second forward, and yields
-//! dQ, dK, dV. Device tensors are not supported yet (`cuda_fwd` is candle's
-//! default error).
+//! dQ, dK, dV. With the feature `candle-cuda`, CUDA tensors (bf16 / f16,
+//! head dim 64 or 128) run the crate's kernels on candle's device stream
+//! (`cuda_fwd`; the backward runs the device backward with the kept f32
+//! LSE); the kernels are loaded once per CUDA context. f32 / f64 CUDA
+//! tensors are an error (cast them: nothing is cast silently).
 //!
 //! ```
 //! use candle_core::{Device, Tensor, Var};
@@ -111,6 +114,9 @@ fn err(e: crate::Error) -> candle_core::Error {
 enum Lse {
     F32(Vec<f32>),
     F64(Vec<f64>),
+    /// The CUDA forward's, `[q_heads, tokens]` f32 on the device.
+    #[cfg(feature = "candle-cuda")]
+    Device(cudarc::driver::CudaSlice<f32>),
 }
 
 /// The op: an owned copy of the pack's mask (candle keeps the op until the
@@ -236,6 +242,30 @@ impl CustomOp3 for TreeAttention {
         Ok((storage, out_shape))
     }
 
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let out_shape =
+            Shape::from_dims(&[self.shape.tokens, self.shape.q_heads, self.shape.head_dim]);
+        let (o, lse) = match s1.dtype() {
+            DType::BF16 => device::forward::<half::bf16>(self, [(s1, l1), (s2, l2), (s3, l3)])?,
+            DType::F16 => device::forward::<half::f16>(self, [(s1, l1), (s2, l2), (s3, l3)])?,
+            other => candle_core::bail!(
+                "tree_attention: {other:?} CUDA tensors are not supported: the CUDA kernels take \
+                 bf16 or f16 (cast q, k, v)"
+            ),
+        };
+        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(Lse::Device(lse));
+        Ok((o, out_shape))
+    }
+
     fn bwd(
         &self,
         q: &Tensor,
@@ -245,6 +275,11 @@ impl CustomOp3 for TreeAttention {
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let kept = self.lse.lock().unwrap_or_else(|e| e.into_inner()).take();
+        #[cfg(feature = "candle-cuda")]
+        if q.device().is_cuda() {
+            let [dq, dk, dv] = device::backward(self, [q, k, v, res, grad_res], kept)?;
+            return Ok((Some(dq), Some(dk), Some(dv)));
+        }
         let t = [q, k, v, res, grad_res];
         let (s, dev) = (self.shape, q.device());
         let (q_dims, kv_dims) = (
@@ -289,4 +324,206 @@ fn tensors<T: candle_core::WithDType>(
     let [a, b, c] = g;
     let t = |g: Vec<T>, d| Tensor::from_vec(g, d, dev)?.to_dtype(dtype);
     Ok([t(a, dims[0])?, t(b, dims[1])?, t(c, dims[2])?])
+}
+
+/// The op on CUDA tensors: the crate's kernels on candle's device stream,
+/// through the borrowed-pointer entries of [`crate::backend::cuda::host`]
+/// (candle keeps ownership of every buffer it gave; the outputs are fresh
+/// candle buffers).
+#[cfg(feature = "candle-cuda")]
+mod device {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::CudaDType;
+    use candle_core::op::BackpropOp;
+    use candle_core::{CudaDevice, CudaStorage, Layout, Storage, Tensor};
+    use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+
+    use super::{err, Lse, TreeAttention};
+    use crate::backend::cuda::host::RawAttention;
+    use crate::backend::cuda::{CudaBackend, DevicePack};
+    use crate::backend::launch::KernelElem;
+    use crate::mask::PackMask;
+
+    /// The kernels for `stream`'s context (loaded once per context),
+    /// launching on `stream`.
+    fn backend(stream: &Arc<CudaStream>) -> candle_core::Result<CudaBackend> {
+        static LOADED: Mutex<Option<HashMap<usize, CudaBackend>>> = Mutex::new(None);
+        let key = stream.context().cu_ctx() as usize;
+        let mut guard = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+        let map = guard.get_or_insert_with(HashMap::new);
+        let be = match map.get(&key) {
+            Some(be) => be.on_stream(stream),
+            None => {
+                let be = CudaBackend::with_stream(stream);
+                if let Ok(be) = &be {
+                    map.insert(key, be.clone());
+                }
+                be
+            }
+        };
+        be.map_err(err)
+    }
+
+    fn upload(op: &TreeAttention, be: &CudaBackend) -> candle_core::Result<DevicePack> {
+        let mask = PackMask::new(&op.kv_end, &op.position_ids).map_err(err)?;
+        be.upload_pack(mask).map_err(err)
+    }
+
+    /// The device address of a contiguous candle buffer's first element.
+    fn address<T: CudaDType + DeviceRepr>(
+        s: &CudaStorage,
+        l: &Layout,
+        stream: &CudaStream,
+        what: &str,
+    ) -> candle_core::Result<u64> {
+        let Some((a, b)) = l.contiguous_offsets() else {
+            candle_core::bail!("tree_attention: {what} is not contiguous")
+        };
+        let view = s.as_cuda_slice::<T>()?.slice(a..b);
+        let (ptr, _sync) = view.device_ptr(stream);
+        Ok(ptr)
+    }
+
+    fn out_ptr<T>(s: &mut CudaSlice<T>, stream: &CudaStream) -> u64 {
+        let (ptr, _sync) = s.device_ptr_mut(stream);
+        ptr
+    }
+
+    fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> candle_core::Result<CudaSlice<T>> {
+        // SAFETY: the kernels write every element before anyone reads it
+        // (the contract's outputs are written in full).
+        unsafe { dev.alloc::<T>(n) }
+    }
+
+    /// O (a fresh candle buffer) and the f32 LSE of the forward.
+    pub(super) fn forward<T: KernelElem + CudaDType + DeviceRepr>(
+        op: &TreeAttention,
+        inputs: [(&CudaStorage, &Layout); 3],
+    ) -> candle_core::Result<(CudaStorage, CudaSlice<f32>)> {
+        let dev = inputs[0].0.device().clone();
+        let stream = dev.cuda_stream();
+        let be = backend(&stream)?;
+        let pack = upload(op, &be)?;
+        let s = op.shape;
+        let [q, k, v] = [("q", 0), ("k", 1), ("v", 2)]
+            .map(|(what, i)| address::<T>(inputs[i].0, inputs[i].1, &stream, what));
+        let mut o = alloc::<T>(&dev, s.q_len())?;
+        let mut lse = alloc::<f32>(&dev, s.lse_len())?;
+        let call = RawAttention {
+            q: q?,
+            k: k?,
+            v: v?,
+            shape: s,
+            params: op.params,
+        };
+        let (op_, lp) = (out_ptr(&mut o, &stream), out_ptr(&mut lse, &stream));
+        // SAFETY: the addresses are candle's live buffers of the sizes the
+        // op checked (`tree_attention`), and two fresh outputs, all on
+        // `stream`'s context; candle keeps the inputs alive until the op
+        // returns and orders later work on the same stream.
+        unsafe { be.forward_raw::<T>(&pack, call, op_, lp) }.map_err(err)?;
+        Ok((CudaStorage::wrap_cuda_slice(o, dev), lse))
+    }
+
+    /// dQ, dK, dV on the device, from the kept LSE (or a recomputed one).
+    pub(super) fn backward(
+        op: &TreeAttention,
+        t: [&Tensor; 5],
+        kept: Option<Lse>,
+    ) -> candle_core::Result<[Tensor; 3]> {
+        match t[0].dtype() {
+            candle_core::DType::BF16 => backward_t::<half::bf16>(op, t, kept),
+            candle_core::DType::F16 => backward_t::<half::f16>(op, t, kept),
+            other => candle_core::bail!(
+                "tree_attention: {other:?} CUDA tensors are not supported (bf16 or f16)"
+            ),
+        }
+    }
+
+    fn backward_t<T: KernelElem + CudaDType + DeviceRepr>(
+        op: &TreeAttention,
+        t: [&Tensor; 5],
+        kept: Option<Lse>,
+    ) -> candle_core::Result<[Tensor; 3]> {
+        let contiguous = t.map(|x| x.contiguous());
+        let [q, k, v, o, d_o] = contiguous;
+        let (q, k, v, o, d_o) = (
+            q?,
+            k?,
+            v?,
+            o?.to_dtype(t[0].dtype())?,
+            d_o?.to_dtype(t[0].dtype())?,
+        );
+        let Storage::Cuda(qs) = &*q.storage_and_layout().0 else {
+            candle_core::bail!("tree_attention: q is not a CUDA tensor")
+        };
+        let dev = qs.device().clone();
+        let stream = dev.cuda_stream();
+        let be = backend(&stream)?;
+        let pack = upload(op, &be)?;
+        let s = op.shape;
+        let lse = match kept {
+            Some(Lse::Device(l)) => l,
+            // Not kept (a second backward through the same op): recompute.
+            _ => {
+                let (st, l) = q.storage_and_layout();
+                let (ks, kl) = k.storage_and_layout();
+                let (vs, vl) = v.storage_and_layout();
+                let (Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(c)) = (&*st, &*ks, &*vs)
+                else {
+                    candle_core::bail!("tree_attention: q, k, v must all be CUDA tensors")
+                };
+                forward::<T>(op, [(a, l), (b, kl), (c, vl)])?.1
+            }
+        };
+        let guards = [&q, &k, &v, &o, &d_o].map(|x| x.storage_and_layout());
+        let mut ptrs = [0u64; 5];
+        for (i, ((st, l), what)) in guards.iter().zip(["q", "k", "v", "o", "grad"]).enumerate() {
+            let Storage::Cuda(cs) = &**st else {
+                candle_core::bail!("tree_attention: {what} is not a CUDA tensor")
+            };
+            ptrs[i] = address::<T>(cs, l, &stream, what)?;
+        }
+        let mut dq = alloc::<T>(&dev, s.q_len())?;
+        let mut dk = alloc::<T>(&dev, s.kv_len())?;
+        let mut dv = alloc::<T>(&dev, s.kv_len())?;
+        let call = RawAttention {
+            q: ptrs[0],
+            k: ptrs[1],
+            v: ptrs[2],
+            shape: s,
+            params: op.params,
+        };
+        let lp = {
+            let (p, _sync) = lse.device_ptr(&stream);
+            p
+        };
+        let (a, b, c) = (
+            out_ptr(&mut dq, &stream),
+            out_ptr(&mut dk, &stream),
+            out_ptr(&mut dv, &stream),
+        );
+        // SAFETY: as in `forward`; the storage guards keep the inputs
+        // alive for the call, the gradients are fresh buffers.
+        unsafe { be.backward_raw::<T>(&pack, call, ptrs[3], lp, ptrs[4], a, b, c) }.map_err(err)?;
+        drop(guards);
+        // The kernels read the LSE on the stream: free it there, after them.
+        drop(lse);
+        let (qd, kvd) = (
+            (s.tokens, s.q_heads, s.head_dim),
+            (s.tokens, s.kv_heads, s.head_dim),
+        );
+        let wrap = |g: CudaSlice<T>, dims: (usize, usize, usize)| {
+            Tensor::from_storage(
+                Storage::Cuda(CudaStorage::wrap_cuda_slice(g, dev.clone())),
+                dims,
+                BackpropOp::none(),
+                false,
+            )
+        };
+        Ok([wrap(dq, qd), wrap(dk, kvd), wrap(dv, kvd)])
+    }
 }

@@ -84,7 +84,8 @@ impl CudaBackward {
     /// `lse` (f32) and `d_o`, writes every element of dq, dk, dv. Scratch (D
     /// and the f32 dQ accumulator, `4 · tokens · q_heads · (d + 1)` bytes)
     /// is allocated on the stream per call. No rotary here
-    /// (`CudaBackend::backward_with_mode` rotates around this call). Asynchronous on the backend's stream. A NaN or `+inf` in `lse`
+    /// (`CudaBackend::backward_with_mode` rotates around this call).
+    /// Asynchronous on the backend's stream. A NaN or `+inf` in `lse`
     /// makes the gradients of its row NaN (never a silent 0);
     /// `params.check_finite` downloads and scans lse, q, k, v, o and d_o first
     /// and returns the emulator's `Err` instead (slow; for debugging).

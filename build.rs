@@ -25,18 +25,19 @@ const EMU_SOURCES: &[&str] = &[
     "kernels/emu/shim_selftest.cpp",
     "kernels/emu/bwd_entry.cpp",
     "kernels/emu/sdcc_entry.cpp",
+    "kernels/emu/rope_entry.cpp",
 ];
 const CUDA_SOURCES: &[&str] = &[
     "kernels/tree_attn_fwd.cu",
     "kernels/tree_attn_bwd.cu",
     "kernels/sdcc_kl.cu",
+    "kernels/rope.cu",
 ];
 const HEADERS: &[&str] = &[
     "kernels/common.cuh",
     "kernels/kernel_traits.cuh",
     "kernels/mask.cuh",
     "kernels/tile_load.cuh",
-    "kernels/rope.cuh",
     "kernels/emu/shim.h",
 ];
 

@@ -46,7 +46,6 @@ struct BwdTraits : TaTileTraits<E, D, D == 64 ? 64 : 32, 64> {
     using Base = TaTileTraits<E, D, D == 64 ? 64 : 32, 64>;
     static constexpr int kBlockM = Base::kBlockM, kBlockN = Base::kBlockN, kRowStride = Base::kRowStride;
     static constexpr int kDsStride = kBlockM + 8;  // dSᵀ rows (16-bit)
-    static constexpr int kDkStride = D + 4;        // f32 dK staging rows
     static constexpr int kKvElems = kBlockN * kRowStride;
     static constexpr int kQElems = kBlockM * kRowStride;
     // Shared memory, in bytes: K, V | Q[2], dO[2] | dSᵀ | lse2[2], D[2] | kv_end.
@@ -58,8 +57,6 @@ struct BwdTraits : TaTileTraits<E, D, D == 64 ? 64 : 32, 64> {
     static_assert(kBlockN == 16 * Base::kWarps, "one 16-key slice per warp");
     static_assert(Base::kWarps % (kBlockM / 16) == 0 && (D / 16) % (Base::kWarps / (kBlockM / 16)) == 0,
                   "dQ split of BM x D over the warps");
-    // dK staged in f32 reuses the Q / dO buffers.
-    static_assert(kBlockN * kDkStride * 4 <= 4 * kQElems * 2, "dK staging fits");
     static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
 };
 
@@ -70,5 +67,16 @@ struct BwdDqTraits : TaTileTraits<E, D, 64, 64> {
     static constexpr int kTileElems = 64 * Base::kRowStride;
     // Q, dO, K[2], V[2].
     static constexpr int kSmemBytes = 6 * kTileElems * 2;
+    // Blocks per SM the register allocation must leave room for. On sm_90
+    // the D = 64 kernel's 55,296 bytes of shared memory allow 4 blocks, and
+    // 4 blocks of 128 threads need at most 128 registers each: without the
+    // bound ptxas takes 156 (3 blocks) since the kernel no longer carries
+    // rotary (kernels/rope.cu). sm_80 (164 KB: 2 blocks by shared memory)
+    // and D = 128 (104,448 bytes: 2 blocks) gain nothing from a bound.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static constexpr int kMinBlocks = D == 64 ? 4 : 1;
+#else
+    static constexpr int kMinBlocks = 1;
+#endif
     static_assert(Base::kBlockM == 16 * Base::kWarps && Base::kBlockM == 64 && Base::kBlockN == 64, "tile shape");
 };

@@ -27,8 +27,7 @@
 //                       tile, kv head).
 //   tree_attn_bwd_dq    deterministic mode only: dQ per (query tile, query
 //                       head), plain f32 stores into the accumulator.
-//   tree_attn_bwd_dq_convert   accumulator → dQ in the element type, rotating
-//                       back through rotary when it is on.
+//   tree_attn_bwd_dq_convert   accumulator → dQ in the element type.
 //
 // Main kernel tiling (BwdTraits, kernel_traits.cuh): a key tile of kBlockN =
 // 64 keys, 4 warps, warp w owns keys 16w..16w+15 and holds their dK and dV
@@ -83,13 +82,11 @@
 // dQ kernel walks key tiles by the forward's min / max rule, which can keep a
 // few tile pairs the main kernel's exact interval walk drops: padding runs.)
 //
-// Rotary (rope.cuh): Q and K tiles are rotated in shared memory right after
-// they land, so every product above is in the rotated frame; dK is staged in
-// shared memory (f32) at the end of the main kernel and rotated back on its
-// way out, dQ is rotated back by the convert kernel.
+// Rotary is not these kernels' concern: with rotary on, the backends rotate Q
+// and K once into scratch buffers (kernels/rope.cu), run these kernels on
+// them, and rotate the dQ and dK they write back (the transpose rotation).
 #include "kernel_traits.cuh"
 #include "mask.cuh"
-#include "rope.cuh"
 #include "tile_load.cuh"
 
 // Arguments of every backward kernel (one struct by value). Mirrored by
@@ -109,7 +106,6 @@ struct TreeAttnBwdParams {
     const uint32_t* kv_end;       // [tokens]
     const uint32_t* tile_kv_min;  // [num_key_tiles], tiles of 64 keys
     const uint32_t* tile_kv_max;
-    TaRope rope;
     uint32_t tokens;
     uint32_t q_heads;
     uint32_t kv_heads;
@@ -242,11 +238,6 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     }
     ta_cp_async_wait<0>();
     __syncthreads();
-    if (p.rope.half) {
-        ta_rope_tile<E, BN, RS, Tr::kThreads>(sk, k0, L, p.rope);
-        // The barrier at the top of the first query tile orders this before
-        // any read of sk.
-    }
 
     // The first query tile at or after query x that sees a key of the tile
     // (0xffffffff when none).
@@ -293,14 +284,10 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
 
         const uint32_t head = kv_head * group + gi;
         const uint32_t q0 = qt * BM;
-        uint16_t* const qb = sq + buf * Tr::kQElems;
+        const uint16_t* const qb = sq + buf * Tr::kQElems;
         const uint16_t* const dob = sdo + buf * Tr::kQElems;
         const float* const lse2 = slse + buf * BM;
         const float* const dlt = sdelta + buf * BM;
-        if (p.rope.half) {
-            ta_rope_tile<E, BM, RS, Tr::kThreads>(qb, q0, L, p.rope);
-            __syncthreads();
-        }
 
         // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys and the BM queries.
         float s[kMTiles][4], dp[kMTiles][4];
@@ -375,35 +362,17 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
         buf ^= 1;
     }
 
-    // dV straight from the fragments.
+    // dV and dK (scaled) straight from the fragments.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         if (key[r] >= L) continue;
-        uint16_t* out = p.dv + ((size_t)key[r] * p.kv_heads + kv_head) * D;
-#pragma unroll
-        for (int n = 0; n < kDTiles; ++n)
-            *reinterpret_cast<uint32_t*>(out + n * 8 + 2 * c) = ta_pack2<E>(dv[n][2 * r], dv[n][2 * r + 1]);
-    }
-    // dK: scale, stage in f32 (over the Q / dO buffers, free since the last
-    // barrier), rotate back, store.
-    float* const sdk = reinterpret_cast<float*>(smem_raw + Tr::kOffQ);
-    constexpr int DKS = Tr::kDkStride;
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
+        const size_t at = ((size_t)key[r] * p.kv_heads + kv_head) * D;
 #pragma unroll
         for (int n = 0; n < kDTiles; ++n) {
-            float* at = sdk + (warp * 16 + g + 8 * r) * DKS + n * 8 + 2 * c;
-            at[0] = dk[n][2 * r] * p.scale;
-            at[1] = dk[n][2 * r + 1] * p.scale;
+            *reinterpret_cast<uint32_t*>(p.dv + at + n * 8 + 2 * c) = ta_pack2<E>(dv[n][2 * r], dv[n][2 * r + 1]);
+            *reinterpret_cast<uint32_t*>(p.dk + at + n * 8 + 2 * c) =
+                ta_pack2<E>(dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale);
         }
-    __syncthreads();
-    for (int i = threadIdx.x; i < BN * D; i += Tr::kThreads) {
-        const int r = i / D, j = i % D;
-        const uint32_t row = k0 + r;
-        if (row >= L) continue;
-        const float* grow = sdk + r * DKS;
-        const float x = p.rope.half ? ta_rope_grad_back(grow, j, p.rope.pos[row], p.rope) : grow[j];
-        p.dk[((size_t)row * p.kv_heads + kv_head) * D + j] = uint16_t(ta_pack2<E>(x, 0.f) & 0xffffu);
     }
 }
 
@@ -445,10 +414,6 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     ta_cp_async_commit();
     ta_cp_async_wait<1>();  // Q, dO have landed
     __syncthreads();
-    if (p.rope.half) {
-        ta_rope_tile<E, BM, RS, Tr::kThreads>(sq, q0, L, p.rope);
-        // The barrier at the top of the first tile orders this before any read.
-    }
 
     const uint32_t rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
     float lse2[2], dlt[2];
@@ -475,13 +440,9 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
         ta_cp_async_commit();
         ta_cp_async_wait<1>();  // tile t has landed
         __syncthreads();
-        uint16_t* const kt = sk + buf * Tr::kTileElems;
+        const uint16_t* const kt = sk + buf * Tr::kTileElems;
         const uint16_t* const vt = sv + buf * Tr::kTileElems;
         const uint32_t k0 = t * BN;
-        if (p.rope.half) {
-            ta_rope_tile<E, BN, RS, Tr::kThreads>(kt, k0, L, p.rope);
-            __syncthreads();
-        }
 
         float s[kNTiles][4], dp[kNTiles][4];
         ta_bwd_mm_abt<E, D, BN, RS>(s, sq + warp * 16 * RS, kt);
@@ -520,18 +481,14 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     }
 }
 
-// ---- dQ accumulator -> element type (rotated back) ----------------------------------
+// ---- dQ accumulator -> element type ------------------------------------------------
 template <class E, int D>
 __device__ __forceinline__ void tree_attn_bwd_dq_convert_body(const TreeAttnBwdParams& p) {
     const uint64_t item = (uint64_t)blockIdx.x * 4 + threadIdx.x / 32;
     if (item >= (uint64_t)p.tokens * p.q_heads) return;
-    const uint32_t row = uint32_t(item / p.q_heads);
     const size_t at = item * D;  // (row · q_heads + head) · D
-    const float* acc = p.dq_accum + at;
-    for (int j = ta_lane(); j < D; j += 32) {
-        const float x = p.rope.half ? ta_rope_grad_back(acc, j, p.rope.pos[row], p.rope) : acc[j];
-        p.dq[at + j] = uint16_t(ta_pack2<E>(x, 0.f) & 0xffffu);
-    }
+    for (int j = ta_lane(); j < D; j += 32)
+        p.dq[at + j] = uint16_t(ta_pack2<E>(p.dq_accum[at + j], 0.f) & 0xffffu);
 }
 
 #define TA_BWD_KERNELS(SUFFIX, E, D)                                                                                \
@@ -546,7 +503,8 @@ __device__ __forceinline__ void tree_attn_bwd_dq_convert_body(const TreeAttnBwdP
         tree_attn_bwd_main_det_##SUFFIX(const TreeAttnBwdParams p) {                                                \
         tree_attn_bwd_main_body<BwdTraits<E, D>, false>(p);                                                         \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(BwdDqTraits<E, D>::kThreads)                                      \
+    extern "C" __global__ void                                                                                      \
+        __launch_bounds__(BwdDqTraits<E, D>::kThreads, BwdDqTraits<E, D>::kMinBlocks)                               \
         tree_attn_bwd_dq_##SUFFIX(const TreeAttnBwdParams p) {                                                      \
         tree_attn_bwd_dq_body<BwdDqTraits<E, D>>(p);                                                                \
     }                                                                                                               \

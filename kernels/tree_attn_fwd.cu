@@ -60,12 +60,11 @@
 // base); l = α l + Σ P; O = α O + P V. At the end O /= l and
 // LSE = (m·c + log2 l) · ln 2; a row with l = 0 gets O = 0, LSE = −inf.
 //
-// Rotary (optional, rope.half > 0): the Q tile and each K tile are rotated
-// in place in shared memory right after they land (rope.cuh: cos / sin from
-// per-position tables, f32 math, rounded back to E), one extra barrier each.
+// Rotary is not this kernel's concern: with rotary on, the backends rotate Q
+// and K once into scratch buffers (kernels/rope.cu) and launch this kernel on
+// those.
 #include "kernel_traits.cuh"
 #include "mask.cuh"
-#include "rope.cuh"
 #include "tile_load.cuh"
 
 // Kernel arguments (one struct by value). Mirrored by
@@ -85,7 +84,6 @@ struct TreeAttnFwdParams {
     uint32_t num_key_tiles;
     float scale_log2;  // softmax_scale · log2(e)
     uint32_t reserved;
-    TaRope rope;  // rope.half == 0: no rotary
 };
 
 struct KvTileBoundsParams {
@@ -142,10 +140,6 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     ta_cp_async_commit();
     ta_cp_async_wait<1>();  // Q has landed (this thread's part)
     __syncthreads();
-    if (p.rope.half) {  // rotary: rotate the Q tile in place (rope.cuh)
-        ta_rope_tile<E, BM, RS, Tr::kThreads>(sq, q0, L, p.rope);
-        __syncthreads();
-    }
 
     uint32_t qf[kDSteps][4];
 #pragma unroll
@@ -175,13 +169,9 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
         ta_cp_async_wait<1>();  // tile t has landed
         __syncthreads();
 
-        uint16_t* const kt = sk + buf * Tr::kKvElems;
+        const uint16_t* const kt = sk + buf * Tr::kKvElems;
         const uint16_t* vt = sv + buf * Tr::kKvElems;
         const uint32_t k0 = t * BN;
-        if (p.rope.half) {  // rotary: rotate the K tile in place
-            ta_rope_tile<E, BN, RS, Tr::kThreads>(kt, k0, L, p.rope);
-            __syncthreads();
-        }
 
         // S = Q Kᵀ for this warp's 16 rows and the tile's BN keys.
         float s[kNTiles][4];

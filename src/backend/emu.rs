@@ -18,11 +18,13 @@ pub use super::launch::{Dtype, KernelElem};
 
 mod bwd;
 mod ffi;
+mod rope;
 mod sdcc;
 pub use super::launch::bwd::DqMode;
 pub use super::launch::sdcc::SdccElem;
 pub use bwd::{backward_kernel_traits, last_backward_stats, BackwardStats};
 use ffi::RawConfig;
+pub use rope::rope_kernel_threads;
 pub use sdcc::sdcc_kernel_traits;
 
 /// How the emulator interleaves the threads of a block. Hardware timing can
@@ -133,10 +135,16 @@ impl<T: KernelElem> AttentionBackend<T> for Emu {
     type Memory = Host;
     type Lse = f32;
     fn run_forward(&self, call: ForwardCall<'_, '_, Host, T, f32>) -> Result<()> {
-        forward(self, call)
+        match call.args().params().rope {
+            Some(r) => rope::forward(self, r, call),
+            None => forward(self, call),
+        }
     }
     fn run_backward(&self, call: BackwardCall<'_, '_, '_, Host, T, f32>) -> Result<()> {
-        bwd::backward(self, call)
+        match call.args().params().rope {
+            Some(r) => rope::backward(self, r, call),
+            None => bwd::backward(self, call),
+        }
     }
 }
 
@@ -224,13 +232,11 @@ impl Emu {
 }
 
 /// Tree attention forward on the emulator (the math of
-/// [`AttentionBackend`]): d ∈ {64, 128}; 16-bit inputs, f32 accumulation
-/// and softmax, an f32 LSE. With `params.rope`, Q and K are rotated inside
-/// the kernel by the pack's position ids (rotated tiles are rounded to the
-/// element type); a position id past [`launch::rope::MAX_ROPE_POSITION`] is
-/// an `Err`. Tensors must start at 16-byte aligned addresses (as device
-/// allocations do). A non-finite `o` or `lse` (other than `−inf`) is an
-/// [`Error::NonFinite`].
+/// [`AttentionBackend`]) without rotary (`rope::forward` rotates Q and K
+/// first, then calls this): d ∈ {64, 128}; 16-bit inputs, f32 accumulation
+/// and softmax, an f32 LSE. Tensors must start at 16-byte aligned addresses
+/// (as device allocations do). A non-finite `o` or `lse` (other than `−inf`)
+/// is an [`Error::NonFinite`].
 fn forward<T: KernelElem>(emu: &Emu, call: ForwardCall<'_, '_, Host, T, f32>) -> Result<()> {
     let (args, o, lse) = call.into_parts();
     let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
@@ -253,11 +259,12 @@ fn forward<T: KernelElem>(emu: &Emu, call: ForwardCall<'_, '_, Host, T, f32>) ->
             )));
         }
     }
+    if params.rope.is_some() {
+        return Err(Error::Unsupported(
+            "internal: rotary reached the rotary-free forward kernel".into(),
+        ));
+    }
     let (tile_min, tile_max) = emu.kv_tile_bounds(mask.kv_end(), traits.block_n as usize)?;
-    let tables = params
-        .rope
-        .map(|r| launch::rope::RopeTables::new(r, mask.position_ids()))
-        .transpose()?;
     let p = FwdParams {
         q: q.as_ptr() as u64,
         k: k.as_ptr() as u64,
@@ -273,15 +280,6 @@ fn forward<T: KernelElem>(emu: &Emu, call: ForwardCall<'_, '_, Host, T, f32>) ->
         num_key_tiles: tile_min.len() as u32,
         scale_log2: launch::scale_log2(params),
         reserved: 0,
-        rope: tables
-            .as_ref()
-            .map_or(launch::rope::RopeArgs::default(), |t| {
-                t.args(
-                    mask.position_ids().as_ptr() as u64,
-                    t.cos.as_ptr() as u64,
-                    t.sin.as_ptr() as u64,
-                )
-            }),
     };
     let mut err = [0u8; 1024];
     let mut cp_async_bytes = 0u64;

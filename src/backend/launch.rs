@@ -260,8 +260,6 @@ pub(crate) struct FwdParams {
     pub num_key_tiles: u32,
     pub scale_log2: f32,
     pub reserved: u32,
-    /// Rotary tables (`half == 0`: none).
-    pub rope: rope::RopeArgs,
 }
 
 /// Mirror of `KvTileBoundsParams` (kernels/tree_attn_fwd.cu).

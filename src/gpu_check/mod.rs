@@ -149,7 +149,7 @@ pub(super) fn dev_backward<T: KernelElem + DeviceRepr>(
 ) -> Result<()> {
     let args = AttnArgs::<Device, T>::new(q, k, v, shape, pack, *params)?;
     let call = BackwardCall::new(args, Saved { o, lse }, d_o, Grads { dq, dk, dv })?;
-    be.bwd.run(call, mode)
+    be.backward_with_mode(call, mode)
 }
 
 /// The device SDCC forward KL (fused, or the unfused baseline).

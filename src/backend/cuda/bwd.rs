@@ -10,7 +10,6 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use super::rope::DeviceRope;
 use super::{config, cuda_err, Device};
 use crate::backend::launch::bwd::{plan_backward, BwdParams, BwdTraits, DqMode};
 use crate::backend::launch::{scale_log2, Dtype, KernelElem, LaunchPlan};
@@ -84,10 +83,10 @@ impl CudaBackward {
     /// Tree attention backward on the device (the math of
     /// [`crate::backend::AttentionBackend`]): from the forward's `o` and
     /// `lse` (f32) and `d_o`, writes every element of dq, dk, dv. Scratch (D
-    /// and the f32 dQ accumulator, `4 · tokens · q_heads · (d + 1)` bytes,
-    /// plus the rotary tables when `params.rope` is set, built from a
-    /// download of the pack's position ids) is allocated on the stream per
-    /// call. Asynchronous on the backend's stream. A NaN or `+inf` in `lse`
+    /// and the f32 dQ accumulator, `4 · tokens · q_heads · (d + 1)` bytes)
+    /// is allocated on the stream per call. No rotary here
+    /// (`CudaBackend::backward_with_mode` rotates around this call).
+    /// Asynchronous on the backend's stream. A NaN or `+inf` in `lse`
     /// makes the gradients of its row NaN (never a silent 0);
     /// `params.check_finite` downloads and scans lse, q, k, v, o and d_o first
     /// and returns the emulator's `Err` instead (slow; for debugging).
@@ -137,7 +136,11 @@ impl CudaBackward {
         if shape.tokens == 0 {
             return Ok(());
         }
-        let rope = DeviceRope::new(s, pack, params.rope)?;
+        if params.rope.is_some() {
+            return Err(Error::Unsupported(
+                "internal: rotary reached the rotary-free backward kernels".into(),
+            ));
+        }
         // SAFETY (both): every element is written before it is read — delta
         // by tree_attn_bwd_pre, the accumulator by pre (atomic mode) or by
         // tree_attn_bwd_dq (deterministic mode).
@@ -175,7 +178,6 @@ impl CudaBackward {
             kv_end: ep,
             tile_kv_min: lo,
             tile_kv_max: hi,
-            rope: DeviceRope::args(rope.as_ref(), s, pack),
             tokens: shape.tokens as u32,
             q_heads: shape.q_heads as u32,
             kv_heads: shape.kv_heads as u32,

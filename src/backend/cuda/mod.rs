@@ -180,6 +180,7 @@ pub struct CudaBackend {
     kv_bounds: CudaFunction,
     pub(crate) bwd: CudaBackward,
     sdcc: CudaSdcc,
+    rope: rope::CudaRope,
     dq_mode: DqMode,
 }
 
@@ -275,6 +276,7 @@ impl CudaBackend {
         Ok(CudaBackend {
             bwd: CudaBackward::new(&ctx, &stream)?,
             sdcc: CudaSdcc::new(&ctx, &stream)?,
+            rope: rope::CudaRope::new(&ctx)?,
             dq_mode: DqMode::Deterministic,
             ctx,
             stream,
@@ -375,6 +377,8 @@ impl CudaBackend {
             visible_pairs: mask.visible_pairs(),
             kv_end,
             position_ids,
+            max_position: launch::rope::max_position(mask.position_ids()),
+            rope_tables: Default::default(),
             tile_kv_min,
             tile_kv_max,
         })
@@ -383,9 +387,9 @@ impl CudaBackend {
     /// Tree attention forward on the device (the math of
     /// [`AttentionBackend`]): d ∈ {64, 128}, bf16 / f16 inputs, f32 LSE.
     /// Asynchronous on [`Self::stream`]. `params.check_finite` downloads and
-    /// scans q, k, v first (slow; for debugging). With `params.rope`, Q and K
-    /// are rotated inside the kernel; the rotary tables are built from a
-    /// download of the pack's position ids and uploaded per call.
+    /// scans q, k, v first (slow; for debugging). No rotary here: with
+    /// `params.rope`, `rope::forward` rotates Q and K into scratch buffers
+    /// first and calls this on them.
     fn run_forward_kernel<T: KernelElem + DeviceRepr>(
         &self,
         call: ForwardCall<'_, '_, Device, T, f32>,
@@ -417,8 +421,12 @@ impl CudaBackend {
         if shape.tokens == 0 {
             return Ok(());
         }
+        if params.rope.is_some() {
+            return Err(Error::Unsupported(
+                "internal: rotary reached the rotary-free forward kernel".into(),
+            ));
+        }
         let s = &self.stream;
-        let rope = rope::DeviceRope::new(s, pack, params.rope)?;
         let (qp, _g0) = q.device_ptr(s);
         let (kp, _g1) = k.device_ptr(s);
         let (vp, _g2) = v.device_ptr(s);
@@ -442,7 +450,6 @@ impl CudaBackend {
             num_key_tiles: pack.num_tiles as u32,
             scale_log2: launch::scale_log2(params),
             reserved: 0,
-            rope: rope::DeviceRope::args(rope.as_ref(), s, pack),
         };
         let f = &self.fwd[T::DTYPE.code() as usize][usize::from(traits.head_dim == 128)];
         let mut b = s.launch_builder(f);
@@ -460,10 +467,13 @@ impl<T: KernelElem + DeviceRepr> AttentionBackend<T> for CudaBackend {
     type Memory = Device;
     type Lse = f32;
     fn run_forward(&self, call: ForwardCall<'_, '_, Device, T, f32>) -> Result<()> {
-        self.run_forward_kernel(call)
+        match call.args().params().rope {
+            Some(r) => rope::forward(self, r, call),
+            None => self.run_forward_kernel(call),
+        }
     }
     fn run_backward(&self, call: BackwardCall<'_, '_, '_, Device, T, f32>) -> Result<()> {
-        self.bwd.run(call, self.dq_mode)
+        self.backward_with_mode(call, self.dq_mode)
     }
 }
 
@@ -477,7 +487,9 @@ impl<T: SdccElem + DeviceRepr> SdccBackend<T> for CudaBackend {
 
 /// A pack resident on the device: kv_end, position ids and the per-key-tile
 /// bounds of kv_end (min and max over each tile of the kernel's key-tile
-/// size), computed once by [`CudaBackend::upload_pack`].
+/// size), computed once by [`CudaBackend::upload_pack`]; and the rotary
+/// cos / sin tables of each rotary setting used with it, built on the
+/// device by its first rotary call (cached; no call downloads anything).
 pub struct DevicePack {
     tokens: usize,
     tile: u32,
@@ -486,6 +498,11 @@ pub struct DevicePack {
     visible_pairs: u64,
     kv_end: CudaSlice<u32>,
     position_ids: CudaSlice<u32>,
+    /// The largest position id and its first token (from the host mask at
+    /// upload): the rows of the rotary tables.
+    max_position: (u32, usize),
+    /// Rotary tables per (base, dims), built on first use (`rope.rs`).
+    rope_tables: rope::RopeTableCache,
     tile_kv_min: CudaSlice<u32>,
     tile_kv_max: CudaSlice<u32>,
 }

@@ -2,17 +2,16 @@
 
 use super::{check_result, emu_result, ffi, Emu, KernelElem};
 use crate::backend::launch::bwd::{plan_backward, BwdParams, DqMode};
-use crate::backend::launch::rope::{RopeArgs, RopeTables};
 use crate::backend::launch::{scale_log2, LaunchPlan};
 use crate::backend::{BackwardCall, Grads, Host};
 use crate::{Error, Result};
 
 /// Tree attention backward on the emulator (the math of
-/// [`crate::backend::AttentionBackend`]), from the forward's `o`, its f32
-/// `lse` and `d_o`. With `params.rope`, Q and K are rotated inside the
-/// kernels and dQ, dK are with respect to the unrotated inputs. 16-bit
-/// inputs and outputs, f32 accumulation; `emu.dq_mode` picks how dQ is
-/// summed ([`DqMode`]). A non-finite gradient is an [`Error::NonFinite`].
+/// [`crate::backend::AttentionBackend`]) without rotary (`super::rope`
+/// rotates Q and K first and dQ, dK back after), from the forward's `o`, its
+/// f32 `lse` and `d_o`. 16-bit inputs and outputs, f32 accumulation;
+/// `emu.dq_mode` picks how dQ is summed ([`DqMode`]). A non-finite gradient
+/// is an [`Error::NonFinite`].
 pub(super) fn backward<T: KernelElem>(
     emu: &Emu,
     call: BackwardCall<'_, '_, '_, Host, T, f32>,
@@ -34,6 +33,7 @@ pub(super) fn backward<T: KernelElem>(
         ("k", k.as_ptr() as usize, 16),
         ("v", v.as_ptr() as usize, 16),
         ("d_o", d_o.as_ptr() as usize, 16),
+        ("dk", dk.as_ptr() as usize, 4),
         ("dv", dv.as_ptr() as usize, 4),
     ] {
         if addr % align != 0 {
@@ -43,17 +43,11 @@ pub(super) fn backward<T: KernelElem>(
             )));
         }
     }
-    let tables = params
-        .rope
-        .map(|r| RopeTables::new(r, mask.position_ids()))
-        .transpose()?;
-    let rope = tables.as_ref().map_or(RopeArgs::default(), |t| {
-        t.args(
-            mask.position_ids().as_ptr() as u64,
-            t.cos.as_ptr() as u64,
-            t.sin.as_ptr() as u64,
-        )
-    });
+    if params.rope.is_some() {
+        return Err(Error::Unsupported(
+            "internal: rotary reached the rotary-free backward kernels".into(),
+        ));
+    }
     let (tile_min, tile_max) = emu.kv_tile_bounds(mask.kv_end(), traits.block_n as usize)?;
     // Poisoned, so that the kernels, not this allocation, must provide every
     // value (and the accumulator's zeros in atomic mode).
@@ -74,7 +68,6 @@ pub(super) fn backward<T: KernelElem>(
         kv_end: mask.kv_end().as_ptr() as u64,
         tile_kv_min: tile_min.as_ptr() as u64,
         tile_kv_max: tile_max.as_ptr() as u64,
-        rope,
         tokens: shape.tokens as u32,
         q_heads: shape.q_heads as u32,
         kv_heads: shape.kv_heads as u32,
@@ -102,8 +95,8 @@ pub(super) fn backward<T: KernelElem>(
         let mut err = [0u8; 1024];
         let mut bytes = 0u64;
         // SAFETY: every pointer in `p` refers to a live slice whose length was
-        // checked against `shape` above (delta, dq_accum, the tile bounds and
-        // rope tables are sized here); the call is synchronous.
+        // checked against `shape` above (delta, dq_accum and the tile bounds
+        // are sized here); the call is synchronous.
         let rc = unsafe {
             ffi::ta_emu_tree_attn_bwd(
                 T::DTYPE.code(),

@@ -7,6 +7,7 @@
 //! thread fails the launch like `__trap()` (tests/emu_shim.rs).
 
 use crate::backend::launch::bwd::BwdParams;
+use crate::backend::launch::rope::{RopeApplyParams, RopeTableParams};
 use crate::backend::launch::sdcc::SdccParams;
 use crate::backend::launch::{FwdParams, KvBoundsParams};
 
@@ -60,6 +61,28 @@ extern "C" {
         smem: usize,
         config: *const RawConfig,
         cp_async_bytes: *mut u64,
+        err: *mut u8,
+        err_len: usize,
+    ) -> i32;
+
+    // kernels/emu/rope_entry.cpp
+    pub fn ta_emu_rope_threads() -> i32;
+    pub fn ta_emu_rope_table(
+        p: *const RopeTableParams,
+        grid_x: u32,
+        block_threads: u32,
+        config: *const RawConfig,
+        err: *mut u8,
+        err_len: usize,
+    ) -> i32;
+    #[allow(clippy::too_many_arguments)]
+    pub fn ta_emu_rope_apply(
+        dtype: u32,
+        head_dim: u32,
+        p: *const RopeApplyParams,
+        grid_x: u32,
+        block_threads: u32,
+        config: *const RawConfig,
         err: *mut u8,
         err_len: usize,
     ) -> i32;

@@ -10,7 +10,6 @@
 //! | `tree_attn_bwd_dq_*` (deterministic only) | `(query tiles of 64, q_heads)` | 128 | 55,296 / 104,448 |
 //! | `tree_attn_bwd_dq_convert_*` | `ceil(tokens · q_heads / 4)` | 128 | 0 |
 
-use super::rope::RopeArgs;
 use super::{Dtype, LaunchPlan};
 use crate::backend::AttnShape;
 use crate::{Error, Result};
@@ -166,7 +165,6 @@ pub(crate) struct BwdParams {
     pub kv_end: u64,
     pub tile_kv_min: u64,
     pub tile_kv_max: u64,
-    pub rope: RopeArgs,
     pub tokens: u32,
     pub q_heads: u32,
     pub kv_heads: u32,

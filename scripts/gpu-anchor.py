@@ -114,9 +114,12 @@ def max_abs_lse(got, want):
     return float(d.max()) if d.numel() else 0.0
 
 
-def rope_apply(x, pos, base, dims):
+def rope_apply(x, pos, base, dims, round_to=None):
     """Llama rotate-half on the first `dims` lanes of x [B, H, L, d] at
-    position ids pos [L] (DESIGN: src/backend/mod.rs Rope)."""
+    position ids pos [L] (src/backend/mod.rs `Rope`). With `round_to` (the
+    case's element type), the rotated values are rounded to it, as the
+    kernels round their rotated Q and K tiles (straight-through for
+    autograd: the gradient is that of the unrounded rotation)."""
     import torch
 
     half = dims // 2
@@ -125,7 +128,10 @@ def rope_apply(x, pos, base, dims):
     ang = pos.to(torch.float64)[:, None] * theta[None, :]
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     a, b, rest = x[..., :half], x[..., half:dims], x[..., dims:]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
+    y = torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
+    if round_to is not None and round_to != y.dtype:
+        y = y + (y.detach().to(round_to).to(y.dtype) - y.detach())
+    return y
 
 
 def median_ms(fn, reps, sync):
@@ -151,6 +157,7 @@ class Case:
         self.rope = meta.get("rope")
         self.device = device
         self.ref_dtype = ref_dtype
+        self.elem = tensors["q"].dtype  # bf16 / f16: what the kernels round rotated tiles to
         kv_end = tensors["kv_end"].to(device)
         self.kv_end = kv_end
         self.pos = tensors["position_ids"].to(device)
@@ -176,8 +183,8 @@ class Case:
     def prep(self, q, k, v):
         """Rotary (if any) and GQA repetition: what the attention sees."""
         if self.rope:
-            q = rope_apply(q, self.pos, self.rope["base"], self.rope["dims"])
-            k = rope_apply(k, self.pos, self.rope["base"], self.rope["dims"])
+            q = rope_apply(q, self.pos, self.rope["base"], self.rope["dims"], self.elem)
+            k = rope_apply(k, self.pos, self.rope["base"], self.rope["dims"], self.elem)
         g = self.hq // self.hk
         if g > 1:
             k = k.repeat_interleave(g, dim=1)
@@ -315,8 +322,8 @@ def flex_call(case, args, flex_state, q, k, v):
         bm = create_block_mask(mask_mod, None, None, case.L, case.L, device=case.device)
         case._bm = bm
     if case.rope:
-        q = rope_apply(q, case.pos, case.rope["base"], case.rope["dims"])
-        k = rope_apply(k, case.pos, case.rope["base"], case.rope["dims"])
+        q = rope_apply(q, case.pos, case.rope["base"], case.rope["dims"], case.elem)
+        k = rope_apply(k, case.pos, case.rope["base"], case.rope["dims"], case.elem)
     kw = dict(block_mask=bm, scale=case.scale, enable_gqa=case.hq != case.hk)
     while True:
         fn, mode = flex_fn(args, flex_state, case.device)
@@ -417,11 +424,17 @@ def main():
     ap.add_argument("--reps", type=int, default=5, help="timed runs per method, median shown [default: 5]")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json-out", help="also write the results as JSON here")
+    ap.add_argument("--cases", help="only these cases: comma-separated indices into the manifest's list")
     ap.add_argument("--verbose", action="store_true", help="tracebacks of caught errors")
     a = ap.parse_args()
 
+    import warnings
+
     import torch
 
+    # Eager FlexAttention warns on every call that it is not compiled: --flex
+    # says which one runs, and the table says which one ran.
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     if a.threads:
         torch.set_num_threads(a.threads)
     dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -445,7 +458,14 @@ def main():
     say("\nours vs the reference (SDPA dense mask + autograd), and FlexAttention vs ours")
     fails, rows = [], []
     flex_state = {}
-    for meta in manifest.get("cases", []):
+    cases = manifest.get("cases", [])
+    if a.cases:
+        try:
+            cases = [cases[int(i)] for i in a.cases.split(",")]
+        except (ValueError, IndexError) as e:
+            say(f"gpu-anchor: --cases {a.cases}: {e} ({len(cases)} cases in the dump)")
+            return 2
+    for meta in cases:
         row = {"name": meta.get("name", "?"), "L": meta.get("tokens"), "dtype": meta.get("dtype"),
                "kind": meta.get("kind"), "ours_ms": meta.get("ours_ms") or {}}
         rows.append(row)
@@ -485,7 +505,7 @@ def main():
                            "rows": rows, "failures": fails}, f, indent=1, default=str)
         except Exception as e:  # noqa: BLE001
             say(f"could not write {a.json_out}: {e}")
-    if not manifest.get("cases"):
+    if not cases:
         say("gpu-anchor: the dump has no cases")
         return 1
     if fails:

@@ -723,12 +723,40 @@ mod tests {
         }
     }
 
+    #[cfg(feature = "cuda")]
     #[test]
     fn without_a_driver_the_check_says_so() {
         if crate::backend::cuda::driver_present() {
             return; // a GPU machine: scripts/gpu-check.sh runs the real thing
         }
-        let e = run(&CheckOptions::default()).unwrap_err();
+        let e = run(&CheckOptions::for_backend(CheckBackend::Cuda)).unwrap_err();
         assert!(e.to_string().contains("no CUDA driver"), "{e}");
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn the_cuda_target_needs_the_cuda_feature() {
+        assert_eq!(CheckBackend::default_for_build(), CheckBackend::Emu);
+        let e = run(&CheckOptions::for_backend(CheckBackend::Cuda)).unwrap_err();
+        assert!(e.to_string().contains("--features cuda"), "{e}");
+    }
+
+    /// A dump that cannot be written stops the run before any kernel runs.
+    #[test]
+    fn an_unwritable_dump_stops_the_run_first() {
+        let base = std::env::temp_dir().join(format!("treeattn-nodump-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).unwrap();
+        let mut opts = CheckOptions::for_backend(CheckBackend::Emu);
+        let mut out = Vec::new();
+        let mut rep = Report { out: &mut out };
+        std::fs::write(base.join("file"), b"x").unwrap();
+        opts.dump = Some(base.join("file").join("d"));
+        let e = flow(&target::EmuTarget::default(), &opts, &mut rep).unwrap_err();
+        assert!(matches!(e, Error::Io(_)), "{e}");
+        assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
+        let left: Vec<_> = std::fs::read_dir(&base).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("file")], "{left:?}");
+        std::fs::remove_dir_all(&base).unwrap();
     }
 }

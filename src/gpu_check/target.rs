@@ -271,7 +271,10 @@ mod cuda_target {
         }
         fn tile_bounds(&self, p: &DevicePack) -> Result<(Vec<u32>, Vec<u32>, u32)> {
             let (lo, hi, tile) = p.tile_bounds();
-            Ok((self.down(lo)?, self.down(hi)?, tile))
+            let s = self.be.stream();
+            let lo = s.clone_dtoh(lo).map_err(cerr("download tile bounds"))?;
+            let hi = s.clone_dtoh(hi).map_err(cerr("download tile bounds"))?;
+            Ok((lo, hi, tile))
         }
         fn forward<T: KernelElem + DevElem>(
             &self,

@@ -438,6 +438,20 @@ def main():
     if a.threads:
         torch.set_num_threads(a.threads)
     dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev == "cuda":
+        # The float32 reference must be float32: no TF32 matmuls.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    # One compiled flex per case shape (dynamic=False): raise dynamo's
+    # recompile limit (8 by default), past which it would quietly run eager.
+    try:
+        import torch._dynamo
+
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, 256)
+    except Exception:  # noqa: BLE001 - an older torch: keep its default
+        pass
     ref_dtype = torch.float64 if dev == "cpu" else torch.float32
     try:
         with open(os.path.join(a.dump, "manifest.json")) as f:

@@ -292,12 +292,15 @@ def run_case(case, args, flex_state, row):
     return fails
 
 
-def flex_fn(args, flex_state, dev):
+def flex_fn(args, flex_state, want_lse):
     """flex_attention, compiled or eager as --flex says (auto: compiled,
-    eager after a compile failure, remembered for the rest of the run)."""
+    eager after a compile failure, remembered for the rest of the run; on
+    CPU torch compiles flex for inference without the LSE only, so calls
+    that want the LSE may run eager while the timed ones run compiled)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if args.flex == "eager" or flex_state.get("compile_failed"):
+    if (args.flex == "eager" or flex_state.get("compile_failed")
+            or (want_lse and flex_state.get("no_compiled_lse"))):
         return flex_attention, "eager"
     if "compiled" not in flex_state:
         import torch
@@ -306,10 +309,10 @@ def flex_fn(args, flex_state, dev):
     return flex_state["compiled"], "compiled"
 
 
-def flex_call(case, args, flex_state, q, k, v):
+def flex_call(case, args, flex_state, q, k, v, want_lse=True):
     """FlexAttention on q [1, hq, L, d], k, v [1, hkv, L, d] (unrotated):
     rotary applied here when the case has it, GQA by flex itself. Returns
-    (out, lse [1, hq, L], mode)."""
+    (out, lse [1, hq, L] or None, mode)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     kv_end = case.kv_end
@@ -326,8 +329,10 @@ def flex_call(case, args, flex_state, q, k, v):
         k = rope_apply(k, case.pos, case.rope["base"], case.rope["dims"], case.elem)
     kw = dict(block_mask=bm, scale=case.scale, enable_gqa=case.hq != case.hk)
     while True:
-        fn, mode = flex_fn(args, flex_state, case.device)
+        fn, mode = flex_fn(args, flex_state, want_lse)
         try:
+            if not want_lse:
+                return fn(q, k, v, **kw), None, mode
             try:
                 from torch.nn.attention.flex_attention import AuxRequest
             except ImportError:
@@ -341,9 +346,11 @@ def flex_call(case, args, flex_state, q, k, v):
         except Exception as e:  # noqa: BLE001
             if mode != "compiled" or args.flex == "compile":
                 raise
-            flex_state["compile_failed"] = True
-            say(f"  (flex: the compile failed, eager from here on: {type(e).__name__}: "
-                f"{str(e).splitlines()[0][:120] if str(e) else ''})")
+            key = "no_compiled_lse" if want_lse else "compile_failed"
+            flex_state[key] = True
+            say(f"  (flex: the compile{' with the LSE' if want_lse else ''} failed, eager from here on"
+                f"{' for the LSE' if want_lse else ''}: {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:160] if str(e) else ''})")
 
 
 def flex_run(case, args, flex_state, with_backward):
@@ -405,13 +412,16 @@ def time_case(case, args, flex_state, sync):
                 t["flex fwd"] = median_ms(lambda: flex_any(case, args, flex_state, q, k, v), reps, sync)
             if dev == "cuda":
                 t["flex f+b"] = median_ms(fb(lambda a, b, c: flex_any(case, args, flex_state, a, b, c)), reps, sync)
+            t["flex mode"] = flex_state.get("timed_mode")
         except Exception as e:  # noqa: BLE001
             say(f"  {'':<36} {'':<7} flex timing failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
     return t
 
 
 def flex_any(case, args, flex_state, q, k, v):
-    return flex_call(case, args, flex_state, q, k, v)[0]
+    out, _, mode = flex_call(case, args, flex_state, q, k, v, want_lse=False)
+    flex_state["timed_mode"] = mode
+    return out
 
 
 def main():
@@ -511,6 +521,12 @@ def main():
             f"{fmt_e(ours.get('LSE')):>8} {fmt_e(max(grads) if grads else None):>8} "
             f"{fmt_e(r.get('flex_err', {}).get('O')):>8} {('ok' if ok else 'FAIL'):>4} "
             + " ".join(f"{fmt_t(x):>10}" for x in times))
+    timed = sorted({r.get("times", {}).get("flex mode") for r in rows} - {None})
+    checked = sorted({r.get("flex_mode") for r in rows} - {None})
+    if timed or checked:
+        say(f"flex: checked {'/'.join(checked) or '-'}, timed {'/'.join(timed) or '-'}"
+            + (" (torch compiles flex on CPU without the LSE only)" if dev == "cpu" and "eager" in checked
+               and "compiled" in timed else ""))
     if a.json_out:
         try:
             with open(a.json_out, "w") as f:

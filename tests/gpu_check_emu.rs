@@ -42,7 +42,10 @@ fn corrupt(from: &Path, to: &Path, case: usize) {
         .collect();
     for (name, dtype, _, data) in owned.iter_mut() {
         if name == "o" {
-            assert!(matches!(dtype, safetensors::Dtype::BF16 | safetensors::Dtype::F16));
+            assert!(matches!(
+                dtype,
+                safetensors::Dtype::BF16 | safetensors::Dtype::F16
+            ));
             let bf = *dtype == safetensors::Dtype::BF16;
             for c in data.chunks_exact_mut(2) {
                 let bits = u16::from_le_bytes([c[0], c[1]]);
@@ -77,7 +80,16 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
     let base = scratch("emu");
     let dump = base.join("dump");
     let o = Command::new(env!("CARGO_BIN_EXE_treeattn"))
-        .args(["gpu-check", "--backend", "emu", "--seed", "16", "--reps", "1", "--dump"])
+        .args([
+            "gpu-check",
+            "--backend",
+            "emu",
+            "--seed",
+            "16",
+            "--reps",
+            "1",
+            "--dump",
+        ])
         .arg(&dump)
         .output()
         .unwrap();
@@ -97,7 +109,8 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
     // The dump: a manifest naming 9 cases (5 forward, 4 backward), each
     // file present, nothing partial left beside it.
     let m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dump.join("manifest.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dump.join("manifest.json")).unwrap())
+            .unwrap();
     assert_eq!(m["format"], treeattn::gpu_check::DUMP_FORMAT);
     assert_eq!(m["backend"], "emu");
     let cases = m["cases"].as_array().unwrap();
@@ -110,7 +123,18 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
         let l = c["tokens"].as_u64().unwrap() as usize;
         assert_eq!(st.tensor("kv_end").unwrap().shape(), [l]);
         let want: &[&str] = if c["kind"] == "backward" {
-            &["d_o", "dq", "dk", "dv", "o", "lse", "q", "k", "v", "position_ids"]
+            &[
+                "d_o",
+                "dq",
+                "dk",
+                "dv",
+                "o",
+                "lse",
+                "q",
+                "k",
+                "v",
+                "position_ids",
+            ]
         } else {
             &["o", "lse", "q", "k", "v", "position_ids"]
         };
@@ -118,7 +142,10 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
             assert!(st.tensor(n).is_ok(), "{n} missing in {c}");
         }
     }
-    let left: Vec<_> = std::fs::read_dir(&base).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let left: Vec<_> = std::fs::read_dir(&base)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     assert_eq!(left, vec![std::ffi::OsString::from("dump")]);
     // A second run never overwrites the dump.
     let again = Command::new(env!("CARGO_BIN_EXE_treeattn"))
@@ -127,7 +154,11 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
         .output()
         .unwrap();
     assert_eq!(again.status.code(), Some(2), "{}", text(&again.stderr));
-    assert!(text(&again.stderr).contains("not empty"), "{}", text(&again.stderr));
+    assert!(
+        text(&again.stderr).contains("not empty"),
+        "{}",
+        text(&again.stderr)
+    );
 
     // The torch side.
     let py = match std::env::var_os("TREEATTN_ANCHOR_PY") {
@@ -137,7 +168,9 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
                 std::env::var_os("TREEATTN_REQUIRE_ANCHOR").is_none(),
                 "TREEATTN_REQUIRE_ANCHOR is set but TREEATTN_ANCHOR_PY is not"
             );
-            eprintln!("TREEATTN_ANCHOR_PY not set: scripts/gpu-anchor.py not run (.ci/run runs it)");
+            eprintln!(
+                "TREEATTN_ANCHOR_PY not set: scripts/gpu-anchor.py not run (.ci/run runs it)"
+            );
             std::fs::remove_dir_all(&base).unwrap();
             return;
         }

@@ -107,7 +107,8 @@ fn check_backward<D: Target, T: KernelElem + DevElem>(
     };
 
     let dp = be.pack(pack)?;
-    let (dq_in, dk_in, dv_in, do_in, o_in) = (be.up(&q)?, be.up(&k)?, be.up(&v)?, be.up(&d_o)?, be.up(&o)?);
+    let (dq_in, dk_in, dv_in, do_in, o_in) =
+        (be.up(&q)?, be.up(&k)?, be.up(&v)?, be.up(&d_o)?, be.up(&o)?);
     let lse_in = be.up(&fwd.lse)?;
     let mut bwd_ms = 0.0;
     let mut run = || -> Result<[Vec<T>; 3]> {
@@ -138,7 +139,16 @@ fn check_backward<D: Target, T: KernelElem + DevElem>(
     let mut o_dev = be.filled(shape.q_len(), T::from_f32(f32::NAN))?;
     let mut lse_dev = be.filled(shape.q_heads * shape.tokens, f32::NAN)?;
     let fwd_ms = be.time_ms(&mut || {
-        be.forward(&dq_in, &dk_in, &dv_in, shape, &dp, &params, &mut o_dev, &mut lse_dev)
+        be.forward(
+            &dq_in,
+            &dk_in,
+            &dv_in,
+            shape,
+            &dp,
+            &params,
+            &mut o_dev,
+            &mut lse_dev,
+        )
     })?;
     let o_dev = be.down(&o_dev)?;
     let lse_dev = be.down(&lse_dev)?;
@@ -154,7 +164,8 @@ fn check_backward<D: Target, T: KernelElem + DevElem>(
         meta["kind"] = json!("backward");
         meta["dq_mode"] = json!(format!("{mode:?}").to_lowercase());
         meta["ours_ms"] = json!({"fwd": fwd_ms, "bwd": bwd_ms});
-        meta["errors"] = json!({"o_rel": errs[0], "dq_rel": errs[1], "dk_rel": errs[2], "dv_rel": errs[3]});
+        meta["errors"] =
+            json!({"o_rel": errs[0], "dq_rel": errs[1], "dk_rel": errs[2], "dv_rel": errs[3]});
         dump.case(
             name,
             meta,
@@ -372,7 +383,11 @@ pub(super) fn check<D: Target>(
         false,
     ));
     let mut p = MaskBuilder::new();
-    p.push_fan(rng.range(sz(100, 20), sz(300, 60)), 16, rng.range(sz(20, 4), sz(60, 10)));
+    p.push_fan(
+        rng.range(sz(100, 20), sz(300, 60)),
+        16,
+        rng.range(sz(20, 4), sz(60, 10)),
+    );
     let n = p.kv_end.len();
     cases.push((
         "grpo fan bf16 d128 4/2 rope/2 det".into(),
@@ -400,12 +415,30 @@ pub(super) fn check<D: Target>(
     for (name, pack, sh, rp, mode, bf) in &cases {
         let (r, t) = if *bf {
             (
-                check_backward::<D, half::bf16>(be, rng, pack, *sh, *rp, *mode, name, dump.as_deref_mut()),
+                check_backward::<D, half::bf16>(
+                    be,
+                    rng,
+                    pack,
+                    *sh,
+                    *rp,
+                    *mode,
+                    name,
+                    dump.as_deref_mut(),
+                ),
                 tol(Dtype::Bf16),
             )
         } else {
             (
-                check_backward::<D, half::f16>(be, rng, pack, *sh, *rp, *mode, name, dump.as_deref_mut()),
+                check_backward::<D, half::f16>(
+                    be,
+                    rng,
+                    pack,
+                    *sh,
+                    *rp,
+                    *mode,
+                    name,
+                    dump.as_deref_mut(),
+                ),
                 tol(Dtype::F16),
             )
         };

@@ -122,9 +122,9 @@ impl Dump {
                 dir.display()
             )));
         }
-        let name = dir
-            .file_name()
-            .ok_or_else(|| Error::Usage(format!("--dump {}: not a directory name", dir.display())))?;
+        let name = dir.file_name().ok_or_else(|| {
+            Error::Usage(format!("--dump {}: not a directory name", dir.display()))
+        })?;
         let partial = dir.with_file_name(format!(
             ".{}.partial-{}",
             name.to_string_lossy(),
@@ -141,7 +141,12 @@ impl Dump {
 
     /// Writes one case's tensors and records its manifest entry (`meta`,
     /// to which `name`, `file` and `tensors` are added).
-    pub fn case(&mut self, name: &str, mut meta: Value, tensors: &[(&str, DumpTensor)]) -> Result<()> {
+    pub fn case(
+        &mut self,
+        name: &str,
+        mut meta: Value,
+        tensors: &[(&str, DumpTensor)],
+    ) -> Result<()> {
         let slug: String = name
             .chars()
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
@@ -166,8 +171,8 @@ impl Dump {
     pub fn commit(mut self, mut head: Value) -> Result<PathBuf> {
         head["format"] = json!(DUMP_FORMAT);
         head["cases"] = Value::Array(std::mem::take(&mut self.cases));
-        let text = serde_json::to_string_pretty(&head)
-            .map_err(|e| Error::Io(format!("manifest: {e}")))?;
+        let text =
+            serde_json::to_string_pretty(&head).map_err(|e| Error::Io(format!("manifest: {e}")))?;
         write_synced(&self.partial.join("manifest.json"), text.as_bytes())?;
         // An empty target directory (allowed by `create`) gives way.
         if self.target.is_dir() {
@@ -237,12 +242,18 @@ mod tests {
         let bytes = std::fs::read(out.join(f)).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         assert_eq!(st.tensor("q").unwrap().dtype(), safetensors::Dtype::BF16);
-        assert_eq!(st.tensor("kv_end").unwrap().data(), &[2, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(
+            st.tensor("kv_end").unwrap().data(),
+            &[2, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]
+        );
         // A non-empty target is refused; a dropped dump leaves no partial dir.
         assert!(Dump::create(&dir).is_err());
         let other = base.join("e");
         drop(Dump::create(&other).unwrap());
-        let left: Vec<_> = std::fs::read_dir(&base).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let left: Vec<_> = std::fs::read_dir(&base)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(left, vec![std::ffi::OsString::from("d")], "{left:?}");
         std::fs::remove_dir_all(&base).unwrap();
     }

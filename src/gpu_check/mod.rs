@@ -43,9 +43,7 @@ use serde_json::json;
 
 use crate::backend::cpu::Cpu;
 use crate::backend::launch::{count_tiles, Dtype, FwdTraits, KernelElem};
-use crate::backend::{
-    AttnArgs, AttnParams, AttnShape, HostAttention, HostSdcc, SdccArgs, SdccOut,
-};
+use crate::backend::{AttnArgs, AttnParams, AttnShape, HostAttention, HostSdcc, SdccArgs, SdccOut};
 use crate::gen::MaskBuilder;
 use crate::mask::PackMask;
 use crate::rng::Rng;
@@ -151,7 +149,9 @@ pub(crate) struct Report<'w> {
 
 impl std::fmt::Write for Report<'_> {
     fn write_str(&mut self, s: &str) -> std::fmt::Result {
-        self.out.write_all(s.as_bytes()).map_err(|_| std::fmt::Error)?;
+        self.out
+            .write_all(s.as_bytes())
+            .map_err(|_| std::fmt::Error)?;
         if s.contains('\n') {
             self.out.flush().map_err(|_| std::fmt::Error)?;
         }
@@ -256,7 +256,8 @@ fn check_case<D: Target, T: KernelElem + DevElem>(
     let dv = be.up(&v)?;
     let mut dout = be.filled(shape.q_len(), T::from_f32(f32::NAN))?;
     let mut dlse = be.filled(shape.q_heads * shape.tokens, f32::NAN)?;
-    let ms = be.time_ms(&mut || be.forward(&dq, &dk, &dv, shape, &dp, &params, &mut dout, &mut dlse))?;
+    let ms =
+        be.time_ms(&mut || be.forward(&dq, &dk, &dv, shape, &dp, &params, &mut dout, &mut dlse))?;
     let o = be.down(&dout)?;
     let lse = be.down(&dlse)?;
     let (lo, hi, tile) = be.tile_bounds(&dp)?;
@@ -378,7 +379,8 @@ fn time_pack<D: Target, T: KernelElem + DevElem>(
     let mut times = Vec::with_capacity(reps);
     for i in 0..reps.max(1) + warm {
         let [q, k, v] = &inputs[i % sets];
-        let ms = be.time_ms(&mut || be.forward(q, k, v, shape, &dp, &params, &mut out, &mut lse))?;
+        let ms =
+            be.time_ms(&mut || be.forward(q, k, v, shape, &dp, &params, &mut out, &mut lse))?;
         if i >= warm {
             times.push(ms);
         }
@@ -436,7 +438,11 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
     let mut rng = Rng::new(seed);
     let mut dump = opts.dump.as_deref().map(Dump::create).transpose()?;
     let device = be.describe()?;
-    let _ = writeln!(rep, "gpu-check --backend {} on {device} (seed {seed})", D::NAME);
+    let _ = writeln!(
+        rep,
+        "gpu-check --backend {} on {device} (seed {seed})",
+        D::NAME
+    );
     // Sizes: the GPU's, or the emulator's (it runs every thread of every
     // block on the CPU: a few hundred tokens per pack).
     let sz = |gpu: usize, emu: usize| if opts.small { emu } else { gpu };
@@ -483,7 +489,11 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
         p.push_sequence(n);
         cases.push(("causal f16 d64".into(), p, shape(n, 2, 1, 64), false));
         let mut p = MaskBuilder::new();
-        p.push_fan(rng.range(sz(100, 20), sz(300, 60)), 16, rng.range(sz(20, 4), sz(90, 12)));
+        p.push_fan(
+            rng.range(sz(100, 20), sz(300, 60)),
+            16,
+            rng.range(sz(20, 4), sz(90, 12)),
+        );
         let n = p.kv_end.len();
         cases.push(("grpo fan bf16 d128".into(), p, shape(n, 4, 2, 128), true));
     }
@@ -505,7 +515,10 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
             )
         };
         match r {
-            Ok(FwdResult { o_err: oe, lse_err: le }) => {
+            Ok(FwdResult {
+                o_err: oe,
+                lse_err: le,
+            }) => {
                 let tol = crate::backend::tolerance::attention(dtype);
                 let ok = oe <= tol.o_rel && le <= tol.lse_abs;
                 let _ = writeln!(
@@ -547,7 +560,12 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
             "timing": if D::REAL_TIMING { "gpu" } else { "emulator wall clock (meaningless for a GPU)" },
             "failed": failures,
         }))?;
-        let _ = writeln!(rep, "\ndump: {} (scripts/gpu-anchor.py {} runs PyTorch on these packs)", path.display(), path.display());
+        let _ = writeln!(
+            rep,
+            "\ndump: {} (scripts/gpu-anchor.py {} runs PyTorch on these packs)",
+            path.display(),
+            path.display()
+        );
     }
 
     // 4. timing
@@ -755,7 +773,10 @@ mod tests {
         let e = flow(&target::EmuTarget::default(), &opts, &mut rep).unwrap_err();
         assert!(matches!(e, Error::Io(_)), "{e}");
         assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
-        let left: Vec<_> = std::fs::read_dir(&base).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let left: Vec<_> = std::fs::read_dir(&base)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(left, vec![std::ffi::OsString::from("file")], "{left:?}");
         std::fs::remove_dir_all(&base).unwrap();
     }

@@ -194,7 +194,13 @@ mod emu_target {
                 dk: &mut dk[..],
                 dv: &mut dv[..],
             };
-            AttentionBackend::<T>::backward(&self.emu.with_dq_mode(mode), &args, saved, &d_o[..], grads)
+            AttentionBackend::<T>::backward(
+                &self.emu.with_dq_mode(mode),
+                &args,
+                saved,
+                &d_o[..],
+                grads,
+            )
         }
         fn sdcc<T: SdccElem + DevElem>(
             &self,
@@ -331,16 +337,8 @@ mod cuda_target {
         fn time_ms(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
             let s = self.be.stream();
             let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-            let start = self
-                .be
-                .context()
-                .new_event(flags)
-                .map_err(cerr("event"))?;
-            let end = self
-                .be
-                .context()
-                .new_event(flags)
-                .map_err(cerr("event"))?;
+            let start = self.be.context().new_event(flags).map_err(cerr("event"))?;
+            let end = self.be.context().new_event(flags).map_err(cerr("event"))?;
             start.record(s).map_err(cerr("event record"))?;
             f()?;
             end.record(s).map_err(cerr("event record"))?;

@@ -444,8 +444,9 @@ pub(super) fn check<D: Target>(
         };
         match r {
             Ok(e) => {
-                // O: the forward's tolerance (1e-2 bf16, 2e-3 f16).
-                let o_tol = if *bf { 1e-2 } else { 2e-3 };
+                // O: the forward's bound (1e-2 bf16, 2e-3 f16).
+                let dtype = if *bf { Dtype::Bf16 } else { Dtype::F16 };
+                let o_tol = crate::backend::tolerance::attention(dtype).o_rel;
                 let ok = e[0] <= o_tol && e[1..].iter().all(|&x| x <= t);
                 let _ = writeln!(
                     rep,

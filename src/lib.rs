@@ -53,7 +53,7 @@ pub mod candle;
 pub mod demo;
 pub mod error;
 pub mod gen;
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "emu"))]
 pub mod gpu_check;
 pub mod logittree;
 pub mod mask;

@@ -1,49 +1,90 @@
-//! `treeattn gpu-check`: proves and times the CUDA forward on a real GPU in
-//! one short run (scripts/gpu-check.sh carries the binary to the GPU machine).
+//! `treeattn gpu-check`: proves and times the CUDA kernels in one short
+//! run — on a real GPU (`--backend cuda`; scripts/gpu-check.sh carries the
+//! binary to the GPU machine), or the very same flow on the SIMT emulator
+//! at small sizes (`--backend emu`), so that the GPU run is never the flow's
+//! first run.
 //!
-//! 1. Correctness: fresh random packs of several shapes (trees with edits,
-//!    forests with padding, varlen, long causal chains; GQA; both head dims
-//!    and dtypes), outputs poisoned with NaN before the launch, every element
-//!    checked written, O compared by relative Frobenius error (≤ 1e-2 bf16,
-//!    ≤ 2e-3 f16) and LSE by absolute error (≤ 1e-3) against an f64 reference
-//!    on the same rounded inputs — the tolerances of tests/emu_fwd.rs. The
-//!    per-key-tile kv_end bounds computed on the device are checked against
+//! 1. Forward correctness: fresh random packs of several shapes (trees with
+//!    edits, forests with padding, varlen, long causal chains, a GRPO fan;
+//!    GQA; both head dims and dtypes), outputs poisoned with NaN before the
+//!    launch, every element checked written, O compared by relative
+//!    Frobenius error and LSE by absolute error against an f64 reference on
+//!    the same rounded inputs, with the bounds of `backend::tolerance`. The
+//!    per-key-tile kv_end bounds computed by the kernel are checked against
 //!    a host scan.
-//! 2. Timing: the kernel on tree packs against a plain causal run of the same
-//!    kernel and size, inputs larger than L2 (three rotating input sets),
-//!    warm-up, median of CUDA-event timings. FLOPs count visible pairs only
-//!    (4·d per pair per head, DESIGN §7).
+//! 2. Backward and SDCC correctness (bwd.rs).
+//! 3. With `--dump DIR`, the packs, inputs and our outputs of every case of
+//!    1 and 2, for `scripts/gpu-anchor.py` (dump.rs); written before any
+//!    timing, so that a fault there keeps it.
+//! 4. Timing: the forward on tree packs against a plain causal run of the
+//!    same kernel and size, inputs larger than L2 (rotating input sets),
+//!    warm-up, median of timings (CUDA events; on the emulator its wall
+//!    clock, marked as meaningless). FLOPs count visible pairs only (4·d per
+//!    pair per head, DESIGN §7). Then forward + backward and SDCC timings
+//!    (bwd.rs).
 //!
-//! The reference is the CPU backend (`backend::cpu::attention_forward::<f64>`).
+//! The reference is the CPU backend (`backend::cpu`). Every kernel call
+//! goes through the contract traits, on the target of target.rs. Each
+//! section is printed (and flushed) as it finishes.
 //!
-//! The harness lives outside the backend (it is a test driver, and the only
-//! user of the rollout generators' mask builder next to the kernels); it is
-//! compiled only with the `cuda` feature.
+//! Compiled with the `cuda` feature (the GPU target) or the `emu` feature
+//! (the emulator target), or both.
 
 use std::fmt::Write as _;
+use std::path::PathBuf;
 
 mod bwd;
+mod dump;
+mod target;
 
-use cudarc::driver::{CudaSlice, DeviceRepr};
+pub use dump::DUMP_FORMAT;
+
+use serde_json::json;
 
 use crate::backend::cpu::Cpu;
-use crate::backend::cuda::{CudaBackend, Device, DevicePack};
-use crate::backend::launch::bwd::DqMode;
-use crate::backend::launch::sdcc::SdccElem;
-use crate::backend::launch::{count_tiles, FwdTraits, KernelElem};
-use crate::backend::{
-    AttentionBackend, AttnArgs, AttnParams, AttnShape, BackwardCall, Grads, HostAttention,
-    HostSdcc, Saved, SdccArgs, SdccBackend, SdccLoss, SdccOut,
-};
+use crate::backend::launch::{count_tiles, Dtype, FwdTraits, KernelElem};
+use crate::backend::{AttnArgs, AttnParams, AttnShape, HostAttention, HostSdcc, SdccArgs, SdccOut};
 use crate::gen::MaskBuilder;
 use crate::mask::PackMask;
 use crate::rng::Rng;
 use crate::{Error, Result};
+use dump::{Dump, DumpTensor};
+use target::{DevElem, Target};
+
+/// Where `gpu-check` runs its kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckBackend {
+    /// A CUDA device (needs the `cuda` feature and a GPU).
+    Cuda,
+    /// The SIMT emulator on the CPU (needs the `emu` feature); small sizes,
+    /// timings meaningless.
+    Emu,
+}
+
+impl CheckBackend {
+    /// `cuda` where this build has it, else `emu`.
+    pub fn default_for_build() -> CheckBackend {
+        if cfg!(feature = "cuda") {
+            CheckBackend::Cuda
+        } else {
+            CheckBackend::Emu
+        }
+    }
+    /// `"cuda"` or `"emu"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CheckBackend::Cuda => "cuda",
+            CheckBackend::Emu => "emu",
+        }
+    }
+}
 
 /// What `gpu-check` runs.
 #[derive(Clone, Debug)]
 pub struct CheckOptions {
-    /// CUDA device ordinal.
+    /// The target: a CUDA device or the emulator.
+    pub backend: CheckBackend,
+    /// CUDA device ordinal (cuda only).
     pub device: usize,
     /// Seed of the random packs and inputs; `None`: from the clock.
     pub seed: Option<u64>,
@@ -51,25 +92,76 @@ pub struct CheckOptions {
     pub timing_tokens: usize,
     /// Query heads of the timing runs (kv heads: a quarter, GQA).
     pub timing_q_heads: usize,
-    /// Timed launches per case (after 5 warm-up launches).
+    /// Timed launches per case (after warm-up launches).
     pub reps: usize,
+    /// Correctness packs at the emulator's sizes (a few hundred tokens)
+    /// instead of the GPU's (up to ~1,500).
+    pub small: bool,
+    /// The large vocabulary of the SDCC checks and timing.
+    pub sdcc_vocab: usize,
+    /// Write every correctness case's pack, inputs and outputs here.
+    pub dump: Option<PathBuf>,
 }
 
-impl Default for CheckOptions {
-    fn default() -> Self {
-        CheckOptions {
-            device: 0,
-            seed: None,
-            timing_tokens: 16_384,
-            timing_q_heads: 16,
-            reps: 50,
+impl CheckOptions {
+    /// The defaults of a target: the GPU's sizes for `cuda` (timing packs of
+    /// 16k tokens, 16 heads, 50 reps, vocab 151,936); small ones for `emu`
+    /// (256 tokens, 4 heads, 1 rep, vocab 8,192).
+    pub fn for_backend(backend: CheckBackend) -> CheckOptions {
+        match backend {
+            CheckBackend::Cuda => CheckOptions {
+                backend,
+                device: 0,
+                seed: None,
+                timing_tokens: 16_384,
+                timing_q_heads: 16,
+                reps: 50,
+                small: false,
+                sdcc_vocab: 151_936,
+                dump: None,
+            },
+            CheckBackend::Emu => CheckOptions {
+                backend,
+                device: 0,
+                seed: None,
+                timing_tokens: 256,
+                timing_q_heads: 4,
+                reps: 1,
+                small: true,
+                sdcc_vocab: 8_192,
+                dump: None,
+            },
         }
     }
 }
 
+impl Default for CheckOptions {
+    fn default() -> Self {
+        CheckOptions::for_backend(CheckBackend::default_for_build())
+    }
+}
+
+/// The report being written: each line goes out (and is flushed) as it is
+/// produced, so that a run cut short keeps what came before.
+pub(crate) struct Report<'w> {
+    out: &'w mut dyn std::io::Write,
+}
+
+impl std::fmt::Write for Report<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.out
+            .write_all(s.as_bytes())
+            .map_err(|_| std::fmt::Error)?;
+        if s.contains('\n') {
+            self.out.flush().map_err(|_| std::fmt::Error)?;
+        }
+        Ok(())
+    }
+}
+
 /// The reference: the CPU backend in f64 on the same rounded inputs, no
-/// rotary (the forward timings and checks here run without it; part 2 checks
-/// rotary). Returns (O [tokens, hq, d], LSE [hq, tokens]).
+/// rotary (the forward checks here run without it; bwd.rs checks rotary).
+/// Returns (O [tokens, hq, d], LSE [hq, tokens]).
 fn reference(
     q: &[f64],
     k: &[f64],
@@ -111,82 +203,42 @@ pub(super) fn cpu_sdcc(
     Cpu::default().sdcc_owned(&args)
 }
 
-/// The device forward through the contract.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn dev_forward<T: KernelElem + DeviceRepr>(
-    be: &CudaBackend,
-    q: &CudaSlice<T>,
-    k: &CudaSlice<T>,
-    v: &CudaSlice<T>,
-    shape: AttnShape,
-    pack: &DevicePack,
-    params: &AttnParams,
-    o: &mut CudaSlice<T>,
-    lse: &mut CudaSlice<f32>,
-) -> Result<()> {
-    let args = AttnArgs::<Device, T>::new(q, k, v, shape, pack, *params)?;
-    be.forward(&args, o, lse)
+/// The kernel error type of an element type (`SdccElem` also takes f32).
+fn dtype_of<T: KernelElem>() -> Dtype {
+    T::DTYPE
 }
 
-/// The device backward through the contract's validation, with dQ summed
-/// as `mode` says.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn dev_backward<T: KernelElem + DeviceRepr>(
-    be: &CudaBackend,
-    q: &CudaSlice<T>,
-    k: &CudaSlice<T>,
-    v: &CudaSlice<T>,
-    o: &CudaSlice<T>,
-    lse: &CudaSlice<f32>,
-    d_o: &CudaSlice<T>,
-    shape: AttnShape,
-    pack: &DevicePack,
-    params: &AttnParams,
-    mode: DqMode,
-    dq: &mut CudaSlice<T>,
-    dk: &mut CudaSlice<T>,
-    dv: &mut CudaSlice<T>,
-) -> Result<()> {
-    let args = AttnArgs::<Device, T>::new(q, k, v, shape, pack, *params)?;
-    let call = BackwardCall::new(args, Saved { o, lse }, d_o, Grads { dq, dk, dv })?;
-    be.backward_with_mode(call, mode)
+/// The manifest fields every case shares.
+pub(super) fn case_meta<T: KernelElem>(shape: AttnShape, params: &AttnParams) -> serde_json::Value {
+    let tol = crate::backend::tolerance::attention(T::DTYPE);
+    json!({
+        "dtype": T::NAME,
+        "tokens": shape.tokens,
+        "q_heads": shape.q_heads,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "softmax_scale": params.softmax_scale,
+        "rope": params.rope.map(|r| json!({"base": r.base, "dims": r.dims})),
+        "tolerance": {"o_rel": tol.o_rel, "lse_abs": tol.lse_abs, "grad_rel": tol.grad_rel},
+    })
 }
 
-/// The device SDCC forward KL (fused, or the unfused baseline).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn dev_sdcc<T: SdccElem + DeviceRepr>(
-    be: &CudaBackend,
-    unfused: bool,
-    student: &CudaSlice<T>,
-    teacher: &CudaSlice<T>,
-    vocab: usize,
-    pairs: &[(u32, u32)],
-    weights: &[f32],
-    tau: f32,
-    grad: &mut CudaSlice<f32>,
-) -> Result<SdccLoss> {
-    let args = SdccArgs::<Device, T>::new(student, teacher, vocab, pairs, weights, tau)?;
-    if unfused {
-        be.sdcc_forward_kl_unfused(&args, grad)
-    } else {
-        be.sdcc_forward_kl(&args, grad)
-    }
+/// What one forward case measured.
+struct FwdResult {
+    o_err: f64,
+    lse_err: f64,
 }
 
-fn cerr(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::Cuda(format!("{what}: {e}"))
-}
-
-/// One correctness case on the device; returns (O rel. error, LSE abs.
-/// error, tolerance) or the first problem found.
-fn check_case<T: KernelElem + DeviceRepr>(
-    be: &CudaBackend,
+/// One forward correctness case on the target; the first problem found is
+/// an `Err`. With a dump, the case's pack, inputs and outputs go into it.
+fn check_case<D: Target, T: KernelElem + DevElem>(
+    be: &D,
     rng: &mut Rng,
     pack: &MaskBuilder,
     shape: AttnShape,
-) -> Result<(f64, f64, f64)> {
-    let s = be.stream();
-    let mask = pack.mask()?;
+    name: &str,
+    dump: Option<&mut Dump>,
+) -> Result<FwdResult> {
     let gen = |rng: &mut Rng, n: usize, amp: f32| -> (Vec<T>, Vec<f64>) {
         let x: Vec<T> = (0..n)
             .map(|_| T::from_f32(rng.signed_unit() * amp))
@@ -198,22 +250,17 @@ fn check_case<T: KernelElem + DeviceRepr>(
     let (k, kf) = gen(rng, shape.kv_len(), 2.0);
     let (v, vf) = gen(rng, shape.kv_len(), 1.0);
     let params = AttnParams::new(shape.head_dim);
-    let dp = be.upload_pack(mask)?;
-    let dq = s.clone_htod(&q).map_err(cerr("upload q"))?;
-    let dk = s.clone_htod(&k).map_err(cerr("upload k"))?;
-    let dv = s.clone_htod(&v).map_err(cerr("upload v"))?;
-    let mut dout = s
-        .clone_htod(&vec![T::from_f32(f32::NAN); shape.q_len()])
-        .map_err(cerr("poison o"))?;
-    let mut dlse = s
-        .clone_htod(&vec![f32::NAN; shape.q_heads * shape.tokens])
-        .map_err(cerr("poison lse"))?;
-    dev_forward(be, &dq, &dk, &dv, shape, &dp, &params, &mut dout, &mut dlse)?;
-    let o = s.clone_dtoh(&dout).map_err(cerr("download o"))?;
-    let lse = s.clone_dtoh(&dlse).map_err(cerr("download lse"))?;
-    let (lo, hi, tile) = dp.tile_bounds();
-    let lo = s.clone_dtoh(lo).map_err(cerr("download tile bounds"))?;
-    let hi = s.clone_dtoh(hi).map_err(cerr("download tile bounds"))?;
+    let dp = be.pack(pack)?;
+    let dq = be.up(&q)?;
+    let dk = be.up(&k)?;
+    let dv = be.up(&v)?;
+    let mut dout = be.filled(shape.q_len(), T::from_f32(f32::NAN))?;
+    let mut dlse = be.filled(shape.q_heads * shape.tokens, f32::NAN)?;
+    let ms =
+        be.time_ms(&mut || be.forward(&dq, &dk, &dv, shape, &dp, &params, &mut dout, &mut dlse))?;
+    let o = be.down(&dout)?;
+    let lse = be.down(&dlse)?;
+    let (lo, hi, tile) = be.tile_bounds(&dp)?;
     for (t, c) in pack.kv_end.chunks(tile as usize).enumerate() {
         let want = (
             *c.iter().min().expect("tile"),
@@ -221,7 +268,7 @@ fn check_case<T: KernelElem + DeviceRepr>(
         );
         if (lo[t], hi[t]) != want {
             return Err(Error::Cuda(format!(
-                "tile {t}: device kv_end bounds {:?}, host {want:?}",
+                "tile {t}: kernel kv_end bounds {:?}, host {want:?}",
                 (lo[t], hi[t])
             )));
         }
@@ -254,76 +301,134 @@ fn check_case<T: KernelElem + DeviceRepr>(
             lse_err = lse_err.max((x as f64 - r).abs());
         }
     }
-    let tol = crate::backend::tolerance::attention(T::DTYPE).o_rel;
-    Ok(((num / den.max(f64::MIN_POSITIVE)).sqrt(), lse_err, tol))
+    let o_err = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+    if let Some(dump) = dump {
+        let (l, hq, hk, d) = (shape.tokens, shape.q_heads, shape.kv_heads, shape.head_dim);
+        let mut meta = case_meta::<T>(shape, &params);
+        meta["kind"] = json!("forward");
+        meta["dq_mode"] = serde_json::Value::Null;
+        meta["ours_ms"] = json!({"fwd": ms, "bwd": null});
+        meta["errors"] = json!({"o_rel": o_err, "lse_abs": lse_err});
+        dump.case(
+            name,
+            meta,
+            &[
+                ("kv_end", DumpTensor::index(&pack.kv_end)),
+                ("position_ids", DumpTensor::index(&pack.position_ids)),
+                ("q", DumpTensor::elems(&q, &[l, hq, d])),
+                ("k", DumpTensor::elems(&k, &[l, hk, d])),
+                ("v", DumpTensor::elems(&v, &[l, hk, d])),
+                ("o", DumpTensor::elems(&o, &[l, hq, d])),
+                ("lse", DumpTensor::f32s(&lse, &[hq, l])),
+            ],
+        )?;
+    }
+    Ok(FwdResult { o_err, lse_err })
 }
 
-/// Random device input sets (q, k, v) for timing: enough of them that one
-/// pass over the sets is several times a 60 MB L2.
-fn timing_inputs<T: KernelElem + DeviceRepr>(
-    be: &CudaBackend,
+/// Random input sets (q, k, v) for timing: on a GPU, enough of them that
+/// one pass over the sets is several times a 60 MB L2; two on the emulator.
+fn timing_inputs<D: Target, T: KernelElem + DevElem>(
+    be: &D,
     rng: &mut Rng,
     shape: AttnShape,
-) -> Result<Vec<[CudaSlice<T>; 3]>> {
-    let s = be.stream();
+) -> Result<Vec<[D::Buf<T>; 3]>> {
     let set_bytes = (shape.q_len() + 2 * shape.kv_len()) * 2;
-    let sets = (240usize << 20).div_ceil(set_bytes).clamp(2, 16);
+    let sets = if D::REAL_TIMING {
+        (240usize << 20).div_ceil(set_bytes).clamp(2, 16)
+    } else {
+        2
+    };
     let mut inputs = Vec::with_capacity(sets);
     for _ in 0..sets {
-        let mut mk = |n: usize| -> Result<CudaSlice<T>> {
+        let mut mk = |n: usize| -> Result<D::Buf<T>> {
             let h: Vec<T> = (0..n)
                 .map(|_| T::from_f32(rng.signed_unit() * 2.0))
                 .collect();
-            s.clone_htod(&h).map_err(cerr("upload timing inputs"))
+            be.up(&h)
         };
         inputs.push([mk(shape.q_len())?, mk(shape.kv_len())?, mk(shape.kv_len())?]);
     }
     Ok(inputs)
 }
 
-/// Timing of one pack: median milliseconds over `reps` launches (after 5
-/// warm-up launches), each timed by a pair of CUDA events, rotating over the
-/// input sets so that inputs never sit in L2.
-fn time_pack<T: KernelElem + DeviceRepr>(
-    be: &CudaBackend,
-    inputs: &[[CudaSlice<T>; 3]],
+/// Warm-up launches before timed ones: 5 on a GPU, 1 on the emulator.
+fn warmup<D: Target>(gpu: usize) -> usize {
+    if D::REAL_TIMING {
+        gpu
+    } else {
+        1
+    }
+}
+
+/// Timing of one pack: median milliseconds over `reps` launches (after the
+/// warm-up), rotating over the input sets so that inputs never sit in L2.
+fn time_pack<D: Target, T: KernelElem + DevElem>(
+    be: &D,
+    inputs: &[[D::Buf<T>; 3]],
     pack: &MaskBuilder,
     shape: AttnShape,
     reps: usize,
 ) -> Result<f64> {
-    let s = be.stream();
-    let ctx = be.context();
-    let dp = be.upload_pack(pack.mask()?)?;
+    let dp = be.pack(pack)?;
     let sets = inputs.len();
-    let mut out: CudaSlice<T> = s
-        .clone_htod(&vec![T::from_f32(0.0); shape.q_len()])
-        .map_err(cerr("alloc o"))?;
-    let mut lse = s
-        .alloc_zeros::<f32>(shape.q_heads * shape.tokens)
-        .map_err(cerr("alloc lse"))?;
+    let mut out = be.filled(shape.q_len(), T::from_f32(0.0))?;
+    let mut lse = be.filled(shape.q_heads * shape.tokens, 0.0f32)?;
     let params = AttnParams::new(shape.head_dim);
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let warm = warmup::<D>(5);
     let mut times = Vec::with_capacity(reps);
-    for i in 0..reps.max(1) + 5 {
+    for i in 0..reps.max(1) + warm {
         let [q, k, v] = &inputs[i % sets];
-        let start = ctx.new_event(flags).map_err(cerr("event"))?;
-        let end = ctx.new_event(flags).map_err(cerr("event"))?;
-        start.record(s).map_err(cerr("event record"))?;
-        dev_forward(be, q, k, v, shape, &dp, &params, &mut out, &mut lse)?;
-        end.record(s).map_err(cerr("event record"))?;
-        let ms = start.elapsed_ms(&end).map_err(cerr("event timing"))? as f64;
-        if i >= 5 {
+        let ms =
+            be.time_ms(&mut || be.forward(q, k, v, shape, &dp, &params, &mut out, &mut lse))?;
+        if i >= warm {
             times.push(ms);
         }
     }
-    s.synchronize().map_err(cerr("synchronize after timing"))?;
     times.sort_by(|a, b| a.total_cmp(b));
     Ok(times[times.len() / 2])
 }
 
-/// Runs the checks and the timings; returns the report with the summary
-/// table last, or `Err` naming the first failed check.
+/// Runs the check on `opts.backend`, printing each section to `out` as it
+/// finishes (flushed), the timing tables last; `Err` names the failed
+/// checks (or the fault that stopped the run).
+pub fn run_to(opts: &CheckOptions, out: &mut dyn std::io::Write) -> Result<()> {
+    let mut rep = Report { out };
+    match opts.backend {
+        #[cfg(feature = "cuda")]
+        CheckBackend::Cuda => {
+            let be = target::CudaTarget {
+                be: crate::backend::cuda::CudaBackend::new(opts.device)?,
+            };
+            flow(&be, opts, &mut rep)
+        }
+        #[cfg(feature = "emu")]
+        CheckBackend::Emu => flow(&target::EmuTarget::default(), opts, &mut rep),
+        #[allow(unreachable_patterns)]
+        b => Err(Error::Unsupported(format!(
+            "gpu-check --backend {}: this treeattn was built without the `{}` feature (rebuild with \
+             `cargo build --release --features {}`)",
+            b.name(),
+            b.name(),
+            b.name()
+        ))),
+    }
+}
+
+/// [`run_to`] into a string: the whole report, or `Err` naming the failed
+/// checks followed by the report.
 pub fn run(opts: &CheckOptions) -> Result<String> {
+    let mut buf = Vec::new();
+    let r = run_to(opts, &mut buf);
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    match r {
+        Ok(()) => Ok(text),
+        Err(Error::Cuda(m)) if !text.is_empty() => Err(Error::Cuda(format!("{m}:\n{text}"))),
+        Err(e) => Err(e),
+    }
+}
+
+fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<()> {
     let seed = opts.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -331,9 +436,16 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
             .unwrap_or(1)
     });
     let mut rng = Rng::new(seed);
-    let be = CudaBackend::new(opts.device)?;
-    let mut rep = String::new();
-    let _ = writeln!(rep, "gpu-check on {} (seed {seed})", be.describe()?);
+    let mut dump = opts.dump.as_deref().map(Dump::create).transpose()?;
+    let device = be.describe()?;
+    let _ = writeln!(
+        rep,
+        "gpu-check --backend {} on {device} (seed {seed})",
+        D::NAME
+    );
+    // Sizes: the GPU's, or the emulator's (it runs every thread of every
+    // block on the CPU: a few hundred tokens per pack).
+    let sz = |gpu: usize, emu: usize| if opts.small { emu } else { gpu };
 
     // 1. correctness
     let mut cases: Vec<(String, MaskBuilder, AttnShape, bool)> = Vec::new();
@@ -345,12 +457,12 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
     };
     {
         let mut p = MaskBuilder::new();
-        p.push_tree(&mut rng, 0, 120, 3, true);
-        p.push_tree(&mut rng, 0, 120, 3, true);
+        p.push_tree(&mut rng, 0, sz(120, 24), 3, true);
+        p.push_tree(&mut rng, 0, sz(120, 24), 3, true);
         let n = p.kv_end.len();
         cases.push(("trees bf16 d64 gqa 4/2".into(), p, shape(n, 4, 2, 64), true));
         let mut p = MaskBuilder::new();
-        p.push_tree(&mut rng, 0, 200, 3, true);
+        p.push_tree(&mut rng, 0, sz(200, 40), 3, true);
         p.push_padding(13);
         let n = p.kv_end.len();
         cases.push((
@@ -360,19 +472,28 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
             false,
         ));
         let mut p = MaskBuilder::new();
-        while p.kv_end.len() < 1500 {
-            let n = rng.range(1, 300);
+        while p.kv_end.len() < sz(1500, 200) {
+            let n = rng.range(1, sz(300, 60));
             p.push_sequence(n);
         }
         p.push_padding(7);
         let n = p.kv_end.len();
-        cases.push(("varlen+pad bf16 d128".into(), p, shape(n, 8, 8, 128), true));
+        cases.push((
+            "varlen+pad bf16 d128".into(),
+            p,
+            shape(n, sz(8, 4), sz(8, 4), 128),
+            true,
+        ));
         let mut p = MaskBuilder::new();
-        let n = rng.range(700, 1100);
+        let n = rng.range(sz(700, 150), sz(1100, 250));
         p.push_sequence(n);
         cases.push(("causal f16 d64".into(), p, shape(n, 2, 1, 64), false));
         let mut p = MaskBuilder::new();
-        p.push_fan(rng.range(100, 300), 16, rng.range(20, 90));
+        p.push_fan(
+            rng.range(sz(100, 20), sz(300, 60)),
+            16,
+            rng.range(sz(20, 4), sz(90, 12)),
+        );
         let n = p.kv_end.len();
         cases.push(("grpo fan bf16 d128".into(), p, shape(n, 4, 2, 128), true));
     }
@@ -382,29 +503,33 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
         "\ncorrectness (O: relative Frobenius error; LSE: max absolute error; f64 reference)"
     );
     for (name, pack, sh, bf) in &cases {
-        let r = if *bf {
-            check_case::<half::bf16>(&be, &mut rng, pack, *sh)
+        let (r, dtype) = if *bf {
+            (
+                check_case::<D, half::bf16>(be, &mut rng, pack, *sh, name, dump.as_mut()),
+                dtype_of::<half::bf16>(),
+            )
         } else {
-            check_case::<half::f16>(&be, &mut rng, pack, *sh)
+            (
+                check_case::<D, half::f16>(be, &mut rng, pack, *sh, name, dump.as_mut()),
+                dtype_of::<half::f16>(),
+            )
         };
         match r {
-            Ok((oe, le, tol)) => {
-                let dtype = if *bf {
-                    crate::backend::launch::Dtype::Bf16
-                } else {
-                    crate::backend::launch::Dtype::F16
-                };
-                let lse_tol = crate::backend::tolerance::attention(dtype).lse_abs;
-                let ok = oe <= tol && le <= lse_tol;
+            Ok(FwdResult {
+                o_err: oe,
+                lse_err: le,
+            }) => {
+                let tol = crate::backend::tolerance::attention(dtype);
+                let ok = oe <= tol.o_rel && le <= tol.lse_abs;
                 let _ = writeln!(
                     rep,
                     "  {:<28} L={:<5} O err {:.2e} (tol {:.0e})  LSE err {:.2e} (tol {:.0e})  {}",
                     name,
                     sh.tokens,
                     oe,
-                    tol,
+                    tol.o_rel,
                     le,
-                    lse_tol,
+                    tol.lse_abs,
                     if ok { "ok" } else { "FAIL" }
                 );
                 if !ok {
@@ -423,7 +548,27 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
         n => writeln!(rep, "{n} of {} correctness checks FAILED", cases.len()),
     };
 
-    // 2. timing
+    // 2. backward and SDCC correctness (bwd.rs)
+    failures.extend(bwd::check(be, &mut rng, opts, rep, dump.as_mut())?);
+
+    // 3. the dump, complete before any timing
+    if let Some(d) = dump.take() {
+        let path = d.commit(json!({
+            "backend": D::NAME,
+            "device": device,
+            "seed": seed,
+            "timing": if D::REAL_TIMING { "gpu" } else { "emulator wall clock (meaningless for a GPU)" },
+            "failed": failures,
+        }))?;
+        let _ = writeln!(
+            rep,
+            "\ndump: {} (scripts/gpu-anchor.py {} runs PyTorch on these packs)",
+            path.display(),
+            path.display()
+        );
+    }
+
+    // 4. timing
     let n = opts.timing_tokens.max(256);
     let hq = opts.timing_q_heads.max(4);
     let hk = hq / 4;
@@ -466,15 +611,15 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
     for d in [128usize, 64] {
         let sh = shape(n, hq, hk, d);
         let traits = FwdTraits::for_head_dim(d)?;
-        let inputs = timing_inputs::<half::bf16>(&be, &mut rng, sh)?;
-        let causal_ms = time_pack(&be, &inputs, &causal, sh, opts.reps)?;
+        let inputs = timing_inputs::<D, half::bf16>(be, &mut rng, sh)?;
+        let causal_ms = time_pack(be, &inputs, &causal, sh, opts.reps)?;
         let rows = std::iter::once((format!("causal {hq}/{hk}"), &causal))
             .chain(timing.iter().map(|(name, p)| (name.clone(), p)));
         for (name, pack) in rows {
             let ms = if std::ptr::eq(pack, &causal) {
                 causal_ms
             } else {
-                time_pack(&be, &inputs, pack, sh, opts.reps)?
+                time_pack(be, &inputs, pack, sh, opts.reps)?
             };
             let pairs = pack.mask()?.visible_pairs();
             let (skip, full, part) = count_tiles(&pack.kv_end, &traits);
@@ -497,20 +642,30 @@ pub fn run(opts: &CheckOptions) -> Result<String> {
         }
     }
     let tiles = FwdTraits::for_head_dim(128)?;
+    let how = if D::REAL_TIMING {
+        format!(
+            "median of {} launches after 5 warm-up, CUDA events, rotating input sets > L2",
+            opts.reps
+        )
+    } else {
+        format!(
+            "EMULATOR WALL CLOCK, meaningless for a GPU (median of {} after 1 warm-up; the layout of the GPU table)",
+            opts.reps
+        )
+    };
     let _ = writeln!(
         rep,
-        "\ntiming: median of {} launches after 5 warm-up, CUDA events, rotating input sets > L2; \
-         FLOPs = 4·d·heads per visible pair; tiles {}x{} (skip%: never loaded, full%: no mask)",
-        opts.reps, tiles.block_m, tiles.block_n
+        "\ntiming: {how}; FLOPs = 4·d·heads per visible pair; tiles {}x{} (skip%: never loaded, full%: no mask)",
+        tiles.block_m, tiles.block_n
     );
-    rep.push_str(&table);
-    // Backward and SDCC (gpu_check/bwd.rs).
-    failures.extend(bwd::run(&be, &mut rng, opts, &mut rep)?);
+    let _ = write!(rep, "{table}");
+    // Forward + backward and SDCC timings (bwd.rs).
+    bwd::timings(be, &mut rng, opts, rep)?;
     if failures.is_empty() {
-        Ok(rep)
+        Ok(())
     } else {
         Err(Error::Cuda(format!(
-            "gpu-check failed ({}):\n{rep}",
+            "gpu-check failed ({})",
             failures.join(", ")
         )))
     }
@@ -586,12 +741,43 @@ mod tests {
         }
     }
 
+    #[cfg(feature = "cuda")]
     #[test]
     fn without_a_driver_the_check_says_so() {
         if crate::backend::cuda::driver_present() {
             return; // a GPU machine: scripts/gpu-check.sh runs the real thing
         }
-        let e = run(&CheckOptions::default()).unwrap_err();
+        let e = run(&CheckOptions::for_backend(CheckBackend::Cuda)).unwrap_err();
         assert!(e.to_string().contains("no CUDA driver"), "{e}");
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn the_cuda_target_needs_the_cuda_feature() {
+        assert_eq!(CheckBackend::default_for_build(), CheckBackend::Emu);
+        let e = run(&CheckOptions::for_backend(CheckBackend::Cuda)).unwrap_err();
+        assert!(e.to_string().contains("--features cuda"), "{e}");
+    }
+
+    /// A dump that cannot be written stops the run before any kernel runs.
+    #[test]
+    fn an_unwritable_dump_stops_the_run_first() {
+        let base = std::env::temp_dir().join(format!("treeattn-nodump-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).unwrap();
+        let mut opts = CheckOptions::for_backend(CheckBackend::Emu);
+        let mut out = Vec::new();
+        let mut rep = Report { out: &mut out };
+        std::fs::write(base.join("file"), b"x").unwrap();
+        opts.dump = Some(base.join("file").join("d"));
+        let e = flow(&target::EmuTarget::default(), &opts, &mut rep).unwrap_err();
+        assert!(matches!(e, Error::Io(_)), "{e}");
+        assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
+        let left: Vec<_> = std::fs::read_dir(&base)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("file")], "{left:?}");
+        std::fs::remove_dir_all(&base).unwrap();
     }
 }

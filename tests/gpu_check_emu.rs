@@ -1,0 +1,201 @@
+//! The GPU run's flow runs here first (issue 16): `treeattn gpu-check
+//! --backend emu --dump DIR` — the very check flow of the GPU, on the SIMT
+//! emulator at small sizes — then `scripts/gpu-anchor.py DIR`, PyTorch on
+//! the same packs (reference, FlexAttention), which must agree; and a dump
+//! with one output corrupted, which it must reject.
+//!
+//! The Python half runs when `TREEATTN_ANCHOR_PY` names a python with torch
+//! (.ci/run sets it to its venv's, with `TREEATTN_REQUIRE_ANCHOR=1`, so
+//! that it cannot skip there); without it only the Rust half runs.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("treeattn-gpucheck-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A copy of the dump in which case `case`'s `o` is scaled by 1.05 (a 5%
+/// error: far above every bound).
+fn corrupt(from: &Path, to: &Path, case: usize) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(to.join("manifest.json")).unwrap()).unwrap();
+    let file = to.join(m["cases"][case]["file"].as_str().unwrap());
+    let bytes = std::fs::read(&file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
+        .collect();
+    for (name, dtype, _, data) in owned.iter_mut() {
+        if name == "o" {
+            assert!(matches!(
+                dtype,
+                safetensors::Dtype::BF16 | safetensors::Dtype::F16
+            ));
+            let bf = *dtype == safetensors::Dtype::BF16;
+            for c in data.chunks_exact_mut(2) {
+                let bits = u16::from_le_bytes([c[0], c[1]]);
+                let x = if bf {
+                    half::bf16::from_bits(bits).to_f32()
+                } else {
+                    half::f16::from_bits(bits).to_f32()
+                } * 1.05;
+                let out = if bf {
+                    half::bf16::from_f32(x).to_bits()
+                } else {
+                    half::f16::from_f32(x).to_bits()
+                };
+                c.copy_from_slice(&out.to_le_bytes());
+            }
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(&file, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+#[test]
+fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
+    let base = scratch("emu");
+    let dump = base.join("dump");
+    let o = Command::new(env!("CARGO_BIN_EXE_treeattn"))
+        .args([
+            "gpu-check",
+            "--backend",
+            "emu",
+            "--seed",
+            "16",
+            "--reps",
+            "1",
+            "--dump",
+        ])
+        .arg(&dump)
+        .output()
+        .unwrap();
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
+    for want in [
+        "gpu-check --backend emu on the SIMT emulator",
+        "all 5 correctness checks passed",
+        "sdcc vocab 8192",
+        "EMULATOR WALL CLOCK, meaningless for a GPU",
+        "LogitT ms",
+        "SDCC timing",
+    ] {
+        assert!(out.contains(want), "{want:?} missing from:\n{out}");
+    }
+    assert!(!out.contains("FAIL"), "{out}");
+    // The dump: a manifest naming 9 cases (5 forward, 4 backward), each
+    // file present, nothing partial left beside it.
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dump.join("manifest.json")).unwrap())
+            .unwrap();
+    assert_eq!(m["format"], treeattn::gpu_check::DUMP_FORMAT);
+    assert_eq!(m["backend"], "emu");
+    let cases = m["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 9, "{m:#}");
+    let kinds = |k: &str| cases.iter().filter(|c| c["kind"] == k).count();
+    assert_eq!((kinds("forward"), kinds("backward")), (5, 4));
+    for c in cases {
+        let bytes = std::fs::read(dump.join(c["file"].as_str().unwrap())).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let l = c["tokens"].as_u64().unwrap() as usize;
+        assert_eq!(st.tensor("kv_end").unwrap().shape(), [l]);
+        let want: &[&str] = if c["kind"] == "backward" {
+            &[
+                "d_o",
+                "dq",
+                "dk",
+                "dv",
+                "o",
+                "lse",
+                "q",
+                "k",
+                "v",
+                "position_ids",
+            ]
+        } else {
+            &["o", "lse", "q", "k", "v", "position_ids"]
+        };
+        for n in want {
+            assert!(st.tensor(n).is_ok(), "{n} missing in {c}");
+        }
+    }
+    let left: Vec<_> = std::fs::read_dir(&base)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("dump")]);
+    // A second run never overwrites the dump.
+    let again = Command::new(env!("CARGO_BIN_EXE_treeattn"))
+        .args(["gpu-check", "--backend", "emu", "--dump"])
+        .arg(&dump)
+        .output()
+        .unwrap();
+    assert_eq!(again.status.code(), Some(2), "{}", text(&again.stderr));
+    assert!(
+        text(&again.stderr).contains("not empty"),
+        "{}",
+        text(&again.stderr)
+    );
+
+    // The torch side.
+    let py = match std::env::var_os("TREEATTN_ANCHOR_PY") {
+        Some(p) => PathBuf::from(p),
+        None => {
+            assert!(
+                std::env::var_os("TREEATTN_REQUIRE_ANCHOR").is_none(),
+                "TREEATTN_REQUIRE_ANCHOR is set but TREEATTN_ANCHOR_PY is not"
+            );
+            eprintln!(
+                "TREEATTN_ANCHOR_PY not set: scripts/gpu-anchor.py not run (.ci/run runs it)"
+            );
+            std::fs::remove_dir_all(&base).unwrap();
+            return;
+        }
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu-anchor.py");
+    let anchor = |dir: &Path, extra: &[&str]| {
+        let o = Command::new(&py)
+            .arg(&script)
+            .arg(dir)
+            .args(["--device", "cpu", "--reps", "1", "--threads", "2"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (o.status.code(), text(&o.stdout), text(&o.stderr))
+    };
+    let (code, out, err) = anchor(&dump, &["--flex", "eager"]);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(out.contains("all 9 cases agree"), "{out}");
+    assert!(out.contains("flex (eager) vs ours"), "{out}");
+    assert!(out.contains("side by side"), "{out}");
+    // A corrupted O (case 5: a backward case with rotary) must be caught.
+    let bad = base.join("bad");
+    corrupt(&dump, &bad, 5);
+    let (code, out, err) = anchor(&bad, &["--flex", "off", "--cases", "5"]);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(out.contains("MISMATCH"), "{out}");
+    std::fs::remove_dir_all(&base).unwrap();
+}

@@ -1,5 +1,5 @@
-//! Where `gpu-check` runs: a CUDA device ([`CudaTarget`], feature `cuda`) or
-//! the SIMT emulator ([`EmuTarget`], feature `emu`), behind one small
+//! Where `gpu-check` runs: a CUDA device (`CudaTarget`, feature `cuda`) or
+//! the SIMT emulator (`EmuTarget`, feature `emu`), behind one small
 //! interface, so that both run the very same check flow (mod.rs, bwd.rs).
 //!
 //! Every kernel call goes through the crate's contract

@@ -374,13 +374,7 @@ where
             c.temperature,
             c.grad_student as u64,
         )?;
-        if let Some(p) = per {
-            p.copy_from_slice(&out.per_pair);
-        }
-        *c.loss = TreeattnSdccLoss {
-            loss_sum: out.loss_sum,
-            loss_mean: out.loss_mean,
-        };
+        crate::write_sdcc(&out, c.loss, per);
         Ok(())
     })
 }

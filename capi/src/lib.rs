@@ -835,15 +835,25 @@ unsafe fn sdcc<T: CpuFloat>(
         let pairs: Vec<(u32, u32)> = flat.chunks_exact(2).map(|p| (p[0], p[1])).collect();
         let args = SdccArgs::new(student, teacher, vocab, &pairs, weights, temperature)?;
         let out = Cpu::default().sdcc_forward_kl(&args, grad)?;
-        if let Some(p) = per {
-            p.copy_from_slice(&out.per_pair);
-        }
-        *loss = TreeattnSdccLoss {
-            loss_sum: out.loss_sum,
-            loss_mean: out.loss_mean,
-        };
+        write_sdcc(&out, loss, per);
         Ok(())
     })
+}
+
+/// An SDCC result into the caller's `*loss` and, when given, `per_pair`
+/// (checked non-null and of `n_pairs` entries by the caller).
+unsafe fn write_sdcc(
+    out: &treeattn::backend::SdccLoss,
+    loss: *mut TreeattnSdccLoss,
+    per_pair: Option<&mut [f64]>,
+) {
+    if let Some(p) = per_pair {
+        p.copy_from_slice(&out.per_pair);
+    }
+    *loss = TreeattnSdccLoss {
+        loss_sum: out.loss_sum,
+        loss_mean: out.loss_mean,
+    };
 }
 
 /// The fused SDCC forward KL on host memory, `float`: student logits

@@ -13,25 +13,8 @@
 
 #include "treeattn.h"
 
-static int failures = 0;
-#define CHECK(cond, ...)                                                     \
-  do {                                                                       \
-    if (!(cond)) {                                                           \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                   \
-      fprintf(stderr, __VA_ARGS__);                                          \
-      fprintf(stderr, "\n");                                                 \
-      failures++;                                                            \
-    }                                                                        \
-  } while (0)
-#define OK(call)                                                             \
-  do {                                                                       \
-    int32_t st_ = (call);                                                    \
-    if (st_ != TREEATTN_OK) {                                                \
-      fprintf(stderr, "FAIL %s:%d: %s -> %d (%s): %s\n", __FILE__, __LINE__, \
-              #call, st_, treeattn_status_name(st_), treeattn_last_error()); \
-      exit(1);                                                               \
-    }                                                                        \
-  } while (0)
+#include "check.h"
+
 /* A call that must fail with `code` and a message containing `needle`. */
 #define FAILS(call, code, needle)                                            \
   do {                                                                       \

@@ -425,11 +425,12 @@ def main():
     if not a.no_flex:
         probe_flex_backward()
         print(f"# FlexAttention CPU backward: {FLEX_BACKWARD[0] or 'runs (timed)'}", flush=True)
+    # The overhead first: it is short, and a long run cut off still has it.
+    ov = None if a.no_overhead else overhead(a)
     rows = []
     for length in (int(x) for x in a.tokens.split(",")):
         for shape in a.shapes.split(","):
             rows.append(run_pack(shape, length, a, info))
-    ov = None if a.no_overhead else overhead(a)
     info["loadavg_end"] = open("/proc/loadavg").read().split()[:3]
     print(f"\n# end {datetime.datetime.now(datetime.timezone.utc):%H:%M:%S} UTC, "
           f"load average {' '.join(info['loadavg_end'])}", flush=True)

@@ -15,9 +15,13 @@ Forward and forward+backward (``.backward(dO)`` from fresh leaf tensors).
 Before any timing, per pack: the op's output and its gradients against SDPA
 with the dense mask, and FlexAttention's output against the op (max abs
 diff; the script stops if they disagree: a benchmark of a wrong result is
-worthless). Then the Python call's overhead: the op against the bare native
-call (``treeattn._native.attention_forward``, the Rust contract behind one
-PyO3 call) on the same buffers at --overhead-tokens, interleaved.
+worthless). First of all (it is short), the Python call's overhead: the op
+against the bare native call (``treeattn._native.attention_forward``, the
+Rust contract behind one PyO3 call) on the same buffers, a GRPO pack of
+--overhead-tokens, forward, interleaved pairs; and the fixed cost per call
+at L = 16. FlexAttention's CPU backward is probed once on a tiny input
+with eager flex_attention (calling the *compiled* function with
+requires_grad=True, which raises, leaves it ~20x slower on every later call).
 
 Packs: ``treeattn.pack`` on the rollouts of ``scripts/cpu-anchor.py`` (the
 packs of BENCHMARKS §10): one compaction tree and one GRPO group of 16

@@ -247,3 +247,83 @@ fn trie_pack_log_probs_equal_each_call_alone() -> R<()> {
     assert!(worst <= 1e-12, "trie pack vs calls alone: {worst:e}");
     Ok(())
 }
+
+/// `‖a − b‖ / ‖b‖` over all elements, in f64 on the host.
+#[cfg(feature = "candle-cuda")]
+fn rel_frobenius(a: &Tensor, b: &Tensor) -> f64 {
+    let host = |t: &Tensor| {
+        t.to_device(&Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::F64))
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f64>())
+            .unwrap()
+    };
+    let (a, b) = (host(a), host(b));
+    treeattn::backend::tolerance::rel_frobenius(a.iter().copied(), &b)
+}
+
+/// The op on CUDA tensors (feature `candle-cuda`) against the CPU op on the
+/// same rounded inputs, forward and gradients, bf16 and f16, GQA, rotary,
+/// with the bounds of `backend::tolerance`. Needs a GPU: this binary links
+/// libcuda (candle-core's `cuda`), so it runs only where one exists; CI
+/// type-checks it (`.ci/run`, clippy --features candle-cuda --test candle_op).
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn cuda_op_matches_the_cpu_op() -> R<()> {
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipped: no CUDA device ({e})");
+            return Ok(());
+        }
+    };
+    let tree = Tree::build(&[golden(), stack_pop()], true).unwrap();
+    let pack = tree.trie_pack();
+    let mask = pack.mask().unwrap();
+    let (l, hq, hkv) = (pack.len(), 4, 2);
+    for (dtype, d, rope) in [
+        (DType::BF16, 64, false),
+        (DType::F16, 128, false),
+        (DType::BF16, 128, true),
+    ] {
+        let tol = treeattn::backend::tolerance::attention(match dtype {
+            DType::BF16 => treeattn::backend::launch::Dtype::Bf16,
+            _ => treeattn::backend::launch::Dtype::F16,
+        });
+        let mut params = AttnParams::new(d);
+        params.rope = rope.then_some(Rope {
+            base: 10000.0,
+            dims: d,
+        });
+        let mut rng = Rng::new(11);
+        let inputs = [hq, hkv, hkv, hq].map(|h| random(&mut rng, &[l, h, d], dtype).unwrap());
+        // The reference: the CPU op in f32 on the very values the GPU sees.
+        let cpu: Vec<Var> = inputs[..3]
+            .iter()
+            .map(|t| Var::from_tensor(&t.to_dtype(DType::F32).unwrap()).unwrap())
+            .collect();
+        let dev: Vec<Var> = inputs[..3]
+            .iter()
+            .map(|t| Var::from_tensor(&t.to_device(&gpu).unwrap()).unwrap())
+            .collect();
+        let w = &inputs[3];
+        let o_ref = tree_attention(&cpu[0], &cpu[1], &cpu[2], &mask, &params)?;
+        let g_ref = (&o_ref * w.to_dtype(DType::F32)?)?.sum_all()?.backward()?;
+        let o = tree_attention(&dev[0], &dev[1], &dev[2], &mask, &params)?;
+        assert!(o.device().is_cuda() && o.dtype() == dtype);
+        let g = (&o * w.to_device(&gpu)?)?
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .backward()?;
+        let e = rel_frobenius(&o, &o_ref);
+        assert!(e <= tol.o_rel, "{dtype:?} d{d} rope {rope}: O {e:e}");
+        for (name, a, b) in [("dq", 0, 0), ("dk", 1, 1), ("dv", 2, 2)] {
+            let e = rel_frobenius(g.get(&dev[a]).unwrap(), g_ref.get(&cpu[b]).unwrap());
+            assert!(
+                e <= tol.grad_rel,
+                "{dtype:?} d{d} rope {rope}: {name} {e:e}"
+            );
+        }
+    }
+    Ok(())
+}

@@ -24,7 +24,7 @@
 #   5. the host-stream entries from their hosts, when scripts/gpu-build.sh
 #      built them into target/gpu-carry (GPU_CARRY): the C program
 #      capi/tests/c/device.c and python/tests/test_cuda.py with the cuda
-#      wheel.
+#      wheel; and the candle op's device test where cargo exists.
 # Every section prints as it goes (flushed) and a failing section does not
 # stop the next. The same flow runs on CPU machines first:
 # `treeattn gpu-check --backend emu --dump DIR` then
@@ -114,5 +114,17 @@ if [ -n "$wheel" ] && command -v python3 >/dev/null; then
     [ $s -ne 0 ] && { echo "python test_cuda: exit $s"; rc=1; }
 else
     echo "skipped: no wheel in $CARRY (run scripts/gpu-build.sh and carry $CARRY)"
+fi
+echo "== candle op on CUDA tensors (tests/candle_op.rs cuda_op_matches_the_cpu_op, candle's stream)"
+# candle-core's `cuda` links libcuda, cuBLAS and cuRAND, so this test
+# binary cannot be linked on a machine without them (the build machine):
+# it is built and run here, where a Rust toolchain exists.
+if command -v cargo >/dev/null; then
+    timeout 600 cargo test --release --features candle-cuda --test candle_op cuda_op_matches_the_cpu_op \
+        -- --nocapture 2>&1 | tee "$LOG_DIR/candle-cuda.log"
+    s=${PIPESTATUS[0]}
+    [ $s -ne 0 ] && { echo "candle cuda test: exit $s"; rc=1; }
+else
+    echo "skipped: no Rust toolchain on this machine (the candle CUDA test must be linked where libcuda and cuBLAS exist)"
 fi
 exit $rc

@@ -36,9 +36,25 @@
 # (extra arguments for gpu-check, e.g. "--tokens 16384 --heads 16 --reps 50"),
 # GPU_ANCHOR_ARGS (extra arguments for gpu-anchor.py, e.g. "--flex eager"),
 # GPU_CHECK_DUMP (the dump directory; default a fresh temporary one),
-# PYTHON (default python3), GPU_CHECK_SANITIZE=1.
+# PYTHON (default python3), GPU_CHECK_SANITIZE=1, GPU_CHECK_BUDGET (seconds
+# for the whole call, default 540: sections share it, see `limit`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+# One budget for the whole call (the device tool allows 600 s per command):
+# each section runs under the smaller of its own cap and what is left, less
+# RESERVE for the sections after it; a section with under 20 s left is
+# skipped with a line. GPU_CHECK_BUDGET (seconds, default 540).
+BUDGET=${GPU_CHECK_BUDGET:-540}
+START=$SECONDS
+# limit CAP RESERVE: the timeout for the next section (0: skip it).
+limit() {
+    local left=$((BUDGET - (SECONDS - START) - $2))
+    [ "$left" -gt "$1" ] && left=$1
+    [ "$left" -lt 20 ] && left=0
+    echo "$left"
+}
+skip_line() { echo "skipped: $1 (budget: $((BUDGET - (SECONDS - START))) s of $BUDGET s left)"; }
 
 CARRY=${GPU_CARRY:-target/gpu-carry}
 # The binary scripts/gpu-build.sh carries, else a plain release build's.
@@ -61,7 +77,9 @@ rc=0
 if [ "${GPU_CHECK_SANITIZE:-0}" = "1" ] && command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck; do
         echo "== compute-sanitizer --tool $tool (small run)"
-        timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+        t=$(limit 120 420)
+        [ "$t" -eq 0 ] && { skip_line "compute-sanitizer $tool"; continue; }
+        timeout "$t" compute-sanitizer --tool "$tool" --error-exitcode 3 \
             "$BIN" gpu-check --tokens 512 --heads 4 --reps 2 >"$LOG_DIR/sanitizer-$tool.log" 2>&1
         s=$?
         tail -5 "$LOG_DIR/sanitizer-$tool.log"
@@ -72,14 +90,23 @@ fi
 DUMP=${GPU_CHECK_DUMP:-$(mktemp -d)/gpu-check-dump}
 echo "== treeattn gpu-check --dump $DUMP"
 # shellcheck disable=SC2086
-timeout 420 "$BIN" gpu-check --dump "$DUMP" ${GPU_CHECK_ARGS:-} 2>&1 | tee "$LOG_DIR/gpu-check.log"
-s=${PIPESTATUS[0]}
-[ $s -ne 0 ] && { echo "gpu-check: exit $s"; rc=1; }
+t=$(limit 300 150)
+if [ "$t" -eq 0 ]; then
+    skip_line "gpu-check"
+    rc=1
+else
+    timeout "$t" "$BIN" gpu-check --dump "$DUMP" ${GPU_CHECK_ARGS:-} 2>&1 | tee "$LOG_DIR/gpu-check.log"
+    s=${PIPESTATUS[0]}
+    [ $s -ne 0 ] && { echo "gpu-check: exit $s"; rc=1; }
+fi
 
 echo "== scripts/gpu-anchor.py $DUMP (PyTorch SDPA / FlexAttention on the same packs)"
-if [ -f "$DUMP/manifest.json" ]; then
+t=$(limit 150 60)
+if [ "$t" -eq 0 ]; then
+    skip_line "gpu-anchor.py"
+elif [ -f "$DUMP/manifest.json" ]; then
     # shellcheck disable=SC2086
-    timeout 300 "${PYTHON:-python3}" -u scripts/gpu-anchor.py "$DUMP" ${GPU_ANCHOR_ARGS:-} 2>&1 \
+    timeout "$t" "${PYTHON:-python3}" -u scripts/gpu-anchor.py "$DUMP" ${GPU_ANCHOR_ARGS:-} 2>&1 \
         | tee "$LOG_DIR/gpu-anchor.log"
     s=${PIPESTATUS[0]}
     [ $s -ne 0 ] && { echo "gpu-anchor.py: exit $s"; rc=1; }
@@ -92,8 +119,11 @@ fi
 # scripts/gpu-build.sh into $CARRY; each section is skipped with a line
 # when its artifact is absent, and its failure does not stop the others).
 echo "== C host on the device (capi/tests/c/device.c: its context, memory and stream)"
-if [ -x "$CARRY/capi-device" ]; then
-    timeout 120 "$CARRY/capi-device" --require-gpu 2>&1 | tee "$LOG_DIR/capi-device.log"
+t=$(limit 30 0)
+if [ "$t" -eq 0 ]; then
+    skip_line "the C host"
+elif [ -x "$CARRY/capi-device" ]; then
+    timeout "$t" "$CARRY/capi-device" --require-gpu 2>&1 | tee "$LOG_DIR/capi-device.log"
     s=${PIPESTATUS[0]}
     [ $s -ne 0 ] && { echo "capi-device: exit $s"; rc=1; }
 else
@@ -101,14 +131,17 @@ else
 fi
 echo "== torch op on CUDA tensors (python/tests/test_cuda.py, torch's current stream)"
 wheel=$(ls "$CARRY"/treeattn-*.whl 2>/dev/null | head -1)
-if [ -n "$wheel" ] && command -v python3 >/dev/null; then
+t=$(limit 120 0)
+if [ "$t" -eq 0 ]; then
+    skip_line "test_cuda.py"
+elif [ -n "$wheel" ] && command -v "${PYTHON:-python3}" >/dev/null; then
     venv=$(mktemp -d)
     # The machine's torch, seen from a venv that adds only the wheel.
-    python3 -m venv --system-site-packages "$venv"
+    "${PYTHON:-python3}" -m venv --system-site-packages "$venv"
     "$venv/bin/python" -c "import pytest" 2>/dev/null \
         || "$venv/bin/python" -m pip install --quiet --no-index --find-links "$CARRY/wheels" pytest
     "$venv/bin/python" -m pip install --quiet --no-deps --no-index "$wheel"
-    (cd python/tests && timeout 300 "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs test_cuda.py) \
+    (cd python/tests && timeout "$t" "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs test_cuda.py) \
         2>&1 | tee "$LOG_DIR/python-cuda.log"
     s=${PIPESTATUS[0]}
     [ $s -ne 0 ] && { echo "python test_cuda: exit $s"; rc=1; }
@@ -119,12 +152,16 @@ echo "== candle op on CUDA tensors (tests/candle_op.rs cuda_op_matches_the_cpu_o
 # candle-core's `cuda` links libcuda, cuBLAS and cuRAND, so this test
 # binary cannot be linked on a machine without them (the build machine):
 # it is built and run here, where a Rust toolchain exists.
-if command -v cargo >/dev/null; then
-    timeout 600 cargo test --release --features candle-cuda --test candle_op cuda_op_matches_the_cpu_op \
+t=$(limit 300 0)
+if [ "$t" -eq 0 ]; then
+    skip_line "the candle device test"
+elif command -v cargo >/dev/null; then
+    timeout "$t" cargo test --release --features candle-cuda --test candle_op cuda_op_matches_the_cpu_op \
         -- --nocapture 2>&1 | tee "$LOG_DIR/candle-cuda.log"
     s=${PIPESTATUS[0]}
     [ $s -ne 0 ] && { echo "candle cuda test: exit $s"; rc=1; }
 else
     echo "skipped: no Rust toolchain on this machine (the candle CUDA test must be linked where libcuda and cuBLAS exist)"
 fi
+echo "== done in $((SECONDS - START)) s of a $BUDGET s budget"
 exit $rc

@@ -19,6 +19,14 @@ on --device (cpu or cuda):
   sdpa-causal SDPA is_causal=True on the same length, timed (on CUDA the flash
               backend), as the speed of plain attention.
 
+Then, when the dump has `timing/` (gpu-check's timing rows: the packs and
+our times), torch on each of those very packs and shapes at full size —
+FlexAttention (block mask from the same rule; rotary applied in torch where
+the row has it) and SDPA causal of the same length — timed as ours were (all
+calls between one pair of CUDA events, the mean), forward or forward +
+backward as the row was, side by side with ours: flex/ours and our
+visible-pair throughput over SDPA causal's.
+
 Compares our O, LSE, dQ, dK, dV with the reference by the measures and bounds
 of the manifest (relative Frobenius error; LSE max absolute error; the bounds
 our kernels are held to against the CPU backend), and flex's O and LSE with ours
@@ -283,7 +291,9 @@ def run_case(case, args, flex_state, row):
                 fails.append(meta["name"] + ": flex failed")
             if args.verbose:
                 traceback.print_exc()
-    # 3. timings
+    # 3. timings (on the case's small pack; the timing packs come later)
+    if args.no_case_timing:
+        return fails
     try:
         row["times"] = time_case(case, args, flex_state, sync)
     except Exception as e:  # noqa: BLE001
@@ -300,7 +310,7 @@ def flex_fn(args, flex_state, want_lse):
     from torch.nn.attention.flex_attention import flex_attention
 
     if (args.flex == "eager" or flex_state.get("compile_failed")
-            or (want_lse and flex_state.get("no_compiled_lse"))):
+            or (want_lse and (flex_state.get("no_compiled_lse") or args.flex_check == "eager"))):
         return flex_attention, "eager"
     if "compiled" not in flex_state:
         import torch
@@ -418,6 +428,143 @@ def time_case(case, args, flex_state, sync):
     return t
 
 
+def event_ms(fn, warm, reps, dev):
+    """Milliseconds per call: `warm` untimed calls, then `reps` calls between
+    one pair of CUDA events (the mean) — how gpu-check times ours; on CPU
+    the wall clock."""
+    import torch
+
+    for _ in range(warm):
+        fn()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / reps
+
+
+def timing_section(args, flex_state, dev):
+    """The timing packs of `DIR/timing/` (gpu-check's own timing rows):
+    torch on the same pack and shape, timed as ours were, side by side.
+    Returns the rows (for --json-out)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    path = os.path.join(args.dump, "timing", "timing.json")
+    if not os.path.exists(path):
+        say("\nno timing packs in the dump (gpu-check ran with --check-only or stopped before its timings)")
+        return []
+    with open(path) as f:
+        tm = json.load(f)
+    recs = tm.get("records", [])
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    say(f"\ntiming packs (gpu-check's own rows; ours: {tm.get('timing')}, {tm.get('method')}); torch on {dev} in "
+        f"{str(dt)[6:]}, timed the same way ({args.timing_reps} calls between one pair of events after 2 warm-up)")
+    say("  per pair: ours' visible-pair throughput / SDPA causal's (L(L+1)/2 pairs) at the same L and heads; "
+        "targets on a GPU: per pair >= 0.90, flex/ours >= 1.2")
+    hdr = (f"{'row':<34} {'kind':>4} {'d':>4} {'L':>6} {'pairs M':>8} {'ours ms':>9} {'flex ms':>9} "
+           f"{'sdpa-c ms':>9} {'flex/ours':>9} {'per pair':>8}")
+    say(hdr)
+    budget_end = time.monotonic() + args.timing_budget
+    packs, rows = {}, []
+    for r in recs:
+        row = dict(r)
+        rows.append(row)
+        kind = "f+b" if r["kind"] == "forward+backward" else "fwd"
+        label = f"{r['name'][:34]:<34} {kind:>4} {r['head_dim']:>4} {r['tokens']:>6} {r['pairs'] / 1e6:>8.1f} " \
+                f"{r['ours_ms']:>9.3f}"
+        if time.monotonic() > budget_end:
+            say(f"{label} skipped (--timing-budget {args.timing_budget} s spent)")
+            continue
+        try:
+            if r["file"] not in packs:
+                t = load_safetensors(os.path.join(args.dump, "timing", r["file"]))
+                packs[r["file"]] = (t["kv_end"].to(dev), t["position_ids"].to(dev), {})
+            kv_end, pos, masks = packs[r["file"]]
+            L, hq, hk, d = r["tokens"], r["q_heads"], r["kv_heads"], r["head_dim"]
+            scale = 1.0 / math.sqrt(d)
+            g = torch.Generator(device=dev).manual_seed(len(rows))
+            mk = lambda h: torch.randn(1, h, L, d, device=dev, generator=g).to(dt)
+            q, k, v, d_o = mk(hq), mk(hk), mk(hk), mk(hq)
+            rope = r.get("rope")
+            fwd = r["kind"] == "forward"
+
+            if L not in masks:
+                def mask_mod(b, h, qi, ki):
+                    return (ki <= qi) & (qi < kv_end[ki])
+                masks[L] = create_block_mask(mask_mod, None, None, L, L, device=dev)
+            bm = masks[L]
+
+            def flex(a, b, c):
+                if rope:
+                    a = rope_apply(a, pos, rope["base"], rope["dims"], dt)
+                    b = rope_apply(b, pos, rope["base"], rope["dims"], dt)
+                fn, mode = flex_fn(args, flex_state, False)
+                flex_state["timed_mode"] = mode
+                return fn(a, b, c, block_mask=bm, scale=scale, enable_gqa=hq != hk)
+
+            def causal(a, b, c):
+                return F.scaled_dot_product_attention(a, b, c, is_causal=True, scale=scale, enable_gqa=hq != hk)
+
+            def run(attn):
+                if fwd:
+                    def go():
+                        with torch.no_grad():
+                            attn(q, k, v)
+                    return go
+
+                def go():
+                    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+                    attn(qq, kk, vv).backward(d_o)
+                return go
+
+            t = {}
+            try:
+                if dev == "cuda":
+                    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        t["sdpa"] = event_ms(run(causal), 2, args.timing_reps, dev)
+                else:
+                    t["sdpa"] = event_ms(run(causal), 1, args.timing_reps, dev)
+            except Exception as e:  # noqa: BLE001
+                row["sdpa_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            if args.flex != "off" and (fwd or dev == "cuda"):
+                try:
+                    t["flex"] = event_ms(run(flex), 2, args.timing_reps, dev)
+                    row["flex_mode"] = flex_state.get("timed_mode")
+                except Exception as e:  # noqa: BLE001
+                    row["flex_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            row["torch_ms"] = t
+            causal_pairs = L * (L + 1) / 2
+            per_pair = (r["pairs"] / r["ours_ms"]) / (causal_pairs / t["sdpa"]) if "sdpa" in t else None
+            f = lambda x, w=9, p=3: f"{x:>{w}.{p}f}" if x is not None else f"{'-':>{w}}"
+            say(f"{label} {f(t.get('flex'))} {f(t.get('sdpa'))} "
+                f"{f(t['flex'] / r['ours_ms'] if 'flex' in t else None, 9, 2)} {f(per_pair, 8, 2)}"
+                + (f"  flex: {row['flex_error']}" if "flex_error" in row else "")
+                + (f"  sdpa: {row['sdpa_error']}" if "sdpa_error" in row else ""))
+            del q, k, v, d_o
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            say(f"{label} FAILED: {row['error']}")
+            if args.verbose:
+                traceback.print_exc()
+    if flex_state.get("timed_mode"):
+        say(f"flex timed: {flex_state['timed_mode']}")
+    if dev != "cuda":
+        say("(on CPU: torch in float32 and ours on the emulator; these times mean nothing for a GPU)")
+    return rows
+
+
 def flex_any(case, args, flex_state, q, k, v):
     out, _, mode = flex_call(case, args, flex_state, q, k, v, want_lse=False)
     flex_state["timed_mode"] = mode
@@ -436,6 +583,14 @@ def main():
     ap.add_argument("--json-out", help="also write the results as JSON here")
     ap.add_argument("--cases", help="only these cases: comma-separated indices into the manifest's list")
     ap.add_argument("--verbose", action="store_true", help="tracebacks of caught errors")
+    ap.add_argument("--no-case-timing", action="store_true",
+                    help="do not time torch on each correctness case's small pack (the timing packs still run)")
+    ap.add_argument("--flex-check", choices=["auto", "eager"], default="auto",
+                    help="FlexAttention for the correctness comparisons: eager saves a compile per case shape")
+    ap.add_argument("--timing-reps", type=int, default=20,
+                    help="calls between one pair of events per timing-pack row [default: 20]")
+    ap.add_argument("--timing-budget", type=float, default=1e9,
+                    help="seconds for the timing packs; rows past it are listed as skipped [default: no limit]")
     a = ap.parse_args()
 
     import warnings
@@ -527,12 +682,20 @@ def main():
         say(f"flex: checked {'/'.join(checked) or '-'}, timed {'/'.join(timed) or '-'}"
             + (" (torch compiles flex on CPU without the LSE only)" if dev == "cpu" and "eager" in checked
                and "compiled" in timed else ""))
+    try:
+        timing_rows = timing_section(a, flex_state, dev)
+    except Exception as e:  # noqa: BLE001 - a fault is a result to report
+        timing_rows = []
+        say(f"timing packs FAILED: {type(e).__name__}: {e}")
+        if a.verbose:
+            traceback.print_exc()
     if a.json_out:
         try:
             with open(a.json_out, "w") as f:
                 json.dump({"device": dev, "torch": torch.__version__, "manifest": {k: v for k, v in manifest.items()
                                                                                     if k != "cases"},
-                           "rows": rows, "failures": fails}, f, indent=1, default=str)
+                           "rows": rows, "timing_rows": timing_rows, "failures": fails}, f, indent=1,
+                          default=str)
         except Exception as e:  # noqa: BLE001
             say(f"could not write {a.json_out}: {e}")
     if not cases:

@@ -23,11 +23,14 @@ fn text(b: &[u8]) -> String {
 }
 
 /// A copy of the dump in which case `case`'s `o` is scaled by 1.05 (a 5%
-/// error: far above every bound).
+/// error: far above every bound); the timing packs are left out.
 fn corrupt(from: &Path, to: &Path, case: usize) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {
         let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            continue;
+        }
         std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
     }
     let m: serde_json::Value =
@@ -142,6 +145,28 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
             assert!(st.tensor(n).is_ok(), "{n} missing in {c}");
         }
     }
+    // The timing rows: packs and our times in dump/timing/ (13 forward
+    // rows, 13 forward + backward rows: d 128 and 64 × causal and the three
+    // tree packs, plus rotary, GQA 8:1 and the long pack with their causal
+    // rows, all at d 128), each record's pack present at its length.
+    let t: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dump.join("timing/timing.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(t["format"], treeattn::gpu_check::TIMING_FORMAT);
+    let recs = t["records"].as_array().unwrap();
+    let count = |k: &str| recs.iter().filter(|r| r["kind"] == k).count();
+    assert_eq!((count("forward"), count("forward+backward")), (13, 13), "{t:#}");
+    for r in recs {
+        let bytes = std::fs::read(dump.join("timing").join(r["file"].as_str().unwrap())).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let l = r["tokens"].as_u64().unwrap() as usize;
+        assert_eq!(st.tensor("kv_end").unwrap().shape(), [l], "{r}");
+        assert!(r["ours_ms"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert!(recs.iter().any(|r| r["rope"].is_object() && r["kind"] == "forward+backward"));
+    assert!(recs.iter().any(|r| r["q_heads"].as_u64() == Some(8 * r["kv_heads"].as_u64().unwrap())));
+    assert!(recs.iter().any(|r| r["tokens"] == 1024));
     let left: Vec<_> = std::fs::read_dir(&base)
         .unwrap()
         .map(|e| e.unwrap().file_name())
@@ -191,11 +216,43 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
     assert!(out.contains("all 9 cases agree"), "{out}");
     assert!(out.contains("flex (eager) vs ours"), "{out}");
     assert!(out.contains("side by side"), "{out}");
+    // ... and torch on the timing packs, one line per record.
+    assert!(out.contains("timing packs (gpu-check's own rows"), "{out}");
+    assert!(out.contains("random trees 4/1 L=1024"), "{out}");
+    assert!(!out.contains("FAILED"), "{out}");
     // A corrupted O (case 5: a backward case with rotary) must be caught.
     let bad = base.join("bad");
     corrupt(&dump, &bad, 5);
     let (code, out, err) = anchor(&bad, &["--flex", "off", "--cases", "5"]);
     assert_eq!(code, Some(1), "{out}\n{err}");
     assert!(out.contains("MISMATCH"), "{out}");
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+/// `--check-only` runs the correctness sections and no timing (its dump has
+/// no `timing/`); `--profile` runs one forward + backward and nothing else.
+#[test]
+fn emu_gpu_check_check_only_and_profile() {
+    let base = scratch("modes");
+    let dump = base.join("dump");
+    let o = Command::new(env!("CARGO_BIN_EXE_treeattn"))
+        .args(["gpu-check", "--backend", "emu", "--check-only", "--small", "--dump"])
+        .arg(&dump)
+        .output()
+        .unwrap();
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
+    assert!(out.contains("all 5 correctness checks passed"), "{out}");
+    assert!(!out.contains("forward timing") && !out.contains("SDCC timing"), "{out}");
+    assert!(dump.join("manifest.json").exists());
+    assert!(!dump.join("timing").exists());
+    let o = Command::new(env!("CARGO_BIN_EXE_treeattn"))
+        .args(["gpu-check", "--backend", "emu", "--profile", "--tokens", "256", "--heads", "4"])
+        .output()
+        .unwrap();
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
+    assert!(out.contains("profile: one forward + backward"), "{out}");
+    assert!(!out.contains("correctness"), "{out}");
     std::fs::remove_dir_all(&base).unwrap();
 }

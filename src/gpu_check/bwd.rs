@@ -34,6 +34,7 @@ use serde_json::json;
 
 use super::dump::{Dump, DumpTensor};
 use super::target::{DevElem, Target};
+use super::timing::{self, TimingRecord, Timings};
 use super::{case_meta, cpu_forward, cpu_sdcc, warmup, CheckOptions, Report};
 use crate::backend::launch::bwd::DqMode;
 use crate::backend::launch::{Dtype, KernelElem};
@@ -245,9 +246,10 @@ fn branch_lengths(pack: &MaskBuilder) -> Vec<usize> {
 }
 
 /// Buffers of one forward + backward run.
-struct Run<D: Target, T: DevElem> {
+pub(super) struct Run<D: Target, T: DevElem> {
     pack: D::Pack,
     shape: AttnShape,
+    params: AttnParams,
     inputs: [D::Buf<T>; 4], // q, k, v, d_o
     o: D::Buf<T>,
     lse: D::Buf<f32>,
@@ -255,7 +257,14 @@ struct Run<D: Target, T: DevElem> {
 }
 
 impl<D: Target, T: KernelElem + DevElem> Run<D, T> {
-    fn new(be: &D, rng: &mut Rng, pack: &MaskBuilder, shape: AttnShape) -> Result<Self> {
+    /// Random inputs for `pack` at `shape`, rotary `rope` (or none).
+    pub(super) fn new(
+        be: &D,
+        rng: &mut Rng,
+        pack: &MaskBuilder,
+        shape: AttnShape,
+        rope: Option<Rope>,
+    ) -> Result<Self> {
         let mut mk = |n: usize| -> Result<D::Buf<T>> {
             let h: Vec<T> = (0..n)
                 .map(|_| T::from_f32(rng.signed_unit() * 2.0))
@@ -269,9 +278,12 @@ impl<D: Target, T: KernelElem + DevElem> Run<D, T> {
             mk(shape.q_len())?,
         ];
         let zeros = |n: usize| be.filled(n, T::from_f32(0.0));
+        let mut params = AttnParams::new(shape.head_dim);
+        params.rope = rope;
         Ok(Run {
             pack: be.pack(pack)?,
             shape,
+            params,
             o: zeros(shape.q_len())?,
             lse: be.filled(shape.q_heads * shape.tokens, 0.0f32)?,
             grads: [
@@ -282,8 +294,8 @@ impl<D: Target, T: KernelElem + DevElem> Run<D, T> {
             inputs,
         })
     }
-    fn launch(&mut self, be: &D, mode: DqMode) -> Result<()> {
-        let params = AttnParams::new(self.shape.head_dim);
+    /// One forward, then one backward with dQ by `mode`.
+    pub(super) fn launch(&mut self, be: &D, mode: DqMode) -> Result<()> {
         let [q, k, v, d_o] = &self.inputs;
         be.forward(
             q,
@@ -291,40 +303,38 @@ impl<D: Target, T: KernelElem + DevElem> Run<D, T> {
             v,
             self.shape,
             &self.pack,
-            &params,
+            &self.params,
             &mut self.o,
             &mut self.lse,
         )?;
         let [dq, dk, dv] = &mut self.grads;
         be.backward(
-            q, k, v, &self.o, &self.lse, d_o, self.shape, &self.pack, &params, mode, dq, dk, dv,
+            q, k, v, &self.o, &self.lse, d_o, self.shape, &self.pack, &self.params, mode, dq, dk, dv,
         )
     }
 }
 
-/// Median milliseconds of `reps` rounds (after the warm-up rounds) of
-/// forward + backward over every run in `runs`, one timing per round.
+/// Milliseconds per round of forward + backward over every run in `runs`:
+/// the warm-up rounds, then `reps` rounds between one pair of events (the
+/// mean).
 fn time_runs<D: Target, T: KernelElem + DevElem>(
     be: &D,
     runs: &mut [Run<D, T>],
     mode: DqMode,
     reps: usize,
 ) -> Result<f64> {
-    let warm = warmup::<D>(3);
-    let mut times = Vec::with_capacity(reps);
-    for i in 0..reps.max(1) + warm {
-        let ms = be.time_ms(&mut || {
-            for r in runs.iter_mut() {
-                r.launch(be, mode)?;
-            }
-            Ok(())
-        })?;
-        if i >= warm {
-            times.push(ms);
+    let mut round = || -> Result<()> {
+        for r in runs.iter_mut() {
+            r.launch(be, mode)?;
         }
+        Ok(())
+    };
+    for _ in 0..warmup::<D>(3) {
+        round()?;
     }
-    times.sort_by(|a, b| a.total_cmp(b));
-    Ok(times[times.len() / 2])
+    let reps = reps.max(1);
+    let ms = be.time_ms(&mut || (0..reps).try_for_each(|_| round()))?;
+    Ok(ms / reps as f64)
 }
 
 /// Part 2's correctness sections (backward, SDCC); appends them to `rep`
@@ -501,6 +511,7 @@ pub(super) fn timings<D: Target>(
     rng: &mut Rng,
     opts: &CheckOptions,
     rep: &mut Report<'_>,
+    tm: &mut Timings,
 ) -> Result<()> {
     let shape = |tokens, q_heads, kv_heads, head_dim| AttnShape {
         tokens,
@@ -516,28 +527,20 @@ pub(super) fn timings<D: Target>(
     // 3. timing of forward + backward
     let n = opts.timing_tokens.max(256);
     let hq = opts.timing_q_heads.max(4);
-    let hk = hq / 4;
     let reps = opts.reps.clamp(1, 20);
     let warm = warmup::<D>(3);
-    let mut packs: Vec<(String, MaskBuilder)> = Vec::new();
-    let mut p = MaskBuilder::new();
-    let system = n / 8;
-    p.push_fan(system, 4, (n - system) / 4);
-    packs.push(("compaction: prompt + 4 views".into(), p));
-    let mut p = MaskBuilder::new();
-    let prompt = n / 16;
-    p.push_fan(prompt, 16, (n - prompt) / 16);
-    packs.push(("grpo: prompt + 16 responses".into(), p));
-    let mut causal = MaskBuilder::new();
-    causal.push_sequence(n);
+    let packs = timing::timing_packs(rng, n);
+    let long = timing::long_tokens(opts);
+    let long_trees = timing::random_trees(rng, long);
+    let trees = &packs[2].1;
     let _ = writeln!(
         rep,
-        "\nforward + backward timing (bf16, {hq}/{hk} heads; median of {reps} rounds after {warm} warm-up, {clock}; \
-         FLOPs = 3.5 · 4·d·heads per visible pair; LogitTree = one causal fwd+bwd per root-to-leaf branch)"
+        "\nforward + backward timing (bf16; mean of {reps} rounds between one pair of events after {warm} warm-up, \
+         {clock}; FLOPs = 3.5 · 4·d·heads per visible pair; LogitTree = one causal fwd+bwd per root-to-leaf branch)"
     );
     let _ = writeln!(
         rep,
-        "{:<30} {:>4} {:>6} {:>8} {:>9} {:>9} {:>8} {:>9} {:>5} {:>10} {:>9}",
+        "{:<34} {:>4} {:>6} {:>8} {:>9} {:>9} {:>8} {:>9} {:>5} {:>10} {:>9}",
         "pack",
         "d",
         "L",
@@ -550,44 +553,103 @@ pub(super) fn timings<D: Target>(
         "LogitT ms",
         "vs LogitT"
     );
+    // (shape, rows: label, pack, rotary, with LogitTree's K+1 passes)
+    type Row<'p> = (String, &'p MaskBuilder, Option<Rope>, bool);
+    let mut groups: Vec<(AttnShape, Vec<Row<'_>>)> = Vec::new();
     for d in [128usize, 64] {
-        let sh = shape(n, hq, hk, d);
-        let mut c = [Run::<D, half::bf16>::new(be, rng, &causal, sh)?];
+        let rows = packs
+            .iter()
+            .map(|(name, p)| (format!("{name} {hq}/{}", hq / 4), p, None, true))
+            .collect();
+        groups.push((shape(n, hq, hq / 4, d), rows));
+    }
+    groups[0].1.push((
+        format!("random trees {hq}/{} rotary", hq / 4),
+        trees,
+        Some(timing::TIMING_ROPE),
+        false,
+    ));
+    let hq8 = hq.max(8);
+    groups.push((
+        shape(n, hq8, hq8 / 8, 128),
+        vec![(format!("random trees {hq8}/{} (gqa 8:1)", hq8 / 8), trees, None, false)],
+    ));
+    groups.push((
+        shape(long, hq, hq / 4, 128),
+        vec![(format!("random trees {hq}/{} L={long}", hq / 4), &long_trees, None, false)],
+    ));
+    for (sh, rows) in &groups {
+        let (d, l) = (sh.head_dim, sh.tokens);
+        let causal = timing::causal_pack(l);
+        let mut c = [Run::<D, half::bf16>::new(be, rng, &causal, *sh, None)?];
         let causal_ms = time_runs(be, &mut c, DqMode::Atomic, reps)?;
         drop(c);
-        for (name, pack) in &packs {
-            let mut tree = [Run::<D, half::bf16>::new(be, rng, pack, sh)?];
+        let causal_name = format!("causal {}/{}", sh.q_heads, sh.kv_heads);
+        let id = tm.pack_id("causal", &causal);
+        tm.records.push(TimingRecord {
+            name: causal_name,
+            kind: "forward+backward",
+            pack: id,
+            shape: *sh,
+            rope: None,
+            pairs: causal.mask()?.visible_pairs(),
+            ours_ms: causal_ms,
+            ours_det_ms: None,
+            causal_ms,
+        });
+        for (name, pack, rope, with_lt) in rows {
+            let mut tree = [Run::<D, half::bf16>::new(be, rng, pack, *sh, *rope)?];
             let ms = time_runs(be, &mut tree, DqMode::Atomic, reps)?;
             let det_ms = time_runs(be, &mut tree, DqMode::Deterministic, reps)?;
             drop(tree);
-            let branches = branch_lengths(pack);
-            let mut lt = branches
-                .iter()
-                .map(|&len| {
-                    let mut b = MaskBuilder::new();
-                    b.push_sequence(len);
-                    Run::<D, half::bf16>::new(be, rng, &b, shape(len, hq, hk, d))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let lt_ms = time_runs(be, &mut lt, DqMode::Atomic, reps)?;
-            drop(lt);
+            let lt = if *with_lt {
+                let branches = branch_lengths(pack);
+                let mut lt = branches
+                    .iter()
+                    .map(|&len| {
+                        let mut b = MaskBuilder::new();
+                        b.push_sequence(len);
+                        Run::<D, half::bf16>::new(be, rng, &b, shape(len, sh.q_heads, sh.kv_heads, d), None)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let lt_ms = time_runs(be, &mut lt, DqMode::Atomic, reps)?;
+                Some((branches.len(), lt_ms))
+            } else {
+                None
+            };
             let pairs = pack.mask()?.visible_pairs();
-            let tflops = 3.5 * 4.0 * d as f64 * hq as f64 * pairs as f64 / (ms * 1e-3) / 1e12;
+            let tflops = 3.5 * 4.0 * d as f64 * sh.q_heads as f64 * pairs as f64 / (ms * 1e-3) / 1e12;
+            let (k1, lt_ms, vs) = match lt {
+                Some((k, t)) => (k.to_string(), format!("{t:.3}"), format!("{:.2}x", t / ms)),
+                None => ("-".into(), "-".into(), "-".into()),
+            };
             let _ = writeln!(
                 rep,
-                "{:<30} {:>4} {:>6} {:>8.1} {:>9.3} {:>9.3} {:>8.1} {:>9.3} {:>5} {:>10.3} {:>8.2}x",
+                "{:<34} {:>4} {:>6} {:>8.1} {:>9.3} {:>9.3} {:>8.1} {:>9.3} {:>5} {:>10} {:>9}",
                 name,
                 d,
-                n,
+                l,
                 pairs as f64 / 1e6,
                 ms,
                 det_ms,
                 tflops,
                 causal_ms,
-                branches.len(),
+                k1,
                 lt_ms,
-                lt_ms / ms
+                vs
             );
+            let id = tm.pack_id(timing::name_of_pack(name), pack);
+            tm.records.push(TimingRecord {
+                name: name.clone(),
+                kind: "forward+backward",
+                pack: id,
+                shape: *sh,
+                rope: *rope,
+                pairs,
+                ours_ms: ms,
+                ours_det_ms: Some(det_ms),
+                causal_ms,
+            });
         }
     }
 
@@ -609,18 +671,15 @@ pub(super) fn timings<D: Target>(
     let mut grad = be.filled(n_pairs * vocab, 0.0f32)?;
     let sdcc_warm = warmup::<D>(2);
     let mut time_sdcc = |unfused: bool| -> Result<f64> {
-        let mut times = Vec::new();
-        for i in 0..reps + sdcc_warm {
-            let ms = be.time_ms(&mut || {
-                be.sdcc(unfused, &dst, &dte, vocab, &pairs, &weights, 1.0, &mut grad)
-                    .map(|_| ())
-            })?;
-            if i >= sdcc_warm {
-                times.push(ms);
-            }
+        let mut call = || {
+            be.sdcc(unfused, &dst, &dte, vocab, &pairs, &weights, 1.0, &mut grad)
+                .map(|_| ())
+        };
+        for _ in 0..sdcc_warm {
+            call()?;
         }
-        times.sort_by(|a, b| a.total_cmp(b));
-        Ok(times[times.len() / 2])
+        let ms = be.time_ms(&mut || (0..reps).try_for_each(|_| call()))?;
+        Ok(ms / reps as f64)
     };
     let fused = time_sdcc(false)?;
     let unfused = time_sdcc(true)?;
@@ -628,7 +687,7 @@ pub(super) fn timings<D: Target>(
     let bytes = (n_pairs * vocab * (4 * 2 + 4)) as f64;
     let _ = writeln!(
         rep,
-        "\nSDCC timing (bf16, vocab {vocab}, {n_pairs} pairs, τ 1; median of {reps}, {clock}; each call includes its \
+        "\nSDCC timing (bf16, vocab {vocab}, {n_pairs} pairs, τ 1; mean of {reps} between one pair of events, {clock}; each call includes its \
          small uploads and the per-pair download)\n  fused {fused:.3} ms ({:.0} GB/s of its minimal traffic)   unfused \
          {unfused:.3} ms   speedup {:.2}x",
         bytes / (fused * 1e-3) / 1e9,

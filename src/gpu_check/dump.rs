@@ -74,6 +74,11 @@ impl DumpTensor {
             data: x.iter().flat_map(|&v| (v as i64).to_le_bytes()).collect(),
         }
     }
+    /// `tensors` as one safetensors file's bytes.
+    pub fn serialize(tensors: &[(&str, DumpTensor)]) -> Result<Vec<u8>> {
+        safetensors::serialize(tensors.iter().map(|(n, t)| (*n, t)), None)
+            .map_err(|e| Error::Io(format!("safetensors: {e}")))
+    }
     fn describe(&self) -> Value {
         json!({"dtype": format!("{:?}", self.dtype), "shape": self.shape})
     }
@@ -152,8 +157,7 @@ impl Dump {
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
             .collect();
         let file = format!("case{:02}-{slug}.safetensors", self.cases.len());
-        let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (*n, t)), None)
-            .map_err(|e| Error::Io(format!("{file}: safetensors: {e}")))?;
+        let bytes = DumpTensor::serialize(tensors).map_err(|e| Error::Io(format!("{file}: {e}")))?;
         write_synced(&self.partial.join(&file), &bytes)?;
         let described: serde_json::Map<String, Value> = tensors
             .iter()
@@ -198,6 +202,48 @@ impl Drop for Dump {
     fn drop(&mut self) {
         if !self.committed {
             let _ = std::fs::remove_dir_all(&self.partial);
+        }
+    }
+}
+
+/// Writes `files` (name, bytes) into a new directory `dir`, atomically:
+/// into `.NAME.partial-PID` beside it, synced, then renamed; on an error
+/// the partial directory is removed and `dir` does not appear. `dir` must
+/// not exist.
+pub(crate) fn write_dir_atomically(dir: &Path, files: &[(String, Vec<u8>)]) -> Result<PathBuf> {
+    if dir.exists() {
+        return Err(Error::Usage(format!(
+            "{}: exists (the dump never overwrites)",
+            dir.display()
+        )));
+    }
+    let name = dir
+        .file_name()
+        .ok_or_else(|| Error::Usage(format!("{}: not a directory name", dir.display())))?;
+    let partial = dir.with_file_name(format!(
+        ".{}.partial-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let write = || -> Result<()> {
+        std::fs::create_dir_all(&partial).map_err(io(&partial))?;
+        for (f, bytes) in files {
+            write_synced(&partial.join(f), bytes)?;
+        }
+        std::fs::rename(&partial, dir).map_err(io(dir))
+    };
+    match write() {
+        Ok(()) => {
+            if let Some(parent) = dir.parent() {
+                if let Ok(d) = std::fs::File::open(parent) {
+                    let _ = d.sync_all();
+                }
+            }
+            Ok(dir.to_path_buf())
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&partial);
+            Err(e)
         }
     }
 }

@@ -16,12 +16,17 @@
 //! 3. With `--dump DIR`, the packs, inputs and our outputs of every case of
 //!    1 and 2, for `scripts/gpu-anchor.py` (dump.rs); written before any
 //!    timing, so that a fault there keeps it.
-//! 4. Timing: the forward on tree packs against a plain causal run of the
-//!    same kernel and size, inputs larger than L2 (rotating input sets),
-//!    warm-up, median of timings (CUDA events; on the emulator its wall
-//!    clock, marked as meaningless). FLOPs count visible pairs only (4·d per
-//!    pair per head, DESIGN §7). Then forward + backward and SDCC timings
-//!    (bwd.rs).
+//! 4. Timing (timing.rs): the forward on tree packs against a plain causal
+//!    run of the same kernel and size, plus rows with rotary, GQA 8:1 and a
+//!    65,536-token pack; inputs larger than L2 (rotating input sets),
+//!    warm-up, then all repetitions between one pair of CUDA events (on the
+//!    emulator its wall clock, marked as meaningless). FLOPs count visible
+//!    pairs only (4·d per pair per head, DESIGN §7). Then forward + backward
+//!    and SDCC timings (bwd.rs). With `--dump`, the timing packs and our
+//!    times go to `DIR/timing/` afterwards, for the anchor.
+//!
+//! `--check-only` stops after 3; `--profile` runs only one forward +
+//! backward for a profiler (timing.rs).
 //!
 //! The reference is the CPU backend (`backend::cpu`). Every kernel call
 //! goes through the contract traits, on the target of target.rs. Each
@@ -36,13 +41,15 @@ use std::path::PathBuf;
 mod bwd;
 mod dump;
 mod target;
+mod timing;
 
 pub use dump::DUMP_FORMAT;
+pub use timing::TIMING_FORMAT;
 
 use serde_json::json;
 
 use crate::backend::cpu::Cpu;
-use crate::backend::launch::{count_tiles, Dtype, FwdTraits, KernelElem};
+use crate::backend::launch::{Dtype, KernelElem};
 use crate::backend::{AttnArgs, AttnParams, AttnShape, HostAttention, HostSdcc, SdccArgs, SdccOut};
 use crate::gen::MaskBuilder;
 use crate::mask::PackMask;
@@ -50,6 +57,7 @@ use crate::rng::Rng;
 use crate::{Error, Result};
 use dump::{Dump, DumpTensor};
 use target::{DevElem, Target};
+use timing::Timings;
 
 /// Where `gpu-check` runs its kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,8 +107,14 @@ pub struct CheckOptions {
     pub small: bool,
     /// The large vocabulary of the SDCC checks and timing.
     pub sdcc_vocab: usize,
-    /// Write every correctness case's pack, inputs and outputs here.
+    /// Write every correctness case's pack, inputs and outputs here (and,
+    /// after the timings, the timing packs and our times in `timing/`).
     pub dump: Option<PathBuf>,
+    /// Correctness only: no timing sections (the sanitizer runs).
+    pub check_only: bool,
+    /// Only one forward + backward of one tree pack at the timing length
+    /// (d 128), no checks: what a profiler looks at.
+    pub profile: bool,
 }
 
 impl CheckOptions {
@@ -119,6 +133,8 @@ impl CheckOptions {
                 small: false,
                 sdcc_vocab: 151_936,
                 dump: None,
+                check_only: false,
+                profile: false,
             },
             CheckBackend::Emu => CheckOptions {
                 backend,
@@ -130,6 +146,8 @@ impl CheckOptions {
                 small: true,
                 sdcc_vocab: 8_192,
                 dump: None,
+                check_only: false,
+                profile: false,
             },
         }
     }
@@ -326,32 +344,6 @@ fn check_case<D: Target, T: KernelElem + DevElem>(
     Ok(FwdResult { o_err, lse_err })
 }
 
-/// Random input sets (q, k, v) for timing: on a GPU, enough of them that
-/// one pass over the sets is several times a 60 MB L2; two on the emulator.
-fn timing_inputs<D: Target, T: KernelElem + DevElem>(
-    be: &D,
-    rng: &mut Rng,
-    shape: AttnShape,
-) -> Result<Vec<[D::Buf<T>; 3]>> {
-    let set_bytes = (shape.q_len() + 2 * shape.kv_len()) * 2;
-    let sets = if D::REAL_TIMING {
-        (240usize << 20).div_ceil(set_bytes).clamp(2, 16)
-    } else {
-        2
-    };
-    let mut inputs = Vec::with_capacity(sets);
-    for _ in 0..sets {
-        let mut mk = |n: usize| -> Result<D::Buf<T>> {
-            let h: Vec<T> = (0..n)
-                .map(|_| T::from_f32(rng.signed_unit() * 2.0))
-                .collect();
-            be.up(&h)
-        };
-        inputs.push([mk(shape.q_len())?, mk(shape.kv_len())?, mk(shape.kv_len())?]);
-    }
-    Ok(inputs)
-}
-
 /// Warm-up launches before timed ones: 5 on a GPU, 1 on the emulator.
 fn warmup<D: Target>(gpu: usize) -> usize {
     if D::REAL_TIMING {
@@ -359,34 +351,6 @@ fn warmup<D: Target>(gpu: usize) -> usize {
     } else {
         1
     }
-}
-
-/// Timing of one pack: median milliseconds over `reps` launches (after the
-/// warm-up), rotating over the input sets so that inputs never sit in L2.
-fn time_pack<D: Target, T: KernelElem + DevElem>(
-    be: &D,
-    inputs: &[[D::Buf<T>; 3]],
-    pack: &MaskBuilder,
-    shape: AttnShape,
-    reps: usize,
-) -> Result<f64> {
-    let dp = be.pack(pack)?;
-    let sets = inputs.len();
-    let mut out = be.filled(shape.q_len(), T::from_f32(0.0))?;
-    let mut lse = be.filled(shape.q_heads * shape.tokens, 0.0f32)?;
-    let params = AttnParams::new(shape.head_dim);
-    let warm = warmup::<D>(5);
-    let mut times = Vec::with_capacity(reps);
-    for i in 0..reps.max(1) + warm {
-        let [q, k, v] = &inputs[i % sets];
-        let ms =
-            be.time_ms(&mut || be.forward(q, k, v, shape, &dp, &params, &mut out, &mut lse))?;
-        if i >= warm {
-            times.push(ms);
-        }
-    }
-    times.sort_by(|a, b| a.total_cmp(b));
-    Ok(times[times.len() / 2])
 }
 
 /// Runs the check on `opts.backend`, printing each section to `out` as it
@@ -443,6 +407,9 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
         "gpu-check --backend {} on {device} (seed {seed})",
         D::NAME
     );
+    if opts.profile {
+        return timing::profile(be, &mut rng, opts, rep);
+    }
     // Sizes: the GPU's, or the emulator's (it runs every thread of every
     // block on the CPU: a few hundred tokens per pack).
     let sz = |gpu: usize, emu: usize| if opts.small { emu } else { gpu };
@@ -568,99 +535,28 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
         );
     }
 
-    // 4. timing
-    let n = opts.timing_tokens.max(256);
-    let hq = opts.timing_q_heads.max(4);
-    let hk = hq / 4;
-    let mut timing: Vec<(String, MaskBuilder)> = Vec::new();
-    let mut p = MaskBuilder::new();
-    let system = n / 8;
-    p.push_fan(system, 4, (n - system) / 4);
-    timing.push(("compaction: prompt + 4 views".into(), p));
-    let mut p = MaskBuilder::new();
-    let prompt = n / 16;
-    p.push_fan(prompt, 16, (n - prompt) / 16);
-    timing.push(("grpo: prompt + 16 responses".into(), p));
-    let mut p = MaskBuilder::new();
-    while p.kv_end.len() < n {
-        p.push_tree(&mut rng, 0, n / 16, 3, true);
-    }
-    p.kv_end.truncate(n);
-    p.position_ids.truncate(n);
-    for (k, e) in p.kv_end.iter_mut().enumerate() {
-        *e = (*e).min(n as u32).max(k as u32 + 1);
-    }
-    timing.push(("random trees".into(), p));
-    let mut table = String::new();
-    let _ = writeln!(
-        table,
-        "{:<30} {:>4} {:>6} {:>8} {:>6} {:>6} {:>8} {:>8} {:>9} {:>7}",
-        "pack (bf16, hq/hk)",
-        "d",
-        "L",
-        "pairs M",
-        "skip%",
-        "full%",
-        "ms",
-        "TFLOP/s",
-        "causal ms",
-        "speedup"
-    );
-    let mut causal = MaskBuilder::new();
-    causal.push_sequence(n);
-    for d in [128usize, 64] {
-        let sh = shape(n, hq, hk, d);
-        let traits = FwdTraits::for_head_dim(d)?;
-        let inputs = timing_inputs::<D, half::bf16>(be, &mut rng, sh)?;
-        let causal_ms = time_pack(be, &inputs, &causal, sh, opts.reps)?;
-        let rows = std::iter::once((format!("causal {hq}/{hk}"), &causal))
-            .chain(timing.iter().map(|(name, p)| (name.clone(), p)));
-        for (name, pack) in rows {
-            let ms = if std::ptr::eq(pack, &causal) {
-                causal_ms
-            } else {
-                time_pack(be, &inputs, pack, sh, opts.reps)?
-            };
-            let pairs = pack.mask()?.visible_pairs();
-            let (skip, full, part) = count_tiles(&pack.kv_end, &traits);
-            let all = (skip + full + part).max(1) as f64;
-            let tflops = 4.0 * d as f64 * hq as f64 * pairs as f64 / (ms * 1e-3) / 1e12;
-            let _ = writeln!(
-                table,
-                "{:<30} {:>4} {:>6} {:>8.1} {:>6.1} {:>6.1} {:>8.3} {:>8.1} {:>9.3} {:>7.2}",
-                name,
-                d,
-                n,
-                pairs as f64 / 1e6,
-                100.0 * skip as f64 / all,
-                100.0 * full as f64 / all,
-                ms,
-                tflops,
-                causal_ms,
-                causal_ms / ms
-            );
+    // 4. timing (timing.rs, bwd.rs), recorded for the anchor
+    if !opts.check_only {
+        let mut tm = Timings::default();
+        let r = timing::forward(be, &mut rng, opts, rep, &mut tm)
+            .and_then(|()| bwd::timings(be, &mut rng, opts, rep, &mut tm));
+        // What was timed reaches the dump even when a later section failed.
+        if let (Some(dir), false) = (&opts.dump, tm.records.is_empty()) {
+            match tm.write(dir, D::REAL_TIMING) {
+                Ok(p) => {
+                    let _ = writeln!(
+                        rep,
+                        "\ntiming packs and our times: {} (scripts/gpu-anchor.py times PyTorch on them)",
+                        p.display()
+                    );
+                }
+                Err(e) => {
+                    let _ = writeln!(rep, "\ntiming packs could not be written: {e}");
+                }
+            }
         }
+        r?;
     }
-    let tiles = FwdTraits::for_head_dim(128)?;
-    let how = if D::REAL_TIMING {
-        format!(
-            "median of {} launches after 5 warm-up, CUDA events, rotating input sets > L2",
-            opts.reps
-        )
-    } else {
-        format!(
-            "EMULATOR WALL CLOCK, meaningless for a GPU (median of {} after 1 warm-up; the layout of the GPU table)",
-            opts.reps
-        )
-    };
-    let _ = writeln!(
-        rep,
-        "\ntiming: {how}; FLOPs = 4·d·heads per visible pair; tiles {}x{} (skip%: never loaded, full%: no mask)",
-        tiles.block_m, tiles.block_n
-    );
-    let _ = write!(rep, "{table}");
-    // Forward + backward and SDCC timings (bwd.rs).
-    bwd::timings(be, &mut rng, opts, rep)?;
     if failures.is_empty() {
         Ok(())
     } else {

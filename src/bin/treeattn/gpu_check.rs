@@ -42,7 +42,12 @@ a GPU, printed in the same table layout.
 --dump DIR writes every correctness case's pack (kv_end, position ids),
 inputs (q, k, v, dO) and our outputs (O, LSE, dQ, dK, dV) as safetensors plus
 a manifest.json, atomically (DIR must not exist or be empty), before any
-timing; scripts/gpu-anchor.py DIR runs PyTorch on the same packs.")]
+timing; after the timings, DIR/timing/ holds the timing packs and our times
+(timing.json). scripts/gpu-anchor.py DIR runs PyTorch on the same packs and
+prints its times beside ours.
+
+--check-only skips the timings; --small uses the emulator's pack sizes;
+--profile runs only one forward + backward (for ncu).")]
 pub struct GpuCheckArgs {
     /// cuda or emu [default: cuda where built with `cuda`, else emu].
     #[arg(long, value_enum, value_name = "B")]
@@ -62,9 +67,21 @@ pub struct GpuCheckArgs {
     /// Query heads of the timed packs [default: 16 cuda, 4 emu].
     #[arg(long, value_name = "H", value_parser = number)]
     heads: Option<u64>,
-    /// Timed runs, the median is shown [default: 50 cuda, 1 emu].
+    /// Timed runs per row, between one pair of events; the mean is shown
+    /// [default: 50 cuda, 1 emu].
     #[arg(long, value_name = "R", value_parser = number)]
     reps: Option<u64>,
+    /// Correctness checks only, no timing (what the sanitizer runs).
+    #[arg(long, conflicts_with = "profile")]
+    check_only: bool,
+    /// The emulator's small correctness packs (a few hundred tokens), on any
+    /// backend (the sanitizer runs).
+    #[arg(long)]
+    small: bool,
+    /// Only one forward + backward of a random-tree pack at --tokens, d 128,
+    /// bf16, no checks: for a profiler (ncu).
+    #[arg(long)]
+    profile: bool,
 }
 
 fn to_usize(name: &str, v: u64) -> Result<usize> {
@@ -97,6 +114,9 @@ pub fn run(a: GpuCheckArgs) -> Result<()> {
         opts.reps = to_usize("reps", r)?;
     }
     opts.dump = a.dump;
+    opts.check_only = a.check_only;
+    opts.profile = a.profile;
+    opts.small |= a.small;
     let mut out = std::io::stdout().lock();
     run_to(&opts, &mut out)
 }
@@ -113,7 +133,7 @@ pub fn run(a: GpuCheckArgs) -> Result<()> {
             to_usize(name, v)?;
         }
     }
-    let _ = (a.seed, a.dump);
+    let _ = (a.seed, a.dump, a.check_only, a.small, a.profile);
     let how = match a.backend {
         Some(BackendArg::Emu) => {
             "this treeattn was built without the `emu` feature: rebuild with `cargo build --release --features emu` \

@@ -1,0 +1,433 @@
+//! `treeattn gpu-check`, the forward timings and what every timing section
+//! records for the anchor.
+//!
+//! Forward timing: tree packs at the timing length (a compaction fan, a
+//! GRPO fan, random trees) against a plain causal run of the same kernel
+//! and size, d 128 and 64, GQA 4:1; then, at d 128, random trees with
+//! rotary on, with GQA 8:1, and at the long length (65,536 tokens on a GPU)
+//! against a causal run of that length. Inputs larger than L2 (rotating
+//! input sets); warm-up launches untimed, then all repetitions between one
+//! pair of CUDA events (on the emulator its wall clock, marked
+//! meaningless): the mean per launch. FLOPs count visible pairs only
+//! (4·d per pair per head, DESIGN §7).
+//!
+//! Every timed row (this file's and bwd.rs's forward + backward rows) is a
+//! [`TimingRecord`]; with `--dump DIR`, [`Timings::write`] puts the packs
+//! and the records in `DIR/timing/` so that `scripts/gpu-anchor.py` times
+//! PyTorch (FlexAttention, SDPA causal) on the very same packs and shapes
+//! and prints them side by side with ours.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde_json::json;
+
+use super::dump::{write_dir_atomically, DumpTensor};
+use super::target::{DevElem, Target};
+use super::{warmup, CheckOptions, Report};
+use crate::backend::launch::bwd::DqMode;
+use crate::backend::launch::{count_tiles, FwdTraits, KernelElem};
+use crate::backend::{AttnParams, AttnShape, Rope};
+use crate::gen::MaskBuilder;
+use crate::rng::Rng;
+use crate::Result;
+
+/// The rotary setting of the timing rows that have one (Llama's).
+pub(super) const TIMING_ROPE: Rope = Rope {
+    base: 10_000.0,
+    dims: 128,
+};
+
+/// One timed row: what ran, on which pack, and our times.
+pub(super) struct TimingRecord {
+    /// The row's label (the report's first column).
+    pub name: String,
+    /// `"forward"` or `"forward+backward"`.
+    pub kind: &'static str,
+    /// Index into [`Timings::packs`].
+    pub pack: usize,
+    /// Tokens, heads, head dim.
+    pub shape: AttnShape,
+    /// Rotary, when the row has it.
+    pub rope: Option<Rope>,
+    /// Visible (query, key) pairs of the pack, per head.
+    pub pairs: u64,
+    /// Our milliseconds per call (dQ by atomics for forward + backward).
+    pub ours_ms: f64,
+    /// Forward + backward with the deterministic dQ.
+    pub ours_det_ms: Option<f64>,
+    /// Our milliseconds per call on a causal pack of the same length and
+    /// shape, in the same run.
+    pub causal_ms: f64,
+}
+
+/// The timing sections' packs and records (see the module docs).
+#[derive(Default)]
+pub(super) struct Timings {
+    /// (name, pack); records point here by index.
+    pub packs: Vec<(String, MaskBuilder)>,
+    /// Every timed row, in report order.
+    pub records: Vec<TimingRecord>,
+}
+
+impl Timings {
+    /// The index of `pack` under `name`, added on first use.
+    pub fn pack_id(&mut self, name: &str, pack: &MaskBuilder) -> usize {
+        if let Some(i) = self
+            .packs
+            .iter()
+            .position(|(n, p)| n == name && p.kv_end.len() == pack.kv_end.len())
+        {
+            return i;
+        }
+        self.packs.push((name.to_string(), pack.clone()));
+        self.packs.len() - 1
+    }
+
+    /// Writes `dir/timing/`: `timing.json` (`format`, `timing` — GPU
+    /// times or the emulator's wall clock —, `records`) and one
+    /// safetensors file per pack (`kv_end`, `position_ids`, I64 `[L]`),
+    /// atomically (the directory appears whole or not at all). Returns its
+    /// path.
+    pub fn write(&self, dir: &Path, real_timing: bool) -> Result<std::path::PathBuf> {
+        let records: Vec<_> = self
+            .records
+            .iter()
+            .map(|r| {
+                json!({
+                    "name": r.name,
+                    "kind": r.kind,
+                    "file": format!("pack{:02}.safetensors", r.pack),
+                    "pack": self.packs[r.pack].0,
+                    "dtype": "bf16",
+                    "tokens": r.shape.tokens,
+                    "q_heads": r.shape.q_heads,
+                    "kv_heads": r.shape.kv_heads,
+                    "head_dim": r.shape.head_dim,
+                    "rope": r.rope.map(|p| json!({"base": p.base, "dims": p.dims})),
+                    "pairs": r.pairs,
+                    "ours_ms": r.ours_ms,
+                    "ours_det_ms": r.ours_det_ms,
+                    "ours_causal_ms": r.causal_ms,
+                })
+            })
+            .collect();
+        let head = json!({
+            "format": TIMING_FORMAT,
+            "timing": if real_timing { "gpu" } else { "emulator wall clock (meaningless for a GPU)" },
+            "method": "mean per call of all repetitions between one pair of CUDA events, after warm-up",
+            "records": records,
+        });
+        let mut files: Vec<(String, Vec<u8>)> = Vec::new();
+        for (i, (_, p)) in self.packs.iter().enumerate() {
+            let t = [
+                ("kv_end", DumpTensor::index(&p.kv_end)),
+                ("position_ids", DumpTensor::index(&p.position_ids)),
+            ];
+            files.push((format!("pack{i:02}.safetensors"), DumpTensor::serialize(&t)?));
+        }
+        let text = serde_json::to_string_pretty(&head)
+            .map_err(|e| crate::Error::Io(format!("timing.json: {e}")))?;
+        files.push(("timing.json".into(), text.into_bytes()));
+        write_dir_atomically(&dir.join("timing"), &files)
+    }
+}
+
+/// `timing.json`'s `format`.
+pub const TIMING_FORMAT: &str = "treeattn-gpu-check-timing-v1";
+
+/// Random input sets (q, k, v) for timing: on a GPU, enough of them that
+/// one pass over the sets is several times a 60 MB L2; two on the emulator.
+fn timing_inputs<D: Target, T: KernelElem + DevElem>(
+    be: &D,
+    rng: &mut Rng,
+    shape: AttnShape,
+) -> Result<Vec<[D::Buf<T>; 3]>> {
+    let set_bytes = (shape.q_len() + 2 * shape.kv_len()) * 2;
+    let sets = if D::REAL_TIMING {
+        (240usize << 20).div_ceil(set_bytes).clamp(2, 16)
+    } else {
+        2
+    };
+    let mut inputs = Vec::with_capacity(sets);
+    for _ in 0..sets {
+        let mut mk = |n: usize| -> Result<D::Buf<T>> {
+            let h: Vec<T> = (0..n)
+                .map(|_| T::from_f32(rng.signed_unit() * 2.0))
+                .collect();
+            be.up(&h)
+        };
+        inputs.push([mk(shape.q_len())?, mk(shape.kv_len())?, mk(shape.kv_len())?]);
+    }
+    Ok(inputs)
+}
+
+/// Milliseconds per forward call of one pack: the warm-up launches, then
+/// `reps` launches between one pair of events (the mean), rotating over the
+/// input sets so that inputs never sit in L2.
+fn time_pack<D: Target, T: KernelElem + DevElem>(
+    be: &D,
+    inputs: &[[D::Buf<T>; 3]],
+    pack: &MaskBuilder,
+    shape: AttnShape,
+    params: &AttnParams,
+    reps: usize,
+) -> Result<f64> {
+    let dp = be.pack(pack)?;
+    let sets = inputs.len();
+    let mut out = be.filled(shape.q_len(), T::from_f32(0.0))?;
+    let mut lse = be.filled(shape.q_heads * shape.tokens, 0.0f32)?;
+    let reps = reps.max(1);
+    let mut launch = |i: usize| {
+        let [q, k, v] = &inputs[i % sets];
+        be.forward(q, k, v, shape, &dp, params, &mut out, &mut lse)
+    };
+    for i in 0..warmup::<D>(5) {
+        launch(i)?;
+    }
+    let ms = be.time_ms(&mut || (0..reps).try_for_each(&mut launch))?;
+    Ok(ms / reps as f64)
+}
+
+/// The tree packs of the timing sections at `n` tokens: a compaction fan,
+/// a GRPO fan, random trees (DESIGN §8's shapes).
+pub(super) fn timing_packs(rng: &mut Rng, n: usize) -> Vec<(String, MaskBuilder)> {
+    let mut out = Vec::new();
+    let mut p = MaskBuilder::new();
+    let system = n / 8;
+    p.push_fan(system, 4, (n - system) / 4);
+    out.push(("compaction: prompt + 4 views".into(), p));
+    let mut p = MaskBuilder::new();
+    let prompt = n / 16;
+    p.push_fan(prompt, 16, (n - prompt) / 16);
+    out.push(("grpo: prompt + 16 responses".into(), p));
+    out.push(("random trees".into(), random_trees(rng, n)));
+    out
+}
+
+/// Random trees (edits, 3 levels, subtrees of ~n/16) filling exactly `n`
+/// tokens.
+pub(super) fn random_trees(rng: &mut Rng, n: usize) -> MaskBuilder {
+    let mut p = MaskBuilder::new();
+    while p.kv_end.len() < n {
+        p.push_tree(rng, 0, (n / 16).max(8), 3, true);
+    }
+    p.kv_end.truncate(n);
+    p.position_ids.truncate(n);
+    for (k, e) in p.kv_end.iter_mut().enumerate() {
+        *e = (*e).min(n as u32).max(k as u32 + 1);
+    }
+    p
+}
+
+/// One causal pack of `n` tokens.
+pub(super) fn causal_pack(n: usize) -> MaskBuilder {
+    let mut c = MaskBuilder::new();
+    c.push_sequence(n);
+    c
+}
+
+/// The long length of the timing rows: 65,536 tokens on a GPU, 4x the
+/// timing length on the emulator.
+pub(super) fn long_tokens(opts: &CheckOptions) -> usize {
+    if opts.small {
+        4 * opts.timing_tokens.max(256)
+    } else {
+        65_536
+    }
+}
+
+/// The forward timing section: its table into `rep`, its rows into `tm`.
+pub(super) fn forward<D: Target>(
+    be: &D,
+    rng: &mut Rng,
+    opts: &CheckOptions,
+    rep: &mut Report<'_>,
+    tm: &mut Timings,
+) -> Result<()> {
+    let n = opts.timing_tokens.max(256);
+    let hq = opts.timing_q_heads.max(4);
+    let shape = |tokens, q_heads, kv_heads, head_dim| AttnShape {
+        tokens,
+        q_heads,
+        kv_heads,
+        head_dim,
+    };
+    let tiles = FwdTraits::for_head_dim(128)?;
+    let how = if D::REAL_TIMING {
+        format!(
+            "mean of {} launches between one pair of CUDA events after 5 warm-up, rotating input sets > L2",
+            opts.reps
+        )
+    } else {
+        format!(
+            "EMULATOR WALL CLOCK, meaningless for a GPU (mean of {} after 1 warm-up; the layout of the GPU table)",
+            opts.reps
+        )
+    };
+    let _ = writeln!(
+        rep,
+        "\nforward timing: {how}; FLOPs = 4·d·heads per visible pair; tiles {}x{} (skip%: never loaded, full%: no \
+         mask); causal ms: ours on a causal pack of the same L and heads",
+        tiles.block_m, tiles.block_n
+    );
+    let _ = writeln!(
+        rep,
+        "{:<34} {:>4} {:>6} {:>8} {:>6} {:>6} {:>8} {:>8} {:>9} {:>8}",
+        "pack (bf16)",
+        "d",
+        "L",
+        "pairs M",
+        "skip%",
+        "full%",
+        "ms",
+        "TFLOP/s",
+        "causal ms",
+        "pair/caus"
+    );
+    // The rows: (label, pack, shape, rotary), grouped by (L, d, heads) so
+    // that each group shares its inputs and its causal run.
+    let packs = timing_packs(rng, n);
+    let long = long_tokens(opts);
+    let trees = packs[2].1.clone();
+    let long_trees = random_trees(rng, long);
+    type Row<'p> = (String, &'p MaskBuilder, Option<Rope>);
+    let mut groups: Vec<(AttnShape, Vec<Row<'_>>)> = Vec::new();
+    for d in [128usize, 64] {
+        let rows = packs
+            .iter()
+            .map(|(name, p)| (format!("{name} {hq}/{}", hq / 4), p, None))
+            .collect();
+        groups.push((shape(n, hq, hq / 4, d), rows));
+    }
+    groups[0]
+        .1
+        .push((format!("random trees {hq}/{} rotary", hq / 4), &trees, Some(TIMING_ROPE)));
+    let hq8 = hq.max(8);
+    groups.push((
+        shape(n, hq8, hq8 / 8, 128),
+        vec![(format!("random trees {hq8}/{} (gqa 8:1)", hq8 / 8), &trees, None)],
+    ));
+    groups.push((
+        shape(long, hq, hq / 4, 128),
+        vec![(format!("random trees {hq}/{} L={long}", hq / 4), &long_trees, None)],
+    ));
+    for (sh, rows) in &groups {
+        let traits = FwdTraits::for_head_dim(sh.head_dim)?;
+        let inputs = timing_inputs::<D, half::bf16>(be, rng, *sh)?;
+        let plain = AttnParams::new(sh.head_dim);
+        let causal = causal_pack(sh.tokens);
+        let causal_ms = time_pack(be, &inputs, &causal, *sh, &plain, opts.reps)?;
+        let causal_pairs = causal.mask()?.visible_pairs();
+        let mut line = |name: &str, pack: &MaskBuilder, rope: Option<Rope>, ms: f64| -> Result<()> {
+            let pairs = pack.mask()?.visible_pairs();
+            let (skip, full, part) = count_tiles(&pack.kv_end, &traits);
+            let all = (skip + full + part).max(1) as f64;
+            let tflops = 4.0 * sh.head_dim as f64 * sh.q_heads as f64 * pairs as f64 / (ms * 1e-3) / 1e12;
+            // Throughput per visible pair against causal's (1: as fast per pair).
+            let per_pair = (pairs as f64 / ms) / (causal_pairs as f64 / causal_ms);
+            let _ = writeln!(
+                rep,
+                "{:<34} {:>4} {:>6} {:>8.1} {:>6.1} {:>6.1} {:>8.3} {:>8.1} {:>9.3} {:>8.2}",
+                name,
+                sh.head_dim,
+                sh.tokens,
+                pairs as f64 / 1e6,
+                100.0 * skip as f64 / all,
+                100.0 * full as f64 / all,
+                ms,
+                tflops,
+                causal_ms,
+                per_pair
+            );
+            let id = tm.pack_id(name_of_pack(name), pack);
+            tm.records.push(TimingRecord {
+                name: name.to_string(),
+                kind: "forward",
+                pack: id,
+                shape: *sh,
+                rope,
+                pairs,
+                ours_ms: ms,
+                ours_det_ms: None,
+                causal_ms,
+            });
+            Ok(())
+        };
+        line(
+            &format!("causal {}/{}", sh.q_heads, sh.kv_heads),
+            &causal,
+            None,
+            causal_ms,
+        )?;
+        for (name, pack, rope) in rows {
+            let mut params = AttnParams::new(sh.head_dim);
+            params.rope = *rope;
+            let ms = time_pack(be, &inputs, pack, *sh, &params, opts.reps)?;
+            line(name, pack, *rope, ms)?;
+        }
+    }
+    Ok(())
+}
+
+/// The pack part of a row label ("random trees 16/4 rotary" → "random
+/// trees"): rows on the same pack share one file in the dump.
+pub(super) fn name_of_pack(label: &str) -> &str {
+    label
+        .split_once(|c: char| c.is_ascii_digit() || c == ':')
+        .map_or(label, |(head, _)| head)
+        .trim_end()
+}
+
+/// `--profile`: one forward and one forward + backward (dQ by atomics) of
+/// the random-trees pack at the timing length, d 128, bf16, nothing else —
+/// what `ncu` in scripts/gpu-check.sh profiles. Prints what it ran.
+pub(super) fn profile<D: Target>(
+    be: &D,
+    rng: &mut Rng,
+    opts: &CheckOptions,
+    rep: &mut Report<'_>,
+) -> Result<()> {
+    let n = opts.timing_tokens.max(256);
+    let hq = opts.timing_q_heads.max(4);
+    let sh = AttnShape {
+        tokens: n,
+        q_heads: hq,
+        kv_heads: hq / 4,
+        head_dim: 128,
+    };
+    let pack = random_trees(rng, n);
+    let mut run = super::bwd::Run::<D, half::bf16>::new(be, rng, &pack, sh, None)?;
+    run.launch(be, DqMode::Atomic)?;
+    let _ = writeln!(
+        rep,
+        "profile: one forward + backward (atomic dQ) of random trees, bf16, L={n}, {hq}/{} heads, d 128, {:.1} M visible \
+         pairs per head",
+        hq / 4,
+        pack.mask()?.visible_pairs() as f64 / 1e6
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_labels_name_their_pack() {
+        assert_eq!(name_of_pack("random trees 16/4 rotary"), "random trees");
+        assert_eq!(name_of_pack("random trees 16/2 (gqa 8:1)"), "random trees");
+        assert_eq!(name_of_pack("grpo: prompt + 16 responses 16/4"), "grpo");
+        assert_eq!(name_of_pack("causal 16/4"), "causal");
+    }
+
+    #[test]
+    fn random_trees_fill_exactly_and_are_valid() {
+        let mut rng = Rng::new(7);
+        for n in [256, 1000, 4096] {
+            let p = random_trees(&mut rng, n);
+            assert_eq!(p.kv_end.len(), n);
+            p.mask().unwrap();
+        }
+    }
+}

@@ -119,6 +119,9 @@ fn nvcc_args() -> Vec<&'static str> {
     vec![
         "-std=c++17",
         "-O3",
+        // Source lines in the SASS for compute-sanitizer and ncu reports
+        // (scripts/gpu-check.sh); no effect on the generated code.
+        "-lineinfo",
         "-Ikernels",
         "-Xptxas",
         "-v",

@@ -19,12 +19,16 @@
 #      FlexAttention compiled (forward and backward), SDPA causal (flash) of
 #      the same length — errors against ours and one side-by-side table of
 #      timings;
-#   4. optionally (GPU_CHECK_SANITIZE=1) a small run under compute-sanitizer
-#      memcheck and racecheck (before 2);
-#   5. the host-stream entries from their hosts, when scripts/gpu-build.sh
+#   4. the host-stream entries from their hosts, when scripts/gpu-build.sh
 #      built them into target/gpu-carry (GPU_CARRY): the C program
 #      capi/tests/c/device.c and python/tests/test_cuda.py with the cuda
-#      wheel; and the candle op's device test where cargo exists.
+#      wheel; and the candle op's device test where cargo exists;
+#   5. ncu (--clock-control none) on the forward and backward main kernels
+#      of one random-tree pack (`gpu-check --profile`): speed of light,
+#      tensor-pipe use, shared-memory bank conflicts, stall reasons;
+#   6. last, compute-sanitizer memcheck, racecheck, synccheck and initcheck
+#      on a small correctness-only run (`gpu-check --check-only --small`;
+#      the kernels carry -lineinfo, so reports name source lines).
 # Every section prints as it goes (flushed) and a failing section does not
 # stop the next. The same flow runs on CPU machines first:
 # `treeattn gpu-check --backend emu --dump DIR` then
@@ -36,8 +40,12 @@
 # (extra arguments for gpu-check, e.g. "--tokens 16384 --heads 16 --reps 50"),
 # GPU_ANCHOR_ARGS (extra arguments for gpu-anchor.py, e.g. "--flex eager"),
 # GPU_CHECK_DUMP (the dump directory; default a fresh temporary one),
-# PYTHON (default python3), GPU_CHECK_SANITIZE=1, GPU_CHECK_BUDGET (seconds
-# for the whole call, default 540: sections share it, see `limit`).
+# PYTHON (default python3), GPU_CHECK_BUDGET (seconds for the whole call,
+# default 540: sections share it, see `limit`; a section that would not
+# fit is skipped with a line, so the late ones — ncu, the sanitizer — may
+# need a second call: GPU_CHECK_ONLY="ncu sanitizer" runs just those),
+# GPU_CHECK_ONLY (space-separated sections among: check anchor hosts ncu
+# sanitizer; default all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,24 +82,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 date -u
 
 rc=0
-if [ "${GPU_CHECK_SANITIZE:-0}" = "1" ] && command -v compute-sanitizer >/dev/null; then
-    for tool in memcheck racecheck; do
-        echo "== compute-sanitizer --tool $tool (small run)"
-        t=$(limit 120 420)
-        [ "$t" -eq 0 ] && { skip_line "compute-sanitizer $tool"; continue; }
-        timeout "$t" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-            "$BIN" gpu-check --tokens 512 --heads 4 --reps 2 >"$LOG_DIR/sanitizer-$tool.log" 2>&1
-        s=$?
-        tail -5 "$LOG_DIR/sanitizer-$tool.log"
-        [ $s -ne 0 ] && { echo "compute-sanitizer $tool: exit $s"; rc=1; }
-    done
-fi
+# want SECTION: whether GPU_CHECK_ONLY (default: all) names it.
+want() { [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $1 "* ]]; }
 
 DUMP=${GPU_CHECK_DUMP:-$(mktemp -d)/gpu-check-dump}
 echo "== treeattn gpu-check --dump $DUMP"
 # shellcheck disable=SC2086
-t=$(limit 300 150)
-if [ "$t" -eq 0 ]; then
+t=$(limit 300 200)
+if ! want check; then
+    echo "skipped: not in GPU_CHECK_ONLY"
+elif [ "$t" -eq 0 ]; then
     skip_line "gpu-check"
     rc=1
 else
@@ -101,12 +101,19 @@ else
 fi
 
 echo "== scripts/gpu-anchor.py $DUMP (PyTorch SDPA / FlexAttention on the same packs)"
-t=$(limit 150 60)
-if [ "$t" -eq 0 ]; then
+# The correctness comparisons with eager FlexAttention (a compile per case
+# shape would spend the budget), no torch timing on the small correctness
+# packs; then torch on the full-size timing packs, compiled, within the
+# section's time less a margin.
+t=$(limit 200 100)
+if ! want anchor; then
+    echo "skipped: not in GPU_CHECK_ONLY"
+elif [ "$t" -eq 0 ]; then
     skip_line "gpu-anchor.py"
 elif [ -f "$DUMP/manifest.json" ]; then
     # shellcheck disable=SC2086
-    timeout "$t" "${PYTHON:-python3}" -u scripts/gpu-anchor.py "$DUMP" ${GPU_ANCHOR_ARGS:-} 2>&1 \
+    timeout "$t" "${PYTHON:-python3}" -u scripts/gpu-anchor.py "$DUMP" --no-case-timing --flex-check eager \
+        --timing-budget $((t - 40 > 20 ? t - 40 : 20)) ${GPU_ANCHOR_ARGS:-} 2>&1 \
         | tee "$LOG_DIR/gpu-anchor.log"
     s=${PIPESTATUS[0]}
     [ $s -ne 0 ] && { echo "gpu-anchor.py: exit $s"; rc=1; }
@@ -119,8 +126,10 @@ fi
 # scripts/gpu-build.sh into $CARRY; each section is skipped with a line
 # when its artifact is absent, and its failure does not stop the others).
 echo "== C host on the device (capi/tests/c/device.c: its context, memory and stream)"
-t=$(limit 30 0)
-if [ "$t" -eq 0 ]; then
+t=$(limit 30 60)
+if ! want hosts; then
+    echo "skipped: not in GPU_CHECK_ONLY"
+elif [ "$t" -eq 0 ]; then
     skip_line "the C host"
 elif [ -x "$CARRY/capi-device" ]; then
     timeout "$t" "$CARRY/capi-device" --require-gpu 2>&1 | tee "$LOG_DIR/capi-device.log"
@@ -131,8 +140,10 @@ else
 fi
 echo "== torch op on CUDA tensors (python/tests/test_cuda.py, torch's current stream)"
 wheel=$(ls "$CARRY"/treeattn-*.whl 2>/dev/null | head -1)
-t=$(limit 120 0)
-if [ "$t" -eq 0 ]; then
+t=$(limit 120 60)
+if ! want hosts; then
+    echo "skipped: not in GPU_CHECK_ONLY"
+elif [ "$t" -eq 0 ]; then
     skip_line "test_cuda.py"
 elif [ -n "$wheel" ] && command -v "${PYTHON:-python3}" >/dev/null; then
     venv=$(mktemp -d)
@@ -152,8 +163,10 @@ echo "== candle op on CUDA tensors (tests/candle_op.rs cuda_op_matches_the_cpu_o
 # candle-core's `cuda` links libcuda, cuBLAS and cuRAND, so this test
 # binary cannot be linked on a machine without them (the build machine):
 # it is built and run here, where a Rust toolchain exists.
-t=$(limit 300 0)
-if [ "$t" -eq 0 ]; then
+t=$(limit 300 60)
+if ! want hosts; then
+    echo "skipped: not in GPU_CHECK_ONLY"
+elif [ "$t" -eq 0 ]; then
     skip_line "the candle device test"
 elif command -v cargo >/dev/null; then
     timeout "$t" cargo test --release --features candle-cuda --test candle_op cuda_op_matches_the_cpu_op \
@@ -163,5 +176,47 @@ elif command -v cargo >/dev/null; then
 else
     echo "skipped: no Rust toolchain on this machine (the candle CUDA test must be linked where libcuda and cuBLAS exist)"
 fi
+echo "== ncu --clock-control none: forward and backward main kernels of one random-tree pack (gpu-check --profile)"
+# Speed of light, compute (tensor pipe) and memory tables (shared-memory
+# bank conflicts), stall reasons, occupancy; the first launch of each
+# kernel only (-c 2: the forward, then the backward's main kernel).
+t=$(limit 90 45)
+if ! want ncu; then
+    echo "skipped: not in GPU_CHECK_ONLY"
+elif [ "$t" -eq 0 ]; then
+    skip_line "ncu"
+elif command -v ncu >/dev/null; then
+    timeout "$t" ncu --clock-control none -k 'regex:^tree_attn_(fwd|bwd_main)' -c 2 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+        --section WarpStateStats --section Occupancy --section LaunchStats \
+        "$BIN" gpu-check --profile --tokens 16384 --heads 16 >"$LOG_DIR/ncu.log" 2>&1
+    s=$?
+    cat "$LOG_DIR/ncu.log"
+    [ $s -ne 0 ] && { echo "ncu: exit $s"; rc=1; }
+else
+    echo "skipped: no ncu on PATH"
+fi
+
+# Last: each tool on a small correctness-only run (sanitized kernels run
+# 10-100x slower); a tool's report ends in "ERROR SUMMARY: N errors".
+for tool in memcheck racecheck synccheck initcheck; do
+    echo "== compute-sanitizer --tool $tool (gpu-check --check-only --small)"
+    t=$(limit 90 0)
+    if ! want sanitizer; then
+        echo "skipped: not in GPU_CHECK_ONLY"
+        continue
+    fi
+    [ "$t" -eq 0 ] && { skip_line "compute-sanitizer $tool"; continue; }
+    if ! command -v compute-sanitizer >/dev/null; then
+        echo "skipped: no compute-sanitizer on PATH"
+        continue
+    fi
+    timeout "$t" compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
+        "$BIN" gpu-check --check-only --small --seed 1 >"$LOG_DIR/sanitizer-$tool.log" 2>&1
+    s=$?
+    grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|=========' "$LOG_DIR/sanitizer-$tool.log" | head -30
+    tail -3 "$LOG_DIR/sanitizer-$tool.log"
+    [ $s -ne 0 ] && { echo "compute-sanitizer $tool: exit $s"; rc=1; }
+done
 echo "== done in $((SECONDS - START)) s of a $BUDGET s budget"
 exit $rc

@@ -38,7 +38,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 log="$tmp/ptxas.log"
 for src in kernels/*.cu; do
-    "$NVCC" -std=c++17 -O3 -Ikernels -Xptxas -v \
+    "$NVCC" -std=c++17 -O3 -lineinfo -Ikernels -Xptxas -v \
         -gencode=arch=compute_80,code=sm_80 \
         -gencode=arch=compute_90a,code=sm_90a \
         -gencode=arch=compute_80,code=compute_80 \

@@ -16,10 +16,14 @@
 //! sums them, and the cross term, in f64 per thread and across threads. The
 //! KL is a difference of terms of size ~ln(vocab), so its absolute error
 //! does not shrink with the KL: KLs below [`Sdcc::kl_floor`] nats are held
-//! to `kl_rel · kl_floor` absolute. The bounds date from per-thread f32
-//! sums (measured 1e-8 to 1e-5 relative); with f64 sums the emulator
-//! measures ≤ 5e-10 nats on tiny KLs (tests/emu_sdcc.rs), and the bounds
-//! stay loose until the GPU's ex2.approx has been measured.
+//! to `kl_rel · kl_floor` = 1e-6 nats absolute. That is the order the GPU's
+//! `ex2.approx` allows: each exponential is off by at most 2^-22 ≈ 2.4e-7
+//! relative, hence each sum (`Z_t`, `Z_s`, `W`) too, and the KL `W / Z_t −
+//! ln Z_t + ln Z_s` by up to ~5e-7 · (1 + |W / Z_t|) nats in the worst
+//! case (errors of one sign). The emulator, whose `exp2` is exact to f32
+//! rounding, measures ≤ 5e-10 nats on tiny KLs (tests/emu_sdcc.rs), which
+//! proves the f64 summation but not the GPU's exponentials: the bounds stay
+//! at the worst case until a GPU run measures them.
 
 use super::launch::Dtype;
 
@@ -61,7 +65,8 @@ pub struct Sdcc {
     pub grad_rel: f64,
 }
 
-/// The SDCC bounds (every logit type: the sums are f32 whatever it is).
+/// The SDCC bounds (every logit type: the exponentials are f32 and the sums
+/// f64 whatever it is; see the module docs for why they stay loose).
 pub const SDCC: Sdcc = Sdcc {
     kl_rel: 1e-4,
     kl_floor: 1e-2,

@@ -46,6 +46,7 @@
 //! # Ok::<(), treeattn::Error>(())
 //! ```
 
+#![warn(missing_docs)]
 pub mod backend;
 pub mod bench;
 #[cfg(feature = "candle")]

@@ -66,7 +66,10 @@ impl Default for DemoOptions {
 /// Cost of one method.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MethodReport {
+    /// The method's name in the table: `trie pack`, `replicated pack`,
+    /// `LogitTree (K+1)`, `Naive-Full` or `Naive-Compressed`.
     pub name: &'static str,
+    /// Whether the method scores every target under its exact live view.
     pub exact: bool,
     /// Forward + backward passes (K+1 for LogitTree).
     pub passes: usize,
@@ -85,13 +88,18 @@ pub struct MethodReport {
 /// Drift of an inexact method against the exact log-probs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DriftReport {
+    /// `Naive-Full` or `Naive-Compressed`.
     pub name: &'static str,
     /// Targets the method scores (all exact targets for Naive-Full, the
     /// targets present on the final transcript for Naive-Compressed).
     pub compared: usize,
     /// Targets the method does not score at all.
     pub unscored: usize,
+    /// Mean `|log p_method − log p_exact|` over the `compared` targets, in
+    /// nats (exact = the trie pack).
     pub mean_abs: f64,
+    /// Largest `|log p_method − log p_exact|` over the `compared` targets,
+    /// in nats.
     pub max_abs: f64,
 }
 
@@ -102,7 +110,11 @@ pub struct SdccReport {
     pub pairs: usize,
     /// Softmax temperature τ.
     pub temperature: f32,
+    /// Mean over the pairs (all weights 1) of
+    /// `KL(teacher ‖ student) = Σ_v p_t(v) (log p_t(v) − log p_s(v))` with
+    /// `p = softmax(logits / τ)`, in nats; 0 when there are no pairs.
     pub kl_mean: f64,
+    /// Largest per-pair KL, in nats; 0 when there are no pairs.
     pub kl_max: f64,
 }
 
@@ -111,13 +123,20 @@ pub struct SdccReport {
 pub struct Report {
     /// `bundled sample` or the input path.
     pub source: String,
+    /// Rollouts read.
     pub rollouts: usize,
+    /// Model calls, summed over the rollouts.
     pub calls: usize,
+    /// Sampled tokens scored: the trie pack's loss entries.
     pub targets: usize,
     /// Root-to-leaf paths of the forest (LogitTree's passes).
     pub branches: usize,
+    /// The model run ([`demo_config`] over the input's distinct token ids).
     pub model: ModelConfig,
+    /// Scalars in the model's weights.
     pub parameters: usize,
+    /// One report per method: trie pack, replicated pack, LogitTree,
+    /// Naive-Full, Naive-Compressed.
     pub methods: Vec<MethodReport>,
     /// Timing rounds ([`DemoOptions::repeats`]).
     pub rounds: usize,
@@ -128,7 +147,9 @@ pub struct Report {
     /// Largest `max|Δg| / max|g|` over the parameter tensors, trie vs
     /// LogitTree.
     pub grad_rel_diff: f64,
+    /// Drift of Naive-Full, then of Naive-Compressed.
     pub drift: Vec<DriftReport>,
+    /// SDCC's KL at the diverging targets of the trie pack.
     pub sdcc: SdccReport,
 }
 

@@ -285,15 +285,34 @@ fn opening(rng: &mut Rng, system: (usize, usize), task: (usize, usize)) -> (Vec<
 /// times, then `final_turns` more turns.
 #[derive(Clone, Debug)]
 pub struct CompactionParams {
+    /// Content tokens of the system prompt (after its [`SYSTEM`] marker),
+    /// drawn uniformly from this inclusive range.
     pub system_len: (usize, usize),
+    /// Content tokens of the user's task (after its [`USER`] marker),
+    /// inclusive range.
     pub task_len: (usize, usize),
+    /// Tokens of each turn's completion, inclusive range.
     pub completion_len: (usize, usize),
+    /// Content tokens of each tool output (after its [`TOOL_OUTPUT`]
+    /// marker), inclusive range.
     pub tool_len: (usize, usize),
+    /// Context window in tokens: a compaction is due once the live view's
+    /// length plus `reserve` reaches it.
     pub window: usize,
+    /// Tokens kept free in the window: the harness compacts when fewer than
+    /// this many remain.
     pub reserve: usize,
+    /// Compactions performed (the junctions K): the rollout keeps adding
+    /// turns until each of them is due.
     pub compactions: usize,
+    /// Tokens of each summary (the completion of the call that ends with
+    /// [`SUMMARY_REQUEST`]), inclusive range.
     pub summary_len: (usize, usize),
+    /// Most recent turns re-rendered after the summary in the resumed view,
+    /// each after a [`TURN`] marker.
     pub keep_turns: usize,
+    /// Turns (call + tool output) after the last compaction; the rollout
+    /// ends with the last of them (no separate final answer).
     pub final_turns: usize,
 }
 
@@ -391,15 +410,32 @@ pub fn compaction(p: &CompactionParams, rng: &mut Rng, id: &str) -> Result<Rollo
 /// (the last frame call's completion) is kept after [`FRAME_POP`].
 #[derive(Clone, Debug)]
 pub struct StackPopParams {
+    /// Content tokens of the system prompt (after its [`SYSTEM`] marker),
+    /// drawn uniformly from this inclusive range.
     pub system_len: (usize, usize),
+    /// Content tokens of the user's task (after its [`USER`] marker),
+    /// inclusive range.
     pub task_len: (usize, usize),
+    /// Tokens of each ordinary completion (every turn's call and the final
+    /// answer), inclusive range.
     pub completion_len: (usize, usize),
+    /// Content tokens of each tool output (after its [`TOOL_OUTPUT`]
+    /// marker) and of each frame's sub-task (after [`FRAME_PUSH`]),
+    /// inclusive range.
     pub tool_len: (usize, usize),
-    /// Frames pushed and popped (the junctions K).
+    /// Frames pushed and popped (the junctions K), inclusive range.
     pub frames: (usize, usize),
+    /// Turns (call + tool output) before each frame is pushed, inclusive
+    /// range.
     pub turns_before_frame: (usize, usize),
+    /// Turns inside each frame, after its sub-task and before the call that
+    /// returns, inclusive range.
     pub frame_turns: (usize, usize),
+    /// Tokens of each frame's return value (the completion of its last
+    /// call, kept after [`FRAME_POP`]), inclusive range.
     pub return_len: (usize, usize),
+    /// Turns (call + tool output) after the last frame, before the final
+    /// answer call.
     pub final_turns: usize,
 }
 
@@ -482,13 +518,27 @@ pub fn stack_pop(p: &StackPopParams, rng: &mut Rng, id: &str) -> Result<Rollout>
 /// `FOLD ++ summary`, earlier content is kept verbatim.
 #[derive(Clone, Debug)]
 pub struct FoldParams {
+    /// Content tokens of the system prompt (after its [`SYSTEM`] marker),
+    /// drawn uniformly from this inclusive range.
     pub system_len: (usize, usize),
+    /// Content tokens of the user's task (after its [`USER`] marker),
+    /// inclusive range.
     pub task_len: (usize, usize),
+    /// Tokens of each ordinary completion (every turn's call and the final
+    /// answer), inclusive range.
     pub completion_len: (usize, usize),
+    /// Content tokens of each tool output (after its [`TOOL_OUTPUT`]
+    /// marker), inclusive range.
     pub tool_len: (usize, usize),
+    /// Folds performed (the junctions K), inclusive range.
     pub folds: (usize, usize),
+    /// Turns (call + tool output) each fold replaces, inclusive range.
     pub turns_per_fold: (usize, usize),
+    /// Tokens of each fold summary (the completion of the call that ends
+    /// with [`FOLD`]), inclusive range.
     pub summary_len: (usize, usize),
+    /// Turns (call + tool output) after the last fold, before the final
+    /// answer call.
     pub final_turns: usize,
 }
 
@@ -561,12 +611,27 @@ pub fn fold(p: &FoldParams, rng: &mut Rng, id: &str) -> Result<Rollout> {
 /// comes back as a tool output.
 #[derive(Clone, Debug)]
 pub struct MemexParams {
+    /// Content tokens of the system prompt (after its [`SYSTEM`] marker),
+    /// drawn uniformly from this inclusive range.
     pub system_len: (usize, usize),
+    /// Content tokens of the user's task (after its [`USER`] marker),
+    /// inclusive range.
     pub task_len: (usize, usize),
+    /// Tokens of each ordinary completion (every turn's call and the final
+    /// answer), inclusive range.
     pub completion_len: (usize, usize),
+    /// Content tokens of each tool output (after its [`TOOL_OUTPUT`]
+    /// marker), inclusive range; an evicted span is one whole tool output.
     pub tool_len: (usize, usize),
+    /// Spans evicted and later re-expanded (the junctions K), inclusive
+    /// range.
     pub evictions: (usize, usize),
+    /// Calls, each followed by a tool output, before each eviction (at
+    /// least 1), inclusive range; one more such call and the call that
+    /// re-expands the span follow the eviction.
     pub turns_between: (usize, usize),
+    /// Turns (call + tool output) after the last re-expansion, before the final
+    /// answer call.
     pub final_turns: usize,
 }
 
@@ -654,11 +719,22 @@ pub fn memex(p: &MemexParams, rng: &mut Rng, id: &str) -> Result<Rollout> {
 /// stored once.
 #[derive(Clone, Debug)]
 pub struct GrpoParams {
+    /// Rollouts in the group.
     pub group: usize,
+    /// Content tokens of the system prompt (after its [`SYSTEM`] marker),
+    /// inclusive range; drawn once, the prompt is shared by the group.
     pub system_len: (usize, usize),
+    /// Content tokens of the user's task (after its [`USER`] marker),
+    /// inclusive range; drawn once for the group.
     pub task_len: (usize, usize),
+    /// Tokens of each ordinary completion (every turn's call and the final
+    /// answer), inclusive range.
     pub completion_len: (usize, usize),
+    /// Content tokens of each tool output (after its [`TOOL_OUTPUT`]
+    /// marker), inclusive range.
     pub tool_len: (usize, usize),
+    /// Turns (call + tool output) of each rollout before its final answer,
+    /// inclusive range.
     pub turns: (usize, usize),
 }
 
@@ -720,10 +796,19 @@ pub fn grpo(p: &GrpoParams, rng: &mut Rng, id: &str) -> Result<Vec<Rollout>> {
 /// The no-edit control: turns that only ever extend the view (K = 0).
 #[derive(Clone, Debug)]
 pub struct PlainParams {
+    /// Content tokens of the system prompt (after its [`SYSTEM`] marker),
+    /// drawn uniformly from this inclusive range.
     pub system_len: (usize, usize),
+    /// Content tokens of the user's task (after its [`USER`] marker),
+    /// inclusive range.
     pub task_len: (usize, usize),
+    /// Tokens of each ordinary completion (every turn's call and the final
+    /// answer), inclusive range.
     pub completion_len: (usize, usize),
+    /// Content tokens of each tool output (after its [`TOOL_OUTPUT`]
+    /// marker), inclusive range.
     pub tool_len: (usize, usize),
+    /// Turns (call + tool output) before the final answer, inclusive range.
     pub turns: (usize, usize),
 }
 
@@ -785,12 +870,23 @@ pub fn golden() -> Rollout {
 /// The rollout shapes of the generators.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Shape {
+    /// The 16-token worked example of DESIGN §4 ([`golden`]): 4 calls, one
+    /// junction.
     Golden,
+    /// Context compaction into summaries ([`compaction`],
+    /// [`CompactionParams`]).
     Compaction,
+    /// Sub-task frames pushed and popped ([`stack_pop`], [`StackPopParams`]).
     StackPop,
+    /// Recent turns folded into summaries ([`fold`], [`FoldParams`]).
     Fold,
+    /// Tool outputs evicted to index tokens and re-expanded ([`memex`],
+    /// [`MemexParams`]).
     Memex,
+    /// A GRPO group of rollouts on one prompt ([`grpo`], [`GrpoParams`]);
+    /// the only shape that generates several rollouts.
     Grpo,
+    /// The no-edit control, K = 0 ([`plain`], [`PlainParams`]).
     Plain,
 }
 

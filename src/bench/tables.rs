@@ -19,10 +19,15 @@ use crate::{Error, Result};
 /// One measured SDCC variant of [`sdcc_table`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct SdccRow {
+    /// Vocabulary size: logits per row.
     pub vocab: usize,
+    /// (student row, teacher row) pairs, i.e. diverging targets, in the
+    /// [`SdccCase`].
     pub pairs: usize,
     /// `"fused"` or `"unfused"`.
     pub method: &'static str,
+    /// Median wall and CPU time of one call (forward KL and student
+    /// gradient), seconds.
     pub time: Timing,
     /// Peak bytes by the buffer arithmetic of [`SdccCase`].
     pub peak_bytes: usize,
@@ -33,8 +38,12 @@ pub struct SdccRow {
 /// prints one line per (vocab, method) with the ratios unfused ÷ fused.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SdccTable {
+    /// Threads of the CPU backend ([`num_threads`]) during the runs.
     pub threads: usize,
+    /// Timed runs per row; each row reports their median.
     pub reps: usize,
+    /// A fused row then an unfused row for each vocabulary size, in the
+    /// order given.
     pub rows: Vec<SdccRow>,
 }
 
@@ -126,14 +135,19 @@ impl fmt::Display for SdccTable {
 /// Settings of [`quick`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Options {
+    /// Shapes to run, in table order.
     pub shapes: Vec<Shape>,
+    /// Generator preset of the rollouts ([`Size::Paper`] only for
+    /// [`costs`]).
     pub size: Size,
+    /// Seed of the rollout generators.
     pub seed: u64,
     /// Timed repetitions per measurement (after one warm-up); the median is
     /// reported.
     pub reps: usize,
     /// Query heads (= kv heads).
     pub heads: usize,
+    /// Dimension of each head (lanes of Q, K, V and O per head).
     pub head_dim: usize,
 }
 
@@ -155,12 +169,17 @@ impl Default for Options {
 /// One measured (shape, method, pass).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Row {
+    /// The shape measured.
     pub shape: Shape,
+    /// The attention method measured.
     pub method: Method,
+    /// Forward only, or forward then backward.
     pub pass: Pass,
+    /// Tokens, visible pairs and targets of the method on the shape.
     pub cost: Cost,
     /// Attention FLOPs over visible pairs.
     pub flops: f64,
+    /// Median wall and CPU time of one run of `pass`, seconds.
     pub time: Timing,
 }
 
@@ -178,25 +197,30 @@ impl Row {
 /// Per-shape facts of a [`Table`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct ShapeInfo {
+    /// The shape described.
     pub shape: Shape,
     /// Junctions K (summed over the shape's rollouts).
     pub junctions: usize,
     /// LogitTree passes (branches).
     pub branches: usize,
-    /// [`tile_utilization`] of the trie pack and of the causal pack at the
-    /// CPU backend's tile size.
+    /// [`tile_utilization`] of the trie pack at the CPU backend's tile size
+    /// ([`TILE`]): visible share of the entries in computed tiles.
     pub trie_tile_use: f64,
+    /// [`tile_utilization`] of the causal pack at [`TILE`].
     pub causal_tile_use: f64,
     /// Visible pairs over [`computed_entries`](crate::backend::cpu::computed_entries) (the register blocks the CPU
-    /// kernels compute) of the trie pack and of the causal pack.
+    /// kernels compute) of the trie pack.
     pub trie_kernel_use: f64,
+    /// The same ratio for the causal pack.
     pub causal_kernel_use: f64,
     /// The CPU backend's tile census of the trie pack.
     pub trie_tiles: TileCounts,
     /// Its partial tiles computed as chunks of gathered keys.
     pub trie_gather: GatherCounts,
-    /// [`forward_balance`] of the trie pack and of the causal pack.
+    /// [`forward_balance`] of the trie pack over the backend's threads
+    /// (1.0: perfect balance).
     pub trie_balance: f64,
+    /// [`forward_balance`] of the causal pack.
     pub causal_balance: f64,
 }
 
@@ -204,9 +228,14 @@ pub struct ShapeInfo {
 /// per-shape summary.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Table {
+    /// The settings the table was measured with.
     pub options: Options,
+    /// Threads of the CPU backend ([`num_threads`]) during the runs.
     pub threads: usize,
+    /// Per-shape facts, in the order of `options.shapes`.
     pub shapes: Vec<ShapeInfo>,
+    /// One row per (shape, method, pass): shapes in order, methods in
+    /// [`Method::ALL`] order, forward before forward+backward.
     pub rows: Vec<Row>,
 }
 
@@ -513,16 +542,22 @@ impl Table {
 /// ([`Size::Paper`]). `Display` prints one line per shape.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CostTable {
+    /// Generator preset of the rollouts.
     pub size: Size,
+    /// Seed of the rollout generators.
     pub seed: u64,
+    /// One entry per shape, in the order of [`Options::shapes`].
     pub shapes: Vec<ShapeCosts>,
 }
 
 /// One shape of a [`CostTable`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct ShapeCosts {
+    /// The shape counted.
     pub shape: Shape,
+    /// Junctions K, summed over the shape's rollouts.
     pub junctions: usize,
+    /// Root-to-leaf branches of the tree (LogitTree's passes).
     pub branches: usize,
     /// In [`Method::ALL`] order.
     pub costs: Vec<(Method, Cost)>,

@@ -44,11 +44,21 @@ pub fn generate(shape: Shape, seed: u64, size: Size) -> Result<Vec<Rollout>> {
 /// docs](super)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Method {
+    /// One pass on the deduplicated trie pack with the tiled CPU kernels
+    /// (tile skipping): exact.
     Trie,
+    /// One pass on the branch-replicated pack (the paper's 4D layout):
+    /// exact.
     Replicated,
+    /// K+1 causal passes, one per branch: exact.
     LogitTree,
+    /// One pass on the trie pack through an `L × L` boolean mask and score
+    /// matrix (the dense baseline): exact.
     DenseMask,
+    /// One causal pass on each rollout's final call sequence: inexact.
     NaiveCompressed,
+    /// Plain causal attention as long as the trie pack: the throughput
+    /// reference, not a training method.
     Causal,
 }
 
@@ -80,7 +90,9 @@ impl Method {
 /// scored (loss entries) of one method on one workload.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Cost {
+    /// Tokens processed: pack lengths summed over the method's passes.
     pub tokens: u64,
+    /// Visible (query, key) pairs per head, summed over the passes.
     pub pairs: u64,
     /// Sampled tokens the method trains on: every target for the exact
     /// methods, only those present on the final call for Naive-Compressed,
@@ -104,6 +116,7 @@ impl Cost {
 /// One tree shape packed every way the benchmarks compare.
 #[derive(Clone, Debug)]
 pub struct Workload {
+    /// The shape the rollouts were generated as.
     pub shape: Shape,
     /// Junctions K summed over the rollouts (K+1 = branches for one rollout).
     pub junctions: usize,
@@ -179,9 +192,14 @@ impl Workload {
 /// Attention inputs of one pack, `[tokens, heads, head_dim]` each.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PackInputs {
+    /// Queries.
     pub q: Vec<f32>,
+    /// Keys.
     pub k: Vec<f32>,
+    /// Values.
     pub v: Vec<f32>,
+    /// Gradient of the loss with respect to the attention output, for the
+    /// backward.
     pub d_o: Vec<f32>,
 }
 
@@ -213,6 +231,7 @@ impl PackInputs {
 /// Which passes a measurement times.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pass {
+    /// The forward alone (output and log-sum-exp).
     Forward,
     /// The forward and then the backward from its output (what a training
     /// step runs).
@@ -233,10 +252,13 @@ impl Pass {
 /// repeatedly (the criterion benches time [`Case::run`]).
 #[derive(Clone, Debug)]
 pub struct Case {
+    /// The method this case runs.
     pub method: Method,
+    /// The method's tokens, visible pairs and targets on the workload.
     pub cost: Cost,
     /// `q_heads = kv_heads = heads`.
     pub heads: usize,
+    /// Dimension of each head.
     pub head_dim: usize,
     passes: Vec<(Pack, PackInputs)>,
 }
@@ -361,11 +383,18 @@ pub struct CaseOutputs {
 /// prefixes of the same model).
 #[derive(Clone, Debug)]
 pub struct SdccCase {
+    /// Vocabulary size: logits per row.
     pub vocab: usize,
+    /// Student logits, `[pairs, vocab]` row-major.
     pub student: Vec<f32>,
+    /// Teacher logits, `[pairs, vocab]` row-major.
     pub teacher: Vec<f32>,
+    /// (student row, teacher row) of each pair: student row `i` with
+    /// teacher row `(7 i + 3) mod pairs` (step 1 when 7 divides `pairs`).
     pub pairs: Vec<(u32, u32)>,
+    /// Weight of each pair's KL in the loss sum; all 1.
     pub weights: Vec<f32>,
+    /// Softmax temperature τ; 1.
     pub temperature: f32,
 }
 

@@ -133,6 +133,8 @@ pub(super) fn backward<T: KernelElem>(
 /// deterministic dQ kernel Q, dO once and K, V per non-skipped key tile.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BackwardStats {
+    /// Bytes the main kernel (atomic or deterministic) moved with
+    /// `cp.async`.
     pub main_cp_async_bytes: u64,
     /// 0 in atomic mode (no dQ kernel).
     pub dq_cp_async_bytes: u64,

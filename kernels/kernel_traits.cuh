@@ -29,13 +29,16 @@ struct TaTileTraits {
 // rows per block, warp w owns rows 32w..32w+31 (two 16-row m-tiles, so every
 // K / V fragment an ldmatrix loads feeds two mma); key tiles of 64.
 // Shared memory, in bytes: Q (its own region: the O tile passes through it in
-// the epilogue) | K[2] | V[2]: (128 + 4 · 64) · (D + 8) · 2 = 55,296 for
-// D = 64, 104,448 for D = 128 (above 48 KB: the CUDA backend raises the
-// function's dynamic shared-memory limit before launching).
+// the epilogue) | K[2] | V[2] | row statistics: (128 + 4 · 64) · (D + 8) · 2
+// + 4096 = 59,392 for D = 64, 108,544 for D = 128 (above 48 KB: the CUDA
+// backend raises the function's dynamic shared-memory limit before
+// launching). The row statistics (running max and partial sum of the
+// online softmax) are in shared memory because in registers the D = 128
+// kernel spills to local memory (ptxas, CUDA 13.0; tree_attn_fwd.cu).
 // kQInRegs: the Q tile's A fragments stay in registers for the whole key
 // loop (D = 64: 32 registers); for D = 128 they would take 64 and push the
-// kernel past 255 registers, so it reloads them from the Q region per key
-// tile (2 ldmatrix per k-step next to 4 for K, as FlashAttention-2 does).
+// kernel past 255 registers, so it reloads them from the Q region per k-step
+// of every key tile (2 ldmatrix next to 4 for K, as FlashAttention-2 does).
 template <class E, int D>
 struct FwdTraits : TaTileTraits<E, D, 128, 64> {
     using Base = TaTileTraits<E, D, 128, 64>;
@@ -76,7 +79,9 @@ struct BwdTraits : TaTileTraits<E, D, D == 64 ? 64 : 32, 64> {
     static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
 };
 
-// Backward deterministic dQ kernel (tree_attn_bwd.cu): the forward's tiling.
+// Backward deterministic dQ kernel (tree_attn_bwd.cu): the forward's tile
+// rule on 64-row query tiles (one 16-row m-tile per warp; the forward itself
+// moved to 128-row tiles) and key tiles of 64.
 template <class E, int D>
 struct BwdDqTraits : TaTileTraits<E, D, 64, 64> {
     using Base = TaTileTraits<E, D, 64, 64>;

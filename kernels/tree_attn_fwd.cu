@@ -8,36 +8,65 @@
 // elements, row-major; LSE: [q_heads, tokens] f32; GQA: query head h reads kv
 // head h / (q_heads / kv_heads).
 //
-// Tiling (FwdTraits, kernel_traits.cuh). One block per (query tile of
-// kBlockM = 64 rows, query head): grid (ceil(L / 64), q_heads), the last
-// query tile first; 4 warps, warp w owns query rows 16w..16w+15 of the tile.
-// The block stages K and V tiles (64 x D, two buffers each) in dynamic
-// shared memory, rows padded by 8 elements (16 bytes) so that the 8
-// row addresses of an ldmatrix fall in distinct bank groups: 4·64·(D+8)·2
-// bytes (36,864 for D = 64, 69,632 for D = 128: two blocks per SM on A100,
-// where a separate Q tile would have allowed one). The Q tile passes through
-// K buffer 1 before the first prefetch into it, and goes to registers once
-// (A fragments); for each key tile:
-//   S (16 x 64 per warp)  = Q Kᵀ : ldmatrix.x4 on K rows gives the B
-//                           fragments (K row-major is Kᵀ column-major);
+// Tiling (FwdTraits, kernel_traits.cuh), that of FlashAttention-2. One block
+// per (query tile of kBlockM = 128 rows, query head): grid (ceil(L / 128),
+// q_heads), the last query tile first; 4 warps, warp w owns query rows
+// 32w..32w+31 of the tile as two 16-row m-tiles (mt = 0, 1), so every K or V
+// fragment an ldmatrix.x4 loads feeds 4 mma (2 n-tiles x 2 m-tiles). Key
+// tiles of kBlockN = 64. Dynamic shared memory, rows padded by 8 elements
+// (16 bytes) so that the 8 row addresses of an ldmatrix fall in distinct bank
+// groups: Q (128 x D, its own region) | K[2] | V[2] (64 x D each) | row
+// statistics (4 KiB, below): 59,392 bytes for D = 64, 108,544 for D = 128
+// (above 48 KB: the CUDA backend raises the kernels' limit at load).
+// For each key tile:
+//   S (32 x 64 per warp)  = Q Kᵀ : ldmatrix.x4 on K rows gives the B
+//                           fragments (K row-major is Kᵀ column-major), each
+//                           used by both m-tiles; the A fragments of Q stay in
+//                           registers for D = 64 (32 registers, loaded once)
+//                           and are reloaded from the Q region per k-step for
+//                           D = 128 (2 ldmatrix per 4 of K: 64 more registers
+//                           would not fit in 255);
 //   online softmax on S in registers (exp2 with scale·log2 e folded in);
-//   O (16 x D per warp)  += P V  : the S accumulators, rounded to 16 bits, are
-//                           already the A fragments of P (C layout of two
-//                           n-tiles = A layout of one k-step); ldmatrix.x4.trans
-//                           on V rows gives the B fragments.
+//   P = S rounded to 16 bits, packed: the S accumulators of two n-tiles are
+//                           the A fragment of one k-step (C layout of two
+//                           n-tiles = A layout of one k-step);
+//   O (32 x D per warp)  += P V  : ldmatrix.x4.trans on V rows gives the B
+//                           fragments, each used by both m-tiles.
+// Static HMMA / LDSM per key tile (scripts/sass-report.sh): D = 64: 128 / 32
+// = 4.0 (Q in registers); D = 128: 256 / 80 = 3.2.
+// Registers (ptxas, CUDA 13.0): O accumulators 2·(D/8)·4 f32 (64 or 128), S
+// 2·8·4 = 64 f32, Q fragments 32 (D = 64) or 8 at a time (D = 128): 254 / 234
+// (D = 64, sm_90a / sm_80) and 255 (D = 128), no spills. The running row max
+// and row sum of a thread's 4 rows are kept in shared memory (one word per
+// thread and statistic, consecutive threads in consecutive banks; each
+// thread reads and writes only its own words), not registers: in registers
+// the D = 128 kernel spilled 16 to 48 bytes to local memory.
 // Fragment layouts (PTX ISA, mma.m16n8k16; g = lane/4, c = lane%4):
 //   A 16x16: a[r] half h = A[g + 8(r&1)][2c + h + 8(r>>1)]
 //   B 16x8:  b[r] half h = B[2c + h + 8r][g]
 //   C 16x8:  acc[i]      = C[g + 8(i>>1)][2c + (i&1)]
-// so a thread holds rows g and g+8 of its warp's 16 rows; row statistics
-// (max, sum) are reduced over the quad of lanes 4g..4g+3.
+// so a thread holds rows g and g+8 of each of its warp's two m-tiles (tile
+// rows 32w + 16mt + g and 32w + 16mt + g + 8); row statistics (max, sum) are
+// reduced over the quad of lanes 4g..4g+3.
 //
-// Epilogue: each warp normalises its O rows, stages them in its own 16 rows
-// of the Q tile's space and writes them out as 16-byte row-contiguous stores.
+// Epilogue: each warp normalises its O rows, stages them in its own 32 rows
+// of the Q region (only this warp read those rows; no copy is in flight into
+// them) and writes them out as 16-byte row-contiguous stores; rows past L
+// are dropped.
 //
-// Pipeline. cp.async (ta_load_tile, tile_load.cuh) with two buffers: while tile j is computed, the next
+// Pipeline. cp.async (ta_load_tile, tile_load.cuh): the Q tile in one commit
+// group, then K and V in two buffers each: while tile j is computed, the next
 // non-skipped tile is in flight; one commit group per tile (an empty group
-// when there is no next tile, so wait_group 1 is always right).
+// when there is no next tile, so wait_group 1 is always right); a barrier
+// after each tile's wait (the tile landed for all threads) and one at the
+// end of its compute (no warp still reads the buffer the next prefetch
+// overwrites).
+//
+// Tile walk. The loop visits only the key tiles with a visible pair, in
+// order. The next one is found by each warp on its own (all warps find the
+// same): lane i loads tile_kv_max[t + i], __ballot_sync of "visible", and the
+// lowest set bit (__ffs) is the tile; 32 tiles per dependent load, so a
+// GRPO-like pack that skips ~225 tiles in a row costs 8 steps, not 225.
 //
 // Mask. Per key tile t = [k0, k1) the pack precomputes min and max of kv_end
 // over its keys (tree_attn_kv_tile_bounds below). For the query tile

@@ -208,8 +208,14 @@ fn shuffles_and_ballot_follow_cuda_semantics() {
             assert_eq!(o[5], want, "{ctx}: xor width 16");
             let q = (0..4).map(|j| v[w + l / 4 * 4 + j]).max().unwrap() as f32;
             assert_eq!(f32::from_bits(o[6]), q, "{ctx}: quad max");
-            let sparse = (0..32).fold(0u32, |b, j| b | (u32::from(w == 0 && (v[w + j] >> 3) % arg == 0) << j));
-            let ffs = if sparse == 0 { 0 } else { sparse.trailing_zeros() + 1 };
+            let sparse = (0..32).fold(0u32, |b, j| {
+                b | (u32::from(w == 0 && (v[w + j] >> 3) % arg == 0) << j)
+            });
+            let ffs = if sparse == 0 {
+                0
+            } else {
+                sparse.trailing_zeros() + 1
+            };
             assert_eq!(o[7], ffs, "{ctx}: __ffs");
             assert_eq!(o[8], sparse.count_ones(), "{ctx}: __popc");
         }

@@ -126,7 +126,8 @@ impl FwdTraits {
     /// `2 · block_m / (16 · warps)` rows in f32 (C++ `FwdTraits::kOffStats`).
     pub fn smem_bytes(&self) -> u32 {
         let rows_per_thread = 2 * self.block_m / (16 * (self.threads / 32));
-        (self.block_m + 4 * self.block_n) * self.row_stride * 2 + 2 * rows_per_thread * self.threads * 4
+        (self.block_m + 4 * self.block_n) * self.row_stride * 2
+            + 2 * rows_per_thread * self.threads * 4
     }
     /// The kernel's symbol for an element type.
     pub fn kernel_name(&self, dtype: Dtype) -> String {

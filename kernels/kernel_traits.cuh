@@ -25,17 +25,36 @@ struct TaTileTraits {
     static_assert(D % 16 == 0 && BM % 16 == 0 && BN % 16 == 0, "tile shape");
 };
 
-// Forward (tree_attn_fwd.cu): a query tile of 64 rows per block, warp w owns
-// rows 16w..16w+15; key tiles of 64.
+// Forward (tree_attn_fwd.cu), FlashAttention-2 tiling: a query tile of 128
+// rows per block, warp w owns rows 32w..32w+31 (two 16-row m-tiles, so every
+// K / V fragment an ldmatrix loads feeds two mma); key tiles of 64.
+// Shared memory, in bytes: Q (its own region: the O tile passes through it in
+// the epilogue) | K[2] | V[2] | row statistics: (128 + 4 · 64) · (D + 8) · 2
+// + 4096 = 59,392 for D = 64, 108,544 for D = 128 (above 48 KB: the CUDA
+// backend raises the function's dynamic shared-memory limit before
+// launching). The row statistics (running max and partial sum of the
+// online softmax) are in shared memory because in registers the D = 128
+// kernel spills to local memory (ptxas, CUDA 13.0; tree_attn_fwd.cu).
+// kQInRegs: the Q tile's A fragments stay in registers for the whole key
+// loop (D = 64: 32 registers); for D = 128 they would take 64 and push the
+// kernel past 255 registers, so it reloads them from the Q region per k-step
+// of every key tile (2 ldmatrix next to 4 for K, as FlashAttention-2 does).
 template <class E, int D>
-struct FwdTraits : TaTileTraits<E, D, 64, 64> {
-    using Base = TaTileTraits<E, D, 64, 64>;
+struct FwdTraits : TaTileTraits<E, D, 128, 64> {
+    using Base = TaTileTraits<E, D, 128, 64>;
+    static constexpr int kMTiles = Base::kBlockM / (16 * Base::kWarps);  // 16-row m-tiles per warp
+    static constexpr int kQElems = Base::kBlockM * Base::kRowStride;
     static constexpr int kKvElems = Base::kBlockN * Base::kRowStride;
-    // K[2], V[2]; the Q tile lives in K buffer 1 until its fragments are in
-    // registers, and the O tile passes through it at the end.
-    static constexpr int kSmemBytes = 4 * kKvElems * 2;
-    static_assert(Base::kBlockM == 16 * Base::kWarps, "one 16-row slice per warp");
-    static_assert(Base::kBlockM <= Base::kBlockN, "the Q tile must fit in a K buffer");
+    static constexpr bool kQInRegs = D == 64;
+    // Byte offsets: Q | K[2] | V[2] | the online-softmax statistics (row max
+    // and partial row sum of a thread's 2 · kMTiles rows: 4 · kMTiles f32
+    // words per thread, kept out of registers).
+    static constexpr int kOffK = kQElems * 2;
+    static constexpr int kOffV = kOffK + 2 * kKvElems * 2;
+    static constexpr int kOffStats = kOffV + 2 * kKvElems * 2;
+    static constexpr int kSmemBytes = kOffStats + 4 * kMTiles * Base::kThreads * 4;
+    static_assert(kMTiles == 2, "two 16-row m-tiles per warp");
+    static_assert(kOffK % 16 == 0 && kOffV % 16 == 0 && kOffStats % 16 == 0, "aligned regions");
 };
 
 // Backward main kernel (tree_attn_bwd.cu): a key tile of 64 per block, warp w
@@ -60,7 +79,9 @@ struct BwdTraits : TaTileTraits<E, D, D == 64 ? 64 : 32, 64> {
     static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
 };
 
-// Backward deterministic dQ kernel (tree_attn_bwd.cu): the forward's tiling.
+// Backward deterministic dQ kernel (tree_attn_bwd.cu): the forward's tile
+// rule on 64-row query tiles (one 16-row m-tile per warp; the forward itself
+// moved to 128-row tiles) and key tiles of 64.
 template <class E, int D>
 struct BwdDqTraits : TaTileTraits<E, D, 64, 64> {
     using Base = TaTileTraits<E, D, 64, 64>;

@@ -14,8 +14,10 @@
 //                  entry of a partial tile. The kernels hold S (forward, dQ
 //                  kernel: rows = queries) or Sᵀ (main backward: rows = keys)
 //                  in mma C fragments, so a thread tests its own entries: rows
-//                  g and g + 8 of its warp's 16, columns 2c, 2c + 1 of each
-//                  8-wide n-tile (g = lane / 4, c = lane % 4).
+//                  g and g + 8 of each 16-row m-tile its warp owns (the
+//                  forward: two m-tiles per warp, the backward kernels: one),
+//                  columns 2c, 2c + 1 of each 8-wide n-tile (g = lane / 4,
+//                  c = lane % 4).
 //
 // Keys past the pack have key end 0 (seen by nobody), as do padding keys
 // (kv_end[k] == k): their tiles are never full. Query rows past the pack are
@@ -36,8 +38,9 @@
 //
 // TA_TILE_FULL and TA_VISIBLE are macros, not inline functions: with the
 // same tests behind an inline function nvcc lays out the unrolled mask loop
-// differently, and the D = 64 forward, which sits at exactly 128 registers,
-// spills 16 bytes (ptxas, CUDA 13.0, sm_80 and sm_90a). As macros the forward
+// differently, and the D = 64 forward of 64-row tiles, which sat at exactly
+// 128 registers, spilled 16 bytes (ptxas, CUDA 13.0, sm_80 and sm_90a); the
+// 128-row forward sits at 254-255 registers, as tight. As macros the forward
 // and the dQ kernel compile to the same cubin as with the tests written out in
 // place, and no kernel's register count moves.
 #define TA_TILE_FULL(BN, k0, q0, q1, tile_kv_min, tokens) \

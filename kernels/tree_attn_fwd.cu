@@ -8,36 +8,65 @@
 // elements, row-major; LSE: [q_heads, tokens] f32; GQA: query head h reads kv
 // head h / (q_heads / kv_heads).
 //
-// Tiling (FwdTraits, kernel_traits.cuh). One block per (query tile of
-// kBlockM = 64 rows, query head): grid (ceil(L / 64), q_heads), the last
-// query tile first; 4 warps, warp w owns query rows 16w..16w+15 of the tile.
-// The block stages K and V tiles (64 x D, two buffers each) in dynamic
-// shared memory, rows padded by 8 elements (16 bytes) so that the 8
-// row addresses of an ldmatrix fall in distinct bank groups: 4·64·(D+8)·2
-// bytes (36,864 for D = 64, 69,632 for D = 128: two blocks per SM on A100,
-// where a separate Q tile would have allowed one). The Q tile passes through
-// K buffer 1 before the first prefetch into it, and goes to registers once
-// (A fragments); for each key tile:
-//   S (16 x 64 per warp)  = Q Kᵀ : ldmatrix.x4 on K rows gives the B
-//                           fragments (K row-major is Kᵀ column-major);
+// Tiling (FwdTraits, kernel_traits.cuh), that of FlashAttention-2. One block
+// per (query tile of kBlockM = 128 rows, query head): grid (ceil(L / 128),
+// q_heads), the last query tile first; 4 warps, warp w owns query rows
+// 32w..32w+31 of the tile as two 16-row m-tiles (mt = 0, 1), so every K or V
+// fragment an ldmatrix.x4 loads feeds 4 mma (2 n-tiles x 2 m-tiles). Key
+// tiles of kBlockN = 64. Dynamic shared memory, rows padded by 8 elements
+// (16 bytes) so that the 8 row addresses of an ldmatrix fall in distinct bank
+// groups: Q (128 x D, its own region) | K[2] | V[2] (64 x D each) | row
+// statistics (4 KiB, below): 59,392 bytes for D = 64, 108,544 for D = 128
+// (above 48 KB: the CUDA backend raises the kernels' limit at load).
+// For each key tile:
+//   S (32 x 64 per warp)  = Q Kᵀ : ldmatrix.x4 on K rows gives the B
+//                           fragments (K row-major is Kᵀ column-major), each
+//                           used by both m-tiles; the A fragments of Q stay in
+//                           registers for D = 64 (32 registers, loaded once)
+//                           and are reloaded from the Q region per k-step for
+//                           D = 128 (2 ldmatrix per 4 of K: 64 more registers
+//                           would not fit in 255);
 //   online softmax on S in registers (exp2 with scale·log2 e folded in);
-//   O (16 x D per warp)  += P V  : the S accumulators, rounded to 16 bits, are
-//                           already the A fragments of P (C layout of two
-//                           n-tiles = A layout of one k-step); ldmatrix.x4.trans
-//                           on V rows gives the B fragments.
+//   P = S rounded to 16 bits, packed: the S accumulators of two n-tiles are
+//                           the A fragment of one k-step (C layout of two
+//                           n-tiles = A layout of one k-step);
+//   O (32 x D per warp)  += P V  : ldmatrix.x4.trans on V rows gives the B
+//                           fragments, each used by both m-tiles.
+// Static HMMA / LDSM per key tile (scripts/sass-report.sh): D = 64: 128 / 32
+// = 4.0 (Q in registers); D = 128: 256 / 80 = 3.2.
+// Registers (ptxas, CUDA 13.0): O accumulators 2·(D/8)·4 f32 (64 or 128), S
+// 2·8·4 = 64 f32, Q fragments 32 (D = 64) or 8 at a time (D = 128): 254 / 234
+// (D = 64, sm_90a / sm_80) and 255 (D = 128), no spills. The running row max
+// and row sum of a thread's 4 rows are kept in shared memory (one word per
+// thread and statistic, consecutive threads in consecutive banks; each
+// thread reads and writes only its own words), not registers: in registers
+// the D = 128 kernel spilled 16 to 48 bytes to local memory.
 // Fragment layouts (PTX ISA, mma.m16n8k16; g = lane/4, c = lane%4):
 //   A 16x16: a[r] half h = A[g + 8(r&1)][2c + h + 8(r>>1)]
 //   B 16x8:  b[r] half h = B[2c + h + 8r][g]
 //   C 16x8:  acc[i]      = C[g + 8(i>>1)][2c + (i&1)]
-// so a thread holds rows g and g+8 of its warp's 16 rows; row statistics
-// (max, sum) are reduced over the quad of lanes 4g..4g+3.
+// so a thread holds rows g and g+8 of each of its warp's two m-tiles (tile
+// rows 32w + 16mt + g and 32w + 16mt + g + 8); row statistics (max, sum) are
+// reduced over the quad of lanes 4g..4g+3.
 //
-// Epilogue: each warp normalises its O rows, stages them in its own 16 rows
-// of the Q tile's space and writes them out as 16-byte row-contiguous stores.
+// Epilogue: each warp normalises its O rows, stages them in its own 32 rows
+// of the Q region (only this warp read those rows; no copy is in flight into
+// them) and writes them out as 16-byte row-contiguous stores; rows past L
+// are dropped.
 //
-// Pipeline. cp.async (ta_load_tile, tile_load.cuh) with two buffers: while tile j is computed, the next
+// Pipeline. cp.async (ta_load_tile, tile_load.cuh): the Q tile in one commit
+// group, then K and V in two buffers each: while tile j is computed, the next
 // non-skipped tile is in flight; one commit group per tile (an empty group
-// when there is no next tile, so wait_group 1 is always right).
+// when there is no next tile, so wait_group 1 is always right); a barrier
+// after each tile's wait (the tile landed for all threads) and one at the
+// end of its compute (no warp still reads the buffer the next prefetch
+// overwrites).
+//
+// Tile walk. The loop visits only the key tiles with a visible pair, in
+// order. The next one is found by each warp on its own (all warps find the
+// same): lane i loads tile_kv_max[t + i], __ballot_sync of "visible", and the
+// lowest set bit (__ffs) is the tile; 32 tiles per dependent load, so a
+// GRPO-like pack that skips ~225 tiles in a row costs 8 steps, not 225.
 //
 // Mask. Per key tile t = [k0, k1) the pack precomputes min and max of kv_end
 // over its keys (tree_attn_kv_tile_bounds below). For the query tile
@@ -100,15 +129,17 @@ template <class Tr>
 __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     using E = typename Tr::Elem;
     constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN, RS = Tr::kRowStride;
-    constexpr int kNTiles = BN / 8;   // n-tiles of S per warp
-    constexpr int kDTiles = D / 8;    // n-tiles of O per warp
+    constexpr int MT = Tr::kMTiles;   // m-tiles (16 rows) per warp
+    constexpr int WM = 16 * MT;       // query rows per warp
+    constexpr int kNTiles = BN / 8;   // n-tiles of S per m-tile
+    constexpr int kDTiles = D / 8;    // n-tiles of O per m-tile
     constexpr int kDSteps = D / 16;   // k-steps of Q Kᵀ
     constexpr int kNSteps = BN / 16;  // k-steps of P V
 
     TA_DYNAMIC_SMEM(smem_raw);
-    uint16_t* const sk = reinterpret_cast<uint16_t*>(smem_raw);  // two buffers of kKvElems
-    uint16_t* const sv = sk + 2 * Tr::kKvElems;                   // two buffers of kKvElems
-    uint16_t* const sq = sk + Tr::kKvElems;                       // aliases K buffer 1
+    uint16_t* const sq = reinterpret_cast<uint16_t*>(smem_raw);  // the Q tile, then the O tile
+    uint16_t* const sk = reinterpret_cast<uint16_t*>(smem_raw + Tr::kOffK);  // two buffers of kKvElems
+    uint16_t* const sv = reinterpret_cast<uint16_t*>(smem_raw + Tr::kOffV);  // two buffers of kKvElems
 
     const uint32_t L = p.tokens;
     // Last query tile first: with a causal-like mask the late tiles carry the
@@ -122,12 +153,23 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     const unsigned g = lane >> 2, c = lane & 3;
     // ldmatrix row-address roles of this lane: matrix mi = lane/8, row ri.
     const unsigned mi = lane >> 3, ri = lane & 7;
+    // This warp's rows of the Q / O tile in shared memory.
+    uint16_t* const sq_warp = sq + warp * WM * RS;
 
     // Key tiles that can hold a visible key: k0 <= q1 - 1.
     const uint32_t t_end = min(p.num_key_tiles, (q1 - 1) / BN + 1);
-    auto next_tile = [&](uint32_t t) {
-        while (t < t_end && p.tile_kv_max[t] <= q0) ++t;
-        return t;
+    // The first tile at or after t with a visible key for some query of the
+    // tile (tile_kv_max > q0), or t_end: each warp walks 32 tiles per step
+    // (one load per lane, a ballot, the lowest set bit), so a run of skipped
+    // tiles costs one dependent load per 32 tiles. t is the same in all 32
+    // lanes, so every lane reaches every ballot.
+    auto next_tile = [&](uint32_t t) -> uint32_t {
+        for (; t < t_end; t += 32) {
+            const uint32_t i = t + lane;
+            const unsigned seen = __ballot_sync(TA_FULL_MASK, i < t_end && p.tile_kv_max[i] > q0);
+            if (seen) return t + unsigned(__ffs(int(seen))) - 1;
+        }
+        return t_end;
     };
 
     ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
@@ -141,20 +183,47 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     ta_cp_async_wait<1>();  // Q has landed (this thread's part)
     __syncthreads();
 
-    uint32_t qf[kDSteps][4];
+    // A fragments of Q for m-tile mt, k-step kk: rows 16mt + (0..15) of this
+    // warp's, columns 16kk + (0..15).
+    auto load_q = [&](uint32_t (&a)[4], int mt, int kk) {
+        ta_ldmatrix_x4(a, sq_warp + (mt * 16 + ri + 8 * (mi & 1)) * RS + kk * 16 + 8 * (mi >> 1));
+    };
+    // kQInRegs: all of them, once (the Q region is read by nobody after).
+    uint32_t qf[Tr::kQInRegs ? MT : 1][Tr::kQInRegs ? kDSteps : 1][4];
+    if constexpr (Tr::kQInRegs) {
 #pragma unroll
-    for (int kk = 0; kk < kDSteps; ++kk)
-        ta_ldmatrix_x4(qf[kk], sq + (warp * 16 + ri + 8 * (mi & 1)) * RS + kk * 16 + 8 * (mi >> 1));
-    __syncthreads();  // every warp holds its Q fragments before K buffer 1 is refilled
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < kDSteps; ++kk) load_q(qf[mt][kk], mt, kk);
+    }
 
-    float acc[kDTiles][4];
+    float acc[MT][kDTiles][4];
 #pragma unroll
-    for (int n = 0; n < kDTiles; ++n)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
-    float row_max[2] = {-INFINITY, -INFINITY};
-    float row_sum[2] = {0.f, 0.f};  // partial over this lane's columns
-    const uint32_t rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+        for (int n = 0; n < kDTiles; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][n][i] = 0.f;
+    // Per m-tile mt, r = 0 / 1: row g / g + 8 of the m-tile.
+    // Online-softmax statistics of this lane's rows (row g + 8r of m-tile
+    // mt): the running max and the partial running sum over this lane's
+    // columns. They live in shared memory, one word per thread and statistic
+    // (FwdTraits::kOffStats; consecutive threads, consecutive banks): in
+    // registers they push the D = 128 kernel past 255 registers into local
+    // memory spills (ptxas, CUDA 13.0). Each thread touches only its own words.
+    float* const stats = reinterpret_cast<float*>(smem_raw + Tr::kOffStats) + threadIdx.x;
+#define TA_ROW_MAX(mt, r) stats[((mt) * 2 + (r)) * Tr::kThreads]
+#define TA_ROW_SUM(mt, r) stats[(2 * MT + (mt) * 2 + (r)) * Tr::kThreads]
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            TA_ROW_MAX(mt, r) = -INFINITY;
+            TA_ROW_SUM(mt, r) = 0.f;
+        }
+    // Query row of this lane's accumulator row r of m-tile mt.
+    const uint32_t row_g = q0 + warp * WM + g;
+#define TA_FWD_ROW(mt, r) (row_g + (mt) * 16 + 8 * (r))
 
     int buf = 0;
     while (t < t_end) {
@@ -173,20 +242,32 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
         const uint16_t* vt = sv + buf * Tr::kKvElems;
         const uint32_t k0 = t * BN;
 
-        // S = Q Kᵀ for this warp's 16 rows and the tile's BN keys.
-        float s[kNTiles][4];
+        // S = Q Kᵀ for this warp's 32 rows and the tile's BN keys: each K
+        // fragment feeds both m-tiles.
+        float s[MT][kNTiles][4];
 #pragma unroll
-        for (int n = 0; n < kNTiles; ++n)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
+            for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s[mt][n][i] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < kDSteps; ++kk) {
+            uint32_t qs[MT][4];
+            if constexpr (!Tr::kQInRegs) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) load_q(qs[mt], mt, kk);
+            }
 #pragma unroll
             for (int np = 0; np < kNTiles / 2; ++np) {
                 uint32_t b[4];
                 ta_ldmatrix_x4(b, kt + (np * 16 + ri + 8 * (mi >> 1)) * RS + kk * 16 + 8 * (mi & 1));
-                ta_mma_16816<E>(s[2 * np], qf[kk], b[0], b[1]);
-                ta_mma_16816<E>(s[2 * np + 1], qf[kk], b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const uint32_t(&a)[4] = Tr::kQInRegs ? qf[mt][Tr::kQInRegs ? kk : 0] : qs[mt];
+                    ta_mma_16816<E>(s[mt][2 * np], a, b[0], b[1]);
+                    ta_mma_16816<E>(s[mt][2 * np + 1], a, b[2], b[3]);
+                }
             }
         }
 
@@ -199,55 +280,72 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
                     const uint32_t col = k0 + n * 8 + 2 * c + j;
                     const uint32_t end = ta_key_end(p.kv_end, col, L);
 #pragma unroll
-                    for (int r = 0; r < 2; ++r)
-                        if (!TA_VISIBLE(col, end, rows[r])) s[n][2 * r + j] = -INFINITY;
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int r = 0; r < 2; ++r)
+                            if (!TA_VISIBLE(col, end, TA_FWD_ROW(mt, r))) s[mt][n][2 * r + j] = -INFINITY;
                 }
             }
         }
 
-        // Online softmax, rows g (r = 0) and g + 8 (r = 1).
+        // Online softmax, per m-tile rows g (r = 0) and g + 8 (r = 1).
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = row_max[r];
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int n = 0; n < kNTiles; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-            mx = ta_quad_max(mx);
-            const float base = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-            const float alpha = ta_exp2(row_max[r] * p.scale_log2 - base);
-            row_max[r] = mx;
-            float sum = 0.f;
+            for (int r = 0; r < 2; ++r) {
+                float mx = TA_ROW_MAX(mt, r);
 #pragma unroll
-            for (int n = 0; n < kNTiles; ++n) {
+                for (int n = 0; n < kNTiles; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+                mx = ta_quad_max(mx);
+                const float base = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+                const float alpha = ta_exp2(TA_ROW_MAX(mt, r) * p.scale_log2 - base);
+                TA_ROW_MAX(mt, r) = mx;
+                float sum = 0.f;
 #pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const float e = ta_exp2(s[n][2 * r + j] * p.scale_log2 - base);
-                    s[n][2 * r + j] = e;
-                    sum += e;
+                for (int n = 0; n < kNTiles; ++n) {
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const float e = ta_exp2(s[mt][n][2 * r + j] * p.scale_log2 - base);
+                        s[mt][n][2 * r + j] = e;
+                        sum += e;
+                    }
                 }
-            }
-            row_sum[r] = row_sum[r] * alpha + sum;
+                TA_ROW_SUM(mt, r) = TA_ROW_SUM(mt, r) * alpha + sum;
 #pragma unroll
-            for (int n = 0; n < kDTiles; ++n) {
-                acc[n][2 * r] *= alpha;
-                acc[n][2 * r + 1] *= alpha;
+                for (int n = 0; n < kDTiles; ++n) {
+                    acc[mt][n][2 * r] *= alpha;
+                    acc[mt][n][2 * r + 1] *= alpha;
+                }
             }
         }
 
-        // O += P V: P's A fragment for k-step kk is S n-tiles 2kk and 2kk+1.
+        // P in 16 bits: the S accumulators of n-tiles 2kk and 2kk + 1 of an
+        // m-tile are the A fragment of P for k-step kk (C layout of two
+        // n-tiles = A layout of one k-step). Packing all of P before P V
+        // halves the registers S held (64 floats -> 32 words).
+        uint32_t pf[MT][kNSteps][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < kNSteps; ++kk) {
+                pf[mt][kk][0] = ta_pack2<E>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pf[mt][kk][1] = ta_pack2<E>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pf[mt][kk][2] = ta_pack2<E>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pf[mt][kk][3] = ta_pack2<E>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+
+        // O += P V: each V fragment feeds both m-tiles.
 #pragma unroll
         for (int kk = 0; kk < kNSteps; ++kk) {
-            const uint32_t a[4] = {
-                ta_pack2<E>(s[2 * kk][0], s[2 * kk][1]),
-                ta_pack2<E>(s[2 * kk][2], s[2 * kk][3]),
-                ta_pack2<E>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                ta_pack2<E>(s[2 * kk + 1][2], s[2 * kk + 1][3]),
-            };
 #pragma unroll
             for (int dp = 0; dp < kDTiles / 2; ++dp) {
                 uint32_t b[4];
                 ta_ldmatrix_x4_trans(b, vt + (kk * 16 + ri + 8 * (mi & 1)) * RS + dp * 16 + 8 * (mi >> 1));
-                ta_mma_16816<E>(acc[2 * dp], a, b[0], b[1]);
-                ta_mma_16816<E>(acc[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    ta_mma_16816<E>(acc[mt][2 * dp], pf[mt][kk], b[0], b[1]);
+                    ta_mma_16816<E>(acc[mt][2 * dp + 1], pf[mt][kk], b[2], b[3]);
+                }
             }
         }
         __syncthreads();  // every warp is done with buffer `buf` before it is refilled
@@ -255,34 +353,41 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
         buf ^= 1;
     }
 
-    // Epilogue: O = acc / l goes through this warp's own 16 rows of the Q
-    // tile (K buffer 1: idle since the loop's last barrier, no copy in
-    // flight), so that the global stores are 16-byte and row-contiguous; rows
-    // past L are dropped.
-    uint16_t* const so = sq + warp * 16 * RS;
+    // Epilogue: O = acc / l goes through this warp's own 32 rows of the Q
+    // region (only this warp read them, and no copy is in flight into them),
+    // so that the global stores are 16-byte and row-contiguous; rows past L
+    // are dropped.
+    __syncwarp();  // this warp's Q fragment loads are done before O overwrites them
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float l = ta_quad_sum(row_sum[r]);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int n = 0; n < kDTiles; ++n)
-            *reinterpret_cast<uint32_t*>(so + (g + 8 * r) * RS + n * 8 + 2 * c) =
-                ta_pack2<E>(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
-        if (c == 0 && rows[r] < L)
-            p.lse[(size_t)head * L + rows[r]] =
-                l > 0.f ? (row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
+        for (int r = 0; r < 2; ++r) {
+            const float l = ta_quad_sum(TA_ROW_SUM(mt, r));
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+            for (int n = 0; n < kDTiles; ++n)
+                *reinterpret_cast<uint32_t*>(sq_warp + (mt * 16 + g + 8 * r) * RS + n * 8 + 2 * c) =
+                    ta_pack2<E>(acc[mt][n][2 * r] * inv, acc[mt][n][2 * r + 1] * inv);
+            if (c == 0 && TA_FWD_ROW(mt, r) < L)
+                p.lse[(size_t)head * L + TA_FWD_ROW(mt, r)] =
+                    l > 0.f ? (TA_ROW_MAX(mt, r) * p.scale_log2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
+        }
     }
     __syncwarp();
     constexpr int kChunks = D / 8;  // 16-byte chunks per row
 #pragma unroll
-    for (int it = 0; it < 16 * kChunks / 32; ++it) {
+    for (int it = 0; it < WM * kChunks / 32; ++it) {
         const int i = it * 32 + lane, r = i / kChunks, ch = i % kChunks;
-        const uint32_t row = q0 + warp * 16 + r;
+        const uint32_t row = q0 + warp * WM + r;
         if (row < L)
             *reinterpret_cast<ta_vec16*>(p.o + ((size_t)row * p.q_heads + head) * D + ch * 8) =
-                *reinterpret_cast<const ta_vec16*>(so + r * RS + ch * 8);
+                *reinterpret_cast<const ta_vec16*>(sq_warp + r * RS + ch * 8);
     }
 }
+
+#undef TA_FWD_ROW
+#undef TA_ROW_MAX
+#undef TA_ROW_SUM
 
 #define TA_FWD_KERNEL(NAME, E, D)                                                                       \
     extern "C" __global__ void __launch_bounds__(FwdTraits<E, D>::kThreads) NAME(const TreeAttnFwdParams p) { \

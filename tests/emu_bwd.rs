@@ -680,8 +680,13 @@ fn tile_walks_load_only_visible_tiles() {
                 "{what}: the pack should have a gap inside a key tile's range"
             );
         }
-        // Deterministic dQ kernel: the forward's tile rule at its 64 x 64 tiles.
-        let ft = FwdTraits::for_head_dim(head_dim).unwrap();
+        // Deterministic dQ kernel: the forward's tile rule at the dQ kernel's
+        // 64 x 64 tiles (the forward's own query tiles are 128 rows).
+        let ft = FwdTraits {
+            block_m: 64,
+            ..FwdTraits::for_head_dim(head_dim).unwrap()
+        };
+        assert_eq!(ft.block_n, 64);
         let mut loaded = 0u64;
         for q0 in (0..tokens).step_by(64) {
             for (ti, keys) in c.kv_end.chunks(64).enumerate() {

@@ -9,7 +9,7 @@
 //! a chain of tokens, `kv_end` of each token is the end of its node's subtree
 //! range (DESIGN §4) — with branching (edits), several trees per pack, and
 //! padding keys (`kv_end[k] == k`) whose rows see nothing. Lengths are not
-//! multiples of the 64-token tile. Inputs are fresh every run; the seed is in
+//! multiples of the 64-key or 128-query tile. Inputs are fresh every run; the seed is in
 //! every failure message and `TREEATTN_SEED` replays it.
 //!
 //! Tolerances (`backend::tolerance`, shared with the GPU check): relative Frobenius error of O at most 1e-2
@@ -230,7 +230,8 @@ fn f16_d128_random_tree_packs() {
 
 /// Long causal chains exercise the full-tile path (no element mask) below the
 /// diagonal; many tiny trees exercise skipped tiles; short packs a single
-/// partial tile; 64 and 128 exact multiples of the tile.
+/// partial tile; 64 (half a query tile) and 128 (one query tile, two key
+/// tiles) exact multiples of the tiles.
 #[test]
 fn tile_classes_and_edge_lengths() {
     let (mut rng, seed) = common::seeded_rng();
@@ -447,30 +448,54 @@ fn rust_launch_plan_matches_the_kernel_traits() {
 
 /// Skipped key tiles are never loaded: the bytes the kernel moves with
 /// cp.async are exactly the Q tiles plus K and V for the key tiles that the
-/// tile rule does not skip (checked on packs where most tiles are skipped).
+/// tile rule does not skip (checked on packs where most tiles are skipped,
+/// among them a GRPO-like fan whose last query tiles skip runs of more than
+/// 32 key tiles in a row: the tile walk's ballot covers 32 tiles per step).
 #[test]
 fn skipped_key_tiles_are_never_loaded() {
     use treeattn::backend::launch::{tile_class, FwdTraits, TileClass};
+    #[derive(Clone, Copy, PartialEq)]
+    enum Pack {
+        Forest,
+        Aligned,
+        Fan,
+    }
     let (mut rng, seed) = common::seeded_rng();
-    for (head_dim, aligned) in [(64usize, false), (128, false), (64, true)] {
+    for (head_dim, kind) in [
+        (64usize, Pack::Forest),
+        (128, Pack::Forest),
+        (64, Pack::Aligned),
+        (64, Pack::Fan),
+    ] {
         let t = FwdTraits::for_head_dim(head_dim).unwrap();
         let (bm, bn) = (t.block_m as usize, t.block_n as usize);
-        let p = if aligned {
-            // Sequences of exactly one tile: tile t's max kv_end equals the
-            // next query tile's start, the boundary of the skip rule.
-            let n = 5 + rng.range(0, 4);
-            let kv_end: Vec<u32> = (0..n * bn).map(|k| ((k / bn + 1) * bn) as u32).collect();
-            gen::MaskBuilder {
-                position_ids: (0..n * bn).map(|k| (k % bn) as u32).collect(),
-                kv_end,
+        let p = match kind {
+            Pack::Aligned => {
+                // Sequences of exactly one key tile: for every other key tile
+                // (block_m = 2 · block_n) the max kv_end equals the next query
+                // tile's start, the boundary of the skip rule.
+                let n = 5 + rng.range(0, 4);
+                let kv_end: Vec<u32> = (0..n * bn).map(|k| ((k / bn + 1) * bn) as u32).collect();
+                gen::MaskBuilder {
+                    position_ids: (0..n * bn).map(|k| (k % bn) as u32).collect(),
+                    kv_end,
+                }
             }
-        } else {
-            // 300 to 900 tokens: at least 5 query tiles, most pairs skipped.
-            loop {
+            Pack::Forest => loop {
+                // 300 to 900 tokens: at least 3 query tiles, most pairs skipped.
                 let p = gen::random_forest(&mut rng, 6, 30, 2, 40);
                 if (300..=900).contains(&p.kv_end.len()) {
                     break p;
                 }
+            },
+            Pack::Fan => {
+                // A prompt seen by 30 branches, each seen only by itself, and
+                // padding: a query tile of a late branch sees the prompt's
+                // tiles, then skips ~45 key tiles of the other branches.
+                let mut b = gen::MaskBuilder::new();
+                b.push_fan(40 + rng.range(0, 60), 30, 80 + rng.range(0, 40));
+                b.push_padding(1 + rng.range(0, 20));
+                b
             }
         };
         let l = p.kv_end.len();
@@ -484,7 +509,9 @@ fn skipped_key_tiles_are_never_loaded() {
             kv_end: p.kv_end,
             pos: p.position_ids,
         };
-        run_case::<bf16>(&mut rng, seed, &c, &c.kv_end);
+        // The outputs too: a walk that stops early loads less and is wrong.
+        let opts = EmuOptions::all()[rng.range(0, 5)];
+        check::<bf16>(&mut rng, seed, &c, o_tol::<bf16>(), opts);
         let got = emu::last_forward_stats().unwrap().cp_async_bytes;
         let (mut loaded_tiles, mut skipped) = (0u64, 0u64);
         for q0 in (0..l).step_by(bm) {
@@ -507,5 +534,25 @@ fn skipped_key_tiles_are_never_loaded() {
             skipped > loaded_tiles / 2,
             "seed {seed}: the pack should skip many tiles"
         );
+        if kind == Pack::Fan {
+            // The longest run of skipped key tiles of one query tile.
+            let longest = (0..l)
+                .step_by(bm)
+                .map(|q0| {
+                    let mut run = (0usize, 0usize);
+                    for (ti, keys) in c.kv_end.chunks(bn).enumerate() {
+                        let (lo, hi) = (*keys.iter().min().unwrap(), *keys.iter().max().unwrap());
+                        run.0 = match tile_class(&t, l, q0, ti * bn, lo, hi) {
+                            TileClass::Skip if ti * bn < q0 + bm => run.0 + 1,
+                            _ => 0,
+                        };
+                        run.1 = run.1.max(run.0);
+                    }
+                    run.1
+                })
+                .max()
+                .unwrap();
+            assert!(longest > 32, "seed {seed}: longest skipped run {longest}");
+        }
     }
 }

@@ -167,8 +167,8 @@ fn shuffles_and_ballot_follow_cuda_semantics() {
             .map(|_| (rng.next_u64() % (1 << 20)) as u32)
             .collect();
         let input: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        let mut out = vec![0u8; 64 * 7 * 4];
-        // SAFETY: 64 threads read one u32 each and write 7 u32 each.
+        let mut out = vec![0u8; 64 * 9 * 4];
+        // SAFETY: 64 threads read one u32 each and write 9 u32 each.
         unsafe {
             run(
                 calls::options(),
@@ -186,7 +186,7 @@ fn shuffles_and_ballot_follow_cuda_semantics() {
         let a = arg as usize;
         for i in 0..64usize {
             let (w, l) = (i / 32 * 32, i % 32);
-            let o = &out[i * 7..i * 7 + 7];
+            let o = &out[i * 9..i * 9 + 9];
             let ctx = format!("seed {seed}: thread {i}, arg {arg}");
             assert_eq!(o[0], v[w + (l ^ a)], "{ctx}: xor");
             assert_eq!(
@@ -208,6 +208,16 @@ fn shuffles_and_ballot_follow_cuda_semantics() {
             assert_eq!(o[5], want, "{ctx}: xor width 16");
             let q = (0..4).map(|j| v[w + l / 4 * 4 + j]).max().unwrap() as f32;
             assert_eq!(f32::from_bits(o[6]), q, "{ctx}: quad max");
+            let sparse = (0..32).fold(0u32, |b, j| {
+                b | (u32::from(w == 0 && (v[w + j] >> 3) % arg == 0) << j)
+            });
+            let ffs = if sparse == 0 {
+                0
+            } else {
+                sparse.trailing_zeros() + 1
+            };
+            assert_eq!(o[7], ffs, "{ctx}: __ffs");
+            assert_eq!(o[8], sparse.count_ones(), "{ctx}: __popc");
         }
     }
 }

@@ -8,12 +8,20 @@
 namespace {
 
 template <class Tr>
-int check_plan(unsigned block_threads, size_t smem, char* err, size_t err_len) {
+int check_plan(unsigned block_threads, size_t smem, uint32_t grid_x, uint32_t tokens, char* err, size_t err_len) {
     if (block_threads != unsigned(Tr::kThreads) || smem != size_t(Tr::kSmemBytes)) {
         snprintf(err, err_len,
                  "launch plan (%u threads, %zu bytes of shared memory) does not match the kernel traits (%d threads, "
                  "%d bytes)",
                  block_threads, smem, Tr::kThreads, Tr::kSmemBytes);
+        return 1;
+    }
+    // One block per query tile of kBlockM rows: fewer would leave rows
+    // unwritten, more are idle blocks.
+    const uint32_t want = (tokens + Tr::kBlockM - 1) / Tr::kBlockM;
+    if (grid_x != want) {
+        snprintf(err, err_len, "launch plan grid.x %u, but %u tokens make %u query tiles of %d rows", grid_x, tokens,
+                 want, Tr::kBlockM);
         return 1;
     }
     return 0;
@@ -56,7 +64,7 @@ extern "C" int ta_emu_tree_attn_fwd(uint32_t dtype, uint32_t head_dim, const Tre
         io.cp_async_bytes = cp_async_bytes;
 #define TA_CASE(DT, HD, E, NAME)                                                                      \
         if (dtype == DT && head_dim == HD) {                                                             \
-            if (check_plan<FwdTraits<E, HD>>(block_threads, smem, err, err_len)) return 1;               \
+            if (check_plan<FwdTraits<E, HD>>(block_threads, smem, grid_x, p->tokens, err, err_len)) return 1;               \
             return ta_emu::launch_kernel<TreeAttnFwdParams>(NAME, *p, grid, block, smem, *config, err, err_len, io); \
         }
         TA_CASE(0, 64, ta_bf16, tree_attn_fwd_bf16_d64)

@@ -7,6 +7,7 @@
 //   __syncwarp(mask)                               (warp convergence point)
 //   __shfl_sync / __shfl_xor_sync / __shfl_up_sync / __shfl_down_sync   (4- and 8-byte types)
 //   __ballot_sync / __any_sync / __all_sync
+//   __ffs / __popc                                 (bit scans of a 32-bit mask)
 //   atomicAdd (float, unsigned, int, unsigned long long), atomicMax / atomicMin (int, unsigned)
 //   __trap()                                       (fails the launch with an error)
 //   __float_as_uint / __uint_as_float / __float_as_int / __int_as_float
@@ -134,6 +135,12 @@ inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
 inline unsigned __ballot_sync(unsigned mask, int pred) { return ::ta_emu::ballot(mask, pred); }
 inline int __any_sync(unsigned mask, int pred) { return ::ta_emu::ballot(mask, pred) != 0; }
 inline int __all_sync(unsigned mask, int pred) { return ::ta_emu::ballot(mask, pred) == 0xffffffffu; }
+
+// CUDA's integer intrinsics for ballot masks: __ffs is the 1-based position
+// of the least significant set bit (0 for x == 0), __popc the number of set
+// bits.
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 
 // CUDA's overloaded min / max for the integer types (floats use fminf / fmaxf).
 inline int min(int a, int b) { return a < b ? a : b; }

@@ -81,14 +81,15 @@ __global__ void mma_chain(const SelfTestParams p) {
         mma_chain_body<ta_f16>(p);
 }
 
-// in: one u32 per thread. out: 7 u32 per thread:
+// in: one u32 per thread. out: 9 u32 per thread:
 // xor(arg), down(arg), up(arg), idx(arg), ballot(v & 1), xor(arg) width 16,
-// quad max of the value as a float.
+// quad max of the value as a float, __ffs and __popc of the ballot of
+// (v >> 3) % arg == 0 in warp 0 (in warp 1 the mask is zero: __ffs(0) = 0).
 __global__ void shuffles(const SelfTestParams p) {
     const unsigned t = threadIdx.x;
     const uint32_t v = static_cast<const uint32_t*>(p.in)[t];
     const int a = int(p.arg);
-    uint32_t* out = static_cast<uint32_t*>(p.out) + t * 7;
+    uint32_t* out = static_cast<uint32_t*>(p.out) + t * 9;
     out[0] = __shfl_xor_sync(TA_FULL_MASK, v, a);
     out[1] = __shfl_down_sync(TA_FULL_MASK, v, unsigned(a));
     out[2] = __shfl_up_sync(TA_FULL_MASK, v, unsigned(a));
@@ -96,6 +97,9 @@ __global__ void shuffles(const SelfTestParams p) {
     out[4] = __ballot_sync(TA_FULL_MASK, int(v & 1));
     out[5] = __shfl_xor_sync(TA_FULL_MASK, v, a, 16);
     out[6] = __float_as_uint(ta_quad_max(float(v)));
+    const unsigned sparse = __ballot_sync(TA_FULL_MASK, int(t < 32 && (v >> 3) % unsigned(a) == 0));
+    out[7] = uint32_t(__ffs(int(sparse)));
+    out[8] = uint32_t(__popc(sparse));
 }
 
 // Thread 0 leaves; the others wait at a barrier nobody completes.

@@ -310,8 +310,9 @@ fn forward<T: KernelElem>(emu: &Emu, call: ForwardCall<'_, '_, Host, T, f32>) ->
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchStats {
     /// Bytes loaded into shared memory by `cp.async` over the whole grid,
-    /// zero-filled rows included: with the kernel's tiling, `q_heads · Σ over
-    /// query tiles of (64 + 2 · 64 · non-skipped key tiles) · d · 2`.
+    /// zero-filled rows included: with the kernel's tiling (query tiles of
+    /// 128 rows, key tiles of 64), `q_heads · Σ over query tiles of (128 + 2 ·
+    /// 64 · non-skipped key tiles) · d · 2`.
     pub cp_async_bytes: u64,
 }
 

@@ -3,11 +3,15 @@
 //! kernel's tiling ([`FwdTraits`]), plus the argument structs passed to the
 //! kernels by value (mirrors of the C structs in `kernels/tree_attn_fwd.cu`).
 //!
-//! Forward tiling (see the top of `kernels/tree_attn_fwd.cu`): one block of
-//! 4 warps per (query tile of 64 rows, query head), key tiles of 64; shared
-//! memory holds two buffers each of K and V (the Q tile passes through one of
-//! them), rows padded by 8 elements: `4 · 64 · (d + 8) · 2` bytes (36,864 for
-//! d = 64, 69,632 for d = 128).
+//! Forward tiling (see the top of `kernels/tree_attn_fwd.cu`), that of
+//! FlashAttention-2: one block of 4 warps per (query tile of 128 rows, query
+//! head), each warp 32 rows (two 16-row m-tiles), key tiles of 64; shared
+//! memory holds the Q tile (the O tile passes through it at the end), two
+//! buffers each of K and V, rows padded by 8 elements, and the online-softmax
+//! row statistics (4 f32 words per row a thread holds: 4 KiB):
+//! `(128 + 4 · 64) · (d + 8) · 2 + 4096` bytes (59,392 for d = 64, 108,544 for
+//! d = 128; above 48 KiB, so the CUDA backend raises each forward kernel's
+//! dynamic shared-memory limit before its first launch).
 
 use super::{AttnParams, AttnShape};
 use crate::mask::classify_tile;
@@ -106,7 +110,7 @@ impl FwdTraits {
                 let d = head_dim as u32;
                 Ok(FwdTraits {
                     head_dim: d,
-                    block_m: 64,
+                    block_m: 128,
                     block_n: 64,
                     threads: 128,
                     row_stride: d + 8,
@@ -117,10 +121,13 @@ impl FwdTraits {
             ))),
         }
     }
-    /// Dynamic shared memory: two K and two V tiles of 16-bit elements (the
-    /// Q tile borrows K buffer 1, so `block_m <= block_n`).
+    /// Dynamic shared memory: the Q tile, two K and two V tiles of 16-bit
+    /// elements, then the row max and partial row sum of each of a thread's
+    /// `2 · block_m / (16 · warps)` rows in f32 (C++ `FwdTraits::kOffStats`).
     pub fn smem_bytes(&self) -> u32 {
-        4 * self.block_n * self.row_stride * 2
+        let rows_per_thread = 2 * self.block_m / (16 * (self.threads / 32));
+        (self.block_m + 4 * self.block_n) * self.row_stride * 2
+            + 2 * rows_per_thread * self.threads * 4
     }
     /// The kernel's symbol for an element type.
     pub fn kernel_name(&self, dtype: Dtype) -> String {
@@ -288,9 +295,10 @@ mod tests {
             head_dim: 128,
         };
         let (t, plan) = plan_forward(&shape).unwrap();
-        assert_eq!(plan.grid, (3, 6, 1));
+        assert_eq!(plan.grid, (2, 6, 1));
         assert_eq!(plan.block, (128, 1, 1));
-        assert_eq!(plan.shared_mem_bytes, 69_632);
+        assert_eq!(plan.shared_mem_bytes, 108_544);
+        assert_eq!(FwdTraits::for_head_dim(64).unwrap().smem_bytes(), 59_392);
         assert_eq!(t.kernel_name(Dtype::F16), "tree_attn_fwd_f16_d128");
         assert_eq!(plan_kv_tile_bounds(t.key_tiles(130)).grid, (1, 1, 1));
         assert_eq!(plan_kv_tile_bounds(5).grid, (2, 1, 1));

@@ -8,7 +8,14 @@
 //
 // dK and dV of a kv head sum over the `group` query heads that read it: the
 // main kernel loops over those heads inside the block (no reduction buffer,
-// deterministic). A row with no visible key (LSE = −inf) gets P = 0, so dS = 0
+// deterministic). When key tiles · kv_heads blocks are too few to fill the
+// GPU, the launch plan splits the group over grid.z (group splits, the rule
+// is `backend::launch::bwd::group_splits`): z-slice s loops over query heads
+// s · group / splits .. (s + 1) · group / splits only and stores its f32
+// partial dK (scaled) and dV into p.dkv_accum [splits, 2, tokens, kv_heads,
+// D]; tree_attn_bwd_dkv_convert then sums the slices in index order (no
+// atomics: bit-identical from run to run) into dK, dV. One split: the main
+// kernel writes dK, dV itself and dkv_accum is null. A row with no visible key (LSE = −inf) gets P = 0, so dS = 0
 // and it adds nothing; rows and keys past the pack and padding keys
 // (kv_end[k] == k) likewise.
 //
@@ -18,16 +25,20 @@
 // row (lse2 = LSE · log2 e, +inf for a row with none), so P = exp2(S·c −
 // lse2) with c = scale · log2 e, exactly as the forward computes it.
 //
-// Kernels (one call runs 3 or 4 of them, in this order):
+// Kernels (one call runs 3 to 5 of them, in this order):
 //   tree_attn_bwd_pre   D = rowsum(dO ∘ O) per (row, head), f32; zeroes the
 //                       dQ accumulator rows in atomic mode. One warp per
 //                       (row, head).
 //   tree_attn_bwd_main  dK, dV (and, in atomic mode, dQ through f32
 //                       atomicAdd into the accumulator). One block per (key
-//                       tile, kv head).
+//                       tile, kv head, group split): grid (key tiles,
+//                       kv_heads, group splits).
 //   tree_attn_bwd_dq    deterministic mode only: dQ per (query tile, query
 //                       head), plain f32 stores into the accumulator.
 //   tree_attn_bwd_dq_convert   accumulator → dQ in the element type.
+//   tree_attn_bwd_dkv_convert  group splits > 1 only: Σ over the splits of
+//                       the f32 partials → dK, dV in the element type. One
+//                       warp per (key row, kv head).
 //
 // Main kernel tiling (BwdTraits, kernel_traits.cuh): a key tile of kBlockN =
 // 64 keys, 4 warps, warp w owns keys 16w..16w+15 and holds their dK and dV
@@ -106,6 +117,7 @@ struct TreeAttnBwdParams {
     const uint32_t* kv_end;       // [tokens]
     const uint32_t* tile_kv_min;  // [num_key_tiles], tiles of 64 keys
     const uint32_t* tile_kv_max;
+    float* dkv_accum;  // [group_splits, 2, tokens, kv_heads, D] f32 (dK scaled, dV); group_splits > 1 only
     uint32_t tokens;
     uint32_t q_heads;
     uint32_t kv_heads;
@@ -114,6 +126,8 @@ struct TreeAttnBwdParams {
     float scale_log2;  // softmax scale · log2 e
     uint32_t head_dim;
     uint32_t zero_dq_accum;  // tree_attn_bwd_pre: also zero the accumulator
+    uint32_t group_splits;   // the main kernel's gridDim.z; it divides q_heads / kv_heads
+    uint32_t reserved;
 };
 
 #define TA_LOG2E 1.4426950408889634f
@@ -218,9 +232,13 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     uint32_t* const skv = reinterpret_cast<uint32_t*>(smem_raw + Tr::kOffKvEnd);
 
     const uint32_t L = p.tokens;
-    const uint32_t tile = blockIdx.x, kv_head = blockIdx.y;
+    const uint32_t tile = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
     const uint32_t k0 = tile * BN;
     const uint32_t group = p.q_heads / p.kv_heads;
+    // This z-slice's query heads: [head_begin, head_end), group / splits of
+    // the kv head's group.
+    const uint32_t per_split = group / p.group_splits;
+    const uint32_t head_begin = kv_head * group + split * per_split, head_end = head_begin + per_split;
     const unsigned lane = ta_lane(), warp = threadIdx.x / 32;
     const unsigned g = lane >> 2, c = lane & 3;
 
@@ -269,20 +287,19 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
 #pragma unroll
         for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
 
-    // Iteration over (query head of the group gi, query tile qt).
-    uint32_t gi = 0, qt = first_qt;
-    if (qt != 0xffffffffu) stage(kv_head * group, qt, 0);
+    // Iteration over (query head, query tile qt).
+    uint32_t head = head_begin, qt = first_qt;
+    if (qt != 0xffffffffu) stage(head, qt, 0);
     ta_cp_async_commit();
     int buf = 0;
     while (qt != 0xffffffffu) {
-        uint32_t ngi = gi, nqt = next_qtile((qt + 1) * BM);
-        if (nqt == 0xffffffffu && ++ngi < group) nqt = first_qt;
-        if (nqt != 0xffffffffu) stage(kv_head * group + ngi, nqt, buf ^ 1);
+        uint32_t nhead = head, nqt = next_qtile((qt + 1) * BM);
+        if (nqt == 0xffffffffu && ++nhead < head_end) nqt = first_qt;
+        if (nqt != 0xffffffffu) stage(nhead, nqt, buf ^ 1);
         ta_cp_async_commit();
         ta_cp_async_wait<1>();  // tile (gi, qt) has landed
         __syncthreads();
 
-        const uint32_t head = kv_head * group + gi;
         const uint32_t q0 = qt * BM;
         const uint16_t* const qb = sq + buf * Tr::kQElems;
         const uint16_t* const dob = sdo + buf * Tr::kQElems;
@@ -357,11 +374,32 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
             }
         }
         __syncthreads();  // buffer `buf` (and dSᵀ) free before they are refilled
-        gi = ngi;
+        head = nhead;
         qt = nqt;
         buf ^= 1;
     }
 
+    if (p.group_splits > 1) {
+        // This slice's f32 partial dK (scaled) and dV, summed over the
+        // slices by tree_attn_bwd_dkv_convert.
+        const size_t kv_len = (size_t)L * p.kv_heads * D;
+        float* const pk = p.dkv_accum + (size_t)split * 2 * kv_len;
+        float* const pv = pk + kv_len;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (key[r] >= L) continue;
+            const size_t at = ((size_t)key[r] * p.kv_heads + kv_head) * D;
+#pragma unroll
+            for (int n = 0; n < kDTiles; ++n) {
+                const size_t e = at + n * 8 + 2 * c;
+                pv[e] = dv[n][2 * r];
+                pv[e + 1] = dv[n][2 * r + 1];
+                pk[e] = dk[n][2 * r] * p.scale;
+                pk[e + 1] = dk[n][2 * r + 1] * p.scale;
+            }
+        }
+        return;
+    }
     // dV and dK (scaled) straight from the fragments.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -491,6 +529,26 @@ __device__ __forceinline__ void tree_attn_bwd_dq_convert_body(const TreeAttnBwdP
         p.dq[at + j] = uint16_t(ta_pack2<E>(p.dq_accum[at + j], 0.f) & 0xffffu);
 }
 
+// ---- split dK, dV partials -> element type ------------------------------------------
+// One warp per (key row, kv head): the sum over the group splits in index
+// order (the same order every run).
+template <class E, int D>
+__device__ __forceinline__ void tree_attn_bwd_dkv_convert_body(const TreeAttnBwdParams& p) {
+    const uint64_t item = (uint64_t)blockIdx.x * 4 + threadIdx.x / 32;
+    if (item >= (uint64_t)p.tokens * p.kv_heads) return;
+    const size_t at = item * D;  // (row · kv_heads + head) · D
+    const size_t kv_len = (size_t)p.tokens * p.kv_heads * D;
+    for (int j = ta_lane(); j < D; j += 32) {
+        float k = 0.f, v = 0.f;
+        for (uint32_t s = 0; s < p.group_splits; ++s) {
+            k += p.dkv_accum[2 * s * kv_len + at + j];
+            v += p.dkv_accum[(2 * s + 1) * kv_len + at + j];
+        }
+        p.dk[at + j] = uint16_t(ta_pack2<E>(k, 0.f) & 0xffffu);
+        p.dv[at + j] = uint16_t(ta_pack2<E>(v, 0.f) & 0xffffu);
+    }
+}
+
 #define TA_BWD_KERNELS(SUFFIX, E, D)                                                                                \
     extern "C" __global__ void __launch_bounds__(128) tree_attn_bwd_pre_##SUFFIX(const TreeAttnBwdParams p) {       \
         tree_attn_bwd_pre_body<E, D>(p);                                                                            \
@@ -510,6 +568,9 @@ __device__ __forceinline__ void tree_attn_bwd_dq_convert_body(const TreeAttnBwdP
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128) tree_attn_bwd_dq_convert_##SUFFIX(const TreeAttnBwdParams p) { \
         tree_attn_bwd_dq_convert_body<E, D>(p);                                                                     \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) tree_attn_bwd_dkv_convert_##SUFFIX(const TreeAttnBwdParams p) { \
+        tree_attn_bwd_dkv_convert_body<E, D>(p);                                                                    \
     }
 TA_BWD_KERNELS(bf16_d64, ta_bf16, 64)
 TA_BWD_KERNELS(bf16_d128, ta_bf16, 128)

@@ -72,8 +72,10 @@
 // visits exactly the query tiles that meet the union of those intervals over
 // its 64 keys (a subset of the contiguous range [k0, max kv_end)): from a
 // query x the next visible query is min over keys with kv_end[k] > max(k, x)
-// of max(k, x), read off the tile's kv_end staged in shared memory (64
-// compares per step, the same result in every thread). Each visited tile is
+// of max(k, x), read off the tile's kv_end staged in shared memory: each
+// lane tests 2 of the 64 keys and a warp min by __shfl_xor_sync gives every
+// lane the same result (2 compares + 5 shuffles per step instead of 64
+// compares). Each visited tile is
 // full (no element mask: k1 − 1 <= q0, min kv_end >= q1, both tiles inside
 // the pack) or partial (element mask k <= q < kv_end[k]); both tests are
 // mask.cuh's. Tiles are staged by tile_load.cuh's loader.
@@ -258,13 +260,22 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     __syncthreads();
 
     // The first query tile at or after query x that sees a key of the tile
-    // (0xffffffff when none).
+    // (0xffffffff when none): min over keys with kv_end[k] > max(k, x) of
+    // max(k, x). Each lane takes BN / 32 keys (lane, lane + 32), then a warp
+    // min by butterfly shuffles, so every lane of every warp holds the same
+    // result. All lanes must call it together (full-mask shuffles): it runs
+    // in block-uniform control flow only.
+    static_assert(BN % 32 == 0, "whole keys per lane");
     auto next_qtile = [&](uint32_t x) {
         uint32_t best = 0xffffffffu;
-        for (int i = 0; i < BN; ++i) {
-            const uint32_t lo = max(k0 + uint32_t(i), x);
+#pragma unroll
+        for (int j = 0; j < BN / 32; ++j) {
+            const uint32_t i = lane + 32 * j;
+            const uint32_t lo = max(k0 + i, x);
             if (skv[i] > lo) best = min(best, lo);
         }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) best = min(best, __shfl_xor_sync(TA_FULL_MASK, best, o));
         return best == 0xffffffffu ? best : best / BM;
     };
     const uint32_t first_qt = next_qtile(0);

@@ -80,6 +80,14 @@
 // the pack) or partial (element mask k <= q < kv_end[k]); both tests are
 // mask.cuh's. Tiles are staged by tile_load.cuh's loader.
 //
+// Stores. The main kernel's unsplit epilogue rounds dK (scaled) and dV to
+// the element type into shared memory (the K and V tile buffers, free after
+// the loop) and writes them with 16-byte stores, consecutive threads on
+// consecutive 16-byte chunks of a row; dq_convert and dkv_convert give each
+// lane 8 elements (one 16-byte store). Rows past the pack are never stored;
+// dQ, dK, dV must be 16-byte aligned (both backends check it). The split
+// path's f32 partials are plain 4-byte stores from the fragments.
+//
 // Block order: the main kernel's blockIdx.x is the key tile (the first key
 // tiles are seen by the most queries: heaviest first); the dQ kernel runs
 // its query tiles last-first (the last ones see the most keys), as the
@@ -195,6 +203,21 @@ __device__ __forceinline__ void ta_bwd_mm_cb(float (&acc)[D / 8][4], const float
             ta_mma_16816<E>(acc[2 * dp + 1], a, b[2], b[3]);
         }
     }
+}
+
+// 8 floats -> 8 elements of E at `dst` (16-byte aligned), one 16-byte
+// store (round to nearest even). nvcc (13.0) splits the store of a ta_vec16
+// or a uint4 built from registers into 4 STG.32, so the store is written in
+// PTX (st.global.v4: one STG.128).
+template <class E>
+__device__ __forceinline__ void ta_bwd_store8(uint16_t* dst, const float* x) {
+    const uint32_t a = ta_pack2<E>(x[0], x[1]), b = ta_pack2<E>(x[2], x[3]);
+    const uint32_t c = ta_pack2<E>(x[4], x[5]), d = ta_pack2<E>(x[6], x[7]);
+#ifdef TA_EMU
+    *reinterpret_cast<ta_vec16*>(dst) = ta_vec16{a, b, c, d};
+#else
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+#endif
 }
 
 // ---- D = rowsum(dO ∘ O) ------------------------------------------------------
@@ -411,17 +434,33 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
         }
         return;
     }
-    // dV and dK (scaled) straight from the fragments.
+    // dV and dK (scaled) in the element type through shared memory — the K
+    // and V tile buffers, which nothing reads after the loop's last barrier
+    // (and, with no query tile visited, after the first one) — then 16-byte
+    // stores, D / 8 per row, consecutive threads on consecutive chunks of a
+    // row; rows past the pack are never stored.
+    uint16_t* const sdk = sk;
+    uint16_t* const sdv = sv;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        if (key[r] >= L) continue;
-        const size_t at = ((size_t)key[r] * p.kv_heads + kv_head) * D;
+        const int row = warp * 16 + g + 8 * r;
 #pragma unroll
         for (int n = 0; n < kDTiles; ++n) {
-            *reinterpret_cast<uint32_t*>(p.dv + at + n * 8 + 2 * c) = ta_pack2<E>(dv[n][2 * r], dv[n][2 * r + 1]);
-            *reinterpret_cast<uint32_t*>(p.dk + at + n * 8 + 2 * c) =
+            *reinterpret_cast<uint32_t*>(sdv + row * RS + n * 8 + 2 * c) = ta_pack2<E>(dv[n][2 * r], dv[n][2 * r + 1]);
+            *reinterpret_cast<uint32_t*>(sdk + row * RS + n * 8 + 2 * c) =
                 ta_pack2<E>(dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale);
         }
+    }
+    __syncthreads();
+    constexpr int kChunks = D / 8;
+#pragma unroll
+    for (int it = 0; it < BN * kChunks / Tr::kThreads; ++it) {
+        const int i = it * Tr::kThreads + threadIdx.x;
+        const int r = i / kChunks, ch = i % kChunks;
+        if (k0 + r >= L) continue;
+        const size_t at = ((size_t)(k0 + r) * p.kv_heads + kv_head) * D + ch * 8;
+        *reinterpret_cast<ta_vec16*>(p.dk + at) = *reinterpret_cast<const ta_vec16*>(sdk + r * RS + ch * 8);
+        *reinterpret_cast<ta_vec16*>(p.dv + at) = *reinterpret_cast<const ta_vec16*>(sdv + r * RS + ch * 8);
     }
 }
 
@@ -536,8 +575,9 @@ __device__ __forceinline__ void tree_attn_bwd_dq_convert_body(const TreeAttnBwdP
     const uint64_t item = (uint64_t)blockIdx.x * 4 + threadIdx.x / 32;
     if (item >= (uint64_t)p.tokens * p.q_heads) return;
     const size_t at = item * D;  // (row · q_heads + head) · D
-    for (int j = ta_lane(); j < D; j += 32)
-        p.dq[at + j] = uint16_t(ta_pack2<E>(p.dq_accum[at + j], 0.f) & 0xffffu);
+    // One 16-byte store of 8 elements per lane (lanes D / 8 and up idle).
+    const int j = ta_lane() * 8;
+    if (j < D) ta_bwd_store8<E>(p.dq + at + j, p.dq_accum + at + j);
 }
 
 // ---- split dK, dV partials -> element type ------------------------------------------
@@ -549,15 +589,22 @@ __device__ __forceinline__ void tree_attn_bwd_dkv_convert_body(const TreeAttnBwd
     if (item >= (uint64_t)p.tokens * p.kv_heads) return;
     const size_t at = item * D;  // (row · kv_heads + head) · D
     const size_t kv_len = (size_t)p.tokens * p.kv_heads * D;
-    for (int j = ta_lane(); j < D; j += 32) {
-        float k = 0.f, v = 0.f;
-        for (uint32_t s = 0; s < p.group_splits; ++s) {
-            k += p.dkv_accum[2 * s * kv_len + at + j];
-            v += p.dkv_accum[(2 * s + 1) * kv_len + at + j];
+    // 8 elements per lane (lanes D / 8 and up idle), one 16-byte store each.
+    const int j = ta_lane() * 8;
+    if (j >= D) return;
+    float k[8], v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) k[e] = v[e] = 0.f;
+    for (uint32_t s = 0; s < p.group_splits; ++s) {
+        const float* const pk = p.dkv_accum + 2 * s * kv_len + at + j;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            k[e] += pk[e];
+            v[e] += pk[kv_len + e];
         }
-        p.dk[at + j] = uint16_t(ta_pack2<E>(k, 0.f) & 0xffffu);
-        p.dv[at + j] = uint16_t(ta_pack2<E>(v, 0.f) & 0xffffu);
     }
+    ta_bwd_store8<E>(p.dk + at + j, k);
+    ta_bwd_store8<E>(p.dv + at + j, v);
 }
 
 #define TA_BWD_KERNELS(SUFFIX, E, D)                                                                                \

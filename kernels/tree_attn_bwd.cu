@@ -46,7 +46,10 @@
 // memory; query tiles of kBlockM rows (64 for D = 64, 32 for D = 128, to keep
 // the f32 accumulators plus Sᵀ and dPᵀ under 255 registers) stream through a
 // double-buffered cp.async pipeline (Q, dO, lse2, D). Per query tile:
-//   Sᵀ  (16 x BM per warp) = K Qᵀ   A: ldmatrix.x4 on the warp's K rows;
+//   Sᵀ  (16 x BM per warp) = K Qᵀ   A: ldmatrix.x4 on the warp's K rows
+//                                    (D = 64: loaded once per block and held
+//                                    in registers, 16 per operand, instead of
+//                                    once per query tile);
 //                                    B: ldmatrix.x4 on Q rows (Q row-major is
 //                                    Qᵀ column-major)
 //   dPᵀ (16 x BM)          = V dOᵀ  same, with V and dO
@@ -180,6 +183,28 @@ __device__ __forceinline__ void ta_bwd_mm_abt(float (&acc)[N / 8][4], const uint
     }
 }
 
+// As ta_bwd_mm_abt, with the warp's A fragments (16 rows x D) already in
+// registers: a[kk] is the ldmatrix.x4 of k-step kk.
+template <class E, int D, int N, int RS>
+__device__ __forceinline__ void ta_bwd_mm_abt_ra(float (&acc)[N / 8][4], const uint32_t (&a)[D / 16][4],
+                                                 const uint16_t* b_rows) {
+    const unsigned lane = ta_lane(), mi = lane >> 3, ri = lane & 7;
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int np = 0; np < N / 16; ++np) {
+            uint32_t b[4];
+            ta_ldmatrix_x4(b, b_rows + (np * 16 + ri + 8 * (mi >> 1)) * RS + kk * 16 + 8 * (mi & 1));
+            ta_mma_16816<E>(acc[2 * np], a[kk], b[0], b[1]);
+            ta_mma_16816<E>(acc[2 * np + 1], a[kk], b[2], b[3]);
+        }
+    }
+}
+
 // acc (16 x D) += X · B where X (16 x K) is given as C fragments x[K / 8][4]
 // (rounded to E here: they become A fragments) and B is K rows [row][D] of
 // 16-bit elements in shared memory (ldmatrix.trans).
@@ -282,6 +307,20 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     ta_cp_async_wait<0>();
     __syncthreads();
 
+    // D = 64: the warp's K and V A fragments stay in registers for the whole
+    // block (2 x 16 registers) instead of an ldmatrix per query tile.
+    constexpr bool kHoistA = D == 64;
+    uint32_t ka[kHoistA ? D / 16 : 1][4], va[kHoistA ? D / 16 : 1][4];
+    if constexpr (kHoistA) {
+        const unsigned mi = lane >> 3, ri = lane & 7;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const int at = (warp * 16 + ri + 8 * (mi & 1)) * RS + kk * 16 + 8 * (mi >> 1);
+            ta_ldmatrix_x4(ka[kk], sk + at);
+            ta_ldmatrix_x4(va[kk], sv + at);
+        }
+    }
+
     // The first query tile at or after query x that sees a key of the tile
     // (0xffffffff when none): min over keys with kv_end[k] > max(k, x) of
     // max(k, x). Each lane takes BN / 32 keys (lane, lane + 32), then a warp
@@ -342,8 +381,13 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
 
         // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys and the BM queries.
         float s[kMTiles][4], dp[kMTiles][4];
-        ta_bwd_mm_abt<E, D, BM, RS>(s, sk + warp * 16 * RS, qb);
-        ta_bwd_mm_abt<E, D, BM, RS>(dp, sv + warp * 16 * RS, dob);
+        if constexpr (kHoistA) {
+            ta_bwd_mm_abt_ra<E, D, BM, RS>(s, ka, qb);
+            ta_bwd_mm_abt_ra<E, D, BM, RS>(dp, va, dob);
+        } else {
+            ta_bwd_mm_abt<E, D, BM, RS>(s, sk + warp * 16 * RS, qb);
+            ta_bwd_mm_abt<E, D, BM, RS>(dp, sv + warp * 16 * RS, dob);
+        }
 
         // Full also needs the whole query tile inside the pack: q1 is not
         // clipped here, and a query tile that runs past the pack is partial.

@@ -45,7 +45,12 @@
 // (16 x D each, f32, mma C fragments) for the whole block. K and V of the tile stay in shared
 // memory; query tiles of kBlockM rows (64 for D = 64, 32 for D = 128, to keep
 // the f32 accumulators plus Sᵀ and dPᵀ under 255 registers) stream through a
-// double-buffered cp.async pipeline (Q, dO, lse2, D). Per query tile:
+// double-buffered pipeline: Q and dO by cp.async, lse2 and D (BM floats
+// each, double-buffered beside them) by plain loads in the same stage() call
+// — the rows of the [q_heads, tokens] LSE / D start at head · tokens + q0,
+// 16-byte aligned only when tokens % 4 == 0, and common.cuh has only the
+// 16-byte cp.async (a 4-byte one with its emulator model would let them
+// join the cp.async group; not done). Per query tile:
 //   Sᵀ  (16 x BM per warp) = K Qᵀ   A: ldmatrix.x4 on the warp's K rows
 //                                    (D = 64: loaded once per block and held
 //                                    in registers, 16 per operand, instead of

@@ -59,7 +59,14 @@ struct FwdTraits : TaTileTraits<E, D, 128, 64> {
 
 // Backward main kernel (tree_attn_bwd.cu): a key tile of 64 per block, warp w
 // owns keys 16w..16w+15; query tiles of 64 rows for D = 64, 32 for D = 128 (to
-// keep the f32 dK, dV accumulators plus Sᵀ and dPᵀ under 255 registers).
+// keep the f32 dK, dV accumulators plus Sᵀ and dPᵀ under 255 registers). For
+// D = 64 the warp's K and V A fragments (32 registers) also stay in
+// registers for the whole block: 224 / 242 registers (det / atomic, sm_90a),
+// still 2 blocks per SM as at 176. For D = 128 they would need 64 more
+// registers on top of 231 / 241: they are reloaded per query tile. The
+// block's grid.z is its slice of the GQA group (group splits: the launch
+// plan's rule, backend::launch::bwd::group_splits); the shared-memory layout
+// does not depend on it.
 template <class E, int D>
 struct BwdTraits : TaTileTraits<E, D, D == 64 ? 64 : 32, 64> {
     using Base = TaTileTraits<E, D, D == 64 ? 64 : 32, 64>;

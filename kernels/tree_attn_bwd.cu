@@ -8,7 +8,14 @@
 //
 // dK and dV of a kv head sum over the `group` query heads that read it: the
 // main kernel loops over those heads inside the block (no reduction buffer,
-// deterministic). A row with no visible key (LSE = −inf) gets P = 0, so dS = 0
+// deterministic). When key tiles · kv_heads blocks are too few to fill the
+// GPU, the launch plan splits the group over grid.z (group splits, the rule
+// is `backend::launch::bwd::group_splits`): z-slice s loops over query heads
+// s · group / splits .. (s + 1) · group / splits only and stores its f32
+// partial dK (scaled) and dV into p.dkv_accum [splits, 2, tokens, kv_heads,
+// D]; tree_attn_bwd_dkv_convert then sums the slices in index order (no
+// atomics: bit-identical from run to run) into dK, dV. One split: the main
+// kernel writes dK, dV itself and dkv_accum is null. A row with no visible key (LSE = −inf) gets P = 0, so dS = 0
 // and it adds nothing; rows and keys past the pack and padding keys
 // (kv_end[k] == k) likewise.
 //
@@ -18,24 +25,36 @@
 // row (lse2 = LSE · log2 e, +inf for a row with none), so P = exp2(S·c −
 // lse2) with c = scale · log2 e, exactly as the forward computes it.
 //
-// Kernels (one call runs 3 or 4 of them, in this order):
+// Kernels (one call runs 3 to 5 of them, in this order):
 //   tree_attn_bwd_pre   D = rowsum(dO ∘ O) per (row, head), f32; zeroes the
 //                       dQ accumulator rows in atomic mode. One warp per
 //                       (row, head).
 //   tree_attn_bwd_main  dK, dV (and, in atomic mode, dQ through f32
 //                       atomicAdd into the accumulator). One block per (key
-//                       tile, kv head).
+//                       tile, kv head, group split): grid (key tiles,
+//                       kv_heads, group splits).
 //   tree_attn_bwd_dq    deterministic mode only: dQ per (query tile, query
 //                       head), plain f32 stores into the accumulator.
 //   tree_attn_bwd_dq_convert   accumulator → dQ in the element type.
+//   tree_attn_bwd_dkv_convert  group splits > 1 only: Σ over the splits of
+//                       the f32 partials → dK, dV in the element type. One
+//                       warp per (key row, kv head).
 //
 // Main kernel tiling (BwdTraits, kernel_traits.cuh): a key tile of kBlockN =
 // 64 keys, 4 warps, warp w owns keys 16w..16w+15 and holds their dK and dV
 // (16 x D each, f32, mma C fragments) for the whole block. K and V of the tile stay in shared
 // memory; query tiles of kBlockM rows (64 for D = 64, 32 for D = 128, to keep
 // the f32 accumulators plus Sᵀ and dPᵀ under 255 registers) stream through a
-// double-buffered cp.async pipeline (Q, dO, lse2, D). Per query tile:
-//   Sᵀ  (16 x BM per warp) = K Qᵀ   A: ldmatrix.x4 on the warp's K rows;
+// double-buffered pipeline: Q and dO by cp.async, lse2 and D (BM floats
+// each, double-buffered beside them) by plain loads in the same stage() call
+// — the rows of the [q_heads, tokens] LSE / D start at head · tokens + q0,
+// 16-byte aligned only when tokens % 4 == 0, and common.cuh has only the
+// 16-byte cp.async (a 4-byte one with its emulator model would let them
+// join the cp.async group; not done). Per query tile:
+//   Sᵀ  (16 x BM per warp) = K Qᵀ   A: ldmatrix.x4 on the warp's K rows
+//                                    (D = 64: loaded once per block and held
+//                                    in registers, 16 per operand, instead of
+//                                    once per query tile);
 //                                    B: ldmatrix.x4 on Q rows (Q row-major is
 //                                    Qᵀ column-major)
 //   dPᵀ (16 x BM)          = V dOᵀ  same, with V and dO
@@ -61,11 +80,21 @@
 // visits exactly the query tiles that meet the union of those intervals over
 // its 64 keys (a subset of the contiguous range [k0, max kv_end)): from a
 // query x the next visible query is min over keys with kv_end[k] > max(k, x)
-// of max(k, x), read off the tile's kv_end staged in shared memory (64
-// compares per step, the same result in every thread). Each visited tile is
+// of max(k, x), read off the tile's kv_end staged in shared memory: each
+// lane tests 2 of the 64 keys and a warp min by __shfl_xor_sync gives every
+// lane the same result (2 compares + 5 shuffles per step instead of 64
+// compares). Each visited tile is
 // full (no element mask: k1 − 1 <= q0, min kv_end >= q1, both tiles inside
 // the pack) or partial (element mask k <= q < kv_end[k]); both tests are
 // mask.cuh's. Tiles are staged by tile_load.cuh's loader.
+//
+// Stores. The main kernel's unsplit epilogue rounds dK (scaled) and dV to
+// the element type into shared memory (the K and V tile buffers, free after
+// the loop) and writes them with 16-byte stores, consecutive threads on
+// consecutive 16-byte chunks of a row; dq_convert and dkv_convert give each
+// lane 8 elements (one 16-byte store). Rows past the pack are never stored;
+// dQ, dK, dV must be 16-byte aligned (both backends check it). The split
+// path's f32 partials are plain 4-byte stores from the fragments.
 //
 // Block order: the main kernel's blockIdx.x is the key tile (the first key
 // tiles are seen by the most queries: heaviest first); the dQ kernel runs
@@ -106,6 +135,7 @@ struct TreeAttnBwdParams {
     const uint32_t* kv_end;       // [tokens]
     const uint32_t* tile_kv_min;  // [num_key_tiles], tiles of 64 keys
     const uint32_t* tile_kv_max;
+    float* dkv_accum;  // [group_splits, 2, tokens, kv_heads, D] f32 (dK scaled, dV); group_splits > 1 only
     uint32_t tokens;
     uint32_t q_heads;
     uint32_t kv_heads;
@@ -114,6 +144,8 @@ struct TreeAttnBwdParams {
     float scale_log2;  // softmax scale · log2 e
     uint32_t head_dim;
     uint32_t zero_dq_accum;  // tree_attn_bwd_pre: also zero the accumulator
+    uint32_t group_splits;   // the main kernel's gridDim.z; it divides q_heads / kv_heads
+    uint32_t reserved;
 };
 
 #define TA_LOG2E 1.4426950408889634f
@@ -156,6 +188,28 @@ __device__ __forceinline__ void ta_bwd_mm_abt(float (&acc)[N / 8][4], const uint
     }
 }
 
+// As ta_bwd_mm_abt, with the warp's A fragments (16 rows x D) already in
+// registers: a[kk] is the ldmatrix.x4 of k-step kk.
+template <class E, int D, int N, int RS>
+__device__ __forceinline__ void ta_bwd_mm_abt_ra(float (&acc)[N / 8][4], const uint32_t (&a)[D / 16][4],
+                                                 const uint16_t* b_rows) {
+    const unsigned lane = ta_lane(), mi = lane >> 3, ri = lane & 7;
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int np = 0; np < N / 16; ++np) {
+            uint32_t b[4];
+            ta_ldmatrix_x4(b, b_rows + (np * 16 + ri + 8 * (mi >> 1)) * RS + kk * 16 + 8 * (mi & 1));
+            ta_mma_16816<E>(acc[2 * np], a[kk], b[0], b[1]);
+            ta_mma_16816<E>(acc[2 * np + 1], a[kk], b[2], b[3]);
+        }
+    }
+}
+
 // acc (16 x D) += X · B where X (16 x K) is given as C fragments x[K / 8][4]
 // (rounded to E here: they become A fragments) and B is K rows [row][D] of
 // 16-bit elements in shared memory (ldmatrix.trans).
@@ -179,6 +233,21 @@ __device__ __forceinline__ void ta_bwd_mm_cb(float (&acc)[D / 8][4], const float
             ta_mma_16816<E>(acc[2 * dp + 1], a, b[2], b[3]);
         }
     }
+}
+
+// 8 floats -> 8 elements of E at `dst` (16-byte aligned), one 16-byte
+// store (round to nearest even). nvcc (13.0) splits the store of a ta_vec16
+// or a uint4 built from registers into 4 STG.32, so the store is written in
+// PTX (st.global.v4: one STG.128).
+template <class E>
+__device__ __forceinline__ void ta_bwd_store8(uint16_t* dst, const float* x) {
+    const uint32_t a = ta_pack2<E>(x[0], x[1]), b = ta_pack2<E>(x[2], x[3]);
+    const uint32_t c = ta_pack2<E>(x[4], x[5]), d = ta_pack2<E>(x[6], x[7]);
+#ifdef TA_EMU
+    *reinterpret_cast<ta_vec16*>(dst) = ta_vec16{a, b, c, d};
+#else
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+#endif
 }
 
 // ---- D = rowsum(dO ∘ O) ------------------------------------------------------
@@ -218,9 +287,13 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     uint32_t* const skv = reinterpret_cast<uint32_t*>(smem_raw + Tr::kOffKvEnd);
 
     const uint32_t L = p.tokens;
-    const uint32_t tile = blockIdx.x, kv_head = blockIdx.y;
+    const uint32_t tile = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
     const uint32_t k0 = tile * BN;
     const uint32_t group = p.q_heads / p.kv_heads;
+    // This z-slice's query heads: [head_begin, head_end), group / splits of
+    // the kv head's group.
+    const uint32_t per_split = group / p.group_splits;
+    const uint32_t head_begin = kv_head * group + split * per_split, head_end = head_begin + per_split;
     const unsigned lane = ta_lane(), warp = threadIdx.x / 32;
     const unsigned g = lane >> 2, c = lane & 3;
 
@@ -239,14 +312,37 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     ta_cp_async_wait<0>();
     __syncthreads();
 
+    // D = 64: the warp's K and V A fragments stay in registers for the whole
+    // block (2 x 16 registers) instead of an ldmatrix per query tile.
+    constexpr bool kHoistA = D == 64;
+    uint32_t ka[kHoistA ? D / 16 : 1][4], va[kHoistA ? D / 16 : 1][4];
+    if constexpr (kHoistA) {
+        const unsigned mi = lane >> 3, ri = lane & 7;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const int at = (warp * 16 + ri + 8 * (mi & 1)) * RS + kk * 16 + 8 * (mi >> 1);
+            ta_ldmatrix_x4(ka[kk], sk + at);
+            ta_ldmatrix_x4(va[kk], sv + at);
+        }
+    }
+
     // The first query tile at or after query x that sees a key of the tile
-    // (0xffffffff when none).
+    // (0xffffffff when none): min over keys with kv_end[k] > max(k, x) of
+    // max(k, x). Each lane takes BN / 32 keys (lane, lane + 32), then a warp
+    // min by butterfly shuffles, so every lane of every warp holds the same
+    // result. All lanes must call it together (full-mask shuffles): it runs
+    // in block-uniform control flow only.
+    static_assert(BN % 32 == 0, "whole keys per lane");
     auto next_qtile = [&](uint32_t x) {
         uint32_t best = 0xffffffffu;
-        for (int i = 0; i < BN; ++i) {
-            const uint32_t lo = max(k0 + uint32_t(i), x);
+#pragma unroll
+        for (int j = 0; j < BN / 32; ++j) {
+            const uint32_t i = lane + 32 * j;
+            const uint32_t lo = max(k0 + i, x);
             if (skv[i] > lo) best = min(best, lo);
         }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) best = min(best, __shfl_xor_sync(TA_FULL_MASK, best, o));
         return best == 0xffffffffu ? best : best / BM;
     };
     const uint32_t first_qt = next_qtile(0);
@@ -269,20 +365,19 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
 #pragma unroll
         for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
 
-    // Iteration over (query head of the group gi, query tile qt).
-    uint32_t gi = 0, qt = first_qt;
-    if (qt != 0xffffffffu) stage(kv_head * group, qt, 0);
+    // Iteration over (query head, query tile qt).
+    uint32_t head = head_begin, qt = first_qt;
+    if (qt != 0xffffffffu) stage(head, qt, 0);
     ta_cp_async_commit();
     int buf = 0;
     while (qt != 0xffffffffu) {
-        uint32_t ngi = gi, nqt = next_qtile((qt + 1) * BM);
-        if (nqt == 0xffffffffu && ++ngi < group) nqt = first_qt;
-        if (nqt != 0xffffffffu) stage(kv_head * group + ngi, nqt, buf ^ 1);
+        uint32_t nhead = head, nqt = next_qtile((qt + 1) * BM);
+        if (nqt == 0xffffffffu && ++nhead < head_end) nqt = first_qt;
+        if (nqt != 0xffffffffu) stage(nhead, nqt, buf ^ 1);
         ta_cp_async_commit();
         ta_cp_async_wait<1>();  // tile (gi, qt) has landed
         __syncthreads();
 
-        const uint32_t head = kv_head * group + gi;
         const uint32_t q0 = qt * BM;
         const uint16_t* const qb = sq + buf * Tr::kQElems;
         const uint16_t* const dob = sdo + buf * Tr::kQElems;
@@ -291,8 +386,13 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
 
         // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys and the BM queries.
         float s[kMTiles][4], dp[kMTiles][4];
-        ta_bwd_mm_abt<E, D, BM, RS>(s, sk + warp * 16 * RS, qb);
-        ta_bwd_mm_abt<E, D, BM, RS>(dp, sv + warp * 16 * RS, dob);
+        if constexpr (kHoistA) {
+            ta_bwd_mm_abt_ra<E, D, BM, RS>(s, ka, qb);
+            ta_bwd_mm_abt_ra<E, D, BM, RS>(dp, va, dob);
+        } else {
+            ta_bwd_mm_abt<E, D, BM, RS>(s, sk + warp * 16 * RS, qb);
+            ta_bwd_mm_abt<E, D, BM, RS>(dp, sv + warp * 16 * RS, dob);
+        }
 
         // Full also needs the whole query tile inside the pack: q1 is not
         // clipped here, and a query tile that runs past the pack is partial.
@@ -357,22 +457,59 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
             }
         }
         __syncthreads();  // buffer `buf` (and dSᵀ) free before they are refilled
-        gi = ngi;
+        head = nhead;
         qt = nqt;
         buf ^= 1;
     }
 
-    // dV and dK (scaled) straight from the fragments.
+    if (p.group_splits > 1) {
+        // This slice's f32 partial dK (scaled) and dV, summed over the
+        // slices by tree_attn_bwd_dkv_convert.
+        const size_t kv_len = (size_t)L * p.kv_heads * D;
+        float* const pk = p.dkv_accum + (size_t)split * 2 * kv_len;
+        float* const pv = pk + kv_len;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (key[r] >= L) continue;
+            const size_t at = ((size_t)key[r] * p.kv_heads + kv_head) * D;
+#pragma unroll
+            for (int n = 0; n < kDTiles; ++n) {
+                const size_t e = at + n * 8 + 2 * c;
+                pv[e] = dv[n][2 * r];
+                pv[e + 1] = dv[n][2 * r + 1];
+                pk[e] = dk[n][2 * r] * p.scale;
+                pk[e + 1] = dk[n][2 * r + 1] * p.scale;
+            }
+        }
+        return;
+    }
+    // dV and dK (scaled) in the element type through shared memory — the K
+    // and V tile buffers, which nothing reads after the loop's last barrier
+    // (and, with no query tile visited, after the first one) — then 16-byte
+    // stores, D / 8 per row, consecutive threads on consecutive chunks of a
+    // row; rows past the pack are never stored.
+    uint16_t* const sdk = sk;
+    uint16_t* const sdv = sv;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        if (key[r] >= L) continue;
-        const size_t at = ((size_t)key[r] * p.kv_heads + kv_head) * D;
+        const int row = warp * 16 + g + 8 * r;
 #pragma unroll
         for (int n = 0; n < kDTiles; ++n) {
-            *reinterpret_cast<uint32_t*>(p.dv + at + n * 8 + 2 * c) = ta_pack2<E>(dv[n][2 * r], dv[n][2 * r + 1]);
-            *reinterpret_cast<uint32_t*>(p.dk + at + n * 8 + 2 * c) =
+            *reinterpret_cast<uint32_t*>(sdv + row * RS + n * 8 + 2 * c) = ta_pack2<E>(dv[n][2 * r], dv[n][2 * r + 1]);
+            *reinterpret_cast<uint32_t*>(sdk + row * RS + n * 8 + 2 * c) =
                 ta_pack2<E>(dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale);
         }
+    }
+    __syncthreads();
+    constexpr int kChunks = D / 8;
+#pragma unroll
+    for (int it = 0; it < BN * kChunks / Tr::kThreads; ++it) {
+        const int i = it * Tr::kThreads + threadIdx.x;
+        const int r = i / kChunks, ch = i % kChunks;
+        if (k0 + r >= L) continue;
+        const size_t at = ((size_t)(k0 + r) * p.kv_heads + kv_head) * D + ch * 8;
+        *reinterpret_cast<ta_vec16*>(p.dk + at) = *reinterpret_cast<const ta_vec16*>(sdk + r * RS + ch * 8);
+        *reinterpret_cast<ta_vec16*>(p.dv + at) = *reinterpret_cast<const ta_vec16*>(sdv + r * RS + ch * 8);
     }
 }
 
@@ -487,8 +624,36 @@ __device__ __forceinline__ void tree_attn_bwd_dq_convert_body(const TreeAttnBwdP
     const uint64_t item = (uint64_t)blockIdx.x * 4 + threadIdx.x / 32;
     if (item >= (uint64_t)p.tokens * p.q_heads) return;
     const size_t at = item * D;  // (row · q_heads + head) · D
-    for (int j = ta_lane(); j < D; j += 32)
-        p.dq[at + j] = uint16_t(ta_pack2<E>(p.dq_accum[at + j], 0.f) & 0xffffu);
+    // One 16-byte store of 8 elements per lane (lanes D / 8 and up idle).
+    const int j = ta_lane() * 8;
+    if (j < D) ta_bwd_store8<E>(p.dq + at + j, p.dq_accum + at + j);
+}
+
+// ---- split dK, dV partials -> element type ------------------------------------------
+// One warp per (key row, kv head): the sum over the group splits in index
+// order (the same order every run).
+template <class E, int D>
+__device__ __forceinline__ void tree_attn_bwd_dkv_convert_body(const TreeAttnBwdParams& p) {
+    const uint64_t item = (uint64_t)blockIdx.x * 4 + threadIdx.x / 32;
+    if (item >= (uint64_t)p.tokens * p.kv_heads) return;
+    const size_t at = item * D;  // (row · kv_heads + head) · D
+    const size_t kv_len = (size_t)p.tokens * p.kv_heads * D;
+    // 8 elements per lane (lanes D / 8 and up idle), one 16-byte store each.
+    const int j = ta_lane() * 8;
+    if (j >= D) return;
+    float k[8], v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) k[e] = v[e] = 0.f;
+    for (uint32_t s = 0; s < p.group_splits; ++s) {
+        const float* const pk = p.dkv_accum + 2 * s * kv_len + at + j;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            k[e] += pk[e];
+            v[e] += pk[kv_len + e];
+        }
+    }
+    ta_bwd_store8<E>(p.dk + at + j, k);
+    ta_bwd_store8<E>(p.dv + at + j, v);
 }
 
 #define TA_BWD_KERNELS(SUFFIX, E, D)                                                                                \
@@ -510,6 +675,9 @@ __device__ __forceinline__ void tree_attn_bwd_dq_convert_body(const TreeAttnBwdP
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128) tree_attn_bwd_dq_convert_##SUFFIX(const TreeAttnBwdParams p) { \
         tree_attn_bwd_dq_convert_body<E, D>(p);                                                                     \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) tree_attn_bwd_dkv_convert_##SUFFIX(const TreeAttnBwdParams p) { \
+        tree_attn_bwd_dkv_convert_body<E, D>(p);                                                                    \
     }
 TA_BWD_KERNELS(bf16_d64, ta_bf16, 64)
 TA_BWD_KERNELS(bf16_d128, ta_bf16, 128)

@@ -26,7 +26,7 @@ use common::calls;
 
 use half::{bf16, f16};
 use treeattn::backend::emu::{self, DqMode, EmuOptions, KernelElem};
-use treeattn::backend::launch::bwd::BwdTraits;
+use treeattn::backend::launch::bwd::{plan_backward, BwdTraits};
 use treeattn::backend::{tolerance, AttnParams, AttnShape, Rope};
 use treeattn::gen::{self, Rng};
 use treeattn::mask::PackMask;
@@ -401,6 +401,75 @@ fn deterministic_mode_is_bit_identical_across_runs() {
     );
 }
 
+/// GQA group splits over the main kernel's grid.z: 8:1 GQA with the group
+/// forced into 1, 2, 4 and 8 z-slices (each slice sums its query heads' dK,
+/// dV into f32 partials, `tree_attn_bwd_dkv_convert` adds the slices in
+/// order) matches the CPU backward in both dQ modes, and two deterministic
+/// runs under different schedules and worker threads are bit-identical.
+#[test]
+fn gqa_group_splits_match_the_cpu_and_are_deterministic() {
+    let (mut rng, seed) = common::seeded_rng();
+    for (i, head_dim) in [64usize, 128].into_iter().enumerate() {
+        let p = loop {
+            let p = gen::random_forest(&mut rng, 2, 20, 3, 4);
+            if (100..=200).contains(&p.kv_end.len()) {
+                break p;
+            }
+        };
+        let c = Case {
+            shape: AttnShape {
+                tokens: p.kv_end.len(),
+                q_heads: 8,
+                kv_heads: 1,
+                head_dim,
+            },
+            kv_end: p.kv_end,
+            pos: p.position_ids,
+            rope: None,
+        };
+        for (j, splits) in [1u32, 2, 4, 8].into_iter().enumerate() {
+            let mode = [DqMode::Atomic, DqMode::Deterministic][(i + j) % 2];
+            let opts = EmuOptions::all()[(2 * i + j) % 6];
+            calls::with_group_splits(Some(splits), || {
+                check::<bf16>(&mut rng, seed, &c, mode, opts)
+            });
+        }
+        let x = inputs::<bf16>(&mut rng, &c);
+        let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
+        let run = |splits: u32, opts: EmuOptions| {
+            calls::with_group_splits(Some(splits), || {
+                calls::with_options(opts, || {
+                    calls::emu_backward(
+                        &x.q,
+                        &x.k,
+                        &x.v,
+                        &x.o,
+                        &x.lse,
+                        &x.d_o,
+                        c.shape,
+                        mask,
+                        &params(&c),
+                        DqMode::Deterministic,
+                    )
+                })
+            })
+            .unwrap()
+        };
+        let bits = |t: &[bf16]| t.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+        let all = EmuOptions::all();
+        for splits in [2u32, 8] {
+            let (a, b) = (run(splits, all[1]), run(splits, all[4]));
+            for (name, x, y) in [("dQ", &a.dq, &b.dq), ("dK", &a.dk, &b.dk), ("dV", &a.dv, &b.dv)] {
+                assert_eq!(
+                    bits(x),
+                    bits(y),
+                    "seed {seed}: d {head_dim}, {splits} splits: {name} differs between runs"
+                );
+            }
+        }
+    }
+}
+
 /// Negative controls: the same kernels with a plain causal mask (tree
 /// ignored), or with rotary left out, are far off the reference — so the
 /// tolerances above detect a wrong mask and a missing rotation.
@@ -655,6 +724,9 @@ fn tile_walks_load_only_visible_tiles() {
         let (bm, bn) = (t.block_m as usize, t.block_n as usize);
         let (d, s) = (head_dim as u64, c.shape);
         let group = (s.q_heads / s.kv_heads) as u64;
+        // Each of the main kernel's z-slices loads the key tile's K and V.
+        let splits = plan_backward(&s).unwrap().1.group_splits as u64;
+        assert!(splits > 1, "{what}: few blocks, so the group should split");
         // Main kernel: per key tile, the distinct query tiles its keys' intervals meet.
         let mut visited = 0u64;
         let mut range_tiles = 0u64;
@@ -672,7 +744,7 @@ fn tile_walks_load_only_visible_tiles() {
         }
         let key_tiles = tokens.div_ceil(bn) as u64;
         let want_main = s.kv_heads as u64
-            * (key_tiles * 2 * bn as u64 * d * 2 + group * visited * 2 * bm as u64 * d * 2);
+            * (splits * key_tiles * 2 * bn as u64 * d * 2 + group * visited * 2 * bm as u64 * d * 2);
         assert_eq!(stats.main_cp_async_bytes, want_main, "{what}: main kernel");
         if i == 2 {
             assert!(

@@ -46,15 +46,28 @@ extern "C" int ta_emu_bwd_traits(uint32_t head_dim, int32_t* out) noexcept {
 }
 
 // stage: 0 = tree_attn_bwd_pre, 1 = tree_attn_bwd_main_atomic, 2 =
-// tree_attn_bwd_main_det, 3 = tree_attn_bwd_dq, 4 = tree_attn_bwd_dq_convert.
+// tree_attn_bwd_main_det, 3 = tree_attn_bwd_dq, 4 = tree_attn_bwd_dq_convert,
+// 5 = tree_attn_bwd_dkv_convert. grid_z is the main kernel's group splits (1
+// for the others).
 // dtype: 0 = bf16, 1 = f16. *cp_async_bytes receives the bytes the launch
 // moved with cp.async.
 extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t stage, const TreeAttnBwdParams* p,
-                                    uint32_t grid_x, uint32_t grid_y, uint32_t block_threads, size_t smem,
+                                    uint32_t grid_x, uint32_t grid_y, uint32_t grid_z, uint32_t block_threads,
+                                    size_t smem,
                                     const ta_emu::Config* config, uint64_t* cp_async_bytes, char* err,
                                     size_t err_len) noexcept {
     return ta_emu::guard_entry("ta_emu_tree_attn_bwd", err, err_len, [&]() -> int {
-        const dim3 grid(grid_x, grid_y), block(block_threads);
+        const dim3 grid(grid_x, grid_y, grid_z), block(block_threads);
+        const bool main_stage = stage == 1 || stage == 2;
+        if (p->group_splits == 0 || (main_stage ? grid_z != p->group_splits : grid_z != 1) ||
+            (p->kv_heads != 0 && (p->q_heads / p->kv_heads) % p->group_splits != 0) ||
+            (p->group_splits > 1 && p->dkv_accum == nullptr)) {
+            snprintf(err, err_len,
+                     "stage %u: grid z %u with %u group splits of %u query heads per kv head (dkv_accum %s)", stage,
+                     grid_z, p->group_splits, p->kv_heads ? p->q_heads / p->kv_heads : 0,
+                     p->dkv_accum ? "set" : "null");
+            return 1;
+        }
         // The buffers the kernels read with cp.async.
         const size_t q_bytes = size_t(p->tokens) * p->q_heads * head_dim * 2;
         const size_t kv_bytes = size_t(p->tokens) * p->kv_heads * head_dim * 2;
@@ -90,6 +103,10 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
                     if (check_plan("tree_attn_bwd_dq_convert", block_threads, smem, 128, 0, err, err_len))       \
                         return 1;                                                                                 \
                     return launch(tree_attn_bwd_dq_convert_##SUFFIX);                                             \
+                case 5:                                                                                           \
+                    if (check_plan("tree_attn_bwd_dkv_convert", block_threads, smem, 128, 0, err, err_len))      \
+                        return 1;                                                                                 \
+                    return launch(tree_attn_bwd_dkv_convert_##SUFFIX);                                            \
                 default:                                                                                          \
                     break;                                                                                        \
             }                                                                                                     \

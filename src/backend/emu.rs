@@ -100,6 +100,11 @@ pub struct Emu {
     pub options: EmuOptions,
     /// How the backward sums dQ.
     pub dq_mode: DqMode,
+    /// Group splits of the backward main kernel: `None` takes the launch
+    /// plan's rule ([`launch::bwd::group_splits`]), `Some(s)` forces `s` (a
+    /// divisor of `q_heads / kv_heads`), so that tests cover the split and
+    /// unsplit paths on small packs.
+    pub group_splits: Option<u32>,
 }
 
 impl Default for Emu {
@@ -115,6 +120,16 @@ impl Emu {
         Emu {
             options,
             dq_mode: DqMode::Deterministic,
+            group_splits: None,
+        }
+    }
+
+    /// The same emulator with the backward's group splits forced (`Some`) or
+    /// planned (`None`).
+    pub fn with_group_splits(self, splits: Option<u32>) -> Emu {
+        Emu {
+            group_splits: splits,
+            ..self
         }
     }
 

@@ -117,6 +117,19 @@ pub fn with_options<R>(opts: EmuOptions, f: impl FnOnce() -> R) -> R {
     r
 }
 
+thread_local! {
+    static GROUP_SPLITS: Cell<Option<u32>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with the emulated backward's group splits forced to `splits`
+/// (`None`: the launch plan's rule) on this thread.
+pub fn with_group_splits<R>(splits: Option<u32>, f: impl FnOnce() -> R) -> R {
+    let before = GROUP_SPLITS.with(|o| o.replace(splits));
+    let r = f();
+    GROUP_SPLITS.with(|o| o.set(before));
+    r
+}
+
 /// The options of the innermost [`with_options`] on this thread.
 pub fn options() -> EmuOptions {
     OPTIONS.with(|o| o.get())
@@ -167,6 +180,7 @@ pub fn emu_backward<T: KernelElem>(
     let args = AttnArgs::new(q, k, v, shape, mask, *params)?;
     emu()
         .with_dq_mode(mode)
+        .with_group_splits(GROUP_SPLITS.with(|o| o.get()))
         .backward_owned(&args, Saved { o, lse }, d_o)
 }
 

@@ -24,7 +24,14 @@ static BWD_FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tree_attn_b
 unsafe impl DeviceRepr for BwdParams {}
 
 /// The stages of one backward call, in launch order where used.
-const STAGES: [&str; 5] = ["pre", "main_atomic", "main_det", "dq", "dq_convert"];
+const STAGES: [&str; 6] = [
+    "pre",
+    "main_atomic",
+    "main_det",
+    "dq",
+    "dq_convert",
+    "dkv_convert",
+];
 
 /// The backward kernels, loaded by [`super::CudaBackend::new`].
 #[derive(Clone)]
@@ -83,8 +90,10 @@ impl CudaBackward {
     /// Tree attention backward on the device (the math of
     /// [`crate::backend::AttentionBackend`]): from the forward's `o` and
     /// `lse` (f32) and `d_o`, writes every element of dq, dk, dv. Scratch (D
-    /// and the f32 dQ accumulator, `4 · tokens · q_heads · (d + 1)` bytes)
-    /// is allocated on the stream per call. No rotary here
+    /// and the f32 dQ accumulator, `4 · tokens · q_heads · (d + 1)` bytes,
+    /// plus, when the plan splits the GQA group over grid.z, the f32 dK / dV
+    /// partials, `8 · splits · tokens · kv_heads · d` bytes) is allocated on
+    /// the stream per call. No rotary here
     /// (`CudaBackend::backward_with_mode` rotates around this call).
     /// Asynchronous on the backend's stream. A NaN or `+inf` in `lse`
     /// makes the gradients of its row NaN (never a silent 0);
@@ -148,6 +157,14 @@ impl CudaBackward {
             .map_err(cuda_err("allocating D"))?;
         let mut acc = unsafe { s.alloc::<f32>(shape.q_len()) }
             .map_err(cuda_err("allocating the dQ accumulator"))?;
+        // SAFETY: with group splits > 1 every element is written by the main
+        // kernel's z-slices (each writes its slice for every key row < tokens
+        // of its kv head) before tree_attn_bwd_dkv_convert reads it. With
+        // one split it is never touched: a 1-element placeholder, null to the
+        // kernels.
+        let split = plans.group_splits > 1;
+        let mut dkv = unsafe { s.alloc::<f32>(plans.dkv_accum_len(&shape).max(1)) }
+            .map_err(cuda_err("allocating the dK / dV partials"))?;
 
         let (qp, _g0) = q.device_ptr(s);
         let (kp, _g1) = k.device_ptr(s);
@@ -163,6 +180,26 @@ impl CudaBackward {
         let (ep, _g11) = pack.kv_end.device_ptr(s);
         let (lo, _g12) = pack.tile_kv_min.device_ptr(s);
         let (hi, _g13) = pack.tile_kv_max.device_ptr(s);
+        let (dkvp, _g14) = dkv.device_ptr_mut(s);
+        // The kernels move rows in 16-byte vectors (cp.async loads of q, k,
+        // v, d_o; stores of dq, dk, dv): a caller's view that starts off a
+        // 16-byte boundary is an error, not a misaligned access.
+        for (name, addr) in [
+            ("q", qp),
+            ("k", kp),
+            ("v", vp),
+            ("d_o", dop),
+            ("dq", dqp),
+            ("dk", dkp),
+            ("dv", dvp),
+        ] {
+            if addr % 16 != 0 {
+                return Err(Error::Shape(format!(
+                    "{name}: device pointer {addr:#x} is not 16-byte aligned (the backward kernels move 16-byte \
+                     vectors)"
+                )));
+            }
+        }
         let p = BwdParams {
             q: qp,
             k: kp,
@@ -178,6 +215,7 @@ impl CudaBackward {
             kv_end: ep,
             tile_kv_min: lo,
             tile_kv_max: hi,
+            dkv_accum: if split { dkvp } else { 0 },
             tokens: shape.tokens as u32,
             q_heads: shape.q_heads as u32,
             kv_heads: shape.kv_heads as u32,
@@ -186,18 +224,23 @@ impl CudaBackward {
             scale_log2: scale_log2(params),
             head_dim: traits.head_dim,
             zero_dq_accum: u32::from(mode == DqMode::Atomic),
+            group_splits: plans.group_splits,
+            reserved: 0,
         };
-        let stages: &[(usize, LaunchPlan)] = match mode {
-            DqMode::Atomic => &[(0, plans.per_row), (1, plans.main), (4, plans.per_row)],
-            DqMode::Deterministic => &[
+        let mut stages: Vec<(usize, LaunchPlan)> = match mode {
+            DqMode::Atomic => vec![(0, plans.per_row), (1, plans.main), (4, plans.per_row)],
+            DqMode::Deterministic => vec![
                 (0, plans.per_row),
                 (2, plans.main),
                 (3, plans.dq),
                 (4, plans.per_row),
             ],
         };
+        if split {
+            stages.push((5, plans.dkv_convert));
+        }
         let by_stage = &self.funcs[T::DTYPE.code() as usize][usize::from(traits.head_dim == 128)];
-        for &(stage, plan) in stages {
+        for &(stage, plan) in &stages {
             let mut b = s.launch_builder(&by_stage[stage]);
             b.arg(&p);
             // SAFETY: every buffer was sized against `shape` and the pack

@@ -1,7 +1,7 @@
 //! Attention backward on the emulator (`kernels/tree_attn_bwd.cu`).
 
 use super::{check_result, emu_result, ffi, Emu, KernelElem};
-use crate::backend::launch::bwd::{plan_backward, BwdParams, DqMode};
+use crate::backend::launch::bwd::{plan_backward_with_splits, BwdParams, DqMode};
 use crate::backend::launch::{scale_log2, LaunchPlan};
 use crate::backend::{BackwardCall, Grads, Host};
 use crate::{Error, Result};
@@ -10,7 +10,8 @@ use crate::{Error, Result};
 /// [`crate::backend::AttentionBackend`]) without rotary (`super::rope`
 /// rotates Q and K first and dQ, dK back after), from the forward's `o`, its
 /// f32 `lse` and `d_o`. 16-bit inputs and outputs, f32 accumulation;
-/// `emu.dq_mode` picks how dQ is summed ([`DqMode`]). A non-finite gradient
+/// `emu.dq_mode` picks how dQ is summed ([`DqMode`]), `emu.group_splits`
+/// may force the main kernel's group splits. A non-finite gradient
 /// is an [`Error::NonFinite`].
 pub(super) fn backward<T: KernelElem>(
     emu: &Emu,
@@ -22,19 +23,20 @@ pub(super) fn backward<T: KernelElem>(
     let (o, lse) = (saved.o, saved.lse);
     let Grads { dq, dk, dv } = grads;
     let mode = emu.dq_mode;
-    let (traits, plans) = plan_backward(&shape)?;
+    let (traits, plans) = plan_backward_with_splits(&shape, emu.group_splits)?;
     if shape.tokens == 0 {
         return Ok(());
     }
-    // Rows move in 16-byte cp.async vectors, dV in 4-byte stores, as on the
-    // GPU, where device allocations are 256-byte aligned.
+    // Rows move in 16-byte cp.async vectors and dQ, dK, dV in 16-byte
+    // stores, as on the GPU, where device allocations are 256-byte aligned.
     for (name, addr, align) in [
         ("q", q.as_ptr() as usize, 16),
         ("k", k.as_ptr() as usize, 16),
         ("v", v.as_ptr() as usize, 16),
         ("d_o", d_o.as_ptr() as usize, 16),
-        ("dk", dk.as_ptr() as usize, 4),
-        ("dv", dv.as_ptr() as usize, 4),
+        ("dq", dq.as_ptr() as usize, 16),
+        ("dk", dk.as_ptr() as usize, 16),
+        ("dv", dv.as_ptr() as usize, 16),
     ] {
         if addr % align != 0 {
             return Err(Error::Unsupported(format!(
@@ -53,6 +55,7 @@ pub(super) fn backward<T: KernelElem>(
     // value (and the accumulator's zeros in atomic mode).
     let mut delta = vec![f32::NAN; shape.q_heads * shape.tokens];
     let mut dq_accum = vec![f32::NAN; shape.q_len()];
+    let mut dkv_accum = vec![f32::NAN; plans.dkv_accum_len(&shape)];
     let p = BwdParams {
         q: q.as_ptr() as u64,
         k: k.as_ptr() as u64,
@@ -68,6 +71,11 @@ pub(super) fn backward<T: KernelElem>(
         kv_end: mask.kv_end().as_ptr() as u64,
         tile_kv_min: tile_min.as_ptr() as u64,
         tile_kv_max: tile_max.as_ptr() as u64,
+        dkv_accum: if dkv_accum.is_empty() {
+            0
+        } else {
+            dkv_accum.as_mut_ptr() as u64
+        },
         tokens: shape.tokens as u32,
         q_heads: shape.q_heads as u32,
         kv_heads: shape.kv_heads as u32,
@@ -76,27 +84,32 @@ pub(super) fn backward<T: KernelElem>(
         scale_log2: scale_log2(params),
         head_dim: traits.head_dim,
         zero_dq_accum: (mode == DqMode::Atomic) as u32,
+        group_splits: plans.group_splits,
+        reserved: 0,
     };
-    let stages: &[(u32, &str, LaunchPlan)] = match mode {
-        DqMode::Atomic => &[
+    let mut stages: Vec<(u32, &str, LaunchPlan)> = match mode {
+        DqMode::Atomic => vec![
             (0, "pre", plans.per_row),
             (1, "main_atomic", plans.main),
             (4, "dq_convert", plans.per_row),
         ],
-        DqMode::Deterministic => &[
+        DqMode::Deterministic => vec![
             (0, "pre", plans.per_row),
             (2, "main_det", plans.main),
             (3, "dq", plans.dq),
             (4, "dq_convert", plans.per_row),
         ],
     };
+    if plans.group_splits > 1 {
+        stages.push((5, "dkv_convert", plans.dkv_convert));
+    }
     let mut stats = BackwardStats::default();
-    for &(stage, name, plan) in stages {
+    for &(stage, name, plan) in &stages {
         let mut err = [0u8; 1024];
         let mut bytes = 0u64;
         // SAFETY: every pointer in `p` refers to a live slice whose length was
-        // checked against `shape` above (delta, dq_accum and the tile bounds
-        // are sized here); the call is synchronous.
+        // checked against `shape` above (delta, dq_accum, dkv_accum and the
+        // tile bounds are sized here); the call is synchronous.
         let rc = unsafe {
             ffi::ta_emu_tree_attn_bwd(
                 T::DTYPE.code(),
@@ -105,6 +118,7 @@ pub(super) fn backward<T: KernelElem>(
                 &p,
                 plan.grid.0,
                 plan.grid.1,
+                plan.grid.2,
                 plan.block.0,
                 plan.shared_mem_bytes as usize,
                 &emu.config(),

@@ -57,6 +57,7 @@ extern "C" {
         p: *const BwdParams,
         grid_x: u32,
         grid_y: u32,
+        grid_z: u32,
         block_threads: u32,
         smem: usize,
         config: *const RawConfig,

@@ -6,9 +6,21 @@
 //! | kernel | grid | block | shared memory |
 //! |---|---|---|---|
 //! | `tree_attn_bwd_pre_*` | `ceil(tokens · q_heads / 4)` | 128 | 0 |
-//! | `tree_attn_bwd_main_{atomic,det}_*` | `(key tiles of 64, kv_heads)` | 128 | 65,792 (d 64) / 75,520 (d 128) |
+//! | `tree_attn_bwd_main_{atomic,det}_*` | `(key tiles of 64, kv_heads, group splits)` | 128 | 65,792 (d 64) / 75,520 (d 128) |
 //! | `tree_attn_bwd_dq_*` (deterministic only) | `(query tiles of 64, q_heads)` | 128 | 55,296 / 104,448 |
 //! | `tree_attn_bwd_dq_convert_*` | `ceil(tokens · q_heads / 4)` | 128 | 0 |
+//! | `tree_attn_bwd_dkv_convert_*` (group splits > 1 only) | `ceil(tokens · kv_heads / 4)` | 128 | 0 |
+//!
+//! Group splits ([`group_splits`], the one place the rule lives). The main
+//! kernel's block sums dK, dV of its key tile over the `group = q_heads /
+//! kv_heads` query heads that read its kv head. When `key tiles · kv_heads`
+//! blocks cannot fill the GPU (fewer than [`MAIN_TARGET_BLOCKS`]), grid.z
+//! splits the group: z-slice `s` handles query heads `s · group / splits ..
+//! (s + 1) · group / splits` of the group and writes its f32 partial dK
+//! (scaled) and dV into a scratch buffer `[splits, 2, tokens, kv_heads, D]`;
+//! `tree_attn_bwd_dkv_convert` sums the splits in index order (no atomics:
+//! bit-identical from run to run) into dK, dV. With one split the main
+//! kernel writes dK, dV itself and no scratch is allocated.
 
 use super::{Dtype, LaunchPlan};
 use crate::backend::AttnShape;
@@ -87,22 +99,85 @@ impl BwdTraits {
     }
 }
 
+/// Blocks of the main kernel below which [`group_splits`] splits the GQA
+/// group over grid.z: two blocks per SM of an H100 / H200 (132 SMs; the
+/// main kernel's 65,792 / 75,520 bytes of shared memory allow 3 per SM).
+pub const MAIN_TARGET_BLOCKS: u64 = 264;
+
+/// Most z-slices a group is split into: the scratch of the split path is
+/// `splits · 2 · tokens · kv_heads · d · 4` bytes, and past 8 slices a block
+/// handles too few query heads to amortize loading its K, V tile.
+pub const MAX_GROUP_SPLITS: u32 = 8;
+
+/// How many z-slices the main kernel splits the query heads of a GQA group
+/// over, for `key_tiles · kv_heads` blocks and `group = q_heads / kv_heads`:
+/// 1 when the blocks reach [`MAIN_TARGET_BLOCKS`] (or group = 1); otherwise
+/// the smallest divisor `s` of `group` with `blocks · s >=
+/// MAIN_TARGET_BLOCKS`, at most [`MAX_GROUP_SPLITS`] (the largest divisor up
+/// to it when none reaches the target). A divisor, so that every slice
+/// handles the same number of query heads.
+pub fn group_splits(key_tiles: u64, kv_heads: u64, group: u32) -> u32 {
+    let blocks = key_tiles * kv_heads;
+    if group <= 1 || blocks >= MAIN_TARGET_BLOCKS {
+        return 1;
+    }
+    let mut best = 1;
+    for s in 2..=group.min(MAX_GROUP_SPLITS) {
+        if group % s == 0 {
+            best = s;
+            if blocks * s as u64 >= MAIN_TARGET_BLOCKS {
+                break;
+            }
+        }
+    }
+    best
+}
+
 /// The launch plans of one backward call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BwdPlans {
     /// `tree_attn_bwd_pre` and `tree_attn_bwd_dq_convert`: one warp per
     /// (token, query head).
     pub per_row: LaunchPlan,
-    /// `tree_attn_bwd_main_*`: one block per (key tile, kv head).
+    /// `tree_attn_bwd_main_*`: one block per (key tile, kv head, group
+    /// split).
     pub main: LaunchPlan,
     /// `tree_attn_bwd_dq`: one block per (query tile, query head).
     pub dq: LaunchPlan,
+    /// `tree_attn_bwd_dkv_convert` (run only when `group_splits > 1`): one
+    /// warp per (token, kv head).
+    pub dkv_convert: LaunchPlan,
+    /// z-slices of the main kernel's grid ([`group_splits`]).
+    pub group_splits: u32,
+}
+
+impl BwdPlans {
+    /// f32 elements of the split path's dK / dV scratch (`[splits, 2,
+    /// tokens, kv_heads, D]`); 0 with one split.
+    pub fn dkv_accum_len(&self, shape: &AttnShape) -> usize {
+        if self.group_splits <= 1 {
+            0
+        } else {
+            self.group_splits as usize * 2 * shape.kv_len()
+        }
+    }
 }
 
 /// The tiling and launch plans of a backward on a validated shape (an
-/// [`crate::backend::AttnArgs`]'s). Errors: a head dim with no kernel, a
-/// grid or index past the hardware's limits.
+/// [`crate::backend::AttnArgs`]'s), with the group splits of [`group_splits`].
+/// Errors: a head dim with no kernel, a grid or index past the hardware's
+/// limits.
 pub fn plan_backward(shape: &AttnShape) -> Result<(BwdTraits, BwdPlans)> {
+    plan_backward_with_splits(shape, None)
+}
+
+/// [`plan_backward`] with the group splits forced (`Some(s)`: `s` must divide
+/// `q_heads / kv_heads`) or chosen by [`group_splits`] (`None`). Tests force
+/// them to cover both paths on small packs.
+pub fn plan_backward_with_splits(
+    shape: &AttnShape,
+    splits: Option<u32>,
+) -> Result<(BwdTraits, BwdPlans)> {
     let traits = BwdTraits::for_head_dim(shape.head_dim)?;
     if shape.q_heads > 65_535 {
         return Err(Error::Unsupported(format!(
@@ -118,6 +193,18 @@ pub fn plan_backward(shape: &AttnShape) -> Result<(BwdTraits, BwdPlans)> {
         )));
     }
     let block = (traits.threads, 1, 1);
+    let key_tiles = shape.tokens.div_ceil(traits.block_n as usize) as u64;
+    let group = (shape.q_heads / shape.kv_heads.max(1)) as u32;
+    let splits = match splits {
+        None => group_splits(key_tiles, shape.kv_heads as u64, group),
+        Some(s) if s >= 1 && group % s == 0 && s <= 65_535 => s,
+        Some(s) => {
+            return Err(Error::Unsupported(format!(
+                "{s} group splits do not divide the group of {group} query heads per kv head"
+            )))
+        }
+    };
+    let kv_rows = shape.tokens as u64 * shape.kv_heads as u64;
     let plans = BwdPlans {
         per_row: LaunchPlan {
             grid: (rows.div_ceil(4) as u32, 1, 1),
@@ -128,7 +215,7 @@ pub fn plan_backward(shape: &AttnShape) -> Result<(BwdTraits, BwdPlans)> {
             grid: (
                 shape.tokens.div_ceil(traits.block_n as usize) as u32,
                 shape.kv_heads as u32,
-                1,
+                splits,
             ),
             block,
             shared_mem_bytes: traits.main_smem_bytes(),
@@ -142,6 +229,12 @@ pub fn plan_backward(shape: &AttnShape) -> Result<(BwdTraits, BwdPlans)> {
             block,
             shared_mem_bytes: traits.dq_smem_bytes(),
         },
+        dkv_convert: LaunchPlan {
+            grid: (kv_rows.div_ceil(4) as u32, 1, 1),
+            block,
+            shared_mem_bytes: 0,
+        },
+        group_splits: splits,
     };
     Ok((traits, plans))
 }
@@ -165,6 +258,7 @@ pub(crate) struct BwdParams {
     pub kv_end: u64,
     pub tile_kv_min: u64,
     pub tile_kv_max: u64,
+    pub dkv_accum: u64,
     pub tokens: u32,
     pub q_heads: u32,
     pub kv_heads: u32,
@@ -173,6 +267,8 @@ pub(crate) struct BwdParams {
     pub scale_log2: f32,
     pub head_dim: u32,
     pub zero_dq_accum: u32,
+    pub group_splits: u32,
+    pub reserved: u32,
 }
 
 #[cfg(test)]
@@ -189,7 +285,14 @@ mod tests {
         };
         let (t, p) = plan_backward(&shape).unwrap();
         assert_eq!(t.block_m, 32);
-        assert_eq!(p.main.grid, (3, 2, 1));
+        // 6 blocks < 264: the group of 3 splits 3 ways.
+        assert_eq!(p.main.grid, (3, 2, 3));
+        assert_eq!(p.group_splits, 3);
+        assert_eq!(p.dkv_convert.grid, (65, 1, 1));
+        assert_eq!(p.dkv_accum_len(&shape), 3 * 2 * 130 * 2 * 128);
+        let (_, p1) = plan_backward_with_splits(&shape, Some(1)).unwrap();
+        assert_eq!((p1.main.grid, p1.dkv_accum_len(&shape)), ((3, 2, 1), 0));
+        assert!(plan_backward_with_splits(&shape, Some(2)).is_err());
         assert_eq!(p.main.shared_mem_bytes, 75_520);
         assert_eq!(p.dq.grid, (3, 6, 1));
         assert_eq!(p.dq.shared_mem_bytes, 104_448);
@@ -206,5 +309,23 @@ mod tests {
             BwdTraits::for_head_dim(96),
             Err(Error::Unsupported(_))
         ));
+    }
+
+    #[test]
+    fn group_split_rule() {
+        // Plenty of blocks, or nothing to split: one slice.
+        assert_eq!(group_splits(264, 1, 8), 1);
+        assert_eq!(group_splits(4, 1, 1), 1);
+        // 64 key tiles (L = 4096), 1 kv head, 8:1 GQA: 64 · 8 = 512 >= 264
+        // and 64 · 4 = 256 < 264.
+        assert_eq!(group_splits(64, 1, 8), 8);
+        assert_eq!(group_splits(66, 1, 8), 4);
+        assert_eq!(group_splits(132, 1, 8), 2);
+        // Divisors only; capped at MAX_GROUP_SPLITS.
+        assert_eq!(group_splits(100, 1, 3), 3);
+        assert_eq!(group_splits(1, 1, 6), 6);
+        assert_eq!(group_splits(1, 1, 32), 8);
+        assert_eq!(group_splits(1, 1, 7), 7);
+        assert_eq!(group_splits(1, 1, 11), 1);
     }
 }

@@ -55,3 +55,21 @@ __device__ __forceinline__ uint32_t ta_key_end(const uint32_t* kv_end, uint32_t 
 // Whether `query` sees `key`, given the key's end from ta_key_end (a macro
 // for the reason above).
 #define TA_VISIBLE(key, key_end, query) ((key) <= (query) && (query) < (key_end))
+
+// The first key tile at or after t with a visible key for some query of
+// the query tile [q0, ...) (tile_kv_max[t] > q0), or t_end: the tile walk
+// of the forward and the deterministic dQ kernel. Each warp reads 32 tiles
+// per step (one load per lane, a ballot, the lowest set bit), so a run of
+// skipped tiles (a GRPO pack has hundreds in a row) costs one dependent
+// load per 32 tiles instead of one per tile. t and t_end must be the same
+// in all 32 lanes, which then all reach every ballot and return the same
+// tile.
+__device__ __forceinline__ uint32_t ta_next_visible_tile(const uint32_t* __restrict__ tile_kv_max, uint32_t t,
+                                                         uint32_t t_end, uint32_t q0) {
+    for (; t < t_end; t += 32) {
+        const uint32_t i = t + ta_lane();
+        const unsigned seen = __ballot_sync(TA_FULL_MASK, i < t_end && tile_kv_max[i] > q0);
+        if (seen) return t + unsigned(__ffs(int(seen))) - 1;
+    }
+    return t_end;
+}

@@ -535,9 +535,18 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     const unsigned g = lane >> 2, c = lane & 3;
 
     const uint32_t t_end = min(p.num_key_tiles, (q1 - 1) / BN + 1);
-    auto next_tile = [&](uint32_t t) {
-        while (t < t_end && p.tile_kv_max[t] <= q0) ++t;
-        return t;
+    // The next key tile with a visible key. D = 128: the forward's walk
+    // (mask.cuh, 32 tiles per step). D = 64 keeps one dependent load per
+    // skipped tile: the kernel sits at the 128 registers of its
+    // 4-blocks-per-SM bound (BwdDqTraits::kMinBlocks), and the ballot walk
+    // costs it one more (a 4-byte spill on sm_90a, CUDA 13.0).
+    auto next_tile = [&](uint32_t t) -> uint32_t {
+        if constexpr (D == 128) {
+            return ta_next_visible_tile(p.tile_kv_max, t, t_end, q0);
+        } else {
+            while (t < t_end && p.tile_kv_max[t] <= q0) ++t;
+            return t;
+        }
     };
 
     ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);

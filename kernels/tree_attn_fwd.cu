@@ -158,19 +158,8 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
 
     // Key tiles that can hold a visible key: k0 <= q1 - 1.
     const uint32_t t_end = min(p.num_key_tiles, (q1 - 1) / BN + 1);
-    // The first tile at or after t with a visible key for some query of the
-    // tile (tile_kv_max > q0), or t_end: each warp walks 32 tiles per step
-    // (one load per lane, a ballot, the lowest set bit), so a run of skipped
-    // tiles costs one dependent load per 32 tiles. t is the same in all 32
-    // lanes, so every lane reaches every ballot.
-    auto next_tile = [&](uint32_t t) -> uint32_t {
-        for (; t < t_end; t += 32) {
-            const uint32_t i = t + lane;
-            const unsigned seen = __ballot_sync(TA_FULL_MASK, i < t_end && p.tile_kv_max[i] > q0);
-            if (seen) return t + unsigned(__ffs(int(seen))) - 1;
-        }
-        return t_end;
-    };
+    // The next key tile with a visible key (mask.cuh: 32 tiles per step).
+    auto next_tile = [&](uint32_t t) { return ta_next_visible_tile(p.tile_kv_max, t, t_end, q0); };
 
     ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
     ta_cp_async_commit();

@@ -315,6 +315,43 @@ fn long_pack_many_query_tiles_per_key_tile() {
     check::<f16>(&mut rng, seed, &c, DqMode::Deterministic, all[4]);
 }
 
+/// A GRPO fan (a prompt, then 16 responses that each see only the prompt and
+/// themselves) long enough that the deterministic dQ kernel's key-tile walk
+/// for the last responses skips more than 32 tiles in a row (the other
+/// responses' tiles): the d128 walk reads 32 tiles per ballot, so a walk that
+/// stops after one ballot, or misreads the lowest set bit, loses keys.
+#[test]
+fn grpo_fan_walk_skips_more_than_32_key_tiles() {
+    let (mut rng, seed) = common::seeded_rng();
+    let prompt = rng.range(64, 130);
+    let resp = rng.range(150, 175);
+    let tokens = prompt + 16 * resp;
+    let mut kv_end = vec![tokens as u32; prompt];
+    let mut pos: Vec<u32> = (0..prompt as u32).collect();
+    for r in 0..16 {
+        let end = (prompt + (r + 1) * resp) as u32;
+        kv_end.extend(std::iter::repeat_n(end, resp));
+        pos.extend(prompt as u32..(prompt + resp) as u32);
+    }
+    // The last response's first query tile skips the key tiles that lie
+    // wholly inside responses 1..15: more than 32 of 64 keys.
+    let skipped = (prompt + 15 * resp) / 64 - prompt.div_ceil(64);
+    assert!(skipped > 32, "{skipped} skipped tiles");
+    let c = Case {
+        shape: AttnShape {
+            tokens,
+            q_heads: 1,
+            kv_heads: 1,
+            head_dim: 128,
+        },
+        kv_end,
+        pos,
+        rope: None,
+    };
+    let all = EmuOptions::all();
+    check::<bf16>(&mut rng, seed, &c, DqMode::Deterministic, all[0]);
+}
+
 /// A pack of padding only: nothing is visible, every gradient is exactly 0.
 #[test]
 fn all_padding_gives_zero_gradients() {

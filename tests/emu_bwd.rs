@@ -496,7 +496,11 @@ fn gqa_group_splits_match_the_cpu_and_are_deterministic() {
         let all = EmuOptions::all();
         for splits in [2u32, 8] {
             let (a, b) = (run(splits, all[1]), run(splits, all[4]));
-            for (name, x, y) in [("dQ", &a.dq, &b.dq), ("dK", &a.dk, &b.dk), ("dV", &a.dv, &b.dv)] {
+            for (name, x, y) in [
+                ("dQ", &a.dq, &b.dq),
+                ("dK", &a.dk, &b.dk),
+                ("dV", &a.dv, &b.dv),
+            ] {
                 assert_eq!(
                     bits(x),
                     bits(y),
@@ -781,7 +785,8 @@ fn tile_walks_load_only_visible_tiles() {
         }
         let key_tiles = tokens.div_ceil(bn) as u64;
         let want_main = s.kv_heads as u64
-            * (splits * key_tiles * 2 * bn as u64 * d * 2 + group * visited * 2 * bm as u64 * d * 2);
+            * (splits * key_tiles * 2 * bn as u64 * d * 2
+                + group * visited * 2 * bm as u64 * d * 2);
         assert_eq!(stats.main_cp_async_bytes, want_main, "{what}: main kernel");
         if i == 2 {
             assert!(

@@ -541,12 +541,14 @@ fn tiny_kls_are_accurate_in_absolute_terms() {
     let (mut rng, seed) = common::seeded_rng();
     for (vocab, eps) in [(32_000usize, 1e-3f32), (150_000, 1e-3), (150_000, 3e-2)] {
         let teacher: Vec<f32> = (0..2 * vocab).map(|_| 4.0 * rng.signed_unit()).collect();
-        let student: Vec<f32> = teacher.iter().map(|&x| x + eps * rng.signed_unit()).collect();
+        let student: Vec<f32> = teacher
+            .iter()
+            .map(|&x| x + eps * rng.signed_unit())
+            .collect();
         let pairs = [(0u32, 0u32), (1, 1)];
         let got = calls::emu_sdcc(&student, &teacher, vocab, &pairs, &[1.0, 1.0], 1.0)
             .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        let want =
-            calls::cpu_sdcc(&student, &teacher, vocab, &pairs, &[1.0, 1.0], 1.0).unwrap();
+        let want = calls::cpu_sdcc(&student, &teacher, vocab, &pairs, &[1.0, 1.0], 1.0).unwrap();
         for (i, (&g, &w)) in got.per_pair.iter().zip(&want.per_pair).enumerate() {
             let err = (g - w).abs();
             eprintln!("vocab {vocab}, ε {eps}: pair {i} KL {w:.3e}, |error| {err:.2e}");

@@ -149,14 +149,17 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
     // rows, 13 forward + backward rows: d 128 and 64 × causal and the three
     // tree packs, plus rotary, GQA 8:1 and the long pack with their causal
     // rows, all at d 128), each record's pack present at its length.
-    let t: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dump.join("timing/timing.json")).unwrap(),
-    )
-    .unwrap();
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dump.join("timing/timing.json")).unwrap())
+            .unwrap();
     assert_eq!(t["format"], treeattn::gpu_check::TIMING_FORMAT);
     let recs = t["records"].as_array().unwrap();
     let count = |k: &str| recs.iter().filter(|r| r["kind"] == k).count();
-    assert_eq!((count("forward"), count("forward+backward")), (13, 13), "{t:#}");
+    assert_eq!(
+        (count("forward"), count("forward+backward")),
+        (13, 13),
+        "{t:#}"
+    );
     for r in recs {
         let bytes = std::fs::read(dump.join("timing").join(r["file"].as_str().unwrap())).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -164,8 +167,12 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
         assert_eq!(st.tensor("kv_end").unwrap().shape(), [l], "{r}");
         assert!(r["ours_ms"].as_f64().unwrap() > 0.0, "{r}");
     }
-    assert!(recs.iter().any(|r| r["rope"].is_object() && r["kind"] == "forward+backward"));
-    assert!(recs.iter().any(|r| r["q_heads"].as_u64() == Some(8 * r["kv_heads"].as_u64().unwrap())));
+    assert!(recs
+        .iter()
+        .any(|r| r["rope"].is_object() && r["kind"] == "forward+backward"));
+    assert!(recs
+        .iter()
+        .any(|r| r["q_heads"].as_u64() == Some(8 * r["kv_heads"].as_u64().unwrap())));
     assert!(recs.iter().any(|r| r["tokens"] == 1024));
     let left: Vec<_> = std::fs::read_dir(&base)
         .unwrap()
@@ -236,18 +243,37 @@ fn emu_gpu_check_check_only_and_profile() {
     let base = scratch("modes");
     let dump = base.join("dump");
     let o = Command::new(env!("CARGO_BIN_EXE_treeattn"))
-        .args(["gpu-check", "--backend", "emu", "--check-only", "--small", "--dump"])
+        .args([
+            "gpu-check",
+            "--backend",
+            "emu",
+            "--check-only",
+            "--small",
+            "--dump",
+        ])
         .arg(&dump)
         .output()
         .unwrap();
     let out = text(&o.stdout);
     assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
     assert!(out.contains("all 5 correctness checks passed"), "{out}");
-    assert!(!out.contains("forward timing") && !out.contains("SDCC timing"), "{out}");
+    assert!(
+        !out.contains("forward timing") && !out.contains("SDCC timing"),
+        "{out}"
+    );
     assert!(dump.join("manifest.json").exists());
     assert!(!dump.join("timing").exists());
     let o = Command::new(env!("CARGO_BIN_EXE_treeattn"))
-        .args(["gpu-check", "--backend", "emu", "--profile", "--tokens", "256", "--heads", "4"])
+        .args([
+            "gpu-check",
+            "--backend",
+            "emu",
+            "--profile",
+            "--tokens",
+            "256",
+            "--heads",
+            "4",
+        ])
         .output()
         .unwrap();
     let out = text(&o.stdout);

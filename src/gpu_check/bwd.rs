@@ -309,7 +309,19 @@ impl<D: Target, T: KernelElem + DevElem> Run<D, T> {
         )?;
         let [dq, dk, dv] = &mut self.grads;
         be.backward(
-            q, k, v, &self.o, &self.lse, d_o, self.shape, &self.pack, &self.params, mode, dq, dk, dv,
+            q,
+            k,
+            v,
+            &self.o,
+            &self.lse,
+            d_o,
+            self.shape,
+            &self.pack,
+            &self.params,
+            mode,
+            dq,
+            dk,
+            dv,
         )
     }
 }
@@ -572,11 +584,21 @@ pub(super) fn timings<D: Target>(
     let hq8 = hq.max(8);
     groups.push((
         shape(n, hq8, hq8 / 8, 128),
-        vec![(format!("random trees {hq8}/{} (gqa 8:1)", hq8 / 8), trees, None, false)],
+        vec![(
+            format!("random trees {hq8}/{} (gqa 8:1)", hq8 / 8),
+            trees,
+            None,
+            false,
+        )],
     ));
     groups.push((
         shape(long, hq, hq / 4, 128),
-        vec![(format!("random trees {hq}/{} L={long}", hq / 4), &long_trees, None, false)],
+        vec![(
+            format!("random trees {hq}/{} L={long}", hq / 4),
+            &long_trees,
+            None,
+            false,
+        )],
     ));
     for (sh, rows) in &groups {
         let (d, l) = (sh.head_dim, sh.tokens);
@@ -609,7 +631,13 @@ pub(super) fn timings<D: Target>(
                     .map(|&len| {
                         let mut b = MaskBuilder::new();
                         b.push_sequence(len);
-                        Run::<D, half::bf16>::new(be, rng, &b, shape(len, sh.q_heads, sh.kv_heads, d), None)
+                        Run::<D, half::bf16>::new(
+                            be,
+                            rng,
+                            &b,
+                            shape(len, sh.q_heads, sh.kv_heads, d),
+                            None,
+                        )
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let lt_ms = time_runs(be, &mut lt, DqMode::Atomic, reps)?;
@@ -618,7 +646,8 @@ pub(super) fn timings<D: Target>(
                 None
             };
             let pairs = pack.mask()?.visible_pairs();
-            let tflops = 3.5 * 4.0 * d as f64 * sh.q_heads as f64 * pairs as f64 / (ms * 1e-3) / 1e12;
+            let tflops =
+                3.5 * 4.0 * d as f64 * sh.q_heads as f64 * pairs as f64 / (ms * 1e-3) / 1e12;
             let (k1, lt_ms, vs) = match lt {
                 Some((k, t)) => (k.to_string(), format!("{t:.3}"), format!("{:.2}x", t / ms)),
                 None => ("-".into(), "-".into(), "-".into()),

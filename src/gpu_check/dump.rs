@@ -157,7 +157,8 @@ impl Dump {
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
             .collect();
         let file = format!("case{:02}-{slug}.safetensors", self.cases.len());
-        let bytes = DumpTensor::serialize(tensors).map_err(|e| Error::Io(format!("{file}: {e}")))?;
+        let bytes =
+            DumpTensor::serialize(tensors).map_err(|e| Error::Io(format!("{file}: {e}")))?;
         write_synced(&self.partial.join(&file), &bytes)?;
         let described: serde_json::Map<String, Value> = tensors
             .iter()

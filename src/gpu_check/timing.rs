@@ -124,7 +124,10 @@ impl Timings {
                 ("kv_end", DumpTensor::index(&p.kv_end)),
                 ("position_ids", DumpTensor::index(&p.position_ids)),
             ];
-            files.push((format!("pack{i:02}.safetensors"), DumpTensor::serialize(&t)?));
+            files.push((
+                format!("pack{i:02}.safetensors"),
+                DumpTensor::serialize(&t)?,
+            ));
         }
         let text = serde_json::to_string_pretty(&head)
             .map_err(|e| crate::Error::Io(format!("timing.json: {e}")))?;
@@ -300,17 +303,27 @@ pub(super) fn forward<D: Target>(
             .collect();
         groups.push((shape(n, hq, hq / 4, d), rows));
     }
-    groups[0]
-        .1
-        .push((format!("random trees {hq}/{} rotary", hq / 4), &trees, Some(TIMING_ROPE)));
+    groups[0].1.push((
+        format!("random trees {hq}/{} rotary", hq / 4),
+        &trees,
+        Some(TIMING_ROPE),
+    ));
     let hq8 = hq.max(8);
     groups.push((
         shape(n, hq8, hq8 / 8, 128),
-        vec![(format!("random trees {hq8}/{} (gqa 8:1)", hq8 / 8), &trees, None)],
+        vec![(
+            format!("random trees {hq8}/{} (gqa 8:1)", hq8 / 8),
+            &trees,
+            None,
+        )],
     ));
     groups.push((
         shape(long, hq, hq / 4, 128),
-        vec![(format!("random trees {hq}/{} L={long}", hq / 4), &long_trees, None)],
+        vec![(
+            format!("random trees {hq}/{} L={long}", hq / 4),
+            &long_trees,
+            None,
+        )],
     ));
     for (sh, rows) in &groups {
         let traits = FwdTraits::for_head_dim(sh.head_dim)?;
@@ -319,41 +332,44 @@ pub(super) fn forward<D: Target>(
         let causal = causal_pack(sh.tokens);
         let causal_ms = time_pack(be, &inputs, &causal, *sh, &plain, opts.reps)?;
         let causal_pairs = causal.mask()?.visible_pairs();
-        let mut line = |name: &str, pack: &MaskBuilder, rope: Option<Rope>, ms: f64| -> Result<()> {
-            let pairs = pack.mask()?.visible_pairs();
-            let (skip, full, part) = count_tiles(&pack.kv_end, &traits);
-            let all = (skip + full + part).max(1) as f64;
-            let tflops = 4.0 * sh.head_dim as f64 * sh.q_heads as f64 * pairs as f64 / (ms * 1e-3) / 1e12;
-            // Throughput per visible pair against causal's (1: as fast per pair).
-            let per_pair = (pairs as f64 / ms) / (causal_pairs as f64 / causal_ms);
-            let _ = writeln!(
-                rep,
-                "{:<34} {:>4} {:>6} {:>8.1} {:>6.1} {:>6.1} {:>8.3} {:>8.1} {:>9.3} {:>8.2}",
-                name,
-                sh.head_dim,
-                sh.tokens,
-                pairs as f64 / 1e6,
-                100.0 * skip as f64 / all,
-                100.0 * full as f64 / all,
-                ms,
-                tflops,
-                causal_ms,
-                per_pair
-            );
-            let id = tm.pack_id(name_of_pack(name), pack);
-            tm.records.push(TimingRecord {
-                name: name.to_string(),
-                kind: "forward",
-                pack: id,
-                shape: *sh,
-                rope,
-                pairs,
-                ours_ms: ms,
-                ours_det_ms: None,
-                causal_ms,
-            });
-            Ok(())
-        };
+        let mut line =
+            |name: &str, pack: &MaskBuilder, rope: Option<Rope>, ms: f64| -> Result<()> {
+                let pairs = pack.mask()?.visible_pairs();
+                let (skip, full, part) = count_tiles(&pack.kv_end, &traits);
+                let all = (skip + full + part).max(1) as f64;
+                let tflops = 4.0 * sh.head_dim as f64 * sh.q_heads as f64 * pairs as f64
+                    / (ms * 1e-3)
+                    / 1e12;
+                // Throughput per visible pair against causal's (1: as fast per pair).
+                let per_pair = (pairs as f64 / ms) / (causal_pairs as f64 / causal_ms);
+                let _ = writeln!(
+                    rep,
+                    "{:<34} {:>4} {:>6} {:>8.1} {:>6.1} {:>6.1} {:>8.3} {:>8.1} {:>9.3} {:>8.2}",
+                    name,
+                    sh.head_dim,
+                    sh.tokens,
+                    pairs as f64 / 1e6,
+                    100.0 * skip as f64 / all,
+                    100.0 * full as f64 / all,
+                    ms,
+                    tflops,
+                    causal_ms,
+                    per_pair
+                );
+                let id = tm.pack_id(name_of_pack(name), pack);
+                tm.records.push(TimingRecord {
+                    name: name.to_string(),
+                    kind: "forward",
+                    pack: id,
+                    shape: *sh,
+                    rope,
+                    pairs,
+                    ours_ms: ms,
+                    ours_det_ms: None,
+                    causal_ms,
+                });
+                Ok(())
+            };
         line(
             &format!("causal {}/{}", sh.q_heads, sh.kv_heads),
             &causal,

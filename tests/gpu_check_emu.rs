@@ -174,6 +174,13 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
         .iter()
         .any(|r| r["q_heads"].as_u64() == Some(8 * r["kv_heads"].as_u64().unwrap())));
     assert!(recs.iter().any(|r| r["tokens"] == 1024));
+    // One set of packs for every section: the forward and the forward +
+    // backward rows of a pack point at the same file (6 packs: causal,
+    // compaction, GRPO, random trees at 256 tokens; causal and random trees
+    // at 1024).
+    let files: std::collections::BTreeSet<&str> =
+        recs.iter().map(|r| r["file"].as_str().unwrap()).collect();
+    assert_eq!(files.len(), 6, "{files:?}");
     let left: Vec<_> = std::fs::read_dir(&base)
         .unwrap()
         .map(|e| e.unwrap().file_name())

@@ -524,6 +524,7 @@ pub(super) fn timings<D: Target>(
     opts: &CheckOptions,
     rep: &mut Report<'_>,
     tm: &mut Timings,
+    set: &timing::TimingSet,
 ) -> Result<()> {
     let shape = |tokens, q_heads, kv_heads, head_dim| AttnShape {
         tokens,
@@ -537,14 +538,9 @@ pub(super) fn timings<D: Target>(
         "EMULATOR WALL CLOCK, meaningless for a GPU"
     };
     // 3. timing of forward + backward
-    let n = opts.timing_tokens.max(256);
-    let hq = opts.timing_q_heads.max(4);
+    let n = set.tokens;
     let reps = opts.reps.clamp(1, 20);
     let warm = warmup::<D>(3);
-    let packs = timing::timing_packs(rng, n);
-    let long = timing::long_tokens(opts);
-    let long_trees = timing::random_trees(rng, long);
-    let trees = &packs[2].1;
     let _ = writeln!(
         rep,
         "\nforward + backward timing (bf16; mean of {reps} rounds between one pair of events after {warm} warm-up, \
@@ -565,41 +561,7 @@ pub(super) fn timings<D: Target>(
         "LogitT ms",
         "vs LogitT"
     );
-    // (shape, rows: label, pack, rotary, with LogitTree's K+1 passes)
-    type Row<'p> = (String, &'p MaskBuilder, Option<Rope>, bool);
-    let mut groups: Vec<(AttnShape, Vec<Row<'_>>)> = Vec::new();
-    for d in [128usize, 64] {
-        let rows = packs
-            .iter()
-            .map(|(name, p)| (format!("{name} {hq}/{}", hq / 4), p, None, true))
-            .collect();
-        groups.push((shape(n, hq, hq / 4, d), rows));
-    }
-    groups[0].1.push((
-        format!("random trees {hq}/{} rotary", hq / 4),
-        trees,
-        Some(timing::TIMING_ROPE),
-        false,
-    ));
-    let hq8 = hq.max(8);
-    groups.push((
-        shape(n, hq8, hq8 / 8, 128),
-        vec![(
-            format!("random trees {hq8}/{} (gqa 8:1)", hq8 / 8),
-            trees,
-            None,
-            false,
-        )],
-    ));
-    groups.push((
-        shape(long, hq, hq / 4, 128),
-        vec![(
-            format!("random trees {hq}/{} L={long}", hq / 4),
-            &long_trees,
-            None,
-            false,
-        )],
-    ));
+    let groups = set.groups();
     for (sh, rows) in &groups {
         let (d, l) = (sh.head_dim, sh.tokens);
         let causal = timing::causal_pack(l);
@@ -619,12 +581,13 @@ pub(super) fn timings<D: Target>(
             ours_det_ms: None,
             causal_ms,
         });
-        for (name, pack, rope, with_lt) in rows {
+        for r in rows {
+            let (name, pack, rope) = (&r.label, r.pack, &r.rope);
             let mut tree = [Run::<D, half::bf16>::new(be, rng, pack, *sh, *rope)?];
             let ms = time_runs(be, &mut tree, DqMode::Atomic, reps)?;
             let det_ms = time_runs(be, &mut tree, DqMode::Deterministic, reps)?;
             drop(tree);
-            let lt = if *with_lt {
+            let lt = if r.base {
                 let branches = branch_lengths(pack);
                 let mut lt = branches
                     .iter()

@@ -538,8 +538,9 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
     // 4. timing (timing.rs, bwd.rs), recorded for the anchor
     if !opts.check_only {
         let mut tm = Timings::default();
-        let r = timing::forward(be, &mut rng, opts, rep, &mut tm)
-            .and_then(|()| bwd::timings(be, &mut rng, opts, rep, &mut tm));
+        let set = timing::TimingSet::new(&mut rng, opts);
+        let r = timing::forward(be, &mut rng, opts, rep, &mut tm, &set)
+            .and_then(|()| bwd::timings(be, &mut rng, opts, rep, &mut tm, &set));
         // What was timed reaches the dump even when a later section failed.
         if let (Some(dir), false) = (&opts.dump, tm.records.is_empty()) {
             match tm.write(dir, D::REAL_TIMING) {

@@ -71,12 +71,13 @@ pub(super) struct Timings {
 }
 
 impl Timings {
-    /// The index of `pack` under `name`, added on first use.
+    /// The index of `pack` (named `name` on first use), added on first
+    /// use; an equal pack (same kv_end and position ids) shares the index.
     pub fn pack_id(&mut self, name: &str, pack: &MaskBuilder) -> usize {
         if let Some(i) = self
             .packs
             .iter()
-            .position(|(n, p)| n == name && p.kv_end.len() == pack.kv_end.len())
+            .position(|(_, p)| p.kv_end == pack.kv_end && p.position_ids == pack.position_ids)
         {
             return i;
         }
@@ -240,6 +241,99 @@ pub(super) fn long_tokens(opts: &CheckOptions) -> usize {
     }
 }
 
+/// The packs every timing section times, generated once so that the
+/// forward rows, the forward + backward rows and the anchor (through the
+/// dump) see the very same packs.
+pub(super) struct TimingSet {
+    /// The tree packs at the timing length (see [`timing_packs`]).
+    pub packs: Vec<(String, MaskBuilder)>,
+    /// Random trees at the long length ([`long_tokens`]).
+    pub long_trees: MaskBuilder,
+    /// The timing length and query heads.
+    pub tokens: usize,
+    /// Query heads of the timing rows (at least 4).
+    pub q_heads: usize,
+}
+
+/// One timed row: its label, pack and rotary, and whether it is one of
+/// the base rows (the three tree packs at GQA 4:1, d 128 and 64), the rows
+/// that also run LogitTree's K+1 passes.
+pub(super) struct Row<'p> {
+    pub label: String,
+    pub pack: &'p MaskBuilder,
+    pub rope: Option<Rope>,
+    pub base: bool,
+}
+
+impl TimingSet {
+    /// Fresh packs for `opts`' sizes.
+    pub fn new(rng: &mut Rng, opts: &CheckOptions) -> TimingSet {
+        let tokens = opts.timing_tokens.max(256);
+        TimingSet {
+            packs: timing_packs(rng, tokens),
+            long_trees: random_trees(rng, long_tokens(opts)),
+            tokens,
+            q_heads: opts.timing_q_heads.max(4),
+        }
+    }
+
+    /// The rows, grouped by shape (each group shares its inputs and its
+    /// causal run): the base rows at d 128 and 64 (GQA 4:1), then at d 128
+    /// random trees with rotary, with GQA 8:1, and at the long length.
+    pub fn groups(&self) -> Vec<(AttnShape, Vec<Row<'_>>)> {
+        let (n, hq) = (self.tokens, self.q_heads);
+        let shape = |tokens, q_heads, kv_heads, head_dim| AttnShape {
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim,
+        };
+        let row = |label: String, pack, rope, base| Row {
+            label,
+            pack,
+            rope,
+            base,
+        };
+        let trees = &self.packs[2].1;
+        let mut groups = Vec::new();
+        for d in [128usize, 64] {
+            let rows: Vec<Row<'_>> = self
+                .packs
+                .iter()
+                .map(|(name, p)| row(format!("{name} {hq}/{}", hq / 4), p, None, true))
+                .collect();
+            groups.push((shape(n, hq, hq / 4, d), rows));
+        }
+        groups[0].1.push(row(
+            format!("random trees {hq}/{} rotary", hq / 4),
+            trees,
+            Some(TIMING_ROPE),
+            false,
+        ));
+        let hq8 = hq.max(8);
+        groups.push((
+            shape(n, hq8, hq8 / 8, 128),
+            vec![row(
+                format!("random trees {hq8}/{} (gqa 8:1)", hq8 / 8),
+                trees,
+                None,
+                false,
+            )],
+        ));
+        let long = self.long_trees.kv_end.len();
+        groups.push((
+            shape(long, hq, hq / 4, 128),
+            vec![row(
+                format!("random trees {hq}/{} L={long}", hq / 4),
+                &self.long_trees,
+                None,
+                false,
+            )],
+        ));
+        groups
+    }
+}
+
 /// The forward timing section: its table into `rep`, its rows into `tm`.
 pub(super) fn forward<D: Target>(
     be: &D,
@@ -247,15 +341,8 @@ pub(super) fn forward<D: Target>(
     opts: &CheckOptions,
     rep: &mut Report<'_>,
     tm: &mut Timings,
+    set: &TimingSet,
 ) -> Result<()> {
-    let n = opts.timing_tokens.max(256);
-    let hq = opts.timing_q_heads.max(4);
-    let shape = |tokens, q_heads, kv_heads, head_dim| AttnShape {
-        tokens,
-        q_heads,
-        kv_heads,
-        head_dim,
-    };
     let tiles = FwdTraits::for_head_dim(128)?;
     let how = if D::REAL_TIMING {
         format!(
@@ -288,43 +375,7 @@ pub(super) fn forward<D: Target>(
         "causal ms",
         "pair/caus"
     );
-    // The rows: (label, pack, shape, rotary), grouped by (L, d, heads) so
-    // that each group shares its inputs and its causal run.
-    let packs = timing_packs(rng, n);
-    let long = long_tokens(opts);
-    let trees = packs[2].1.clone();
-    let long_trees = random_trees(rng, long);
-    type Row<'p> = (String, &'p MaskBuilder, Option<Rope>);
-    let mut groups: Vec<(AttnShape, Vec<Row<'_>>)> = Vec::new();
-    for d in [128usize, 64] {
-        let rows = packs
-            .iter()
-            .map(|(name, p)| (format!("{name} {hq}/{}", hq / 4), p, None))
-            .collect();
-        groups.push((shape(n, hq, hq / 4, d), rows));
-    }
-    groups[0].1.push((
-        format!("random trees {hq}/{} rotary", hq / 4),
-        &trees,
-        Some(TIMING_ROPE),
-    ));
-    let hq8 = hq.max(8);
-    groups.push((
-        shape(n, hq8, hq8 / 8, 128),
-        vec![(
-            format!("random trees {hq8}/{} (gqa 8:1)", hq8 / 8),
-            &trees,
-            None,
-        )],
-    ));
-    groups.push((
-        shape(long, hq, hq / 4, 128),
-        vec![(
-            format!("random trees {hq}/{} L={long}", hq / 4),
-            &long_trees,
-            None,
-        )],
-    ));
+    let groups = set.groups();
     for (sh, rows) in &groups {
         let traits = FwdTraits::for_head_dim(sh.head_dim)?;
         let inputs = timing_inputs::<D, half::bf16>(be, rng, *sh)?;
@@ -376,11 +427,11 @@ pub(super) fn forward<D: Target>(
             None,
             causal_ms,
         )?;
-        for (name, pack, rope) in rows {
+        for r in rows {
             let mut params = AttnParams::new(sh.head_dim);
-            params.rope = *rope;
-            let ms = time_pack(be, &inputs, pack, *sh, &params, opts.reps)?;
-            line(name, pack, *rope, ms)?;
+            params.rope = r.rope;
+            let ms = time_pack(be, &inputs, r.pack, *sh, &params, opts.reps)?;
+            line(&r.label, r.pack, r.rope, ms)?;
         }
     }
     Ok(())

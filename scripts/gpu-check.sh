@@ -82,141 +82,121 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 date -u
 
 rc=0
-# want SECTION: whether GPU_CHECK_ONLY (default: all) names it.
-want() { [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $1 "* ]]; }
+# gate SECTION NAME CAP RESERVE: sets t, the next section's timeout (see
+# `limit`), and fails with a line saying why: status 2 when GPU_CHECK_ONLY
+# (default: all) does not name SECTION, 1 when the budget is spent.
+gate() {
+    t=$(limit "$3" "$4")
+    if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ " $GPU_CHECK_ONLY " != *" $1 "* ]]; then
+        echo "skipped: not in GPU_CHECK_ONLY"
+        return 2
+    fi
+    [ "$t" -eq 0 ] && { skip_line "$2"; return 1; }
+    return 0
+}
+# logged NAME LOG CMD...: runs CMD under the timeout t, printing its output
+# as it goes and keeping it in $LOG_DIR/LOG; a failure is reported and
+# fails the call (rc), the next sections still run.
+logged() {
+    local name=$1 log=$2
+    shift 2
+    timeout "$t" "$@" 2>&1 | tee "$LOG_DIR/$log"
+    local s=${PIPESTATUS[0]}
+    [ "$s" -ne 0 ] && { echo "$name: exit $s"; rc=1; }
+    return 0
+}
 
 DUMP=${GPU_CHECK_DUMP:-$(mktemp -d)/gpu-check-dump}
 echo "== treeattn gpu-check --dump $DUMP"
-# shellcheck disable=SC2086
-t=$(limit 300 200)
-if ! want check; then
-    echo "skipped: not in GPU_CHECK_ONLY"
-elif [ "$t" -eq 0 ]; then
-    skip_line "gpu-check"
-    rc=1
-else
-    timeout "$t" "$BIN" gpu-check --dump "$DUMP" ${GPU_CHECK_ARGS:-} 2>&1 | tee "$LOG_DIR/gpu-check.log"
-    s=${PIPESTATUS[0]}
-    [ $s -ne 0 ] && { echo "gpu-check: exit $s"; rc=1; }
-fi
+gate check "gpu-check" 300 200
+case $? in
+    # shellcheck disable=SC2086
+    0) logged gpu-check gpu-check.log "$BIN" gpu-check --dump "$DUMP" ${GPU_CHECK_ARGS:-} ;;
+    1) rc=1 ;;  # the main check did not run for lack of time: a failed call
+esac
 
 echo "== scripts/gpu-anchor.py $DUMP (PyTorch SDPA / FlexAttention on the same packs)"
 # The correctness comparisons with eager FlexAttention (a compile per case
 # shape would spend the budget), no torch timing on the small correctness
 # packs; then torch on the full-size timing packs, compiled, within the
 # section's time less a margin.
-t=$(limit 200 100)
-if ! want anchor; then
-    echo "skipped: not in GPU_CHECK_ONLY"
-elif [ "$t" -eq 0 ]; then
-    skip_line "gpu-anchor.py"
-elif [ -f "$DUMP/manifest.json" ]; then
-    # shellcheck disable=SC2086
-    timeout "$t" "${PYTHON:-python3}" -u scripts/gpu-anchor.py "$DUMP" --no-case-timing --flex-check eager \
-        --timing-budget $((t - 40 > 20 ? t - 40 : 20)) ${GPU_ANCHOR_ARGS:-} 2>&1 \
-        | tee "$LOG_DIR/gpu-anchor.log"
-    s=${PIPESTATUS[0]}
-    [ $s -ne 0 ] && { echo "gpu-anchor.py: exit $s"; rc=1; }
-else
-    echo "no dump at $DUMP (gpu-check stopped before its correctness sections ended): gpu-anchor.py not run"
-    rc=1
+if gate anchor "gpu-anchor.py" 200 100; then
+    if [ -f "$DUMP/manifest.json" ]; then
+        # shellcheck disable=SC2086
+        logged gpu-anchor.py gpu-anchor.log "${PYTHON:-python3}" -u scripts/gpu-anchor.py "$DUMP" \
+            --no-case-timing --flex-check eager --timing-budget $((t - 40 > 20 ? t - 40 : 20)) ${GPU_ANCHOR_ARGS:-}
+    else
+        echo "no dump at $DUMP (gpu-check stopped before its correctness sections ended): gpu-anchor.py not run"
+        rc=1
+    fi
 fi
 
 # The host-stream entries, from the hosts that use them (built by
 # scripts/gpu-build.sh into $CARRY; each section is skipped with a line
 # when its artifact is absent, and its failure does not stop the others).
 echo "== C host on the device (capi/tests/c/device.c: its context, memory and stream)"
-t=$(limit 30 60)
-if ! want hosts; then
-    echo "skipped: not in GPU_CHECK_ONLY"
-elif [ "$t" -eq 0 ]; then
-    skip_line "the C host"
-elif [ -x "$CARRY/capi-device" ]; then
-    timeout "$t" "$CARRY/capi-device" --require-gpu 2>&1 | tee "$LOG_DIR/capi-device.log"
-    s=${PIPESTATUS[0]}
-    [ $s -ne 0 ] && { echo "capi-device: exit $s"; rc=1; }
-else
-    echo "skipped: no $CARRY/capi-device (run scripts/gpu-build.sh and carry $CARRY)"
+if gate hosts "the C host" 30 60; then
+    if [ -x "$CARRY/capi-device" ]; then
+        logged capi-device capi-device.log "$CARRY/capi-device" --require-gpu
+    else
+        echo "skipped: no $CARRY/capi-device (run scripts/gpu-build.sh and carry $CARRY)"
+    fi
 fi
 echo "== torch op on CUDA tensors (python/tests/test_cuda.py, torch's current stream)"
 wheel=$(ls "$CARRY"/treeattn-*.whl 2>/dev/null | head -1)
-t=$(limit 120 60)
-if ! want hosts; then
-    echo "skipped: not in GPU_CHECK_ONLY"
-elif [ "$t" -eq 0 ]; then
-    skip_line "test_cuda.py"
-elif [ -n "$wheel" ] && command -v "${PYTHON:-python3}" >/dev/null; then
-    venv=$(mktemp -d)
-    # The machine's torch, seen from a venv that adds only the wheel.
-    "${PYTHON:-python3}" -m venv --system-site-packages "$venv"
-    "$venv/bin/python" -c "import pytest" 2>/dev/null \
-        || "$venv/bin/python" -m pip install --quiet --no-index --find-links "$CARRY/wheels" pytest
-    "$venv/bin/python" -m pip install --quiet --no-deps --no-index "$wheel"
-    (cd python/tests && timeout "$t" "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs test_cuda.py) \
-        2>&1 | tee "$LOG_DIR/python-cuda.log"
-    s=${PIPESTATUS[0]}
-    [ $s -ne 0 ] && { echo "python test_cuda: exit $s"; rc=1; }
-else
-    echo "skipped: no wheel in $CARRY (run scripts/gpu-build.sh and carry $CARRY)"
+if gate hosts "test_cuda.py" 120 60; then
+    if [ -n "$wheel" ] && command -v "${PYTHON:-python3}" >/dev/null; then
+        venv=$(mktemp -d)
+        # The machine's torch, seen from a venv that adds only the wheel.
+        "${PYTHON:-python3}" -m venv --system-site-packages "$venv"
+        "$venv/bin/python" -c "import pytest" 2>/dev/null \
+            || "$venv/bin/python" -m pip install --quiet --no-index --find-links "$CARRY/wheels" pytest
+        "$venv/bin/python" -m pip install --quiet --no-deps --no-index "$wheel"
+        logged "python test_cuda" python-cuda.log env -C python/tests \
+            "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs test_cuda.py
+    else
+        echo "skipped: no wheel in $CARRY (run scripts/gpu-build.sh and carry $CARRY)"
+    fi
 fi
 echo "== candle op on CUDA tensors (tests/candle_op.rs cuda_op_matches_the_cpu_op, candle's stream)"
 # candle-core's `cuda` links libcuda, cuBLAS and cuRAND, so this test
 # binary cannot be linked on a machine without them (the build machine):
 # it is built and run here, where a Rust toolchain exists.
-t=$(limit 300 60)
-if ! want hosts; then
-    echo "skipped: not in GPU_CHECK_ONLY"
-elif [ "$t" -eq 0 ]; then
-    skip_line "the candle device test"
-elif command -v cargo >/dev/null; then
-    timeout "$t" cargo test --release --features candle-cuda --test candle_op cuda_op_matches_the_cpu_op \
-        -- --nocapture 2>&1 | tee "$LOG_DIR/candle-cuda.log"
-    s=${PIPESTATUS[0]}
-    [ $s -ne 0 ] && { echo "candle cuda test: exit $s"; rc=1; }
-else
-    echo "skipped: no Rust toolchain on this machine (the candle CUDA test must be linked where libcuda and cuBLAS exist)"
+if gate hosts "the candle device test" 300 60; then
+    if command -v cargo >/dev/null; then
+        logged "candle cuda test" candle-cuda.log cargo test --release --features candle-cuda --test candle_op \
+            cuda_op_matches_the_cpu_op -- --nocapture
+    else
+        echo "skipped: no Rust toolchain on this machine (the candle CUDA test must be linked where libcuda and cuBLAS exist)"
+    fi
 fi
 echo "== ncu --clock-control none: forward and backward main kernels of one random-tree pack (gpu-check --profile)"
 # Speed of light, compute (tensor pipe) and memory tables (shared-memory
 # bank conflicts), stall reasons, occupancy; the first launch of each
 # kernel only (-c 2: the forward, then the backward's main kernel).
-t=$(limit 90 45)
-if ! want ncu; then
-    echo "skipped: not in GPU_CHECK_ONLY"
-elif [ "$t" -eq 0 ]; then
-    skip_line "ncu"
-elif command -v ncu >/dev/null; then
-    timeout "$t" ncu --clock-control none -k 'regex:^tree_attn_(fwd|bwd_main)' -c 2 \
-        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
-        --section WarpStateStats --section Occupancy --section LaunchStats \
-        "$BIN" gpu-check --profile --tokens 16384 --heads 16 >"$LOG_DIR/ncu.log" 2>&1
-    s=$?
-    cat "$LOG_DIR/ncu.log"
-    [ $s -ne 0 ] && { echo "ncu: exit $s"; rc=1; }
-else
-    echo "skipped: no ncu on PATH"
+if gate ncu "ncu" 90 45; then
+    if command -v ncu >/dev/null; then
+        logged ncu ncu.log ncu --clock-control none -k 'regex:^tree_attn_(fwd|bwd_main)' -c 2 \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+            --section WarpStateStats --section Occupancy --section LaunchStats \
+            "$BIN" gpu-check --profile --tokens 16384 --heads 16
+    else
+        echo "skipped: no ncu on PATH"
+    fi
 fi
 
 # Last: each tool on a small correctness-only run (sanitized kernels run
-# 10-100x slower); a tool's report ends in "ERROR SUMMARY: N errors".
+# 10-100x slower); a tool's report ends in "ERROR SUMMARY: N errors"
+# (printed in full: --print-limit 20 keeps it short).
 for tool in memcheck racecheck synccheck initcheck; do
     echo "== compute-sanitizer --tool $tool (gpu-check --check-only --small)"
-    t=$(limit 90 0)
-    if ! want sanitizer; then
-        echo "skipped: not in GPU_CHECK_ONLY"
-        continue
-    fi
-    [ "$t" -eq 0 ] && { skip_line "compute-sanitizer $tool"; continue; }
-    if ! command -v compute-sanitizer >/dev/null; then
+    gate sanitizer "compute-sanitizer $tool" 90 0 || continue
+    if command -v compute-sanitizer >/dev/null; then
+        logged "compute-sanitizer $tool" "sanitizer-$tool.log" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            --print-limit 20 "$BIN" gpu-check --check-only --small --seed 1
+    else
         echo "skipped: no compute-sanitizer on PATH"
-        continue
     fi
-    timeout "$t" compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
-        "$BIN" gpu-check --check-only --small --seed 1 >"$LOG_DIR/sanitizer-$tool.log" 2>&1
-    s=$?
-    grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|=========' "$LOG_DIR/sanitizer-$tool.log" | head -30
-    tail -3 "$LOG_DIR/sanitizer-$tool.log"
-    [ $s -ne 0 ] && { echo "compute-sanitizer $tool: exit $s"; rc=1; }
 done
 echo "== done in $((SECONDS - START)) s of a $BUDGET s budget"
 exit $rc

@@ -977,6 +977,25 @@ pub fn generate(shape: Shape, seed: u64, paper_scale: bool) -> Result<Vec<Rollou
     generate_at(shape, seed, size)
 }
 
+/// `rollouts` (generated from `shape` and `seed`) with RL fields: each gets
+/// a reward of 0 or 1, drawn from its own stream of `seed` (a verifiable
+/// reward: the task solved or not), and the rollouts of a GRPO group get
+/// the group `grpo-{seed}`. Other shapes get no group.
+pub fn with_rewards(shape: Shape, seed: u64, rollouts: Vec<Rollout>) -> Result<Vec<Rollout>> {
+    let mut rng = Rng::new(seed ^ 0x5eed_0f7e_3a2d_u64);
+    rollouts
+        .into_iter()
+        .map(|r| {
+            let reward = if rng.unit() < 0.5 { 0.0 } else { 1.0 };
+            let r = r.with_reward(reward)?;
+            Ok(match shape {
+                Shape::Grpo => r.with_group(format!("grpo-{seed}")),
+                _ => r,
+            })
+        })
+        .collect()
+}
+
 /// The preset of `size`: `default()`, `bench`, or `paper`.
 fn preset<P: Default>(size: Size, bench: fn() -> P, paper: fn() -> P) -> P {
     match size {

@@ -300,6 +300,7 @@ mod tests {
             rollout,
             call,
             offset,
+            segment: 0,
             logprob: None,
         }
     }

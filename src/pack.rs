@@ -50,6 +50,12 @@ pub struct LossEntry {
     pub call: u32,
     /// Offset within the call's completion.
     pub offset: u32,
+    /// Segment of the call within its rollout: segment 0 starts at the
+    /// first call, and every junction call (a context that does not extend
+    /// the previous call's sequence: a compaction, an eviction) starts the
+    /// next one. Non-decreasing in generation order; the RL advantages of
+    /// [`crate::rl`] read it.
+    pub segment: u32,
     /// The rollout policy's log-prob of the label, when the input had it.
     pub logprob: Option<f32>,
 }
@@ -106,7 +112,8 @@ impl Pack {
 
     /// Checks the pack's invariants: equal lengths, a valid interval mask,
     /// loss rows inside the pack, strictly increasing loss keys, finite
-    /// weights.
+    /// weights, segments constant within a call and non-decreasing within a
+    /// rollout.
     pub fn validate(&self) -> Result<()> {
         if self.tokens.len() != self.kv_end.len() {
             return Err(Error::Pack(format!(
@@ -136,6 +143,17 @@ impl Pack {
                     e.key(),
                     self.loss[i - 1].key()
                 )));
+            }
+            if let Some(p) = i.checked_sub(1).map(|j| &self.loss[j]) {
+                let same_call = (p.rollout, p.call) == (e.rollout, e.call);
+                if p.rollout == e.rollout
+                    && (e.segment < p.segment || (same_call && e.segment != p.segment))
+                {
+                    return Err(Error::Pack(format!(
+                        "loss entry {i}: segment {} after segment {} of rollout {} (segments are constant within a call and non-decreasing)",
+                        e.segment, p.segment, e.rollout
+                    )));
+                }
             }
         }
         Ok(())
@@ -180,23 +198,52 @@ impl Layout {
     }
 }
 
+/// One sampled token as the tree sees it.
+struct Target {
+    rollout: u32,
+    call: u32,
+    offset: u32,
+    segment: u32,
+    /// Trie node of the token before it (the predicting row).
+    row: u32,
+    /// Trie node of the token itself.
+    node: u32,
+    logprob: Option<f32>,
+}
+
+impl Target {
+    /// The loss entry scoring this target at packed row `row`.
+    fn entry(&self, row: u32, label: u32) -> LossEntry {
+        LossEntry {
+            row,
+            label,
+            weight: 1.0,
+            rollout: self.rollout,
+            call: self.call,
+            offset: self.offset,
+            segment: self.segment,
+            logprob: self.logprob,
+        }
+    }
+}
+
 impl Tree {
-    /// Visits every sampled token: (rollout index, call, offset, predicting
-    /// node, target node, logprob).
-    fn for_each_target(&self, mut f: impl FnMut(u32, u32, u32, u32, u32, Option<f32>)) {
+    /// Visits every sampled token, rollout by rollout, in generation order.
+    fn for_each_target(&self, mut f: impl FnMut(Target)) {
         for tr in &self.rollouts {
             for (c, call) in tr.calls.iter().enumerate() {
+                let segment = tr.segment_of(c);
                 let ctx = call.ctx_len as usize;
                 for j in 0..call.nodes.len() - ctx {
-                    let lp = call.logprobs.as_ref().map(|l| l[j]);
-                    f(
-                        tr.index,
-                        c as u32,
-                        j as u32,
-                        call.nodes[ctx + j - 1],
-                        call.nodes[ctx + j],
-                        lp,
-                    );
+                    f(Target {
+                        rollout: tr.index,
+                        call: c as u32,
+                        offset: j as u32,
+                        segment,
+                        row: call.nodes[ctx + j - 1],
+                        node: call.nodes[ctx + j],
+                        logprob: call.logprobs.as_ref().map(|l| l[j]),
+                    });
                 }
             }
         }
@@ -204,16 +251,8 @@ impl Tree {
 
     fn entries(&self, mut place: impl FnMut(u32, u32) -> u32) -> Vec<LossEntry> {
         let mut loss = Vec::new();
-        self.for_each_target(|rollout, call, offset, row, target, logprob| {
-            loss.push(LossEntry {
-                row: place(row, target),
-                label: self.tokens()[target as usize],
-                weight: 1.0,
-                rollout,
-                call,
-                offset,
-                logprob,
-            })
+        self.for_each_target(|t| {
+            loss.push(t.entry(place(t.row, t.node), self.tokens()[t.node as usize]))
         });
         loss.sort_by_key(LossEntry::key);
         loss
@@ -292,18 +331,13 @@ impl Tree {
             })
             .collect();
         let mut assigned = Vec::new();
-        self.for_each_target(|rollout, call, offset, row, target, logprob| {
+        self.for_each_target(|t| {
             assigned.push((
-                slot[&first_leaf[target as usize]],
-                LossEntry {
-                    row: self.depths()[row as usize],
-                    label: self.tokens()[target as usize],
-                    weight: 1.0,
-                    rollout,
-                    call,
-                    offset,
-                    logprob,
-                },
+                slot[&first_leaf[t.node as usize]],
+                t.entry(
+                    self.depths()[t.row as usize],
+                    self.tokens()[t.node as usize],
+                ),
             ))
         });
         assigned.sort_by_key(|(_, e)| e.key());
@@ -375,6 +409,7 @@ impl Tree {
                     rollout: tr.index,
                     call: pr.call,
                     offset: pr.offset,
+                    segment: tr.segment_of(pr.call as usize),
                     logprob: lp,
                 });
             }
@@ -423,6 +458,45 @@ impl Tree {
     }
 }
 
+/// What a pack holds of its rollouts for RL, one entry per rollout of the
+/// pack in the order of its rollout list ([`Batch::rollouts`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RolloutFields {
+    /// The rollout's reward ([`Rollout::reward`]), NaN where it has none.
+    pub reward: Vec<f32>,
+    /// Index of the rollout's GRPO group in `groups`, −1 where it has none.
+    pub group: Vec<i64>,
+    /// The group names, in order of first appearance among the rollouts.
+    pub groups: Vec<String>,
+}
+
+impl RolloutFields {
+    /// The fields of `rollouts[i]` for each `i` of `members`, in that order.
+    ///
+    /// # Panics
+    /// If a member is not an index of `rollouts`.
+    pub fn of(rollouts: &[Rollout], members: &[u32]) -> RolloutFields {
+        let mut f = RolloutFields {
+            reward: Vec::with_capacity(members.len()),
+            group: Vec::with_capacity(members.len()),
+            groups: Vec::new(),
+        };
+        let mut index: HashMap<&str, i64> = HashMap::new();
+        for &m in members {
+            let r = &rollouts[m as usize];
+            f.reward.push(r.reward().unwrap_or(f32::NAN));
+            f.group.push(match r.group() {
+                Some(g) => *index.entry(g).or_insert_with(|| {
+                    f.groups.push(g.to_string());
+                    f.groups.len() as i64 - 1
+                }),
+                None => -1,
+            });
+        }
+        f
+    }
+}
+
 /// One pack of a batch.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
@@ -430,6 +504,8 @@ pub struct Batch {
     pub pack: Pack,
     /// Input indices of the rollouts in this pack, increasing.
     pub rollouts: Vec<u32>,
+    /// Reward and GRPO group of each rollout of `rollouts`, in that order.
+    pub fields: RolloutFields,
     /// SDCC pairs in this pack's rows (trie layout only; `None` for the
     /// replicated layout, whose student rows are not defined here).
     pub sdcc: Option<Vec<SdccPair>>,
@@ -647,8 +723,10 @@ pub fn batch(
             let tree = Tree::build_indexed(&members, share_prefixes)?;
             let pack = tree.pack(layout);
             let sdcc = (layout == Layout::Trie).then(|| tree.sdcc_pairs());
+            let fields = RolloutFields::of(rollouts, &b.members);
             Ok(Batch {
                 pack,
+                fields,
                 rollouts: b.members,
                 sdcc,
             })

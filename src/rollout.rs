@@ -11,6 +11,15 @@
 //! tokens (the targets), `logprobs` (optional, may be `null`) the rollout
 //! policy's log-probability of each completion token.
 //!
+//! Two optional rollout fields serve RL (see [`crate::rl`]): `"reward"`, the
+//! rollout's scalar reward (a finite number inside the f32 range, or `null`),
+//! and `"group"`, the name of its GRPO group (a string, or `null`; rollouts
+//! of a group answer the same prompt):
+//!
+//! ```json
+//! {"id": "r17", "reward": 1.0, "group": "prompt-3", "calls": [...]}
+//! ```
+//!
 //! A valid rollout has a non-empty id (in JSON a string; a number is accepted
 //! and kept as its decimal text), at least one call, and in every call a
 //! non-empty `context` (the first completion token needs a predicting row), a
@@ -83,6 +92,8 @@ impl Call {
 pub struct Rollout {
     id: String,
     calls: Vec<Call>,
+    reward: Option<f32>,
+    group: Option<String>,
 }
 
 impl Rollout {
@@ -158,7 +169,44 @@ impl Rollout {
                 ));
             }
         }
-        Ok(Rollout { id, calls })
+        Ok(Rollout {
+            id,
+            calls,
+            reward: None,
+            group: None,
+        })
+    }
+
+    /// The rollout with a scalar reward (RL; see [`crate::rl`]). A reward
+    /// that is not finite is an [`Error::Rollout`] naming the rollout.
+    pub fn with_reward(mut self, reward: f32) -> Result<Rollout> {
+        if !reward.is_finite() {
+            return Err(Error::Rollout {
+                rollout: self.id.clone(),
+                call: None,
+                field: "reward",
+                msg: format!("reward {reward} is not finite"),
+            });
+        }
+        self.reward = Some(reward);
+        Ok(self)
+    }
+
+    /// The rollout as a member of the GRPO group `group` (rollouts of a
+    /// group answer the same prompt; see [`crate::rl::grpo_advantages`]).
+    pub fn with_group(mut self, group: impl Into<String>) -> Rollout {
+        self.group = Some(group.into());
+        self
+    }
+
+    /// The rollout's reward, if the input had one.
+    pub fn reward(&self) -> Option<f32> {
+        self.reward
+    }
+
+    /// The rollout's GRPO group, if the input had one.
+    pub fn group(&self) -> Option<&str> {
+        self.group.as_deref()
     }
 
     /// The rollout id.
@@ -209,6 +257,14 @@ impl Rollout {
             .collect();
         let mut obj = serde_json::Map::new();
         obj.insert("id".into(), Value::from(self.id.clone()));
+        if let Some(r) = self.reward {
+            // f32 -> f64 is exact; the shortest round-trip text reads back
+            // as the same f32.
+            obj.insert("reward".into(), Value::from(r as f64));
+        }
+        if let Some(g) = &self.group {
+            obj.insert("group".into(), Value::from(g.clone()));
+        }
         obj.insert("calls".into(), Value::Array(calls));
         Value::Object(obj).to_string()
     }
@@ -331,6 +387,37 @@ fn parse_line(text: &str, line: usize) -> Result<Rollout> {
         field,
         msg: format!("line {line}: {msg}"),
     };
+    let reward = match obj.get("reward") {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(n)) => {
+            let f = n.as_f64().map(|x| x as f32).filter(|x| x.is_finite());
+            Some(f.ok_or_else(|| {
+                rerr(
+                    None,
+                    "reward",
+                    format!("{n} is outside the f32 range: a reward must be a finite number"),
+                )
+            })?)
+        }
+        Some(other) => {
+            return Err(rerr(
+                None,
+                "reward",
+                format!("must be a number or null, got {other}"),
+            ))
+        }
+    };
+    let group = match obj.get("group") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(g)) => Some(g.clone()),
+        Some(other) => {
+            return Err(rerr(
+                None,
+                "group",
+                format!("must be a string (the GRPO group's name) or null, got {other}"),
+            ))
+        }
+    };
     let calls_v = match obj.get("calls") {
         Some(Value::Array(a)) => a,
         Some(_) => {
@@ -412,20 +499,32 @@ fn parse_line(text: &str, line: usize) -> Result<Rollout> {
             logprobs,
         });
     }
-    Rollout::new(id, calls).map_err(|e| match e {
-        Error::Rollout {
-            rollout,
-            call,
-            field,
-            msg,
-        } => Error::Rollout {
-            rollout,
-            call,
-            field,
-            msg: format!("line {line}: {msg}"),
-        },
-        other => other,
-    })
+    let with_fields = |r: Rollout| -> Result<Rollout> {
+        let r = match reward {
+            Some(x) => r.with_reward(x)?,
+            None => r,
+        };
+        Ok(match group {
+            Some(g) => r.with_group(g),
+            None => r,
+        })
+    };
+    Rollout::new(id, calls)
+        .and_then(with_fields)
+        .map_err(|e| match e {
+            Error::Rollout {
+                rollout,
+                call,
+                field,
+                msg,
+            } => Error::Rollout {
+                rollout,
+                call,
+                field,
+                msg: format!("line {line}: {msg}"),
+            },
+            other => other,
+        })
 }
 
 /// Reads rollouts from JSON Lines (see the module docs for the rules).

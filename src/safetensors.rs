@@ -27,13 +27,22 @@
 //! | `loss_offset` | `[T]` | I64 | offset in the call's completion |
 //! | `loss_weights` | `[T]` | F32 | loss weight |
 //! | `loss_rollout` | `[T]` | I64 | rollout index in input order |
+//! | `loss_segment` | `[T]` | I64 | the call's segment in its rollout (0 from the first call, +1 at each junction) |
 //! | `loss_logprobs` | `[T]` | F32 | rollout log-probs (only when every entry has one) |
 //! | `sdcc_student_rows`, `sdcc_teacher_rows` | `[P]` | I64 | SDCC pairs (trie layout only) |
+//!
+//! and, for the `R` rollouts of the pack ([`rollout_tensors`], in the order
+//! of the metadata's `rollout_indices`):
+//!
+//! | tensor | shape | dtype | meaning |
+//! |---|---|---|---|
+//! | `rollout_reward` | `[R]` | F32 | the rollout's reward, NaN where it has none |
+//! | `rollout_group` | `[R]` | I64 | index of its GRPO group in the metadata's `groups` (a JSON array of names), −1 where it has none |
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use crate::pack::{LossEntry, Pack, SdccPair};
+use crate::pack::{LossEntry, Pack, RolloutFields, SdccPair};
 
 /// The `format` value in a pack file's metadata.
 pub const PACK_FORMAT: &str = "treeattn-pack-v1";
@@ -457,6 +466,10 @@ pub fn pack_tensors(
             "loss_rollout".to_string(),
             i64s(&mut pack.loss.iter().map(|e| e.rollout as i64)),
         ),
+        (
+            "loss_segment".to_string(),
+            i64s(&mut pack.loss.iter().map(|e| e.segment as i64)),
+        ),
     ];
     if !pack.loss.is_empty() && pack.loss.iter().all(|e| e.logprob.is_some()) {
         let lp: Vec<f32> = pack
@@ -477,6 +490,19 @@ pub fn pack_tensors(
         ));
     }
     Ok(t)
+}
+
+/// The rollout tensors of a pack file, `rollout_reward` and `rollout_group`
+/// (see the module docs); the group names go into the metadata as
+/// `groups`.
+pub fn rollout_tensors(fields: &RolloutFields) -> Vec<(String, Tensor)> {
+    vec![
+        (
+            "rollout_reward".to_string(),
+            Tensor::from_f32(&fields.reward),
+        ),
+        ("rollout_group".to_string(), Tensor::from_i64(&fields.group)),
+    ]
 }
 
 /// Reads a pack back from the tensors of [`pack_tensors`]: `call_base` maps
@@ -525,12 +551,13 @@ pub fn pack_from_tensors(st: &SafeTensors, call_base: &[u64]) -> Result<Pack> {
             })
             .collect()
     };
-    let (rows, labels, calls, offsets, rollouts) = (
+    let (rows, labels, calls, offsets, rollouts, segments) = (
         u32s("loss_rows")?,
         u32s("loss_labels")?,
         one_d("loss_call", Dtype::I64)?.to_i64()?,
         u32s("loss_offset")?,
         u32s("loss_rollout")?,
+        u32s("loss_segment")?,
     );
     let weights = one_d("loss_weights", Dtype::F32)?.to_f32()?;
     let logprobs = match st.tensors.get("loss_logprobs") {
@@ -543,6 +570,7 @@ pub fn pack_from_tensors(st: &SafeTensors, call_base: &[u64]) -> Result<Pack> {
         ("loss_call", calls.len()),
         ("loss_offset", offsets.len()),
         ("loss_rollout", rollouts.len()),
+        ("loss_segment", segments.len()),
         ("loss_weights", weights.len()),
         ("loss_logprobs", logprobs.as_ref().map_or(t, Vec::len)),
     ] {
@@ -596,6 +624,7 @@ pub fn pack_from_tensors(st: &SafeTensors, call_base: &[u64]) -> Result<Pack> {
             rollout: rollouts[i],
             call,
             offset: offsets[i],
+            segment: segments[i],
             logprob: logprobs.as_ref().map(|l| l[i]),
         });
     }

@@ -325,6 +325,12 @@ impl TreeRollout {
         let c = &self.calls[call];
         c.nodes[c.ctx_len as usize + offset - 1]
     }
+
+    /// The segment of `call`: the number of junctions at or before it
+    /// (segment 0 starts at the first call; each junction starts the next).
+    pub fn segment_of(&self, call: usize) -> u32 {
+        self.junctions.partition_point(|j| j.call <= call) as u32
+    }
 }
 
 /// A root-to-leaf path of the trie.

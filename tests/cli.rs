@@ -544,3 +544,66 @@ fn bench_on_a_pack_file_prints_json_and_refuses_bad_options() {
     let o = run(&["bench", "--json"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
 }
+
+#[test]
+fn gen_rewards_then_pack_writes_the_rl_fields() {
+    let d = scratch("rewards");
+    let jsonl = d.join("rl.jsonl");
+    let o = run(&[
+        "gen",
+        "compaction",
+        "grpo",
+        "--rewards",
+        "--seed",
+        "3",
+        "--out",
+        jsonl.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rs = read_jsonl(std::io::BufReader::new(
+        std::fs::File::open(&jsonl).unwrap(),
+    ))
+    .unwrap();
+    assert_eq!(rs.len(), 17);
+    assert!(rs
+        .iter()
+        .all(|r| matches!(r.reward(), Some(x) if x == 0.0 || x == 1.0)));
+    assert_eq!(rs[0].group(), None);
+    assert!(rs[1..].iter().all(|r| r.group() == Some("grpo-3")));
+    // Both reward values occur (a fixed seed: this is deterministic).
+    assert!(
+        rs.iter().any(|r| r.reward() == Some(0.0)) && rs.iter().any(|r| r.reward() == Some(1.0))
+    );
+
+    let out = d.join("rl.safetensors");
+    let o = run(&[
+        "pack",
+        jsonl.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--share-prefixes",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let st = read_file(&out).unwrap();
+    let reward = st.get("rollout_reward").unwrap().to_f32().unwrap();
+    let group = st.get("rollout_group").unwrap().to_i64().unwrap();
+    let want: Vec<f32> = rs.iter().map(|r| r.reward().unwrap()).collect();
+    assert_eq!(reward, want);
+    assert_eq!(group[0], -1);
+    assert!(group[1..].iter().all(|&g| g == 0));
+    assert_eq!(st.metadata["groups"], r#"["grpo-3"]"#);
+    // Segments: the compaction rollout (input index 0) spans several.
+    let seg = st.get("loss_segment").unwrap().to_i64().unwrap();
+    let roll = st.get("loss_rollout").unwrap().to_i64().unwrap();
+    let last = seg
+        .iter()
+        .zip(&roll)
+        .filter(|(_, &r)| r == 0)
+        .map(|(&s, _)| s)
+        .max();
+    let junctions = (1..rs[0].calls().len())
+        .filter(|&c| rs[0].is_junction(c))
+        .count();
+    assert_eq!(last, Some(junctions as i64));
+    assert!(junctions >= 1);
+}

@@ -206,6 +206,15 @@ fn check_entries(pack: &Pack, rs: &[Rollout], what: &str) {
             e.logprob,
             call.logprobs.as_ref().map(|l| l[e.offset as usize])
         );
+        // The segment: junction calls at or before this one.
+        let r = &rs[e.rollout as usize];
+        let junctions = (1..=e.call as usize).filter(|&c| r.is_junction(c)).count();
+        assert_eq!(
+            e.segment as usize,
+            junctions,
+            "{what}: segment of {:?}",
+            e.key()
+        );
     }
 }
 

@@ -284,3 +284,47 @@ fn a_directory_is_an_io_error() {
         Error::Io(_)
     ));
 }
+
+#[test]
+fn reward_and_group_are_read_checked_and_written_back() {
+    let line = r#"{"id": "g", "reward": 0.75, "group": "p3", "calls": [{"context": [1], "completion": [2]}]}"#;
+    let rs = parse_jsonl(line).unwrap();
+    assert_eq!((rs[0].reward(), rs[0].group()), (Some(0.75), Some("p3")));
+    let back = parse_jsonl(&rs[0].to_json()).unwrap();
+    assert_eq!(back, rs);
+    // Absent and null are the same: no reward, no group.
+    let none = r#"{"id": "n", "reward": null, "group": null, "calls": [{"context": [1], "completion": [2]}]}"#;
+    let rs = parse_jsonl(none).unwrap();
+    assert_eq!((rs[0].reward(), rs[0].group()), (None, None));
+    assert!(!rs[0].to_json().contains("reward"));
+
+    let call = r#""calls": [{"context": [1], "completion": [2]}]"#;
+    for (bad, field) in [
+        (
+            format!(r#"{{"id": "b", "reward": "1.0", {call}}}"#),
+            "reward",
+        ),
+        (
+            format!(r#"{{"id": "b", "reward": true, {call}}}"#),
+            "reward",
+        ),
+        (
+            format!(r#"{{"id": "b", "reward": 1e300, {call}}}"#),
+            "reward",
+        ),
+        (format!(r#"{{"id": "b", "reward": [1], {call}}}"#), "reward"),
+        (format!(r#"{{"id": "b", "group": 3, {call}}}"#), "group"),
+        (format!(r#"{{"id": "b", "group": ["a"], {call}}}"#), "group"),
+    ] {
+        assert_rollout_err(second_line(&bad), "b", None, field, 2);
+    }
+    let r = Rollout::new("x", vec![Call::new(vec![1], vec![2])]).unwrap();
+    assert!(matches!(
+        r.clone().with_reward(f32::NAN),
+        Err(Error::Rollout {
+            field: "reward",
+            ..
+        })
+    ));
+    assert!(r.with_reward(f32::INFINITY).is_err());
+}

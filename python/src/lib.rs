@@ -31,7 +31,8 @@ use treeattn::backend::{
 use treeattn::mask::PackMask;
 use treeattn::pack::{batch, Layout};
 use treeattn::rollout::{parse_jsonl, read_jsonl_file, Rollout};
-use treeattn::safetensors::{pack_tensors, Dtype};
+use treeattn::rl::{grpo_advantages, Gae, GaeMode, GrpoScale, Lambda, Targets};
+use treeattn::safetensors::{pack_tensors, rollout_tensors, Dtype};
 use treeattn::tree::RolloutStats;
 use treeattn::Error;
 
@@ -763,6 +764,7 @@ struct PackOut {
     tensors: Vec<(String, &'static str, Vec<u8>)>,
     logprobs: Vec<f32>,
     rollout_indices: Vec<u32>,
+    groups: Vec<String>,
 }
 
 fn pack_rollouts(
@@ -787,6 +789,7 @@ fn pack_rollouts(
         // The very tensors `treeattn pack` writes to its files.
         let tensors = pack_tensors(&b.pack, b.sdcc.as_deref(), &call_base)?
             .into_iter()
+            .chain(rollout_tensors(&b.fields))
             .filter(|(name, _)| name != "loss_logprobs")
             .map(|(name, t)| (name, dtype_name(t.dtype), t.data))
             .collect();
@@ -802,6 +805,7 @@ fn pack_rollouts(
             tensors,
             logprobs,
             rollout_indices: b.rollouts.clone(),
+            groups: b.fields.groups.clone(),
         });
     }
     let stats = rollouts
@@ -815,7 +819,8 @@ fn pack_rollouts(
 /// path (`source = "file"`), as `treeattn pack` does. Returns a list of
 /// dicts: `tensors` (name → (dtype, little-endian bytes)), `loss_logprobs`
 /// (float32 bytes, NaN where none), `rollout_indices`, `rollout_ids`,
-/// `stats` (one dict per rollout of the pack).
+/// `groups` (GRPO group names, first appearance first), `stats` (one dict
+/// per rollout of the pack).
 #[pyfunction]
 #[pyo3(signature = (source, value, layout="trie", share_prefixes=false, budget=None))]
 fn pack<'py>(
@@ -864,6 +869,7 @@ fn pack<'py>(
             .map(|&r| ids[r as usize].as_str())
             .collect();
         d.set_item("rollout_ids", pack_ids)?;
+        d.set_item("groups", p.groups.clone())?;
         let st = PyList::empty(py);
         for &r in &p.rollout_indices {
             st.append(stats_dict(py, &stats[r as usize])?)?;
@@ -874,6 +880,54 @@ fn pack<'py>(
     Ok(list)
 }
 
+/// GAE over a pack's targets (`treeattn::rl::Gae::compute`): `rollout`,
+/// `segment`, `values`, `rewards` one per target in generation order;
+/// `lam` a number, or `None` with `alpha` for the adaptive λ. Returns
+/// `(advantages, returns)` as float64 little-endian bytes.
+#[pyfunction]
+#[pyo3(signature = (rollout, segment, values, rewards, gamma, lam, alpha, mode))]
+#[allow(clippy::too_many_arguments)]
+fn gae<'py>(
+    py: Python<'py>,
+    rollout: Vec<u32>,
+    segment: Vec<u32>,
+    values: Vec<f64>,
+    rewards: Vec<f64>,
+    gamma: f64,
+    lam: Option<f64>,
+    alpha: f64,
+    mode: &str,
+) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+    let g = Gae {
+        gamma,
+        lambda: lam.map_or(Lambda::Adaptive { alpha }, Lambda::Fixed),
+        mode: GaeMode::parse(mode).map_err(to_py)?,
+    };
+    let out = py.detach(|| {
+        guarded(|| {
+            let t = Targets {
+                rollout: &rollout,
+                segment: &segment,
+            };
+            g.compute(t, &values, &rewards).map_err(to_py)
+        })
+    })?;
+    let bytes = |v: &[f64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    Ok((
+        PyBytes::new(py, &bytes(&out.advantages)),
+        PyBytes::new(py, &bytes(&out.returns)),
+    ))
+}
+
+/// GRPO advantages per rollout (`treeattn::rl::grpo_advantages`): one
+/// reward and group key per rollout; `eps = None` for the unscaled form.
+#[pyfunction]
+#[pyo3(signature = (rewards, groups, eps))]
+fn grpo(rewards: Vec<f64>, groups: Vec<u32>, eps: Option<f64>) -> PyResult<Vec<f64>> {
+    let scale = eps.map_or(GrpoScale::None, |eps| GrpoScale::Std { eps });
+    guarded(|| grpo_advantages(&rewards, &groups, scale).map_err(to_py))
+}
+
 /// The native half of the `treeattn` Python package.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -881,6 +935,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(sdcc_forward_kl, m)?)?;
     m.add_function(wrap_pyfunction!(pack, m)?)?;
+    m.add_function(wrap_pyfunction!(gae, m)?)?;
+    m.add_function(wrap_pyfunction!(grpo, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_built, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attention_backward, m)?)?;

@@ -28,11 +28,14 @@ def test_worked_example():
     assert pairs == [(10, 7), (11, 8), (13, 5)]
     for name in treeattn.PACK_TENSORS:
         t = getattr(p, name)
-        assert t.dtype == (torch.float32 if name in ("loss_weights", "loss_logprobs") else torch.int64), name
+        assert t.dtype == (torch.float32 if name in ("loss_weights", "loss_logprobs", "rollout_reward") else torch.int64), name
     (st,) = p.stats
     assert (st["junctions"], st["branches"], st["targets"], st["diverging"]) == (1, 2, 6, 3)
     assert (st["trie_tokens"], st["branch_tokens"]) == (16, 18)
     assert p.rollout_ids == ["r17"] and p.rollout_indices == [0]
+    # Call 3 is the junction: its target is in segment 1.
+    assert p.loss_segment.tolist() == [0, 0, 0, 0, 0, 1]
+    assert torch.isnan(p.rollout_reward).all() and p.rollout_group.tolist() == [-1] and p.groups == []
 
 
 def test_replicated_layout():
@@ -94,7 +97,9 @@ def test_same_tensors_as_cli(tmp_path):
     for f, p in zip(files, ours):
         theirs = load_file(str(f))
         for name, t in theirs.items():
-            assert torch.equal(t, getattr(p, name)), (f, name)
+            # rollout_reward holds NaN where a rollout has no reward.
+            mine = getattr(p, name)
+            assert t.dtype == mine.dtype and torch.allclose(t, mine, rtol=0, atol=0, equal_nan=True), (f, name)
         # The file has loss_logprobs only when every target has one (equal
         # above); otherwise ours holds NaN for the targets without.
         if "loss_logprobs" not in theirs:

@@ -38,9 +38,12 @@ PACK_TENSORS = (
     "loss_call",
     "loss_offset",
     "loss_rollout",
+    "loss_segment",
     "loss_logprobs",
     "sdcc_student_rows",
     "sdcc_teacher_rows",
+    "rollout_reward",
+    "rollout_group",
 )
 
 
@@ -52,10 +55,19 @@ class Pack:
     ``kv_end`` ``[L]`` int64; ``loss_rows``, ``loss_labels``, ``loss_call``
     (global call index in input order, from 0), ``loss_offset``,
     ``loss_rollout`` (input index of the rollout) ``[T]`` int64;
-    ``loss_weights`` ``[T]`` float32; ``loss_logprobs`` ``[T]`` float32, NaN
-    where a call logged no log-probs; ``sdcc_student_rows``,
-    ``sdcc_teacher_rows`` ``[P]`` int64 (trie layout; ``None`` for the
-    replicated layout, where student rows are not defined).
+    ``loss_weights`` ``[T]`` float32; ``loss_segment`` ``[T]`` int64 (the
+    target's segment in its rollout: 0 from the first call, +1 at every
+    junction call, i.e. every compaction or eviction); ``loss_logprobs``
+    ``[T]`` float32, NaN where a call logged no log-probs;
+    ``sdcc_student_rows``, ``sdcc_teacher_rows`` ``[P]`` int64 (trie layout;
+    ``None`` for the replicated layout, where student rows are not defined).
+    Loss entries are in generation order (sorted by rollout, call, offset).
+
+    Per rollout of the pack (``R`` of them, in the order of
+    ``rollout_indices``): ``rollout_reward`` ``[R]`` float32 (the input's
+    ``"reward"``, NaN where absent) and ``rollout_group`` ``[R]`` int64 (index
+    into ``groups``, the GRPO group names in order of first appearance; −1
+    where a rollout has no ``"group"``).
 
     Also: ``layout``, ``rollout_indices`` and ``rollout_ids`` (the rollouts
     in this pack, input order), ``stats`` (one dict per rollout of the pack:
@@ -73,16 +85,33 @@ class Pack:
     loss_call: Any
     loss_offset: Any
     loss_rollout: Any
+    loss_segment: Any
     loss_logprobs: Any
     sdcc_student_rows: Optional[Any]
     sdcc_teacher_rows: Optional[Any]
+    rollout_reward: Any
+    rollout_group: Any
     layout: str = "trie"
     rollout_indices: List[int] = field(default_factory=list)
     rollout_ids: List[str] = field(default_factory=list)
+    groups: List[str] = field(default_factory=list)
     stats: List[Dict[str, Any]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    def loss_rollout_local(self):
+        """``[T]`` int64: each loss entry's rollout as an index into this
+        pack's rollouts (``rollout_indices``, ``rollout_reward``, ...)."""
+        import torch
+
+        idx = torch.tensor(self.rollout_indices, dtype=torch.int64)
+        local = torch.searchsorted(idx, self.loss_rollout)
+        if self.loss_rollout.numel() and (
+            int(local.max()) >= idx.numel() or not bool((idx[local] == self.loss_rollout).all())
+        ):
+            raise ValueError("loss_rollout names a rollout that is not in this pack's rollout_indices")
+        return local
 
     def tensors(self) -> Dict[str, Any]:
         """The tensors by name (absent SDCC tensors left out)."""
@@ -111,8 +140,8 @@ def pack(
     """Packs rollouts exactly as ``treeattn pack`` does.
 
     ``rollouts``: a path to a JSON Lines file, or a list of dicts shaped like
-    its lines, ``{"id": ..., "calls": [{"context": [...], "completion":
-    [...], "logprobs": [...]?}]}``. ``layout``: ``"trie"`` (deduplicated
+    its lines, ``{"id": ..., "reward": float?, "group": str?, "calls":
+    [{"context": [...], "completion": [...], "logprobs": [...]?}]}``. ``layout``: ``"trie"`` (deduplicated
     pre-order trie) or ``"replicated"`` (each branch its own chain).
     ``share_prefixes``: rollouts in a pack share identical prefixes (trie
     layout). ``budget``: token budget per pack (default: one pack).
@@ -144,7 +173,8 @@ def pack(
                 # JSON has no NaN / infinity: say where, as the file reader would.
                 raise ValueError(
                     f"rollouts[{i}] (id {r.get('id')!r}) holds a NaN or infinity: "
-                    "token ids are integers and logprobs must be finite and <= 0"
+                    "token ids are integers, logprobs must be finite and <= 0, "
+                    "and a reward must be finite"
                 ) from None
             except TypeError as e:
                 raise ValueError(f"rollouts[{i}] is not JSON-serialisable: {e}") from None
@@ -167,12 +197,16 @@ def pack(
                 loss_call=t["loss_call"],
                 loss_offset=t["loss_offset"],
                 loss_rollout=t["loss_rollout"],
+                loss_segment=t["loss_segment"],
                 loss_logprobs=_tensor("float32", p["loss_logprobs"]),
                 sdcc_student_rows=t.get("sdcc_student_rows"),
                 sdcc_teacher_rows=t.get("sdcc_teacher_rows"),
+                rollout_reward=t["rollout_reward"],
+                rollout_group=t["rollout_group"],
                 layout=layout,
                 rollout_indices=list(p["rollout_indices"]),
                 rollout_ids=list(p["rollout_ids"]),
+                groups=list(p["groups"]),
                 stats=list(p["stats"]),
             )
         )

@@ -3,7 +3,7 @@
 use std::io::Write;
 
 use clap::Args;
-use treeattn::gen::{generate, Shape};
+use treeattn::gen::{generate, with_rewards, Shape};
 use treeattn::safetensors::StagedFiles;
 use treeattn::{Error, Result};
 
@@ -18,7 +18,9 @@ as in `treeattn gen ... | head`, ends the output quietly).
 Shapes: golden (the worked example of DESIGN.md §4), compaction, stack-pop, fold,
 memex, grpo (a group of 16 rollouts sharing a prompt), plain (no edits).
 Ids are SHAPE-SEED (grpo: grpo-SEED-00 .. -15; golden: golden); a file must
-not repeat an id. A file is written atomically (a temporary file, renamed).")]
+not repeat an id. A file is written atomically (a temporary file, renamed).
+With --rewards every rollout also gets a \"reward\" (0 or 1, drawn from the
+seed) and grpo rollouts the \"group\" grpo-SEED: input for treeattn.rl.")]
 pub struct GenArgs {
     /// Tree shapes to generate, in order.
     #[arg(value_name = "SHAPE", required = true, value_parser = shape)]
@@ -32,6 +34,9 @@ pub struct GenArgs {
     /// The sizes of DESIGN.md §1 instead of the CPU-sized defaults.
     #[arg(long)]
     paper_scale: bool,
+    /// Write a reward (0 or 1) on every rollout and a group on GRPO ones.
+    #[arg(long)]
+    rewards: bool,
 }
 
 fn shape(s: &str) -> std::result::Result<Shape, String> {
@@ -44,7 +49,12 @@ fn shape(s: &str) -> std::result::Result<Shape, String> {
 pub fn run(a: GenArgs) -> Result<()> {
     let mut rollouts = Vec::new();
     for &s in &a.shapes {
-        rollouts.extend(generate(s, a.seed, a.paper_scale)?);
+        let generated = generate(s, a.seed, a.paper_scale)?;
+        rollouts.extend(if a.rewards {
+            with_rewards(s, a.seed, generated)?
+        } else {
+            generated
+        });
     }
     let mut seen = std::collections::HashSet::new();
     if let Some(r) = rollouts.iter().find(|r| !seen.insert(r.id().to_string())) {

@@ -7,7 +7,9 @@ use std::time::Instant;
 
 use clap::{Args, ValueEnum};
 use treeattn::pack::{batch, Layout};
-use treeattn::safetensors::{pack_tensors, read_metadata, serialize, StagedFiles, PACK_FORMAT};
+use treeattn::safetensors::{
+    pack_tensors, read_metadata, rollout_tensors, serialize, StagedFiles, PACK_FORMAT,
+};
 use treeattn::{Error, Result};
 
 use crate::args::{emit, number, plural};
@@ -33,15 +35,20 @@ a name that is not a treeattn pack is refused before anything is written, as
 is a PACK that is FILE itself. Tensors (L tokens, T loss entries):
   tokens, position_ids, kv_end            [L] int64
   loss_rows, loss_labels, loss_call,
-  loss_offset, loss_rollout               [T] int64
+  loss_offset, loss_rollout, loss_segment [T] int64
   loss_weights                            [T] float32
   loss_logprobs                           [T] float32 (only if every target has one)
   sdcc_student_rows, sdcc_teacher_rows    [P] int64 (trie layout only)
+  rollout_reward                          [R] float32 (NaN: no reward)
+  rollout_group                           [R] int64 (index into groups; -1: none)
 Mask: query q sees key k iff k <= q < kv_end[k]; position_ids are depths.
 Loss: row loss_rows[t]'s logits predict loss_labels[t]; loss_call is the call's
 global index in FILE's order counting from 0; loss entries are sorted by
-(rollout, call, offset). Metadata (__metadata__): format, layout, source,
-pack index and count, rollout indices and ids (JSON arrays).
+(rollout, call, offset); loss_segment is the call's segment in its rollout (0
+from the first call, +1 at every junction). The R rollouts of a pack are those
+of the metadata's rollout_indices, in that order. Metadata (__metadata__):
+format, layout, source, pack index and count, rollout indices and ids, groups
+(the GRPO group names, in order of first appearance) (JSON arrays).
 Progress goes to stderr when it is a terminal.")]
 pub struct PackArgs {
     /// Rollouts, one JSON object per line.
@@ -149,7 +156,8 @@ pub fn run(a: PackArgs) -> Result<()> {
     let mut lines = String::new();
     for (i, b) in batches.iter().enumerate() {
         progress.say(&format!("writing pack {} of {n}", i + 1));
-        let tensors = pack_tensors(&b.pack, b.sdcc.as_deref(), &call_base)?;
+        let mut tensors = pack_tensors(&b.pack, b.sdcc.as_deref(), &call_base)?;
+        tensors.extend(rollout_tensors(&b.fields));
         let ids: Vec<&str> = b
             .rollouts
             .iter()
@@ -169,6 +177,10 @@ pub fn run(a: PackArgs) -> Result<()> {
             (
                 "rollout_ids".to_string(),
                 serde_json::to_string(&ids).expect("string list"),
+            ),
+            (
+                "groups".to_string(),
+                serde_json::to_string(&b.fields.groups).expect("string list"),
             ),
         ]);
         staged.stage(&paths[i], &serialize(&tensors, &meta)?)?;

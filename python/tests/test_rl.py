@@ -226,3 +226,63 @@ def test_bad_arguments_are_value_errors():
         treeattn.rl.grpo_advantages([p, q2])
     # A group of one with eps = 0: 0, not NaN.
     assert (treeattn.rl.grpo_advantages(p, eps=0.0) == 0).all()
+
+
+def _grpo_rank(rank, world, port, rollouts, out):
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        mine = [r for i, r in enumerate(rollouts) if i % world == rank]
+        packs = treeattn.pack(mine, share_prefixes=True, budget=200)
+        advs = treeattn.rl.grpo_advantages(packs, dtype=torch.float64, distributed=True)
+        out.put((rank, {p.rollout_ids[k]: float(a[p.loss_rollout_local() == k][0])
+                        for p, a in zip(packs, advs) for k in range(len(p.rollout_ids))}))
+    finally:
+        dist.destroy_process_group()
+
+
+def per_rollout(packs):
+    """{rollout id: its GRPO advantage} over `packs`, one process."""
+    adv = treeattn.rl.grpo_advantages(packs, dtype=torch.float64)
+    out = {}
+    for p, a in zip(packs, adv):
+        for k, rid in enumerate(p.rollout_ids):
+            vals = a[p.loss_rollout_local() == k]
+            assert (vals == vals[0]).all()
+            out[rid] = float(vals[0])
+    return out
+
+
+def test_grpo_distributed_equals_one_process():
+    """Two gloo ranks, each holding half of every group: the gathered
+    statistics give each rollout the advantage of one process holding all."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    rs = [r for r in sample_rollouts(seed=11) if r["id"].startswith("grpo")]
+    want = per_rollout(treeattn.pack(rs, share_prefixes=True))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_grpo_rank, args=(r, 2, port, rs, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in procs:
+        got.update(q.get(timeout=120)[1])
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-12, abs=1e-12), k
+    # Negative control: rank 0's half alone (no gathering) differs.
+    alone = per_rollout(treeattn.pack(rs[::2], share_prefixes=True))
+    assert max(abs(alone[k] - want[k]) for k in alone) > 1e-3

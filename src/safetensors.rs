@@ -45,7 +45,11 @@ use std::path::Path;
 use crate::pack::{LossEntry, Pack, RolloutFields, SdccPair};
 
 /// The `format` value in a pack file's metadata.
-pub const PACK_FORMAT: &str = "treeattn-pack-v1";
+pub const PACK_FORMAT: &str = "treeattn-pack-v2";
+
+/// The format before `loss_segment` and the rollout tensors: read back as
+/// an error that says to re-pack, never as a pack without segments.
+pub const PACK_FORMAT_V1: &str = "treeattn-pack-v1";
 use crate::{Error, Result};
 
 /// Element types this crate writes and reads.
@@ -514,10 +518,17 @@ pub fn rollout_tensors(fields: &RolloutFields) -> Vec<(String, Tensor)> {
 /// `[1, L]`); loss weights finite and non-negative; log-probs (present only
 /// when every target has one: absent is the missing tensor, never NaN)
 /// finite and at most 0; SDCC rows inside the pack and paired; a `format`
-/// in the metadata, when present, `treeattn-pack-v1`. The result is then
+/// in the metadata, when present, [`PACK_FORMAT`] (an older format is an
+/// error that says to re-pack). The result is then
 /// validated as a [`Pack`] (mask, loss rows, order).
 pub fn pack_from_tensors(st: &SafeTensors, call_base: &[u64]) -> Result<Pack> {
     if let Some(f) = st.metadata.get("format") {
+        if f == PACK_FORMAT_V1 {
+            return Err(Error::Pack(format!(
+                "written by an older treeattn (format {PACK_FORMAT_V1:?}, without loss_segment and \
+                 the rollout tensors): re-pack the rollouts with this version (format {PACK_FORMAT:?})"
+            )));
+        }
         if f != PACK_FORMAT {
             return Err(Error::Pack(format!(
                 "metadata format {f:?}, expected {PACK_FORMAT:?}"
@@ -740,6 +751,28 @@ mod tests {
         let pairs = tree.sdcc_pairs();
         let t = pack_tensors(&tree.trie_pack(), Some(&pairs), &[0, 4]).unwrap();
         (t, vec![0, 4])
+    }
+
+    #[test]
+    fn an_older_format_and_bad_segments_are_errors() {
+        let (t, base) = golden_tensors();
+        let v1 = BTreeMap::from([("format".to_string(), PACK_FORMAT_V1.to_string())]);
+        let st = deserialize(&serialize(&t, &v1).unwrap()).unwrap();
+        let e = pack_from_tensors(&st, &base).unwrap_err().to_string();
+        assert!(e.contains("re-pack") && e.contains("loss_segment"), "{e}");
+        let v2 = BTreeMap::from([("format".to_string(), PACK_FORMAT.to_string())]);
+        let st = deserialize(&serialize(&t, &v2).unwrap()).unwrap();
+        let p = pack_from_tensors(&st, &base).unwrap();
+        let segs: Vec<u32> = p.loss.iter().map(|e| e.segment).collect();
+        assert_eq!(segs, [0, 0, 0, 0, 0, 1]);
+        rejects("loss_segment", |t| t.retain(|(n, _)| n != "loss_segment"));
+        // A segment that goes back inside a rollout, or changes in a call.
+        rejects("segment 0 after segment 1", |t| {
+            set(t, "loss_segment", Tensor::from_i64(&[0, 0, 1, 0, 0, 1]))
+        });
+        rejects("segment 1 after segment 0", |t| {
+            set(t, "loss_segment", Tensor::from_i64(&[0, 1, 1, 1, 1, 1]))
+        });
     }
 
     /// Reading the golden tensors after `edit` must fail naming `what`.

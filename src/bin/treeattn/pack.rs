@@ -286,8 +286,11 @@ fn stale_packs(out: &Path, written: &[PathBuf]) -> Result<Vec<PathBuf>> {
         if !path.is_file() {
             continue;
         }
-        let ours = read_metadata(&path)?
-            .is_some_and(|m| m.get("format").map(String::as_str) == Some(PACK_FORMAT));
+        // Packs of an earlier treeattn (an older format) are ours too.
+        let ours = read_metadata(&path)?.is_some_and(|m| {
+            m.get("format")
+                .is_some_and(|f| f.starts_with("treeattn-pack-v"))
+        });
         if !ours {
             return Err(Error::Io(format!(
                 "{}: named like a pack of this output but not a treeattn pack; refusing to \

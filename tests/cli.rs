@@ -546,6 +546,28 @@ fn bench_on_a_pack_file_prints_json_and_refuses_bad_options() {
 }
 
 #[test]
+fn gen_regenerates_the_rl_sample_exactly() {
+    let d = scratch("gen-rl");
+    let f = d.join("rl_sample.jsonl");
+    let args = [
+        "gen",
+        "compaction",
+        "fold",
+        "grpo",
+        "--rewards",
+        "--seed",
+        "2",
+        "--out",
+    ];
+    let o = run(&[&args[..], &[f.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/data/rl_sample.jsonl"))
+            .unwrap();
+    assert_eq!(std::fs::read_to_string(&f).unwrap(), want);
+}
+
+#[test]
 fn gen_rewards_then_pack_writes_the_rl_fields() {
     let d = scratch("rewards");
     let jsonl = d.join("rl.jsonl");

@@ -168,15 +168,22 @@ class _HeadLogprob(torch.autograd.Function):
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
             z, _t = _head_logits(h[i:j], weight, bias, softcap)
-            m = torch.logsumexp(z, -1)
-            lse[i:j] = m
-            lp[i:j] = z.gather(1, labels[i:j, None])[:, 0] - m
+            zy = z.gather(1, labels[i:j, None])[:, 0]
+            # logsumexp in place over the block (torch.logsumexp makes
+            # temporaries and was ~2x slower here): m = max, e = exp(z − m).
+            m = z.amax(-1)
+            zm = z.sub_(m[:, None])
             if want_entropy:
-                logp = z.sub_(m[:, None])
-                p = logp.exp()
-                # H = −Σ p·log p as a batched dot product (no third [c, V] buffer).
-                ent[i:j] = -torch.bmm(p[:, None, :], logp[:, :, None])[:, 0, 0]
-            del z, _t
+                e = zm.exp()
+                s = e.sum(-1)
+                # H = log s − Σ e·(z − m) / s, the dot product batched (no third buffer).
+                ent[i:j] = s.log() - torch.bmm(e[:, None, :], zm[:, :, None])[:, 0, 0] / s
+                del e
+            else:
+                s = zm.exp_().sum(-1)
+            lse[i:j] = m + s.log()
+            lp[i:j] = zy - lse[i:j]
+            del z, zm, _t
         ctx.save_for_backward(h, weight, bias, labels, lse, ent)
         ctx.chunk, ctx.softcap, ctx.want_entropy = chunk, softcap, want_entropy
         ctx.set_materialize_grads(False)

@@ -187,7 +187,6 @@ class _HeadLogprob(torch.autograd.Function):
         ctx.save_for_backward(h, weight, bias, labels, lse, ent)
         ctx.chunk, ctx.softcap, ctx.want_entropy = chunk, softcap, want_entropy
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(lse)
         return lp, ent
 
     @staticmethod

@@ -22,6 +22,14 @@ mask built, transformers' packed-sequence detection from non-arange
 ``position_ids`` (which would split the pack where a position does not
 follow its predecessor) never applies. Batch size 1 (one pack); no dropout
 inside attention; no KV cache (training / scoring only).
+
+Scoring (:func:`target_logprobs`, :func:`pack_loss`) never builds ``[L, V]``
+or ``[T, V]`` logits: the body runs once and the output embedding +
+log-softmax run in row chunks at the loss / SDCC rows only, recomputed in
+backward (see "Log-probs without [L, V] logits" below). The output
+embedding must be a linear layer whose logits the model uses as they are,
+or with the config's ``final_logit_softcapping``; anything else is refused
+(pass ``logits=`` to :func:`target_logprobs` then).
 """
 
 from __future__ import annotations

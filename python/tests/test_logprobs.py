@@ -82,12 +82,15 @@ def assert_same_grads(a, b, tol=TOL):
         assert rel_err(a[n], b[n]) <= tol, n
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 7, None, 10_000])
+@pytest.mark.parametrize("chunk", [1, 3, "T-1", None, 10_000])
 def test_chunked_equals_full_logits(pack, chunk):
     """Log-probs, entropy and every parameter gradient of Σ lp + 0.3 Σ H;
-    chunk sizes that do not divide T (T is printed on failure)."""
+    chunk sizes that do not divide T (T − 1; T is printed on failure)."""
     model = llama()
     T = pack.loss_rows.numel()
+    if chunk == "T-1":
+        chunk = T - 1
+        assert T > 2 and T % chunk
     lp_f, ent_f = full_path(model, pack, entropy=True)
     g_full = grads(model, lp_f.sum() + 0.3 * ent_f.sum())
     lp, ent = treeattn.hf.target_logprobs(model, pack, chunk=chunk, entropy=True)
@@ -150,13 +153,39 @@ def test_final_logit_softcapping(pack):
     assert rel_err(uncapped, lp_f) > 1e-3
 
 
+@pytest.mark.parametrize("arch", ["cohere", "granite"])
+def test_config_logit_scale(pack, arch):
+    """Cohere multiplies its logits by config.logit_scale, Granite divides
+    them by config.logits_scaling: both applied, gradients included."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    if arch == "cohere":
+        model = tf.CohereForCausalLM(tf.CohereConfig(**common, logit_scale=0.3))
+    else:
+        model = tf.GraniteForCausalLM(tf.GraniteConfig(**common, logits_scaling=3.0))
+    model = model.to(torch.float64)
+    model.set_attn_implementation("treeattn")
+    lp_f = full_path(model, pack)
+    g_full = grads(model, lp_f.sum())
+    lp = treeattn.hf.target_logprobs(model, pack, chunk=5)
+    assert rel_err(lp, lp_f) <= TOL
+    assert_same_grads(grads(model, lp.sum()), g_full)
+
+
 def test_unknown_logit_transform_is_refused(pack):
-    """A config softcap the model does not apply (Llama ignores it): the
-    probe row disagrees, and the call says so instead of mis-scoring."""
+    """A config softcap or logit scale the model does not apply (Llama
+    ignores both): the probe row disagrees, and the call says so instead of
+    mis-scoring."""
     model = llama()
     model.config.final_logit_softcapping = 0.5
     with pytest.raises(ValueError, match="after the output embedding"):
         treeattn.hf.target_logprobs(model, pack)
+    model = llama()
+    model.config.logit_scale = 2.0
+    with pytest.raises(ValueError, match="after the output embedding"):
+        treeattn.hf.pack_loss(model, pack)
 
 
 def test_empty_loss_index(pack):

@@ -28,8 +28,10 @@ or ``[T, V]`` logits: the body runs once and the output embedding +
 log-softmax run in row chunks at the loss / SDCC rows only, recomputed in
 backward (see "Log-probs without [L, V] logits" below). The output
 embedding must be a linear layer whose logits the model uses as they are,
-or with the config's ``final_logit_softcapping``; anything else is refused
-(pass ``logits=`` to :func:`target_logprobs` then).
+or scaled (Cohere's ``logit_scale``, Granite's ``logits_scaling``) and / or
+softcapped (``final_logit_softcapping``, Gemma) as its config says; one
+probe row is checked against the model's own logits, and anything else is
+refused (pass ``logits=`` to :func:`target_logprobs` then).
 """
 
 from __future__ import annotations
@@ -146,15 +148,19 @@ def _acc_dtype(dt: torch.dtype) -> torch.dtype:
     return torch.float32 if dt in (torch.bfloat16, torch.float16) else dt
 
 
-def _head_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: Optional[float]) -> Tuple[Tensor, Optional[Tensor]]:
-    """z = h·Wᵀ + b in the weight's dtype, then in the accumulation dtype;
-    with ``softcap`` c: z = c·tanh(z / c). Returns (z, tanh(z/c) or None)."""
+def _head_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], post: Tuple[float, Optional[float]]) -> Tuple[Tensor, Optional[Tensor]]:
+    """u = h·Wᵀ + b in the weight's dtype, then in the accumulation dtype;
+    ``post`` = (s, c): z = s·u, then with a softcap c: z = c·tanh(s·u / c).
+    Returns (z, tanh(s·u/c) or None). ∂z/∂u = s·(1 − tanh²)."""
+    scale, cap = post
     u = torch.nn.functional.linear(h, weight, bias)
     z = u.to(_acc_dtype(u.dtype))
-    if softcap is None:
+    if scale != 1.0:
+        z = z.mul_(scale)
+    if cap is None:
         return z, None
-    t = torch.tanh(z / softcap)
-    return t * softcap, t
+    t = torch.tanh(z / cap)
+    return t * cap, t
 
 
 class _HeadLogprob(torch.autograd.Function):
@@ -164,10 +170,11 @@ class _HeadLogprob(torch.autograd.Function):
     per-row logsumexp / entropy; each chunk's logits are recomputed.
 
     Backward, per row: ∂lp/∂z = onehot(y) − p; ∂H/∂z = −p ∘ (log p + H);
-    with softcap, ∂z/∂u = 1 − tanh²(u/c); then ∂h = g·W, ∂W = gᵀ·h, ∂b = Σ g."""
+    with ``post`` = (s, c), ∂z/∂u = s·(1 − tanh²(s·u/c)) (s without a cap);
+    then ∂h = g·W, ∂W = gᵀ·h, ∂b = Σ g."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, labels, chunk, softcap, want_entropy):
+    def forward(ctx, h, weight, bias, labels, chunk, post, want_entropy):
         n = h.shape[0]
         adt = _acc_dtype(weight.dtype)
         lp = torch.empty(n, dtype=adt, device=h.device)
@@ -175,7 +182,7 @@ class _HeadLogprob(torch.autograd.Function):
         ent = torch.empty(n if want_entropy else 0, dtype=adt, device=h.device)
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
-            z, _t = _head_logits(h[i:j], weight, bias, softcap)
+            z, _t = _head_logits(h[i:j], weight, bias, post)
             zy = z.gather(1, labels[i:j, None])[:, 0]
             # logsumexp in place over the block (torch.logsumexp makes
             # temporaries and was ~2x slower here): m = max, e = exp(z − m).
@@ -193,14 +200,14 @@ class _HeadLogprob(torch.autograd.Function):
             lp[i:j] = zy - lse[i:j]
             del z, zm, _t
         ctx.save_for_backward(h, weight, bias, labels, lse, ent)
-        ctx.chunk, ctx.softcap, ctx.want_entropy = chunk, softcap, want_entropy
+        ctx.chunk, ctx.post, ctx.want_entropy = chunk, post, want_entropy
         ctx.set_materialize_grads(False)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         h, weight, bias, labels, lse, ent = ctx.saved_tensors
-        chunk, softcap = ctx.chunk, ctx.softcap
+        chunk, post = ctx.chunk, ctx.post
         n = h.shape[0]
         adt = lse.dtype
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -214,7 +221,7 @@ class _HeadLogprob(torch.autograd.Function):
         for i in range(0, n, chunk):
             j = min(n, i + chunk)
             with torch.no_grad():
-                z, t = _head_logits(h[i:j], weight, bias, softcap)
+                z, t = _head_logits(h[i:j], weight, bias, post)
                 logp = z.sub_(lse[i:j, None])
                 gl = g_lp[i:j, None].to(adt) if g_lp is not None else None
                 # g = ∂/∂z of Σ gl·lp + ge·H, written over logp's buffer:
@@ -234,6 +241,8 @@ class _HeadLogprob(torch.autograd.Function):
                 if t is not None:
                     g.mul_(1.0 - t * t)
                     del t
+                if post[0] != 1.0:
+                    g.mul_(post[0])
                 gw = g.to(weight.dtype)
                 if need_h:
                     dh[i:j] = gw @ weight
@@ -258,7 +267,7 @@ class _HeadSdcc(torch.autograd.Function):
     ∂loss/∂a_i = w_i (p_a − p_b) / (τ Σ w) (only the student gets a gradient)."""
 
     @staticmethod
-    def forward(ctx, hs, ht, weight, bias, w, tau, chunk, softcap):
+    def forward(ctx, hs, ht, weight, bias, w, tau, chunk, post):
         P = hs.shape[0]
         adt = _acc_dtype(weight.dtype)
         w = w.to(adt)
@@ -266,8 +275,8 @@ class _HeadSdcc(torch.autograd.Function):
         kl = torch.empty(P, dtype=adt, device=hs.device)
         for i in range(0, P, chunk):
             j = min(P, i + chunk)
-            za, _ = _head_logits(hs[i:j], weight, bias, softcap)
-            zb, _ = _head_logits(ht[i:j], weight, bias, softcap)
+            za, _ = _head_logits(hs[i:j], weight, bias, post)
+            zb, _ = _head_logits(ht[i:j], weight, bias, post)
             la = torch.log_softmax(za.div_(tau), -1)
             del za
             lb = torch.log_softmax(zb.div_(tau), -1)
@@ -278,7 +287,7 @@ class _HeadSdcc(torch.autograd.Function):
             del la, lb, pb
         loss = (w * kl).sum() / wsum if float(wsum) > 0 else torch.zeros((), dtype=adt, device=hs.device)
         ctx.save_for_backward(hs, ht, weight, bias, w)
-        ctx.tau, ctx.chunk, ctx.softcap, ctx.wsum = tau, chunk, softcap, wsum
+        ctx.tau, ctx.chunk, ctx.post, ctx.wsum = tau, chunk, post, wsum
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(kl)
         return loss, kl
@@ -286,7 +295,7 @@ class _HeadSdcc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, _g_kl):
         hs, ht, weight, bias, w = ctx.saved_tensors
-        tau, chunk, softcap, wsum = ctx.tau, ctx.chunk, ctx.softcap, ctx.wsum
+        tau, chunk, post, wsum = ctx.tau, ctx.chunk, ctx.post, ctx.wsum
         P = hs.shape[0]
         adt = w.dtype
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
@@ -298,8 +307,8 @@ class _HeadSdcc(torch.autograd.Function):
             for i in range(0, P, chunk):
                 j = min(P, i + chunk)
                 with torch.no_grad():
-                    za, ta = _head_logits(hs[i:j], weight, bias, softcap)
-                    zb, _ = _head_logits(ht[i:j], weight, bias, softcap)
+                    za, ta = _head_logits(hs[i:j], weight, bias, post)
+                    zb, _ = _head_logits(ht[i:j], weight, bias, post)
                     g = torch.softmax(za.div_(tau), -1)
                     del za
                     g.sub_(torch.softmax(zb.div_(tau), -1)).mul_(scale[i:j, None])
@@ -307,6 +316,8 @@ class _HeadSdcc(torch.autograd.Function):
                     if ta is not None:
                         g.mul_(1.0 - ta * ta)
                         del ta
+                    if post[0] != 1.0:
+                        g.mul_(post[0])
                     if need_h:
                         dh[i:j] = g.to(weight.dtype) @ weight
                     if need_w:
@@ -332,9 +343,14 @@ def _text_config(model: Any) -> Any:
     return cfg
 
 
-def _head(model: Any) -> Tuple[Any, Tensor, Optional[Tensor], Optional[float]]:
+def _head(model: Any) -> Tuple[Any, Tensor, Optional[Tensor], Tuple[float, Optional[float]]]:
     """The output embedding module, its weight [V, H], bias [V] or None, and
-    the config's final logit softcapping (None when absent)."""
+    what the model does to its output, ``post`` = (s, c): a logit scale s
+    (Cohere's ``config.logit_scale`` multiplies, Granite's
+    ``config.logits_scaling`` divides; 1 otherwise) and the final logit
+    softcapping c (``config.final_logit_softcapping``, Gemma 2/3; None
+    otherwise). :func:`_hidden` checks the result against the model's own
+    logits on one row."""
     if not hasattr(model, "get_output_embeddings"):
         raise ValueError(f"model ({type(model).__name__}) has no get_output_embeddings(): pass a causal LM")
     emb = model.get_output_embeddings()
@@ -347,25 +363,34 @@ def _head(model: Any) -> Tuple[Any, Tensor, Optional[Tensor], Optional[float]]:
     bias = getattr(emb, "bias", None)
     if bias is not None and not isinstance(bias, Tensor):
         bias = None
-    cap = getattr(_text_config(model), "final_logit_softcapping", None)
+    cfg = _text_config(model)
+    scale = 1.0
+    for name, invert in (("logit_scale", False), ("logits_scaling", True)):
+        v = getattr(cfg, name, None)
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        v = float(v)
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"config.{name} = {v} must be finite and > 0")
+        scale *= 1.0 / v if invert else v
+    cap = getattr(cfg, "final_logit_softcapping", None)
     if cap is not None:
         cap = float(cap)
         if not (math.isfinite(cap) and cap > 0):
             raise ValueError(f"config.final_logit_softcapping = {cap} must be finite and > 0")
-    return emb, weight, bias, cap
+    return emb, weight, bias, (scale, cap)
 
 
 def _hidden(model: Any, pack: Any) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[float]]:
     """One packed forward of ``model``; returns the final hidden states
-    ``[L, H]`` the output embedding would see, and the head (W, b, softcap).
+    ``[L, H]`` the output embedding would see, and the head (W, b, post).
 
     The output embedding is handed the last row only (a forward pre-hook),
     so the model computes a ``[1, V]`` logits block; that block is compared
-    with z = h·Wᵀ + b (softcapped) on the same row, so a model that changes
-    its logits after the output embedding in another way (Cohere's
-    ``logit_scale``, Granite's ``logits_scaling``) is refused, not silently
-    mis-scored."""
-    emb, weight, bias, cap = _head(model)
+    with z = s·(h·Wᵀ + b) (softcapped) on the same row (see :func:`_head`),
+    so a model that changes its logits after the output embedding in another
+    way is refused, not silently mis-scored."""
+    emb, weight, bias, post = _head(model)
     seen = []
 
     def keep_last_row(module, args):
@@ -394,19 +419,20 @@ def _hidden(model: Any, pack: Any) -> Tuple[Tensor, Tensor, Optional[Tensor], Op
         )
     with torch.no_grad():
         theirs = out.reshape(-1, out.shape[-1])[-1]
-        mine, _ = _head_logits(h[-1:].detach(), weight, bias, cap)
+        mine, _ = _head_logits(h[-1:].detach(), weight, bias, post)
         mine = mine[0]
         adt = mine.dtype
         tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(theirs.dtype, 2e-2)
         diff = float((mine - theirs.to(adt)).abs().max()) if mine.numel() else 0.0
-        scale = 1.0 + (float(theirs.to(adt).abs().max()) if theirs.numel() else 0.0)
-        if theirs.shape != mine.shape or not diff <= tol * scale:
+        size = 1.0 + (float(theirs.to(adt).abs().max()) if theirs.numel() else 0.0)
+        if theirs.shape != mine.shape or not diff <= tol * size:
+            scale, cap = post
             raise ValueError(
                 f"{type(model).__name__} changes its logits after the output embedding beyond "
-                f"h·Wᵀ + b{' and the softcap' if cap is not None else ''} (max |Δ| {diff:.3g} on the probe row; "
-                "e.g. a logit scale): the chunked log-probs would be wrong; pass logits= instead"
+                f"z = {scale:g}·(h·Wᵀ + b){f' softcapped at {cap:g}' if cap is not None else ''} "
+                f"(max |Δ| {diff:.3g} on the probe row): the chunked log-probs would be wrong; pass logits= instead"
             )
-    return h, weight, bias, cap
+    return h, weight, bias, post
 
 
 def _check_chunk(chunk: Optional[int], vocab: int) -> int:
@@ -425,12 +451,12 @@ def _check_labels(labels: Tensor, vocab: int) -> None:
         )
 
 
-def _chunked_logprobs(h: Tensor, weight: Tensor, bias: Optional[Tensor], cap: Optional[float],
+def _chunked_logprobs(h: Tensor, weight: Tensor, bias: Optional[Tensor], post: Tuple[float, Optional[float]],
                       pack: Any, chunk: int, entropy: bool) -> Tuple[Tensor, Tensor]:
     rows = pack.loss_rows.to(h.device)
     labels = pack.loss_labels.to(h.device, torch.int64)
     _check_labels(labels, weight.shape[0])
-    return _HeadLogprob.apply(h[rows], weight, bias, labels, chunk, cap, entropy)
+    return _HeadLogprob.apply(h[rows], weight, bias, labels, chunk, post, entropy)
 
 
 def target_logprobs(
@@ -452,8 +478,11 @@ def target_logprobs(
     final logit softcapping ``c·tanh(z/c)`` when the config has it) is
     computed ``chunk`` rows at a time, recomputed in backward: no ``[L, V]``
     or ``[T, V]`` tensor exists, the extra memory is a few ``[chunk, V]``
-    blocks (default :func:`default_chunk`). Gradients flow to the hidden
-    states and to W (and b) — with tied embeddings, to the shared weight.
+    blocks (default :func:`default_chunk`). A logit scale in the config
+    (Cohere ``logit_scale``, Granite ``logits_scaling``) is applied too; the
+    result is checked on one row against the model's own logits. Gradients
+    flow to the hidden states and to W (and b) — with tied embeddings, to
+    the shared weight.
     bfloat16 / float16 models: the head runs in the model's dtype, the
     softmax in float32, and the result is float32.
 
@@ -471,8 +500,8 @@ def target_logprobs(
         if entropy:
             return out, -(lp.exp() * lp).sum(-1)
         return out
-    h, weight, bias, cap = _hidden(model, pack)
-    lp, ent = _chunked_logprobs(h, weight, bias, cap, pack, _check_chunk(chunk, weight.shape[0]), entropy)
+    h, weight, bias, post = _hidden(model, pack)
+    lp, ent = _chunked_logprobs(h, weight, bias, post, pack, _check_chunk(chunk, weight.shape[0]), entropy)
     return (lp, ent) if entropy else lp
 
 
@@ -524,9 +553,9 @@ def pack_loss(
         raise ValueError(f"tau = {tau!r} must be finite and > 0")
     if sdcc_lambda and pack.sdcc_student_rows is None:
         raise ValueError("sdcc_lambda > 0 needs a trie-layout pack (the replicated layout has no SDCC pairs)")
-    h, weight, bias, cap = _hidden(model, pack)
+    h, weight, bias, post = _hidden(model, pack)
     chunk = _check_chunk(chunk, weight.shape[0])
-    lp, ent = _chunked_logprobs(h, weight, bias, cap, pack, chunk, entropy)
+    lp, ent = _chunked_logprobs(h, weight, bias, post, pack, chunk, entropy)
     w = pack.loss_weights.to(lp.device, lp.dtype)
     if normalizer is None:
         norm = w.sum().clamp_min(torch.finfo(lp.dtype).tiny)
@@ -538,7 +567,7 @@ def pack_loss(
         s = pack.sdcc_student_rows.to(h.device)
         t = pack.sdcc_teacher_rows.to(h.device)
         ones = torch.ones(s.shape[0], dtype=lp.dtype, device=h.device)
-        sdcc, _kl = _HeadSdcc.apply(h[s], h[t].detach(), weight, bias, ones, float(tau), chunk, cap)
+        sdcc, _kl = _HeadSdcc.apply(h[s], h[t].detach(), weight, bias, ones, float(tau), chunk, post)
     out = {"loss": nll + sdcc_lambda * sdcc, "nll": nll, "sdcc": sdcc, "logprobs": lp}
     if entropy:
         out["entropy"] = ent

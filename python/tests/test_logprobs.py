@@ -7,7 +7,6 @@ in the order of the head's sums (a chunk of rows vs all rows), which moves
 log-probs and gradients by a few ulp (seen: <= 1e-15 relative)."""
 
 import dataclasses
-import os
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 import treeattn  # noqa: E402
 import treeattn.hf  # noqa: E402
-from conftest import GOLDEN, REPO, rel_err  # noqa: E402
+from conftest import GOLDEN, rel_err  # noqa: E402
 from test_hf import random_rollouts  # noqa: E402
 
 VOCAB = 97  # differs from every other size here, so a [*, V] tensor is recognisable
@@ -299,9 +298,9 @@ def test_long_completion_peak_memory():
     V = 131,072, a one-layer Llama with hidden size 32. The full-logits path
     grew the process's peak RSS by 7.9 GiB; the chunked one must stay under
     1 GiB (a fresh process, so the high-water mark is this call's)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    # The child imports treeattn as this process does (installed, or PYTHONPATH).
     out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], check=True, capture_output=True,
-                         text=True, timeout=600, env=env).stdout
+                         text=True, timeout=600).stdout
     growth_kib = int(out.split("GROWTH_KIB")[1].split()[0])
     print(out)
     assert growth_kib < 1024 * 1024, out

@@ -11,8 +11,6 @@ import treeattn
 import treeattn.rl as rl
 from conftest import GOLDEN, rel_err
 
-transformers = None  # imported lazily by the model tests
-
 
 def t64(*xs):
     return torch.tensor(xs, dtype=torch.float64)

@@ -238,10 +238,11 @@ class VocabRows(TorchDispatchMode):
 
     def __init__(self, vocab, hidden):
         super().__init__()
-        self.vocab, self.hidden, self.rows = vocab, hidden, 0
+        self.vocab, self.hidden, self.rows, self.ops = vocab, hidden, 0, set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.ops.add(str(func))
         for t in tree_leaves(out):
             if (isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == self.vocab
                     and t.numel() != self.vocab * self.hidden):
@@ -260,6 +261,8 @@ def test_no_tensor_with_a_row_per_token(pack):
     with VocabRows(VOCAB, 16) as m:
         treeattn.hf.pack_loss(model, pack, sdcc_lambda=0.1, chunk=chunk, entropy=True)["loss"].backward()
     assert 1 <= m.rows <= chunk, m.rows
+    # The backward ran under the mode too (scatter_add_ is only in the head's backward).
+    assert "aten.scatter_add_.default" in m.ops
     with VocabRows(VOCAB, 16) as m:
         lp, ent = treeattn.hf.target_logprobs(model, pack, chunk=chunk, entropy=True)
         (lp.sum() + ent.sum()).backward()

@@ -30,7 +30,7 @@ def packed_vs_truth(model, rollouts, pack):
     with torch.no_grad():
         lp = treeattn.hf.target_logprobs(model, pack)
     want = torch.stack([truth[(c, o)] for c, o in zip(pack.loss_call.tolist(), pack.loss_offset.tolist())])
-    return float((lp - want).abs().max())
+    return float((lp - want.detach()).abs().max())
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])

@@ -23,7 +23,7 @@ def make(rows, vocab, pairs, gen, dtype=torch.float64):
     s = torch.randint(0, rows, (pairs,), generator=gen)
     t = torch.randint(0, rows, (pairs,), generator=gen)
     w = torch.rand(pairs, generator=gen, dtype=torch.float64) + 0.1
-    w = w.to(torch.float32).to(torch.float64)  # the crate takes f32 weights
+    w = w.to(torch.float32).to(torch.float64)  # exact in float32 too (the float32 tests)
     return logits.to(dtype), s, t, w
 
 
@@ -42,9 +42,9 @@ def test_matches_log_softmax(tau, gen):
     a = logits.clone().requires_grad_()
     b = logits.clone().requires_grad_()
     loss, kl = tt.sdcc_forward_kl(a, s, t, w, tau)
-    # The crate takes tau as float32 (like the weights): the reference uses
-    # the same rounded value.
-    loss_ref, kl_ref = reference(b, s, t, w, float(torch.tensor(tau, dtype=torch.float32)))
+    # float64 logits: tau and the weights are used in float64 (not rounded
+    # to the crate's float32).
+    loss_ref, kl_ref = reference(b, s, t, w, tau)
     assert torch.isfinite(kl).all()
     assert rel_err(loss, loss_ref) <= 1e-10
     assert rel_err(kl, kl_ref) <= 1e-10
@@ -128,3 +128,22 @@ def test_compile(gen):
     b = logits.clone().requires_grad_()
     f(b).backward()
     assert rel_err(y, f(logits)) <= 1e-12 and rel_err(a.grad, b.grad) <= 1e-12
+
+
+def test_float64_tau_and_weights_not_rounded_to_float32(gen):
+    """tau = 1.7 and weights that float32 cannot hold: float64 logits give
+    the float64 reference to 1e-12 relative (rounding both to float32 was a
+    1e-7 error); the rounded reference differs by more (negative control)."""
+    logits, s, t, _ = make(10, 257, 7, gen)
+    w = torch.rand(7, generator=gen, dtype=torch.float64) + 0.1
+    tau = 1.7
+    a = logits.clone().requires_grad_()
+    b = logits.clone().requires_grad_()
+    loss, kl = tt.sdcc_forward_kl(a, s, t, w, tau)
+    loss_ref, kl_ref = reference(b, s, t, w, tau)
+    assert rel_err(loss, loss_ref) <= 1e-12 and rel_err(kl, kl_ref) <= 1e-12
+    loss.backward()
+    loss_ref.backward()
+    assert rel_err(a.grad, b.grad) <= 1e-12
+    rounded, _ = reference(logits, s, t, w.float().double(), float(torch.tensor(tau, dtype=torch.float32)))
+    assert rel_err(rounded, loss_ref) > 1e-10

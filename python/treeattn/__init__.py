@@ -8,7 +8,10 @@ is a thin adapter over the crate's one contract:
   holding torch tensors named like the pack file's tensors;
 - :mod:`treeattn.torch` has the autograd ops ``tree_attention`` and
   ``sdcc_forward_kl`` (``torch.library`` custom ops, CPU backend);
-- :mod:`treeattn.hf` plugs the op into Hugging Face transformers.
+- :mod:`treeattn.hf` plugs the op into Hugging Face transformers and scores
+  a pack (``target_logprobs``, ``pack_loss``) without ``[L, V]`` logits;
+- :mod:`treeattn.rl` has the RL objectives on per-target tensors in a
+  pack's loss order (PPO ``policy_loss`` and ``value_loss``).
 
 The mask rule of a pack: query ``q`` sees key ``k`` iff
 ``k <= q < kv_end[k]``; ``position_ids`` are depths in the trie.

@@ -46,19 +46,33 @@ What cannot be detected: ``kv_end`` of another pack of the same length whose
 depths happen to equal this pack's position ids (the op sees a valid tree);
 use :func:`target_logprobs` / :func:`pack_loss`, which take every tensor from
 one ``Pack``.
+
+Scoring (:func:`target_logprobs`, :func:`pack_loss`) never builds ``[L, V]``
+or ``[T, V]`` logits: the body runs once and the output embedding +
+log-softmax run in row chunks at the loss / SDCC rows only, recomputed in
+backward (see "Log-probs without [L, V] logits" below). The output
+embedding must be a linear layer whose logits the model uses as they are,
+or scaled (Cohere's ``logit_scale``, Granite's ``logits_scaling``) and / or
+softcapped (``final_logit_softcapping``, Gemma) as its config says; one
+probe row is checked against the model's own logits, and anything else is
+refused (pass ``logits=`` to :func:`target_logprobs` then).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .torch import sdcc_forward_kl, tree_attention
+from .torch import tree_attention
 
-__all__ = ["register", "attention", "target_logprobs", "pack_loss", "require_treeattn", "tree_depths", "NAME"]
+__all__ = [
+    "register", "attention", "target_logprobs", "pack_loss", "default_chunk",
+    "require_treeattn", "tree_depths", "NAME",
+]
 
 NAME = "treeattn"
 
@@ -239,16 +253,404 @@ def _forward(model: Any, pack: Any, **kwargs: Any) -> Tensor:
     return out.logits[0]
 
 
-def target_logprobs(model: Any, pack: Any, logits: Optional[Tensor] = None) -> Tensor:
+# --------------------------------------------------------------------------
+# Log-probs without [L, V] logits
+#
+# The model body runs once; the output embedding's input (the final hidden
+# states h [L, H]) is taken from a forward pre-hook, which hands the output
+# embedding one row only (the last), so the model's own head computes a
+# [1, V] block. The rows that carry a loss (loss rows, SDCC student and
+# teacher rows) are gathered from h, and the head z = h·Wᵀ (+ b), softcapped
+# if the config says so, is computed in row chunks inside autograd Functions
+# that keep only per-row scalars and recompute each chunk's logits in
+# backward. Extra memory: a few [chunk, V] buffers, whatever L and T.
+
+#: Elements of one [chunk, V] logits block the default chunk aims at
+#: (2^24: 64 MiB in float32).
+CHUNK_ELEMENTS = 1 << 24
+
+
+def default_chunk(vocab: int) -> int:
+    """The default row chunk: ``max(1, min(4096, 2**24 // vocab))`` (128 rows
+    at V = 131,072, so one float32 ``[chunk, V]`` block is 64 MiB)."""
+    return max(1, min(4096, CHUNK_ELEMENTS // max(1, int(vocab))))
+
+
+def _acc_dtype(dt: torch.dtype) -> torch.dtype:
+    """Softmax / accumulation dtype: float32 for bfloat16 / float16, else the dtype."""
+    return torch.float32 if dt in (torch.bfloat16, torch.float16) else dt
+
+
+def _head_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], post: Tuple[float, Optional[float]]) -> Tuple[Tensor, Optional[Tensor]]:
+    """u = h·Wᵀ + b in the weight's dtype, then in the accumulation dtype;
+    ``post`` = (s, c): z = s·u, then with a softcap c: z = c·tanh(s·u / c).
+    Returns (z, tanh(s·u/c) or None). ∂z/∂u = s·(1 − tanh²)."""
+    scale, cap = post
+    u = torch.nn.functional.linear(h, weight, bias)
+    z = u.to(_acc_dtype(u.dtype))
+    if scale != 1.0:
+        z = z.mul_(scale)
+    if cap is None:
+        return z, None
+    t = torch.tanh(z / cap)
+    return t * cap, t
+
+
+class _HeadLogprob(torch.autograd.Function):
+    """lp_i = z_i[y_i] − logsumexp(z_i) and, optionally, the entropy
+    H_i = −Σ_v p_iv log p_iv (p_i = softmax(z_i)) for rows h_i, z_i = head(h_i),
+    computed ``chunk`` rows at a time. Saved for backward: h, W, b, labels and
+    per-row logsumexp / entropy; each chunk's logits are recomputed.
+
+    Backward, per row: ∂lp/∂z = onehot(y) − p; ∂H/∂z = −p ∘ (log p + H);
+    with ``post`` = (s, c), ∂z/∂u = s·(1 − tanh²(s·u/c)) (s without a cap);
+    then ∂h = g·W, ∂W = gᵀ·h, ∂b = Σ g."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, labels, chunk, post, want_entropy):
+        n = h.shape[0]
+        adt = _acc_dtype(weight.dtype)
+        lp = torch.empty(n, dtype=adt, device=h.device)
+        lse = torch.empty(n, dtype=adt, device=h.device)
+        ent = torch.empty(n if want_entropy else 0, dtype=adt, device=h.device)
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            z, _t = _head_logits(h[i:j], weight, bias, post)
+            zy = z.gather(1, labels[i:j, None])[:, 0]
+            # logsumexp in place over the block (torch.logsumexp makes
+            # temporaries and was ~2x slower here): m = max, e = exp(z − m).
+            m = z.amax(-1)
+            zm = z.sub_(m[:, None])
+            if want_entropy:
+                e = zm.exp()
+                s = e.sum(-1)
+                # H = log s − Σ e·(z − m) / s, the dot product batched (no third buffer).
+                ent[i:j] = s.log() - torch.bmm(e[:, None, :], zm[:, :, None])[:, 0, 0] / s
+                del e
+            else:
+                s = zm.exp_().sum(-1)
+            lse[i:j] = m + s.log()
+            lp[i:j] = zy - lse[i:j]
+            del z, zm, _t
+        ctx.save_for_backward(h, weight, bias, labels, lse, ent)
+        ctx.chunk, ctx.post, ctx.want_entropy = chunk, post, want_entropy
+        ctx.set_materialize_grads(False)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        h, weight, bias, labels, lse, ent = ctx.saved_tensors
+        chunk, post = ctx.chunk, ctx.post
+        n = h.shape[0]
+        adt = lse.dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dh = torch.zeros_like(h) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=adt, device=weight.device) if need_w else None
+        db = torch.zeros(bias.shape, dtype=adt, device=bias.device) if (need_b and bias is not None) else None
+        if g_ent is not None and not ctx.want_entropy:
+            g_ent = None
+        if (g_lp is None and g_ent is None) or n == 0:
+            return dh, (dw.to(weight.dtype) if dw is not None else None), (db.to(bias.dtype) if db is not None else None), None, None, None, None
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            with torch.no_grad():
+                z, t = _head_logits(h[i:j], weight, bias, post)
+                logp = z.sub_(lse[i:j, None])
+                gl = g_lp[i:j, None].to(adt) if g_lp is not None else None
+                # g = ∂/∂z of Σ gl·lp + ge·H, written over logp's buffer:
+                #   −p·(gl + ge·(log p + H)), then + gl at the label.
+                if g_ent is None:
+                    g = logp.exp_().mul_(-gl)
+                else:
+                    p = logp.exp()
+                    g = logp.add_(ent[i:j, None]).mul_(g_ent[i:j, None].to(adt))
+                    if gl is not None:
+                        g.add_(gl)
+                    g.mul_(p).neg_()
+                    del p
+                if gl is not None:
+                    g.scatter_add_(1, labels[i:j, None], gl)
+                del logp, z
+                if t is not None:
+                    g.mul_(1.0 - t * t)
+                    del t
+                if post[0] != 1.0:
+                    g.mul_(post[0])
+                gw = g.to(weight.dtype)
+                if need_h:
+                    dh[i:j] = gw @ weight
+                if need_w:
+                    dw.addmm_(g.t(), h[i:j].to(adt))
+                if db is not None:
+                    db.add_(g.sum(0))
+                del g, gw
+        return (
+            dh,
+            dw.to(weight.dtype) if dw is not None else None,
+            db.to(bias.dtype) if db is not None else None,
+            None, None, None, None,
+        )
+
+
+class _HeadSdcc(torch.autograd.Function):
+    """SDCC on head rows: for pairs i (student hidden s_i, teacher hidden t_i),
+    a = head(s_i)/τ, b = head(t_i)/τ (teacher: stop-gradient),
+    KL_i = Σ_v p_b (log p_b − log p_a), loss = Σ w_i KL_i / Σ w (0 when Σ w = 0),
+    chunked like :class:`_HeadLogprob`; τ and w in the accumulation dtype.
+    ∂loss/∂a_i = w_i (p_a − p_b) / (τ Σ w) (only the student gets a gradient)."""
+
+    @staticmethod
+    def forward(ctx, hs, ht, weight, bias, w, tau, chunk, post):
+        P = hs.shape[0]
+        adt = _acc_dtype(weight.dtype)
+        w = w.to(adt)
+        wsum = w.sum()
+        kl = torch.empty(P, dtype=adt, device=hs.device)
+        for i in range(0, P, chunk):
+            j = min(P, i + chunk)
+            za, _ = _head_logits(hs[i:j], weight, bias, post)
+            zb, _ = _head_logits(ht[i:j], weight, bias, post)
+            la = torch.log_softmax(za.div_(tau), -1)
+            del za
+            lb = torch.log_softmax(zb.div_(tau), -1)
+            del zb
+            pb = lb.exp()
+            # p_b = 0 (underflow) adds 0: lb − la is finite for head logits.
+            kl[i:j] = torch.bmm(pb[:, None, :], lb.sub_(la)[:, :, None])[:, 0, 0]
+            del la, lb, pb
+        loss = (w * kl).sum() / wsum if float(wsum) > 0 else torch.zeros((), dtype=adt, device=hs.device)
+        ctx.save_for_backward(hs, ht, weight, bias, w)
+        ctx.tau, ctx.chunk, ctx.post, ctx.wsum = tau, chunk, post, wsum
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(kl)
+        return loss, kl
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_kl):
+        hs, ht, weight, bias, w = ctx.saved_tensors
+        tau, chunk, post, wsum = ctx.tau, ctx.chunk, ctx.post, ctx.wsum
+        P = hs.shape[0]
+        adt = w.dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        dh = torch.zeros_like(hs) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=adt, device=weight.device) if need_w else None
+        db = torch.zeros(bias.shape, dtype=adt, device=bias.device) if (need_b and bias is not None) else None
+        if g_loss is not None and P > 0 and float(wsum) > 0:
+            scale = w * (g_loss.to(adt) / (wsum * tau))  # [P]
+            for i in range(0, P, chunk):
+                j = min(P, i + chunk)
+                with torch.no_grad():
+                    za, ta = _head_logits(hs[i:j], weight, bias, post)
+                    zb, _ = _head_logits(ht[i:j], weight, bias, post)
+                    g = torch.softmax(za.div_(tau), -1)
+                    del za
+                    g.sub_(torch.softmax(zb.div_(tau), -1)).mul_(scale[i:j, None])
+                    del zb
+                    if ta is not None:
+                        g.mul_(1.0 - ta * ta)
+                        del ta
+                    if post[0] != 1.0:
+                        g.mul_(post[0])
+                    if need_h:
+                        dh[i:j] = g.to(weight.dtype) @ weight
+                    if need_w:
+                        dw.addmm_(g.t(), hs[i:j].to(adt))
+                    if db is not None:
+                        db.add_(g.sum(0))
+                    del g
+        return (
+            dh, None,
+            dw.to(weight.dtype) if dw is not None else None,
+            db.to(bias.dtype) if db is not None else None,
+            None, None, None, None,
+        )
+
+
+def _text_config(model: Any) -> Any:
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        try:
+            return cfg.get_text_config()
+        except Exception:  # pragma: no cover - configs without a text part
+            return cfg
+    return cfg
+
+
+def _head(model: Any) -> Tuple[Any, Tensor, Optional[Tensor], Tuple[float, Optional[float]]]:
+    """The output embedding module, its weight [V, H], bias [V] or None, and
+    what the model does to its output, ``post`` = (s, c): a logit scale s
+    (Cohere's ``config.logit_scale`` multiplies, Granite's
+    ``config.logits_scaling`` divides; 1 otherwise) and the final logit
+    softcapping c (``config.final_logit_softcapping``, Gemma 2/3; None
+    otherwise). :func:`_hidden` checks the result against the model's own
+    logits on one row."""
+    if not hasattr(model, "get_output_embeddings"):
+        raise ValueError(f"model ({type(model).__name__}) has no get_output_embeddings(): pass a causal LM")
+    emb = model.get_output_embeddings()
+    weight = getattr(emb, "weight", None)
+    if emb is None or not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ValueError(
+            f"model ({type(model).__name__}) has no linear output embedding (got {type(emb).__name__}): "
+            "the chunked log-probs need z = h·Wᵀ + b; pass logits= instead"
+        )
+    bias = getattr(emb, "bias", None)
+    if bias is not None and not isinstance(bias, Tensor):
+        bias = None
+    cfg = _text_config(model)
+    scale = 1.0
+    for name, invert in (("logit_scale", False), ("logits_scaling", True)):
+        v = getattr(cfg, name, None)
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        v = float(v)
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"config.{name} = {v} must be finite and > 0")
+        scale *= 1.0 / v if invert else v
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap is not None:
+        cap = float(cap)
+        if not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"config.final_logit_softcapping = {cap} must be finite and > 0")
+    return emb, weight, bias, (scale, cap)
+
+
+def _hidden(model: Any, pack: Any) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[float]]:
+    """One packed forward of ``model``; returns the final hidden states
+    ``[L, H]`` the output embedding would see, and the head (W, b, post).
+
+    The output embedding is handed the last row only (a forward pre-hook),
+    so the model computes a ``[1, V]`` logits block; that block is compared
+    with z = s·(h·Wᵀ + b) (softcapped) on the same row (see :func:`_head`),
+    so a model that changes its logits after the output embedding in another
+    way is refused, not silently mis-scored."""
+    emb, weight, bias, post = _head(model)
+    seen = []
+
+    def keep_last_row(module, args):
+        x = args[0]
+        seen.append(x)
+        return (x[..., -1:, :],) + tuple(args[1:])
+
+    handle = emb.register_forward_pre_hook(keep_last_row)
+    try:
+        out = _forward(model, pack)
+    finally:
+        handle.remove()
+    if len(seen) != 1:
+        raise ValueError(
+            f"the output embedding of {type(model).__name__} ran {len(seen)} times in one forward: "
+            "the chunked log-probs need one head call; pass logits= instead"
+        )
+    h = seen[0]
+    if h.dim() == 3 and h.shape[0] == 1:
+        h = h[0]
+    L = int(pack.tokens.shape[0])
+    if h.dim() != 2 or h.shape[0] != L or h.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"the output embedding's input has shape {tuple(seen[0].shape)}, expected [1, L, H] = "
+            f"[1, {L}, {weight.shape[1]}] (the model slices its hidden states before the head?)"
+        )
+    with torch.no_grad():
+        theirs = out.reshape(-1, out.shape[-1])[-1]
+        mine, _ = _head_logits(h[-1:].detach(), weight, bias, post)
+        mine = mine[0]
+        adt = mine.dtype
+        tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(theirs.dtype, 2e-2)
+        diff = float((mine - theirs.to(adt)).abs().max()) if mine.numel() else 0.0
+        size = 1.0 + (float(theirs.to(adt).abs().max()) if theirs.numel() else 0.0)
+        if theirs.shape != mine.shape or not diff <= tol * size:
+            scale, cap = post
+            raise ValueError(
+                f"{type(model).__name__} changes its logits after the output embedding beyond "
+                f"z = {scale:g}·(h·Wᵀ + b){f' softcapped at {cap:g}' if cap is not None else ''} "
+                f"(max |Δ| {diff:.3g} on the probe row): the chunked log-probs would be wrong; pass logits= instead"
+            )
+    return h, weight, bias, post
+
+
+def _check_chunk(chunk: Optional[int], vocab: int) -> int:
+    if chunk is None:
+        return default_chunk(vocab)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"chunk must be a positive int (rows per logits block) or None, got {chunk!r}")
+    return chunk
+
+
+def _check_labels(labels: Tensor, vocab: int) -> None:
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab):
+        bad = int(((labels < 0) | (labels >= vocab)).nonzero()[0, 0])
+        raise ValueError(
+            f"pack.loss_labels[{bad}] = {int(labels[bad])} is outside the model's vocabulary 0..{vocab - 1}"
+        )
+
+
+def _chunked_logprobs(h: Tensor, weight: Tensor, bias: Optional[Tensor], post: Tuple[float, Optional[float]],
+                      pack: Any, chunk: int, entropy: bool) -> Tuple[Tensor, Tensor]:
+    rows = pack.loss_rows.to(h.device)
+    labels = pack.loss_labels.to(h.device, torch.int64)
+    _check_labels(labels, weight.shape[0])
+    return _HeadLogprob.apply(h[rows], weight, bias, labels, chunk, post, entropy)
+
+
+def target_logprobs(
+    model: Any,
+    pack: Any,
+    logits: Optional[Tensor] = None,
+    *,
+    chunk: Optional[int] = None,
+    entropy: bool = False,
+):
     """Log-probability of every loss entry of ``pack`` (``[T]``, in the
-    pack's loss order) from one packed forward of ``model`` (which must use
-    ``attn_implementation="treeattn"``), or from given ``logits`` ``[L, V]``."""
-    if logits is None:
-        logits = _forward(model, pack)
-    rows = pack.loss_rows.to(logits.device)
-    labels = pack.loss_labels.to(logits.device)
-    lp = torch.log_softmax(logits[rows], dim=-1)
-    return lp.gather(-1, labels[:, None])[:, 0]
+    pack's loss order): ``lp_i = z_{r_i}[y_i] − logsumexp(z_{r_i})`` with
+    ``r_i = loss_rows[i]``, ``y_i = loss_labels[i]`` and ``z_r`` the logits
+    of packed row ``r`` (one packed forward of ``model``, which must use
+    ``attn_implementation="treeattn"``).
+
+    Without ``logits``: the model body runs once, the hidden states are
+    taken at the loss rows only and ``z = h·Wᵀ + b`` (the output embedding;
+    final logit softcapping ``c·tanh(z/c)`` when the config has it) is
+    computed ``chunk`` rows at a time, recomputed in backward: no ``[L, V]``
+    or ``[T, V]`` tensor exists, the extra memory is a few ``[chunk, V]``
+    blocks (default :func:`default_chunk`). A logit scale in the config
+    (Cohere ``logit_scale``, Granite ``logits_scaling``) is applied too; the
+    result is checked on one row against the model's own logits. Gradients
+    flow to the hidden states and to W (and b) — with tied embeddings, to
+    the shared weight.
+    bfloat16 / float16 models: the head runs in the model's dtype, the
+    softmax in float32, and the result is float32.
+
+    With ``logits`` ``[L, V]`` given, they are used as they are (the old
+    path: full logits).
+
+    ``entropy=True`` also returns ``H_i = −Σ_v p_v log p_v`` at each loss
+    row, from the same chunks: the result is then ``(logprobs, entropy)``.
+    """
+    if logits is not None:
+        rows = pack.loss_rows.to(logits.device)
+        labels = pack.loss_labels.to(logits.device)
+        lp = torch.log_softmax(logits[rows], dim=-1)
+        out = lp.gather(-1, labels[:, None])[:, 0]
+        if entropy:
+            return out, -(lp.exp() * lp).sum(-1)
+        return out
+    h, weight, bias, post = _hidden(model, pack)
+    lp, ent = _chunked_logprobs(h, weight, bias, post, pack, _check_chunk(chunk, weight.shape[0]), entropy)
+    return (lp, ent) if entropy else lp
+
+
+def _check_normalizer(normalizer: Any, name: str = "normalizer") -> None:
+    if normalizer is None:
+        return
+    if isinstance(normalizer, Tensor):
+        if normalizer.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(normalizer.shape)}")
+        v = float(normalizer.detach())
+    elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
+        raise ValueError(f"{name} must be a positive number or None, got {normalizer!r}")
+    else:
+        v = float(normalizer)
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} = {v} must be finite and > 0 (e.g. Σ weights of the whole batch)")
 
 
 def pack_loss(
@@ -256,20 +658,50 @@ def pack_loss(
     pack: Any,
     sdcc_lambda: float = 0.0,
     tau: float = 1.0,
+    *,
+    normalizer: Any = None,
+    chunk: Optional[int] = None,
+    entropy: bool = False,
 ) -> Dict[str, Tensor]:
-    """The training loss of one pack: ``nll = −Σ w·log p / Σ w`` over the
-    loss entries, plus ``sdcc_lambda · SDCC`` (forward KL(teacher ‖ student)
-    at the pack's SDCC pairs, teacher stop-gradient; the paper ramps λ from
-    0 to 0.1 over the first 20% of steps — the ramp is the caller's).
-    Returns ``{"loss", "nll", "sdcc", "logprobs"}``."""
-    logits = _forward(model, pack)
-    lp = target_logprobs(model, pack, logits)
+    """The training loss of one pack, from one packed forward without
+    ``[L, V]`` logits (as :func:`target_logprobs`):
+
+    ``nll = −Σ_i w_i·lp_i / N`` over the loss entries (``w`` =
+    ``loss_weights``; ``N`` = ``normalizer``, default ``Σ w`` of this pack —
+    for a token mean over a whole batch (CompactionRL), pass the batch's
+    ``Σ w`` over all packs and ranks, so per-pack losses add up to it);
+
+    ``loss = nll + sdcc_lambda · sdcc``, ``sdcc = Σ_j KL_j / P``: the forward
+    KL(teacher ‖ student) at the pack's ``P`` SDCC pairs, ``KL_j = Σ_v
+    p_t(v)(log p_t(v) − log p_s(v))``, ``p = softmax(z / tau)`` of the
+    student / teacher rows' logits, the teacher stop-gradient, computed in
+    the logits' dtype (τ is not rounded to float32). The paper ramps λ from
+    0 to 0.1 over the first 20% of steps — the ramp is the caller's.
+
+    Returns ``{"loss", "nll", "sdcc", "logprobs"}`` (+ ``"entropy"`` ``[T]``
+    with ``entropy=True``).
+    """
+    _check_normalizer(normalizer)
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (math.isfinite(tau) and tau > 0):
+        raise ValueError(f"tau = {tau!r} must be finite and > 0")
+    if sdcc_lambda and pack.sdcc_student_rows is None:
+        raise ValueError("sdcc_lambda > 0 needs a trie-layout pack (the replicated layout has no SDCC pairs)")
+    h, weight, bias, post = _hidden(model, pack)
+    chunk = _check_chunk(chunk, weight.shape[0])
+    lp, ent = _chunked_logprobs(h, weight, bias, post, pack, chunk, entropy)
     w = pack.loss_weights.to(lp.device, lp.dtype)
-    nll = -(w * lp).sum() / w.sum().clamp_min(torch.finfo(lp.dtype).tiny)
+    if normalizer is None:
+        norm = w.sum().clamp_min(torch.finfo(lp.dtype).tiny)
+    else:
+        norm = normalizer.to(lp.device, lp.dtype) if isinstance(normalizer, Tensor) else float(normalizer)
+    nll = -(w * lp).sum() / norm
     sdcc = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    if sdcc_lambda:
-        if pack.sdcc_student_rows is None:
-            raise ValueError("sdcc_lambda > 0 needs a trie-layout pack (the replicated layout has no SDCC pairs)")
-        if pack.sdcc_student_rows.numel() > 0:
-            sdcc, _ = sdcc_forward_kl(logits, pack.sdcc_student_rows, pack.sdcc_teacher_rows, tau=tau)
-    return {"loss": nll + sdcc_lambda * sdcc, "nll": nll, "sdcc": sdcc, "logprobs": lp}
+    if sdcc_lambda and pack.sdcc_student_rows.numel() > 0:
+        s = pack.sdcc_student_rows.to(h.device)
+        t = pack.sdcc_teacher_rows.to(h.device)
+        ones = torch.ones(s.shape[0], dtype=lp.dtype, device=h.device)
+        sdcc, _kl = _HeadSdcc.apply(h[s], h[t].detach(), weight, bias, ones, float(tau), chunk, post)
+    out = {"loss": nll + sdcc_lambda * sdcc, "nll": nll, "sdcc": sdcc, "logprobs": lp}
+    if entropy:
+        out["entropy"] = ent
+    return out

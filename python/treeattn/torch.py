@@ -390,6 +390,8 @@ def _sdcc(
     logits = logits.contiguous()
     s = student_rows.to(torch.int64).contiguous()
     t = teacher_rows.to(torch.int64).contiguous()
+    if logits.dtype == torch.float64:
+        return _sdcc_float64(logits, s, t, weights.to(torch.float64), tau, threads)
     w = weights.to(torch.float32).contiguous()
     grad = torch.empty_like(logits)
     _loss_sum, loss_mean, per_pair = _native.sdcc_forward_kl(
@@ -407,6 +409,35 @@ def _sdcc(
         torch.tensor(per_pair, dtype=logits.dtype).reshape(-1),
         grad,
     )
+
+
+def _sdcc_float64(logits: Tensor, s: Tensor, t: Tensor, w: Tensor, tau: float, threads: int):
+    """float64 SDCC with ``tau`` and the weights in float64 (the crate takes
+    both as float32: with tau = 1.7 that alone is a 1e-7 relative error).
+    The pairs' rows are gathered into a ``[2P, V]`` block divided by tau in
+    float64; the crate computes each pair's KL and ``p_s − p_t`` on it with
+    tau = 1 and unit weights (both exact in float32); the weights are
+    applied here: ``loss = Σ w·KL / Σ w`` (0 when ``Σ w <= 0``),
+    ``∂loss/∂logits[s_i] += w_i (p_s − p_t) / (tau Σ w)``."""
+    rows, vocab = logits.shape
+    P = s.numel()
+    block = torch.cat([logits[s], logits[t]]).div_(tau).contiguous()
+    idx = torch.arange(2 * P, dtype=torch.int64)
+    ones = torch.ones(P, dtype=torch.float32)
+    gblock = torch.empty_like(block)
+    _loss_sum, _loss_mean, per_pair = _native.sdcc_forward_kl(
+        "float64", _ptr(block), 2 * P, vocab, _ptr(idx), _ptr(idx[P:].contiguous()), P,
+        _ptr(ones), 1.0, _ptr(gblock), threads,
+    )
+    kl = torch.tensor(per_pair, dtype=torch.float64).reshape(-1)
+    grad = torch.zeros_like(logits)
+    wsum = w.sum()
+    if float(wsum) > 0:
+        loss = (w * kl).sum() / wsum
+        grad.index_add_(0, s, gblock[:P] * (w / (wsum * tau))[:, None])
+    else:
+        loss = torch.zeros((), dtype=torch.float64)
+    return loss, kl, grad
 
 
 @_sdcc.register_fake
@@ -478,9 +509,13 @@ def sdcc_forward_kl(
     mass gives KL = +inf. No ``[P, vocab]`` softmax is materialised: the
     crate computes both log-sum-exps and the gradient in a pass over each
     row; the only extra memory is the gradient, shaped like ``logits``.
-    bfloat16 / float16 logits are computed in float32. The crate takes
-    ``weights`` and ``tau`` as float32 (``tau = 0.7`` means
-    ``float32(0.7)``), whatever the logits' dtype.
+    bfloat16 / float16 logits are computed in float32. ``weights`` and
+    ``tau`` are used in the logits' compute dtype: float32 for float32 /
+    bfloat16 / float16 logits (``tau = 0.7`` means ``float32(0.7)``), and
+    float64 for float64 logits — on CPU the crate (which takes them as
+    float32) then runs on a gathered ``[2P, V]`` block pre-divided by tau,
+    with unit weights applied afterwards (extra memory: that block and its
+    gradient).
     """
     for name, t in (("logits", logits), ("student_rows", student_rows), ("teacher_rows", teacher_rows)):
         if not isinstance(t, Tensor):

@@ -23,3 +23,20 @@ def test_train_step_example():
     assert len(drifts) == 2 and len(losses) == 2, out
     assert max(drifts) <= 1e-9, out
     assert losses[1] < losses[0], out
+
+
+def test_ppo_step_example():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "python" / "examples" / "ppo_step.py"), "--dtype", "float64"],
+        check=True, capture_output=True, text=True, timeout=600,
+    ).stdout
+    multi, single = (float(x) for x in re.search(
+        r"rollouts with compactions (\S+), one-segment rollouts (\S+)", out).groups())
+    # The exact and the segment-discounted advantages differ where a rollout
+    # has compactions, and are the same computation where it has none.
+    assert multi > 1e-3 and single == 0.0, out
+    steps = re.findall(r"PPO \((\w+)\s*\): policy loss (\S+), value loss (\S+), clip fraction (\S+)", out)
+    assert [s[0] for s in steps] == ["compaction", "exact"], out
+    for _, loss, vloss, clip in steps:
+        assert abs(float(loss)) < 10 and 0 <= float(vloss) < 100 and 0 <= float(clip) <= 1, out
+    assert re.search(r"GRPO: 16 rollouts in 1 pack\(s\).*policy loss \S+", out), out

@@ -278,6 +278,76 @@ impl TileMap {
     }
 }
 
+/// FlexAttention's block view of a pack's mask: square blocks of `block`
+/// queries × `block` keys, and for each query block the key blocks in which
+/// every pair is visible (*full*) and those in which some but not all are
+/// (*partial*), in ascending order. Exact, as FlexAttention's
+/// `create_block_mask` classifies them — a block cut short by the end of
+/// the pack counts as padded with masked pairs, so it is never full:
+///
+/// ```text
+/// key block j < query block i   (every key precedes every query)
+///   none visible  iff  max kv_end[k0..k1] <= q0
+///   all visible   iff  min kv_end[k0..k1] >= q1  and the query block is whole
+/// j == i   some visible iff one key of the block is not padding (its own row
+///          sees it); all visible only for block = 1
+/// j > i    none visible
+/// ```
+///
+/// `O(L + n²)` for `n = ceil(L / block)` blocks, from the per-block min and
+/// max of `kv_end` (the tile census every backend uses), with no `[L, L]`
+/// mask and no mask evaluation per pair.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockCensus {
+    /// Block size (queries and keys).
+    pub block: usize,
+    /// Per query block, the key blocks with every pair visible.
+    pub full: Vec<Vec<u32>>,
+    /// Per query block, the key blocks with some but not every pair visible.
+    pub partial: Vec<Vec<u32>>,
+}
+
+impl BlockCensus {
+    /// The census of `mask` for blocks of `block` (positive).
+    pub fn new(mask: &PackMask<'_>, block: usize) -> Result<BlockCensus> {
+        let tiles = TileMap::new(mask, block, block)?;
+        let l = mask.len();
+        let kv = mask.kv_end();
+        let n = tiles.k_tiles();
+        let (mut full, mut partial) = (vec![Vec::new(); n], vec![Vec::new(); n]);
+        for i in 0..n {
+            let (q0, q1) = (i * block, ((i + 1) * block).min(l));
+            for j in 0..i {
+                if tiles.key_max()[j] as usize <= q0 {
+                    continue;
+                }
+                if tiles.key_min()[j] as usize >= q1 && q1 - q0 == block {
+                    full[i].push(j as u32);
+                } else {
+                    partial[i].push(j as u32);
+                }
+            }
+            if (q0..q1).any(|k| kv[k] as usize > k) {
+                if block == 1 {
+                    full[i].push(i as u32);
+                } else {
+                    partial[i].push(i as u32);
+                }
+            }
+        }
+        Ok(BlockCensus {
+            block,
+            full,
+            partial,
+        })
+    }
+
+    /// Number of blocks per side, `ceil(L / block)`.
+    pub fn blocks(&self) -> usize {
+        self.full.len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -326,5 +396,57 @@ mod tests {
         let t1 = TileMap::new(&m, 1, 1).unwrap();
         assert_eq!(t1.class(1, 0), Some(TileClass::Full));
         assert_eq!(t1.counts(), (10, 6, 0));
+    }
+
+    #[test]
+    fn block_census_is_exact_against_the_dense_mask() {
+        use crate::gen::Rng;
+        let mut rng = Rng::new(0xb10c);
+        for case in 0..200 {
+            let l = 1 + rng.range(0, 70);
+            // A random pre-order forest: each row closes a random number of
+            // open subtrees, then opens its own; some rows are padding.
+            let (mut kv, mut open) = (vec![l as u32; l], Vec::new());
+            for t in 0..l {
+                for _ in 0..rng.range(0, open.len()) {
+                    kv[open.pop().expect("counted")] = t as u32;
+                }
+                open.push(t);
+            }
+            for (t, e) in kv.iter_mut().enumerate() {
+                if case % 3 == 1 && rng.range(0, 8) == 0 {
+                    *e = t as u32;
+                }
+            }
+            let pos = vec![0; l];
+            let m = PackMask::new(&kv, &pos).unwrap();
+            let block = [1, 2, 3, 8, 16][case % 5];
+            let c = BlockCensus::new(&m, block).unwrap();
+            assert_eq!(c.blocks(), l.div_ceil(block));
+            for i in 0..c.blocks() {
+                for j in 0..c.blocks() {
+                    // FlexAttention pads a short block with masked pairs.
+                    let (mut any, mut all) = (false, true);
+                    for q in i * block..(i + 1) * block {
+                        for k in j * block..(j + 1) * block {
+                            let v = q < l && k < l && m.visible(q, k);
+                            any |= v;
+                            all &= v;
+                        }
+                    }
+                    let (f, p) = (
+                        c.full[i].contains(&(j as u32)),
+                        c.partial[i].contains(&(j as u32)),
+                    );
+                    assert_eq!(
+                        (f, p),
+                        (all, any && !all),
+                        "case {case} block {block} ({i}, {j})"
+                    );
+                }
+                assert!(c.full[i].windows(2).all(|w| w[0] < w[1]));
+                assert!(c.partial[i].windows(2).all(|w| w[0] < w[1]));
+            }
+        }
     }
 }

@@ -184,6 +184,8 @@ def _assign(costs: List[float], tokens: List[int], world_size: int, budget: int,
     each unit) with bin = micro · world_size + rank."""
     import numpy as np
 
+    if tokens and max(tokens) > budget:
+        raise ValueError(f"a unit of {max(tokens)} tokens does not fit the budget of {budget}")
     order = sorted(range(len(costs)), key=lambda u: (-costs[u], -tokens[u], u))
     while True:
         load = np.zeros(world_size * micro)
@@ -260,6 +262,11 @@ def balance(
     units: List[List[int]] = []
     unit_packs: List[Pack] = []
     for group in _units(rs, share_prefixes):
+        whole = _pack_members(rs, group, layout, share_prefixes, call_base)
+        if len(whole) <= budget:  # the common case: one pack call per unit
+            units.append(group)
+            unit_packs.append(whole)
+            continue
         chunk: List[int] = []
         chunk_pack: Optional[Pack] = None
         for i in group:

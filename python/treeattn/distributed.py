@@ -231,8 +231,8 @@ def balance(
     every unit finds room (from ``ceil(tokens / (world_size · budget))``);
     each bin's rollouts are packed together (input order; prefixes shared
     across units too when ``share_prefixes``). A bin with nothing gets
-    :func:`empty_pack` — it must still run forward and backward.
-    Deterministic for the same input. Rollout and call indices in the packs
+    :func:`empty_pack` (of token ``pad_token``) — it must still run forward
+    and backward. Deterministic for the same input. Rollout and call indices in the packs
     (``rollout_indices``, ``loss_rollout``, ``loss_call``) are those of the
     whole input. ``objective``: ``"flops"`` (the default), or for
     comparisons ``"tokens"`` / ``"l2"`` (the unit's tokens, or tokens²).

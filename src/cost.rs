@@ -227,7 +227,6 @@ mod tests {
     /// A random valid `kv_end` of a forest: nested intervals built by a
     /// random pre-order walk, with some padding keys.
     fn random_kv_end(rng: &mut Rng, len: usize) -> Vec<u32> {
-        let mut kv_end = vec![0u32; len];
         // Parent of each row: a random earlier row whose subtree is still
         // open, or none (a new root); subtree ends follow from the parents.
         let mut parent: Vec<Option<usize>> = vec![None; len];
@@ -242,17 +241,15 @@ mod tests {
             *p = open.last().copied();
             open.push(i);
         }
-        for i in 0..len {
-            kv_end[i] = i as u32 + 1;
-        }
+        let mut kv_end: Vec<u32> = (1..=len as u32).collect();
         for i in (0..len).rev() {
             if let Some(p) = parent[i] {
                 kv_end[p] = kv_end[p].max(kv_end[i]);
             }
         }
-        for e in kv_end.iter_mut().enumerate() {
+        for (k, e) in kv_end.iter_mut().enumerate() {
             if rng.range(0, 9) == 0 {
-                *e.1 = e.0 as u32; // a padding key
+                *e = k as u32; // a padding key
             }
         }
         kv_end

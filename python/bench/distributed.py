@@ -22,7 +22,8 @@ bytes per layer a rank receives (max over ranks; the gathered ancestor
 rows) against all-gathering K / V (L − L_local rows), bf16, Llama-3-8B's
 8 kv heads × 128.
 
-  python python/bench/distributed.py [--ranks 8,64,512] [--per-rank 4] [--scale paper|default]
+  python python/bench/distributed.py [--ranks 8,64,512] [--per-rank 2] [--scale paper|default]
+      [--shapes compaction,grpo] [--cp-ranks 2,4,8,16] [--skip-dp] [--skip-cp]
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def data_parallel(args, model):
     print(f"\n## Data parallel ({args.scale} scale, {args.per_rank} units per rank, Llama-3-8B costs)\n")
     print("| rollouts | ranks | units | budget | micro-steps | balance (FLOPs LPT) | tokens first-fit | tokens LPT | L² LPT |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for shape, budget in (("compaction", args.compaction_budget), ("grpo", args.grpo_budget)):
+    budgets = {"compaction": args.compaction_budget, "grpo": args.grpo_budget}
+    for shape in args.shapes:
+        budget = budgets[shape]
         for world in args.ranks:
             n = world * args.per_rank
             t0 = time.time()
@@ -182,7 +185,8 @@ def context_parallel(args, model):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="8,64,512")
-    ap.add_argument("--per-rank", type=int, default=4)
+    ap.add_argument("--per-rank", type=int, default=2)
+    ap.add_argument("--shapes", default="compaction,grpo")
     ap.add_argument("--scale", choices=("paper", "default"), default="paper")
     ap.add_argument("--compaction-budget", type=int, default=393216)
     ap.add_argument("--grpo-budget", type=int, default=65536)
@@ -194,6 +198,7 @@ def main():
     args = ap.parse_args()
     args.ranks = [int(x) for x in args.ranks.split(",")]
     args.cp_ranks = [int(x) for x in args.cp_ranks.split(",")]
+    args.shapes = args.shapes.split(",")
     if not os.path.exists(CLI):
         sys.exit(f"{CLI} missing: cargo build --release --bin treeattn")
     model = treeattn.ModelCost.llama3_8b()

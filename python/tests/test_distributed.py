@@ -172,7 +172,7 @@ def _op_packs():
     return {"golden": golden, "fan": fan, "compaction": comp, "forest": forest, "short": short}
 
 
-def _check_op(rank, group, P, name, pack, hq, hkv, d, rope):
+def _check_op(rank, group, P, name, pack, hq, hkv, d, rope, chunk=None):
     L = len(pack)
     g = torch.Generator().manual_seed(L * 31 + hq)
     q = torch.randn(L, hq, d, generator=g, dtype=torch.float64, requires_grad=True)
@@ -187,12 +187,12 @@ def _check_op(rank, group, P, name, pack, hq, hkv, d, rope):
     a, b = s.start, s.end
     rows = slice(a, b) if not s.padded else slice(0, 1)
     ql, kl, vl = (t.detach()[rows].clone().requires_grad_() for t in (q, k, v))
-    ol = D.tree_attention(ql, kl, vl, s, **kw)
+    ol = D.tree_attention(ql, kl, vl, s, chunk=chunk, **kw)
     (ol * w[rows]).sum().backward()
     if s.padded:
         assert P > L and len(s) == 0, (name, P, s.bounds)
         return
-    what = f"{name} P={P} rank={rank} rows [{a}, {b}) rope={rope}"
+    what = f"{name} P={P} rank={rank} rows [{a}, {b}) rope={rope} chunk={chunk}"
     errs = [rel_err(ol, o[a:b]), rel_err(ql.grad, q.grad[a:b]), rel_err(kl.grad, k.grad[a:b]),
             rel_err(vl.grad, v.grad[a:b])]
     assert max(errs) <= 1e-12, (what, "O, dQ, dK, dV relative errors", errs)
@@ -212,8 +212,10 @@ def _op_worker(rank):
             continue
         for name, pack in packs.items():
             _check_op(rank, groups[P], P, name, pack, 4, 2, 8, rope=False)
-        _check_op(rank, groups[P], P, "fan", fan, 4, 4, 16, rope=True)
-        _check_op(rank, groups[P], P, "compaction", packs["compaction"], 2, 1, 8, rope=True)
+        # Gathered rows in several chunks of 3 (one chunk by default here).
+        _check_op(rank, groups[P], P, "fan", fan, 4, 4, 16, rope=True, chunk=3)
+        _check_op(rank, groups[P], P, "compaction", packs["compaction"], 2, 1, 8, rope=True, chunk=3)
+        _check_op(rank, groups[P], P, "forest", packs["forest"], 2, 2, 8, rope=False, chunk=5)
 
     # The GRPO prompt (30 rows, the first of the pack) spans several ranks at
     # P = 4, and a later rank's queries see it: its rows were gathered.

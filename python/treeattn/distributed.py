@@ -640,8 +640,8 @@ def plan_comm(pack: Any, world_size: int, *, model_cost: Optional[ModelCost] = N
     its queries (the attention it must do), ``received`` (rows of earlier
     ranks it gathers per attention call), ``allgather`` (rows an all-gather
     of K / V would bring it: L − rows) and ``wasted_pairs`` (pairs the op
-    computes for the gathered rows as padding queries, see
-    :func:`tree_attention`)."""
+    computes for the gathered rows' zero queries, per head, with
+    :func:`tree_attention`'s default chunk)."""
     out: Dict[str, List[int]] = {"rows": [], "visible_pairs": [], "received": [], "allgather": [], "wasted_pairs": []}
     vk = visible_keys_per_query(pack.kv_end)
     L = len(pack.tokens)
@@ -652,7 +652,9 @@ def plan_comm(pack: Any, world_size: int, *, model_cost: Optional[ModelCost] = N
         out["visible_pairs"].append(int(vk[s.start:s.end].sum()))
         out["received"].append(g)
         out["allgather"].append(L - len(s))
-        out["wasted_pairs"].append(g * (g + 1) // 2)
+        c = max(128, len(s) // 4)
+        out["wasted_pairs"].append(sum((min(g, a + c) - a) * (min(g, a + c) - a + 1) // 2
+                                       for a in range(0, g, c)))
     return out
 
 
@@ -690,53 +692,117 @@ def _exchange(s: Shard, rows: Tensor, group: Any, backward: bool) -> Tensor:
     return out
 
 
+def _merge(parts: List[Tuple[Tensor, Tensor]]) -> Tuple[Tensor, Tensor]:
+    """Attention over a union of disjoint key sets from the per-set results
+    ``(O_x [n, H, d], LSE_x [H, n])``: ``LSE = log Σ_x exp(LSE_x)``,
+    ``O = Σ_x exp(LSE_x − LSE) · O_x``; a row that sees no key anywhere
+    (LSE = −inf everywhere) gets O = 0 and LSE = −inf."""
+    if len(parts) == 1:
+        return parts[0]
+    lses = torch.stack([l for _, l in parts])  # [m, H, n]
+    lse = torch.logsumexp(lses, 0)
+    w = torch.exp(lses - lse)
+    w = torch.where(torch.isfinite(lse)[None], w, torch.zeros_like(w))
+    o = sum(w[i].t()[:, :, None] * parts[i][0] for i in range(len(parts)))
+    return o, lse
+
+
 class _ContextParallelAttention(torch.autograd.Function):
     """Forward: gather the visible K / V rows of earlier ranks, run the
-    crate's op on gathered + own rows (zero queries for the gathered ones),
-    keep this rank's outputs. Backward: the op's backward, then dK / dV of
-    the gathered rows back to their owners. One autograd node, so that its
-    backward — and its collective — runs on every rank whenever the output
-    is part of the loss, even with nothing gathered."""
+    crate's op on this rank's rows alone and, per chunk of gathered rows, on
+    [chunk, own rows] with the own rows as padding keys (so only own queries
+    × chunk keys are new work), and merge the parts by their LSE. Backward:
+    the op's backward of every part with the merged O and LSE (the
+    probabilities of a part are exp(S − LSE) of the whole row), then dK / dV
+    of the gathered rows back to their owners. One autograd node, so that
+    its backward — and its collective — runs on every rank whenever the
+    output is part of the loss, even with nothing gathered."""
 
     @staticmethod
-    def forward(ctx, q, k, v, s, scale, rope_base, group):  # noqa: D401
+    def forward(ctx, q, k, v, s, scale, rope_base, group, chunk):  # noqa: D401
         n, hkv, d = k.shape
         kv = torch.cat([k.reshape(n, hkv * d), v.reshape(n, hkv * d)], 1)
-        if s.padded:  # the padding row: nothing to send or receive, it sees itself
-            got = _exchange(s, kv[:0], group, backward=False)
-            local_rows = None
-            ke = torch.ones(1, dtype=torch.int64)
-            pos = torch.zeros(1, dtype=torch.int64)
-        else:
-            got = _exchange(s, kv, group, backward=False)
-            local_rows = torch.cat([s.gathered, s.rows])
-            ke = torch.searchsorted(local_rows, s.kv_end[local_rows], right=False)
-            pos = s.pack_position_ids[local_rows]
-        G = got.shape[0]
-        kk = torch.cat([got[:, : hkv * d].reshape(G, hkv, d), k], 0)
-        vv = torch.cat([got[:, hkv * d:].reshape(G, hkv, d), v], 0)
-        qq = torch.cat([q.new_zeros((G,) + tuple(q.shape[1:])), q], 0)
         cdt = q.dtype if q.device.type == "cuda" else _tt._COMPUTE[q.dtype]
-        qq, kk, vv = qq.to(cdt), kk.to(cdt), vv.to(cdt)
-        ke, pos = ke.to(q.device), (pos.to(q.device) if rope_base is not None else None)
-        o, lse = _tt._attn_fwd(qq, kk, vv, ke, pos, scale, rope_base, None, _tt._threads)
-        ctx.save_for_backward(qq, kk, vv, ke, pos, o, lse)
-        ctx.s, ctx.params, ctx.G, ctx.dtype = s, (scale, rope_base, group), G, q.dtype
-        return o[G:].to(q.dtype)
+        dev = q.device
+        got = _exchange(s, kv[:0] if s.padded else kv, group, backward=False)
+        G = got.shape[0]
+        qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+        gk = got[:, : hkv * d].reshape(G, hkv, d).to(cdt)
+        gv = got[:, hkv * d:].reshape(G, hkv, d).to(cdt)
+        rope = rope_base is not None
+        if s.padded:  # the padding row sees itself only
+            ke0 = torch.ones(1, dtype=torch.int64)
+            pos0 = torch.zeros(1, dtype=torch.int64)
+        else:
+            ke0 = s.kv_end[s.start:s.end].clamp(max=s.end) - s.start
+            pos0 = s.pack_position_ids[s.start:s.end]
+        # Own rows among themselves.
+        calls = [(0, 0, ke0.to(dev), pos0.to(dev) if rope else None)]
+        # Own queries × each chunk of gathered keys: [chunk keys, own rows
+        # as padding keys]; chunk key g is seen by the own rows before its
+        # kv_end.
+        for a in range(0, G, chunk):
+            b = min(G, a + chunk)
+            c = b - a
+            rows = s.gathered[a:b]
+            ke = torch.cat([c + (s.kv_end[rows] - s.start).clamp(0, n), c + torch.arange(n)])
+            pos = torch.cat([s.pack_position_ids[rows], pos0]) if rope else None
+            calls.append((a, b, ke.to(dev), pos.to(dev) if rope else None))
+        parts, saved = [], []
+        for a, b, ke, pos in calls:
+            c = b - a
+            if c == 0:
+                o, lse = _tt._attn_fwd(qc, kc, vc, ke, pos, scale, rope_base, None, _tt._threads)
+            else:
+                qq = torch.cat([qc.new_zeros((c,) + tuple(qc.shape[1:])), qc], 0)
+                o, lse = _tt._attn_fwd(qq, torch.cat([gk[a:b], kc]), torch.cat([gv[a:b], vc]), ke, pos,
+                                       scale, rope_base, None, _tt._threads)
+                o, lse = o[c:], lse[:, c:]
+            parts.append((o, lse))
+        o, lse = _merge(parts)
+        ctx.save_for_backward(qc, kc, vc, gk, gv, o, lse)
+        ctx.calls = calls
+        ctx.s, ctx.params, ctx.dtype = s, (scale, rope_base, group), q.dtype
+        return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_o):
-        qq, kk, vv, ke, pos, o, lse = ctx.saved_tensors
-        s, (scale, rope_base, group), G = ctx.s, ctx.params, ctx.G
-        g = torch.cat([grad_o.new_zeros((G,) + tuple(grad_o.shape[1:])), grad_o], 0).to(o.dtype)
-        dq, dk, dv = _tt._attn_bwd(qq, kk, vv, ke, pos, o, lse, g, scale, rope_base, None, _tt._threads)
-        n, hkv, d = dk.shape[0] - G, dk.shape[1], dk.shape[2]
-        dgot = torch.cat([dk[:G].reshape(G, hkv * d), dv[:G].reshape(G, hkv * d)], 1)
+        qc, kc, vc, gk, gv, o, lse = ctx.saved_tensors
+        s, (scale, rope_base, group) = ctx.s, ctx.params
+        n, hkv, d = kc.shape
+        g = grad_o.to(o.dtype).contiguous()
+        dq = torch.zeros_like(qc)
+        dk = torch.zeros_like(kc)
+        dv = torch.zeros_like(vc)
+        dgk, dgv = torch.zeros_like(gk), torch.zeros_like(gv)
+        for a, b, ke, pos in ctx.calls:
+            c = b - a
+            if c == 0:
+                q_, k_, v_ = qc, kc, vc
+                o_, l_, g_ = o, lse, g
+            else:
+                # The chunk's zero queries: output gradient 0, so any finite
+                # LSE (0) gives them zero dS; they add nothing.
+                q_ = torch.cat([qc.new_zeros((c,) + tuple(qc.shape[1:])), qc], 0)
+                k_, v_ = torch.cat([gk[a:b], kc]), torch.cat([gv[a:b], vc])
+                o_ = torch.cat([o.new_zeros((c,) + tuple(o.shape[1:])), o], 0)
+                l_ = torch.cat([lse.new_zeros((lse.shape[0], c)), lse], 1)
+                g_ = torch.cat([g.new_zeros((c,) + tuple(g.shape[1:])), g], 0)
+            dq_, dk_, dv_ = _tt._attn_bwd(q_, k_, v_, ke, pos, o_, l_, g_, scale, rope_base, None, _tt._threads)
+            dq += dq_[c:]
+            if c == 0:
+                dk += dk_
+                dv += dv_
+            else:  # the own rows were padding keys here: no gradient for them
+                dgk[a:b] += dk_[:c]
+                dgv[a:b] += dv_[:c]
+        G = gk.shape[0]
+        dgot = torch.cat([dgk.reshape(G, hkv * d), dgv.reshape(G, hkv * d)], 1)
         back = _exchange(s, dgot, group, backward=True)
-        dk_l = dk[G:] + back[:, : hkv * d].reshape(n, hkv, d)
-        dv_l = dv[G:] + back[:, hkv * d:].reshape(n, hkv, d)
+        dk = dk + back[:, : hkv * d].reshape(n, hkv, d)
+        dv = dv + back[:, hkv * d:].reshape(n, hkv, d)
         t = ctx.dtype
-        return dq[G:].to(t), dk_l.to(t), dv_l.to(t), None, None, None, None
+        return dq.to(t), dk.to(t), dv.to(t), None, None, None, None, None
 
 
 def _verify(s: Shard, group: Any) -> None:
@@ -787,6 +853,7 @@ def tree_attention(
     position_ids: Optional[Tensor] = None,
     rope_base: Optional[float] = None,
     group: Optional[Any] = None,
+    chunk: Optional[int] = None,
 ) -> Tensor:
     """Context-parallel tree attention, differentiable: ``q`` ``[L_local,
     Hq, d]``, ``k``, ``v`` ``[L_local, Hkv, d]`` of this rank's rows →
@@ -794,18 +861,22 @@ def tree_attention(
     :func:`treeattn.torch.tree_attention` on the whole pack.
 
     How: this rank's queries see its own keys and the keys ``k < start``
-    with ``kv_end[k] > start`` (``shard.gathered``). Those K / V rows
-    (concatenated, one ``all_to_all_single``) come from their owners; the
-    crate's op then runs on ``G + L_local`` rows — the gathered keys first,
-    with zero queries whose outputs are dropped, then this rank's rows —
-    with ``kv_end`` re-indexed to those rows (a key is seen by a local query
-    exactly when it is in the pack). In backward the dK / dV of gathered
-    rows return to their owners the same way (the zero queries get zero
-    output gradient, so they add nothing). The op computes ~G²/2 pairs for
-    the gathered rows' queries that are thrown away (a limit of the
-    square op). Every rank must call it (the same layers in the same
-    order), even with no rows. ``rope_base``: rotary inside the op at the
-    pack's positions (``position_ids``, if given, must be the shard's).
+    with ``kv_end[k] > start`` (``shard.gathered``, G rows). Those K / V
+    rows (concatenated, one ``all_to_all_single``) come from their owners.
+    The crate's op then runs on this rank's rows alone (``kv_end`` clipped
+    to the range), and once per ``chunk`` gathered rows on [chunk, own
+    rows]: the chunk's keys with ``kv_end`` re-indexed (a gathered key is
+    seen by the own rows before its ``kv_end``), the own rows as padding
+    keys, the chunk's rows as zero queries whose outputs are dropped; the
+    parts merge by their log-sum-exp. Backward runs the op's backward on
+    every part with the merged O and LSE and sends the dK / dV of gathered
+    rows back to their owners the same way. Work thrown away: the chunk
+    rows' zero queries, ``≈ G · chunk / 2`` pairs per head (default chunk
+    ``max(128, L_local / 4)``: at most ~1/8 of the own-queries × gathered
+    pairs when they all see every gathered key). Every rank must call it
+    (the same layers in the same order), even with no rows. ``rope_base``:
+    rotary inside the op at the pack's positions (``position_ids``, if
+    given, must be the shard's).
     ``group``: default ``shard.group``. Bytes moved: ``shard.stats``.
     """
     if not isinstance(shard, Shard):
@@ -842,4 +913,8 @@ def tree_attention(
     # of the group takes part in the same collectives.
     group = shard.group if group is None else group
     _verify(shard, group)
-    return _ContextParallelAttention.apply(q, k, v, shard, scale, rope_base, group)
+    if chunk is None:
+        chunk = max(128, len(shard) // 4)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"tree_attention: chunk must be a positive int, got {chunk!r}")
+    return _ContextParallelAttention.apply(q, k, v, shard, scale, rope_base, group, chunk)

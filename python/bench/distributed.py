@@ -29,7 +29,6 @@ rows) against all-gathering K / V (L − L_local rows), bf16, Llama-3-8B's
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -42,13 +41,6 @@ from treeattn import distributed as D
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLI = os.path.join(REPO, "target", "release", "treeattn")
-
-
-def gen(shape: str, seed: int, paper: bool):
-    """Rollouts of ``treeattn gen SHAPE --seed SEED`` (as dicts)."""
-    cmd = [CLI, "gen", shape, "--seed", str(seed)] + (["--paper-scale"] if paper else [])
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
 def gen_units(shape: str, n: int, paper: bool, model, keep: str = ""):

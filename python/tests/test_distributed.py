@@ -482,3 +482,18 @@ def test_balance_is_deterministic_and_complete():
     assert rep["micro_steps"] == len(a[0]) and all(r >= 1.0 for r in rep["ratio"])
     assert rep["total"] == pytest.approx(sum(treeattn.cost(p, treeattn.ModelCost.llama3_8b())["total"]
                                              for sh in a for p in sh))
+
+
+def test_one_rank_is_the_ordinary_packed_path():
+    pytest.importorskip("transformers")
+    treeattn.hf.register()
+    g = torch.Generator().manual_seed(4)
+    (p,) = treeattn.pack(grpo_rollouts(g, group=2) + [compaction_rollout(g, "c")], share_prefixes=True)
+    model = tiny_llama()
+    s = D.shard(p, world_size=1, rank=0)
+    assert (s.start, s.end, len(s.gathered)) == (0, len(p), 0)
+    lp = treeattn.hf.shard_logprobs(model, s)
+    ref = treeattn.hf.target_logprobs(model, p)
+    assert torch.equal(s.loss_index, torch.arange(len(p.loss_rows)))
+    assert maxdiff(lp, ref) <= 1e-12  # the same op on the same rows; logits only at loss rows
+    assert s.stats.calls == model.config.num_hidden_layers and s.stats.bytes_received == 0

@@ -294,6 +294,41 @@ def _model_worker(rank):
         dist.all_reduce(counts, group=groups[P])
         assert int(counts) == len(pack.loss_rows)
 
+    # SDCC across ranks: a pair belongs to its student's rank, the teacher's
+    # logits come from the teacher's rank. Σ of the shares = the pack's mean
+    # KL, and the all-reduced gradients those of one process.
+    P_all = int(pack.sdcc_student_rows.numel())
+    assert P_all > 0
+    model.zero_grad()
+    logits = model(input_ids=pack.tokens[None], position_ids=pack.position_ids[None], kv_end=pack.kv_end,
+                   use_cache=False).logits[0]
+    kl_ref, _ = tt.sdcc_forward_kl(logits, pack.sdcc_student_rows, pack.sdcc_teacher_rows, tau=0.7)
+    kl_ref.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for P in (2, 4):
+        if rank >= P:
+            continue
+        s = D.shard(pack, groups[P])
+        model.zero_grad()
+        lg = model(input_ids=s.tokens[None], position_ids=s.position_ids[None], treeattn_shard=s,
+                   use_cache=False, logits_to_keep=s.logit_rows_local).logits[0]
+        share, kl = D.sdcc_kl(lg, s, tau=0.7)
+        assert kl.shape == s.sdcc_index.shape
+        share.backward()
+        tot = share.detach().clone()
+        dist.all_reduce(tot, group=groups[P])
+        assert rel_err(tot, kl_ref) <= 1e-12, (P, float(tot), float(kl_ref))
+        FIGURES["sdcc"] = max(FIGURES.get("sdcc", 0.0), rel_err(tot, kl_ref))
+        for n, p in model.named_parameters():
+            gr = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(gr, group=groups[P])
+            assert rel_err(gr, ref[n]) <= 1e-8, (P, rank, n, rel_err(gr, ref[n]))
+            FIGURES["sdcc_grad"] = max(FIGURES.get("sdcc_grad", 0.0), rel_err(gr, ref[n]))
+        t = s.sdcc_teacher_rows
+        cross = torch.tensor([int(((t < s.start) | (t >= s.end)).sum())])
+        dist.all_reduce(cross, group=groups[P])
+        assert int(cross) >= 1  # some pair's teacher lives on another rank
+
     # A rank that owns no loss entry: a pack whose targets all sit in its
     # last rows, over 4 ranks (the prompt of 40 rows is not scored).
     prompt = _tokens(g, 40)

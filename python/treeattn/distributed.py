@@ -55,6 +55,7 @@ __all__ = [
     "CommStats",
     "tree_attention",
     "plan_comm",
+    "sdcc_kl",
 ]
 
 
@@ -417,8 +418,10 @@ class Shard:
     rows), ``loss_labels``, ``loss_weights`` (of those entries);
     ``sdcc_index``, ``sdcc_student_rows_local``, ``sdcc_teacher_rows``:
     the SDCC pairs whose **student** row it owns (the student's rank owns a
-    pair; the teacher row is global, and its logits live on
-    ``owner(teacher_row)``, which must send them — not built here yet);
+    pair; the teacher row is global: :func:`sdcc_kl` fetches its logits
+    from ``owner(teacher_row)``); ``logit_rows_local`` (the local rows
+    whose logits the loss needs: its loss rows, its SDCC student rows and
+    its rows that are the teacher of any pair, ascending);
     ``cost`` (FLOPs of each rank's rows, ``[P]``, what the split balances);
     ``gathered`` (the global rows of earlier ranks its queries see,
     ascending) and ``gather_ranges`` (the same as ``(lo, hi)`` ranges);
@@ -448,6 +451,8 @@ class Shard:
     fingerprint: int
     pack_position_ids: Tensor = field(repr=False)
     padded: bool = False
+    logit_rows_local: Optional[Tensor] = None
+    pack_sdcc: Optional[Tuple[Tensor, Tensor]] = field(default=None, repr=False)
     group: Any = field(default=None, repr=False)
     stats: CommStats = field(default_factory=CommStats)
     _plan: Optional[Tuple[Tensor, List[int], List[int]]] = field(default=None, repr=False)
@@ -581,12 +586,18 @@ def shard(
     rows = torch.arange(start, end, dtype=torch.int64)
     lr = pack.loss_rows.to(torch.int64)
     mine = ((lr >= start) & (lr < end)).nonzero().flatten()
+    need = [lr[mine]]
+    pack_sdcc = None
     if pack.sdcc_student_rows is not None:
         sr = pack.sdcc_student_rows.to(torch.int64)
+        tr = pack.sdcc_teacher_rows.to(torch.int64)
         sidx = ((sr >= start) & (sr < end)).nonzero().flatten()
-        s_local, s_teacher = sr[sidx] - start, pack.sdcc_teacher_rows.to(torch.int64)[sidx]
+        s_local, s_teacher = sr[sidx] - start, tr[sidx]
+        need += [sr[sidx], tr[(tr >= start) & (tr < end)]]
+        pack_sdcc = (sr, tr)
     else:
         sidx = s_local = s_teacher = None
+    logit_rows_local = torch.unique(torch.cat(need)) - start
     padded = end == start
     gathered = _needed(kv_end, start, end)
     cost = [float(rc[bounds[r]:bounds[r + 1]].sum()) for r in range(world_size)]
@@ -613,6 +624,8 @@ def shard(
         gather_ranges=_runs(gathered),
         fingerprint=_fingerprint(kv_end, pack.position_ids),
         pack_position_ids=pack.position_ids.to(torch.int64).clone(),
+        logit_rows_local=logit_rows_local,
+        pack_sdcc=pack_sdcc,
         group=group,
     )
 
@@ -918,3 +931,65 @@ def tree_attention(
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise ValueError(f"tree_attention: chunk must be a positive int, got {chunk!r}")
     return _ContextParallelAttention.apply(q, k, v, shard, scale, rope_base, group, chunk)
+
+
+def sdcc_kl(logits: Tensor, shard: Shard, *, tau: float = 1.0, group: Optional[Any] = None) -> Tuple[Tensor, Tensor]:
+    """This rank's share of the pack's SDCC loss under context parallelism.
+
+    ``logits``: ``[len(shard.logit_rows_local), V]``, the model's logits at
+    ``shard.logit_rows_local`` in that order (e.g. ``logits_to_keep=
+    shard.logit_rows_local``). A pair belongs to the rank holding its
+    student row; the teacher row's logits come from the rank holding it
+    (one ``all_to_all_single`` of exactly those rows, detached: the teacher
+    is stop-gradient). Returns ``(share, kl_per_pair)``: ``share = Σ_own KL
+    / P_total`` (so the sum of the ranks' shares, and of their gradients,
+    is :func:`treeattn.torch.sdcc_forward_kl`'s mean over the whole pack),
+    and the KL of this rank's pairs (``shard.sdcc_index`` order, no
+    gradient). Every rank of the group must call it."""
+    if shard.pack_sdcc is None:
+        raise ValueError("sdcc_kl: the shard's pack has no SDCC pairs (replicated layout)")
+    rows = shard.logit_rows_local
+    if logits.dim() != 2 or logits.shape[0] != rows.numel():
+        raise ValueError(
+            f"sdcc_kl: logits must be [{rows.numel()}, V] (the rows shard.logit_rows_local), "
+            f"got {tuple(logits.shape)}"
+        )
+    group = shard.group if group is None else group
+    sr, tr = shard.pack_sdcc
+    ends = torch.tensor(shard.bounds[1:], dtype=torch.int64)
+    s_own = torch.searchsorted(ends, sr, right=True)  # owner of each pair's student row
+    t_own = torch.searchsorted(ends, tr, right=True)
+    me = shard.rank
+    # Sent: teacher rows I hold for pairs whose student another rank holds,
+    # by destination rank, in pair order; received: the same seen from the
+    # other side.
+    send_rows, send_counts, recv_counts = [], [], []
+    for r in range(shard.world_size):
+        out = (t_own == me) & (s_own == r) & (s_own != me)
+        send_rows.append(tr[out])
+        send_counts.append(int(out.sum()))
+        inc = (s_own == me) & (t_own == r) & (t_own != me)
+        recv_counts.append(int(inc.sum()))
+    global_rows = rows + shard.start
+    local_pos = lambda g: torch.searchsorted(global_rows, g)  # noqa: E731
+    send = logits.detach().index_select(0, local_pos(torch.cat(send_rows)).to(logits.device)).contiguous()
+    recv = logits.new_empty((sum(recv_counts), logits.shape[1]))
+    if shard.world_size > 1:
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_counts,
+                               input_split_sizes=send_counts, group=group)
+    mine = (s_own == me).nonzero().flatten()
+    total = int(sr.numel())
+    if mine.numel() == 0:
+        return logits.sum() * 0, logits.new_zeros(0)
+    student = local_pos(sr[mine])
+    teacher = torch.empty_like(student)
+    local_t = t_own[mine] == me
+    teacher[local_t] = local_pos(tr[mine][local_t])
+    # Received rows are ordered by source rank, then pair order.
+    remote = (~local_t).nonzero().flatten()
+    order = sorted(remote.tolist(), key=lambda i: (int(t_own[mine][i]), i))
+    for j, i in enumerate(order):
+        teacher[i] = logits.shape[0] + j
+    both = torch.cat([logits, recv])
+    mean, kl = _tt.sdcc_forward_kl(both, student.to(logits.device), teacher.to(logits.device), tau=tau)
+    return mean * (mine.numel() / total), kl

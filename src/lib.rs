@@ -51,6 +51,7 @@ pub mod backend;
 pub mod bench;
 #[cfg(feature = "candle")]
 pub mod candle;
+pub mod cost;
 pub mod demo;
 pub mod error;
 pub mod gen;

@@ -28,6 +28,7 @@ use treeattn::backend::{
     AttentionBackend, AttnArgs, AttnParams, AttnShape, Element, Grads, Host, Rope, Saved, SdccArgs,
     SdccBackend,
 };
+use treeattn::cost::{visible_pairs, ModelCost};
 use treeattn::mask::PackMask;
 use treeattn::pack::{batch, Layout};
 use treeattn::rollout::{parse_jsonl, read_jsonl_file, Rollout};
@@ -926,6 +927,53 @@ fn gae<'py>(
 fn grpo(rewards: Vec<f64>, groups: Vec<u32>, eps: Option<f64>) -> PyResult<Vec<f64>> {
     let scale = eps.map_or(GrpoScale::None, |eps| GrpoScale::Std { eps });
     guarded(|| grpo_advantages(&rewards, &groups, scale).map_err(to_py))
+/// The FLOPs of one training step (forward + backward) of a decoder of the
+/// given shape on a pack (`treeattn::cost`): `kv_end` as little-endian
+/// uint32 bytes, `logit_rows` the distinct loss rows. Returns a dict
+/// `attention`, `linear`, `total`, `visible_pairs`, `tokens`, `logit_rows`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn pack_cost<'py>(
+    py: Python<'py>,
+    kv_end: &[u8],
+    logit_rows: u64,
+    layers: u64,
+    hidden: u64,
+    heads: u64,
+    kv_heads: u64,
+    head_dim: u64,
+    intermediate: u64,
+    vocab: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let model = ModelCost {
+        layers,
+        hidden,
+        heads,
+        kv_heads,
+        head_dim,
+        intermediate,
+        vocab,
+    };
+    model.validate().map_err(to_py)?;
+    if kv_end.len() % 4 != 0 {
+        return Err(PyValueError::new_err(
+            "kv_end: byte length is not a multiple of 4",
+        ));
+    }
+    let ke: Vec<u32> = kv_end
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let pairs = visible_pairs(&ke).map_err(to_py)?;
+    let c = model.cost(pairs, ke.len() as u64, logit_rows);
+    let d = PyDict::new(py);
+    d.set_item("attention", c.attention)?;
+    d.set_item("linear", c.linear)?;
+    d.set_item("total", c.total)?;
+    d.set_item("visible_pairs", c.visible_pairs)?;
+    d.set_item("tokens", c.tokens)?;
+    d.set_item("logit_rows", c.logit_rows)?;
+    Ok(d)
 }
 
 /// The native half of the `treeattn` Python package.
@@ -937,6 +985,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pack, m)?)?;
     m.add_function(wrap_pyfunction!(gae, m)?)?;
     m.add_function(wrap_pyfunction!(grpo, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_cost, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_built, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attention_backward, m)?)?;

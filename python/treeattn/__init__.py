@@ -12,6 +12,9 @@ is a thin adapter over the crate's one contract:
   a pack (``target_logprobs``, ``pack_loss``) without ``[L, V]`` logits;
 - :mod:`treeattn.rl` has the RL objectives on per-target tensors in a
   pack's loss order (PPO ``policy_loss`` and ``value_loss``).
+- :class:`ModelCost` and :func:`cost` give the exact FLOPs of a training step
+  on a pack; :mod:`treeattn.distributed` balances packs over data-parallel
+  ranks and splits one pack over context-parallel ranks (torch.distributed).
 
 The mask rule of a pack: query ``q`` sees key ``k`` iff
 ``k <= q < kv_end[k]``; ``position_ids`` are depths in the trie.
@@ -26,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from . import _native
 
-__all__ = ["pack", "Pack", "__version__"]
+__all__ = ["pack", "Pack", "ModelCost", "cost", "__version__"]
 __version__ = _native.__version__
 
 # Names and dtypes of the tensors of a pack, as in the pack files
@@ -214,3 +217,111 @@ def pack(
             )
         )
     return out
+
+
+_COST_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """The shape of a decoder as far as its FLOPs go (the crate's
+    ``treeattn::cost::ModelCost``): ``layers`` N, ``hidden`` H, ``heads`` h,
+    ``kv_heads`` g, ``head_dim`` d, ``intermediate`` I (gated MLP), ``vocab`` V.
+
+    FLOPs of one training step (forward + backward; a multiply-add is 2):
+
+    - attention = visible pairs · N · h · 4d · 3.5 (backward 2.5× forward,
+      DESIGN §7), visible pairs = Σ_k (kv_end[k] − k);
+    - linear = 3 · (tokens · N · 2 · (2·H·h·d + 2·H·g·d + 3·H·I)
+      + logit rows · 2·H·V) (q/o, k/v projections, gate/up/down; the lm_head
+      at the distinct loss rows only; backward 2× forward);
+    - total = attention + linear.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    def __post_init__(self) -> None:
+        for name in _COST_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"ModelCost.{name} must be a positive int, got {v!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"ModelCost.kv_heads = {self.kv_heads} does not divide heads = {self.heads}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelCost":
+        """From a Hugging Face config (``LlamaConfig``, ``Qwen2Config``, … or
+        a multimodal config with a text config): ``num_hidden_layers``,
+        ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``
+        (default: the heads), ``head_dim`` (default: hidden / heads),
+        ``intermediate_size``, ``vocab_size``."""
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        missing = [
+            n for n in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+            if getattr(config, n, None) is None
+        ]
+        if missing:
+            raise ValueError(f"ModelCost.from_config: the config has no {', '.join(missing)}")
+        heads = int(config.num_attention_heads)
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+        return cls(
+            layers=int(config.num_hidden_layers),
+            hidden=int(config.hidden_size),
+            heads=heads,
+            kv_heads=int(kv),
+            head_dim=int(head_dim),
+            intermediate=int(config.intermediate_size),
+            vocab=int(config.vocab_size),
+        )
+
+    @classmethod
+    def llama3_8b(cls) -> "ModelCost":
+        """Llama-3-8B's shape, the default weighting of :mod:`treeattn.distributed`."""
+        return cls(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
+                   intermediate=14336, vocab=128256)
+
+    def attention_per_pair(self) -> float:
+        """Forward + backward FLOPs of one visible (query, key) pair: N·h·4d·3.5."""
+        return float(self.layers * self.heads * 4 * self.head_dim) * 3.5
+
+    def linear_per_token(self) -> float:
+        """Forward + backward FLOPs of projections + MLP per token:
+        3 · N · 2 · (2·H·h·d + 2·H·g·d + 3·H·I)."""
+        H = self.hidden
+        per_layer = 2 * H * self.heads * self.head_dim + 2 * H * self.kv_heads * self.head_dim + 3 * H * self.intermediate
+        return float(self.layers * 2 * per_layer) * 3.0
+
+    def logits_per_row(self) -> float:
+        """Forward + backward FLOPs of the lm_head at one row: 3 · 2·H·V."""
+        return float(2 * self.hidden * self.vocab) * 3.0
+
+
+def cost(pack: "Pack", model_cost: ModelCost) -> Dict[str, float]:
+    """FLOPs of one training step (forward + backward) of ``model_cost``'s
+    model on ``pack``, computed by the crate (``treeattn::cost``; formulas on
+    :class:`ModelCost`): ``{"attention", "linear", "total", "visible_pairs",
+    "tokens", "logit_rows"}``. A bad ``kv_end`` raises ``ValueError`` naming
+    the key."""
+    import torch
+
+    if not isinstance(model_cost, ModelCost):
+        raise ValueError(f"model_cost must be a treeattn.ModelCost, got {type(model_cost).__name__}")
+    kv_end = pack.kv_end
+    if not isinstance(kv_end, torch.Tensor) or kv_end.dim() != 1:
+        raise ValueError("pack.kv_end must be a 1-D tensor")
+    ke = kv_end.to(torch.int64)
+    if ke.numel() and (int(ke.min()) < 0 or int(ke.max()) > 0xFFFFFFFF):
+        raise ValueError("pack.kv_end has values outside 0..2^32-1")
+    data = ke.to(torch.int32).contiguous().numpy().tobytes() if ke.numel() else b""
+    rows = int(torch.unique(pack.loss_rows).numel()) if pack.loss_rows.numel() else 0
+    m = model_cost
+    return dict(_native.pack_cost(data, rows, m.layers, m.hidden, m.heads, m.kv_heads,
+                                  m.head_dim, m.intermediate, m.vocab))

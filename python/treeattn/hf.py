@@ -71,7 +71,7 @@ from .torch import tree_attention
 
 __all__ = [
     "register", "attention", "target_logprobs", "pack_loss", "default_chunk",
-    "require_treeattn", "tree_depths", "NAME",
+    "require_treeattn", "tree_depths", "shard_logprobs", "NAME",
 ]
 
 NAME = "treeattn"
@@ -152,7 +152,12 @@ def attention(
     """transformers attention function: ``query`` ``[1, Hq, L, d]``,
     ``key`` / ``value`` ``[1, Hkv, L, d]`` (already rotated by the model);
     returns ``([1, L, Hq, d], None)``. Needs ``kv_end`` (``[L]`` or
-    ``[1, L]``) among the model call's keyword arguments."""
+    ``[1, L]``) among the model call's keyword arguments — or
+    ``treeattn_shard`` (a :class:`treeattn.distributed.Shard`; then ``L`` is
+    the shard's rows and the call is context-parallel)."""
+    shard = kwargs.get("treeattn_shard")
+    if shard is not None:
+        return _shard_attention(query, key, value, attention_mask, scaling, dropout, shard)
     kv_end = kwargs.get("kv_end")
     if kv_end is None:
         raise ValueError(
@@ -188,6 +193,55 @@ def attention(
     v = value[0].transpose(0, 1)
     o = tree_attention(q, k, v, kv_end.to(q.device), scale=scaling)
     return o[None], None
+
+
+def _shard_attention(query, key, value, attention_mask, scaling, dropout, shard):
+    """The context-parallel branch of :func:`attention`
+    (:func:`treeattn.distributed.tree_attention` on this rank's rows)."""
+    from .distributed import tree_attention as cp_attention
+
+    if query.dim() != 4 or query.shape[0] != 1:
+        raise ValueError(
+            f"treeattn attention takes one pack (batch size 1), got query of shape {tuple(query.shape)}"
+        )
+    if dropout:
+        raise ValueError(f"treeattn attention has no dropout (got dropout={dropout}); set attention_dropout=0")
+    if attention_mask is not None:
+        raise ValueError(
+            "treeattn attention got a mask from transformers: register the mask function too (treeattn.hf.register())"
+        )
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    return cp_attention(q, k, v, shard, scale=scaling)[None], None
+
+
+def shard_logprobs(model: Any, shard: Any) -> Tensor:
+    """Log-probabilities of this rank's loss entries (``shard.loss_index``
+    of the pack's, in that order, ``[T_local]``) from one context-parallel
+    forward of ``model`` (``attn_implementation="treeattn"``) on the shard's
+    rows: ``model(input_ids=s.tokens[None], position_ids=s.position_ids[None],
+    treeattn_shard=s)``, logits only at the loss rows. Every rank of the
+    shard's group must call it (and backward through it), with or without
+    loss entries: the attention layers exchange K / V. A rank with no loss
+    entry returns an empty tensor still tied to the lm_head (zero
+    gradients), so every rank's parameters get a gradient."""
+    device = next(model.parameters()).device
+    rows = shard.loss_rows_local.to(device)
+    keep, inverse = torch.unique(rows, return_inverse=True)
+    anchor = keep.numel() == 0  # no loss row here: keep row 0 so the lm_head is in the graph
+    if anchor:
+        keep = torch.zeros(1, dtype=torch.int64, device=device)
+    out = model(
+        input_ids=shard.tokens[None].to(device),
+        position_ids=shard.position_ids[None].to(device),
+        treeattn_shard=shard,
+        use_cache=False,
+        logits_to_keep=keep,
+    )
+    logits = out.logits[0]
+    if anchor:
+        return logits.sum() * 0 + torch.zeros(0, dtype=logits.dtype, device=device)
+    lp = torch.log_softmax(logits[inverse], dim=-1)
+    return lp.gather(-1, shard.loss_labels.to(device)[:, None])[:, 0]
 
 
 def _no_mask(*args: Any, attention_mask: Optional[Tensor] = None, **kwargs: Any) -> None:

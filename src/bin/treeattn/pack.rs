@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
+use treeattn::cost::ModelCost;
 use treeattn::pack::{batch, Layout};
 use treeattn::safetensors::{
     pack_tensors, read_metadata, rollout_tensors, serialize, StagedFiles, PACK_FORMAT,
@@ -42,6 +43,8 @@ is a PACK that is FILE itself. Tensors (L tokens, T loss entries):
   rollout_reward                          [R] float32 (NaN: no reward)
   rollout_group                           [R] int64 (index into groups; -1: none)
 Mask: query q sees key k iff k <= q < kv_end[k]; position_ids are depths.
+Each pack's line gives its visible pairs and the FLOPs of one training step
+(forward + backward) of a Llama-3-8B-shaped model on it (treeattn::cost).
 Loss: row loss_rows[t]'s logits predict loss_labels[t]; loss_call is the call's
 global index in FILE's order counting from 0; loss entries are sorted by
 (rollout, call, offset); loss_segment is the call's segment in its rollout (0
@@ -184,13 +187,17 @@ pub fn run(a: PackArgs) -> Result<()> {
             ),
         ]);
         staged.stage(&paths[i], &serialize(&tensors, &meta)?)?;
+        let step = b.pack.cost(&ModelCost::LLAMA3_8B)?;
         lines.push_str(&format!(
-            "{}: {}, L = {} tokens, T = {} loss entries, {} visible pairs{}\n",
+            "{}: {}, L = {} tokens, T = {} loss entries, {} visible pairs, \
+             {:.3e} FLOPs per step (Llama-3-8B shape, {:.1}% attention){}\n",
             paths[i].display(),
             plural(b.rollouts.len(), "rollout"),
             b.pack.len(),
             b.pack.loss.len(),
-            b.pack.mask()?.visible_pairs(),
+            step.visible_pairs,
+            step.total,
+            100.0 * step.attention / step.total.max(f64::MIN_POSITIVE),
             b.sdcc.as_ref().map_or(String::new(), |p| format!(
                 ", {}",
                 plural(p.len(), "SDCC pair")

@@ -89,12 +89,19 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
 
 def register() -> None:
     """Registers ``"treeattn"`` with transformers' ``AttentionInterface`` and
-    ``AttentionMaskInterface`` (idempotent)."""
+    ``AttentionMaskInterface``, and makes the recurrent layers of hybrid
+    models run along the pack's paths when called with ``kv_end``
+    (:func:`treeattn.hybrid.register`; idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, _no_mask)
+    # Recurrent layers (Gated DeltaNet, Mamba-2) along the pack's paths;
+    # other recurrent families refuse kv_end (treeattn.hybrid).
+    from . import hybrid
+
+    hybrid.register()
 
 
 def _forward(model: Any, pack: Any, **kwargs: Any) -> Tensor:

@@ -437,20 +437,24 @@ SUPPORTED: Dict[str, Tuple[str, Tuple[str, ...], str]] = {
     ),
 }
 
-# family → (modeling module, classes that receive the model call's keyword
-# arguments in front of a recurrent layer treeattn does not run on trees)
+# family → (modeling module, recurrent layer classes) of the families whose
+# recurrence treeattn does not run on trees: every model class of the
+# module (the entry points) and these layers raise ValueError on kv_end.
 UNSUPPORTED: Dict[str, Tuple[str, Tuple[str, ...]]] = {
-    "mamba": ("transformers.models.mamba.modeling_mamba", ("MambaBlock",)),
-    "falcon_mamba": ("transformers.models.falcon_mamba.modeling_falcon_mamba", ("FalconMambaBlock",)),
-    "jamba": ("transformers.models.jamba.modeling_jamba", ("JambaMambaDecoderLayer",)),
-    "zamba": ("transformers.models.zamba.modeling_zamba", ("ZambaMambaDecoderLayer",)),
-    "zamba2": ("transformers.models.zamba2.modeling_zamba2", ("Zamba2MambaDecoderLayer",)),
+    "mamba": ("transformers.models.mamba.modeling_mamba", ("MambaMixer",)),
+    "falcon_mamba": ("transformers.models.falcon_mamba.modeling_falcon_mamba", ("FalconMambaMixer",)),
+    "jamba": ("transformers.models.jamba.modeling_jamba", ("JambaMambaMixer",)),
+    "zamba": ("transformers.models.zamba.modeling_zamba", ("ZambaMambaMixer",)),
+    "zamba2": ("transformers.models.zamba2.modeling_zamba2", ("Zamba2MambaMixer",)),
     "lfm2": ("transformers.models.lfm2.modeling_lfm2", ("Lfm2ShortConv",)),
     "lfm2_moe": ("transformers.models.lfm2_moe.modeling_lfm2_moe", ("Lfm2MoeShortConv",)),
     "lfm3": ("transformers.models.lfm3.modeling_lfm3", ("Lfm3ShortConv",)),
     "kimi_linear": ("transformers.models.kimi_linear.modeling_kimi_linear", ("KimiLinearDeltaAttention",)),
     "minimax": ("transformers.models.minimax.modeling_minimax", ("MiniMaxLightningAttention",)),
     "olmo_hybrid": ("transformers.models.olmo_hybrid.modeling_olmo_hybrid", ("OlmoHybridGatedDeltaNet",)),
+    "recurrent_gemma": ("transformers.models.recurrent_gemma.modeling_recurrent_gemma", ("RecurrentGemmaRecurrentBlock",)),
+    "rwkv": ("transformers.models.rwkv.modeling_rwkv", ("RwkvBlock",)),
+    "xlstm": ("transformers.models.xlstm.modeling_xlstm", ()),
 }
 
 _SCAN_FN = {"gdn": "torch_chunk_gated_delta_rule", "ssd": "mamba2_chunk_scan"}
@@ -667,7 +671,7 @@ def _refuse_forward(orig: Callable, family: str, cls_name: str) -> Callable:
     return forward
 
 
-def _capture_forward(orig: Callable) -> Callable:
+def _capture_forward(orig: Callable, cls_name: str = "") -> Callable:
     """Wraps a model entry point's forward: a ``kv_end`` among its keyword
     arguments is kept in a context variable for the call (and still passed
     on), so the family's recurrent layers see it even where the entry point
@@ -688,7 +692,7 @@ def _capture_forward(orig: Callable) -> Callable:
     return forward
 
 
-def _patch_entry_points(mod: Any) -> None:
+def _patch_entry_points(mod: Any, make: Callable[[Callable], Callable]) -> None:
     """Wraps the forward of every model class a modeling module defines."""
     from transformers import PreTrainedModel
 
@@ -699,7 +703,7 @@ def _patch_entry_points(mod: Any) -> None:
             and obj.__module__ == mod.__name__
             and "forward" in obj.__dict__
         ):
-            _wrap(obj, "forward", _capture_forward)
+            _wrap(obj, "forward", lambda f, obj=obj: make(f, obj.__name__))
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> bool:
@@ -741,11 +745,13 @@ def _patch_unsupported(family: str, mod: Any) -> None:
 def _patch(modname: str, mod: Any) -> None:
     """Patches a family's modeling module (by module name)."""
     family = _BY_MODULE[modname]
-    _patch_entry_points(mod)
     if family in SUPPORTED:
+        _patch_entry_points(mod, _capture_forward)
         _patch_supported(family, mod)
     else:
+        _patch_entry_points(mod, lambda f, c, family=family: _refuse_forward(f, family, c))
         _patch_unsupported(family, mod)
+    mod.__treeattn_patched__ = True
 
 
 _BY_MODULE = {spec[0]: family for family, spec in list(SUPPORTED.items()) + list(UNSUPPORTED.items())}
@@ -809,9 +815,6 @@ def patched() -> Dict[str, str]:
     out = {}
     for family, spec in list(SUPPORTED.items()) + list(UNSUPPORTED.items()):
         mod = sys.modules.get(spec[0])
-        if mod is None:
-            continue
-        cls = getattr(mod, spec[1][0], None)
-        if cls is not None and getattr(cls.forward, "__treeattn_wrapped__", None) is not None:
+        if mod is not None and getattr(mod, "__treeattn_patched__", False):
             out[family] = "tree" if family in SUPPORTED else "refuse"
     return out

@@ -235,15 +235,15 @@ mod tests {
         let children = |k: usize| (0..l).filter(|&c| parent[c] == k as i64).count();
         let mut nodes = Vec::new();
         let mut start = 0;
-        for t in 1..=l {
-            let cont = t < l && parent[t] == t as i64 - 1 && children(t - 1) == 1;
-            if !cont {
+        // A node ends before t unless t continues it, and at the end.
+        for (t, &p) in parent.iter().enumerate().skip(1) {
+            if !(p == t as i64 - 1 && children(t - 1) == 1) {
                 nodes.push((start as u32, t as u32));
                 start = t;
             }
         }
-        if l == 0 {
-            nodes.clear();
+        if l > 0 {
+            nodes.push((start as u32, l as u32));
         }
         (parent, nodes)
     }

@@ -353,6 +353,24 @@ def test_pack_equals_each_call_alone(data, name):
     assert (bad - ref.detach()).abs().max() >= 1e-2, name
 
 
+@pytest.mark.parametrize("name", ["mamba2", "qwen3_5"])
+def test_gradient_checkpointing_keeps_the_tree(data, name):
+    """Checkpointed layers re-run their forward in backward, outside the
+    model call: the tree must still be used there (Mamba2ForCausalLM does
+    not pass kv_end down itself)."""
+    _, pack, _ = data
+    model = build(name).train()
+    if name not in PURE_SSM:
+        model.set_attn_implementation("treeattn")
+    packed_logprobs(model, pack).sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    packed_logprobs(model, pack).sum().backward()
+    for n, p in model.named_parameters():
+        assert rel_err(p.grad, ref[n]) <= 1e-12, n
+
+
 def test_kv_end_of_another_length_is_a_value_error(data):
     _, pack, _ = data
     model = build("mamba2")

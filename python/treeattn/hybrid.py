@@ -41,6 +41,7 @@ import contextvars
 import functools
 import importlib
 import importlib.abc
+import inspect
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -675,13 +676,24 @@ def _capture_forward(orig: Callable, cls_name: str = "") -> Callable:
     """Wraps a model entry point's forward: a ``kv_end`` among its keyword
     arguments is kept in a context variable for the call (and still passed
     on), so the family's recurrent layers see it even where the entry point
-    does not pass its keyword arguments down."""
+    does not pass its keyword arguments down (``Mamba2ForCausalLM`` calls
+    its backbone without them; the backbone's wrapper puts it back)."""
+
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(orig).parameters.values())
 
     @functools.wraps(orig)
     def forward(self, *args, **kwargs):
         kv_end = kwargs.get("kv_end")
         if kv_end is None:
-            return orig(self, *args, **kwargs)
+            kv_end = _CALL_KV_END.get()
+            if kv_end is None:
+                return orig(self, *args, **kwargs)
+            # An inner model called by an outer entry point that dropped
+            # kv_end: hand it on as a keyword argument, so that it reaches
+            # the layers also when gradient checkpointing re-runs them in
+            # backward, outside this call.
+            if takes_kwargs:
+                kwargs["kv_end"] = kv_end
         token = _CALL_KV_END.set(kv_end)
         try:
             return orig(self, *args, **kwargs)

@@ -392,3 +392,36 @@ def test_unsupported_recurrent_family_raises(data):
     with pytest.raises(ValueError, match="cannot run on a tree pack"):
         model(input_ids=pack.tokens[None], kv_end=pack.kv_end, use_cache=False)
 
+
+
+def test_unknown_recurrent_family_refuses_kv_end():
+    """A modeling module of no listed family that defines a recurrent
+    function (here ``causal_conv1d_fn``) is refused too; one that does not
+    (plain attention) is left alone."""
+    import sys
+    import types
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    mods = {}
+    for fam, recurrent in (("fakerec", True), ("fakeplain", False)):
+        mod = types.ModuleType(f"transformers.models.{fam}.modeling_{fam}")
+        model_cls = type(f"{fam}Model", (LlamaForCausalLM,), {"forward": LlamaForCausalLM.forward, "__module__": mod.__name__})
+        setattr(mod, model_cls.__name__, model_cls)
+        if recurrent:
+            mod.causal_conv1d_fn = lambda *a, **k: None
+        sys.modules[mod.__name__] = mod
+        mods[fam] = model_cls
+    try:
+        states = hybrid.register()
+        assert states.get("fakerec") == "refuse" and "fakeplain" not in states
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1)
+        ids, kv_end = torch.tensor([[1, 2, 3]]), torch.tensor([3, 3, 3])
+        with pytest.raises(ValueError, match="fakerec"):
+            mods["fakerec"](cfg)(input_ids=ids, kv_end=kv_end)
+        mods["fakeplain"](cfg)(input_ids=ids)  # untouched
+    finally:
+        for fam in mods:
+            del sys.modules[f"transformers.models.{fam}.modeling_{fam}"]

@@ -42,6 +42,7 @@ import functools
 import importlib
 import importlib.abc
 import inspect
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -456,7 +457,28 @@ UNSUPPORTED: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "recurrent_gemma": ("transformers.models.recurrent_gemma.modeling_recurrent_gemma", ("RecurrentGemmaRecurrentBlock",)),
     "rwkv": ("transformers.models.rwkv.modeling_rwkv", ("RwkvBlock",)),
     "xlstm": ("transformers.models.xlstm.modeling_xlstm", ()),
+    "bailing_hybrid": ("transformers.models.bailing_hybrid.modeling_bailing_hybrid", ()),
+    "glm5_next": ("transformers.models.glm5_next.modeling_glm5_next", ("Glm5NextTextLinearAttention",)),
+    "inkling": ("transformers.models.inkling.modeling_inkling", ("InklingShortConvolution",)),
+    "inkling2": ("transformers.models.inkling2.modeling_inkling2", ("Inkling2ShortConvolution",)),
+    "inkling2_loop": ("transformers.models.inkling2_loop.modeling_inkling2_loop", ("Inkling2LoopShortConvolution",)),
+    "lara_mini": ("transformers.models.lara_mini.modeling_lara_mini", ("LaraMiniGatedDeltaNet",)),
+    "qwen4_exp": ("transformers.models.qwen4_exp.modeling_qwen4_exp", ("Qwen4ExpTextGatedDeltaNet",)),
+    "zaya": ("transformers.models.zaya.modeling_zaya", ("ZayaCCAProjection",)),
+    "lfm3_vl": ("transformers.models.lfm3_vl.modeling_lfm3_vl", ()),
 }
+
+# A modeling module of neither list that defines one of these functions, or
+# a class named like one of these, is taken for a recurrent family and
+# refuses kv_end too (a family added to transformers after this list).
+_RECURRENT_FUNCTIONS = (
+    "causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule", "mamba2_chunk_scan",
+    "mamba_selective_scan", "mamba_inner_fn", "selective_scan_fn",
+)
+_RECURRENT_CLASS = re.compile(
+    r"(Mamba|GatedDeltaNet|ShortConv|LinearAttention|LightningAttention|Rglru|RecurrentBlock|Rwkv|LSTM|DeltaAttention)"
+)
+_MODELING = re.compile(r"^transformers\.models\.\w+\.modeling_\w+$")
 
 _SCAN_FN = {"gdn": "torch_chunk_gated_delta_rule", "ssd": "mamba2_chunk_scan"}
 
@@ -754,10 +776,30 @@ def _patch_unsupported(family: str, mod: Any) -> None:
             _wrap(cls, "forward", lambda f, family=family, c=c: _refuse_forward(f, family, c))
 
 
+def _looks_recurrent(mod: Any) -> bool:
+    """Whether a modeling module of no known family holds a recurrent layer."""
+    names = vars(mod)
+    if any(f in names for f in _RECURRENT_FUNCTIONS):
+        return True
+    return any(
+        isinstance(v, type) and v.__module__ == mod.__name__ and _RECURRENT_CLASS.search(k)
+        for k, v in names.items()
+    )
+
+
 def _patch(modname: str, mod: Any) -> None:
-    """Patches a family's modeling module (by module name)."""
-    family = _BY_MODULE[modname]
-    if family in SUPPORTED:
+    """Patches a transformers modeling module (by module name): a supported
+    family's mixers take the tree path, an unsupported or unknown recurrent
+    family refuses kv_end, anything else is left alone."""
+    if getattr(mod, "__treeattn_patched__", False):
+        return
+    family = _BY_MODULE.get(modname)
+    if family is None:
+        if not _looks_recurrent(mod):
+            return
+        family = modname.rsplit(".", 2)[-2]
+        _patch_entry_points(mod, lambda f, c, family=family: _refuse_forward(f, family, c))
+    elif family in SUPPORTED:
         _patch_entry_points(mod, _capture_forward)
         _patch_supported(family, mod)
     else:
@@ -788,7 +830,7 @@ class _Finder(importlib.abc.MetaPathFinder):
     that :func:`register` does not import (seconds each) every family."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname not in _BY_MODULE:
+        if not _MODELING.match(fullname):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -814,9 +856,8 @@ def register() -> Dict[str, str]:
     ``{family: "tree" | "refuse"}`` for the families patched so far."""
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
-    for modname in _BY_MODULE:
-        mod = sys.modules.get(modname)
-        if mod is not None:
+    for modname, mod in list(sys.modules.items()):
+        if mod is not None and _MODELING.match(modname):
             _patch(modname, mod)
     return patched()
 
@@ -825,8 +866,8 @@ def patched() -> Dict[str, str]:
     """``{family: "tree" | "refuse"}`` for the families whose modeling
     module is imported and patched."""
     out = {}
-    for family, spec in list(SUPPORTED.items()) + list(UNSUPPORTED.items()):
-        mod = sys.modules.get(spec[0])
-        if mod is not None and getattr(mod, "__treeattn_patched__", False):
+    for modname, mod in list(sys.modules.items()):
+        if mod is not None and _MODELING.match(modname) and getattr(mod, "__treeattn_patched__", False):
+            family = _BY_MODULE.get(modname, modname.rsplit(".", 2)[-2])
             out[family] = "tree" if family in SUPPORTED else "refuse"
     return out

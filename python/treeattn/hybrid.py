@@ -23,11 +23,15 @@ Ops (plain torch, autograd through them; they compute in the dtype of
 their inputs, the Hugging Face glue casts to float32 as transformers does):
 
 - :func:`tree_causal_conv1d` — depthwise causal convolution along paths;
-- :func:`tree_gated_delta_rule` — ``S_t = g_t S_{t-1} (I − β_t k_t k_tᵀ) + β_t k_t v_tᵀ``
-  (per value head, ``g_t = exp(g)``), ``o_t = S_tᵀ q_t``, with q, k
-  optionally L2-normalized and q scaled by ``d_k^{-1/2}``;
-- :func:`tree_ssd_scan` — Mamba-2: ``h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t B_tᵀ``,
-  ``y_t = h_t C_t + D x_t``, one scalar decay per head.
+- :func:`tree_gated_delta_rule` — per value head, state ``S`` ``[d_k, d_v]``:
+  ``S_t = (I − β_t k_t k_tᵀ) e^{g_t} S_{p(t)} + β_t k_t v_tᵀ``,
+  ``o_t = S_tᵀ q_t``, q and k optionally L2-normalized, q scaled by
+  ``d_k^{-1/2}``;
+- :func:`tree_ssd_scan` — Mamba-2, per head, state ``h`` ``[P, N]``:
+  ``h_t = e^{Δ_t A} h_{p(t)} + Δ_t x_t B_tᵀ``, ``y_t = h_t C_t`` (the
+  ``D x_t`` skip is the caller's), one scalar decay per head;
+
+where ``p(t)`` is ``t``'s parent row and ``S_{-1} = 0``, ``h_{-1} = 0``.
 
 :func:`register` makes the transformers mixers of the supported families
 use them when the model is called with ``kv_end=`` and makes the other

@@ -31,8 +31,8 @@ use treeattn::backend::{
 use treeattn::mask::PackMask;
 use treeattn::pack::{batch, Layout};
 use treeattn::paths::Paths;
-use treeattn::rollout::{parse_jsonl, read_jsonl_file, Rollout};
 use treeattn::rl::{grpo_advantages, Gae, GaeMode, GrpoScale, Lambda, Targets};
+use treeattn::rollout::{parse_jsonl, read_jsonl_file, Rollout};
 use treeattn::safetensors::{pack_tensors, rollout_tensors, Dtype};
 use treeattn::tree::RolloutStats;
 use treeattn::Error;
@@ -963,7 +963,10 @@ fn paths<'py>(py: Python<'py>, kv_end: &[u8]) -> PyResult<Bound<'py, PyDict>> {
     put("node_end", &mut p.node_end.iter().map(|&x| x as i64))?;
     put("node_parent", &mut p.node_parent.iter().copied())?;
     put("node_level", &mut p.node_level.iter().map(|&x| x as i64))?;
-    put("level_offsets", &mut p.level_offsets.iter().map(|&x| x as i64))?;
+    put(
+        "level_offsets",
+        &mut p.level_offsets.iter().map(|&x| x as i64),
+    )?;
     put("level_nodes", &mut p.level_nodes.iter().map(|&x| x as i64))?;
     Ok(d)
 }

@@ -659,7 +659,8 @@ def _tree_forward(orig: Callable, family: str) -> Callable:
             raise ValueError(f"{where}: a tree pack has no padding; got an attention_mask with zeros")
         if cache is not None:
             get = getattr(cache, "get_recurrent_state", None)
-            if get is not None and get(self.layer_idx, state_idx=0) is not None:
+            idx = getattr(self, "layer_idx", None)
+            if get is not None and idx is not None and get(idx, state_idx=0) is not None:
                 raise ValueError(f"{where}: a tree pack cannot continue from a cache that already holds this layer's state")
         tree = plan(kv_end, device=hidden_states.device)
         act = _Active(tree=tree, where=where)

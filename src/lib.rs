@@ -63,6 +63,7 @@ mod matmul;
 pub mod model;
 pub mod ops;
 pub mod pack;
+pub mod paths;
 pub mod rl;
 pub mod rng;
 pub mod rollout;

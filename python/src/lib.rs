@@ -31,8 +31,9 @@ use treeattn::backend::{
 use treeattn::cost::{visible_pairs, ModelCost};
 use treeattn::mask::PackMask;
 use treeattn::pack::{batch, Layout};
-use treeattn::rollout::{parse_jsonl, read_jsonl_file, Rollout};
+use treeattn::paths::Paths;
 use treeattn::rl::{grpo_advantages, Gae, GaeMode, GrpoScale, Lambda, Targets};
+use treeattn::rollout::{parse_jsonl, read_jsonl_file, Rollout};
 use treeattn::safetensors::{pack_tensors, rollout_tensors, Dtype};
 use treeattn::tree::RolloutStats;
 use treeattn::Error;
@@ -927,6 +928,8 @@ fn gae<'py>(
 fn grpo(rewards: Vec<f64>, groups: Vec<u32>, eps: Option<f64>) -> PyResult<Vec<f64>> {
     let scale = eps.map_or(GrpoScale::None, |eps| GrpoScale::Std { eps });
     guarded(|| grpo_advantages(&rewards, &groups, scale).map_err(to_py))
+}
+
 /// The FLOPs of one training step (forward + backward) of a decoder of the
 /// given shape on a pack (`treeattn::cost`): `kv_end` as little-endian
 /// uint32 bytes, `logit_rows` the distinct loss rows. Returns a dict
@@ -976,6 +979,48 @@ fn pack_cost<'py>(
     Ok(d)
 }
 
+/// The path structure of a pack (`treeattn::paths::Paths`): `kv_end` as
+/// int64 little-endian bytes; returns a dict of int64 little-endian bytes
+/// (`parent`, `row_node`, `node_start`, `node_end`, `node_parent`,
+/// `node_level`, `level_offsets`, `level_nodes`).
+#[pyfunction]
+fn paths<'py>(py: Python<'py>, kv_end: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+    if kv_end.len() % 8 != 0 {
+        return Err(PyValueError::new_err(format!(
+            "kv_end: {} bytes is not a whole number of int64 values",
+            kv_end.len()
+        )));
+    }
+    let mut ends = Vec::with_capacity(kv_end.len() / 8);
+    for (k, b) in kv_end.chunks_exact(8).enumerate() {
+        let v = i64::from_le_bytes(b.try_into().expect("8 bytes"));
+        let v = u32::try_from(v).map_err(|_| {
+            PyValueError::new_err(format!(
+                "kv_end[{k}] = {v} is outside 0..=u32::MAX (a key's range end is a row index)"
+            ))
+        })?;
+        ends.push(v);
+    }
+    let p = py.detach(|| guarded(|| Paths::from_kv_end(&ends).map_err(to_py)))?;
+    let d = PyDict::new(py);
+    let put = |name: &str, v: &mut dyn Iterator<Item = i64>| -> PyResult<()> {
+        let bytes: Vec<u8> = v.flat_map(|x| x.to_le_bytes()).collect();
+        d.set_item(name, PyBytes::new(py, &bytes))
+    };
+    put("parent", &mut p.parent.iter().copied())?;
+    put("row_node", &mut p.row_node.iter().map(|&x| x as i64))?;
+    put("node_start", &mut p.node_start.iter().map(|&x| x as i64))?;
+    put("node_end", &mut p.node_end.iter().map(|&x| x as i64))?;
+    put("node_parent", &mut p.node_parent.iter().copied())?;
+    put("node_level", &mut p.node_level.iter().map(|&x| x as i64))?;
+    put(
+        "level_offsets",
+        &mut p.level_offsets.iter().map(|&x| x as i64),
+    )?;
+    put("level_nodes", &mut p.level_nodes.iter().map(|&x| x as i64))?;
+    Ok(d)
+}
+
 /// The native half of the `treeattn` Python package.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -986,6 +1031,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gae, m)?)?;
     m.add_function(wrap_pyfunction!(grpo, m)?)?;
     m.add_function(wrap_pyfunction!(pack_cost, m)?)?;
+    m.add_function(wrap_pyfunction!(paths, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_built, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attention_backward, m)?)?;

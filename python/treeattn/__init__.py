@@ -15,6 +15,9 @@ is a thin adapter over the crate's one contract:
 - :class:`ModelCost` and :func:`cost` give the exact FLOPs of a training step
   on a pack; :mod:`treeattn.distributed` balances packs over data-parallel
   ranks and splits one pack over context-parallel ranks (torch.distributed).
+- :func:`paths` gives the path structure of a pack (parents, trie nodes,
+  level schedule) and :mod:`treeattn.hybrid` runs recurrent layers (short
+  convolutions, Gated DeltaNet, Mamba-2) along it.
 
 The mask rule of a pack: query ``q`` sees key ``k`` iff
 ``k <= q < kv_end[k]``; ``position_ids`` are depths in the trie.
@@ -29,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from . import _native
 
-__all__ = ["pack", "Pack", "ModelCost", "cost", "__version__"]
+__all__ = ["pack", "Pack", "ModelCost", "cost", "paths", "Paths", "__version__"]
 __version__ = _native.__version__
 
 # Names and dtypes of the tensors of a pack, as in the pack files
@@ -325,3 +328,49 @@ def cost(pack: "Pack", model_cost: ModelCost) -> Dict[str, float]:
     m = model_cost
     return dict(_native.pack_cost(data, rows, m.layers, m.hidden, m.heads, m.kv_heads,
                                   m.head_dim, m.intermediate, m.vocab))
+
+
+@dataclass
+class Paths:
+    """The path structure of a pack (Rust ``treeattn::paths``, DESIGN §11);
+    all tensors CPU int64.
+
+    ``parent`` ``[L]``: the row before ``t`` on its own root-to-``t`` path,
+    ``max{k < t : kv_end[k] > t}``, or −1 at a root (``t − 1`` whenever
+    ``kv_end[t − 1] > t``). ``row_node`` ``[L]``: each row's trie node.
+    Nodes (``[N]``, pre-order) are maximal runs of rows ``[node_start,
+    node_end)`` in which each row's parent is the row before it and has no
+    other child; ``node_parent`` is the node holding ``parent[node_start]``
+    (−1 at a root), ``node_level`` the number of nodes above it. The level
+    schedule: the nodes of level ``l`` are
+    ``level_nodes[level_offsets[l]:level_offsets[l + 1]]``; every node's
+    parent is in an earlier level."""
+
+    parent: Any
+    row_node: Any
+    node_start: Any
+    node_end: Any
+    node_parent: Any
+    node_level: Any
+    level_offsets: Any
+    level_nodes: Any
+
+    def __len__(self) -> int:
+        return int(self.parent.shape[0])
+
+
+def paths(kv_end: Any) -> Paths:
+    """The :class:`Paths` of a pack's ``kv_end`` (a 1-D integer tensor or
+    sequence), in ``O(L)``. ``ValueError`` when ``kv_end`` is not a nested
+    pre-order layout (``k <= kv_end[k] <= L`` and ranges that nest), naming
+    the row at fault."""
+    import torch
+
+    kv = torch.as_tensor(kv_end)
+    if kv.dim() != 1:
+        raise ValueError(f"kv_end must be 1-D, got shape {tuple(kv.shape)}")
+    if kv.dtype.is_floating_point or kv.dtype == torch.bool:
+        raise ValueError(f"kv_end must hold integers, got {kv.dtype}")
+    data = kv.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    out = _native.paths(data)
+    return Paths(**{name: _tensor("int64", b) for name, b in out.items()})

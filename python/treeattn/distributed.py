@@ -121,9 +121,12 @@ def empty_pack(layout: str = "trie", pad_token: int = 0) -> Pack:
         loss_call=e.clone(),
         loss_offset=e.clone(),
         loss_rollout=e.clone(),
+        loss_segment=e.clone(),
         loss_logprobs=torch.empty(0, dtype=torch.float32),
         sdcc_student_rows=e.clone() if layout == "trie" else None,
         sdcc_teacher_rows=e.clone() if layout == "trie" else None,
+        rollout_reward=torch.empty(0, dtype=torch.float32),
+        rollout_group=e.clone(),
         layout=layout,
     )
 

@@ -37,7 +37,8 @@ What is checked, so that a mistake is an error and not a wrong number:
   of another pack is a ``ValueError`` naming the first bad row. On CUDA the
   check costs one synchronization per forward, not per layer. Callers whose
   positions are offset on purpose opt out with
-  ``register(check_positions=False)``.
+  ``register(check_positions=False)``. (A model that passes no position ids
+  to its attention layers — GraniteMoeHybrid — is not checked.)
 - An ``attention_mask`` with a zero (padding) is refused: padding is
   expressed in ``kv_end`` (a padding key has ``kv_end[k] == k``); all ones is
   accepted.
@@ -104,9 +105,9 @@ def _check_positions(position_ids: Optional[Tensor], kv_end: Tensor) -> None:
     """ValueError unless every non-padding row's position id is its depth."""
     global _checked
     if position_ids is None:
-        raise ValueError(
-            "treeattn attention got no position_ids: call the model with position_ids=pack.position_ids[None]"
-        )
+        # The model does not hand position ids to its attention layers
+        # (GraniteMoeHybrid, say): nothing to check here.
+        return
     pos = position_ids[0] if position_ids.dim() == 2 else position_ids
     c = _checked
     if (
@@ -258,9 +259,11 @@ def _no_mask(*args: Any, attention_mask: Optional[Tensor] = None, **kwargs: Any)
 
 def register(*, check_positions: bool = True) -> None:
     """Registers ``"treeattn"`` with transformers' ``AttentionInterface`` and
-    ``AttentionMaskInterface`` (idempotent). ``check_positions=False`` turns
-    off the check that the position ids are the tree's depths (for callers
-    whose positions are offset on purpose)."""
+    ``AttentionMaskInterface`` (idempotent), and makes the recurrent layers
+    of hybrid models run along the pack's paths when called with ``kv_end``
+    (:func:`treeattn.hybrid.register`). ``check_positions=False`` turns off
+    the check that the position ids are the tree's depths (for callers whose
+    positions are offset on purpose)."""
     global _CHECK_POSITIONS, _checked
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -269,6 +272,11 @@ def register(*, check_positions: bool = True) -> None:
     _checked = None
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, _no_mask)
+    # Recurrent layers (Gated DeltaNet, Mamba-2) along the pack's paths;
+    # other recurrent families refuse kv_end (treeattn.hybrid).
+    from . import hybrid
+
+    hybrid.register()
 
 
 def _attn_implementations(config: Any, path: str = "config") -> List[Tuple[str, Any]]:
@@ -281,11 +289,21 @@ def _attn_implementations(config: Any, path: str = "config") -> List[Tuple[str, 
     return out
 
 
+def _inner(model: Any) -> Any:
+    """The model under data-parallel wrappers (DDP, FSDP: ``.module``), for
+    its config and output embedding; the forward still goes through the
+    wrapper, so its gradient hooks run."""
+    m = model
+    while not hasattr(m, "config") and hasattr(m, "module"):
+        m = m.module
+    return m
+
+
 def require_treeattn(model: Any) -> None:
     """ValueError unless the model's config and every sub-config use the
     ``"treeattn"`` attention implementation (with another one, transformers
     ignores ``kv_end`` and the log-probs are silently wrong)."""
-    bad = [(p, impl) for p, impl in _attn_implementations(model.config) if impl != NAME]
+    bad = [(p, impl) for p, impl in _attn_implementations(_inner(model).config) if impl != NAME]
     if bad:
         where = ", ".join(f"{p}._attn_implementation = {impl!r}" for p, impl in bad)
         raise ValueError(
@@ -538,6 +556,7 @@ def _head(model: Any) -> Tuple[Any, Tensor, Optional[Tensor], Tuple[float, Optio
     softcapping c (``config.final_logit_softcapping``, Gemma 2/3; None
     otherwise). :func:`_hidden` checks the result against the model's own
     logits on one row."""
+    model = _inner(model)
     if not hasattr(model, "get_output_embeddings"):
         raise ValueError(f"model ({type(model).__name__}) has no get_output_embeddings(): pass a causal LM")
     emb = model.get_output_embeddings()

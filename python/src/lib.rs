@@ -29,7 +29,7 @@ use treeattn::backend::{
     SdccBackend,
 };
 use treeattn::cost::{visible_pairs, ModelCost};
-use treeattn::mask::PackMask;
+use treeattn::mask::{BlockCensus, PackMask};
 use treeattn::pack::{batch, Layout};
 use treeattn::paths::Paths;
 use treeattn::rl::{grpo_advantages, Gae, GaeMode, GrpoScale, Lambda, Targets};
@@ -1021,6 +1021,48 @@ fn paths<'py>(py: Python<'py>, kv_end: &[u8]) -> PyResult<Bound<'py, PyDict>> {
     Ok(d)
 }
 
+/// FlexAttention's block view of a tree mask (`treeattn::mask::BlockCensus`)
+/// for `kv_end` at address `kv_end` (`tokens` int32 values read as u32,
+/// contiguous, CPU) and square blocks of `block`. Returns, as int32
+/// little-endian bytes, `(kv_num [n], kv_indices [n, n], full_num [n],
+/// full_indices [n, n])` with `n = ceil(tokens / block)`; each row's indices
+/// ascending, then zeros.
+#[pyfunction]
+fn block_census<'py>(
+    py: Python<'py>,
+    kv_end: usize,
+    tokens: usize,
+    block: usize,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    // Safety: the wrapper passes a live contiguous int32 CPU tensor of
+    // `tokens` elements that it does not write meanwhile.
+    let kv: &[u32] = unsafe { slice("kv_end", kv_end, tokens)? };
+    let out = py.detach(|| {
+        guarded(|| {
+            let pos = vec![0u32; kv.len()];
+            let mask = PackMask::new(kv, &pos).map_err(to_py)?;
+            let c = BlockCensus::new(&mask, block).map_err(to_py)?;
+            let n = c.blocks();
+            let table = |lists: &[Vec<u32>]| {
+                let mut num = Vec::with_capacity(n * 4);
+                let mut idx = vec![0u8; n * n * 4];
+                for (i, l) in lists.iter().enumerate() {
+                    num.extend_from_slice(&(l.len() as i32).to_le_bytes());
+                    for (j, &b) in l.iter().enumerate() {
+                        idx[(i * n + j) * 4..(i * n + j + 1) * 4]
+                            .copy_from_slice(&(b as i32).to_le_bytes());
+                    }
+                }
+                (num, idx)
+            };
+            let (pn, pi) = table(&c.partial);
+            let (fnum, fi) = table(&c.full);
+            Ok(vec![pn, pi, fnum, fi])
+        })
+    })?;
+    Ok(out.iter().map(|b| PyBytes::new(py, b)).collect())
+}
+
 /// The native half of the `treeattn` Python package.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -1029,6 +1071,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sdcc_forward_kl, m)?)?;
     m.add_function(wrap_pyfunction!(pack, m)?)?;
     m.add_function(wrap_pyfunction!(gae, m)?)?;
+    m.add_function(wrap_pyfunction!(block_census, m)?)?;
     m.add_function(wrap_pyfunction!(grpo, m)?)?;
     m.add_function(wrap_pyfunction!(pack_cost, m)?)?;
     m.add_function(wrap_pyfunction!(paths, m)?)?;

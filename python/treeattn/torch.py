@@ -39,14 +39,16 @@ the computation runs with the GIL released.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import _native
 
-__all__ = ["tree_attention", "sdcc_forward_kl", "set_num_threads", "get_num_threads", "cuda_built"]
+__all__ = [
+    "tree_attention", "sdcc_forward_kl", "set_num_threads", "get_num_threads", "cuda_built", "TreeMask",
+]
 
 _threads = 0  # 0: the crate's default (TREEATTN_THREADS or all cores)
 
@@ -272,16 +274,206 @@ def _no_cuda(what: str) -> None:
     )
 
 
+# --------------------------------------------------------------------------
+# the mask of a pack, validated once, and its forms for other kernels
+
+
+class TreeMask:
+    """The mask of one pack — ``kv_end`` (query ``q`` sees key ``k`` iff
+    ``k <= q < kv_end[k]``) and its position ids — validated once, for every
+    attention call and layer of a forward, and converted for the kernels
+    users already run.
+
+    ``kv_end``, ``position_ids``: ``[L]`` integer tensors (``position_ids``
+    optional: needed for rotary). ``device``: where the int64 copies live
+    (default: ``kv_end``'s); int32 host copies (read as u32 by the crate)
+    are kept too. Pass a ``TreeMask`` wherever :func:`tree_attention` takes
+    ``kv_end``.
+
+    Interop, each exact (tested against the dense mask):
+
+    - :meth:`block_mask`: a FlexAttention ``BlockMask`` from the crate's
+      block census (``O(L + n²)`` for ``n = L / block``), no
+      ``create_block_mask``;
+    - :meth:`flashmask`: FlashMask's ``startend_row_indices`` (causal,
+      lower-triangle start per key column: rows ``[k, kv_end[k])`` see key
+      ``k``, so the start of the masked rows is ``kv_end``);
+    - :meth:`tin_tout`: the ``tin[k] <= tin[q] < tout[k]`` form of TRL's tree
+      packing (``tin`` = row, ``tout`` = ``kv_end``);
+    - :meth:`magi_ranges`: MagiAttention's ``q_ranges`` / ``k_ranges`` /
+      mask types (a causal slice per trie node, a full slice per run of its
+      ancestors' rows).
+
+    What it does not do yet: on CUDA the crate's kernels still take the mask
+    from host memory per call (a device-resident plan is not built).
+    """
+
+    def __init__(self, kv_end: Tensor, position_ids: Optional[Tensor] = None, *, device: Any = None):
+        if not isinstance(kv_end, Tensor) or kv_end.dim() != 1 or kv_end.dtype not in _INT:
+            raise ValueError(
+                f"kv_end must be a 1-D integer torch.Tensor, got "
+                f"{type(kv_end).__name__ if not isinstance(kv_end, Tensor) else (tuple(kv_end.shape), kv_end.dtype)}"
+            )
+        L = int(kv_end.shape[0])
+        if position_ids is not None:
+            if not isinstance(position_ids, Tensor) or position_ids.dim() != 1 or position_ids.dtype not in _INT:
+                raise ValueError("position_ids must be a 1-D integer torch.Tensor or None")
+            if position_ids.shape[0] != L:
+                raise ValueError(f"position_ids has {position_ids.shape[0]} entries, kv_end has {L}")
+        self._ke32, self._pos32 = _mask_u32(kv_end.cpu(), None if position_ids is None else position_ids.cpu(), L)
+        dev = torch.device(device) if device is not None else kv_end.device
+        self.kv_end = kv_end.to(dev, torch.int64)
+        self.position_ids = None if position_ids is None else position_ids.to(dev, torch.int64)
+        self._block_masks: Dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return int(self.kv_end.shape[0])
+
+    def dense(self) -> Tensor:
+        """The ``[L, L]`` boolean mask (``O(L²)``: for checks and small packs)."""
+        L = len(self)
+        i = torch.arange(L, device=self.kv_end.device)
+        return (i[None, :] <= i[:, None]) & (i[:, None] < self.kv_end[None, :])
+
+    def block_census(self, block_size: int = 128) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(kv_num_blocks [n], kv_indices [n, n], full_kv_num_blocks [n],
+        full_kv_indices [n, n])`` int32 for square blocks of ``block_size``:
+        per query block, the key blocks with some but not all pairs visible
+        (partial) and with all (full), ascending, then zeros — exactly what
+        ``create_block_mask`` finds (a block cut short by the pack's end is
+        padded with masked pairs, so never full)."""
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        L = len(self)
+        n = -(-L // block_size)
+        raw = _native.block_census(_ptr(self._ke32), L, block_size)
+
+        def t(b: bytes, shape):
+            if not b:
+                return torch.zeros(shape, dtype=torch.int32)
+            return torch.frombuffer(bytearray(b), dtype=torch.int32).view(shape)
+
+        return t(raw[0], (n,)), t(raw[1], (n, n)), t(raw[2], (n,)), t(raw[3], (n, n))
+
+    def block_mask(self, block_size: int = 128) -> Any:
+        """A FlexAttention ``BlockMask`` of this mask (batch and heads
+        broadcast), built from :meth:`block_census` with a ``mask_mod`` that
+        reads ``kv_end`` for the partial blocks; cached per block size."""
+        if block_size in self._block_masks:
+            return self._block_masks[block_size]
+        from torch.nn.attention.flex_attention import BlockMask
+
+        L = len(self)
+        dev = self.kv_end.device
+        num, idx, fnum, fidx = (x.to(dev)[None, None] for x in self.block_census(block_size))
+        n = num.shape[-1]
+        # kv_end padded to whole blocks with 0 (no query sees a padded key):
+        # FlexAttention may evaluate mask_mod past L in the last block.
+        ke = torch.zeros(n * block_size, dtype=torch.int64, device=dev)
+        ke[:L] = self.kv_end
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx < ke[kv_idx])
+
+        bm = BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                      seq_lengths=(L, L))
+        self._block_masks[block_size] = bm
+        return bm
+
+    def flashmask(self) -> Tensor:
+        """FlashMask's ``startend_row_indices`` ``[1, 1, L, 1]`` int32 for a
+        causal mask with lower-triangle start: key ``k`` is masked from row
+        ``kv_end[k]`` on."""
+        return self.kv_end.to(torch.int32).view(1, 1, -1, 1)
+
+    def magi_ranges(self) -> Tuple[Tensor, Tensor, list]:
+        """MagiAttention's form: ``(q_ranges [S, 2], k_ranges [S, 2],
+        types)`` int32 ranges ``[start, end)`` and one mask type per slice,
+        ``"causal"`` or ``"full"``. One causal slice per trie node (its rows
+        against themselves) and one full slice per maximal contiguous run of
+        its ancestors' rows (:func:`treeattn.paths`); a padding row (no key
+        visible to itself) gets only its ancestors. ``S`` is about nodes ×
+        (1 + ancestor runs); the union of the slices is the tree mask."""
+        from . import paths as _paths
+
+        P = _paths(self.kv_end.cpu())
+        ke = self.kv_end.cpu().tolist()
+        starts, ends, parents = P.node_start.tolist(), P.node_end.tolist(), P.node_parent.tolist()
+        runs_of: list = []
+        qr, kr, types = [], [], []
+
+        def extend(runs, s, e):
+            if s >= e:
+                return runs
+            if runs and runs[-1][1] == s:
+                return runs[:-1] + [(runs[-1][0], e)]
+            return runs + [(s, e)]
+
+        for n, (s, e, p) in enumerate(zip(starts, ends, parents)):
+            runs = [] if p < 0 else extend(runs_of[p], starts[p], ends[p])
+            runs_of.append(runs)
+            own_end = e - 1 if ke[e - 1] == e - 1 else e  # a padding row ends its node
+            if own_end > s:
+                for a, b in runs:
+                    qr.append((s, own_end)), kr.append((a, b)), types.append("full")
+                qr.append((s, own_end)), kr.append((s, own_end)), types.append("causal")
+            if own_end < e:
+                for a, b in extend(runs, s, own_end):
+                    qr.append((own_end, e)), kr.append((a, b)), types.append("full")
+        t = lambda x: torch.tensor(x, dtype=torch.int32).view(-1, 2)  # noqa: E731
+        return t(qr), t(kr), types
+
+    def tin_tout(self) -> Tuple[Tensor, Tensor]:
+        """``(tin, tout)`` with ``tin[k] <= tin[q] < tout[k]`` iff ``q`` sees
+        ``k`` (TRL's tree-packing form): ``tin`` = row index, ``tout`` =
+        ``kv_end``."""
+        return torch.arange(len(self), device=self.kv_end.device), self.kv_end.clone()
+
+
+def _rotate(x: Tensor, pos: Tensor, base: float, dims: int) -> Tensor:
+    """Llama rotate-half rotary of ``x`` ``[L, H, d]`` at ``pos`` ``[L]`` over
+    the first ``dims`` lanes, computed in float32 or better."""
+    half = dims // 2
+    wdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2.0 / dims)
+    ang = pos.to(x.device, torch.float64)[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :].to(wdt)
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :].to(wdt)
+    xr, rest = x[..., :dims].to(wdt), x[..., dims:]
+    rot = torch.cat([-xr[..., half:], xr[..., :half]], -1)
+    return torch.cat([(xr * cos + rot * sin).to(x.dtype), rest], -1)
+
+
+_flex_compiled: Dict[str, Any] = {}
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, mask: TreeMask, scale: float, block_size: int) -> Tensor:
+    """FlexAttention (compiled) with the mask's BlockMask; q ``[L, Hq, d]``."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    key = q.device.type
+    if key not in _flex_compiled:
+        _flex_compiled[key] = torch.compile(flex_attention, dynamic=False)
+    hq, hkv = q.shape[1], k.shape[1]
+    o = _flex_compiled[key](
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        block_mask=mask.block_mask(block_size), scale=scale, enable_gqa=hq != hkv,
+    )
+    return o[0].transpose(0, 1)
+
+
 def tree_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    kv_end: Tensor,
+    kv_end: Union[Tensor, TreeMask],
     *,
     scale: Optional[float] = None,
     position_ids: Optional[Tensor] = None,
     rope_base: Optional[float] = None,
     rope_dims: Optional[int] = None,
+    backend: str = "treeattn",
+    block_size: int = 128,
 ) -> Tensor:
     """Exact attention on a packed tree: query ``q`` sees key ``k`` iff
     ``k <= q < kv_end[k]``.
@@ -296,7 +488,24 @@ def tree_attention(
     ``rope_dims`` lanes (default ``d``); gradients are with respect to the
     unrotated q and k. Returns O ``[L, Hq, d]`` in q's dtype; a query row
     with no visible key gets O = 0 (and zero gradients), never NaN.
+
+    ``kv_end`` may be a :class:`TreeMask` (validated once; its position ids
+    are used when ``position_ids`` is not given). ``backend``:
+    ``"treeattn"`` (the crate's CPU backend or CUDA kernels), ``"flex"``
+    (FlexAttention, compiled, with :meth:`TreeMask.block_mask` of
+    ``block_size``; rotary applied in torch first; on CPU torch has no
+    FlexAttention backward), or ``"auto"``: the crate's kernels where they
+    run (CPU; CUDA when built with them, bfloat16 / float16, head dim 64 or
+    128), else FlexAttention.
     """
+    if backend not in ("treeattn", "flex", "auto"):
+        raise ValueError(f'backend {backend!r}: expected "treeattn", "flex" or "auto"')
+    mask: Optional[TreeMask] = None
+    if isinstance(kv_end, TreeMask):
+        mask = kv_end
+        kv_end = mask.kv_end
+        if position_ids is None:
+            position_ids = mask.position_ids
     for name, t in (("q", q), ("k", k), ("v", v), ("kv_end", kv_end)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -353,6 +562,18 @@ def tree_attention(
     for name, t in (("k", k), ("v", v), ("kv_end", kv_end), ("position_ids", position_ids)):
         if t is not None:
             _check_device(name, t, device)
+    if backend == "auto":
+        ours = device.type == "cpu" or (
+            device.type == "cuda" and cuda_built() and q.dtype in (torch.bfloat16, torch.float16) and d in (64, 128)
+        )
+        backend = "treeattn" if ours else "flex"
+    if backend == "flex":
+        if mask is None:
+            mask = TreeMask(kv_end, position_ids)
+        if rope_base is not None:
+            q = _rotate(q, position_ids, rope_base, rope_dims)
+            k = _rotate(k, position_ids, rope_base, rope_dims)
+        return _flex(q, k, v, mask, scale, block_size)
     if device.type == "cuda":
         if not cuda_built():
             _no_cuda("tree_attention")

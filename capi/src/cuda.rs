@@ -55,8 +55,11 @@ struct DeviceCall {
 }
 
 /// Kernels of `device` on `stream` (checked as an ordinal).
+///
+/// Safety: `stream` is null or a live stream of `device`'s primary context
+/// (what the entries' callers promise).
 #[cfg(feature = "cuda")]
-fn device_backend(
+unsafe fn device_backend(
     device: i32,
     stream: *mut c_void,
 ) -> crate::R<treeattn::backend::cuda::CudaBackend> {
@@ -277,54 +280,24 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward(
     })
 }
 
-/// The logits of one device SDCC call, as C gives them.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-struct DeviceSdcc {
-    device: i32,
-    stream: *mut c_void,
-    student: *const c_void,
-    student_rows: usize,
-    teacher: *const c_void,
-    teacher_rows: usize,
-    vocab: usize,
-    pairs: *const u32,
-    weights: *const f32,
-    n_pairs: usize,
-    temperature: f32,
-    grad_student: *mut f32,
-    loss: *mut TreeattnSdccLoss,
-    per_pair: *mut f64,
-}
-
 #[cfg(feature = "cuda")]
-unsafe fn sdcc<T>(c: DeviceSdcc) -> crate::R<()>
+unsafe fn sdcc<T>(device: i32, stream: *mut c_void, c: crate::SdccCall) -> crate::R<()>
 where
     T: treeattn::backend::launch::sdcc::SdccElem
         + treeattn::backend::cuda::cudarc::driver::DeviceRepr,
 {
     for (what, p) in [
-        ("student", c.student as *const u8),
-        ("teacher", c.teacher as _),
+        ("student", c.student),
+        ("teacher", c.teacher),
         ("grad_student", c.grad_student as _),
-        ("loss", c.loss as _),
     ] {
         if p.is_null() {
             return Err(null(what));
         }
     }
-    let n2 = c
-        .n_pairs
-        .checked_mul(2)
-        .ok_or_else(|| Fail(crate::TREEATTN_ERR_SHAPE, "n_pairs overflows".into()))?;
-    let flat = slice("pairs", c.pairs, n2)?;
-    let weights = slice("weights", c.weights, c.n_pairs)?;
-    let per = if c.per_pair.is_null() {
-        None
-    } else {
-        Some(crate::slice_mut("per_pair", c.per_pair, c.n_pairs)?)
-    };
-    let pairs: Vec<(u32, u32)> = flat.chunks_exact(2).map(|p| (p[0], p[1])).collect();
-    let be = device_backend(c.device, c.stream)?;
+    let h = c.host()?;
+    let pairs = h.pairs();
+    let be = device_backend(device, stream)?;
     let out = be.sdcc_raw::<T>(
         c.student as u64,
         c.student_rows,
@@ -332,11 +305,11 @@ where
         c.teacher_rows,
         c.vocab,
         &pairs,
-        weights,
+        h.weights,
         c.temperature,
         c.grad_student as u64,
     )?;
-    crate::write_sdcc(&out, c.loss, per);
+    crate::write_sdcc(&out, c.loss, h.per_pair);
     Ok(())
 }
 
@@ -369,9 +342,7 @@ pub unsafe extern "C" fn treeattn_cuda_sdcc_forward_kl(
     per_pair: *mut f64,
 ) -> i32 {
     const ENTRY: &str = "treeattn_cuda_sdcc_forward_kl";
-    let c = DeviceSdcc {
-        device,
-        stream,
+    let c = crate::SdccCall {
         student,
         student_rows,
         teacher,
@@ -381,7 +352,7 @@ pub unsafe extern "C" fn treeattn_cuda_sdcc_forward_kl(
         weights,
         n_pairs,
         temperature,
-        grad_student,
+        grad_student: grad_student.cast(),
         loss,
         per_pair,
     };
@@ -389,13 +360,13 @@ pub unsafe extern "C" fn treeattn_cuda_sdcc_forward_kl(
         check_dtype(ENTRY, dtype, &SDCC_DTYPES)?;
         #[cfg(feature = "cuda")]
         return match dtype {
-            TREEATTN_BF16 => sdcc::<treeattn::half::bf16>(c),
-            TREEATTN_F16 => sdcc::<treeattn::half::f16>(c),
-            _ => sdcc::<f32>(c),
+            TREEATTN_BF16 => sdcc::<treeattn::half::bf16>(device, stream, c),
+            TREEATTN_F16 => sdcc::<treeattn::half::f16>(device, stream, c),
+            _ => sdcc::<f32>(device, stream, c),
         };
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = c;
+            let _ = (device, stream, c);
             Err(no_cuda(ENTRY))
         }
     })

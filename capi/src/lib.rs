@@ -791,8 +791,9 @@ pub unsafe extern "C" fn treeattn_attention_backward(
     })
 }
 
-/// The host arguments of an SDCC call, as C gives them.
-struct HostSdcc {
+/// The arguments of an SDCC call as C gives them, host or device logits
+/// (`pairs`, `weights`, `loss` and `per_pair` are host memory either way).
+struct SdccCall {
     student: *const c_void,
     student_rows: usize,
     teacher: *const c_void,
@@ -807,7 +808,44 @@ struct HostSdcc {
     per_pair: *mut f64,
 }
 
-unsafe fn sdcc<T: CpuFloat>(c: HostSdcc) -> R<()> {
+/// The host arrays of an SDCC call, checked: the flat pairs (`2·n_pairs`),
+/// the weights and, when given, `per_pair`.
+struct SdccHost<'a> {
+    flat: &'a [u32],
+    weights: &'a [f32],
+    per_pair: Option<&'a mut [f64]>,
+}
+
+impl SdccHost<'_> {
+    /// The pairs as (student row, teacher row).
+    fn pairs(&self) -> Vec<(u32, u32)> {
+        self.flat.chunks_exact(2).map(|p| (p[0], p[1])).collect()
+    }
+}
+
+impl SdccCall {
+    /// The host arrays, checked (and `loss` not null).
+    unsafe fn host<'a>(&self) -> R<SdccHost<'a>> {
+        let n2 = self
+            .n_pairs
+            .checked_mul(2)
+            .ok_or_else(|| Fail(TREEATTN_ERR_SHAPE, "n_pairs overflows".into()))?;
+        if self.loss.is_null() {
+            return Err(null("loss"));
+        }
+        Ok(SdccHost {
+            flat: slice("pairs", self.pairs, n2)?,
+            weights: slice("weights", self.weights, self.n_pairs)?,
+            per_pair: if self.per_pair.is_null() {
+                None
+            } else {
+                Some(slice_mut("per_pair", self.per_pair, self.n_pairs)?)
+            },
+        })
+    }
+}
+
+unsafe fn sdcc<T: CpuFloat>(c: SdccCall) -> R<()> {
     let elems = |rows: usize, what: &str| {
         rows.checked_mul(c.vocab)
             .ok_or_else(|| Fail(TREEATTN_ERR_SHAPE, format!("{what}_rows · vocab overflows")))
@@ -816,45 +854,29 @@ unsafe fn sdcc<T: CpuFloat>(c: HostSdcc) -> R<()> {
         elems(c.student_rows, "student")?,
         elems(c.teacher_rows, "teacher")?,
     );
-    let n2 = c
-        .n_pairs
-        .checked_mul(2)
-        .ok_or_else(|| Fail(TREEATTN_ERR_SHAPE, "n_pairs overflows".into()))?;
-    if c.loss.is_null() {
-        return Err(null("loss"));
-    }
+    let h = c.host()?;
     let student = slice("student", c.student.cast::<T>(), ns)?;
     let teacher = slice("teacher", c.teacher.cast::<T>(), nt)?;
-    let flat = slice("pairs", c.pairs, n2)?;
-    let weights = slice("weights", c.weights, c.n_pairs)?;
     let grad = slice_mut("grad_student", c.grad_student.cast::<T>(), ns)?;
-    let per = if c.per_pair.is_null() {
-        None
-    } else {
-        Some(slice_mut("per_pair", c.per_pair, c.n_pairs)?)
-    };
     let mut outs = vec![range("grad_student", grad)];
-    if let Some(p) = &per {
+    if let Some(p) = &h.per_pair {
         outs.push(range("per_pair", p));
     }
-    let lr = (
-        c.loss as usize,
-        c.loss as usize + std::mem::size_of::<TreeattnSdccLoss>(),
-    );
-    outs.push(("loss", lr.0, lr.1));
+    let loss = c.loss as usize;
+    outs.push(("loss", loss, loss + std::mem::size_of::<TreeattnSdccLoss>()));
     no_overlap(
         &outs,
         &[
             range("student", student),
             range("teacher", teacher),
-            range("pairs", flat),
-            range("weights", weights),
+            range("pairs", h.flat),
+            range("weights", h.weights),
         ],
     )?;
-    let pairs: Vec<(u32, u32)> = flat.chunks_exact(2).map(|p| (p[0], p[1])).collect();
-    let args = SdccArgs::new(student, teacher, c.vocab, &pairs, weights, c.temperature)?;
+    let pairs = h.pairs();
+    let args = SdccArgs::new(student, teacher, c.vocab, &pairs, h.weights, c.temperature)?;
     let out = Cpu::default().sdcc_forward_kl(&args, grad)?;
-    write_sdcc(&out, c.loss, per);
+    write_sdcc(&out, c.loss, h.per_pair);
     Ok(())
 }
 
@@ -899,7 +921,7 @@ pub unsafe extern "C" fn treeattn_sdcc_forward_kl(
     loss: *mut TreeattnSdccLoss,
     per_pair: *mut f64,
 ) -> i32 {
-    let c = HostSdcc {
+    let c = SdccCall {
         student,
         student_rows,
         teacher,

@@ -468,16 +468,7 @@ pub unsafe extern "C" fn treeattn_pack_u32(
     data: *mut *const u32,
     len: *mut usize,
 ) -> i32 {
-    guard(|| {
-        let p = pack.as_ref().ok_or_else(|| null("pack"))?;
-        let v = p.u32s.get(field as usize).ok_or_else(|| {
-            Fail(
-                TREEATTN_ERR_SHAPE,
-                format!("no uint32_t pack field {field} (0..=9)"),
-            )
-        })?;
-        write_array(v, data, len)
-    })
+    pack_field(pack, field, "uint32_t", |p| &p.u32s, data, len)
 }
 
 /// As [`treeattn_pack_u32`] for the `float` arrays
@@ -489,12 +480,26 @@ pub unsafe extern "C" fn treeattn_pack_f32(
     data: *mut *const f32,
     len: *mut usize,
 ) -> i32 {
+    pack_field(pack, field, "float", |p| &p.f32s, data, len)
+}
+
+/// The getters' body: array `field` of `arrays(pack)` (of C type `kind`)
+/// into `*data` and `*len`.
+unsafe fn pack_field<T>(
+    pack: *const TreeattnPack,
+    field: u32,
+    kind: &str,
+    arrays: fn(&TreeattnPack) -> &[Vec<T>],
+    data: *mut *const T,
+    len: *mut usize,
+) -> i32 {
     guard(|| {
         let p = pack.as_ref().ok_or_else(|| null("pack"))?;
-        let v = p.f32s.get(field as usize).ok_or_else(|| {
+        let all = arrays(p);
+        let v = all.get(field as usize).ok_or_else(|| {
             Fail(
                 TREEATTN_ERR_SHAPE,
-                format!("no float pack field {field} (0..=1)"),
+                format!("no {kind} pack field {field} (0..={})", all.len() - 1),
             )
         })?;
         write_array(v, data, len)

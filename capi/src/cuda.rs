@@ -18,10 +18,10 @@
 
 use std::ffi::c_void;
 
-use crate::{check_dtype, guard, Fail, TreeattnDtype, TreeattnParams, TreeattnSdccLoss};
+use crate::{check_dtype, guard, AttnCall, AttnGrads, Fail, TreeattnDtype, TreeattnParams};
 #[cfg(feature = "cuda")]
 use crate::{null, params_of, shape_of, slice};
-use crate::{TreeattnShape, TREEATTN_BF16, TREEATTN_F16, TREEATTN_F32};
+use crate::{TreeattnSdccLoss, TreeattnShape, TREEATTN_BF16, TREEATTN_F16, TREEATTN_F32};
 
 /// The element types of the device attention entries (the kernels').
 const ATTENTION_DTYPES: [TreeattnDtype; 2] = [TREEATTN_BF16, TREEATTN_F16];
@@ -38,20 +38,6 @@ fn no_cuda(what: &str) -> Fail {
              (build it with `cargo build --release -p treeattn-capi --features cuda`)"
         ),
     )
-}
-
-/// The pointers and sizes of one device attention call, as C gives them.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-struct DeviceCall {
-    device: i32,
-    stream: *mut c_void,
-    q: *const c_void,
-    k: *const c_void,
-    v: *const c_void,
-    shape: TreeattnShape,
-    kv_end: *const u32,
-    position_ids: *const u32,
-    params: *const TreeattnParams,
 }
 
 /// Kernels of `device` on `stream` (checked as an ordinal).
@@ -78,7 +64,9 @@ unsafe fn device_backend(
 /// there, then `f`.
 #[cfg(feature = "cuda")]
 unsafe fn with_device_call(
-    c: &DeviceCall,
+    device: i32,
+    stream: *mut c_void,
+    c: &AttnCall,
     f: impl FnOnce(
         &treeattn::backend::cuda::CudaBackend,
         &treeattn::backend::cuda::DevicePack,
@@ -97,7 +85,7 @@ unsafe fn with_device_call(
     let kv_end = slice("kv_end", c.kv_end, shape.tokens)?;
     let pos = slice("position_ids", c.position_ids, shape.tokens)?;
     let mask = PackMask::new(kv_end, pos)?;
-    let be = device_backend(c.device, c.stream)?;
+    let be = device_backend(device, stream)?;
     let pack = be.upload_pack(mask)?;
     let call = host::RawAttention {
         q: c.q as u64,
@@ -111,7 +99,13 @@ unsafe fn with_device_call(
 }
 
 #[cfg(feature = "cuda")]
-unsafe fn forward<T>(c: DeviceCall, o: *mut c_void, lse: *mut f32) -> crate::R<()>
+unsafe fn forward<T>(
+    device: i32,
+    stream: *mut c_void,
+    c: AttnCall,
+    o: *mut c_void,
+    lse: *mut f32,
+) -> crate::R<()>
 where
     T: treeattn::backend::launch::KernelElem + treeattn::backend::cuda::cudarc::driver::DeviceRepr,
 {
@@ -121,40 +115,19 @@ where
     if lse.is_null() {
         return Err(null("lse"));
     }
-    with_device_call(&c, |be, pack, call| {
+    with_device_call(device, stream, &c, |be, pack, call| {
         be.forward_raw::<T>(pack, call, o as u64, lse as u64)
     })
 }
 
-/// The outputs and saved tensors of one device backward call.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-struct DeviceGrads {
-    o: *const c_void,
-    lse: *const f32,
-    d_o: *const c_void,
-    dq: *mut c_void,
-    dk: *mut c_void,
-    dv: *mut c_void,
-}
-
+/// `g.lse` is `float` here, whatever the element type.
 #[cfg(feature = "cuda")]
-unsafe fn backward<T>(c: DeviceCall, g: DeviceGrads) -> crate::R<()>
+unsafe fn backward<T>(device: i32, stream: *mut c_void, c: AttnCall, g: AttnGrads) -> crate::R<()>
 where
     T: treeattn::backend::launch::KernelElem + treeattn::backend::cuda::cudarc::driver::DeviceRepr,
 {
-    for (what, p) in [
-        ("o", g.o as *const u8),
-        ("lse", g.lse as _),
-        ("d_o", g.d_o as _),
-        ("dq", g.dq as _),
-        ("dk", g.dk as _),
-        ("dv", g.dv as _),
-    ] {
-        if p.is_null() {
-            return Err(null(what));
-        }
-    }
-    with_device_call(&c, |be, pack, call| {
+    g.check_null()?;
+    with_device_call(device, stream, &c, |be, pack, call| {
         be.backward_raw::<T>(
             pack,
             call,
@@ -193,9 +166,7 @@ pub unsafe extern "C" fn treeattn_cuda_attention_forward(
     lse: *mut f32,
 ) -> i32 {
     const ENTRY: &str = "treeattn_cuda_attention_forward";
-    let c = DeviceCall {
-        device,
-        stream,
+    let c = AttnCall {
         q,
         k,
         v,
@@ -208,12 +179,12 @@ pub unsafe extern "C" fn treeattn_cuda_attention_forward(
         check_dtype(ENTRY, dtype, &ATTENTION_DTYPES)?;
         #[cfg(feature = "cuda")]
         return match dtype {
-            TREEATTN_BF16 => forward::<treeattn::half::bf16>(c, o, lse),
-            _ => forward::<treeattn::half::f16>(c, o, lse),
+            TREEATTN_BF16 => forward::<treeattn::half::bf16>(device, stream, c, o, lse),
+            _ => forward::<treeattn::half::f16>(device, stream, c, o, lse),
         };
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (c, o, lse);
+            let _ = (device, stream, c, o, lse);
             Err(no_cuda(ENTRY))
         }
     })
@@ -246,9 +217,7 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward(
     dv: *mut c_void,
 ) -> i32 {
     const ENTRY: &str = "treeattn_cuda_attention_backward";
-    let c = DeviceCall {
-        device,
-        stream,
+    let c = AttnCall {
         q,
         k,
         v,
@@ -257,9 +226,9 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward(
         position_ids,
         params,
     };
-    let g = DeviceGrads {
+    let g = AttnGrads {
         o,
-        lse,
+        lse: lse.cast(),
         d_o,
         dq,
         dk,
@@ -269,12 +238,12 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward(
         check_dtype(ENTRY, dtype, &ATTENTION_DTYPES)?;
         #[cfg(feature = "cuda")]
         return match dtype {
-            TREEATTN_BF16 => backward::<treeattn::half::bf16>(c, g),
-            _ => backward::<treeattn::half::f16>(c, g),
+            TREEATTN_BF16 => backward::<treeattn::half::bf16>(device, stream, c, g),
+            _ => backward::<treeattn::half::f16>(device, stream, c, g),
         };
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (c, g);
+            let _ = (device, stream, c, g);
             Err(no_cuda(ENTRY))
         }
     })

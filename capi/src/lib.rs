@@ -558,17 +558,60 @@ struct Inputs<'a, T> {
     params: AttnParams,
 }
 
+/// The inputs of an attention call as C gives them: q, k, v on the host or
+/// the device (by entry), the pack's arrays and the params on the host.
+#[derive(Clone, Copy)]
+struct AttnCall {
+    q: *const c_void,
+    k: *const c_void,
+    v: *const c_void,
+    shape: TreeattnShape,
+    kv_end: *const u32,
+    position_ids: *const u32,
+    params: *const TreeattnParams,
+}
+
+/// What a backward call adds to its [`AttnCall`]: the forward's `o` and
+/// `lse`, the output gradient `d_o`, and the gradients it writes.
+struct AttnGrads {
+    o: *const c_void,
+    lse: *const c_void,
+    d_o: *const c_void,
+    dq: *mut c_void,
+    dk: *mut c_void,
+    dv: *mut c_void,
+}
+
+impl AttnGrads {
+    /// `Err(TREEATTN_ERR_NULL)` naming the first null pointer.
+    fn check_null(&self) -> R<()> {
+        for (what, p) in [
+            ("o", self.o),
+            ("lse", self.lse),
+            ("d_o", self.d_o),
+            ("dq", self.dq as _),
+            ("dk", self.dk as _),
+            ("dv", self.dv as _),
+        ] {
+            if p.is_null() {
+                return Err(null(what));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl<'a, T> Inputs<'a, T> {
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn new(
-        q: *const c_void,
-        k: *const c_void,
-        v: *const c_void,
-        shape: TreeattnShape,
-        kv_end: *const u32,
-        position_ids: *const u32,
-        params: *const TreeattnParams,
-    ) -> R<Self> {
+    unsafe fn new(c: &AttnCall) -> R<Self> {
+        let AttnCall {
+            q,
+            k,
+            v,
+            shape,
+            kv_end,
+            position_ids,
+            params,
+        } = *c;
         // Validated (sizes > 0, no overflow) before any length is used.
         let shape = shape_of(shape)?;
         let params = params_of(params, &shape)?;
@@ -647,19 +690,8 @@ fn dtype_name(dtype: TreeattnDtype) -> Option<&'static str> {
 /// The element types of the host entries (the CPU backend's).
 const HOST_DTYPES: [TreeattnDtype; 2] = [TREEATTN_F32, TREEATTN_F64];
 
-#[allow(clippy::too_many_arguments)]
-unsafe fn forward<T: CpuFloat>(
-    q: *const c_void,
-    k: *const c_void,
-    v: *const c_void,
-    shape: TreeattnShape,
-    kv_end: *const u32,
-    position_ids: *const u32,
-    params: *const TreeattnParams,
-    o: *mut c_void,
-    lse: *mut c_void,
-) -> R<()> {
-    let inputs = Inputs::<T>::new(q, k, v, shape, kv_end, position_ids, params)?;
+unsafe fn forward<T: CpuFloat>(c: AttnCall, o: *mut c_void, lse: *mut c_void) -> R<()> {
+    let inputs = Inputs::<T>::new(&c)?;
     let s = inputs.shape;
     if o.is_null() {
         return Err(null("o"));
@@ -675,42 +707,16 @@ unsafe fn forward<T: CpuFloat>(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-unsafe fn backward<T: CpuFloat>(
-    q: *const c_void,
-    k: *const c_void,
-    v: *const c_void,
-    shape: TreeattnShape,
-    kv_end: *const u32,
-    position_ids: *const u32,
-    params: *const TreeattnParams,
-    o: *const c_void,
-    lse: *const c_void,
-    d_o: *const c_void,
-    dq: *mut c_void,
-    dk: *mut c_void,
-    dv: *mut c_void,
-) -> R<()> {
-    let inputs = Inputs::<T>::new(q, k, v, shape, kv_end, position_ids, params)?;
+unsafe fn backward<T: CpuFloat>(c: AttnCall, g: AttnGrads) -> R<()> {
+    let inputs = Inputs::<T>::new(&c)?;
     let s = inputs.shape;
-    for (what, p) in [
-        ("o", o),
-        ("lse", lse),
-        ("d_o", d_o),
-        ("dq", dq as _),
-        ("dk", dk as _),
-        ("dv", dv as _),
-    ] {
-        if p.is_null() {
-            return Err(null(what));
-        }
-    }
-    let o = slice("o", o.cast::<T>(), s.q_len())?;
-    let lse = slice("lse", lse.cast::<T>(), s.lse_len())?;
-    let d_o = slice("d_o", d_o.cast::<T>(), s.q_len())?;
-    let dq = slice_mut("dq", dq.cast::<T>(), s.q_len())?;
-    let dk = slice_mut("dk", dk.cast::<T>(), s.kv_len())?;
-    let dv = slice_mut("dv", dv.cast::<T>(), s.kv_len())?;
+    g.check_null()?;
+    let o = slice("o", g.o.cast::<T>(), s.q_len())?;
+    let lse = slice("lse", g.lse.cast::<T>(), s.lse_len())?;
+    let d_o = slice("d_o", g.d_o.cast::<T>(), s.q_len())?;
+    let dq = slice_mut("dq", g.dq.cast::<T>(), s.q_len())?;
+    let dk = slice_mut("dk", g.dk.cast::<T>(), s.kv_len())?;
+    let dv = slice_mut("dv", g.dv.cast::<T>(), s.kv_len())?;
     let mut ins = inputs.ranges();
     ins.extend([range("o", o), range("lse", lse), range("d_o", d_o)]);
     no_overlap(&[range("dq", dq), range("dk", dk), range("dv", dv)], &ins)?;
@@ -739,13 +745,21 @@ pub unsafe extern "C" fn treeattn_attention_forward(
     o: *mut c_void,
     lse: *mut c_void,
 ) -> i32 {
+    let c = AttnCall {
+        q,
+        k,
+        v,
+        shape,
+        kv_end,
+        position_ids,
+        params,
+    };
     guard(|| {
         check_dtype("treeattn_attention_forward", dtype, &HOST_DTYPES)?;
-        let run = match dtype {
-            TREEATTN_F32 => forward::<f32>,
-            _ => forward::<f64>,
-        };
-        run(q, k, v, shape, kv_end, position_ids, params, o, lse)
+        match dtype {
+            TREEATTN_F32 => forward::<f32>(c, o, lse),
+            _ => forward::<f64>(c, o, lse),
+        }
     })
 }
 
@@ -772,27 +786,29 @@ pub unsafe extern "C" fn treeattn_attention_backward(
     dk: *mut c_void,
     dv: *mut c_void,
 ) -> i32 {
+    let c = AttnCall {
+        q,
+        k,
+        v,
+        shape,
+        kv_end,
+        position_ids,
+        params,
+    };
+    let g = AttnGrads {
+        o,
+        lse,
+        d_o,
+        dq,
+        dk,
+        dv,
+    };
     guard(|| {
         check_dtype("treeattn_attention_backward", dtype, &HOST_DTYPES)?;
-        let run = match dtype {
-            TREEATTN_F32 => backward::<f32>,
-            _ => backward::<f64>,
-        };
-        run(
-            q,
-            k,
-            v,
-            shape,
-            kv_end,
-            position_ids,
-            params,
-            o,
-            lse,
-            d_o,
-            dq,
-            dk,
-            dv,
-        )
+        match dtype {
+            TREEATTN_F32 => backward::<f32>(c, g),
+            _ => backward::<f64>(c, g),
+        }
     })
 }
 

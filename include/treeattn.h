@@ -126,6 +126,16 @@
 typedef struct TreeattnPack TreeattnPack;
 
 /**
+ * The element type of an attention or SDCC call (their first argument):
+ * `TREEATTN_F32`, `TREEATTN_F64`, `TREEATTN_BF16` or `TREEATTN_F16`. Each
+ * entry takes some of them and answers `TREEATTN_ERR_UNSUPPORTED`, naming
+ * the dtype, for the others. An integer type with named values rather than
+ * a C `enum`: a value outside the list is then that error too, where a Rust
+ * enum would make it undefined behaviour.
+ */
+typedef uint32_t TreeattnDtype;
+
+/**
  * Sizes of an attention call.
  */
 typedef struct TreeattnShape {
@@ -184,6 +194,26 @@ typedef struct TreeattnSdccLoss {
    */
   double loss_mean;
 } TreeattnSdccLoss;
+
+/**
+ * `float` (IEEE binary32).
+ */
+#define TREEATTN_F32 0
+
+/**
+ * `double` (IEEE binary64).
+ */
+#define TREEATTN_F64 1
+
+/**
+ * bfloat16 (`__nv_bfloat16`; 16 bits, passed as `void *`).
+ */
+#define TREEATTN_BF16 2
+
+/**
+ * IEEE binary16 (`__half`; passed as `void *`).
+ */
+#define TREEATTN_F16 3
 
 #ifdef __cplusplus
 extern "C" {
@@ -273,108 +303,69 @@ int32_t treeattn_pack_f32(const struct TreeattnPack *pack,
                           size_t *len);
 
 /**
- * Tree attention forward on host memory, `float`, on the CPU backend:
- * `o` (like q) and `lse` (`[q_heads, tokens]`, natural log; `-inf` for a
- * row with no visible key). `kv_end` and `position_ids` have `tokens`
- * entries (a pack's arrays); `params` may be null (defaults).
+ * Tree attention forward on host memory, on the CPU backend. `dtype`
+ * `TREEATTN_F32` (`float`) or `TREEATTN_F64` (`double`) is the type of
+ * q, k, v, o and lse. Writes `o` (like q) and `lse` (`[q_heads, tokens]`,
+ * natural log; `-inf` for a row with no visible key). `kv_end` and
+ * `position_ids` have `tokens` entries (a pack's arrays); `params` may be
+ * null (defaults).
  */
-int32_t treeattn_attention_forward_f32(const float *q,
-                                       const float *k,
-                                       const float *v,
-                                       struct TreeattnShape shape,
-                                       const uint32_t *kv_end,
-                                       const uint32_t *position_ids,
-                                       const struct TreeattnParams *params,
-                                       float *o,
-                                       float *lse);
+int32_t treeattn_attention_forward(TreeattnDtype dtype,
+                                   const void *q,
+                                   const void *k,
+                                   const void *v,
+                                   struct TreeattnShape shape,
+                                   const uint32_t *kv_end,
+                                   const uint32_t *position_ids,
+                                   const struct TreeattnParams *params,
+                                   void *o,
+                                   void *lse);
 
 /**
- * As [`treeattn_attention_forward_f32`], `double`.
- */
-int32_t treeattn_attention_forward_f64(const double *q,
-                                       const double *k,
-                                       const double *v,
-                                       struct TreeattnShape shape,
-                                       const uint32_t *kv_end,
-                                       const uint32_t *position_ids,
-                                       const struct TreeattnParams *params,
-                                       double *o,
-                                       double *lse);
-
-/**
- * Tree attention backward on host memory, `float`: from the forward's
- * inputs (same shape, mask and params), its `o` and `lse`, and the output
+ * Tree attention backward on host memory, `dtype` `TREEATTN_F32` or
+ * `TREEATTN_F64` (every buffer of that type): from the forward's inputs
+ * (same shape, mask and params), its `o` and `lse`, and the output
  * gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k),
  * with respect to the unrotated q and k.
  */
-int32_t treeattn_attention_backward_f32(const float *q,
-                                        const float *k,
-                                        const float *v,
-                                        struct TreeattnShape shape,
-                                        const uint32_t *kv_end,
-                                        const uint32_t *position_ids,
-                                        const struct TreeattnParams *params,
-                                        const float *o,
-                                        const float *lse,
-                                        const float *d_o,
-                                        float *dq,
-                                        float *dk,
-                                        float *dv);
+int32_t treeattn_attention_backward(TreeattnDtype dtype,
+                                    const void *q,
+                                    const void *k,
+                                    const void *v,
+                                    struct TreeattnShape shape,
+                                    const uint32_t *kv_end,
+                                    const uint32_t *position_ids,
+                                    const struct TreeattnParams *params,
+                                    const void *o,
+                                    const void *lse,
+                                    const void *d_o,
+                                    void *dq,
+                                    void *dk,
+                                    void *dv);
 
 /**
- * As [`treeattn_attention_backward_f32`], `double`.
- */
-int32_t treeattn_attention_backward_f64(const double *q,
-                                        const double *k,
-                                        const double *v,
-                                        struct TreeattnShape shape,
-                                        const uint32_t *kv_end,
-                                        const uint32_t *position_ids,
-                                        const struct TreeattnParams *params,
-                                        const double *o,
-                                        const double *lse,
-                                        const double *d_o,
-                                        double *dq,
-                                        double *dk,
-                                        double *dv);
-
-/**
- * The fused SDCC forward KL on host memory, `float`: student logits
- * `[student_rows, vocab]`, teacher logits `[teacher_rows, vocab]`,
+ * The fused SDCC forward KL on host memory. `dtype` `TREEATTN_F32` or
+ * `TREEATTN_F64` is the type of the logits and the gradient: student
+ * logits `[student_rows, vocab]`, teacher logits `[teacher_rows, vocab]`,
  * `n_pairs` pairs as `pairs[2i]` = student row, `pairs[2i + 1]` = teacher
  * row, one weight each, temperature `τ > 0`. Writes the gradient of
  * `Σ w · KL(teacher ‖ student)` with respect to the student logits into
  * `grad_student` (like the student; rows no pair names are 0), the loss
  * into `*loss`, and, when `per_pair` is not null, each pair's unweighted KL.
  */
-int32_t treeattn_sdcc_forward_kl_f32(const float *student,
-                                     size_t student_rows,
-                                     const float *teacher,
-                                     size_t teacher_rows,
-                                     size_t vocab,
-                                     const uint32_t *pairs,
-                                     const float *weights,
-                                     size_t n_pairs,
-                                     float temperature,
-                                     float *grad_student,
-                                     struct TreeattnSdccLoss *loss,
-                                     double *per_pair);
-
-/**
- * As [`treeattn_sdcc_forward_kl_f32`], `double` logits and gradient.
- */
-int32_t treeattn_sdcc_forward_kl_f64(const double *student,
-                                     size_t student_rows,
-                                     const double *teacher,
-                                     size_t teacher_rows,
-                                     size_t vocab,
-                                     const uint32_t *pairs,
-                                     const float *weights,
-                                     size_t n_pairs,
-                                     float temperature,
-                                     double *grad_student,
-                                     struct TreeattnSdccLoss *loss,
-                                     double *per_pair);
+int32_t treeattn_sdcc_forward_kl(TreeattnDtype dtype,
+                                 const void *student,
+                                 size_t student_rows,
+                                 const void *teacher,
+                                 size_t teacher_rows,
+                                 size_t vocab,
+                                 const uint32_t *pairs,
+                                 const float *weights,
+                                 size_t n_pairs,
+                                 float temperature,
+                                 void *grad_student,
+                                 struct TreeattnSdccLoss *loss,
+                                 double *per_pair);
 
 /**
  * The message of a status code, for callers that print codes
@@ -383,284 +374,79 @@ int32_t treeattn_sdcc_forward_kl_f64(const double *student,
 const char *treeattn_status_name(int32_t status);
 
 /**
- * Tree attention forward on device memory, `__nv_bfloat16` elements
- * (passed as `void *`): q `[tokens, q_heads, head_dim]`, k and v
- * `[tokens, kv_heads, head_dim]`; writes `o` (like q, bf16) and `lse`
- * (`[q_heads, tokens]`, `float`, natural log, `-inf` for a row with no
- * visible key). Head dim 64 or 128. `kv_end` and `position_ids` are the
- * pack's host arrays (`tokens` entries); `params` may be null (defaults).
- * Enqueued on `stream` of device `device`; see the module notes.
+ * Tree attention forward on device memory. `dtype` `TREEATTN_BF16`
+ * (`__nv_bfloat16`) or `TREEATTN_F16` (`__half`) is the element type of
+ * q `[tokens, q_heads, head_dim]`, k and v `[tokens, kv_heads, head_dim]`
+ * and `o` (like q); `lse` (`[q_heads, tokens]`) is `float`, natural log,
+ * `-inf` for a row with no visible key. Head dim 64 or 128. `kv_end` and
+ * `position_ids` are the pack's host arrays (`tokens` entries); `params`
+ * may be null (defaults). Enqueued on `stream` of device `device`; see the
+ * module notes.
  */
-int32_t treeattn_cuda_attention_forward_bf16(int32_t device,
-                                             void *stream,
-                                             const void *q,
-                                             const void *k,
-                                             const void *v,
-                                             struct TreeattnShape shape,
-                                             const uint32_t *kv_end,
-                                             const uint32_t *position_ids,
-                                             const struct TreeattnParams *params,
-                                             void *o,
-                                             float *lse);
+int32_t treeattn_cuda_attention_forward(TreeattnDtype dtype,
+                                        int32_t device,
+                                        void *stream,
+                                        const void *q,
+                                        const void *k,
+                                        const void *v,
+                                        struct TreeattnShape shape,
+                                        const uint32_t *kv_end,
+                                        const uint32_t *position_ids,
+                                        const struct TreeattnParams *params,
+                                        void *o,
+                                        float *lse);
 
 /**
- * As [`treeattn_cuda_attention_forward_bf16`], `__half` elements.
+ * Tree attention backward on device memory, `dtype` `TREEATTN_BF16` or
+ * `TREEATTN_F16` as for the forward: from the forward's inputs (same
+ * shape, pack and params), its `o` and `lse` (`float`) and the output
+ * gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k), with
+ * respect to the unrotated q and k. Scratch (`4 · tokens · q_heads ·
+ * (head_dim + 1)` bytes) is allocated and freed on `stream`.
  */
-int32_t treeattn_cuda_attention_forward_f16(int32_t device,
-                                            void *stream,
-                                            const void *q,
-                                            const void *k,
-                                            const void *v,
-                                            struct TreeattnShape shape,
-                                            const uint32_t *kv_end,
-                                            const uint32_t *position_ids,
-                                            const struct TreeattnParams *params,
-                                            void *o,
-                                            float *lse);
+int32_t treeattn_cuda_attention_backward(TreeattnDtype dtype,
+                                         int32_t device,
+                                         void *stream,
+                                         const void *q,
+                                         const void *k,
+                                         const void *v,
+                                         struct TreeattnShape shape,
+                                         const uint32_t *kv_end,
+                                         const uint32_t *position_ids,
+                                         const struct TreeattnParams *params,
+                                         const void *o,
+                                         const float *lse,
+                                         const void *d_o,
+                                         void *dq,
+                                         void *dk,
+                                         void *dv);
 
 /**
- * Tree attention backward on device memory, `__nv_bfloat16`: from the
- * forward's inputs (same shape, pack and params), its `o` and `lse`
- * (`float`) and the output gradient `d_o` (like q), writes `dq` (like q),
- * `dk`, `dv` (like k), with respect to the unrotated q and k. Scratch
- * (`4 · tokens · q_heads · (head_dim + 1)` bytes) is allocated and freed
- * on `stream`.
- */
-int32_t treeattn_cuda_attention_backward_bf16(int32_t device,
-                                              void *stream,
-                                              const void *q,
-                                              const void *k,
-                                              const void *v,
-                                              struct TreeattnShape shape,
-                                              const uint32_t *kv_end,
-                                              const uint32_t *position_ids,
-                                              const struct TreeattnParams *params,
-                                              const void *o,
-                                              const float *lse,
-                                              const void *d_o,
-                                              void *dq,
-                                              void *dk,
-                                              void *dv);
-
-/**
- * As [`treeattn_cuda_attention_backward_bf16`], `__half` elements.
- */
-int32_t treeattn_cuda_attention_backward_f16(int32_t device,
-                                             void *stream,
-                                             const void *q,
-                                             const void *k,
-                                             const void *v,
-                                             struct TreeattnShape shape,
-                                             const uint32_t *kv_end,
-                                             const uint32_t *position_ids,
-                                             const struct TreeattnParams *params,
-                                             const void *o,
-                                             const float *lse,
-                                             const void *d_o,
-                                             void *dq,
-                                             void *dk,
-                                             void *dv);
-
-/**
- * The fused SDCC forward KL on device logits, `__nv_bfloat16`: student
- * `[student_rows, vocab]` and teacher `[teacher_rows, vocab]` (device;
- * they may be one buffer), `pairs` (`2·n_pairs`: student row, teacher
- * row) and `weights` on the host; writes the `float` gradient of
- * `Σ w · KL(teacher ‖ student)` with respect to the student logits into
+ * The fused SDCC forward KL on device logits. `dtype` `TREEATTN_BF16`,
+ * `TREEATTN_F16` or `TREEATTN_F32` is the element type of the student
+ * `[student_rows, vocab]` and teacher `[teacher_rows, vocab]` logits
+ * (device; they may be one buffer); `pairs` (`2·n_pairs`: student row,
+ * teacher row) and `weights` are on the host. Writes the `float` gradient
+ * of `Σ w · KL(teacher ‖ student)` with respect to the student logits into
  * the device buffer `grad_student` (like the student; rows no pair names
  * are 0), the loss into `*loss` and, when `per_pair` (host) is not null,
  * each pair's unweighted KL. Waits for `stream` once.
  */
-int32_t treeattn_cuda_sdcc_forward_kl_bf16(int32_t device,
-                                           void *stream,
-                                           const void *student,
-                                           size_t student_rows,
-                                           const void *teacher,
-                                           size_t teacher_rows,
-                                           size_t vocab,
-                                           const uint32_t *pairs,
-                                           const float *weights,
-                                           size_t n_pairs,
-                                           float temperature,
-                                           float *grad_student,
-                                           struct TreeattnSdccLoss *loss,
-                                           double *per_pair);
-
-/**
- * As [`treeattn_cuda_sdcc_forward_kl_bf16`], `__half` logits.
- */
-int32_t treeattn_cuda_sdcc_forward_kl_f16(int32_t device,
-                                          void *stream,
-                                          const void *student,
-                                          size_t student_rows,
-                                          const void *teacher,
-                                          size_t teacher_rows,
-                                          size_t vocab,
-                                          const uint32_t *pairs,
-                                          const float *weights,
-                                          size_t n_pairs,
-                                          float temperature,
-                                          float *grad_student,
-                                          struct TreeattnSdccLoss *loss,
-                                          double *per_pair);
-
-/**
- * As [`treeattn_cuda_sdcc_forward_kl_bf16`], `float` logits.
- */
-int32_t treeattn_cuda_sdcc_forward_kl_f32(int32_t device,
-                                          void *stream,
-                                          const void *student,
-                                          size_t student_rows,
-                                          const void *teacher,
-                                          size_t teacher_rows,
-                                          size_t vocab,
-                                          const uint32_t *pairs,
-                                          const float *weights,
-                                          size_t n_pairs,
-                                          float temperature,
-                                          float *grad_student,
-                                          struct TreeattnSdccLoss *loss,
-                                          double *per_pair);
-
-/**
- * Tree attention forward on device memory, `__nv_bfloat16` elements
- * (passed as `void *`): q `[tokens, q_heads, head_dim]`, k and v
- * `[tokens, kv_heads, head_dim]`; writes `o` (like q, bf16) and `lse`
- * (`[q_heads, tokens]`, `float`, natural log, `-inf` for a row with no
- * visible key). Head dim 64 or 128. `kv_end` and `position_ids` are the
- * pack's host arrays (`tokens` entries); `params` may be null (defaults).
- * Enqueued on `stream` of device `device`; see the module notes.
- */
-int32_t treeattn_cuda_attention_forward_bf16(int32_t device,
-                                             void *stream,
-                                             const void *q,
-                                             const void *k,
-                                             const void *v,
-                                             struct TreeattnShape shape,
-                                             const uint32_t *kv_end,
-                                             const uint32_t *position_ids,
-                                             const struct TreeattnParams *params,
-                                             void *o,
-                                             float *lse);
-
-/**
- * As [`treeattn_cuda_attention_forward_bf16`], `__half` elements.
- */
-int32_t treeattn_cuda_attention_forward_f16(int32_t device,
-                                            void *stream,
-                                            const void *q,
-                                            const void *k,
-                                            const void *v,
-                                            struct TreeattnShape shape,
-                                            const uint32_t *kv_end,
-                                            const uint32_t *position_ids,
-                                            const struct TreeattnParams *params,
-                                            void *o,
-                                            float *lse);
-
-/**
- * Tree attention backward on device memory, `__nv_bfloat16`: from the
- * forward's inputs (same shape, pack and params), its `o` and `lse`
- * (`float`) and the output gradient `d_o` (like q), writes `dq` (like q),
- * `dk`, `dv` (like k), with respect to the unrotated q and k. Scratch
- * (`4 · tokens · q_heads · (head_dim + 1)` bytes) is allocated and freed
- * on `stream`.
- */
-int32_t treeattn_cuda_attention_backward_bf16(int32_t device,
-                                              void *stream,
-                                              const void *q,
-                                              const void *k,
-                                              const void *v,
-                                              struct TreeattnShape shape,
-                                              const uint32_t *kv_end,
-                                              const uint32_t *position_ids,
-                                              const struct TreeattnParams *params,
-                                              const void *o,
-                                              const float *lse,
-                                              const void *d_o,
-                                              void *dq,
-                                              void *dk,
-                                              void *dv);
-
-/**
- * As [`treeattn_cuda_attention_backward_bf16`], `__half` elements.
- */
-int32_t treeattn_cuda_attention_backward_f16(int32_t device,
-                                             void *stream,
-                                             const void *q,
-                                             const void *k,
-                                             const void *v,
-                                             struct TreeattnShape shape,
-                                             const uint32_t *kv_end,
-                                             const uint32_t *position_ids,
-                                             const struct TreeattnParams *params,
-                                             const void *o,
-                                             const float *lse,
-                                             const void *d_o,
-                                             void *dq,
-                                             void *dk,
-                                             void *dv);
-
-/**
- * The fused SDCC forward KL on device logits, `__nv_bfloat16`: student
- * `[student_rows, vocab]` and teacher `[teacher_rows, vocab]` (device;
- * they may be one buffer), `pairs` (`2·n_pairs`: student row, teacher
- * row) and `weights` on the host; writes the `float` gradient of
- * `Σ w · KL(teacher ‖ student)` with respect to the student logits into
- * the device buffer `grad_student` (like the student; rows no pair names
- * are 0), the loss into `*loss` and, when `per_pair` (host) is not null,
- * each pair's unweighted KL. Waits for `stream` once.
- */
-int32_t treeattn_cuda_sdcc_forward_kl_bf16(int32_t device,
-                                           void *stream,
-                                           const void *student,
-                                           size_t student_rows,
-                                           const void *teacher,
-                                           size_t teacher_rows,
-                                           size_t vocab,
-                                           const uint32_t *pairs,
-                                           const float *weights,
-                                           size_t n_pairs,
-                                           float temperature,
-                                           float *grad_student,
-                                           struct TreeattnSdccLoss *loss,
-                                           double *per_pair);
-
-/**
- * As [`treeattn_cuda_sdcc_forward_kl_bf16`], `__half` logits.
- */
-int32_t treeattn_cuda_sdcc_forward_kl_f16(int32_t device,
-                                          void *stream,
-                                          const void *student,
-                                          size_t student_rows,
-                                          const void *teacher,
-                                          size_t teacher_rows,
-                                          size_t vocab,
-                                          const uint32_t *pairs,
-                                          const float *weights,
-                                          size_t n_pairs,
-                                          float temperature,
-                                          float *grad_student,
-                                          struct TreeattnSdccLoss *loss,
-                                          double *per_pair);
-
-/**
- * As [`treeattn_cuda_sdcc_forward_kl_bf16`], `float` logits.
- */
-int32_t treeattn_cuda_sdcc_forward_kl_f32(int32_t device,
-                                          void *stream,
-                                          const void *student,
-                                          size_t student_rows,
-                                          const void *teacher,
-                                          size_t teacher_rows,
-                                          size_t vocab,
-                                          const uint32_t *pairs,
-                                          const float *weights,
-                                          size_t n_pairs,
-                                          float temperature,
-                                          float *grad_student,
-                                          struct TreeattnSdccLoss *loss,
-                                          double *per_pair);
+int32_t treeattn_cuda_sdcc_forward_kl(TreeattnDtype dtype,
+                                      int32_t device,
+                                      void *stream,
+                                      const void *student,
+                                      size_t student_rows,
+                                      const void *teacher,
+                                      size_t teacher_rows,
+                                      size_t vocab,
+                                      const uint32_t *pairs,
+                                      const float *weights,
+                                      size_t n_pairs,
+                                      float temperature,
+                                      float *grad_student,
+                                      struct TreeattnSdccLoss *loss,
+                                      double *per_pair);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #define TA_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
+#include <stddef.h>
 
 struct ta_bf16 {
     static constexpr bool kIsBf16 = true;
@@ -20,6 +21,26 @@ struct ta_bf16 {
 struct ta_f16 {
     static constexpr bool kIsBf16 = false;
 };
+
+// The variants of the attention and rotary kernels, the one list of them:
+// X(SUFFIX, E, D, DTYPE) per element type E and head dim D, SUFFIX the tail
+// of the kernels' symbols (tree_attn_fwd_bf16_d64, ...), DTYPE the code the
+// emulator entries take (Rust's `launch::Dtype::code`). Expanded by the
+// instantiations (tree_attn_fwd.cu, tree_attn_bwd.cu, rope.cu) and the
+// emulator's switches (emu/*_entry.cpp); build.rs reads the X(...) lines to
+// generate Rust's table (`backend::launch::ATTN_VARIANTS`), which the
+// launch plans and the CUDA backend's function tables follow. One variant a
+// line, in this form.
+#define TA_ATTN_VARIANTS(X)       \
+    X(bf16_d64, ta_bf16, 64, 0)   \
+    X(bf16_d128, ta_bf16, 128, 0) \
+    X(f16_d64, ta_f16, 64, 1)     \
+    X(f16_d128, ta_f16, 128, 1)
+
+// Pins a field of a kernel argument struct (passed by value from Rust) at a
+// byte offset; each struct's `#[repr(C)]` Rust mirror asserts the same size
+// and offsets (`launch::assert_layout!`), so neither side can move alone.
+#define TA_FIELD_AT(T, F, OFF) static_assert(offsetof(T, F) == (OFF), #T "::" #F " moved: update its Rust mirror")
 
 #define TA_FULL_MASK 0xffffffffu
 

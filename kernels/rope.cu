@@ -54,7 +54,8 @@
 #include "common.cuh"
 
 // Arguments of ta_rope_table (one struct by value). Mirrored by
-// `crate::backend::launch::rope::RopeTableParams`.
+// `crate::backend::launch::rope::RopeTableParams`; both sides assert the
+// layout.
 struct TaRopeTableParams {
     float* cos;          // [positions, half]
     float* sin;          // [positions, half]
@@ -64,9 +65,15 @@ struct TaRopeTableParams {
     uint32_t dims;
     uint32_t reserved;
 };
+static_assert(sizeof(TaRopeTableParams) == 40, "TaRopeTableParams: update its Rust mirror");
+TA_FIELD_AT(TaRopeTableParams, cos, 0); TA_FIELD_AT(TaRopeTableParams, sin, 8);
+TA_FIELD_AT(TaRopeTableParams, base, 16); TA_FIELD_AT(TaRopeTableParams, positions, 24);
+TA_FIELD_AT(TaRopeTableParams, half, 28); TA_FIELD_AT(TaRopeTableParams, dims, 32);
+TA_FIELD_AT(TaRopeTableParams, reserved, 36);
 
 // Arguments of ta_rope_* (one struct by value). Mirrored by
-// `crate::backend::launch::rope::RopeApplyParams`.
+// `crate::backend::launch::rope::RopeApplyParams`; both sides assert the
+// layout.
 struct TaRopeApplyParams {
     const uint16_t* x;    // [tokens, heads, D]
     uint16_t* y;          // [tokens, heads, D]; may equal x
@@ -78,6 +85,11 @@ struct TaRopeApplyParams {
     uint32_t half;     // 1 ..= D / 2
     uint32_t inverse;  // 0: rotate (Q, K), 1: rotate back (dQ, dK)
 };
+static_assert(sizeof(TaRopeApplyParams) == 56, "TaRopeApplyParams: update its Rust mirror");
+TA_FIELD_AT(TaRopeApplyParams, x, 0); TA_FIELD_AT(TaRopeApplyParams, y, 8); TA_FIELD_AT(TaRopeApplyParams, pos, 16);
+TA_FIELD_AT(TaRopeApplyParams, cos, 24); TA_FIELD_AT(TaRopeApplyParams, sin, 32);
+TA_FIELD_AT(TaRopeApplyParams, tokens, 40); TA_FIELD_AT(TaRopeApplyParams, heads, 44);
+TA_FIELD_AT(TaRopeApplyParams, half, 48); TA_FIELD_AT(TaRopeApplyParams, inverse, 52);
 
 #define TA_ROPE_THREADS 128
 
@@ -114,11 +126,10 @@ __device__ __forceinline__ void ta_rope_apply_body(const TaRopeApplyParams& p) {
     }
 }
 
-#define TA_ROPE_KERNEL(NAME, E, D)                                                                   \
-    extern "C" __global__ void __launch_bounds__(TA_ROPE_THREADS) NAME(const TaRopeApplyParams p) { \
-        ta_rope_apply_body<E, D>(p);                                                                 \
+#define TA_ROPE_KERNEL(SUFFIX, E, D, DTYPE)                                             \
+    extern "C" __global__ void __launch_bounds__(TA_ROPE_THREADS)                        \
+        ta_rope_##SUFFIX(const TaRopeApplyParams p) {                                    \
+        ta_rope_apply_body<E, D>(p);                                                     \
     }
-TA_ROPE_KERNEL(ta_rope_bf16_d64, ta_bf16, 64)
-TA_ROPE_KERNEL(ta_rope_bf16_d128, ta_bf16, 128)
-TA_ROPE_KERNEL(ta_rope_f16_d64, ta_f16, 64)
-TA_ROPE_KERNEL(ta_rope_f16_d128, ta_f16, 128)
+TA_ATTN_VARIANTS(TA_ROPE_KERNEL)
+#undef TA_ROPE_KERNEL

@@ -45,7 +45,8 @@
 #include "common.cuh"
 
 // Kernel arguments (one struct by value). Mirrored by
-// `crate::backend::launch::sdcc::SdccParams` in Rust: keep the two in step.
+// `crate::backend::launch::sdcc::SdccParams` in Rust; both sides assert the
+// layout.
 struct SdccParams {
     const void* student;      // [student rows, vocab] of the element type
     const void* teacher;      // [teacher rows, vocab]
@@ -65,6 +66,13 @@ struct SdccParams {
     float* logp;
     uint32_t* row_status;
 };
+static_assert(sizeof(SdccParams) == 104, "SdccParams: update its Rust mirror");
+TA_FIELD_AT(SdccParams, student, 0); TA_FIELD_AT(SdccParams, teacher, 8); TA_FIELD_AT(SdccParams, pairs, 16);
+TA_FIELD_AT(SdccParams, weights, 24); TA_FIELD_AT(SdccParams, grad, 32); TA_FIELD_AT(SdccParams, kl, 40);
+TA_FIELD_AT(SdccParams, status, 48); TA_FIELD_AT(SdccParams, vocab, 56); TA_FIELD_AT(SdccParams, num_pairs, 64);
+TA_FIELD_AT(SdccParams, inv_tau_log2, 68); TA_FIELD_AT(SdccParams, inv_tau, 72);
+TA_FIELD_AT(SdccParams, accumulate, 76); TA_FIELD_AT(SdccParams, vec8, 80); TA_FIELD_AT(SdccParams, logp, 88);
+TA_FIELD_AT(SdccParams, row_status, 96);
 
 // Status bits per pair.
 #define TA_SDCC_STUDENT_NONFINITE 1u  // a NaN or +inf student logit

@@ -119,7 +119,8 @@
 #include "tile_load.cuh"
 
 // Arguments of every backward kernel (one struct by value). Mirrored by
-// `crate::backend::launch::bwd::BwdParams` in Rust: keep the two in step.
+// `crate::backend::launch::bwd::BwdParams` in Rust; both sides assert the
+// layout.
 struct TreeAttnBwdParams {
     const uint16_t* q;
     const uint16_t* k;
@@ -147,6 +148,19 @@ struct TreeAttnBwdParams {
     uint32_t group_splits;   // the main kernel's gridDim.z; it divides q_heads / kv_heads
     uint32_t reserved;
 };
+static_assert(sizeof(TreeAttnBwdParams) == 160, "TreeAttnBwdParams: update its Rust mirror");
+TA_FIELD_AT(TreeAttnBwdParams, q, 0); TA_FIELD_AT(TreeAttnBwdParams, k, 8); TA_FIELD_AT(TreeAttnBwdParams, v, 16);
+TA_FIELD_AT(TreeAttnBwdParams, o, 24); TA_FIELD_AT(TreeAttnBwdParams, d_o, 32);
+TA_FIELD_AT(TreeAttnBwdParams, lse, 40); TA_FIELD_AT(TreeAttnBwdParams, delta, 48);
+TA_FIELD_AT(TreeAttnBwdParams, dq_accum, 56); TA_FIELD_AT(TreeAttnBwdParams, dq, 64);
+TA_FIELD_AT(TreeAttnBwdParams, dk, 72); TA_FIELD_AT(TreeAttnBwdParams, dv, 80);
+TA_FIELD_AT(TreeAttnBwdParams, kv_end, 88); TA_FIELD_AT(TreeAttnBwdParams, tile_kv_min, 96);
+TA_FIELD_AT(TreeAttnBwdParams, tile_kv_max, 104); TA_FIELD_AT(TreeAttnBwdParams, dkv_accum, 112);
+TA_FIELD_AT(TreeAttnBwdParams, tokens, 120); TA_FIELD_AT(TreeAttnBwdParams, q_heads, 124);
+TA_FIELD_AT(TreeAttnBwdParams, kv_heads, 128); TA_FIELD_AT(TreeAttnBwdParams, num_key_tiles, 132);
+TA_FIELD_AT(TreeAttnBwdParams, scale, 136); TA_FIELD_AT(TreeAttnBwdParams, scale_log2, 140);
+TA_FIELD_AT(TreeAttnBwdParams, head_dim, 144); TA_FIELD_AT(TreeAttnBwdParams, zero_dq_accum, 148);
+TA_FIELD_AT(TreeAttnBwdParams, group_splits, 152); TA_FIELD_AT(TreeAttnBwdParams, reserved, 156);
 
 #define TA_LOG2E 1.4426950408889634f
 
@@ -665,7 +679,7 @@ __device__ __forceinline__ void tree_attn_bwd_dkv_convert_body(const TreeAttnBwd
     ta_bwd_store8<E>(p.dv + at + j, v);
 }
 
-#define TA_BWD_KERNELS(SUFFIX, E, D)                                                                                \
+#define TA_BWD_KERNELS(SUFFIX, E, D, DTYPE)                                                                         \
     extern "C" __global__ void __launch_bounds__(128) tree_attn_bwd_pre_##SUFFIX(const TreeAttnBwdParams p) {       \
         tree_attn_bwd_pre_body<E, D>(p);                                                                            \
     }                                                                                                               \
@@ -688,7 +702,5 @@ __device__ __forceinline__ void tree_attn_bwd_dkv_convert_body(const TreeAttnBwd
     extern "C" __global__ void __launch_bounds__(128) tree_attn_bwd_dkv_convert_##SUFFIX(const TreeAttnBwdParams p) { \
         tree_attn_bwd_dkv_convert_body<E, D>(p);                                                                    \
     }
-TA_BWD_KERNELS(bf16_d64, ta_bf16, 64)
-TA_BWD_KERNELS(bf16_d128, ta_bf16, 128)
-TA_BWD_KERNELS(f16_d64, ta_f16, 64)
-TA_BWD_KERNELS(f16_d128, ta_f16, 128)
+TA_ATTN_VARIANTS(TA_BWD_KERNELS)
+#undef TA_BWD_KERNELS

@@ -97,7 +97,7 @@
 #include "tile_load.cuh"
 
 // Kernel arguments (one struct by value). Mirrored by
-// `crate::backend::launch::FwdParams` in Rust: keep the two in step.
+// `crate::backend::launch::FwdParams` in Rust; both sides assert the layout.
 struct TreeAttnFwdParams {
     const uint16_t* q;
     const uint16_t* k;
@@ -114,6 +114,14 @@ struct TreeAttnFwdParams {
     float scale_log2;  // softmax_scale · log2(e)
     uint32_t reserved;
 };
+static_assert(sizeof(TreeAttnFwdParams) == 88, "TreeAttnFwdParams: update its Rust mirror");
+TA_FIELD_AT(TreeAttnFwdParams, q, 0); TA_FIELD_AT(TreeAttnFwdParams, k, 8); TA_FIELD_AT(TreeAttnFwdParams, v, 16);
+TA_FIELD_AT(TreeAttnFwdParams, o, 24); TA_FIELD_AT(TreeAttnFwdParams, lse, 32);
+TA_FIELD_AT(TreeAttnFwdParams, kv_end, 40); TA_FIELD_AT(TreeAttnFwdParams, tile_kv_min, 48);
+TA_FIELD_AT(TreeAttnFwdParams, tile_kv_max, 56); TA_FIELD_AT(TreeAttnFwdParams, tokens, 64);
+TA_FIELD_AT(TreeAttnFwdParams, q_heads, 68); TA_FIELD_AT(TreeAttnFwdParams, kv_heads, 72);
+TA_FIELD_AT(TreeAttnFwdParams, num_key_tiles, 76); TA_FIELD_AT(TreeAttnFwdParams, scale_log2, 80);
+TA_FIELD_AT(TreeAttnFwdParams, reserved, 84);
 
 struct KvTileBoundsParams {
     const uint32_t* kv_end;
@@ -124,6 +132,11 @@ struct KvTileBoundsParams {
     uint32_t num_tiles;
     uint32_t reserved;
 };
+static_assert(sizeof(KvTileBoundsParams) == 40, "KvTileBoundsParams: update its Rust mirror");
+TA_FIELD_AT(KvTileBoundsParams, kv_end, 0); TA_FIELD_AT(KvTileBoundsParams, tile_kv_min, 8);
+TA_FIELD_AT(KvTileBoundsParams, tile_kv_max, 16); TA_FIELD_AT(KvTileBoundsParams, tokens, 24);
+TA_FIELD_AT(KvTileBoundsParams, tile, 28); TA_FIELD_AT(KvTileBoundsParams, num_tiles, 32);
+TA_FIELD_AT(KvTileBoundsParams, reserved, 36);
 
 template <class Tr>
 __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
@@ -378,14 +391,13 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
 #undef TA_ROW_MAX
 #undef TA_ROW_SUM
 
-#define TA_FWD_KERNEL(NAME, E, D)                                                                       \
-    extern "C" __global__ void __launch_bounds__(FwdTraits<E, D>::kThreads) NAME(const TreeAttnFwdParams p) { \
-        tree_attn_fwd_body<FwdTraits<E, D>>(p);                                                        \
+#define TA_FWD_KERNEL(SUFFIX, E, D, DTYPE)                                              \
+    extern "C" __global__ void __launch_bounds__(FwdTraits<E, D>::kThreads)             \
+        tree_attn_fwd_##SUFFIX(const TreeAttnFwdParams p) {                              \
+        tree_attn_fwd_body<FwdTraits<E, D>>(p);                                          \
     }
-TA_FWD_KERNEL(tree_attn_fwd_bf16_d64, ta_bf16, 64)
-TA_FWD_KERNEL(tree_attn_fwd_bf16_d128, ta_bf16, 128)
-TA_FWD_KERNEL(tree_attn_fwd_f16_d64, ta_f16, 64)
-TA_FWD_KERNEL(tree_attn_fwd_f16_d128, ta_f16, 128)
+TA_ATTN_VARIANTS(TA_FWD_KERNEL)
+#undef TA_FWD_KERNEL
 
 // Per-key-tile min and max of kv_end: one warp per tile of `tile` keys,
 // 4 warps per block (grid = ceil(num_tiles / 4)). Runs once per pack.

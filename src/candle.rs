@@ -233,10 +233,10 @@ impl CustomOp3 for TreeAttention {
                 let o = f.o.iter().map(|&x| half::f16::from_f32(x)).collect();
                 (CpuStorage::F16(o), Lse::F32(f.lse))
             }
-            _ => candle_core::bail!(
-                "tree_attention: dtype {:?} unsupported (f32, f64, bf16, f16)",
-                s1.dtype()
-            ),
+            // f32, f64, bf16 and f16 are the CPU op's dtypes.
+            _ => {
+                return Err(candle_core::Error::UnsupportedDTypeForOp(s1.dtype(), self.name()).bt())
+            }
         };
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
         Ok((storage, out_shape))
@@ -257,10 +257,10 @@ impl CustomOp3 for TreeAttention {
         let (o, lse) = match s1.dtype() {
             DType::BF16 => device::forward::<half::bf16>(self, [(s1, l1), (s2, l2), (s3, l3)])?,
             DType::F16 => device::forward::<half::f16>(self, [(s1, l1), (s2, l2), (s3, l3)])?,
-            other => candle_core::bail!(
-                "tree_attention: {other:?} CUDA tensors are not supported: the CUDA kernels take \
-                 bf16 or f16 (cast q, k, v)"
-            ),
+            // The CUDA kernels take bf16 or f16 (cast q, k, v).
+            other => {
+                return Err(candle_core::Error::UnsupportedDTypeForOp(other, self.name()).bt())
+            }
         };
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(Lse::Device(lse));
         Ok((o, out_shape))
@@ -437,9 +437,10 @@ mod device {
         match t[0].dtype() {
             candle_core::DType::BF16 => backward_t::<half::bf16>(op, t, kept),
             candle_core::DType::F16 => backward_t::<half::f16>(op, t, kept),
-            other => candle_core::bail!(
-                "tree_attention: {other:?} CUDA tensors are not supported (bf16 or f16)"
-            ),
+            other => {
+                use candle_core::CustomOp3;
+                Err(candle_core::Error::UnsupportedDTypeForOp(other, op.name()).bt())
+            }
         }
     }
 

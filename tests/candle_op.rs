@@ -162,6 +162,21 @@ fn bad_input_is_an_error() {
     let ki = Tensor::zeros((3, 1, 4), DType::U32, &dev).unwrap();
     let e = tree_attention(&qi, &ki, &ki, &mask, &AttnParams::new(4)).unwrap_err();
     assert!(e.to_string().contains("unsupported"), "{e}");
+    // candle's typed error for a dtype the op does not take (under the
+    // backtrace or context candle may wrap it in).
+    let mut root = &e;
+    while let candle_core::Error::WithBacktrace { inner, .. }
+    | candle_core::Error::Context { inner, .. } = root
+    {
+        root = inner;
+    }
+    assert!(
+        matches!(
+            root,
+            candle_core::Error::UnsupportedDTypeForOp(DType::U32, "treeattn-tree-attention")
+        ),
+        "{e:?}"
+    );
 }
 
 /// A tiny Llama-style attention block (embedding, GQA attention with

@@ -1,5 +1,6 @@
-//! Entries on device memory and the host's stream: bf16 / f16 attention,
-//! SDCC on bf16 / f16 / f32 logits. The symbols exist in every build; a
+//! Entries on device memory and the host's stream: attention on
+//! `TREEATTN_BF16` / `TREEATTN_F16` elements, SDCC on `TREEATTN_BF16` /
+//! `TREEATTN_F16` / `TREEATTN_F32` logits. The symbols exist in every build; a
 //! library built without the `cuda` feature returns
 //! `TREEATTN_ERR_UNSUPPORTED` saying so, one built with it but run where
 //! there is no driver or device returns `TREEATTN_ERR_CUDA`.
@@ -17,9 +18,15 @@
 
 use std::ffi::c_void;
 
-use crate::{guard, Fail, TreeattnParams, TreeattnSdccLoss, TreeattnShape};
+use crate::{check_dtype, guard, AttnCall, AttnGrads, Fail, TreeattnDtype, TreeattnParams};
 #[cfg(feature = "cuda")]
 use crate::{null, params_of, shape_of, slice};
+use crate::{TreeattnSdccLoss, TreeattnShape, TREEATTN_BF16, TREEATTN_F16, TREEATTN_F32};
+
+/// The element types of the device attention entries (the kernels').
+const ATTENTION_DTYPES: [TreeattnDtype; 2] = [TREEATTN_BF16, TREEATTN_F16];
+/// The logits' element types of the device SDCC entry.
+const SDCC_DTYPES: [TreeattnDtype; 3] = [TREEATTN_BF16, TREEATTN_F16, TREEATTN_F32];
 
 /// Treeattn was built without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
@@ -33,25 +40,33 @@ fn no_cuda(what: &str) -> Fail {
     )
 }
 
-/// The pointers and sizes of one device attention call, as C gives them.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-struct DeviceCall {
+/// Kernels of `device` on `stream` (checked as an ordinal).
+///
+/// Safety: `stream` is null or a live stream of `device`'s primary context
+/// (what the entries' callers promise).
+#[cfg(feature = "cuda")]
+unsafe fn device_backend(
     device: i32,
     stream: *mut c_void,
-    q: *const c_void,
-    k: *const c_void,
-    v: *const c_void,
-    shape: TreeattnShape,
-    kv_end: *const u32,
-    position_ids: *const u32,
-    params: *const TreeattnParams,
+) -> crate::R<treeattn::backend::cuda::CudaBackend> {
+    use treeattn::backend::cuda::host;
+    let ordinal = usize::try_from(device).map_err(|_| {
+        Fail(
+            crate::TREEATTN_ERR_SHAPE,
+            format!("device {device} is not a device ordinal"),
+        )
+    })?;
+    let kernels = host::primary(ordinal)?;
+    Ok(host::on_raw_stream(&kernels, stream.cast())?)
 }
 
 /// Kernels of `device` on `stream`, the validated call and the pack uploaded
 /// there, then `f`.
 #[cfg(feature = "cuda")]
 unsafe fn with_device_call(
-    c: &DeviceCall,
+    device: i32,
+    stream: *mut c_void,
+    c: &AttnCall,
     f: impl FnOnce(
         &treeattn::backend::cuda::CudaBackend,
         &treeattn::backend::cuda::DevicePack,
@@ -70,14 +85,7 @@ unsafe fn with_device_call(
     let kv_end = slice("kv_end", c.kv_end, shape.tokens)?;
     let pos = slice("position_ids", c.position_ids, shape.tokens)?;
     let mask = PackMask::new(kv_end, pos)?;
-    let ordinal = usize::try_from(c.device).map_err(|_| {
-        Fail(
-            crate::TREEATTN_ERR_SHAPE,
-            format!("device {} is not a device ordinal", c.device),
-        )
-    })?;
-    let kernels = host::primary(ordinal)?;
-    let be = host::on_raw_stream(&kernels, c.stream.cast())?;
+    let be = device_backend(device, stream)?;
     let pack = be.upload_pack(mask)?;
     let call = host::RawAttention {
         q: c.q as u64,
@@ -91,68 +99,60 @@ unsafe fn with_device_call(
 }
 
 #[cfg(feature = "cuda")]
-unsafe fn forward<T>(c: DeviceCall, o: *mut c_void, lse: *mut f32) -> i32
+unsafe fn forward<T>(
+    device: i32,
+    stream: *mut c_void,
+    c: AttnCall,
+    o: *mut c_void,
+    lse: *mut f32,
+) -> crate::R<()>
 where
     T: treeattn::backend::launch::KernelElem + treeattn::backend::cuda::cudarc::driver::DeviceRepr,
 {
-    guard(|| {
-        if o.is_null() {
-            return Err(null("o"));
-        }
-        if lse.is_null() {
-            return Err(null("lse"));
-        }
-        with_device_call(&c, |be, pack, call| {
-            be.forward_raw::<T>(pack, call, o as u64, lse as u64)
-        })
+    if o.is_null() {
+        return Err(null("o"));
+    }
+    if lse.is_null() {
+        return Err(null("lse"));
+    }
+    with_device_call(device, stream, &c, |be, pack, call| {
+        be.forward_raw::<T>(pack, call, o as u64, lse as u64)
     })
 }
 
+/// `g.lse` is `float` here, whatever the element type.
 #[cfg(feature = "cuda")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn backward<T>(
-    c: DeviceCall,
-    o: *const c_void,
-    lse: *const f32,
-    d_o: *const c_void,
-    dq: *mut c_void,
-    dk: *mut c_void,
-    dv: *mut c_void,
-) -> i32
+unsafe fn backward<T>(device: i32, stream: *mut c_void, c: AttnCall, g: AttnGrads) -> crate::R<()>
 where
     T: treeattn::backend::launch::KernelElem + treeattn::backend::cuda::cudarc::driver::DeviceRepr,
 {
-    guard(|| {
-        for (what, p) in [
-            ("o", o as *const u8),
-            ("lse", lse as _),
-            ("d_o", d_o as _),
-            ("dq", dq as _),
-            ("dk", dk as _),
-            ("dv", dv as _),
-        ] {
-            if p.is_null() {
-                return Err(null(what));
-            }
-        }
-        with_device_call(&c, |be, pack, call| {
-            be.backward_raw::<T>(
-                pack, call, o as u64, lse as u64, d_o as u64, dq as u64, dk as u64, dv as u64,
-            )
-        })
+    g.check_null()?;
+    with_device_call(device, stream, &c, |be, pack, call| {
+        be.backward_raw::<T>(
+            pack,
+            call,
+            g.o as u64,
+            g.lse as u64,
+            g.d_o as u64,
+            g.dq as u64,
+            g.dk as u64,
+            g.dv as u64,
+        )
     })
 }
 
-/// Tree attention forward on device memory, `__nv_bfloat16` elements
-/// (passed as `void *`): q `[tokens, q_heads, head_dim]`, k and v
-/// `[tokens, kv_heads, head_dim]`; writes `o` (like q, bf16) and `lse`
-/// (`[q_heads, tokens]`, `float`, natural log, `-inf` for a row with no
-/// visible key). Head dim 64 or 128. `kv_end` and `position_ids` are the
-/// pack's host arrays (`tokens` entries); `params` may be null (defaults).
-/// Enqueued on `stream` of device `device`; see the module notes.
+/// Tree attention forward on device memory. `dtype` `TREEATTN_BF16`
+/// (`__nv_bfloat16`) or `TREEATTN_F16` (`__half`) is the element type of
+/// q `[tokens, q_heads, head_dim]`, k and v `[tokens, kv_heads, head_dim]`
+/// and `o` (like q); `lse` (`[q_heads, tokens]`) is `float`, natural log,
+/// `-inf` for a row with no visible key. Head dim 64 or 128. `kv_end` and
+/// `position_ids` are the pack's host arrays (`tokens` entries); `params`
+/// may be null (defaults). Enqueued on `stream` of device `device`; see the
+/// module notes.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn treeattn_cuda_attention_forward_bf16(
+pub unsafe extern "C" fn treeattn_cuda_attention_forward(
+    dtype: TreeattnDtype,
     device: i32,
     stream: *mut c_void,
     q: *const c_void,
@@ -165,9 +165,8 @@ pub unsafe extern "C" fn treeattn_cuda_attention_forward_bf16(
     o: *mut c_void,
     lse: *mut f32,
 ) -> i32 {
-    let c = DeviceCall {
-        device,
-        stream,
+    const ENTRY: &str = "treeattn_cuda_attention_forward";
+    let c = AttnCall {
         q,
         k,
         v,
@@ -176,60 +175,31 @@ pub unsafe extern "C" fn treeattn_cuda_attention_forward_bf16(
         position_ids,
         params,
     };
-    #[cfg(feature = "cuda")]
-    return forward::<treeattn::half::bf16>(c, o, lse);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (c, o, lse);
-        guard(|| Err(no_cuda("treeattn_cuda_attention_forward_bf16")))
-    }
+    guard(|| {
+        check_dtype(ENTRY, dtype, &ATTENTION_DTYPES)?;
+        #[cfg(feature = "cuda")]
+        return match dtype {
+            TREEATTN_BF16 => forward::<treeattn::half::bf16>(device, stream, c, o, lse),
+            _ => forward::<treeattn::half::f16>(device, stream, c, o, lse),
+        };
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (device, stream, c, o, lse);
+            Err(no_cuda(ENTRY))
+        }
+    })
 }
 
-/// As [`treeattn_cuda_attention_forward_bf16`], `__half` elements.
+/// Tree attention backward on device memory, `dtype` `TREEATTN_BF16` or
+/// `TREEATTN_F16` as for the forward: from the forward's inputs (same
+/// shape, pack and params), its `o` and `lse` (`float`) and the output
+/// gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k), with
+/// respect to the unrotated q and k. Scratch (`4 · tokens · q_heads ·
+/// (head_dim + 1)` bytes) is allocated and freed on `stream`.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn treeattn_cuda_attention_forward_f16(
-    device: i32,
-    stream: *mut c_void,
-    q: *const c_void,
-    k: *const c_void,
-    v: *const c_void,
-    shape: TreeattnShape,
-    kv_end: *const u32,
-    position_ids: *const u32,
-    params: *const TreeattnParams,
-    o: *mut c_void,
-    lse: *mut f32,
-) -> i32 {
-    let c = DeviceCall {
-        device,
-        stream,
-        q,
-        k,
-        v,
-        shape,
-        kv_end,
-        position_ids,
-        params,
-    };
-    #[cfg(feature = "cuda")]
-    return forward::<treeattn::half::f16>(c, o, lse);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (c, o, lse);
-        guard(|| Err(no_cuda("treeattn_cuda_attention_forward_f16")))
-    }
-}
-
-/// Tree attention backward on device memory, `__nv_bfloat16`: from the
-/// forward's inputs (same shape, pack and params), its `o` and `lse`
-/// (`float`) and the output gradient `d_o` (like q), writes `dq` (like q),
-/// `dk`, `dv` (like k), with respect to the unrotated q and k. Scratch
-/// (`4 · tokens · q_heads · (head_dim + 1)` bytes) is allocated and freed
-/// on `stream`.
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn treeattn_cuda_attention_backward_bf16(
+pub unsafe extern "C" fn treeattn_cuda_attention_backward(
+    dtype: TreeattnDtype,
     device: i32,
     stream: *mut c_void,
     q: *const c_void,
@@ -246,9 +216,8 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward_bf16(
     dk: *mut c_void,
     dv: *mut c_void,
 ) -> i32 {
-    let c = DeviceCall {
-        device,
-        stream,
+    const ENTRY: &str = "treeattn_cuda_attention_backward";
+    let c = AttnCall {
         q,
         k,
         v,
@@ -257,139 +226,75 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward_bf16(
         position_ids,
         params,
     };
-    #[cfg(feature = "cuda")]
-    return backward::<treeattn::half::bf16>(c, o, lse, d_o, dq, dk, dv);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (c, o, lse, d_o, dq, dk, dv);
-        guard(|| Err(no_cuda("treeattn_cuda_attention_backward_bf16")))
-    }
-}
-
-/// As [`treeattn_cuda_attention_backward_bf16`], `__half` elements.
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn treeattn_cuda_attention_backward_f16(
-    device: i32,
-    stream: *mut c_void,
-    q: *const c_void,
-    k: *const c_void,
-    v: *const c_void,
-    shape: TreeattnShape,
-    kv_end: *const u32,
-    position_ids: *const u32,
-    params: *const TreeattnParams,
-    o: *const c_void,
-    lse: *const f32,
-    d_o: *const c_void,
-    dq: *mut c_void,
-    dk: *mut c_void,
-    dv: *mut c_void,
-) -> i32 {
-    let c = DeviceCall {
-        device,
-        stream,
-        q,
-        k,
-        v,
-        shape,
-        kv_end,
-        position_ids,
-        params,
+    let g = AttnGrads {
+        o,
+        lse: lse.cast(),
+        d_o,
+        dq,
+        dk,
+        dv,
     };
-    #[cfg(feature = "cuda")]
-    return backward::<treeattn::half::f16>(c, o, lse, d_o, dq, dk, dv);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (c, o, lse, d_o, dq, dk, dv);
-        guard(|| Err(no_cuda("treeattn_cuda_attention_backward_f16")))
-    }
-}
-
-/// The logits of one device SDCC call, as C gives them.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-struct DeviceSdcc {
-    device: i32,
-    stream: *mut c_void,
-    student: *const c_void,
-    student_rows: usize,
-    teacher: *const c_void,
-    teacher_rows: usize,
-    vocab: usize,
-    pairs: *const u32,
-    weights: *const f32,
-    n_pairs: usize,
-    temperature: f32,
-    grad_student: *mut f32,
-    loss: *mut TreeattnSdccLoss,
-    per_pair: *mut f64,
+    guard(|| {
+        check_dtype(ENTRY, dtype, &ATTENTION_DTYPES)?;
+        #[cfg(feature = "cuda")]
+        return match dtype {
+            TREEATTN_BF16 => backward::<treeattn::half::bf16>(device, stream, c, g),
+            _ => backward::<treeattn::half::f16>(device, stream, c, g),
+        };
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (device, stream, c, g);
+            Err(no_cuda(ENTRY))
+        }
+    })
 }
 
 #[cfg(feature = "cuda")]
-unsafe fn sdcc<T>(c: DeviceSdcc) -> i32
+unsafe fn sdcc<T>(device: i32, stream: *mut c_void, c: crate::SdccCall) -> crate::R<()>
 where
     T: treeattn::backend::launch::sdcc::SdccElem
         + treeattn::backend::cuda::cudarc::driver::DeviceRepr,
 {
-    use treeattn::backend::cuda::host;
-    guard(|| {
-        for (what, p) in [
-            ("student", c.student as *const u8),
-            ("teacher", c.teacher as _),
-            ("grad_student", c.grad_student as _),
-            ("loss", c.loss as _),
-        ] {
-            if p.is_null() {
-                return Err(null(what));
-            }
+    for (what, p) in [
+        ("student", c.student),
+        ("teacher", c.teacher),
+        ("grad_student", c.grad_student as _),
+    ] {
+        if p.is_null() {
+            return Err(null(what));
         }
-        let n2 = c
-            .n_pairs
-            .checked_mul(2)
-            .ok_or_else(|| Fail(crate::TREEATTN_ERR_SHAPE, "n_pairs overflows".into()))?;
-        let flat = slice("pairs", c.pairs, n2)?;
-        let weights = slice("weights", c.weights, c.n_pairs)?;
-        let per = if c.per_pair.is_null() {
-            None
-        } else {
-            Some(crate::slice_mut("per_pair", c.per_pair, c.n_pairs)?)
-        };
-        let pairs: Vec<(u32, u32)> = flat.chunks_exact(2).map(|p| (p[0], p[1])).collect();
-        let ordinal = usize::try_from(c.device).map_err(|_| {
-            Fail(
-                crate::TREEATTN_ERR_SHAPE,
-                format!("device {} is not a device ordinal", c.device),
-            )
-        })?;
-        let kernels = host::primary(ordinal)?;
-        let be = host::on_raw_stream(&kernels, c.stream.cast())?;
-        let out = be.sdcc_raw::<T>(
-            c.student as u64,
-            c.student_rows,
-            c.teacher as u64,
-            c.teacher_rows,
-            c.vocab,
-            &pairs,
-            weights,
-            c.temperature,
-            c.grad_student as u64,
-        )?;
-        crate::write_sdcc(&out, c.loss, per);
-        Ok(())
-    })
+    }
+    let h = c.host()?;
+    let pairs = h.pairs();
+    let be = device_backend(device, stream)?;
+    let out = be.sdcc_raw::<T>(
+        c.student as u64,
+        c.student_rows,
+        c.teacher as u64,
+        c.teacher_rows,
+        c.vocab,
+        &pairs,
+        h.weights,
+        c.temperature,
+        c.grad_student as u64,
+    )?;
+    crate::write_sdcc(&out, c.loss, h.per_pair);
+    Ok(())
 }
 
-/// The fused SDCC forward KL on device logits, `__nv_bfloat16`: student
-/// `[student_rows, vocab]` and teacher `[teacher_rows, vocab]` (device;
-/// they may be one buffer), `pairs` (`2·n_pairs`: student row, teacher
-/// row) and `weights` on the host; writes the `float` gradient of
-/// `Σ w · KL(teacher ‖ student)` with respect to the student logits into
+/// The fused SDCC forward KL on device logits. `dtype` `TREEATTN_BF16`,
+/// `TREEATTN_F16` or `TREEATTN_F32` is the element type of the student
+/// `[student_rows, vocab]` and teacher `[teacher_rows, vocab]` logits
+/// (device; they may be one buffer); `pairs` (`2·n_pairs`: student row,
+/// teacher row) and `weights` are on the host. Writes the `float` gradient
+/// of `Σ w · KL(teacher ‖ student)` with respect to the student logits into
 /// the device buffer `grad_student` (like the student; rows no pair names
 /// are 0), the loss into `*loss` and, when `per_pair` (host) is not null,
 /// each pair's unweighted KL. Waits for `stream` once.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn treeattn_cuda_sdcc_forward_kl_bf16(
+pub unsafe extern "C" fn treeattn_cuda_sdcc_forward_kl(
+    dtype: TreeattnDtype,
     device: i32,
     stream: *mut c_void,
     student: *const c_void,
@@ -405,9 +310,8 @@ pub unsafe extern "C" fn treeattn_cuda_sdcc_forward_kl_bf16(
     loss: *mut TreeattnSdccLoss,
     per_pair: *mut f64,
 ) -> i32 {
-    let c = DeviceSdcc {
-        device,
-        stream,
+    const ENTRY: &str = "treeattn_cuda_sdcc_forward_kl";
+    let c = crate::SdccCall {
         student,
         student_rows,
         teacher,
@@ -417,103 +321,22 @@ pub unsafe extern "C" fn treeattn_cuda_sdcc_forward_kl_bf16(
         weights,
         n_pairs,
         temperature,
-        grad_student,
+        grad_student: grad_student.cast(),
         loss,
         per_pair,
     };
-    #[cfg(feature = "cuda")]
-    return sdcc::<treeattn::half::bf16>(c);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = c;
-        guard(|| Err(no_cuda("treeattn_cuda_sdcc_forward_kl_bf16")))
-    }
-}
-
-/// As [`treeattn_cuda_sdcc_forward_kl_bf16`], `__half` logits.
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn treeattn_cuda_sdcc_forward_kl_f16(
-    device: i32,
-    stream: *mut c_void,
-    student: *const c_void,
-    student_rows: usize,
-    teacher: *const c_void,
-    teacher_rows: usize,
-    vocab: usize,
-    pairs: *const u32,
-    weights: *const f32,
-    n_pairs: usize,
-    temperature: f32,
-    grad_student: *mut f32,
-    loss: *mut TreeattnSdccLoss,
-    per_pair: *mut f64,
-) -> i32 {
-    let c = DeviceSdcc {
-        device,
-        stream,
-        student,
-        student_rows,
-        teacher,
-        teacher_rows,
-        vocab,
-        pairs,
-        weights,
-        n_pairs,
-        temperature,
-        grad_student,
-        loss,
-        per_pair,
-    };
-    #[cfg(feature = "cuda")]
-    return sdcc::<treeattn::half::f16>(c);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = c;
-        guard(|| Err(no_cuda("treeattn_cuda_sdcc_forward_kl_f16")))
-    }
-}
-
-/// As [`treeattn_cuda_sdcc_forward_kl_bf16`], `float` logits.
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn treeattn_cuda_sdcc_forward_kl_f32(
-    device: i32,
-    stream: *mut c_void,
-    student: *const c_void,
-    student_rows: usize,
-    teacher: *const c_void,
-    teacher_rows: usize,
-    vocab: usize,
-    pairs: *const u32,
-    weights: *const f32,
-    n_pairs: usize,
-    temperature: f32,
-    grad_student: *mut f32,
-    loss: *mut TreeattnSdccLoss,
-    per_pair: *mut f64,
-) -> i32 {
-    let c = DeviceSdcc {
-        device,
-        stream,
-        student,
-        student_rows,
-        teacher,
-        teacher_rows,
-        vocab,
-        pairs,
-        weights,
-        n_pairs,
-        temperature,
-        grad_student,
-        loss,
-        per_pair,
-    };
-    #[cfg(feature = "cuda")]
-    return sdcc::<f32>(c);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = c;
-        guard(|| Err(no_cuda("treeattn_cuda_sdcc_forward_kl_f32")))
-    }
+    guard(|| {
+        check_dtype(ENTRY, dtype, &SDCC_DTYPES)?;
+        #[cfg(feature = "cuda")]
+        return match dtype {
+            TREEATTN_BF16 => sdcc::<treeattn::half::bf16>(device, stream, c),
+            TREEATTN_F16 => sdcc::<treeattn::half::f16>(device, stream, c),
+            _ => sdcc::<f32>(device, stream, c),
+        };
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (device, stream, c);
+            Err(no_cuda(ENTRY))
+        }
+    })
 }

@@ -22,7 +22,7 @@ mod cuda;
 pub use cuda::*;
 
 use std::cell::RefCell;
-use std::ffi::{c_char, CStr, CString};
+use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use treeattn::backend::cpu::{self, Cpu, CpuFloat};
@@ -56,6 +56,22 @@ pub const TREEATTN_ERR_CUDA: i32 = 7;
 pub const TREEATTN_ERR_OTHER: i32 = 8;
 /// A panic inside treeattn, caught at the boundary (a bug: please report).
 pub const TREEATTN_ERR_PANIC: i32 = 9;
+
+/// The element type of an attention or SDCC call (their first argument):
+/// `TREEATTN_F32`, `TREEATTN_F64`, `TREEATTN_BF16` or `TREEATTN_F16`. Each
+/// entry takes some of them and answers `TREEATTN_ERR_UNSUPPORTED`, naming
+/// the dtype, for the others. An integer type with named values rather than
+/// a C `enum`: a value outside the list is then that error too, where a Rust
+/// enum would make it undefined behaviour.
+pub type TreeattnDtype = u32;
+/// `float` (IEEE binary32).
+pub const TREEATTN_F32: TreeattnDtype = 0;
+/// `double` (IEEE binary64).
+pub const TREEATTN_F64: TreeattnDtype = 1;
+/// bfloat16 (`__nv_bfloat16`; 16 bits, passed as `void *`).
+pub const TREEATTN_BF16: TreeattnDtype = 2;
+/// IEEE binary16 (`__half`; passed as `void *`).
+pub const TREEATTN_F16: TreeattnDtype = 3;
 
 /// `field` of [`treeattn_pack_u32`]: the pack's token ids, `len` entries.
 pub const TREEATTN_PACK_TOKENS: u32 = 0;
@@ -452,16 +468,7 @@ pub unsafe extern "C" fn treeattn_pack_u32(
     data: *mut *const u32,
     len: *mut usize,
 ) -> i32 {
-    guard(|| {
-        let p = pack.as_ref().ok_or_else(|| null("pack"))?;
-        let v = p.u32s.get(field as usize).ok_or_else(|| {
-            Fail(
-                TREEATTN_ERR_SHAPE,
-                format!("no uint32_t pack field {field} (0..=9)"),
-            )
-        })?;
-        write_array(v, data, len)
-    })
+    pack_field(pack, field, "uint32_t", |p| &p.u32s, data, len)
 }
 
 /// As [`treeattn_pack_u32`] for the `float` arrays
@@ -473,12 +480,26 @@ pub unsafe extern "C" fn treeattn_pack_f32(
     data: *mut *const f32,
     len: *mut usize,
 ) -> i32 {
+    pack_field(pack, field, "float", |p| &p.f32s, data, len)
+}
+
+/// The getters' body: array `field` of `arrays(pack)` (of C type `kind`)
+/// into `*data` and `*len`.
+unsafe fn pack_field<T>(
+    pack: *const TreeattnPack,
+    field: u32,
+    kind: &str,
+    arrays: fn(&TreeattnPack) -> &[Vec<T>],
+    data: *mut *const T,
+    len: *mut usize,
+) -> i32 {
     guard(|| {
         let p = pack.as_ref().ok_or_else(|| null("pack"))?;
-        let v = p.f32s.get(field as usize).ok_or_else(|| {
+        let all = arrays(p);
+        let v = all.get(field as usize).ok_or_else(|| {
             Fail(
                 TREEATTN_ERR_SHAPE,
-                format!("no float pack field {field} (0..=1)"),
+                format!("no {kind} pack field {field} (0..={})", all.len() - 1),
             )
         })?;
         write_array(v, data, len)
@@ -537,17 +558,60 @@ struct Inputs<'a, T> {
     params: AttnParams,
 }
 
+/// The inputs of an attention call as C gives them: q, k, v on the host or
+/// the device (by entry), the pack's arrays and the params on the host.
+#[derive(Clone, Copy)]
+struct AttnCall {
+    q: *const c_void,
+    k: *const c_void,
+    v: *const c_void,
+    shape: TreeattnShape,
+    kv_end: *const u32,
+    position_ids: *const u32,
+    params: *const TreeattnParams,
+}
+
+/// What a backward call adds to its [`AttnCall`]: the forward's `o` and
+/// `lse`, the output gradient `d_o`, and the gradients it writes.
+struct AttnGrads {
+    o: *const c_void,
+    lse: *const c_void,
+    d_o: *const c_void,
+    dq: *mut c_void,
+    dk: *mut c_void,
+    dv: *mut c_void,
+}
+
+impl AttnGrads {
+    /// `Err(TREEATTN_ERR_NULL)` naming the first null pointer.
+    fn check_null(&self) -> R<()> {
+        for (what, p) in [
+            ("o", self.o),
+            ("lse", self.lse),
+            ("d_o", self.d_o),
+            ("dq", self.dq as _),
+            ("dk", self.dk as _),
+            ("dv", self.dv as _),
+        ] {
+            if p.is_null() {
+                return Err(null(what));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl<'a, T> Inputs<'a, T> {
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn new(
-        q: *const T,
-        k: *const T,
-        v: *const T,
-        shape: TreeattnShape,
-        kv_end: *const u32,
-        position_ids: *const u32,
-        params: *const TreeattnParams,
-    ) -> R<Self> {
+    unsafe fn new(c: &AttnCall) -> R<Self> {
+        let AttnCall {
+            q,
+            k,
+            v,
+            shape,
+            kv_end,
+            position_ids,
+            params,
+        } = *c;
         // Validated (sizes > 0, no overflow) before any length is used.
         let shape = shape_of(shape)?;
         let params = params_of(params, &shape)?;
@@ -558,9 +622,9 @@ impl<'a, T> Inputs<'a, T> {
         nonnull("kv_end", kv_end as _)?;
         nonnull("position_ids", position_ids as _)?;
         Ok(Inputs {
-            q: slice("q", q, shape.q_len())?,
-            k: slice("k", k, shape.kv_len())?,
-            v: slice("v", v, shape.kv_len())?,
+            q: slice("q", q.cast::<T>(), shape.q_len())?,
+            k: slice("k", k.cast::<T>(), shape.kv_len())?,
+            v: slice("v", v.cast::<T>(), shape.kv_len())?,
             kv_end: slice("kv_end", kv_end, shape.tokens)?,
             pos: slice("position_ids", position_ids, shape.tokens)?,
             shape,
@@ -592,252 +656,249 @@ impl<'a, T> Inputs<'a, T> {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-unsafe fn forward<T: CpuFloat>(
-    q: *const T,
-    k: *const T,
-    v: *const T,
-    shape: TreeattnShape,
-    kv_end: *const u32,
-    position_ids: *const u32,
-    params: *const TreeattnParams,
-    o: *mut T,
-    lse: *mut T,
-) -> i32 {
-    guard(|| {
-        let inputs = Inputs::new(q, k, v, shape, kv_end, position_ids, params)?;
-        let s = inputs.shape;
-        if o.is_null() {
-            return Err(null("o"));
-        }
-        if lse.is_null() {
-            return Err(null("lse"));
-        }
-        let o = slice_mut("o", o, s.q_len())?;
-        let lse = slice_mut("lse", lse, s.lse_len())?;
-        no_overlap(&[range("o", o), range("lse", lse)], &inputs.ranges())?;
-        let args = inputs.args()?;
-        Cpu::default().forward(&args, o, lse)?;
-        Ok(())
+/// `Err(TREEATTN_ERR_UNSUPPORTED)` naming `dtype` unless `entry` takes it
+/// (one of `takes`).
+fn check_dtype(entry: &str, dtype: TreeattnDtype, takes: &[TreeattnDtype]) -> R<()> {
+    if takes.contains(&dtype) {
+        return Ok(());
+    }
+    let takes: Vec<&str> = takes.iter().filter_map(|&d| dtype_name(d)).collect();
+    let what = match dtype_name(dtype) {
+        Some(name) => name.to_string(),
+        None => format!("{dtype} (not a TreeattnDtype)"),
+    };
+    Err(Fail(
+        TREEATTN_ERR_UNSUPPORTED,
+        format!(
+            "{entry}: dtype {what} is not supported; it takes {}",
+            takes.join(", ")
+        ),
+    ))
+}
+
+/// The name of a dtype constant, `None` for a value that is none of them.
+fn dtype_name(dtype: TreeattnDtype) -> Option<&'static str> {
+    Some(match dtype {
+        TREEATTN_F32 => "TREEATTN_F32",
+        TREEATTN_F64 => "TREEATTN_F64",
+        TREEATTN_BF16 => "TREEATTN_BF16",
+        TREEATTN_F16 => "TREEATTN_F16",
+        _ => return None,
     })
 }
 
+/// The element types of the host entries (the CPU backend's).
+const HOST_DTYPES: [TreeattnDtype; 2] = [TREEATTN_F32, TREEATTN_F64];
+
+unsafe fn forward<T: CpuFloat>(c: AttnCall, o: *mut c_void, lse: *mut c_void) -> R<()> {
+    let inputs = Inputs::<T>::new(&c)?;
+    let s = inputs.shape;
+    if o.is_null() {
+        return Err(null("o"));
+    }
+    if lse.is_null() {
+        return Err(null("lse"));
+    }
+    let o = slice_mut("o", o.cast::<T>(), s.q_len())?;
+    let lse = slice_mut("lse", lse.cast::<T>(), s.lse_len())?;
+    no_overlap(&[range("o", o), range("lse", lse)], &inputs.ranges())?;
+    let args = inputs.args()?;
+    Cpu::default().forward(&args, o, lse)?;
+    Ok(())
+}
+
+unsafe fn backward<T: CpuFloat>(c: AttnCall, g: AttnGrads) -> R<()> {
+    let inputs = Inputs::<T>::new(&c)?;
+    let s = inputs.shape;
+    g.check_null()?;
+    let o = slice("o", g.o.cast::<T>(), s.q_len())?;
+    let lse = slice("lse", g.lse.cast::<T>(), s.lse_len())?;
+    let d_o = slice("d_o", g.d_o.cast::<T>(), s.q_len())?;
+    let dq = slice_mut("dq", g.dq.cast::<T>(), s.q_len())?;
+    let dk = slice_mut("dk", g.dk.cast::<T>(), s.kv_len())?;
+    let dv = slice_mut("dv", g.dv.cast::<T>(), s.kv_len())?;
+    let mut ins = inputs.ranges();
+    ins.extend([range("o", o), range("lse", lse), range("d_o", d_o)]);
+    no_overlap(&[range("dq", dq), range("dk", dk), range("dv", dv)], &ins)?;
+    let args = inputs.args()?;
+    Cpu::default().backward(&args, Saved { o, lse }, d_o, Grads { dq, dk, dv })?;
+    Ok(())
+}
+
+/// Tree attention forward on host memory, on the CPU backend. `dtype`
+/// `TREEATTN_F32` (`float`) or `TREEATTN_F64` (`double`) is the type of
+/// q, k, v, o and lse. Writes `o` (like q) and `lse` (`[q_heads, tokens]`,
+/// natural log; `-inf` for a row with no visible key). `kv_end` and
+/// `position_ids` have `tokens` entries (a pack's arrays); `params` may be
+/// null (defaults).
+#[no_mangle]
 #[allow(clippy::too_many_arguments)]
-unsafe fn backward<T: CpuFloat>(
-    q: *const T,
-    k: *const T,
-    v: *const T,
+pub unsafe extern "C" fn treeattn_attention_forward(
+    dtype: TreeattnDtype,
+    q: *const c_void,
+    k: *const c_void,
+    v: *const c_void,
     shape: TreeattnShape,
     kv_end: *const u32,
     position_ids: *const u32,
     params: *const TreeattnParams,
-    o: *const T,
-    lse: *const T,
-    d_o: *const T,
-    dq: *mut T,
-    dk: *mut T,
-    dv: *mut T,
+    o: *mut c_void,
+    lse: *mut c_void,
 ) -> i32 {
+    let c = AttnCall {
+        q,
+        k,
+        v,
+        shape,
+        kv_end,
+        position_ids,
+        params,
+    };
     guard(|| {
-        let inputs = Inputs::new(q, k, v, shape, kv_end, position_ids, params)?;
-        let s = inputs.shape;
-        for (what, p) in [
-            ("o", o as *const u8),
-            ("lse", lse as _),
-            ("d_o", d_o as _),
-            ("dq", dq as _),
-            ("dk", dk as _),
-            ("dv", dv as _),
-        ] {
-            if p.is_null() {
-                return Err(null(what));
-            }
+        check_dtype("treeattn_attention_forward", dtype, &HOST_DTYPES)?;
+        match dtype {
+            TREEATTN_F32 => forward::<f32>(c, o, lse),
+            _ => forward::<f64>(c, o, lse),
         }
-        let o = slice("o", o, s.q_len())?;
-        let lse = slice("lse", lse, s.lse_len())?;
-        let d_o = slice("d_o", d_o, s.q_len())?;
-        let dq = slice_mut("dq", dq, s.q_len())?;
-        let dk = slice_mut("dk", dk, s.kv_len())?;
-        let dv = slice_mut("dv", dv, s.kv_len())?;
-        let mut ins = inputs.ranges();
-        ins.extend([range("o", o), range("lse", lse), range("d_o", d_o)]);
-        no_overlap(&[range("dq", dq), range("dk", dk), range("dv", dv)], &ins)?;
-        let args = inputs.args()?;
-        Cpu::default().backward(&args, Saved { o, lse }, d_o, Grads { dq, dk, dv })?;
-        Ok(())
     })
 }
 
-/// Tree attention forward on host memory, `float`, on the CPU backend:
-/// `o` (like q) and `lse` (`[q_heads, tokens]`, natural log; `-inf` for a
-/// row with no visible key). `kv_end` and `position_ids` have `tokens`
-/// entries (a pack's arrays); `params` may be null (defaults).
-#[no_mangle]
-pub unsafe extern "C" fn treeattn_attention_forward_f32(
-    q: *const f32,
-    k: *const f32,
-    v: *const f32,
-    shape: TreeattnShape,
-    kv_end: *const u32,
-    position_ids: *const u32,
-    params: *const TreeattnParams,
-    o: *mut f32,
-    lse: *mut f32,
-) -> i32 {
-    forward(q, k, v, shape, kv_end, position_ids, params, o, lse)
-}
-
-/// As [`treeattn_attention_forward_f32`], `double`.
-#[no_mangle]
-pub unsafe extern "C" fn treeattn_attention_forward_f64(
-    q: *const f64,
-    k: *const f64,
-    v: *const f64,
-    shape: TreeattnShape,
-    kv_end: *const u32,
-    position_ids: *const u32,
-    params: *const TreeattnParams,
-    o: *mut f64,
-    lse: *mut f64,
-) -> i32 {
-    forward(q, k, v, shape, kv_end, position_ids, params, o, lse)
-}
-
-/// Tree attention backward on host memory, `float`: from the forward's
-/// inputs (same shape, mask and params), its `o` and `lse`, and the output
+/// Tree attention backward on host memory, `dtype` `TREEATTN_F32` or
+/// `TREEATTN_F64` (every buffer of that type): from the forward's inputs
+/// (same shape, mask and params), its `o` and `lse`, and the output
 /// gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k),
 /// with respect to the unrotated q and k.
 #[no_mangle]
-pub unsafe extern "C" fn treeattn_attention_backward_f32(
-    q: *const f32,
-    k: *const f32,
-    v: *const f32,
-    shape: TreeattnShape,
-    kv_end: *const u32,
-    position_ids: *const u32,
-    params: *const TreeattnParams,
-    o: *const f32,
-    lse: *const f32,
-    d_o: *const f32,
-    dq: *mut f32,
-    dk: *mut f32,
-    dv: *mut f32,
-) -> i32 {
-    backward(
-        q,
-        k,
-        v,
-        shape,
-        kv_end,
-        position_ids,
-        params,
-        o,
-        lse,
-        d_o,
-        dq,
-        dk,
-        dv,
-    )
-}
-
-/// As [`treeattn_attention_backward_f32`], `double`.
-#[no_mangle]
-pub unsafe extern "C" fn treeattn_attention_backward_f64(
-    q: *const f64,
-    k: *const f64,
-    v: *const f64,
-    shape: TreeattnShape,
-    kv_end: *const u32,
-    position_ids: *const u32,
-    params: *const TreeattnParams,
-    o: *const f64,
-    lse: *const f64,
-    d_o: *const f64,
-    dq: *mut f64,
-    dk: *mut f64,
-    dv: *mut f64,
-) -> i32 {
-    backward(
-        q,
-        k,
-        v,
-        shape,
-        kv_end,
-        position_ids,
-        params,
-        o,
-        lse,
-        d_o,
-        dq,
-        dk,
-        dv,
-    )
-}
-
 #[allow(clippy::too_many_arguments)]
-unsafe fn sdcc<T: CpuFloat>(
-    student: *const T,
+pub unsafe extern "C" fn treeattn_attention_backward(
+    dtype: TreeattnDtype,
+    q: *const c_void,
+    k: *const c_void,
+    v: *const c_void,
+    shape: TreeattnShape,
+    kv_end: *const u32,
+    position_ids: *const u32,
+    params: *const TreeattnParams,
+    o: *const c_void,
+    lse: *const c_void,
+    d_o: *const c_void,
+    dq: *mut c_void,
+    dk: *mut c_void,
+    dv: *mut c_void,
+) -> i32 {
+    let c = AttnCall {
+        q,
+        k,
+        v,
+        shape,
+        kv_end,
+        position_ids,
+        params,
+    };
+    let g = AttnGrads {
+        o,
+        lse,
+        d_o,
+        dq,
+        dk,
+        dv,
+    };
+    guard(|| {
+        check_dtype("treeattn_attention_backward", dtype, &HOST_DTYPES)?;
+        match dtype {
+            TREEATTN_F32 => backward::<f32>(c, g),
+            _ => backward::<f64>(c, g),
+        }
+    })
+}
+
+/// The arguments of an SDCC call as C gives them, host or device logits
+/// (`pairs`, `weights`, `loss` and `per_pair` are host memory either way).
+struct SdccCall {
+    student: *const c_void,
     student_rows: usize,
-    teacher: *const T,
+    teacher: *const c_void,
     teacher_rows: usize,
     vocab: usize,
     pairs: *const u32,
     weights: *const f32,
     n_pairs: usize,
     temperature: f32,
-    grad_student: *mut T,
+    grad_student: *mut c_void,
     loss: *mut TreeattnSdccLoss,
     per_pair: *mut f64,
-) -> i32 {
-    guard(|| {
-        let elems = |rows: usize, what: &str| {
-            rows.checked_mul(vocab)
-                .ok_or_else(|| Fail(TREEATTN_ERR_SHAPE, format!("{what}_rows · vocab overflows")))
-        };
-        let (ns, nt) = (
-            elems(student_rows, "student")?,
-            elems(teacher_rows, "teacher")?,
-        );
-        let n2 = n_pairs
+}
+
+/// The host arrays of an SDCC call, checked: the flat pairs (`2·n_pairs`),
+/// the weights and, when given, `per_pair`.
+struct SdccHost<'a> {
+    flat: &'a [u32],
+    weights: &'a [f32],
+    per_pair: Option<&'a mut [f64]>,
+}
+
+impl SdccHost<'_> {
+    /// The pairs as (student row, teacher row).
+    fn pairs(&self) -> Vec<(u32, u32)> {
+        self.flat.chunks_exact(2).map(|p| (p[0], p[1])).collect()
+    }
+}
+
+impl SdccCall {
+    /// The host arrays, checked (and `loss` not null).
+    unsafe fn host<'a>(&self) -> R<SdccHost<'a>> {
+        let n2 = self
+            .n_pairs
             .checked_mul(2)
             .ok_or_else(|| Fail(TREEATTN_ERR_SHAPE, "n_pairs overflows".into()))?;
-        if loss.is_null() {
+        if self.loss.is_null() {
             return Err(null("loss"));
         }
-        let student = slice("student", student, ns)?;
-        let teacher = slice("teacher", teacher, nt)?;
-        let flat = slice("pairs", pairs, n2)?;
-        let weights = slice("weights", weights, n_pairs)?;
-        let grad = slice_mut("grad_student", grad_student, ns)?;
-        let per = if per_pair.is_null() {
-            None
-        } else {
-            Some(slice_mut("per_pair", per_pair, n_pairs)?)
-        };
-        let mut outs = vec![range("grad_student", grad)];
-        if let Some(p) = &per {
-            outs.push(range("per_pair", p));
-        }
-        let lr = (
-            loss as usize,
-            loss as usize + std::mem::size_of::<TreeattnSdccLoss>(),
-        );
-        outs.push(("loss", lr.0, lr.1));
-        no_overlap(
-            &outs,
-            &[
-                range("student", student),
-                range("teacher", teacher),
-                range("pairs", flat),
-                range("weights", weights),
-            ],
-        )?;
-        let pairs: Vec<(u32, u32)> = flat.chunks_exact(2).map(|p| (p[0], p[1])).collect();
-        let args = SdccArgs::new(student, teacher, vocab, &pairs, weights, temperature)?;
-        let out = Cpu::default().sdcc_forward_kl(&args, grad)?;
-        write_sdcc(&out, loss, per);
-        Ok(())
-    })
+        Ok(SdccHost {
+            flat: slice("pairs", self.pairs, n2)?,
+            weights: slice("weights", self.weights, self.n_pairs)?,
+            per_pair: if self.per_pair.is_null() {
+                None
+            } else {
+                Some(slice_mut("per_pair", self.per_pair, self.n_pairs)?)
+            },
+        })
+    }
+}
+
+unsafe fn sdcc<T: CpuFloat>(c: SdccCall) -> R<()> {
+    let elems = |rows: usize, what: &str| {
+        rows.checked_mul(c.vocab)
+            .ok_or_else(|| Fail(TREEATTN_ERR_SHAPE, format!("{what}_rows · vocab overflows")))
+    };
+    let (ns, nt) = (
+        elems(c.student_rows, "student")?,
+        elems(c.teacher_rows, "teacher")?,
+    );
+    let h = c.host()?;
+    let student = slice("student", c.student.cast::<T>(), ns)?;
+    let teacher = slice("teacher", c.teacher.cast::<T>(), nt)?;
+    let grad = slice_mut("grad_student", c.grad_student.cast::<T>(), ns)?;
+    let mut outs = vec![range("grad_student", grad)];
+    if let Some(p) = &h.per_pair {
+        outs.push(range("per_pair", p));
+    }
+    let loss = c.loss as usize;
+    outs.push(("loss", loss, loss + std::mem::size_of::<TreeattnSdccLoss>()));
+    no_overlap(
+        &outs,
+        &[
+            range("student", student),
+            range("teacher", teacher),
+            range("pairs", h.flat),
+            range("weights", h.weights),
+        ],
+    )?;
+    let pairs = h.pairs();
+    let args = SdccArgs::new(student, teacher, c.vocab, &pairs, h.weights, c.temperature)?;
+    let out = Cpu::default().sdcc_forward_kl(&args, grad)?;
+    write_sdcc(&out, c.loss, h.per_pair);
+    Ok(())
 }
 
 /// An SDCC result into the caller's `*loss` and, when given, `per_pair`
@@ -856,29 +917,32 @@ unsafe fn write_sdcc(
     };
 }
 
-/// The fused SDCC forward KL on host memory, `float`: student logits
-/// `[student_rows, vocab]`, teacher logits `[teacher_rows, vocab]`,
+/// The fused SDCC forward KL on host memory. `dtype` `TREEATTN_F32` or
+/// `TREEATTN_F64` is the type of the logits and the gradient: student
+/// logits `[student_rows, vocab]`, teacher logits `[teacher_rows, vocab]`,
 /// `n_pairs` pairs as `pairs[2i]` = student row, `pairs[2i + 1]` = teacher
 /// row, one weight each, temperature `τ > 0`. Writes the gradient of
 /// `Σ w · KL(teacher ‖ student)` with respect to the student logits into
 /// `grad_student` (like the student; rows no pair names are 0), the loss
 /// into `*loss`, and, when `per_pair` is not null, each pair's unweighted KL.
 #[no_mangle]
-pub unsafe extern "C" fn treeattn_sdcc_forward_kl_f32(
-    student: *const f32,
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn treeattn_sdcc_forward_kl(
+    dtype: TreeattnDtype,
+    student: *const c_void,
     student_rows: usize,
-    teacher: *const f32,
+    teacher: *const c_void,
     teacher_rows: usize,
     vocab: usize,
     pairs: *const u32,
     weights: *const f32,
     n_pairs: usize,
     temperature: f32,
-    grad_student: *mut f32,
+    grad_student: *mut c_void,
     loss: *mut TreeattnSdccLoss,
     per_pair: *mut f64,
 ) -> i32 {
-    sdcc(
+    let c = SdccCall {
         student,
         student_rows,
         teacher,
@@ -891,39 +955,14 @@ pub unsafe extern "C" fn treeattn_sdcc_forward_kl_f32(
         grad_student,
         loss,
         per_pair,
-    )
-}
-
-/// As [`treeattn_sdcc_forward_kl_f32`], `double` logits and gradient.
-#[no_mangle]
-pub unsafe extern "C" fn treeattn_sdcc_forward_kl_f64(
-    student: *const f64,
-    student_rows: usize,
-    teacher: *const f64,
-    teacher_rows: usize,
-    vocab: usize,
-    pairs: *const u32,
-    weights: *const f32,
-    n_pairs: usize,
-    temperature: f32,
-    grad_student: *mut f64,
-    loss: *mut TreeattnSdccLoss,
-    per_pair: *mut f64,
-) -> i32 {
-    sdcc(
-        student,
-        student_rows,
-        teacher,
-        teacher_rows,
-        vocab,
-        pairs,
-        weights,
-        n_pairs,
-        temperature,
-        grad_student,
-        loss,
-        per_pair,
-    )
+    };
+    guard(|| {
+        check_dtype("treeattn_sdcc_forward_kl", dtype, &HOST_DTYPES)?;
+        match dtype {
+            TREEATTN_F32 => sdcc::<f32>(c),
+            _ => sdcc::<f64>(c),
+        }
+    })
 }
 
 /// The message of a status code, for callers that print codes

@@ -39,8 +39,10 @@ extern "C" int ta_emu_bwd_traits(uint32_t head_dim, int32_t* out) noexcept {
             out[6] = Q::kSmemBytes;
             return 0;
         };
-        if (head_dim == 64) return fill(BwdTraits<ta_bf16, 64>{}, BwdDqTraits<ta_bf16, 64>{});
-        if (head_dim == 128) return fill(BwdTraits<ta_bf16, 128>{}, BwdDqTraits<ta_bf16, 128>{});
+#define TA_TRAITS(SUFFIX, E, HD, DT) \
+    if (head_dim == HD) return fill(BwdTraits<E, HD>{}, BwdDqTraits<E, HD>{});
+        TA_ATTN_VARIANTS(TA_TRAITS)
+#undef TA_TRAITS
         return 1;
     });
 }
@@ -80,7 +82,7 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
         auto launch = [&](void (*kernel)(const TreeAttnBwdParams)) {
             return ta_emu::launch_kernel<TreeAttnBwdParams>(kernel, *p, grid, block, smem, *config, err, err_len, io);
         };
-#define TA_CASE(DT, HD, E, SUFFIX)                                                                             \
+#define TA_CASE(SUFFIX, E, HD, DT)                                                                             \
         if (dtype == DT && head_dim == HD) {                                                                      \
             using M = BwdTraits<E, HD>;                                                                           \
             using Q = BwdDqTraits<E, HD>;                                                                         \
@@ -111,10 +113,7 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
                     break;                                                                                        \
             }                                                                                                     \
         }
-        TA_CASE(0, 64, ta_bf16, bf16_d64)
-        TA_CASE(0, 128, ta_bf16, bf16_d128)
-        TA_CASE(1, 64, ta_f16, f16_d64)
-        TA_CASE(1, 128, ta_f16, f16_d128)
+        TA_ATTN_VARIANTS(TA_CASE)
 #undef TA_CASE
         snprintf(err, err_len, "no backward kernel for dtype %u, head_dim %u, stage %u", dtype, head_dim, stage);
         return 1;

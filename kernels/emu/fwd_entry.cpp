@@ -43,8 +43,10 @@ extern "C" int ta_emu_fwd_traits(uint32_t head_dim, int32_t* out) noexcept {
             out[4] = Tr::kRowStride;
             return 0;
         };
-        if (head_dim == 64) return fill(FwdTraits<ta_bf16, 64>{});
-        if (head_dim == 128) return fill(FwdTraits<ta_bf16, 128>{});
+#define TA_TRAITS(SUFFIX, E, HD, DT) \
+    if (head_dim == HD) return fill(FwdTraits<E, HD>{});
+        TA_ATTN_VARIANTS(TA_TRAITS)
+#undef TA_TRAITS
         return 1;
     });
 }
@@ -62,15 +64,13 @@ extern "C" int ta_emu_tree_attn_fwd(uint32_t dtype, uint32_t head_dim, const Tre
         io.ranges = ranges;
         io.num_ranges = 3;
         io.cp_async_bytes = cp_async_bytes;
-#define TA_CASE(DT, HD, E, NAME)                                                                      \
-        if (dtype == DT && head_dim == HD) {                                                             \
-            if (check_plan<FwdTraits<E, HD>>(block_threads, smem, grid_x, p->tokens, err, err_len)) return 1;               \
-            return ta_emu::launch_kernel<TreeAttnFwdParams>(NAME, *p, grid, block, smem, *config, err, err_len, io); \
+#define TA_CASE(SUFFIX, E, HD, DT)                                                                            \
+        if (dtype == DT && head_dim == HD) {                                                                     \
+            if (check_plan<FwdTraits<E, HD>>(block_threads, smem, grid_x, p->tokens, err, err_len)) return 1;   \
+            return ta_emu::launch_kernel<TreeAttnFwdParams>(tree_attn_fwd_##SUFFIX, *p, grid, block, smem, *config, \
+                                                            err, err_len, io);                                   \
         }
-        TA_CASE(0, 64, ta_bf16, tree_attn_fwd_bf16_d64)
-        TA_CASE(0, 128, ta_bf16, tree_attn_fwd_bf16_d128)
-        TA_CASE(1, 64, ta_f16, tree_attn_fwd_f16_d64)
-        TA_CASE(1, 128, ta_f16, tree_attn_fwd_f16_d128)
+        TA_ATTN_VARIANTS(TA_CASE)
 #undef TA_CASE
         snprintf(err, err_len, "no forward kernel for dtype %u, head_dim %u", dtype, head_dim);
         return 1;

@@ -41,14 +41,11 @@ extern "C" int ta_emu_rope_apply(uint32_t dtype, uint32_t head_dim, const TaRope
             snprintf(err, err_len, "ta_rope: %u rotated pairs in a head of %u lanes", p->half, head_dim);
             return 1;
         }
-#define TA_CASE(DT, HD, NAME)                                                                                  \
-        if (dtype == DT && head_dim == HD)                                                                     \
-            return ta_emu::launch_kernel<TaRopeApplyParams>(NAME, *p, dim3(grid_x), dim3(block_threads), 0, *config, \
-                                                            err, err_len);
-        TA_CASE(0, 64, ta_rope_bf16_d64)
-        TA_CASE(0, 128, ta_rope_bf16_d128)
-        TA_CASE(1, 64, ta_rope_f16_d64)
-        TA_CASE(1, 128, ta_rope_f16_d128)
+#define TA_CASE(SUFFIX, E, HD, DT)                                                                           \
+        if (dtype == DT && head_dim == HD)                                                                      \
+            return ta_emu::launch_kernel<TaRopeApplyParams>(ta_rope_##SUFFIX, *p, dim3(grid_x), dim3(block_threads), \
+                                                            0, *config, err, err_len);
+        TA_ATTN_VARIANTS(TA_CASE)
 #undef TA_CASE
         snprintf(err, err_len, "no rotary kernel for dtype %u, head_dim %u", dtype, head_dim);
         return 1;

@@ -12,10 +12,13 @@
 //! counts before it calls in; this module checks null and alignment again),
 //! so nothing is copied; the computation runs with the GIL released.
 //!
-//! Errors: the crate's `Error` becomes `ValueError` for bad input,
-//! `OSError` for i/o and `RuntimeError` otherwise; a Rust panic is caught
-//! at the boundary and becomes a `RuntimeError`, never a
-//! `pyo3_runtime.PanicException` (a `BaseException`).
+//! Errors: the crate's `Error` becomes, for bad input, one of treeattn's
+//! exception classes, all subclasses of `ValueError` (`TreeattnError` and
+//! under it `RolloutError`, `PackError`, `ShapeError`, `UnsupportedError`,
+//! defined here and exported by the `treeattn` package), `OSError` for i/o
+//! and `RuntimeError` otherwise; a Rust panic is caught at the boundary and
+//! becomes a `RuntimeError`, never a `pyo3_runtime.PanicException` (a
+//! `BaseException`).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -38,17 +41,46 @@ use treeattn::safetensors::{pack_tensors, rollout_tensors, Dtype};
 use treeattn::tree::RolloutStats;
 use treeattn::Error;
 
+pyo3::create_exception!(
+    treeattn,
+    TreeattnError,
+    PyValueError,
+    "Bad input to treeattn: the base of its error classes (a ValueError)."
+);
+pyo3::create_exception!(
+    treeattn,
+    RolloutError,
+    TreeattnError,
+    "A rollout that breaks the calls format, or rollout JSON that does not parse."
+);
+pyo3::create_exception!(
+    treeattn,
+    PackError,
+    TreeattnError,
+    "An invalid pack or mask (kv_end out of range, an SDCC row outside the logits)."
+);
+pyo3::create_exception!(
+    treeattn,
+    ShapeError,
+    TreeattnError,
+    "Sizes or lengths of the arguments that do not fit together."
+);
+pyo3::create_exception!(
+    treeattn,
+    UnsupportedError,
+    TreeattnError,
+    "Well-formed input treeattn does not take (a head dim, a rotary setting, ...)."
+);
+
 /// The crate's error as the Python exception a caller expects.
 fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     match e {
-        Error::Rollout { .. }
-        | Error::Json { .. }
-        | Error::Shape(_)
-        | Error::Unsupported(_)
-        | Error::NonFinite { .. }
-        | Error::Pack(_)
-        | Error::Usage(_) => PyValueError::new_err(msg),
+        Error::Rollout { .. } | Error::Json { .. } => RolloutError::new_err(msg),
+        Error::Pack(_) => PackError::new_err(msg),
+        Error::Shape(_) => ShapeError::new_err(msg),
+        Error::Unsupported(_) => UnsupportedError::new_err(msg),
+        Error::NonFinite { .. } | Error::Usage(_) => TreeattnError::new_err(msg),
         Error::Io(_) => PyOSError::new_err(msg),
         Error::Cuda(_) => PyRuntimeError::new_err(msg),
     }
@@ -1080,5 +1112,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_sdcc_forward_kl, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    let py = m.py();
+    m.add("TreeattnError", py.get_type::<TreeattnError>())?;
+    m.add("RolloutError", py.get_type::<RolloutError>())?;
+    m.add("PackError", py.get_type::<PackError>())?;
+    m.add("ShapeError", py.get_type::<ShapeError>())?;
+    m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
     Ok(())
 }

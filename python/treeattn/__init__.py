@@ -21,6 +21,13 @@ is a thin adapter over the crate's one contract:
 
 The mask rule of a pack: query ``q`` sees key ``k`` iff
 ``k <= q < kv_end[k]``; ``position_ids`` are depths in the trie.
+
+Errors the Rust crate reports on bad input are :class:`TreeattnError`, a
+``ValueError``, or one of its subclasses: :class:`RolloutError` (a rollout
+that breaks the calls format, JSON that does not parse), :class:`PackError`
+(an invalid pack or mask), :class:`ShapeError` (sizes that do not fit),
+:class:`UnsupportedError` (a head dim, dtype or setting treeattn does not
+take). Checks made in Python before the native call raise ``ValueError``.
 """
 
 from __future__ import annotations
@@ -31,8 +38,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from . import _native
+from ._native import PackError, RolloutError, ShapeError, TreeattnError, UnsupportedError
 
-__all__ = ["pack", "Pack", "ModelCost", "cost", "paths", "Paths", "__version__"]
+__all__ = [
+    "pack", "Pack", "ModelCost", "cost", "paths", "Paths", "__version__",
+    "TreeattnError", "RolloutError", "PackError", "ShapeError", "UnsupportedError",
+]
 __version__ = _native.__version__
 
 # Names and dtypes of the tensors of a pack, as in the pack files

@@ -38,7 +38,9 @@ pub enum Dtype {
 }
 
 impl Dtype {
-    /// The code the emulator entry points take (0 = bf16, 1 = f16).
+    /// The code the emulator entry points take (0 = bf16, 1 = f16; the
+    /// `DTYPE` of `TA_ATTN_VARIANTS`, which build.rs checks).
+    #[cfg(feature = "emu")]
     pub(crate) fn code(self) -> u32 {
         match self {
             Dtype::Bf16 => 0,
@@ -53,6 +55,64 @@ impl Dtype {
         }
     }
 }
+
+/// The attention and rotary kernels' variants, `(element type, head dim)`,
+/// in the order of `TA_ATTN_VARIANTS` (kernels/common.cuh), which build.rs
+/// reads: the one list behind the `.cu` instantiations, the emulator's
+/// switches, the head dims the launch plans accept and the CUDA backend's
+/// function tables (in this order: [`variant_index`]).
+pub const ATTN_VARIANTS: &[(Dtype, u32)] = &include!(concat!(env!("OUT_DIR"), "/attn_variants.rs"));
+
+/// The position of `(dtype, head_dim)` in [`ATTN_VARIANTS`], `None` when no
+/// kernel has it.
+pub fn variant_index(dtype: Dtype, head_dim: u32) -> Option<usize> {
+    ATTN_VARIANTS.iter().position(|&v| v == (dtype, head_dim))
+}
+
+/// As [`variant_index`], an [`Error::Unsupported`] when no kernel has the
+/// variant.
+#[cfg(feature = "cuda")]
+pub(crate) fn variant(dtype: Dtype, head_dim: u32) -> Result<usize> {
+    variant_index(dtype, head_dim).ok_or_else(|| {
+        Error::Unsupported(format!(
+            "no {} GPU kernel for head dim {head_dim}",
+            dtype.name()
+        ))
+    })
+}
+
+/// `head_dim` when some variant of [`ATTN_VARIANTS`] has it, else
+/// [`Error::Unsupported`]: "`kernels` have head dims 64 and 128, not …".
+pub(crate) fn kernel_head_dim(kernels: &str, head_dim: usize) -> Result<u32> {
+    let mut dims: Vec<u32> = ATTN_VARIANTS.iter().map(|&(_, d)| d).collect();
+    dims.sort_unstable();
+    dims.dedup();
+    if let Some(&d) = dims.iter().find(|&&d| d as usize == head_dim) {
+        return Ok(d);
+    }
+    let names: Vec<String> = dims.iter().map(u32::to_string).collect();
+    let list = match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => names.concat(),
+    };
+    Err(Error::Unsupported(format!(
+        "{kernels} have head dims {list}, not {head_dim}"
+    )))
+}
+
+/// Asserts, at compile time, the size and field offsets of a kernel
+/// argument struct's `#[repr(C)]` mirror: the numbers the C++ struct pins
+/// with `static_assert` / `TA_FIELD_AT` (kernels/common.cuh), so that
+/// neither side can change alone.
+macro_rules! assert_layout {
+    ($t:ty, $size:expr, { $($field:ident: $offset:expr),* $(,)? }) => {
+        const _: () = {
+            assert!(std::mem::size_of::<$t>() == $size);
+            $(assert!(std::mem::offset_of!($t, $field) == $offset);)*
+        };
+    };
+}
+pub(crate) use assert_layout;
 
 /// An element type of the GPU kernels: `half::bf16` or `half::f16`.
 pub trait KernelElem:
@@ -103,23 +163,16 @@ pub struct FwdTraits {
 }
 
 impl FwdTraits {
-    /// The kernels exist for head dims 64 and 128.
+    /// The kernels exist for the head dims of [`ATTN_VARIANTS`] (64, 128).
     pub fn for_head_dim(head_dim: usize) -> Result<Self> {
-        match head_dim {
-            64 | 128 => {
-                let d = head_dim as u32;
-                Ok(FwdTraits {
-                    head_dim: d,
-                    block_m: 128,
-                    block_n: 64,
-                    threads: 128,
-                    row_stride: d + 8,
-                })
-            }
-            _ => Err(Error::Unsupported(format!(
-                "the GPU attention kernels have head dims 64 and 128, not {head_dim}"
-            ))),
-        }
+        let d = kernel_head_dim("the GPU attention kernels", head_dim)?;
+        Ok(FwdTraits {
+            head_dim: d,
+            block_m: 128,
+            block_n: 64,
+            threads: 128,
+            row_stride: d + 8,
+        })
     }
     /// Dynamic shared memory: the Q tile, two K and two V tiles of 16-bit
     /// elements, then the row max and partial row sum of each of a thread's
@@ -268,6 +321,10 @@ pub(crate) struct FwdParams {
     pub scale_log2: f32,
     pub reserved: u32,
 }
+assert_layout!(FwdParams, 88, {
+    q: 0, k: 8, v: 16, o: 24, lse: 32, kv_end: 40, tile_kv_min: 48, tile_kv_max: 56,
+    tokens: 64, q_heads: 68, kv_heads: 72, num_key_tiles: 76, scale_log2: 80, reserved: 84,
+});
 
 /// Mirror of `KvTileBoundsParams` (kernels/tree_attn_fwd.cu).
 #[repr(C)]
@@ -281,10 +338,31 @@ pub(crate) struct KvBoundsParams {
     pub num_tiles: u32,
     pub reserved: u32,
 }
+assert_layout!(KvBoundsParams, 40, {
+    kv_end: 0, tile_kv_min: 8, tile_kv_max: 16, tokens: 24, tile: 28, num_tiles: 32, reserved: 36,
+});
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_variant_list_comes_from_the_kernels() {
+        // TA_ATTN_VARIANTS of kernels/common.cuh, as build.rs read it.
+        assert_eq!(
+            ATTN_VARIANTS,
+            &[
+                (Dtype::Bf16, 64),
+                (Dtype::Bf16, 128),
+                (Dtype::F16, 64),
+                (Dtype::F16, 128)
+            ]
+        );
+        assert_eq!(variant_index(Dtype::F16, 64), Some(2));
+        assert_eq!(variant_index(Dtype::Bf16, 96), None);
+        let e = FwdTraits::for_head_dim(96).unwrap_err().to_string();
+        assert!(e.contains("have head dims 64 and 128, not 96"), "{e}");
+    }
 
     #[test]
     fn plans_cover_every_token_and_head() {

@@ -5,8 +5,8 @@
  *
  * Where a driver and a GPU exist: retains device 0's primary context,
  * creates a stream, allocates and fills bf16 / f16 buffers, runs
- * treeattn_cuda_attention_forward_* / _backward_* and
- * treeattn_cuda_sdcc_forward_kl_f32 on that stream, and checks them
+ * treeattn_cuda_attention_forward / _backward (TREEATTN_BF16, TREEATTN_F16)
+ * and treeattn_cuda_sdcc_forward_kl (TREEATTN_F32) on that stream, and checks them
  * against the library's CPU entries on the same rounded inputs, with the
  * bounds of treeattn's tolerance table (bf16: O 1e-2, grads 2e-2 relative
  * Frobenius; f16: 2e-3, 5e-3; LSE 1e-3 absolute; SDCC 1e-4 relative).
@@ -162,6 +162,7 @@ static TreeattnPack *readme_pack(void) {
 static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
                            const uint32_t *pos, size_t L) {
   const char *name = f16 ? "f16" : "bf16";
+  const TreeattnDtype dtype = f16 ? TREEATTN_F16 : TREEATTN_BF16;
   const double o_bound = f16 ? 2e-3 : 1e-2, g_bound = f16 ? 5e-3 : 2e-2;
   TreeattnShape shape = {L, 4, 2, 64};
   size_t nq = L * 4 * 64, nk = L * 2 * 64, nl = 4 * L;
@@ -187,7 +188,7 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
     k[i] = f16 ? from_f16(k16[i]) : from_bf16(k16[i]);
     v[i] = f16 ? from_f16(v16[i]) : from_bf16(v16[i]);
   }
-  OK(treeattn_attention_forward_f32(q, k, v, shape, kv_end, pos, NULL, o, lse));
+  OK(treeattn_attention_forward(TREEATTN_F32, q, k, v, shape, kv_end, pos, NULL, o, lse));
 
   CUdeviceptr dq_ = upload(q16, nq * 2), dk_ = upload(k16, nk * 2),
               dv_ = upload(v16, nk * 2), ddo = upload(do16, nq * 2);
@@ -195,15 +196,8 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
   memset(o16, 0xFF, nq * 2);
   memset(got_lse, 0xFF, nl * 4);
   CUdeviceptr d_o = upload(o16, nq * 2), d_lse = upload(got_lse, nl * 4);
-  if (f16) {
-    OK(treeattn_cuda_attention_forward_f16(0, stream, (void *)dq_, (void *)dk_,
-                                           (void *)dv_, shape, kv_end, pos, NULL,
-                                           (void *)d_o, (float *)d_lse));
-  } else {
-    OK(treeattn_cuda_attention_forward_bf16(0, stream, (void *)dq_, (void *)dk_,
-                                            (void *)dv_, shape, kv_end, pos, NULL,
-                                            (void *)d_o, (float *)d_lse));
-  }
+  OK(treeattn_cuda_attention_forward(dtype, 0, stream, (void *)dq_, (void *)dk_, (void *)dv_,
+                                     shape, kv_end, pos, NULL, (void *)d_o, (float *)d_lse));
   CU(cu.stream_sync(stream));
   CU(cu.dtoh(o16, d_o, nq * 2));
   CU(cu.dtoh(got_lse, d_lse, nl * 4));
@@ -220,19 +214,13 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
 
   /* Backward from the device's own O and LSE; the reference from the
    * CPU's (both within the forward bounds of each other). */
-  OK(treeattn_attention_backward_f32(q, k, v, shape, kv_end, pos, NULL, o, lse, dout,
-                                     dq, dk, dv));
+  OK(treeattn_attention_backward(TREEATTN_F32, q, k, v, shape, kv_end, pos, NULL, o, lse,
+                                 dout, dq, dk, dv));
   memset(g16, 0xFF, nq * 2);
   CUdeviceptr gq = upload(g16, nq * 2), gk = upload(g16, nk * 2), gv = upload(g16, nk * 2);
-  if (f16) {
-    OK(treeattn_cuda_attention_backward_f16(
-        0, stream, (void *)dq_, (void *)dk_, (void *)dv_, shape, kv_end, pos, NULL,
-        (void *)d_o, (const float *)d_lse, (void *)ddo, (void *)gq, (void *)gk, (void *)gv));
-  } else {
-    OK(treeattn_cuda_attention_backward_bf16(
-        0, stream, (void *)dq_, (void *)dk_, (void *)dv_, shape, kv_end, pos, NULL,
-        (void *)d_o, (const float *)d_lse, (void *)ddo, (void *)gq, (void *)gk, (void *)gv));
-  }
+  OK(treeattn_cuda_attention_backward(dtype, 0, stream, (void *)dq_, (void *)dk_, (void *)dv_,
+                                      shape, kv_end, pos, NULL, (void *)d_o, (const float *)d_lse,
+                                      (void *)ddo, (void *)gq, (void *)gk, (void *)gv));
   CU(cu.stream_sync(stream));
   struct {
     const char *what;
@@ -264,14 +252,14 @@ static void sdcc_case(CUstream stream) {
   const float weights[PAIRS] = {1.0f, 0.5f, 2.0f};
   TreeattnSdccLoss want, loss;
   double per_want[PAIRS], per[PAIRS];
-  OK(treeattn_sdcc_forward_kl_f32(logits, ROWS, logits, ROWS, VOCAB, pairs, weights, PAIRS,
-                                  1.0f, grad, &want, per_want));
+  OK(treeattn_sdcc_forward_kl(TREEATTN_F32, logits, ROWS, logits, ROWS, VOCAB, pairs, weights,
+                              PAIRS, 1.0f, grad, &want, per_want));
   CUdeviceptr d_logits = upload(logits, sizeof logits);
   memset(got, 0xFF, sizeof got);
   CUdeviceptr d_grad = upload(got, sizeof got);
-  OK(treeattn_cuda_sdcc_forward_kl_f32(0, stream, (void *)d_logits, ROWS, (void *)d_logits,
-                                       ROWS, VOCAB, pairs, weights, PAIRS, 1.0f,
-                                       (float *)d_grad, &loss, per));
+  OK(treeattn_cuda_sdcc_forward_kl(TREEATTN_F32, 0, stream, (void *)d_logits, ROWS,
+                                   (void *)d_logits, ROWS, VOCAB, pairs, weights, PAIRS, 1.0f,
+                                   (float *)d_grad, &loss, per));
   CU(cu.dtoh(got, d_grad, sizeof got));
   double e_loss = fabs(loss.loss_sum - want.loss_sum) / fmax(fabs(want.loss_sum), 1e-2);
   double e_grad = rel_frobenius(got, grad, ROWS * VOCAB);
@@ -294,14 +282,35 @@ int main(int argc, char **argv) {
   OK(treeattn_pack_u32(pack, TREEATTN_PACK_KV_END, &kv_end, &L));
   OK(treeattn_pack_u32(pack, TREEATTN_PACK_POSITION_IDS, &pos, &n));
   TreeattnShape shape = {L, 4, 2, 64};
+  {
+    /* A dtype an entry does not take: TREEATTN_ERR_UNSUPPORTED naming it, in
+     * every build, before any CUDA work (the pointers are never read). */
+    char dummy[16];
+    float dummy_lse[4];
+    int32_t st = treeattn_cuda_attention_forward(TREEATTN_F64, 0, NULL, dummy, dummy, dummy,
+                                                 shape, kv_end, pos, NULL, dummy, dummy_lse);
+    CHECK(st == TREEATTN_ERR_UNSUPPORTED && strstr(treeattn_last_error(), "TREEATTN_F64"),
+          "f64 device attention -> %d: %s", st, treeattn_last_error());
+    st = treeattn_cuda_attention_forward(TREEATTN_F32, 0, NULL, dummy, dummy, dummy, shape,
+                                         kv_end, pos, NULL, dummy, dummy_lse);
+    CHECK(st == TREEATTN_ERR_UNSUPPORTED && strstr(treeattn_last_error(), "TREEATTN_F32"),
+          "f32 device attention -> %d: %s", st, treeattn_last_error());
+    TreeattnSdccLoss loss;
+    const uint32_t pair[2] = {0, 0};
+    const float weight = 1.0f;
+    st = treeattn_cuda_sdcc_forward_kl(TREEATTN_F64, 0, NULL, dummy, 1, dummy, 1, 1, pair,
+                                       &weight, 1, 1.0f, dummy_lse, &loss, NULL);
+    CHECK(st == TREEATTN_ERR_UNSUPPORTED && strstr(treeattn_last_error(), "TREEATTN_F64"),
+          "f64 device SDCC -> %d: %s", st, treeattn_last_error());
+  }
   int dev_count = 0;
   if (!load_driver() || cu.init(0) != 0 || cu.device_count(&dev_count) != 0 || dev_count == 0) {
     /* No GPU: the entries must fail cleanly, with non-null (never
      * dereferenced) pointers so that the failure is about CUDA itself. */
     char dummy[16];
     float dummy_lse[4];
-    int32_t st = treeattn_cuda_attention_forward_bf16(0, NULL, dummy, dummy, dummy, shape,
-                                                      kv_end, pos, NULL, dummy, dummy_lse);
+    int32_t st = treeattn_cuda_attention_forward(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy,
+                                                 shape, kv_end, pos, NULL, dummy, dummy_lse);
     CHECK(st == TREEATTN_ERR_UNSUPPORTED || st == TREEATTN_ERR_CUDA,
           "forward without a GPU -> %d (%s): %s", st, treeattn_status_name(st),
           treeattn_last_error());
@@ -331,8 +340,8 @@ int main(int argc, char **argv) {
     char dummy[16];
     float dummy_lse[4];
     TreeattnShape empty = {0, 4, 2, 64};
-    int32_t st = treeattn_cuda_attention_forward_bf16(0, stream, dummy, dummy, dummy, empty,
-                                                      kv_end, pos, NULL, dummy, dummy_lse);
+    int32_t st = treeattn_cuda_attention_forward(TREEATTN_BF16, 0, stream, dummy, dummy, dummy,
+                                                 empty, kv_end, pos, NULL, dummy, dummy_lse);
     if (st == TREEATTN_ERR_UNSUPPORTED) {
       printf("the library was built without CUDA: %s\n", treeattn_last_error());
       treeattn_pack_free(pack);

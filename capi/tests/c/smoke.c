@@ -168,9 +168,9 @@ int main(int argc, char **argv) {
   double *o = malloc(nq * sizeof(double)), *lse = malloc(hq * L * sizeof(double));
   double *dq = malloc(nq * sizeof(double)), *dk = malloc(nkv * sizeof(double)),
          *dv = malloc(nkv * sizeof(double));
-  OK(treeattn_attention_forward_f64(q, k, v, shape, kv_end, pos, NULL, o, lse));
-  OK(treeattn_attention_backward_f64(q, k, v, shape, kv_end, pos, NULL, o, lse,
-                                     d_o, dq, dk, dv));
+  OK(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, o, lse));
+  OK(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, o, lse,
+                                 d_o, dq, dk, dv));
 
   /* against the Rust API's result */
   FILE *fp = fopen(argv[1], "r");
@@ -217,7 +217,7 @@ int main(int argc, char **argv) {
   size_t threads = 0;
   OK(treeattn_get_threads(&threads));
   CHECK(threads == 1, "threads %zu after treeattn_set_threads(1)", threads);
-  OK(treeattn_attention_forward_f32(qf, kf, vf, shape, kv_end, pos, NULL, of, lsef));
+  OK(treeattn_attention_forward(TREEATTN_F32, qf, kf, vf, shape, kv_end, pos, NULL, of, lsef));
   OK(treeattn_set_threads(0));
   double worst = 0.0;
   for (size_t i = 0; i < nq; i++) {
@@ -235,8 +235,8 @@ int main(int argc, char **argv) {
   const float weights[] = {1.0f, 0.5f, 2.0f};
   TreeattnSdccLoss loss;
   double per_pair[3];
-  OK(treeattn_sdcc_forward_kl_f64(logits, rows, logits, rows, vocab, pairs,
-                                  weights, 3, 1.0f, grad, &loss, per_pair));
+  OK(treeattn_sdcc_forward_kl(TREEATTN_F64, logits, rows, logits, rows, vocab, pairs,
+                              weights, 3, 1.0f, grad, &loss, per_pair));
   double want_sum = 0.0;
   for (int i = 0; i < 3; i++) {
     const double *s = logits + pairs[2 * i] * vocab, *t = logits + pairs[2 * i + 1] * vocab;
@@ -256,30 +256,30 @@ int main(int argc, char **argv) {
   CHECK(fabs(loss.loss_mean - want_sum / 3.5) <= 1e-12, "loss_mean %g", loss.loss_mean);
 
   /* --- bad input: a status code and a message, never a crash --------- */
-  FAILS(treeattn_attention_forward_f64(NULL, k, v, shape, kv_end, pos, NULL, o, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, NULL, k, v, shape, kv_end, pos, NULL, o, lse),
         TREEATTN_ERR_NULL, "`q`");
-  FAILS(treeattn_attention_forward_f64(q, k, v, shape, kv_end, pos, NULL, NULL, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, NULL, lse),
         TREEATTN_ERR_NULL, "`o`");
   TreeattnShape bad_heads = {L, 3, 2, d};
-  FAILS(treeattn_attention_forward_f64(q, k, v, bad_heads, kv_end, pos, NULL, o, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, bad_heads, kv_end, pos, NULL, o, lse),
         TREEATTN_ERR_SHAPE, "kv_heads");
   uint32_t bad_kv_end[16];
   memcpy(bad_kv_end, kv_end, sizeof bad_kv_end);
   bad_kv_end[3] = 2; /* key 3 visible to no query, below itself */
-  FAILS(treeattn_attention_forward_f64(q, k, v, shape, bad_kv_end, pos, NULL, o, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, bad_kv_end, pos, NULL, o, lse),
         TREEATTN_ERR_PACK, "kv_end");
-  FAILS(treeattn_attention_forward_f64(q, k, v, shape, kv_end, pos, NULL, (double *)q, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, q, lse),
         TREEATTN_ERR_SHAPE, "overlaps");
   TreeattnParams rope = {0.0, 3, 10000.0, 0};
-  FAILS(treeattn_attention_forward_f64(q, k, v, shape, kv_end, pos, &rope, o, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &rope, o, lse),
         TREEATTN_ERR_UNSUPPORTED, "rotary");
   TreeattnParams finite = {0.0, 0, 0.0, 1};
   q[5] = NAN;
-  FAILS(treeattn_attention_forward_f64(q, k, v, shape, kv_end, pos, &finite, o, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &finite, o, lse),
         TREEATTN_ERR_NON_FINITE, "q");
   q[5] = 0.0;
-  FAILS(treeattn_attention_backward_f64(q, k, v, shape, kv_end, pos, NULL, o, lse,
-                                        d_o, dq, dk, NULL),
+  FAILS(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, o, lse,
+                                    d_o, dq, dk, NULL),
         TREEATTN_ERR_NULL, "`dv`");
   TreeattnPack *bad = (TreeattnPack *)&failures;
   const size_t empty_comp_off[] = {0, 2, 3, 5, 5}; /* call 3 completes nothing */
@@ -296,12 +296,21 @@ int main(int argc, char **argv) {
   FAILS(treeattn_pack_u32(pack, 99, &data, &n), TREEATTN_ERR_SHAPE, "field");
   FAILS(treeattn_pack_u32(NULL, TREEATTN_PACK_TOKENS, &data, &n), TREEATTN_ERR_NULL, "pack");
   const uint32_t bad_pair[] = {10, 99};
-  FAILS(treeattn_sdcc_forward_kl_f64(logits, rows, logits, rows, vocab, bad_pair,
-                                     weights, 1, 1.0f, grad, &loss, NULL),
+  FAILS(treeattn_sdcc_forward_kl(TREEATTN_F64, logits, rows, logits, rows, vocab, bad_pair,
+                                 weights, 1, 1.0f, grad, &loss, NULL),
         TREEATTN_ERR_PACK, "out of range");
-  FAILS(treeattn_sdcc_forward_kl_f64(logits, rows, logits, rows, vocab, pairs,
-                                     weights, 3, 0.0f, grad, &loss, NULL),
+  FAILS(treeattn_sdcc_forward_kl(TREEATTN_F64, logits, rows, logits, rows, vocab, pairs,
+                                 weights, 3, 0.0f, grad, &loss, NULL),
         TREEATTN_ERR_UNSUPPORTED, "temperature");
+  /* a dtype the host entries do not take, and a value that is no dtype */
+  FAILS(treeattn_attention_forward(TREEATTN_BF16, q, k, v, shape, kv_end, pos, NULL, o, lse),
+        TREEATTN_ERR_UNSUPPORTED, "TREEATTN_BF16");
+  FAILS(treeattn_attention_backward(TREEATTN_F16, q, k, v, shape, kv_end, pos, NULL, o, lse,
+                                    d_o, dq, dk, dv),
+        TREEATTN_ERR_UNSUPPORTED, "TREEATTN_F16");
+  FAILS(treeattn_sdcc_forward_kl((TreeattnDtype)42, logits, rows, logits, rows, vocab, pairs,
+                                 weights, 3, 1.0f, grad, &loss, NULL),
+        TREEATTN_ERR_UNSUPPORTED, "42 (not a TreeattnDtype)");
   CHECK(strcmp(treeattn_status_name(TREEATTN_ERR_PACK), "pack") == 0, "status name");
 
   treeattn_pack_free(pack);

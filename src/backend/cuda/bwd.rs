@@ -12,7 +12,7 @@ use cudarc::nvrtc::Ptx;
 
 use super::{config, cuda_err, Device};
 use crate::backend::launch::bwd::{plan_backward, BwdParams, BwdTraits, DqMode};
-use crate::backend::launch::{scale_log2, Dtype, KernelElem, LaunchPlan};
+use crate::backend::launch::{scale_log2, KernelElem, LaunchPlan};
 use crate::backend::{BackwardCall, Grads};
 use crate::{Error, Result};
 
@@ -38,8 +38,10 @@ const STAGES: [&str; 6] = [
 pub(crate) struct CudaBackward {
     pub(super) stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
-    /// `[dtype][head dim 64 / 128][stage]`, stages as in [`STAGES`].
-    funcs: Vec<Vec<Vec<CudaFunction>>>,
+    /// `[variant][stage]`: variants in the order of
+    /// [`ATTN_VARIANTS`](crate::backend::launch::ATTN_VARIANTS), stages as in
+    /// [`STAGES`].
+    funcs: Vec<Vec<CudaFunction>>,
 }
 
 impl CudaBackward {
@@ -50,35 +52,31 @@ impl CudaBackward {
             .load_module(Ptx::from_binary(BWD_FATBIN.to_vec()))
             .map_err(cuda_err("loading the embedded backward kernels"))?;
         let mut funcs = Vec::new();
-        for dtype in [Dtype::Bf16, Dtype::F16] {
-            let mut by_d = Vec::new();
-            for d in [64usize, 128] {
-                let t = BwdTraits::for_head_dim(d)?;
-                let mut by_stage = Vec::new();
-                for stage in STAGES {
-                    let name = t.kernel_name(stage, dtype);
-                    let f = module
-                        .load_function(&name)
-                        .map_err(|e| Error::Cuda(format!("{name}: {e}")))?;
-                    let smem = match stage {
-                        "main_atomic" | "main_det" => t.main_smem_bytes(),
-                        "dq" => t.dq_smem_bytes(),
-                        _ => 0,
-                    };
-                    if smem > 48 * 1024 {
-                        f.set_attribute(
-                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            smem as i32,
-                        )
-                        .map_err(|e| {
-                            Error::Cuda(format!("{name}: raising shared memory to {smem}: {e}"))
-                        })?;
-                    }
-                    by_stage.push(f);
+        for &(dtype, d) in crate::backend::launch::ATTN_VARIANTS {
+            let t = BwdTraits::for_head_dim(d as usize)?;
+            let mut by_stage = Vec::new();
+            for stage in STAGES {
+                let name = t.kernel_name(stage, dtype);
+                let f = module
+                    .load_function(&name)
+                    .map_err(|e| Error::Cuda(format!("{name}: {e}")))?;
+                let smem = match stage {
+                    "main_atomic" | "main_det" => t.main_smem_bytes(),
+                    "dq" => t.dq_smem_bytes(),
+                    _ => 0,
+                };
+                if smem > 48 * 1024 {
+                    f.set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )
+                    .map_err(|e| {
+                        Error::Cuda(format!("{name}: raising shared memory to {smem}: {e}"))
+                    })?;
                 }
-                by_d.push(by_stage);
+                by_stage.push(f);
             }
-            funcs.push(by_d);
+            funcs.push(by_stage);
         }
         Ok(CudaBackward {
             stream: stream.clone(),
@@ -239,7 +237,7 @@ impl CudaBackward {
         if split {
             stages.push((5, plans.dkv_convert));
         }
-        let by_stage = &self.funcs[T::DTYPE.code() as usize][usize::from(traits.head_dim == 128)];
+        let by_stage = &self.funcs[crate::backend::launch::variant(T::DTYPE, traits.head_dim)?];
         for &(stage, plan) in &stages {
             let mut b = s.launch_builder(&by_stage[stage]);
             b.arg(&p);
@@ -265,18 +263,14 @@ mod tests {
     fn the_backward_and_sdcc_fatbins_are_embedded() {
         // A fatbin starts with its magic 0xBA55ED50 (little endian).
         assert_eq!(&BWD_FATBIN[..4], &[0x50, 0xed, 0x55, 0xba]);
-        for t in [
-            BwdTraits::for_head_dim(64).unwrap(),
-            BwdTraits::for_head_dim(128).unwrap(),
-        ] {
-            for dtype in [Dtype::Bf16, Dtype::F16] {
-                for stage in STAGES {
-                    let name = t.kernel_name(stage, dtype);
-                    assert!(
-                        PTXAS_REPORT.contains(&name),
-                        "{name} missing from the ptxas report"
-                    );
-                }
+        for &(dtype, d) in crate::backend::launch::ATTN_VARIANTS {
+            let t = BwdTraits::for_head_dim(d as usize).unwrap();
+            for stage in STAGES {
+                let name = t.kernel_name(stage, dtype);
+                assert!(
+                    PTXAS_REPORT.contains(&name),
+                    "{name} missing from the ptxas report"
+                );
             }
         }
         for name in ["sdcc_kl_bf16", "sdcc_kl_f16", "sdcc_kl_f32"] {

@@ -42,7 +42,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::launch::sdcc::SdccElem;
-use super::launch::{self, Dtype, FwdParams, FwdTraits, KernelElem, KvBoundsParams, LaunchPlan};
+use super::launch::{self, FwdParams, FwdTraits, KernelElem, KvBoundsParams, LaunchPlan};
 use super::{
     AttentionBackend, BackwardCall, Element, Extent, ForwardCall, Memory, SdccArgs, SdccBackend,
     SdccCall, SdccLoss,
@@ -175,8 +175,8 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
-    /// Forward kernels indexed by [dtype][head dim 64 / 128].
-    fwd: [[CudaFunction; 2]; 2],
+    /// Forward kernels in the order of [`launch::ATTN_VARIANTS`].
+    fwd: Vec<CudaFunction>,
     kv_bounds: CudaFunction,
     pub(crate) bwd: CudaBackward,
     sdcc: CudaSdcc,
@@ -249,29 +249,23 @@ impl CudaBackend {
             .map_err(cuda_err("shared memory limit"))?;
         let load = |name: &str| module.load_function(name).map_err(cuda_err(name));
         let mut fwd = Vec::new();
-        for dtype in [Dtype::Bf16, Dtype::F16] {
-            let mut by_d = Vec::new();
-            for d in [64usize, 128] {
-                let t = FwdTraits::for_head_dim(d)?;
-                let f = load(&t.kernel_name(dtype))?;
-                if t.smem_bytes() as i32 > optin {
-                    return Err(Error::Unsupported(format!(
-                        "{} needs {} bytes of shared memory per block; device {ordinal} allows {optin}",
-                        t.kernel_name(dtype),
-                        t.smem_bytes()
-                    )));
-                }
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    t.smem_bytes() as i32,
-                )
-                .map_err(cuda_err("raising the dynamic shared memory limit"))?;
-                by_d.push(f);
+        for &(dtype, d) in launch::ATTN_VARIANTS {
+            let t = FwdTraits::for_head_dim(d as usize)?;
+            let f = load(&t.kernel_name(dtype))?;
+            if t.smem_bytes() as i32 > optin {
+                return Err(Error::Unsupported(format!(
+                    "{} needs {} bytes of shared memory per block; device {ordinal} allows {optin}",
+                    t.kernel_name(dtype),
+                    t.smem_bytes()
+                )));
             }
-            let [d64, d128]: [CudaFunction; 2] = by_d.try_into().expect("two head dims");
-            fwd.push([d64, d128]);
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                t.smem_bytes() as i32,
+            )
+            .map_err(cuda_err("raising the dynamic shared memory limit"))?;
+            fwd.push(f);
         }
-        let [bf16, f16]: [[CudaFunction; 2]; 2] = fwd.try_into().expect("two dtypes");
         let kv_bounds = load("tree_attn_kv_tile_bounds")?;
         Ok(CudaBackend {
             bwd: CudaBackward::new(&ctx, &stream)?,
@@ -281,7 +275,7 @@ impl CudaBackend {
             ctx,
             stream,
             _module: module,
-            fwd: [bf16, f16],
+            fwd,
             kv_bounds,
         })
     }
@@ -451,7 +445,7 @@ impl CudaBackend {
             scale_log2: launch::scale_log2(params),
             reserved: 0,
         };
-        let f = &self.fwd[T::DTYPE.code() as usize][usize::from(traits.head_dim == 128)];
+        let f = &self.fwd[launch::variant(T::DTYPE, traits.head_dim)?];
         let mut b = s.launch_builder(f);
         b.arg(&p);
         // SAFETY: every buffer's length was checked against `shape` and the
@@ -553,11 +547,12 @@ mod tests {
     fn the_fatbin_and_report_are_embedded() {
         // A fatbin starts with its magic 0xBA55ED50 (little endian).
         assert_eq!(&FWD_FATBIN[..4], &[0x50, 0xed, 0x55, 0xba]);
-        for name in [
-            "tree_attn_fwd_bf16_d128",
-            "tree_attn_fwd_f16_d64",
-            "tree_attn_kv_tile_bounds",
-        ] {
+        let fwd = launch::ATTN_VARIANTS.iter().map(|&(dtype, d)| {
+            FwdTraits::for_head_dim(d as usize)
+                .unwrap()
+                .kernel_name(dtype)
+        });
+        for name in fwd.chain(["tree_attn_kv_tile_bounds".to_string()]) {
             assert!(
                 PTXAS_REPORT.contains(name),
                 "{name} missing from the ptxas report"

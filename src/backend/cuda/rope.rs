@@ -25,7 +25,7 @@ use crate::backend::launch::rope::{
     check_max_position, plan_rope_apply, plan_rope_table, rope_kernel_name, RopeApplyParams,
     RopeTableParams,
 };
-use crate::backend::launch::{plan_forward, Dtype, KernelElem};
+use crate::backend::launch::{plan_forward, KernelElem};
 use crate::backend::{AttnArgs, AttnParams, BackwardCall, ForwardCall, Grads, Rope};
 use crate::{Error, Result};
 
@@ -42,8 +42,9 @@ unsafe impl DeviceRepr for RopeApplyParams {}
 pub(crate) struct CudaRope {
     _module: Arc<CudaModule>,
     table: CudaFunction,
-    /// `ta_rope_{dtype}_d{64,128}`, indexed `[dtype][head dim 64 / 128]`.
-    apply: [[CudaFunction; 2]; 2],
+    /// `ta_rope_{dtype}_d{head_dim}` in the order of
+    /// [`ATTN_VARIANTS`](crate::backend::launch::ATTN_VARIANTS).
+    apply: Vec<CudaFunction>,
 }
 
 /// The cos / sin tables of one (base, dims) on the device.
@@ -75,15 +76,13 @@ impl CudaRope {
                 .load_function(name)
                 .map_err(|e| Error::Cuda(format!("{name}: {e}")))
         };
-        let by_d = |dtype: Dtype| -> Result<[CudaFunction; 2]> {
-            Ok([
-                load(&rope_kernel_name(dtype, 64))?,
-                load(&rope_kernel_name(dtype, 128))?,
-            ])
-        };
+        let apply = crate::backend::launch::ATTN_VARIANTS
+            .iter()
+            .map(|&(dtype, d)| load(&rope_kernel_name(dtype, d)))
+            .collect::<Result<Vec<_>>>()?;
         Ok(CudaRope {
             table: load("ta_rope_table")?,
-            apply: [by_d(Dtype::Bf16)?, by_d(Dtype::F16)?],
+            apply,
             _module: module,
         })
     }
@@ -162,7 +161,7 @@ impl CudaRope {
             half: tables.half,
             inverse: u32::from(inverse),
         };
-        let f = &self.apply[T::DTYPE.code() as usize][usize::from(head_dim == 128)];
+        let f = &self.apply[crate::backend::launch::variant(T::DTYPE, head_dim as u32)?];
         let mut b = stream.launch_builder(f);
         b.arg(&p);
         // SAFETY: x and y hold `tokens · heads · head_dim` elements (the
@@ -334,11 +333,9 @@ mod tests {
     fn the_rotary_fatbin_is_embedded() {
         // A fatbin starts with its magic 0xBA55ED50 (little endian).
         assert_eq!(&ROPE_FATBIN[..4], &[0x50, 0xed, 0x55, 0xba]);
-        for dtype in [Dtype::Bf16, Dtype::F16] {
-            for d in [64, 128] {
-                let name = rope_kernel_name(dtype, d);
-                assert!(PTXAS_REPORT.contains(&name), "{name} missing");
-            }
+        for &(dtype, d) in crate::backend::launch::ATTN_VARIANTS {
+            let name = rope_kernel_name(dtype, d);
+            assert!(PTXAS_REPORT.contains(&name), "{name} missing");
         }
         assert!(PTXAS_REPORT.contains("ta_rope_table"));
     }

@@ -59,20 +59,17 @@ pub struct BwdTraits {
 }
 
 impl BwdTraits {
-    /// The kernels exist for head dims 64 and 128.
+    /// The kernels exist for the head dims of
+    /// [`ATTN_VARIANTS`](super::ATTN_VARIANTS) (64, 128).
     pub fn for_head_dim(head_dim: usize) -> Result<Self> {
-        match head_dim {
-            64 | 128 => Ok(BwdTraits {
-                head_dim: head_dim as u32,
-                block_m: if head_dim == 64 { 64 } else { 32 },
-                block_n: 64,
-                threads: 128,
-                dq_block_m: 64,
-            }),
-            _ => Err(Error::Unsupported(format!(
-                "the GPU attention backward kernels have head dims 64 and 128, not {head_dim}"
-            ))),
-        }
+        let d = super::kernel_head_dim("the GPU attention backward kernels", head_dim)?;
+        Ok(BwdTraits {
+            head_dim: d,
+            block_m: if d == 64 { 64 } else { 32 },
+            block_n: 64,
+            threads: 128,
+            dq_block_m: 64,
+        })
     }
     fn row_stride(&self) -> u32 {
         self.head_dim + 8
@@ -270,6 +267,12 @@ pub(crate) struct BwdParams {
     pub group_splits: u32,
     pub reserved: u32,
 }
+super::assert_layout!(BwdParams, 160, {
+    q: 0, k: 8, v: 16, o: 24, d_o: 32, lse: 40, delta: 48, dq_accum: 56, dq: 64, dk: 72,
+    dv: 80, kv_end: 88, tile_kv_min: 96, tile_kv_max: 104, dkv_accum: 112, tokens: 120,
+    q_heads: 124, kv_heads: 128, num_key_tiles: 132, scale: 136, scale_log2: 140,
+    head_dim: 144, zero_dq_accum: 148, group_splits: 152, reserved: 156,
+});
 
 #[cfg(test)]
 mod tests {

@@ -95,11 +95,7 @@ pub fn plan_rope_table(positions: u32, half: u32) -> Result<LaunchPlan> {
 /// head_dim]` tensor: one thread per (row, pair slot), `256 / head_dim` rows
 /// per block of [`ROPE_THREADS`] (see the top of `kernels/rope.cu`).
 pub fn plan_rope_apply(tokens: usize, heads: usize, head_dim: usize) -> Result<LaunchPlan> {
-    if head_dim != 64 && head_dim != 128 {
-        return Err(Error::Unsupported(format!(
-            "the GPU rotary kernels have head dims 64 and 128, not {head_dim}"
-        )));
-    }
+    super::kernel_head_dim("the GPU rotary kernels", head_dim)?;
     let rows_per_block = 2 * ROPE_THREADS as u64 / head_dim as u64;
     let blocks = (tokens as u64 * heads as u64).div_ceil(rows_per_block);
     if blocks > i32::MAX as u64 || tokens > u32::MAX as usize || heads > u32::MAX as usize {
@@ -131,6 +127,9 @@ pub(crate) struct RopeTableParams {
     pub dims: u32,
     pub reserved: u32,
 }
+super::assert_layout!(RopeTableParams, 40, {
+    cos: 0, sin: 8, base: 16, positions: 24, half: 28, dims: 32, reserved: 36,
+});
 
 impl RopeTableParams {
     /// Tables for `rope` at `cos`, `sin` (each `positions · dims / 2` f32s).
@@ -162,6 +161,9 @@ pub(crate) struct RopeApplyParams {
     /// 0: rotate; 1: rotate back (the transpose rotation, for gradients).
     pub inverse: u32,
 }
+super::assert_layout!(RopeApplyParams, 56, {
+    x: 0, y: 8, pos: 16, cos: 24, sin: 32, tokens: 40, heads: 44, half: 48, inverse: 52,
+});
 
 #[cfg(test)]
 mod tests {

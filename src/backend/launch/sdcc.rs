@@ -183,3 +183,8 @@ pub(crate) struct SdccParams {
     /// Unfused baseline only: `[2, pairs]` status words.
     pub row_status: u64,
 }
+super::assert_layout!(SdccParams, 104, {
+    student: 0, teacher: 8, pairs: 16, weights: 24, grad: 32, kl: 40, status: 48, vocab: 56,
+    num_pairs: 64, inv_tau_log2: 68, inv_tau: 72, accumulate: 76, vec8: 80, logp: 88,
+    row_status: 96,
+});

@@ -1,0 +1,205 @@
+"""Type stubs of ``treeattn._native``, the PyO3 module (python/src/lib.rs).
+
+Checked against the built module by ``python -m mypy.stubtest
+treeattn._native`` (.ci/run) and by python/tests/test_stub.py. Tensors cross
+as raw data pointers (``tensor.data_ptr()``, ``int``) of contiguous tensors
+that :mod:`treeattn.torch` has validated; ``dtype`` is a torch dtype's name:
+``"float32"`` / ``"float64"`` on the CPU, ``"bfloat16"`` / ``"float16"`` for
+device attention, and those or ``"float32"`` for device SDCC.
+"""
+
+from typing import Any, Dict, List, Optional, Tuple
+
+__all__ = [
+    "attention_forward",
+    "attention_backward",
+    "sdcc_forward_kl",
+    "pack",
+    "gae",
+    "grpo",
+    "pack_cost",
+    "paths",
+    "block_census",
+    "cuda_built",
+    "cuda_attention_forward",
+    "cuda_attention_backward",
+    "cuda_sdcc_forward_kl",
+    "__version__",
+    "TreeattnError",
+    "RolloutError",
+    "PackError",
+    "ShapeError",
+    "UnsupportedError",
+]
+__version__: str
+
+class TreeattnError(ValueError):
+    """Bad input to treeattn: the base of its error classes (a ValueError)."""
+
+class RolloutError(TreeattnError):
+    """A rollout that breaks the calls format, or rollout JSON that does not parse."""
+
+class PackError(TreeattnError):
+    """An invalid pack or mask (kv_end out of range, an SDCC row outside the logits)."""
+
+class ShapeError(TreeattnError):
+    """Sizes or lengths of the arguments that do not fit together."""
+
+class UnsupportedError(TreeattnError):
+    """Well-formed input treeattn does not take (a head dim, a rotary setting, ...)."""
+
+def attention_forward(
+    dtype: str,
+    q: int,
+    k: int,
+    v: int,
+    kv_end: int,
+    position_ids: int,
+    o: int,
+    lse: int,
+    tokens: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scale: float,
+    rope_base: Optional[float] = None,
+    rope_dims: Optional[int] = None,
+    threads: int = 0,
+) -> None: ...
+def attention_backward(
+    dtype: str,
+    q: int,
+    k: int,
+    v: int,
+    kv_end: int,
+    position_ids: int,
+    o: int,
+    lse: int,
+    grad_out: int,
+    dq: int,
+    dk: int,
+    dv: int,
+    tokens: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scale: float,
+    rope_base: Optional[float] = None,
+    rope_dims: Optional[int] = None,
+    threads: int = 0,
+) -> None: ...
+def sdcc_forward_kl(
+    dtype: str,
+    logits: int,
+    rows: int,
+    vocab: int,
+    student_rows: int,
+    teacher_rows: int,
+    pairs: int,
+    weights: int,
+    tau: float,
+    grad: int,
+    threads: int = 0,
+) -> Tuple[float, float, List[float]]:
+    """Returns ``(loss_sum, loss_mean, per_pair_kl)``."""
+
+def pack(
+    source: str,
+    value: str,
+    layout: str = "trie",
+    share_prefixes: bool = False,
+    budget: Optional[int] = None,
+) -> List[Dict[str, Any]]:
+    """Packs JSONL text (``source="text"``) or a file (``"file"``): one dict a pack."""
+
+def gae(
+    rollout: List[int],
+    segment: List[int],
+    values: List[float],
+    rewards: List[float],
+    gamma: float,
+    lam: Optional[float],
+    alpha: float,
+    mode: str,
+) -> Tuple[bytes, bytes]:
+    """Returns ``(advantages, returns)`` as float64 little-endian bytes."""
+
+def grpo(rewards: List[float], groups: List[int], eps: Optional[float]) -> List[float]: ...
+def pack_cost(
+    kv_end: bytes,
+    logit_rows: int,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    vocab: int,
+) -> Dict[str, int]:
+    """FLOPs of a training step on a pack: ``attention``, ``linear``,
+    ``total``, ``visible_pairs``, ``tokens``, ``logit_rows``."""
+
+def paths(kv_end: bytes) -> Dict[str, bytes]:
+    """The path structure of ``kv_end`` (int64 bytes) as int64 bytes per field."""
+
+def block_census(kv_end: int, tokens: int, block: int) -> List[bytes]:
+    """``(kv_num, kv_indices, full_num, full_indices)`` as int32 bytes."""
+
+def cuda_built() -> bool: ...
+def cuda_attention_forward(
+    dtype: str,
+    device: int,
+    stream: int,
+    q: int,
+    k: int,
+    v: int,
+    kv_end: int,
+    position_ids: int,
+    o: int,
+    lse: int,
+    tokens: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scale: float,
+    rope_base: Optional[float] = None,
+    rope_dims: Optional[int] = None,
+) -> None: ...
+def cuda_attention_backward(
+    dtype: str,
+    device: int,
+    stream: int,
+    q: int,
+    k: int,
+    v: int,
+    kv_end: int,
+    position_ids: int,
+    o: int,
+    lse: int,
+    grad_out: int,
+    dq: int,
+    dk: int,
+    dv: int,
+    tokens: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scale: float,
+    rope_base: Optional[float] = None,
+    rope_dims: Optional[int] = None,
+) -> None: ...
+def cuda_sdcc_forward_kl(
+    dtype: str,
+    device: int,
+    stream: int,
+    logits: int,
+    rows: int,
+    vocab: int,
+    student_rows: int,
+    teacher_rows: int,
+    pairs: int,
+    weights: int,
+    tau: float,
+    grad: int,
+) -> Tuple[float, float, List[float]]:
+    """Returns ``(loss_sum, loss_mean, per_pair_kl)``; waits for ``stream``."""

@@ -23,7 +23,7 @@
 //     near-equal rows (tiny KLs, where W / Z_t, log2 Z_t and log2 Z_s nearly
 //     cancel) the error is the exponentials' rounding alone: measured
 //     ≤ 4.6e-10 nats absolute at vocab 32k–150k, against up to 4.8e-8 with
-//     f32 sums (tests/emu_sdcc.rs). The f64 work is ~4 operations per entry of a
+//     f32 sums (tests/it/emu_sdcc.rs). The f64 work is ~4 operations per entry of a
 //     memory-bound sweep; re-centring (f64 exp2) only when a maximum moves.
 //     The 256 partial states are combined in f64 (warp
 //     shuffles, then one slot per warp in shared memory).

@@ -32,7 +32,7 @@
 # Every section prints as it goes (flushed) and a failing section does not
 # stop the next. The same flow runs on CPU machines first:
 # `treeattn gpu-check --backend emu --dump DIR` then
-# `python3 scripts/gpu-anchor.py DIR` (.ci/run, tests/gpu_check_emu.rs).
+# `python3 scripts/gpu-anchor.py DIR` (.ci/run, tests/it/gpu_check_emu.rs).
 # Logs also go to $OUT when it is set (the dump does not: it is large; set
 # GPU_CHECK_DUMP to keep it somewhere).
 #

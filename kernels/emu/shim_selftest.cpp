@@ -1,4 +1,4 @@
-// Kernels that test the SIMT shim itself (tests/emu_shim.rs): fragment
+// Kernels that test the SIMT shim itself (tests/it/emu_shim.rs): fragment
 // layouts of ldmatrix and mma against the PTX ISA, shuffles, and the errors
 // the emulator must raise. Written in CUDA style like the real kernels.
 #include "../common.cuh"

@@ -360,7 +360,7 @@ pub fn kernel_traits(head_dim: u32) -> Option<(u32, u32, u32, u32, u32)> {
 }
 
 /// Kernels that test the SIMT shim itself (`kernels/emu/shim_selftest.cpp`),
-/// for `tests/emu_shim.rs`. Not part of the crate's API.
+/// for `tests/it/emu_shim.rs`. Not part of the crate's API.
 #[doc(hidden)]
 pub mod shim_selftest {
     use super::{emu_result, ffi, EmuOptions, Result};

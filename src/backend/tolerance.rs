@@ -21,7 +21,7 @@
 //! relative, hence each sum (`Z_t`, `Z_s`, `W`) too, and the KL `W / Z_t −
 //! ln Z_t + ln Z_s` by up to ~5e-7 · (1 + |W / Z_t|) nats in the worst
 //! case (errors of one sign). The emulator, whose `exp2` is exact to f32
-//! rounding, measures ≤ 5e-10 nats on tiny KLs (tests/emu_sdcc.rs), which
+//! rounding, measures ≤ 5e-10 nats on tiny KLs (tests/it/emu_sdcc.rs), which
 //! proves the f64 summation but not the GPU's exponentials: the bounds stay
 //! at the worst case until a GPU run measures them.
 

@@ -7,7 +7,7 @@
 //!    every element checked written, compared by relative Frobenius error
 //!    (≤ 2e-2 bf16, ≤ 5e-3 f16) with the CPU backend's f32 backward on the
 //!    same rounded inputs (O and LSE from the CPU forward) — the tolerances
-//!    of tests/emu_bwd.rs; and the kernel forward on the same inputs
+//!    of tests/it/emu_bwd.rs; and the kernel forward on the same inputs
 //!    (rotary included) against the CPU forward (O ≤ 1e-2 bf16, ≤ 2e-3
 //!    f16). The deterministic mode is run twice and must be bit-identical.
 //!    With a dump, each case's pack, inputs, dO, our O, LSE (the kernel

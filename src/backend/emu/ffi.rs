@@ -4,7 +4,7 @@
 //! lets a C++ exception unwind into Rust (undefined behaviour through
 //! `extern "C"`): each is `noexcept` and catches everything into an error
 //! code (`ta_emu::guard_entry`, kernels/emu/shim.h); an exception in a kernel
-//! thread fails the launch like `__trap()` (tests/emu_shim.rs).
+//! thread fails the launch like `__trap()` (tests/it/emu_shim.rs).
 
 use crate::backend::launch::bwd::BwdParams;
 use crate::backend::launch::rope::{RopeApplyParams, RopeTableParams};

@@ -1,8 +1,9 @@
 //! The CPU backend's code paths side by side in one process: each path the
 //! machine supports ([`best_isa`] and below) is forced in turn with
 //! [`force_isa`] and runs the same f32 and f64 forward and backward on tree
-//! masks (partial tiles, gathered keys, padding, GQA, rotary). A test binary
-//! of its own with one test, since the switch is process-wide.
+//! masks (partial tiles, gathered keys, padding, GQA, rotary). The test runs
+//! in a process of its own ([`own_process`](crate::common::own_process)),
+//! since the switch is process-wide.
 //!
 //! Tolerances:
 //! - AVX-512 against AVX2 + FMA: bit for bit. Both copies are the same
@@ -16,8 +17,7 @@
 //!   relative Frobenius 1e-5 on O and LSE and 2e-5 on the gradients in f32,
 //!   1e-12 in f64.
 
-mod common;
-use common::calls;
+use crate::common::calls;
 
 use treeattn::backend::cpu::{best_isa, force_isa, isa, CpuFloat, Isa};
 use treeattn::backend::{AttnParams, AttnShape, Rope};
@@ -113,6 +113,9 @@ fn run_all<T: CpuFloat>(seed: u64, tol: f64) {
 
 #[test]
 fn every_code_path_matches_the_portable_one() {
+    if !crate::common::own_process("attention_isa::every_code_path_matches_the_portable_one", &[]) {
+        return;
+    }
     run_all::<f32>(43, 1e-5);
     run_all::<f64>(44, 1e-12);
 }

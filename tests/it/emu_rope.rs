@@ -5,13 +5,13 @@
 //! attention with rotary through them (Q, K rotated once, the rotary-free
 //! kernels, dQ, dK rotated back) against the CPU backend within
 //! `backend::tolerance`, for bf16 and f16, head dims 64 and 128, GQA, both
-//! dQ modes. (tests/emu_bwd.rs holds more rotary cases on random packs.)
+//! dQ modes. (tests/it/emu_bwd.rs holds more rotary cases on random packs.)
 //!
 //! Inputs are fresh every run; the seed is in every failure message and
 //! `TREEATTN_SEED` replays it.
 
-mod common;
-use common::calls;
+use crate::common;
+use crate::common::calls;
 
 use half::{bf16, f16};
 use treeattn::backend::emu::{self, DqMode, Emu, EmuOptions, KernelElem};

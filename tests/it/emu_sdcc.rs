@@ -16,8 +16,8 @@
 //! Inputs are fresh every run; the seed is in every failure message and
 //! `TREEATTN_SEED` replays it.
 
-mod common;
-use common::calls;
+use crate::common;
+use crate::common::calls;
 
 /// KLs (nats) below which errors are measured relative to this floor.
 const KL_FLOOR: f64 = SDCC.kl_floor;

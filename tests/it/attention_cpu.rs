@@ -2,8 +2,8 @@
 //! differences, fully masked rows, a negative control, tile coverage and
 //! error handling.
 
-mod common;
-use common::calls;
+
+use crate::common::calls;
 
 use ndarray::Array3;
 use proptest::prelude::*;
@@ -1085,7 +1085,7 @@ fn forward_rejects_bad_inputs() {
         Err(Error::Pack(_))
     ));
     // An invalid kv_end cannot reach the backend: PackMask::new is the only
-    // way to a mask (tests/contract.rs covers its errors).
+    // way to a mask (tests/it/contract.rs covers its errors).
     let mut bad = m.kv_end.clone();
     bad[3] = 2;
     let r = PackMask::new(&bad, &m.pos);

@@ -2,12 +2,12 @@
 //! FMA, e.g. aarch64), forced on with `TREEATTN_PORTABLE=1` on a machine
 //! that has them: f32 forward and backward against the dense-mask
 //! attention of `bench` (its own `L × L` mask, no tiles or blocks) and
-//! against the backend's f64 results. A test binary of its own, so the
-//! switch, read once per process, is set before any attention call and
-//! never seen by the other tests.
+//! against the backend's f64 results. The test runs in a process of its own
+//! ([`own_process`](crate::common::own_process)), so the switch, read once
+//! per process, is set before any attention call and never seen by the
+//! other tests.
 
-mod common;
-use common::calls;
+use crate::common::calls;
 
 use treeattn::backend::cpu::{gather_counts, tile_counts, uses_avx2_fma, CpuFloat};
 use treeattn::backend::{AttnParams, AttnShape, Rope};
@@ -34,7 +34,12 @@ fn data<T: CpuFloat>(rng: &mut Rng, n: usize) -> (Vec<T>, Vec<f64>) {
 
 #[test]
 fn portable_path_matches_the_dense_reference_and_the_f64_backend() {
-    std::env::set_var("TREEATTN_PORTABLE", "1");
+    if !crate::common::own_process(
+        "attention_portable::portable_path_matches_the_dense_reference_and_the_f64_backend",
+        &[("TREEATTN_PORTABLE", "1")],
+    ) {
+        return;
+    }
     assert!(
         !uses_avx2_fma(),
         "TREEATTN_PORTABLE=1 must select the portable code"

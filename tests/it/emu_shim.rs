@@ -8,8 +8,8 @@
 //! Inputs are fresh random numbers every run; the seed is printed in every
 //! failure message and `TREEATTN_SEED` replays it.
 
-mod common;
-use common::calls;
+use crate::common;
+use crate::common::calls;
 
 use half::{bf16, f16};
 use treeattn::backend::emu::shim_selftest::{run, Kernel};

@@ -171,7 +171,8 @@ fn pack_writes_one_exact_file_per_pack() {
     let d = scratch("pack");
     let rs = sample();
     let base = call_base(&rs);
-    // One pack: the file is --out itself and equals the library's trie pack.
+    // One pack: the file is --out itself and equals the library's trie pack,
+    // prefixes shared by default.
     let one = d.join("all.safetensors");
     let o = run(&["pack", SAMPLE, "--out", one.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -191,7 +192,7 @@ fn pack_writes_one_exact_file_per_pack() {
     }
     assert_eq!(st.metadata["layout"], "trie");
     let back = pack_from_tensors(&st, &base).unwrap();
-    let mut want = Tree::build(&rs, false).unwrap().trie_pack();
+    let mut want = Tree::build(&rs, true).unwrap().trie_pack();
     // The golden rollout has no log-probs, so the file has no loss_logprobs.
     assert!(!st.tensors.contains_key("loss_logprobs"));
     want.loss.iter_mut().for_each(|e| e.logprob = None);
@@ -203,6 +204,35 @@ fn pack_writes_one_exact_file_per_pack() {
         *calls.last().unwrap() as usize,
         rs.iter().map(|r| r.calls().len()).sum::<usize>() - 1
     );
+    assert_eq!(st.metadata["share_prefixes"], "true");
+
+    // --no-share-prefixes: each rollout keeps its prefixes (more tokens, the
+    // library's unshared trie); the later of the two flags wins.
+    let own = d.join("own.safetensors");
+    for flags in [
+        &["--no-share-prefixes"][..],
+        &["--share-prefixes", "--no-share-prefixes"],
+    ] {
+        let o = run(&[&["pack", SAMPLE, "--out", own.to_str().unwrap()][..], flags].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        let st_own = read_file(&own).unwrap();
+        assert_eq!(st_own.metadata["share_prefixes"], "false", "{flags:?}");
+        let mut unshared = Tree::build(&rs, false).unwrap().trie_pack();
+        unshared.loss.iter_mut().for_each(|e| e.logprob = None);
+        let got = pack_from_tensors(&st_own, &base).unwrap();
+        assert!(got == unshared, "{flags:?}: not the unshared trie pack");
+        assert!(got.len() > back.len(), "{} vs {}", got.len(), back.len());
+    }
+    let o = run(&[
+        "pack",
+        SAMPLE,
+        "--out",
+        own.to_str().unwrap(),
+        "--no-share-prefixes",
+        "--share-prefixes",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(read_file(&own).unwrap().metadata["share_prefixes"], "true");
 
     // Several packs: -00000, -00001, ... each within budget, together
     // covering every target once.
@@ -218,8 +248,8 @@ fn pack_writes_one_exact_file_per_pack() {
             "--layout",
             layout,
         ];
-        if share {
-            args.push("--share-prefixes");
+        if !share {
+            args.push("--no-share-prefixes");
         }
         let o = run(&args);
         assert!(o.status.success(), "{}", stderr(&o));
@@ -277,7 +307,7 @@ fn version_and_help_per_subcommand() {
     // `help pack` is pack's help, not the global one.
     let o = run(&["help", "pack"]);
     assert!(o.status.success());
-    assert!(stdout(&o).contains("--share-prefixes"), "{}", stdout(&o));
+    assert!(stdout(&o).contains("--no-share-prefixes"), "{}", stdout(&o));
     assert!(!stdout(&o).contains("gpu-check"), "{}", stdout(&o));
     // Every bench option is in its help.
     let o = run(&["bench", "--help"]);
@@ -379,6 +409,7 @@ fn a_rerun_with_fewer_packs_leaves_no_stale_files() {
             out.to_str().unwrap(),
             "--budget",
             budget,
+            "--no-share-prefixes",
         ]);
         assert!(o.status.success(), "{}", stderr(&o));
         o
@@ -518,7 +549,7 @@ fn bench_on_a_pack_file_prints_json_and_refuses_bad_options() {
     assert!(o.status.success(), "{}", stderr(&o));
     let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     let rs = sample();
-    let tree = Tree::build(&rs, false).unwrap();
+    let tree = Tree::build(&rs, true).unwrap();
     let pack = tree.trie_pack();
     assert_eq!(json["tokens"], pack.len() as u64);
     assert_eq!(json["visible_pairs"], pack.mask().unwrap().visible_pairs());

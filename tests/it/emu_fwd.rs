@@ -2,7 +2,7 @@
 //! SIMT emulator, against the CPU backend on the same 16-bit-rounded inputs.
 //!
 //! The reference is the CPU backend (`backend::cpu::attention_forward`, f64
-//! math), itself proven against a dense f64 loop in tests/attention_cpu.rs.
+//! math), itself proven against a dense f64 loop in tests/it/attention_cpu.rs.
 //!
 //! Packs are exact trie packs of random generated rollouts with edits
 //! (compaction, stack pop, fold, memex, GRPO forests), and random forests of random trees laid out in pre-order — a node is
@@ -19,8 +19,8 @@
 //! the bounds leave a factor of ~5 — and LSE within 1e-3 absolute (LSE is
 //! computed in f32 from f32 scores: errors ~1e-6).
 
-mod common;
-use common::calls;
+use crate::common;
+use crate::common::calls;
 
 use half::{bf16, f16};
 use treeattn::backend::emu::{self, EmuOptions, KernelElem};

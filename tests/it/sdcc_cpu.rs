@@ -2,8 +2,7 @@
 //! written here, finite differences, infinities, large vocabularies and
 //! error handling.
 
-mod common;
-use common::calls;
+use crate::common::calls;
 
 use ndarray::Array2;
 use proptest::prelude::*;

@@ -11,7 +11,7 @@ use treeattn::rollout::parse_jsonl;
 use treeattn::safetensors::{deserialize, pack_from_tensors, pack_tensors, serialize};
 use treeattn::tree::{RolloutStats, Tree};
 
-const SAMPLE: &str = include_str!("../data/sample.jsonl");
+const SAMPLE: &str = include_str!("../../data/sample.jsonl");
 
 struct Xs(u64);
 

@@ -3,7 +3,7 @@
 //! host backend is driven through one generic function, and that the
 //! emulator follows the CPU backend's policy for non-finite results.
 
-mod common;
+use crate::common;
 
 use half::bf16;
 use treeattn::backend::cpu::Cpu;

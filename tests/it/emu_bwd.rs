@@ -21,8 +21,8 @@
 //! outputs: the measured Frobenius errors sit near 4e-3 (bf16) and 5e-4
 //! (f16), a margin of ~5–10x.
 
-mod common;
-use common::calls;
+use crate::common;
+use crate::common::calls;
 
 use half::{bf16, f16};
 use treeattn::backend::emu::{self, DqMode, EmuOptions, KernelElem};

@@ -1,0 +1,32 @@
+//! The crate's integration tests, gathered into one test binary (as cargo
+//! and other large Rust projects do): every module below used to be a test
+//! binary of its own, each linking the whole crate, the C++ emulator and its
+//! own copies of the generic kernels; one binary compiles and links them
+//! once. Run one module with `cargo test --test it emu_bwd::`, one test with
+//! its path (`cargo test --test it cli::pack_writes_one_exact_file_per_pack`).
+//!
+//! Tests that flip process-wide state (the CPU backend's code path) run in a
+//! child process of this binary ([`common::own_process`]).
+
+mod common;
+
+mod attention_cpu;
+mod attention_isa;
+mod attention_portable;
+mod cli;
+mod contract;
+mod docs;
+mod emu_bwd;
+mod emu_fwd;
+mod emu_rope;
+mod emu_sdcc;
+mod emu_shim;
+mod equivalence;
+mod fuzz_inputs;
+mod gpu_check_emu;
+mod model;
+mod pack_golden;
+mod pack_props;
+mod rollout_errors;
+mod scale;
+mod sdcc_cpu;

@@ -93,7 +93,7 @@ def make_pack(treeattn, shape, length, workdir):
         for r in rollouts:
             f.write(json.dumps(r) + "\n")
     out = os.path.join(workdir, f"{shape}-{length}.safetensors")
-    cmd = [treeattn, "pack", jsonl, "--out", out] + (["--share-prefixes"] if shape == "grpo" else [])
+    cmd = [treeattn, "pack", jsonl, "--out", out] + (["--share-prefixes"] if shape == "grpo" else ["--no-share-prefixes"])
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     from safetensors.numpy import load_file
 

@@ -856,7 +856,7 @@ fn pack_rollouts(
 /// `groups` (GRPO group names, first appearance first), `stats` (one dict
 /// per rollout of the pack).
 #[pyfunction]
-#[pyo3(signature = (source, value, layout="trie", share_prefixes=false, budget=None))]
+#[pyo3(signature = (source, value, layout="trie", share_prefixes=true, budget=None))]
 fn pack<'py>(
     py: Python<'py>,
     source: &str,

@@ -310,7 +310,7 @@ def one_thread():
 def data():
     treeattn.hf.register()
     rollouts = sample_rollouts()
-    (pack,) = treeattn.pack(rollouts)
+    (pack,) = treeattn.pack(rollouts, share_prefixes=False)
     p = treeattn.paths(pack.kv_end)
     # Several trees, each a shared prefix with branches below it.
     assert (p.node_parent < 0).sum() >= 4 and p.node_start.numel() >= 10

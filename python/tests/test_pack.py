@@ -59,9 +59,15 @@ def test_logprobs_and_nan_where_none():
 def test_budget_and_sharing():
     rs = [{"id": f"g{i}", "calls": [{"context": [7, 8, 9, 10], "completion": [20 + i, 30]}]} for i in range(4)]
     assert len(treeattn.pack(rs, budget=6)) == 4
-    shared = treeattn.pack(rs, budget=12, share_prefixes=True)
+    # Prefixes are shared by default: the prompt is stored once.
+    shared = treeattn.pack(rs, budget=12)
     assert len(shared) == 1 and len(shared[0]) == 4 + 4 * 2
     assert sorted(shared[0].rollout_ids) == ["g0", "g1", "g2", "g3"]
+    (explicit,) = treeattn.pack(rs, budget=12, share_prefixes=True)
+    assert torch.equal(explicit.tokens, shared[0].tokens) and torch.equal(explicit.kv_end, shared[0].kv_end)
+    # share_prefixes=False: each rollout keeps its prompt, so 12 tokens fit two.
+    own = treeattn.pack(rs, budget=12, share_prefixes=False)
+    assert len(own) == 2 and all(len(p) == 2 * 6 for p in own)
 
 
 def test_path_and_list_agree():

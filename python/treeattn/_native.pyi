@@ -107,7 +107,7 @@ def pack(
     source: str,
     value: str,
     layout: str = "trie",
-    share_prefixes: bool = False,
+    share_prefixes: bool = True,
     budget: Optional[int] = None,
 ) -> List[Dict[str, Any]]:
     """Packs JSONL text (``source="text"``) or a file (``"file"``): one dict a pack."""

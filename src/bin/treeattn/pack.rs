@@ -20,8 +20,9 @@ use crate::args::{emit, number, plural};
 #[command(long_about = "\
 Packs the rollouts of FILE into exact packs of at most TOKENS tokens each
 (default: one pack for the whole file) by greedy first-fit decreasing on each
-rollout's size in the layout. With --share-prefixes (trie layout), rollouts in
-a pack share identical prefixes (a GRPO group's prompt is stored once).
+rollout's size in the layout. Rollouts in a pack share identical prefixes
+(trie layout: a GRPO group's prompt is stored once); --no-share-prefixes
+keeps each rollout's own copy (the same attention, more tokens).
 Layouts: trie (deduplicated pre-order trie, the default) or replicated (each
 branch its own chain, the paper's 4D layout).
 
@@ -63,9 +64,12 @@ pub struct PackArgs {
     /// Token budget per pack [default: one pack for the whole file].
     #[arg(long, value_name = "TOKENS", value_parser = budget)]
     budget: Option<u64>,
-    /// Rollouts in a pack share identical prefixes (trie layout).
-    #[arg(long)]
+    /// Rollouts in a pack share identical prefixes (trie layout) [default].
+    #[arg(long, overrides_with = "no_share_prefixes")]
     share_prefixes: bool,
+    /// Each rollout keeps its own copy of its prefixes (exact either way; more tokens).
+    #[arg(long, overrides_with = "share_prefixes")]
+    no_share_prefixes: bool,
     /// Pack layout.
     #[arg(long, value_enum, default_value_t = LayoutArg::Trie)]
     layout: LayoutArg,
@@ -105,7 +109,8 @@ pub fn run(a: PackArgs) -> Result<()> {
         LayoutArg::Trie => Layout::Trie,
         LayoutArg::Replicated => Layout::Replicated,
     };
-    let share = a.share_prefixes;
+    // On unless turned off; the last of the two flags wins.
+    let share = a.share_prefixes || !a.no_share_prefixes;
     let input = a.file;
     let progress = Progress {
         on: std::io::stderr().is_terminal(),

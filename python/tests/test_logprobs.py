@@ -65,7 +65,7 @@ def pack():
 
 
 def full_path(model, pack, entropy=False):
-    logits = treeattn.hf._forward(model, pack)
+    logits = treeattn.hf._forward(model, treeattn.hf._Scored(pack))[0]
     return treeattn.hf.target_logprobs(model, pack, logits, entropy=entropy)
 
 
@@ -102,7 +102,7 @@ def test_chunked_equals_full_logits(pack, chunk):
 def test_entropy_is_the_softmax_entropy(pack):
     model = llama()
     _, ent = treeattn.hf.target_logprobs(model, pack, chunk=5, entropy=True)
-    logits = treeattn.hf._forward(model, pack)[pack.loss_rows]
+    logits = treeattn.hf._forward(model, treeattn.hf._Scored(pack))[0][pack.loss_rows]
     p = torch.softmax(logits, -1)
     assert rel_err(ent, -(p * p.log()).sum(-1)) <= TOL
     assert (ent > 0).all() and (ent <= torch.log(torch.tensor(float(VOCAB))) + 1e-12).all()
@@ -206,7 +206,7 @@ def test_pack_loss_sdcc_exact_tau_and_normalizer(pack):
     tau = 1.7 (not rounded to float32), and the gradient of the total."""
     model = llama()
     tau, lam, norm = 1.7, 0.3, 123.25
-    logits = treeattn.hf._forward(model, pack)
+    logits = treeattn.hf._forward(model, treeattn.hf._Scored(pack))[0]
     lp = torch.log_softmax(logits[pack.loss_rows], -1).gather(1, pack.loss_labels[:, None])[:, 0]
     nll = -(pack.loss_weights.double() * lp).sum() / norm
     ls = torch.log_softmax(logits[pack.sdcc_student_rows] / tau, -1)

@@ -5,7 +5,9 @@ is a thin adapter over the crate's one contract:
 
 - :func:`pack` packs rollouts (a JSONL path or a list of dicts shaped like its
   lines) exactly as ``treeattn pack`` does and returns :class:`Pack` objects
-  holding torch tensors named like the pack file's tensors;
+  holding torch tensors named like the pack file's tensors; :func:`collate`
+  (and :class:`Collator`, a Trainer ``data_collator``) pads packs into a
+  ``[B, L]`` batch;
 - :mod:`treeattn.torch` has the autograd ops ``tree_attention`` and
   ``sdcc_forward_kl`` (``torch.library`` custom ops, CPU backend);
 - :mod:`treeattn.hf` plugs the op into Hugging Face transformers and scores
@@ -39,9 +41,10 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from . import _native
 from ._native import PackError, RolloutError, ShapeError, TreeattnError, UnsupportedError
+from .batch import Collator, collate
 
 __all__ = [
-    "pack", "Pack", "ModelCost", "cost", "paths", "Paths", "__version__",
+    "pack", "Pack", "collate", "Collator", "ModelCost", "cost", "paths", "Paths", "__version__",
     "TreeattnError", "RolloutError", "PackError", "ShapeError", "UnsupportedError",
 ]
 __version__ = _native.__version__
@@ -154,7 +157,7 @@ def _tensor(dtype: str, data: bytes):
 def pack(
     rollouts: Union[str, "os.PathLike[str]", Sequence[Dict[str, Any]]],
     layout: str = "trie",
-    share_prefixes: bool = False,
+    share_prefixes: bool = True,
     budget: Optional[int] = None,
 ) -> List[Pack]:
     """Packs rollouts exactly as ``treeattn pack`` does.
@@ -163,8 +166,10 @@ def pack(
     its lines, ``{"id": ..., "reward": float?, "group": str?, "calls":
     [{"context": [...], "completion": [...], "logprobs": [...]?}]}``. ``layout``: ``"trie"`` (deduplicated
     pre-order trie) or ``"replicated"`` (each branch its own chain).
-    ``share_prefixes``: rollouts in a pack share identical prefixes (trie
-    layout). ``budget``: token budget per pack (default: one pack).
+    ``share_prefixes`` (default ``True``): rollouts in a pack share identical
+    prefixes (trie layout; a GRPO group's prompt is stored once); ``False``
+    keeps each rollout's own copy (the same attention, more tokens).
+    ``budget``: token budget per pack (default: one pack).
 
     Bad rollouts raise ``ValueError`` naming the rollout id, call and field
     (for a list, a JSON error names ``line i+1`` for ``rollouts[i]``); an

@@ -20,8 +20,12 @@ a dense ``[L, L]`` mask. The model applies its own rotary embedding at the
 pack's depth ``position_ids`` (so the op runs without fused rotary). With no
 mask built, transformers' packed-sequence detection from non-arange
 ``position_ids`` (which would split the pack where a position does not
-follow its predecessor) never applies. Batch size 1 (one pack); no dropout
-inside attention; no KV cache (training / scoring only).
+follow its predecessor) never applies. Batches: ``kv_end`` ``[B, L]`` with
+``input_ids`` / ``position_ids`` ``[B, L]`` (packs padded to one length by
+:func:`treeattn.collate`, padding keys ``kv_end[k] == k``) run as one forest
+of ``B·L`` rows; :func:`target_logprobs` and :func:`pack_loss` take the
+collated dict in place of a pack. No dropout inside attention; no KV cache
+(training / scoring only).
 
 What is checked, so that a mistake is an error and not a wrong number:
 
@@ -150,10 +154,11 @@ def attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ):
-    """transformers attention function: ``query`` ``[1, Hq, L, d]``,
-    ``key`` / ``value`` ``[1, Hkv, L, d]`` (already rotated by the model);
-    returns ``([1, L, Hq, d], None)``. Needs ``kv_end`` (``[L]`` or
-    ``[1, L]``) among the model call's keyword arguments — or
+    """transformers attention function: ``query`` ``[B, Hq, L, d]``,
+    ``key`` / ``value`` ``[B, Hkv, L, d]`` (already rotated by the model);
+    returns ``([B, L, Hq, d], None)``. Needs ``kv_end`` (``[L]`` or
+    ``[1, L]`` for one pack, ``[B, L]`` for a :func:`treeattn.collate`
+    batch, run as one forest) among the model call's keyword arguments — or
     ``treeattn_shard`` (a :class:`treeattn.distributed.Shard`; then ``L`` is
     the shard's rows and the call is context-parallel)."""
     shard = kwargs.get("treeattn_shard")
@@ -166,10 +171,8 @@ def attention(
         )
     if not isinstance(kv_end, Tensor):
         raise ValueError(f"kv_end must be a torch.Tensor, got {type(kv_end).__name__}")
-    if query.dim() != 4 or query.shape[0] != 1:
-        raise ValueError(
-            f"treeattn attention takes one pack (batch size 1), got query of shape {tuple(query.shape)}"
-        )
+    if query.dim() != 4:
+        raise ValueError(f"treeattn attention takes query [B, H, L, d], got shape {tuple(query.shape)}")
     if key.shape[2] != query.shape[2]:
         raise ValueError(
             f"treeattn attention needs as many keys as queries (no KV cache): query {tuple(query.shape)}, key {tuple(key.shape)}"
@@ -180,20 +183,69 @@ def attention(
         raise ValueError(
             "treeattn attention got a mask from transformers: register the mask function too (treeattn.hf.register())"
         )
-    if kv_end.dim() == 2 and kv_end.shape[0] == 1:
-        kv_end = kv_end[0]
-    if kv_end.dim() != 1 or kv_end.shape[0] != query.shape[2]:
+    B, L = int(query.shape[0]), int(query.shape[2])
+    shape2 = (1,) + tuple(kv_end.shape) if kv_end.dim() == 1 else tuple(kv_end.shape)
+    if shape2 != (B, L):
         raise ValueError(
-            f"kv_end of shape {tuple(kv_end.shape)} for {query.shape[2]} tokens: pass the pack's kv_end "
-            "with the pack's tokens"
+            f"kv_end of shape {tuple(kv_end.shape)} for a batch of {B} × {L} tokens: pass the pack's kv_end "
+            "with the pack's tokens ([L] or [1, L]), or treeattn.collate's [B, L] with its input_ids"
         )
+    position_ids = kwargs.get("position_ids")
+    flat, flat_pos = _forest(kv_end, position_ids)
     if _CHECK_POSITIONS:
-        _check_positions(kwargs.get("position_ids"), kv_end)
-    q = query[0].transpose(0, 1)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
-    o = tree_attention(q, k, v, kv_end.to(q.device), scale=scaling)
-    return o[None], None
+        _check_positions(flat_pos, flat)
+    # The B packs as one forest of B·L rows: row (b, t) is b·L + t.
+    q = query.transpose(1, 2).reshape(B * L, query.shape[1], query.shape[3])
+    k = key.transpose(1, 2).reshape(B * L, key.shape[1], key.shape[3])
+    v = value.transpose(1, 2).reshape(B * L, value.shape[1], value.shape[3])
+    o = tree_attention(q, k, v, flat.to(q.device), scale=scaling)
+    return o.reshape(B, L, o.shape[1], o.shape[2]), None
+
+
+# The batch flattened last: weak references to the model call's kv_end and
+# position_ids with their versions, and the forest's (kv_end, position_ids),
+# so that every layer of one forward gets the same tensors (and the position
+# check, cached on them, runs once per forward).
+_forest_cache: Optional[Tuple[Any, Any, int, int, Tensor, Optional[Tensor]]] = None
+
+
+def _forest(kv_end: Tensor, position_ids: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """``kv_end`` ``[B, L]`` (or one pack's ``[L]``) as one ``[B·L]`` forest (pack ``b``'s keys
+    shifted by ``b·L``; no query crosses packs) and ``position_ids`` flattened
+    alike (``None`` stays ``None``)."""
+    global _forest_cache
+    c = _forest_cache
+    pv = -1 if position_ids is None else position_ids._version
+    if (
+        c is not None
+        and c[0]() is kv_end
+        and (c[1] is None if position_ids is None else (c[1] is not None and c[1]() is position_ids))
+        and (c[2], c[3]) == (kv_end._version, pv)
+    ):
+        return c[4], c[5]
+    B, L = (1, int(kv_end.shape[0])) if kv_end.dim() == 1 else (int(kv_end.shape[0]), int(kv_end.shape[1]))
+    if kv_end.dim() == 1:
+        flat = kv_end
+    elif B == 1:
+        flat = kv_end[0]
+    else:
+        off = torch.arange(B, device=kv_end.device, dtype=kv_end.dtype)[:, None] * L
+        flat = (kv_end + off).reshape(B * L)
+    pos = None
+    if position_ids is not None:
+        p2 = position_ids[None] if position_ids.dim() == 1 else position_ids
+        if p2.dim() != 2 or p2.shape[1] != L or p2.shape[0] not in (1, B):
+            raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} for a batch of {B} × {L} tokens")
+        pos = p2.expand(B, L).reshape(B * L)
+    _forest_cache = (
+        weakref.ref(kv_end),
+        None if position_ids is None else weakref.ref(position_ids),
+        kv_end._version,
+        pv,
+        flat,
+        pos,
+    )
+    return flat, pos
 
 
 def _shard_attention(query, key, value, attention_mask, scaling, dropout, shard):
@@ -201,10 +253,8 @@ def _shard_attention(query, key, value, attention_mask, scaling, dropout, shard)
     (:func:`treeattn.distributed.tree_attention` on this rank's rows)."""
     from .distributed import tree_attention as cp_attention
 
-    if query.dim() != 4 or query.shape[0] != 1:
-        raise ValueError(
-            f"treeattn attention takes one pack (batch size 1), got query of shape {tuple(query.shape)}"
-        )
+    if query.dim() != 4:
+        raise ValueError(f"treeattn attention takes query [B, H, L, d], got shape {tuple(query.shape)}")
     if dropout:
         raise ValueError(f"treeattn attention has no dropout (got dropout={dropout}); set attention_dropout=0")
     if attention_mask is not None:
@@ -312,17 +362,53 @@ def require_treeattn(model: Any) -> None:
         )
 
 
-def _forward(model: Any, pack: Any, **kwargs: Any) -> Tensor:
+class _Scored:
+    """What the scoring functions read, from a :class:`treeattn.Pack` or a
+    :func:`treeattn.collate` batch: ``[B, L]`` row tensors and loss / SDCC
+    rows flattened to the forest's rows ``b·L + t``."""
+
+    def __init__(self, x: Any) -> None:
+        if isinstance(x, dict):
+            need = ("input_ids", "position_ids", "kv_end", "loss_batch", "loss_rows", "loss_labels", "loss_weights")
+            missing = [n for n in need if not isinstance(x.get(n), Tensor)]
+            if missing:
+                raise ValueError(f"batch dict without {missing}: build it with treeattn.collate(packs)")
+            self.tokens, self.position_ids, self.kv_end = x["input_ids"], x["position_ids"], x["kv_end"]
+            if self.tokens.dim() != 2 or self.position_ids.shape != self.tokens.shape or self.kv_end.shape != self.tokens.shape:
+                raise ValueError(
+                    f"batch input_ids {tuple(self.tokens.shape)}, position_ids {tuple(self.position_ids.shape)}, "
+                    f"kv_end {tuple(self.kv_end.shape)}: expected three [B, L] tensors"
+                )
+            B, L = self.tokens.shape
+            lb = x["loss_batch"].to(torch.int64)
+            if lb.shape != x["loss_rows"].shape or (lb.numel() and (int(lb.min()) < 0 or int(lb.max()) >= B)):
+                raise ValueError(f"batch loss_batch must name a pack 0..{B - 1} for every loss entry")
+            self.loss_rows = lb * L + x["loss_rows"].to(torch.int64)
+            self.loss_labels, self.loss_weights = x["loss_labels"], x["loss_weights"]
+            if isinstance(x.get("sdcc_batch"), Tensor):
+                sb = x["sdcc_batch"].to(torch.int64) * L
+                self.sdcc_student_rows = sb + x["sdcc_student_rows"].to(torch.int64)
+                self.sdcc_teacher_rows = sb + x["sdcc_teacher_rows"].to(torch.int64)
+            else:
+                self.sdcc_student_rows = self.sdcc_teacher_rows = None
+        else:
+            self.tokens, self.position_ids, self.kv_end = x.tokens[None], x.position_ids[None], x.kv_end[None]
+            self.loss_rows, self.loss_labels, self.loss_weights = x.loss_rows, x.loss_labels, x.loss_weights
+            self.sdcc_student_rows, self.sdcc_teacher_rows = x.sdcc_student_rows, x.sdcc_teacher_rows
+        self.batch, self.length = int(self.tokens.shape[0]), int(self.tokens.shape[1])
+
+
+def _forward(model: Any, batch: _Scored, **kwargs: Any) -> Tensor:
     require_treeattn(model)
     device = next(model.parameters()).device
     out = model(
-        input_ids=pack.tokens[None].to(device),
-        position_ids=pack.position_ids[None].to(device),
-        kv_end=pack.kv_end.to(device),
+        input_ids=batch.tokens.to(device),
+        position_ids=batch.position_ids.to(device),
+        kv_end=batch.kv_end.to(device),
         use_cache=False,
         **kwargs,
     )
-    return out.logits[0]
+    return out.logits
 
 
 # --------------------------------------------------------------------------
@@ -589,13 +675,15 @@ def _head(model: Any) -> Tuple[Any, Tensor, Optional[Tensor], Tuple[float, Optio
 
 def _hidden(model: Any, pack: Any) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[float]]:
     """One packed forward of ``model``; returns the final hidden states
-    ``[L, H]`` the output embedding would see, and the head (W, b, post).
+    ``[B·L, H]`` the output embedding would see, and the head (W, b, post).
 
     The output embedding is handed the last row only (a forward pre-hook),
     so the model computes a ``[1, V]`` logits block; that block is compared
     with z = s·(h·Wᵀ + b) (softcapped) on the same row (see :func:`_head`),
     so a model that changes its logits after the output embedding in another
     way is refused, not silently mis-scored."""
+    if not isinstance(pack, _Scored):
+        pack = _Scored(pack)
     emb, weight, bias, post = _head(model)
     seen = []
 
@@ -615,14 +703,14 @@ def _hidden(model: Any, pack: Any) -> Tuple[Tensor, Tensor, Optional[Tensor], Op
             "the chunked log-probs need one head call; pass logits= instead"
         )
     h = seen[0]
-    if h.dim() == 3 and h.shape[0] == 1:
-        h = h[0]
-    L = int(pack.tokens.shape[0])
-    if h.dim() != 2 or h.shape[0] != L or h.shape[1] != weight.shape[1]:
+    B, L = pack.batch, pack.length
+    if h.dim() != 3 or tuple(h.shape) != (B, L, weight.shape[1]):
         raise ValueError(
-            f"the output embedding's input has shape {tuple(seen[0].shape)}, expected [1, L, H] = "
-            f"[1, {L}, {weight.shape[1]}] (the model slices its hidden states before the head?)"
+            f"the output embedding's input has shape {tuple(h.shape)}, expected [B, L, H] = "
+            f"[{B}, {L}, {weight.shape[1]}] (the model slices its hidden states before the head?)"
         )
+    # The probe below is the last row of the last pack: h's last row too.
+    h = h.reshape(B * L, h.shape[2])
     with torch.no_grad():
         theirs = out.reshape(-1, out.shape[-1])[-1]
         mine, _ = _head_logits(h[-1:].detach(), weight, bias, post)
@@ -658,7 +746,7 @@ def _check_labels(labels: Tensor, vocab: int) -> None:
 
 
 def _chunked_logprobs(h: Tensor, weight: Tensor, bias: Optional[Tensor], post: Tuple[float, Optional[float]],
-                      pack: Any, chunk: int, entropy: bool) -> Tuple[Tensor, Tensor]:
+                      pack: _Scored, chunk: int, entropy: bool) -> Tuple[Tensor, Tensor]:
     rows = pack.loss_rows.to(h.device)
     labels = pack.loss_labels.to(h.device, torch.int64)
     _check_labels(labels, weight.shape[0])
@@ -677,7 +765,9 @@ def target_logprobs(
     pack's loss order): ``lp_i = z_{r_i}[y_i] − logsumexp(z_{r_i})`` with
     ``r_i = loss_rows[i]``, ``y_i = loss_labels[i]`` and ``z_r`` the logits
     of packed row ``r`` (one packed forward of ``model``, which must use
-    ``attn_implementation="treeattn"``).
+    ``attn_implementation="treeattn"``). ``pack`` may be a
+    :func:`treeattn.collate` batch: then one forward of ``[B, L]`` and the
+    entries of every pack in the batch's order (``loss_batch``).
 
     Without ``logits``: the model body runs once, the hidden states are
     taken at the loss rows only and ``z = h·Wᵀ + b`` (the output embedding;
@@ -692,16 +782,17 @@ def target_logprobs(
     bfloat16 / float16 models: the head runs in the model's dtype, the
     softmax in float32, and the result is float32.
 
-    With ``logits`` ``[L, V]`` given, they are used as they are (the old
-    path: full logits).
+    With ``logits`` ``[L, V]`` (``[B, L, V]`` for a batch) given, they are
+    used as they are (the old path: full logits).
 
     ``entropy=True`` also returns ``H_i = −Σ_v p_v log p_v`` at each loss
     row, from the same chunks: the result is then ``(logprobs, entropy)``.
     """
+    pack = _Scored(pack)
     if logits is not None:
         rows = pack.loss_rows.to(logits.device)
-        labels = pack.loss_labels.to(logits.device)
-        lp = torch.log_softmax(logits[rows], dim=-1)
+        labels = pack.loss_labels.to(logits.device, torch.int64)
+        lp = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[rows], dim=-1)
         out = lp.gather(-1, labels[:, None])[:, 0]
         if entropy:
             return out, -(lp.exp() * lp).sum(-1)
@@ -736,8 +827,9 @@ def pack_loss(
     chunk: Optional[int] = None,
     entropy: bool = False,
 ) -> Dict[str, Tensor]:
-    """The training loss of one pack, from one packed forward without
-    ``[L, V]`` logits (as :func:`target_logprobs`):
+    """The training loss of one pack (or of a :func:`treeattn.collate`
+    batch: the same sums over every pack's entries), from one packed forward
+    without ``[L, V]`` logits (as :func:`target_logprobs`):
 
     ``nll = −Σ_i w_i·lp_i / N`` over the loss entries (``w`` =
     ``loss_weights``; ``N`` = ``normalizer``, default ``Σ w`` of this pack —
@@ -757,8 +849,12 @@ def pack_loss(
     _check_normalizer(normalizer)
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (math.isfinite(tau) and tau > 0):
         raise ValueError(f"tau = {tau!r} must be finite and > 0")
+    pack = _Scored(pack)
     if sdcc_lambda and pack.sdcc_student_rows is None:
-        raise ValueError("sdcc_lambda > 0 needs a trie-layout pack (the replicated layout has no SDCC pairs)")
+        raise ValueError(
+            "sdcc_lambda > 0 needs trie-layout packs (the replicated layout has no SDCC pairs; "
+            "a batch has them only when every pack does)"
+        )
     h, weight, bias, post = _hidden(model, pack)
     chunk = _check_chunk(chunk, weight.shape[0])
     lp, ent = _chunked_logprobs(h, weight, bias, post, pack, chunk, entropy)

@@ -79,7 +79,16 @@ pub use ndarray;
 /// The `half` version of the kernels' `bf16` / `f16` element types.
 pub use half;
 
-// The README's Rust snippets compile and run as doctests.
+// The Rust snippets of the README and of docs/rust.md compile and run as
+// doctests (docs/candle.md's under `--features candle`, in .ci/run).
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/rust.md")]
+struct DocsRustDoctests;
+
+#[cfg(all(doctest, feature = "candle"))]
+#[doc = include_str!("../docs/candle.md")]
+struct DocsCandleDoctests;

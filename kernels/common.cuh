@@ -196,6 +196,17 @@ __device__ __forceinline__ void ta_cp_async_16(void* smem, const void* gmem, boo
                  "r"(fill ? 16 : 0));
 #endif
 }
+// cp.async.ca.shared.global of 4 bytes (one f32 or u32), zero-filled with
+// fill == false; both addresses 4-byte aligned. Same groups as the 16-byte
+// form: it lets per-row scalars (kv_end, LSE, D) join a tile's group.
+__device__ __forceinline__ void ta_cp_async_4(void* smem, const void* gmem, bool fill) {
+#ifdef TA_EMU
+    ta_emu::cp_async_4(smem, gmem, fill);
+#else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(ta_smem_addr(smem)), "l"(gmem),
+                 "r"(fill ? 4 : 0));
+#endif
+}
 // Closes the group of cp.async issued by this thread since the last commit.
 __device__ __forceinline__ void ta_cp_async_commit() {
 #ifdef TA_EMU

@@ -89,6 +89,11 @@
 //        the emulator errors are unchanged, tests/emu_bwd.rs)
 //   dV (32 x D) += Pᵀ dO, dK += dSᵀ Q   A from registers, B by
 //        ldmatrix.x4.trans on dO / Q rows
+//   kv_end of the block's keys joins the K / V cp.async group, and each
+//   query tile's LSE and D rows join its Q / dO group (4-byte cp.async,
+//   ta_cp_async_4: no plain loads in front of the barrier; the thread that
+//   copied a row's LSE turns it into lse2 in place after its own wait, so
+//   the barrier that publishes the tile publishes lse2 too);
 //   atomic mode: dSᵀ -> shared memory; after both sub-tiles and a barrier,
 //   dQ (64 x D) = dS K with warps as 2 x 2 tiles of 32 rows x 32 columns
 //   (A: ldmatrix.x4.trans on dSᵀ, B: ldmatrix.x4.trans on K, each feeding
@@ -105,7 +110,8 @@
 //   dK, dV of 32 keys x 64 in f32 take 2 · 2 · 8 · 4 · 2 = 128 registers,
 //   Sᵀ + dPᵀ of a 32-query sub-tile 64 more; what is left decides the rest:
 //   - chosen: K / V A fragments reloaded per sub-tile, Pᵀ packed before
-//     dPᵀ: 242–243 / 227–232 registers, 0 spills;
+//     dPᵀ: 240–245 / 237–240 registers, 0 spills (242–243 / 227–232
+//     before kv_end, LSE and D moved to cp.async);
 //   - the same with Pᵀ kept in f32 until dSᵀ (as FA2): 255 / 244–246, and
 //     the sm_80 atomic kernel spills 8 bytes;
 //   - K's A fragments hoisted for the whole block (+32 registers; code
@@ -614,9 +620,11 @@ __device__ __forceinline__ void tree_attn_bwd_main2_body(const TreeAttnBwdParams
 
     ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, k0, L, p.kv_heads, kv_head);
     ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, k0, L, p.kv_heads, kv_head);
-    ta_cp_async_commit();
+    // kv_end of the tile in the same cp.async group (keys past the pack
+    // zero-filled: seen by nobody).
     static_assert(BN == Tr::kThreads, "one kv_end per thread");
-    skv[threadIdx.x] = ta_key_end(p.kv_end, k0 + threadIdx.x, L);
+    ta_cp_async_4(skv + threadIdx.x, p.kv_end + (k0 + threadIdx.x < L ? k0 + threadIdx.x : 0), k0 + threadIdx.x < L);
+    ta_cp_async_commit();
     // The block's two bounds tiles: the full-tile test needs the min of both
     // (a second tile past the pack makes k0 + BN > L: never full).
     const uint32_t bt = tile * 2;
@@ -641,13 +649,30 @@ __device__ __forceinline__ void tree_attn_bwd_main2_body(const TreeAttnBwdParams
     };
     const uint32_t first_qt = next_qtile(0);
 
+    // Stages query tile qt of query head `head` into buffer b: Q, dO and the
+    // rows' LSE and D, all by cp.async in one group (thread i < BM copies
+    // row i's LSE and D, 4 bytes each; rows past the pack zero-filled).
+    // The LSE lands raw: the same thread turns it into lse2 after its wait
+    // (lse2_in_place), before the barrier that publishes the tile.
+    static_assert(BM <= Tr::kThreads, "one row's LSE and D per thread");
     auto stage = [&](uint32_t head, uint32_t qt, int b) {
         ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head);
         ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head);
-        for (int i = threadIdx.x; i < BM; i += Tr::kThreads) {
-            const uint32_t row = qt * BM + i;
-            slse[b * BM + i] = ta_bwd_lse2(p, head, row);
-            sdelta[b * BM + i] = row < L ? p.delta[(size_t)head * L + row] : 0.f;
+        if (threadIdx.x < BM) {
+            const uint32_t row = qt * BM + threadIdx.x;
+            const size_t at = (size_t)head * L + (row < L ? row : 0);
+            ta_cp_async_4(slse + b * BM + threadIdx.x, p.lse + at, row < L);
+            ta_cp_async_4(sdelta + b * BM + threadIdx.x, p.delta + at, row < L);
+        }
+    };
+    // LSE -> lse2 (ta_bwd_lse2's rule) for the row this thread staged into
+    // buffer b, once its copies have landed (after its own wait).
+    auto lse2_in_place = [&](uint32_t qt, int b) {
+        if (threadIdx.x < BM) {
+            const uint32_t row = qt * BM + threadIdx.x;
+            float* const x = slse + b * BM + threadIdx.x;
+            const float l = *x;
+            *x = row >= L || l == -INFINITY ? INFINITY : l < INFINITY ? l * TA_LOG2E : NAN;
         }
     };
 
@@ -671,6 +696,7 @@ __device__ __forceinline__ void tree_attn_bwd_main2_body(const TreeAttnBwdParams
         if (nqt != 0xffffffffu) stage(nhead, nqt, buf ^ 1);
         ta_cp_async_commit();
         ta_cp_async_wait<1>();  // tile (head, qt) has landed
+        lse2_in_place(qt, buf);
         __syncthreads();
 
         const uint32_t q0 = qt * BM;

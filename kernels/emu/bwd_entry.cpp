@@ -99,11 +99,19 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
         // The buffers the kernels read with cp.async.
         const size_t q_bytes = size_t(p->tokens) * p->q_heads * head_dim * 2;
         const size_t kv_bytes = size_t(p->tokens) * p->kv_heads * head_dim * 2;
-        const ta_emu::GlobalRange ranges[] = {
-            {p->q, q_bytes, "q"}, {p->k, kv_bytes, "k"}, {p->v, kv_bytes, "v"}, {p->d_o, q_bytes, "d_o"}};
+        // (kv_end, LSE and D: the two-m-tile main kernel stages them by
+        // 4-byte cp.async.)
+        const size_t row_bytes = size_t(p->tokens) * p->q_heads * 4;
+        const ta_emu::GlobalRange ranges[] = {{p->q, q_bytes, "q"},
+                                              {p->k, kv_bytes, "k"},
+                                              {p->v, kv_bytes, "v"},
+                                              {p->d_o, q_bytes, "d_o"},
+                                              {p->kv_end, size_t(p->tokens) * 4, "kv_end"},
+                                              {p->lse, row_bytes, "lse"},
+                                              {p->delta, row_bytes, "delta"}};
         ta_emu::LaunchIo io;
         io.ranges = ranges;
-        io.num_ranges = 4;
+        io.num_ranges = 7;
         io.cp_async_bytes = cp_async_bytes;
         auto launch = [&](void (*kernel)(const TreeAttnBwdParams)) {
             return ta_emu::launch_kernel<TreeAttnBwdParams>(kernel, *p, grid, block, smem, *config, err, err_len, io);

@@ -168,6 +168,10 @@
 // the exp2 work, but no atomics and a bit-identical dQ from run to run. (The
 // dQ kernel walks key tiles by the forward's min / max rule, which can keep a
 // few tile pairs the main kernel's exact interval walk drops: padding runs.)
+// Its P is rounded to the element type as soon as it is formed (16
+// registers instead of 32 while dP is computed) and dS = P̃ ∘ (dP − D) uses
+// the rounded P̃, as in the two-m-tile main kernel: that keeps the d 64
+// kernel at its 128-register bound with the ballot tile walk (issue 26).
 //
 // Rotary is not these kernels' concern: with rotary on, the backends rotate Q
 // and K once into scratch buffers (kernels/rope.cu), run these kernels on
@@ -958,18 +962,13 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     const unsigned g = lane >> 2, c = lane & 3;
 
     const uint32_t t_end = min(p.num_key_tiles, (q1 - 1) / BN + 1);
-    // The next key tile with a visible key. D = 128: the forward's walk
-    // (mask.cuh, 32 tiles per step). D = 64 keeps one dependent load per
-    // skipped tile: the kernel sits at the 128 registers of its
-    // 4-blocks-per-SM bound (BwdDqTraits::kMinBlocks), and the ballot walk
-    // costs it one more (a 4-byte spill on sm_90a, CUDA 13.0).
+    // The next key tile with a visible key: the forward's walk (mask.cuh,
+    // 32 tiles per ballot). (D = 64 used to keep one dependent load per
+    // skipped tile: at the 128 registers of its 4-blocks-per-SM bound,
+    // BwdDqTraits::kMinBlocks, the ballot walk spilled 4 bytes on sm_90a
+    // until P was packed to 16 bits before dP, below.)
     auto next_tile = [&](uint32_t t) -> uint32_t {
-        if constexpr (D == 128) {
-            return ta_next_visible_tile(p.tile_kv_max, t, t_end, q0);
-        } else {
-            while (t < t_end && p.tile_kv_max[t] <= q0) ++t;
-            return t;
-        }
+        return ta_next_visible_tile(p.tile_kv_max, t, t_end, q0);
     };
 
     ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
@@ -1013,25 +1012,43 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
         const uint16_t* const vt = sv + buf * Tr::kTileElems;
         const uint32_t k0 = t * BN;
 
-        float s[kNTiles][4], dp[kNTiles][4];
-        ta_bwd_mm_abt<E, D, BN, RS>(s, sq + warp * 16 * RS, kt);
-        ta_bwd_mm_abt<E, D, BN, RS>(dp, sdo + warp * 16 * RS, vt);
-
-        const bool full = TA_TILE_FULL(BN, k0, q0, q1, p.tile_kv_min[t], L);
+        // S = Q Kᵀ, then P rounded to E at once (two 16-bit values a
+        // register: 16 registers instead of 32 while dP is computed), then
+        // dP = dO Vᵀ and dS = P̃ ∘ (dP − D) with the rounded P̃ (as the
+        // two-m-tile main kernel does).
+        uint32_t pp[kNTiles][2];
+        {
+            float s[kNTiles][4];
+            ta_bwd_mm_abt<E, D, BN, RS>(s, sq + warp * 16 * RS, kt);
+            const bool full = TA_TILE_FULL(BN, k0, q0, q1, p.tile_kv_min[t], L);
 #pragma unroll
-        for (int n = 0; n < kNTiles; ++n) {
+            for (int n = 0; n < kNTiles; ++n) {
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const uint32_t col = k0 + n * 8 + 2 * c + j;
-                const uint32_t end = ta_key_end(p.kv_end, col, L);
+                for (int j = 0; j < 2; ++j) {
+                    const uint32_t col = k0 + n * 8 + 2 * c + j;
+                    const uint32_t end = ta_key_end(p.kv_end, col, L);
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    float pv = ta_exp2(s[n][2 * r + j] * p.scale_log2 - lse2[r]);
-                    if (!full && !TA_VISIBLE(col, end, rows[r])) pv = 0.f;
-                    dp[n][2 * r + j] = pv * (dp[n][2 * r + j] - dlt[r]);  // dS
+                    for (int r = 0; r < 2; ++r) {
+                        float pv = ta_exp2(s[n][2 * r + j] * p.scale_log2 - lse2[r]);
+                        if (!full && !TA_VISIBLE(col, end, rows[r])) pv = 0.f;
+                        s[n][2 * r + j] = pv;
+                    }
                 }
+                pp[n][0] = ta_pack2<E>(s[n][0], s[n][1]);
+                pp[n][1] = ta_pack2<E>(s[n][2], s[n][3]);
             }
         }
+        float dp[kNTiles][4];
+        ta_bwd_mm_abt<E, D, BN, RS>(dp, sdo + warp * 16 * RS, vt);
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float p0 = ta_to_f32<E>(uint16_t(pp[n][r] & 0xffffu));
+                const float p1 = ta_to_f32<E>(uint16_t(pp[n][r] >> 16));
+                dp[n][2 * r] = p0 * (dp[n][2 * r] - dlt[r]);  // dS
+                dp[n][2 * r + 1] = p1 * (dp[n][2 * r + 1] - dlt[r]);
+            }
         ta_bwd_mm_cb<E, D, BN, RS>(acc, dp, kt);
         __syncthreads();  // every warp is done with buffer `buf` before it is refilled
         t = tn;

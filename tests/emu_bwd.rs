@@ -345,8 +345,9 @@ fn long_pack_many_query_tiles_per_key_tile() {
 /// A GRPO fan (a prompt, then 16 responses that each see only the prompt and
 /// themselves) long enough that the deterministic dQ kernel's key-tile walk
 /// for the last responses skips more than 32 tiles in a row (the other
-/// responses' tiles): the d128 walk reads 32 tiles per ballot, so a walk that
-/// stops after one ballot, or misreads the lowest set bit, loses keys.
+/// responses' tiles): the walk reads 32 tiles per ballot, so a walk that
+/// stops after one ballot, or misreads the lowest set bit, loses keys (d 128
+/// and, since issue 26, d 64).
 #[test]
 fn grpo_fan_walk_skips_more_than_32_key_tiles() {
     let (mut rng, seed) = common::seeded_rng();
@@ -364,19 +365,22 @@ fn grpo_fan_walk_skips_more_than_32_key_tiles() {
     // wholly inside responses 1..15: more than 32 of 64 keys.
     let skipped = (prompt + 15 * resp) / 64 - prompt.div_ceil(64);
     assert!(skipped > 32, "{skipped} skipped tiles");
-    let c = Case {
-        shape: AttnShape {
-            tokens,
-            q_heads: 1,
-            kv_heads: 1,
-            head_dim: 128,
-        },
-        kv_end,
-        pos,
-        rope: None,
-    };
-    let all = EmuOptions::all();
-    check::<bf16>(&mut rng, seed, &c, DqMode::Deterministic, all[0]);
+    // Both head dims: since issue 26 the d 64 dQ kernel walks by ballot too.
+    for (i, head_dim) in [128usize, 64].into_iter().enumerate() {
+        let c = Case {
+            shape: AttnShape {
+                tokens,
+                q_heads: 1,
+                kv_heads: 1,
+                head_dim,
+            },
+            kv_end: kv_end.clone(),
+            pos: pos.clone(),
+            rope: None,
+        };
+        let all = EmuOptions::all();
+        check::<bf16>(&mut rng, seed, &c, DqMode::Deterministic, all[3 * i]);
+    }
 }
 
 /// A pack of padding only: nothing is visible, every gradient is exactly 0.

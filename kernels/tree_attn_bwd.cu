@@ -30,7 +30,8 @@
 //                       dQ accumulator rows in atomic mode. One warp per
 //                       (row, head).
 //   tree_attn_bwd_main  dK, dV (and, in atomic mode, dQ through f32
-//                       atomicAdd into the accumulator). One block per (key
+//                       atomic adds into the accumulator; main2: the d 64
+//                       two-m-tile variant below). One block per (key
 //                       tile, kv head, group split): grid (key tiles,
 //                       kv_heads, group splits).
 //   tree_attn_bwd_dq    deterministic mode only: dQ per (query tile, query
@@ -68,7 +69,9 @@
 //                          B: ldmatrix.x4.trans on K rows; the warps split
 //                          BM x D into 16-row x (D / warps-per-row) pieces,
 //                          computed 16 columns at a time and added to the
-//                          f32 accumulator with atomicAdd.
+//                          f32 accumulator, one red.global.add.v2.f32 per
+//                          two adjacent columns on sm_90 (two scalar
+//                          atomic adds on sm_80).
 //
 // Two-m-tile main kernel (tree_attn_bwd_main2_{atomic,det}_*, D = 64 only,
 // Bwd2Traits; Rust `MainKernel::TwoMTiles`, the default for d 64 — the
@@ -520,15 +523,17 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
                     ta_mma_16816<E>(acc[0], a[kk], b[0], b[1]);
                     ta_mma_16816<E>(acc[1], a[kk], b[2], b[3]);
                 }
+                // One red.global.add.v2.f32 per pair of adjacent columns on
+                // sm_90 (ta_red_add_v2_f32; two scalar reds before).
 #pragma unroll
                 for (int h2 = 0; h2 < 2; ++h2)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const uint32_t row = rows[i >> 1];
+                    for (int r = 0; r < 2; ++r) {
+                        const uint32_t row = rows[r];
                         if (row < L)
-                            atomicAdd(p.dq_accum + ((size_t)row * p.q_heads + head) * D + dpi * 16 + h2 * 8 + 2 * c +
-                                          (i & 1),
-                                      acc[h2][i] * p.scale);
+                            ta_red_add_v2_f32(p.dq_accum + ((size_t)row * p.q_heads + head) * D + dpi * 16 + h2 * 8 +
+                                                  2 * c,
+                                              acc[h2][2 * r] * p.scale, acc[h2][2 * r + 1] * p.scale);
                     }
             }
         }

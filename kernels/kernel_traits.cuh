@@ -29,8 +29,9 @@ struct TaTileTraits {
 // rows per block, warp w owns rows 32w..32w+31 (two 16-row m-tiles, so every
 // K / V fragment an ldmatrix loads feeds two mma); key tiles of 64.
 // Shared memory, in bytes: Q (its own region: the O tile passes through it in
-// the epilogue) | K[2] | V[2] | row statistics: (128 + 4 · 64) · (D + 8) · 2
-// + 4096 = 59,392 for D = 64, 108,544 for D = 128 (above 48 KB: the CUDA
+// the epilogue) | K[2] | V[2] | row statistics | kv_end[2]: (128 + 4 · 64) ·
+// (D + 8) · 2 + 4096 + 2 · 68 · 4 = 59,936 for D = 64, 109,088 for D = 128
+// (above 48 KB: the CUDA
 // backend raises the function's dynamic shared-memory limit before
 // launching). The row statistics (running max and partial sum of the
 // online softmax) are in shared memory because in registers the D = 128
@@ -52,8 +53,13 @@ struct FwdTraits : TaTileTraits<E, D, 128, 64> {
     static constexpr int kOffK = kQElems * 2;
     static constexpr int kOffV = kOffK + 2 * kKvElems * 2;
     static constexpr int kOffStats = kOffV + 2 * kKvElems * 2;
-    static constexpr int kSmemBytes = kOffStats + 4 * kMTiles * Base::kThreads * 4;
+    // Per K / V buffer, the tile's kv_end (BN words) and its tile_kv_min
+    // (one word, padded to 4), staged by cp.async with K and V (issue 26).
+    static constexpr int kKvEndWords = Base::kBlockN + 4;
+    static constexpr int kOffKvEnd = kOffStats + 4 * kMTiles * Base::kThreads * 4;
+    static constexpr int kSmemBytes = kOffKvEnd + 2 * kKvEndWords * 4;
     static_assert(kMTiles == 2, "two 16-row m-tiles per warp");
+    static_assert(Base::kBlockN < Base::kThreads, "one kv_end per thread, one more thread for the tile bound");
     static_assert(kOffK % 16 == 0 && kOffV % 16 == 0 && kOffStats % 16 == 0, "aligned regions");
 };
 

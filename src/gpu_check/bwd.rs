@@ -20,7 +20,10 @@
 //!    K+1 passes: one causal forward + backward per root-to-leaf branch of
 //!    the same tree (branches read off the mask: the ancestors of each leaf
 //!    token). FLOPs: 4·d per visible pair per head forward, 2.5x that
-//!    backward (DESIGN §7), visible pairs only.
+//!    backward (DESIGN §7), visible pairs only. d 64 rows are timed again
+//!    with the one-m-tile backward main kernel (`MainKernel::OneMTile`),
+//!    side by side with the two-m-tile default (issue 26); part 1 checks
+//!    the d 64 cases with both kernels.
 //! 4. SDCC timing: the fused kernel against the unfused baseline of
 //!    kernels/sdcc_kl.cu (log-softmax of both sides into f32 buffers, then
 //!    an elementwise KL and the gradient), bf16 logits.
@@ -640,8 +643,8 @@ pub(super) fn timings<D: Target>(
             if let Some((a, b)) = one_ms {
                 let _ = writeln!(
                     rep,
-                    "  \u{2514} one-m-tile main kernel: ms atomic {a:.3}, ms det {b:.3} (two-m-tile / one-m-tile: \
-                     {:.2}x, {:.2}x)",
+                    "  \u{2514} one-m-tile main kernel: ms atomic {a:.3}, ms det {b:.3} (time two-m-tile / \
+                     one-m-tile: {:.2}x, {:.2}x; below 1: two-m-tile faster)",
                     ms / a,
                     det_ms / b
                 );

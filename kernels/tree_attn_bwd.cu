@@ -46,12 +46,12 @@
 // (16 x D each, f32, mma C fragments) for the whole block. K and V of the tile stay in shared
 // memory; query tiles of kBlockM rows (64 for D = 64, 32 for D = 128, to keep
 // the f32 accumulators plus Sᵀ and dPᵀ under 255 registers) stream through a
-// double-buffered pipeline: Q and dO by cp.async, lse2 and D (BM floats
-// each, double-buffered beside them) by plain loads in the same stage() call
-// — the rows of the [q_heads, tokens] LSE / D start at head · tokens + q0,
-// 16-byte aligned only when tokens % 4 == 0, and common.cuh has only the
-// 16-byte cp.async (a 4-byte one with its emulator model would let them
-// join the cp.async group; not done). Per query tile:
+// double-buffered pipeline: Q and dO by cp.async, and LSE and D (BM floats
+// each, double-buffered beside them) by 4-byte cp.async in the same group
+// (their rows start at head · tokens + q0 of [q_heads, tokens], 16-byte
+// aligned only when tokens % 4 == 0); the thread that copied a row's LSE
+// turns it into lse2 after its own wait, before the tile's barrier. The
+// tile's kv_end joins the K / V group the same way. Per query tile:
 //   Sᵀ  (16 x BM per warp) = K Qᵀ   A: ldmatrix.x4 on the warp's K rows
 //                                    (D = 64: loaded once per block and held
 //                                    in registers, 16 per operand, instead of
@@ -378,9 +378,12 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
 
     ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, k0, L, p.kv_heads, kv_head);
     ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, k0, L, p.kv_heads, kv_head);
+    // kv_end of the tile in the same cp.async group; keys past the pack are
+    // seen by nobody (zero-filled).
+    if (threadIdx.x < BN)
+        ta_cp_async_4(skv + threadIdx.x, p.kv_end + (k0 + threadIdx.x < L ? k0 + threadIdx.x : 0),
+                      k0 + threadIdx.x < L);
     ta_cp_async_commit();
-    // kv_end of the tile; keys past the pack are seen by nobody (0).
-    if (threadIdx.x < BN) skv[threadIdx.x] = ta_key_end(p.kv_end, k0 + threadIdx.x, L);
     // This thread's two keys (rows g and g + 8 of the warp's 16).
     uint32_t key[2], key_end[2];
 #pragma unroll
@@ -428,13 +431,25 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     const uint32_t tile_min = p.tile_kv_min[tile];
 
     // Stages query tile qt of query head `head` into buffer b.
+    // (LSE and D rows by 4-byte cp.async in the tile's group; the copying
+    // thread turns LSE into lse2 after its own wait: lse2_in_place.)
+    static_assert(BM <= Tr::kThreads, "one row's LSE and D per thread");
     auto stage = [&](uint32_t head, uint32_t qt, int b) {
         ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head);
         ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head);
-        for (int i = threadIdx.x; i < BM; i += Tr::kThreads) {
-            const uint32_t row = qt * BM + i;
-            slse[b * BM + i] = ta_bwd_lse2(p, head, row);
-            sdelta[b * BM + i] = row < L ? p.delta[(size_t)head * L + row] : 0.f;
+        if (threadIdx.x < BM) {
+            const uint32_t row = qt * BM + threadIdx.x;
+            const size_t at = (size_t)head * L + (row < L ? row : 0);
+            ta_cp_async_4(slse + b * BM + threadIdx.x, p.lse + at, row < L);
+            ta_cp_async_4(sdelta + b * BM + threadIdx.x, p.delta + at, row < L);
+        }
+    };
+    auto lse2_in_place = [&](uint32_t qt, int b) {
+        if (threadIdx.x < BM) {
+            const uint32_t row = qt * BM + threadIdx.x;
+            float* const x = slse + b * BM + threadIdx.x;
+            const float l = *x;
+            *x = row >= L || l == -INFINITY ? INFINITY : l < INFINITY ? l * TA_LOG2E : NAN;
         }
     };
 
@@ -454,7 +469,8 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
         if (nqt == 0xffffffffu && ++nhead < head_end) nqt = first_qt;
         if (nqt != 0xffffffffu) stage(nhead, nqt, buf ^ 1);
         ta_cp_async_commit();
-        ta_cp_async_wait<1>();  // tile (gi, qt) has landed
+        ta_cp_async_wait<1>();  // tile (head, qt) has landed
+        lse2_in_place(qt, buf);
         __syncthreads();
 
         const uint32_t q0 = qt * BM;

@@ -829,13 +829,9 @@ fn tile_walks_load_only_visible_tiles() {
             range_tiles += max_end.div_ceil(bm).saturating_sub(kt * bn / bm) as u64;
         }
         let key_tiles = tokens.div_ceil(bn) as u64;
-        // The two-m-tile kernel also stages kv_end (4 bytes a key, per
-        // block) and each query tile's LSE and D (4 bytes a row each) by
-        // cp.async.
-        let (per_block, per_tile) = match t.main_kernel {
-            MainKernel::TwoMTiles => (bn as u64 * 4, 2 * bm as u64 * 4),
-            MainKernel::OneMTile => (0, 0),
-        };
+        // Both main kernels also stage kv_end (4 bytes a key, per block) and
+        // each query tile's LSE and D (4 bytes a row each) by cp.async.
+        let (per_block, per_tile) = (bn as u64 * 4, 2 * bm as u64 * 4);
         let want_main = s.kv_heads as u64
             * (splits * key_tiles * (2 * bn as u64 * d * 2 + per_block)
                 + group * visited * (2 * bm as u64 * d * 2 + per_tile));

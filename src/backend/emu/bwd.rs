@@ -154,8 +154,8 @@ pub(super) fn backward<T: KernelElem>(
 /// rows included), to prove the tile walks: the main kernel loads, per (key
 /// tile, kv head), K and V once and Q, dO for each query tile it visits
 /// (`2 · 64 · d · 2 + group · visited · 2 · block_m · d · 2` bytes; the
-/// two-m-tile kernel per 128-key tile, plus its kv_end, 4 bytes a key, and
-/// each visited tile's LSE and D, 4 bytes a row each); the
+/// two-m-tile kernel per 128-key tile), plus the tile's kv_end, 4 bytes a
+/// key, and each visited tile's LSE and D, 4 bytes a row each; the
 /// deterministic dQ kernel Q, dO once and K, V per non-skipped key tile.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BackwardStats {

@@ -196,6 +196,17 @@ __device__ __forceinline__ void ta_cp_async_16(void* smem, const void* gmem, boo
                  "r"(fill ? 16 : 0));
 #endif
 }
+// cp.async.ca.shared.global of 4 bytes (one f32 or u32), zero-filled with
+// fill == false; both addresses 4-byte aligned. Same groups as the 16-byte
+// form: it lets per-row scalars (kv_end, LSE, D) join a tile's group.
+__device__ __forceinline__ void ta_cp_async_4(void* smem, const void* gmem, bool fill) {
+#ifdef TA_EMU
+    ta_emu::cp_async_4(smem, gmem, fill);
+#else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(ta_smem_addr(smem)), "l"(gmem),
+                 "r"(fill ? 4 : 0));
+#endif
+}
 // Closes the group of cp.async issued by this thread since the last commit.
 __device__ __forceinline__ void ta_cp_async_commit() {
 #ifdef TA_EMU
@@ -224,4 +235,22 @@ __device__ __forceinline__ float ta_quad_max(float x) {
 __device__ __forceinline__ float ta_quad_sum(float x) {
     x += __shfl_xor_sync(TA_FULL_MASK, x, 1);
     return x + __shfl_xor_sync(TA_FULL_MASK, x, 2);
+}
+
+// p[0] += a, p[1] += b in global memory, no return value (p 8-byte
+// aligned). sm_90: one red.global.add.v2.f32 (PTX ISA 8.1; as for every
+// vector atomic, each element is its own atomic add: the pair is not one
+// indivisible update). Before sm_90: two scalar red.global.add.f32 (what
+// atomicAdd with an unused result compiles to). The emulator: two atomic
+// adds.
+__device__ __forceinline__ void ta_red_add_v2_f32(float* p, float a, float b) {
+#ifdef TA_EMU
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
 }

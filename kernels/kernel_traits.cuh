@@ -29,8 +29,9 @@ struct TaTileTraits {
 // rows per block, warp w owns rows 32w..32w+31 (two 16-row m-tiles, so every
 // K / V fragment an ldmatrix loads feeds two mma); key tiles of 64.
 // Shared memory, in bytes: Q (its own region: the O tile passes through it in
-// the epilogue) | K[2] | V[2] | row statistics: (128 + 4 · 64) · (D + 8) · 2
-// + 4096 = 59,392 for D = 64, 108,544 for D = 128 (above 48 KB: the CUDA
+// the epilogue) | K[2] | V[2] | row statistics | kv_end[2]: (128 + 4 · 64) ·
+// (D + 8) · 2 + 4096 + 2 · 68 · 4 = 59,936 for D = 64, 109,088 for D = 128
+// (above 48 KB: the CUDA
 // backend raises the function's dynamic shared-memory limit before
 // launching). The row statistics (running max and partial sum of the
 // online softmax) are in shared memory because in registers the D = 128
@@ -52,8 +53,13 @@ struct FwdTraits : TaTileTraits<E, D, 128, 64> {
     static constexpr int kOffK = kQElems * 2;
     static constexpr int kOffV = kOffK + 2 * kKvElems * 2;
     static constexpr int kOffStats = kOffV + 2 * kKvElems * 2;
-    static constexpr int kSmemBytes = kOffStats + 4 * kMTiles * Base::kThreads * 4;
+    // Per K / V buffer, the tile's kv_end (BN words) and its tile_kv_min
+    // (one word, padded to 4), staged by cp.async with K and V (issue 26).
+    static constexpr int kKvEndWords = Base::kBlockN + 4;
+    static constexpr int kOffKvEnd = kOffStats + 4 * kMTiles * Base::kThreads * 4;
+    static constexpr int kSmemBytes = kOffKvEnd + 2 * kKvEndWords * 4;
     static_assert(kMTiles == 2, "two 16-row m-tiles per warp");
+    static_assert(Base::kBlockN < Base::kThreads, "one kv_end per thread, one more thread for the tile bound");
     static_assert(kOffK % 16 == 0 && kOffV % 16 == 0 && kOffStats % 16 == 0, "aligned regions");
 };
 
@@ -107,4 +113,35 @@ struct BwdDqTraits : TaTileTraits<E, D, 64, 64> {
     static constexpr int kMinBlocks = 1;
 #endif
     static_assert(Base::kBlockM == 16 * Base::kWarps && Base::kBlockM == 64 && Base::kBlockN == 64, "tile shape");
+};
+
+// Backward main kernel, two key m-tiles per warp (tree_attn_bwd.cu,
+// tree_attn_bwd_main2_*; the trade-off is written at the top of that file):
+// a key tile of 128 keys per block (two of the 64-key kv_end bounds tiles),
+// warp w owns keys 32w..32w+31 (two 16-key m-tiles), so every Q / dO
+// fragment an ldmatrix loads feeds 4 mma. Query tiles of kBlockM = 64 rows
+// are staged (double-buffered) and each warp runs through them in
+// sub-tiles of kSubM = 32 queries (the Sᵀ, dPᵀ accumulators of one
+// sub-tile: 2 · 2 · 4 · 4 = 64 registers). D = 64 only: its f32 dK, dV
+// accumulators (32 keys x D x 2 per warp) take 2D = 128 registers, 256 for
+// D = 128.
+// Shared memory, in bytes: K, V | Q[2], dO[2] | dSᵀ | lse2[2], D[2] | kv_end.
+template <class E, int D>
+struct Bwd2Traits : TaTileTraits<E, D, 64, 128> {
+    using Base = TaTileTraits<E, D, 64, 128>;
+    static constexpr int kBlockM = Base::kBlockM, kBlockN = Base::kBlockN, kRowStride = Base::kRowStride;
+    static constexpr int kSubM = 32;
+    static constexpr int kBoundsTile = 64;  // tile of tile_kv_min / tile_kv_max
+    static constexpr int kDsStride = kBlockM + 8;
+    static constexpr int kKvElems = kBlockN * kRowStride;
+    static constexpr int kQElems = kBlockM * kRowStride;
+    static constexpr int kOffQ = 2 * kKvElems * 2;
+    static constexpr int kOffDs = kOffQ + 4 * kQElems * 2;
+    static constexpr int kOffRowStats = kOffDs + kBlockN * kDsStride * 2;
+    static constexpr int kOffKvEnd = kOffRowStats + 4 * kBlockM * 4;
+    static constexpr int kSmemBytes = kOffKvEnd + kBlockN * 4;
+    static_assert(D == 64, "two key m-tiles per warp: D = 64 only (registers)");
+    static_assert(kBlockN == 32 * Base::kWarps && kBlockN == 2 * kBoundsTile, "32 keys per warp, 2 bounds tiles");
+    static_assert(kBlockM % kSubM == 0 && kBlockM == 64, "dQ split: 2 x 2 warps of 32 x 32");
+    static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
 };

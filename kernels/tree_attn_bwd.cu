@@ -30,7 +30,8 @@
 //                       dQ accumulator rows in atomic mode. One warp per
 //                       (row, head).
 //   tree_attn_bwd_main  dK, dV (and, in atomic mode, dQ through f32
-//                       atomicAdd into the accumulator). One block per (key
+//                       atomic adds into the accumulator; main2: the d 64
+//                       two-m-tile variant below). One block per (key
 //                       tile, kv head, group split): grid (key tiles,
 //                       kv_heads, group splits).
 //   tree_attn_bwd_dq    deterministic mode only: dQ per (query tile, query
@@ -45,12 +46,12 @@
 // (16 x D each, f32, mma C fragments) for the whole block. K and V of the tile stay in shared
 // memory; query tiles of kBlockM rows (64 for D = 64, 32 for D = 128, to keep
 // the f32 accumulators plus Sᵀ and dPᵀ under 255 registers) stream through a
-// double-buffered pipeline: Q and dO by cp.async, lse2 and D (BM floats
-// each, double-buffered beside them) by plain loads in the same stage() call
-// — the rows of the [q_heads, tokens] LSE / D start at head · tokens + q0,
-// 16-byte aligned only when tokens % 4 == 0, and common.cuh has only the
-// 16-byte cp.async (a 4-byte one with its emulator model would let them
-// join the cp.async group; not done). Per query tile:
+// double-buffered pipeline: Q and dO by cp.async, and LSE and D (BM floats
+// each, double-buffered beside them) by 4-byte cp.async in the same group
+// (their rows start at head · tokens + q0 of [q_heads, tokens], 16-byte
+// aligned only when tokens % 4 == 0); the thread that copied a row's LSE
+// turns it into lse2 after its own wait, before the tile's barrier. The
+// tile's kv_end joins the K / V group the same way. Per query tile:
 //   Sᵀ  (16 x BM per warp) = K Qᵀ   A: ldmatrix.x4 on the warp's K rows
 //                                    (D = 64: loaded once per block and held
 //                                    in registers, 16 per operand, instead of
@@ -68,7 +69,67 @@
 //                          B: ldmatrix.x4.trans on K rows; the warps split
 //                          BM x D into 16-row x (D / warps-per-row) pieces,
 //                          computed 16 columns at a time and added to the
-//                          f32 accumulator with atomicAdd.
+//                          f32 accumulator, one red.global.add.v2.f32 per
+//                          two adjacent columns on sm_90 (two scalar
+//                          atomic adds on sm_80).
+//
+// Two-m-tile main kernel (tree_attn_bwd_main2_{atomic,det}_*, D = 64 only,
+// Bwd2Traits; Rust `MainKernel::TwoMTiles`, the default for d 64 — the
+// one-m-tile kernel above stays selectable, `MainKernel::OneMTile`, until a
+// GPU has timed both). Why: with one 16-key m-tile per warp every Q / dO
+// B fragment feeds 2 mma, so the loop above does 1.6–2.0 HMMA per LDSM.
+// Here a block owns BN = 128 keys (two kv_end bounds tiles), warp w keys
+// 32w..32w+31 as two m-tiles, and every B fragment (Q, dO; ldmatrix or
+// ldmatrix.trans) feeds 4 mma. Per staged 64-row query tile each warp runs
+// two sub-tiles of 32 queries (no barrier between them):
+//   Sᵀ  (32 x 32) = K Qᵀ     A: ldmatrix.x4 on the warp's K rows (2 per
+//                             k-step, reloaded per sub-tile), B: Q rows
+//   Pᵀ = exp2(Sᵀ·c − lse2) (masked), rounded to E into the A fragments of
+//        the dV product at once (16 registers instead of 32 f32)
+//   dPᵀ (32 x 32) = V dOᵀ    the same with V, dO
+//   dSᵀ = P̃ᵀ ∘ (dPᵀ − D) with P̃ the rounded Pᵀ (FlashAttention-2 keeps P in
+//        f32 for dS: one more rounding, 2^-9 (bf16) relative per element;
+//        the emulator errors are unchanged, tests/emu_bwd.rs)
+//   dV (32 x D) += Pᵀ dO, dK += dSᵀ Q   A from registers, B by
+//        ldmatrix.x4.trans on dO / Q rows
+//   kv_end of the block's keys joins the K / V cp.async group, and each
+//   query tile's LSE and D rows join its Q / dO group (4-byte cp.async,
+//   ta_cp_async_4: no plain loads in front of the barrier; the thread that
+//   copied a row's LSE turns it into lse2 in place after its own wait, so
+//   the barrier that publishes the tile publishes lse2 too);
+//   atomic mode: dSᵀ -> shared memory; after both sub-tiles and a barrier,
+//   dQ (64 x D) = dS K with warps as 2 x 2 tiles of 32 rows x 32 columns
+//   (A: ldmatrix.x4.trans on dSᵀ, B: ldmatrix.x4.trans on K, each feeding
+//   4 mma), added with one red.global.add.v2.f32 per pair of adjacent
+//   columns on sm_90 (ta_red_add_v2_f32; two scalar reds on sm_80).
+// Counted per warp and 64-row query tile from the code: det 2 x (16 + 16 +
+// 8 + 8) = 96 LDSM for 256 HMMA = 2.67; atomic + dQ's 32 LDSM / 64 HMMA =
+// 128 / 320 = 2.50 (the one-m-tile kernel: 64 / 128 = 2.00 and 84 / 160 =
+// 1.90 per 64 x 64 tile). dQ atomics: 64 x D f32 per 64 x 128 tile pair =
+// D · 4 / 128 = 2 bytes per visible (query, key) pair and head for d 64,
+// in 0.25 REDG.F32x2 per pair (sm_90; 0.5 scalar on sm_80), against 4
+// bytes in 1 scalar RED per pair before (d 128, unchanged: 8 bytes, 2).
+// The register / staging trade-off (ptxas, CUDA 13.0, sm_80 / sm_90a):
+//   dK, dV of 32 keys x 64 in f32 take 2 · 2 · 8 · 4 · 2 = 128 registers,
+//   Sᵀ + dPᵀ of a 32-query sub-tile 64 more; what is left decides the rest:
+//   - chosen: K / V A fragments reloaded per sub-tile, Pᵀ packed before
+//     dPᵀ: 240–245 / 237–240 registers, 0 spills (242–243 / 227–232
+//     before kv_end, LSE and D moved to cp.async);
+//   - the same with Pᵀ kept in f32 until dSᵀ (as FA2): 255 / 244–246, and
+//     the sm_80 atomic kernel spills 8 bytes;
+//   - K's A fragments hoisted for the whole block (+32 registers; code
+//     count 3.20 det, 2.86 atomic): 255 and 8–88 bytes of spills, with or
+//     without the early packing;
+//   - K hoisted, 16-query sub-tiles: 0 spills at 238–254, but the same
+//     2.67 / 2.50 per query tile as the choice (A reloaded per k-step of
+//     every sub-tile: 4 sub-tiles instead of 2), more loop overhead.
+//   Shared memory 93,696 bytes (K, V 36,864 | Q, dO x 2 36,864 | dSᵀ
+//   18,432 | lse2, D 1,024 | kv_end 512): 1 block per SM on A100 (164 KB),
+//   2 on H100 / H200 (227 KB); registers allow 2 either way.
+//   D = 128 would need 256 registers for dK, dV alone: it keeps the
+//   one-m-tile kernel (FA2's answer, a head-dim split of the dK, dV
+//   accumulators over 8 warps with P and dS staged in shared memory, is not
+//   built).
 // Fragment layouts (PTX ISA, mma.m16n8k16; g = lane/4, c = lane%4):
 //   A 16x16: a[r] half h = A[g + 8(r&1)][2c + h + 8(r>>1)]
 //   B 16x8:  b[r] half h = B[2c + h + 8r][g]
@@ -110,6 +171,10 @@
 // the exp2 work, but no atomics and a bit-identical dQ from run to run. (The
 // dQ kernel walks key tiles by the forward's min / max rule, which can keep a
 // few tile pairs the main kernel's exact interval walk drops: padding runs.)
+// Its P is rounded to the element type as soon as it is formed (16
+// registers instead of 32 while dP is computed) and dS = P̃ ∘ (dP − D) uses
+// the rounded P̃, as in the two-m-tile main kernel: that keeps the d 64
+// kernel at its 128-register bound with the ballot tile walk (issue 26).
 //
 // Rotary is not these kernels' concern: with rotary on, the backends rotate Q
 // and K once into scratch buffers (kernels/rope.cu), run these kernels on
@@ -313,9 +378,12 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
 
     ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, k0, L, p.kv_heads, kv_head);
     ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, k0, L, p.kv_heads, kv_head);
+    // kv_end of the tile in the same cp.async group; keys past the pack are
+    // seen by nobody (zero-filled).
+    if (threadIdx.x < BN)
+        ta_cp_async_4(skv + threadIdx.x, p.kv_end + (k0 + threadIdx.x < L ? k0 + threadIdx.x : 0),
+                      k0 + threadIdx.x < L);
     ta_cp_async_commit();
-    // kv_end of the tile; keys past the pack are seen by nobody (0).
-    if (threadIdx.x < BN) skv[threadIdx.x] = ta_key_end(p.kv_end, k0 + threadIdx.x, L);
     // This thread's two keys (rows g and g + 8 of the warp's 16).
     uint32_t key[2], key_end[2];
 #pragma unroll
@@ -363,13 +431,25 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     const uint32_t tile_min = p.tile_kv_min[tile];
 
     // Stages query tile qt of query head `head` into buffer b.
+    // (LSE and D rows by 4-byte cp.async in the tile's group; the copying
+    // thread turns LSE into lse2 after its own wait: lse2_in_place.)
+    static_assert(BM <= Tr::kThreads, "one row's LSE and D per thread");
     auto stage = [&](uint32_t head, uint32_t qt, int b) {
         ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head);
         ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head);
-        for (int i = threadIdx.x; i < BM; i += Tr::kThreads) {
-            const uint32_t row = qt * BM + i;
-            slse[b * BM + i] = ta_bwd_lse2(p, head, row);
-            sdelta[b * BM + i] = row < L ? p.delta[(size_t)head * L + row] : 0.f;
+        if (threadIdx.x < BM) {
+            const uint32_t row = qt * BM + threadIdx.x;
+            const size_t at = (size_t)head * L + (row < L ? row : 0);
+            ta_cp_async_4(slse + b * BM + threadIdx.x, p.lse + at, row < L);
+            ta_cp_async_4(sdelta + b * BM + threadIdx.x, p.delta + at, row < L);
+        }
+    };
+    auto lse2_in_place = [&](uint32_t qt, int b) {
+        if (threadIdx.x < BM) {
+            const uint32_t row = qt * BM + threadIdx.x;
+            float* const x = slse + b * BM + threadIdx.x;
+            const float l = *x;
+            *x = row >= L || l == -INFINITY ? INFINITY : l < INFINITY ? l * TA_LOG2E : NAN;
         }
     };
 
@@ -389,7 +469,8 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
         if (nqt == 0xffffffffu && ++nhead < head_end) nqt = first_qt;
         if (nqt != 0xffffffffu) stage(nhead, nqt, buf ^ 1);
         ta_cp_async_commit();
-        ta_cp_async_wait<1>();  // tile (gi, qt) has landed
+        ta_cp_async_wait<1>();  // tile (head, qt) has landed
+        lse2_in_place(qt, buf);
         __syncthreads();
 
         const uint32_t q0 = qt * BM;
@@ -458,15 +539,17 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
                     ta_mma_16816<E>(acc[0], a[kk], b[0], b[1]);
                     ta_mma_16816<E>(acc[1], a[kk], b[2], b[3]);
                 }
+                // One red.global.add.v2.f32 per pair of adjacent columns on
+                // sm_90 (ta_red_add_v2_f32; two scalar reds before).
 #pragma unroll
                 for (int h2 = 0; h2 < 2; ++h2)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const uint32_t row = rows[i >> 1];
+                    for (int r = 0; r < 2; ++r) {
+                        const uint32_t row = rows[r];
                         if (row < L)
-                            atomicAdd(p.dq_accum + ((size_t)row * p.q_heads + head) * D + dpi * 16 + h2 * 8 + 2 * c +
-                                          (i & 1),
-                                      acc[h2][i] * p.scale);
+                            ta_red_add_v2_f32(p.dq_accum + ((size_t)row * p.q_heads + head) * D + dpi * 16 + h2 * 8 +
+                                                  2 * c,
+                                              acc[h2][2 * r] * p.scale, acc[h2][2 * r + 1] * p.scale);
                     }
             }
         }
@@ -527,6 +610,357 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     }
 }
 
+// ---- dK, dV (and atomic dQ) per 128-key tile, two key m-tiles per warp -------------
+// (tree_attn_bwd_main2_*: the layout and its trade-off are at the top of the
+// file.) kFault is a test-only knob, instantiated for the emulator only
+// (negative controls, tests/emu_bwd.rs): 1 drops the barrier between the dSᵀ
+// stores and the dQ matmul, 2 swaps the two key m-tiles' K fragments in Sᵀ.
+template <class Tr, bool kAtomicDq, int kFault = 0>
+__device__ __forceinline__ void tree_attn_bwd_main2_body(const TreeAttnBwdParams& p) {
+    using E = typename Tr::Elem;
+    constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN, RS = Tr::kRowStride;
+    constexpr int SUB = Tr::kSubM, DSS = Tr::kDsStride;
+    constexpr int kDTiles = D / 8;   // n-tiles of dK, dV per m-tile
+    constexpr int kSubN = SUB / 8;   // n-tiles of Sᵀ, dPᵀ per m-tile and sub-tile
+    constexpr int kKSteps = D / 16;  // k-steps of Sᵀ, dPᵀ
+
+    TA_DYNAMIC_SMEM(smem_raw);
+    uint16_t* const sk = reinterpret_cast<uint16_t*>(smem_raw);
+    uint16_t* const sv = sk + Tr::kKvElems;
+    uint16_t* const sq = reinterpret_cast<uint16_t*>(smem_raw + Tr::kOffQ);  // 2 buffers
+    uint16_t* const sdo = sq + 2 * Tr::kQElems;                               // 2 buffers
+    uint16_t* const sds = reinterpret_cast<uint16_t*>(smem_raw + Tr::kOffDs);
+    float* const slse = reinterpret_cast<float*>(smem_raw + Tr::kOffRowStats);  // 2 x BM
+    float* const sdelta = slse + 2 * BM;                                          // 2 x BM
+    uint32_t* const skv = reinterpret_cast<uint32_t*>(smem_raw + Tr::kOffKvEnd);
+
+    const uint32_t L = p.tokens;
+    const uint32_t tile = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+    const uint32_t k0 = tile * BN;
+    const uint32_t group = p.q_heads / p.kv_heads;
+    const uint32_t per_split = group / p.group_splits;
+    const uint32_t head_begin = kv_head * group + split * per_split, head_end = head_begin + per_split;
+    const unsigned lane = ta_lane(), warp = threadIdx.x / 32;
+    const unsigned g = lane >> 2, c = lane & 3, mi = lane >> 3, ri = lane & 7;
+
+    ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, k0, L, p.kv_heads, kv_head);
+    ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, k0, L, p.kv_heads, kv_head);
+    // kv_end of the tile in the same cp.async group (keys past the pack
+    // zero-filled: seen by nobody).
+    static_assert(BN == Tr::kThreads, "one kv_end per thread");
+    ta_cp_async_4(skv + threadIdx.x, p.kv_end + (k0 + threadIdx.x < L ? k0 + threadIdx.x : 0), k0 + threadIdx.x < L);
+    ta_cp_async_commit();
+    // The block's two bounds tiles: the full-tile test needs the min of both
+    // (a second tile past the pack makes k0 + BN > L: never full).
+    const uint32_t bt = tile * 2;
+    const uint32_t tile_min =
+        bt + 1 < p.num_key_tiles ? min(p.tile_kv_min[bt], p.tile_kv_min[bt + 1]) : 0u;
+    ta_cp_async_wait<0>();
+    __syncthreads();
+
+    // As the one-m-tile kernel's walk, over BN keys (BN / 32 per lane).
+    static_assert(BN % 32 == 0, "whole keys per lane");
+    auto next_qtile = [&](uint32_t x) {
+        uint32_t best = 0xffffffffu;
+#pragma unroll
+        for (int j = 0; j < BN / 32; ++j) {
+            const uint32_t i = lane + 32 * j;
+            const uint32_t lo = max(k0 + i, x);
+            if (skv[i] > lo) best = min(best, lo);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) best = min(best, __shfl_xor_sync(TA_FULL_MASK, best, o));
+        return best == 0xffffffffu ? best : best / BM;
+    };
+    const uint32_t first_qt = next_qtile(0);
+
+    // Stages query tile qt of query head `head` into buffer b: Q, dO and the
+    // rows' LSE and D, all by cp.async in one group (thread i < BM copies
+    // row i's LSE and D, 4 bytes each; rows past the pack zero-filled).
+    // The LSE lands raw: the same thread turns it into lse2 after its wait
+    // (lse2_in_place), before the barrier that publishes the tile.
+    static_assert(BM <= Tr::kThreads, "one row's LSE and D per thread");
+    auto stage = [&](uint32_t head, uint32_t qt, int b) {
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head);
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head);
+        if (threadIdx.x < BM) {
+            const uint32_t row = qt * BM + threadIdx.x;
+            const size_t at = (size_t)head * L + (row < L ? row : 0);
+            ta_cp_async_4(slse + b * BM + threadIdx.x, p.lse + at, row < L);
+            ta_cp_async_4(sdelta + b * BM + threadIdx.x, p.delta + at, row < L);
+        }
+    };
+    // LSE -> lse2 (ta_bwd_lse2's rule) for the row this thread staged into
+    // buffer b, once its copies have landed (after its own wait).
+    auto lse2_in_place = [&](uint32_t qt, int b) {
+        if (threadIdx.x < BM) {
+            const uint32_t row = qt * BM + threadIdx.x;
+            float* const x = slse + b * BM + threadIdx.x;
+            const float l = *x;
+            *x = row >= L || l == -INFINITY ? INFINITY : l < INFINITY ? l * TA_LOG2E : NAN;
+        }
+    };
+
+    // dK, dV of the warp's 32 keys: [m-tile][n-tile][4], 2 · 2 · D / 8 · 4
+    // = 2D registers.
+    float dk[2][kDTiles][4], dv[2][kDTiles][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int n = 0; n < kDTiles; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) dk[m][n][i] = dv[m][n][i] = 0.f;
+
+    uint32_t head = head_begin, qt = first_qt;
+    if (qt != 0xffffffffu) stage(head, qt, 0);
+    ta_cp_async_commit();
+    int buf = 0;
+    while (qt != 0xffffffffu) {
+        uint32_t nhead = head, nqt = next_qtile((qt + 1) * BM);
+        if (nqt == 0xffffffffu && ++nhead < head_end) nqt = first_qt;
+        if (nqt != 0xffffffffu) stage(nhead, nqt, buf ^ 1);
+        ta_cp_async_commit();
+        ta_cp_async_wait<1>();  // tile (head, qt) has landed
+        lse2_in_place(qt, buf);
+        __syncthreads();
+
+        const uint32_t q0 = qt * BM;
+        const uint16_t* const qb = sq + buf * Tr::kQElems;
+        const uint16_t* const dob = sdo + buf * Tr::kQElems;
+        const float* const lse2 = slse + buf * BM;
+        const float* const dlt = sdelta + buf * BM;
+        const bool full = TA_TILE_FULL(BN, k0, q0, q0 + BM, tile_min, L) && q0 + BM <= L;
+
+#pragma unroll 1
+        for (int sb = 0; sb < BM / SUB; ++sb) {
+            const uint16_t* const qs = qb + sb * SUB * RS;
+            const uint16_t* const dos = dob + sb * SUB * RS;
+            // Sᵀ = K Qᵀ for 32 keys x SUB queries: each B fragment (x4: 16
+            // queries x 16 of D) feeds 4 mma, each A fragment (x4: 16 keys x
+            // 16 of D) SUB / 8 = 4.
+            float s[2][kSubN][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int n = 0; n < kSubN; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) s[m][n][i] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < kKSteps; ++kk) {
+                uint32_t a[2][4];
+#pragma unroll
+                for (int m = 0; m < 2; ++m)
+                    ta_ldmatrix_x4(a[m], sk + (warp * 32 + m * 16 + ri + 8 * (mi & 1)) * RS + kk * 16 + 8 * (mi >> 1));
+#pragma unroll
+                for (int np = 0; np < SUB / 16; ++np) {
+                    uint32_t b[4];
+                    ta_ldmatrix_x4(b, qs + (np * 16 + ri + 8 * (mi >> 1)) * RS + kk * 16 + 8 * (mi & 1));
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        const int am = kFault == 2 ? 1 - m : m;
+                        ta_mma_16816<E>(s[m][2 * np], a[am], b[0], b[1]);
+                        ta_mma_16816<E>(s[m][2 * np + 1], a[am], b[2], b[3]);
+                    }
+                }
+            }
+            // Pᵀ = exp2(Sᵀ·c − lse2[q]) (masked), rounded to E at once into
+            // the A fragments of dV += Pᵀ dO (pa[m][kk]: k-step kk = queries
+            // 16kk..16kk+15 of the sub-tile): 16 registers instead of 32
+            // while dPᵀ is computed. dSᵀ below uses this rounded Pᵀ.
+            uint32_t pa[2][SUB / 16][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+#pragma unroll
+                for (int n = 0; n < kSubN; ++n) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int ql = sb * SUB + n * 8 + 2 * c + (i & 1);
+                        const int kl = warp * 32 + m * 16 + g + 8 * (i >> 1);
+                        float pv = ta_exp2(s[m][n][i] * p.scale_log2 - lse2[ql]);
+                        if (!full && !TA_VISIBLE(k0 + kl, skv[kl], q0 + ql)) pv = 0.f;
+                        s[m][n][i] = pv;
+                    }
+                    pa[m][n >> 1][2 * (n & 1)] = ta_pack2<E>(s[m][n][0], s[m][n][1]);
+                    pa[m][n >> 1][2 * (n & 1) + 1] = ta_pack2<E>(s[m][n][2], s[m][n][3]);
+                }
+            }
+            // dPᵀ = V dOᵀ (V's A fragments from shared memory).
+            float dp[2][kSubN][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int n = 0; n < kSubN; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) dp[m][n][i] = 0.f;
+#pragma unroll 1
+            for (int kk = 0; kk < kKSteps; ++kk) {
+                uint32_t a[2][4];
+#pragma unroll
+                for (int m = 0; m < 2; ++m)
+                    ta_ldmatrix_x4(a[m], sv + (warp * 32 + m * 16 + ri + 8 * (mi & 1)) * RS + kk * 16 + 8 * (mi >> 1));
+#pragma unroll
+                for (int np = 0; np < SUB / 16; ++np) {
+                    uint32_t b[4];
+                    ta_ldmatrix_x4(b, dos + (np * 16 + ri + 8 * (mi >> 1)) * RS + kk * 16 + 8 * (mi & 1));
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        ta_mma_16816<E>(dp[m][2 * np], a[m], b[0], b[1]);
+                        ta_mma_16816<E>(dp[m][2 * np + 1], a[m], b[2], b[3]);
+                    }
+                }
+            }
+
+            // dV += Pᵀ dO, dK += dSᵀ Q with dSᵀ = Pᵀ ∘ (dPᵀ − D[q]) (rounded
+            // to E as A fragments), B by ldmatrix.trans, each feeding 4 mma.
+#pragma unroll
+            for (int kk = 0; kk < SUB / 16; ++kk) {
+                uint32_t da[2][4];
+#pragma unroll
+                for (int m = 0; m < 2; ++m)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const int n = 2 * kk + (j >> 1), i0 = 2 * (j & 1);
+                        const int ql = sb * SUB + n * 8 + 2 * c;
+                        const float p0 = ta_to_f32<E>(uint16_t(pa[m][kk][j] & 0xffffu));
+                        const float p1 = ta_to_f32<E>(uint16_t(pa[m][kk][j] >> 16));
+                        da[m][j] = ta_pack2<E>(p0 * (dp[m][n][i0] - dlt[ql]), p1 * (dp[m][n][i0 + 1] - dlt[ql + 1]));
+                    }
+#pragma unroll
+                for (int dpi = 0; dpi < D / 16; ++dpi) {
+                    const int at = (kk * 16 + ri + 8 * (mi & 1)) * RS + dpi * 16 + 8 * (mi >> 1);
+                    uint32_t b[4];
+                    ta_ldmatrix_x4_trans(b, dos + at);
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        ta_mma_16816<E>(dv[m][2 * dpi], pa[m][kk], b[0], b[1]);
+                        ta_mma_16816<E>(dv[m][2 * dpi + 1], pa[m][kk], b[2], b[3]);
+                    }
+                    ta_ldmatrix_x4_trans(b, qs + at);
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        ta_mma_16816<E>(dk[m][2 * dpi], da[m], b[0], b[1]);
+                        ta_mma_16816<E>(dk[m][2 * dpi + 1], da[m], b[2], b[3]);
+                    }
+                }
+                if (kAtomicDq) {
+                    // dSᵀ -> shared memory, [key][query] (16-bit): the A
+                    // fragments just packed, row g / g + 8, columns 2c, 2c + 1
+                    // of the two 8-query n-tiles.
+#pragma unroll
+                    for (int m = 0; m < 2; ++m)
+#pragma unroll
+                        for (int j = 0; j < 4; ++j)
+                            *reinterpret_cast<uint32_t*>(sds + (warp * 32 + m * 16 + g + 8 * (j & 1)) * DSS +
+                                                         sb * SUB + kk * 16 + 8 * (j >> 1) + 2 * c) = da[m][j];
+                }
+            }
+        }
+
+        if (kAtomicDq) {
+            if (kFault != 1) __syncthreads();  // every warp's dSᵀ is in shared memory
+            // dQ (BM x D) = dS K over the BN keys: warp -> 32 query rows (half
+            // mt) x 32 columns (half part), two m-tiles x four n-tiles; each
+            // A fragment feeds 4 mma, each B fragment 4.
+            static_assert(BM == 64 && D == 64 && Tr::kWarps == 4, "dQ: 2 x 2 warps of 32 x 32");
+            const unsigned mt = warp & 1, part = warp >> 1;
+            float acc[2][4][4];
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int n = 0; n < 4; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[j][n][i] = 0.f;
+#pragma unroll 2
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                uint32_t a[2][4];
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                    ta_ldmatrix_x4_trans(a[j], sds + (kk * 16 + 8 * (mi >> 1) + ri) * DSS + mt * 32 + j * 16 +
+                                                   8 * (mi & 1));
+#pragma unroll
+                for (int dpi = 0; dpi < 2; ++dpi) {
+                    uint32_t b[4];
+                    ta_ldmatrix_x4_trans(b, sk + (kk * 16 + ri + 8 * (mi & 1)) * RS + part * 32 + dpi * 16 +
+                                                8 * (mi >> 1));
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        ta_mma_16816<E>(acc[j][2 * dpi], a[j], b[0], b[1]);
+                        ta_mma_16816<E>(acc[j][2 * dpi + 1], a[j], b[2], b[3]);
+                    }
+                }
+            }
+            // Vector reductions: a thread's two adjacent columns of a row
+            // in one red.global.add.v2.f32 (sm_90; two scalar ones before).
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const uint32_t row = q0 + mt * 32 + j * 16 + g + 8 * r;
+                    if (row >= L) continue;
+                    float* const out = p.dq_accum + ((size_t)row * p.q_heads + head) * D + part * 32 + 2 * c;
+#pragma unroll
+                    for (int n = 0; n < 4; ++n)
+                        ta_red_add_v2_f32(out + n * 8, acc[j][n][2 * r] * p.scale, acc[j][n][2 * r + 1] * p.scale);
+                }
+        }
+        __syncthreads();  // buffer `buf` (and dSᵀ) free before they are refilled
+        head = nhead;
+        qt = nqt;
+        buf ^= 1;
+    }
+
+    if (p.group_splits > 1) {
+        const size_t kv_len = (size_t)L * p.kv_heads * D;
+        float* const pk = p.dkv_accum + (size_t)split * 2 * kv_len;
+        float* const pv = pk + kv_len;
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const uint32_t key = k0 + warp * 32 + m * 16 + g + 8 * r;
+                if (key >= L) continue;
+                const size_t at = ((size_t)key * p.kv_heads + kv_head) * D;
+#pragma unroll
+                for (int n = 0; n < kDTiles; ++n) {
+                    const size_t e = at + n * 8 + 2 * c;
+                    pv[e] = dv[m][n][2 * r];
+                    pv[e + 1] = dv[m][n][2 * r + 1];
+                    pk[e] = dk[m][n][2 * r] * p.scale;
+                    pk[e + 1] = dk[m][n][2 * r + 1] * p.scale;
+                }
+            }
+        return;
+    }
+    // dV, dK (scaled) through the K, V tile buffers (free after the loop's
+    // last barrier), then 16-byte stores, rows past the pack never stored.
+    uint16_t* const sdk = sk;
+    uint16_t* const sdv = sv;
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = warp * 32 + m * 16 + g + 8 * r;
+#pragma unroll
+            for (int n = 0; n < kDTiles; ++n) {
+                *reinterpret_cast<uint32_t*>(sdv + row * RS + n * 8 + 2 * c) =
+                    ta_pack2<E>(dv[m][n][2 * r], dv[m][n][2 * r + 1]);
+                *reinterpret_cast<uint32_t*>(sdk + row * RS + n * 8 + 2 * c) =
+                    ta_pack2<E>(dk[m][n][2 * r] * p.scale, dk[m][n][2 * r + 1] * p.scale);
+            }
+        }
+    __syncthreads();
+    constexpr int kChunks = D / 8;
+#pragma unroll
+    for (int it = 0; it < BN * kChunks / Tr::kThreads; ++it) {
+        const int i = it * Tr::kThreads + threadIdx.x;
+        const int r = i / kChunks, ch = i % kChunks;
+        if (k0 + r >= L) continue;
+        const size_t at = ((size_t)(k0 + r) * p.kv_heads + kv_head) * D + ch * 8;
+        *reinterpret_cast<ta_vec16*>(p.dk + at) = *reinterpret_cast<const ta_vec16*>(sdk + r * RS + ch * 8);
+        *reinterpret_cast<ta_vec16*>(p.dv + at) = *reinterpret_cast<const ta_vec16*>(sdv + r * RS + ch * 8);
+    }
+}
+
 // ---- deterministic dQ per query tile ---------------------------------------------
 template <class Tr>
 __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p) {
@@ -549,18 +983,13 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     const unsigned g = lane >> 2, c = lane & 3;
 
     const uint32_t t_end = min(p.num_key_tiles, (q1 - 1) / BN + 1);
-    // The next key tile with a visible key. D = 128: the forward's walk
-    // (mask.cuh, 32 tiles per step). D = 64 keeps one dependent load per
-    // skipped tile: the kernel sits at the 128 registers of its
-    // 4-blocks-per-SM bound (BwdDqTraits::kMinBlocks), and the ballot walk
-    // costs it one more (a 4-byte spill on sm_90a, CUDA 13.0).
+    // The next key tile with a visible key: the forward's walk (mask.cuh,
+    // 32 tiles per ballot). (D = 64 used to keep one dependent load per
+    // skipped tile: at the 128 registers of its 4-blocks-per-SM bound,
+    // BwdDqTraits::kMinBlocks, the ballot walk spilled 4 bytes on sm_90a
+    // until P was packed to 16 bits before dP, below.)
     auto next_tile = [&](uint32_t t) -> uint32_t {
-        if constexpr (D == 128) {
-            return ta_next_visible_tile(p.tile_kv_max, t, t_end, q0);
-        } else {
-            while (t < t_end && p.tile_kv_max[t] <= q0) ++t;
-            return t;
-        }
+        return ta_next_visible_tile(p.tile_kv_max, t, t_end, q0);
     };
 
     ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
@@ -604,25 +1033,43 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
         const uint16_t* const vt = sv + buf * Tr::kTileElems;
         const uint32_t k0 = t * BN;
 
-        float s[kNTiles][4], dp[kNTiles][4];
-        ta_bwd_mm_abt<E, D, BN, RS>(s, sq + warp * 16 * RS, kt);
-        ta_bwd_mm_abt<E, D, BN, RS>(dp, sdo + warp * 16 * RS, vt);
-
-        const bool full = TA_TILE_FULL(BN, k0, q0, q1, p.tile_kv_min[t], L);
+        // S = Q Kᵀ, then P rounded to E at once (two 16-bit values a
+        // register: 16 registers instead of 32 while dP is computed), then
+        // dP = dO Vᵀ and dS = P̃ ∘ (dP − D) with the rounded P̃ (as the
+        // two-m-tile main kernel does).
+        uint32_t pp[kNTiles][2];
+        {
+            float s[kNTiles][4];
+            ta_bwd_mm_abt<E, D, BN, RS>(s, sq + warp * 16 * RS, kt);
+            const bool full = TA_TILE_FULL(BN, k0, q0, q1, p.tile_kv_min[t], L);
 #pragma unroll
-        for (int n = 0; n < kNTiles; ++n) {
+            for (int n = 0; n < kNTiles; ++n) {
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const uint32_t col = k0 + n * 8 + 2 * c + j;
-                const uint32_t end = ta_key_end(p.kv_end, col, L);
+                for (int j = 0; j < 2; ++j) {
+                    const uint32_t col = k0 + n * 8 + 2 * c + j;
+                    const uint32_t end = ta_key_end(p.kv_end, col, L);
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    float pv = ta_exp2(s[n][2 * r + j] * p.scale_log2 - lse2[r]);
-                    if (!full && !TA_VISIBLE(col, end, rows[r])) pv = 0.f;
-                    dp[n][2 * r + j] = pv * (dp[n][2 * r + j] - dlt[r]);  // dS
+                    for (int r = 0; r < 2; ++r) {
+                        float pv = ta_exp2(s[n][2 * r + j] * p.scale_log2 - lse2[r]);
+                        if (!full && !TA_VISIBLE(col, end, rows[r])) pv = 0.f;
+                        s[n][2 * r + j] = pv;
+                    }
                 }
+                pp[n][0] = ta_pack2<E>(s[n][0], s[n][1]);
+                pp[n][1] = ta_pack2<E>(s[n][2], s[n][3]);
             }
         }
+        float dp[kNTiles][4];
+        ta_bwd_mm_abt<E, D, BN, RS>(dp, sdo + warp * 16 * RS, vt);
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float p0 = ta_to_f32<E>(uint16_t(pp[n][r] & 0xffffu));
+                const float p1 = ta_to_f32<E>(uint16_t(pp[n][r] >> 16));
+                dp[n][2 * r] = p0 * (dp[n][2 * r] - dlt[r]);  // dS
+                dp[n][2 * r + 1] = p1 * (dp[n][2 * r + 1] - dlt[r]);
+            }
         ta_bwd_mm_cb<E, D, BN, RS>(acc, dp, kt);
         __syncthreads();  // every warp is done with buffer `buf` before it is refilled
         t = tn;
@@ -704,3 +1151,17 @@ __device__ __forceinline__ void tree_attn_bwd_dkv_convert_body(const TreeAttnBwd
     }
 TA_ATTN_VARIANTS(TA_BWD_KERNELS)
 #undef TA_BWD_KERNELS
+
+// The two-m-tile main kernels exist for D = 64 only (Bwd2Traits).
+#define TA_BWD2_KERNELS(SUFFIX, E)                                                                               \
+    extern "C" __global__ void __launch_bounds__(Bwd2Traits<E, 64>::kThreads)                                   \
+        tree_attn_bwd_main2_atomic_##SUFFIX(const TreeAttnBwdParams p) {                                         \
+        tree_attn_bwd_main2_body<Bwd2Traits<E, 64>, true>(p);                                                    \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(Bwd2Traits<E, 64>::kThreads)                                   \
+        tree_attn_bwd_main2_det_##SUFFIX(const TreeAttnBwdParams p) {                                            \
+        tree_attn_bwd_main2_body<Bwd2Traits<E, 64>, false>(p);                                                   \
+    }
+TA_BWD2_KERNELS(bf16_d64, ta_bf16)
+TA_BWD2_KERNELS(f16_d64, ta_f16)
+#undef TA_BWD2_KERNELS

@@ -16,8 +16,12 @@
 // tiles of kBlockN = 64. Dynamic shared memory, rows padded by 8 elements
 // (16 bytes) so that the 8 row addresses of an ldmatrix fall in distinct bank
 // groups: Q (128 x D, its own region) | K[2] | V[2] (64 x D each) | row
-// statistics (4 KiB, below): 59,392 bytes for D = 64, 108,544 for D = 128
-// (above 48 KB: the CUDA backend raises the kernels' limit at load).
+// statistics (4 KiB, below) | kv_end[2] (per K / V buffer, the key tile's
+// kv_end and its tile_kv_min, 68 words, copied by cp.async in the tile's
+// group: the full-tile test and the element mask read shared memory, with
+// no global load left between QKᵀ and the softmax; issue 26): 59,936 bytes
+// for D = 64, 109,088 for D = 128 (above 48 KB: the CUDA backend raises the
+// kernels' limit at load).
 // For each key tile:
 //   S (32 x 64 per warp)  = Q Kᵀ : ldmatrix.x4 on K rows gives the B
 //                           fragments (K row-major is Kᵀ column-major), each
@@ -174,12 +178,26 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     // The next key tile with a visible key (mask.cuh: 32 tiles per step).
     auto next_tile = [&](uint32_t t) { return ta_next_visible_tile(p.tile_kv_max, t, t_end, q0); };
 
+    // Per K / V buffer b: the tile's kv_end (keys past the pack zero-filled:
+    // seen by nobody) and its tile_kv_min, copied by cp.async in the tile's
+    // group (thread i < BN: key i, thread BN: the bound), so that neither the
+    // full-tile test nor the element mask waits on a global load after QKᵀ.
+    uint32_t* const skv = reinterpret_cast<uint32_t*>(smem_raw + Tr::kOffKvEnd);
+    auto stage_bounds = [&](uint32_t tt, int b) {
+        const uint32_t key = tt * BN + threadIdx.x;
+        if (threadIdx.x < BN)
+            ta_cp_async_4(skv + b * Tr::kKvEndWords + threadIdx.x, p.kv_end + (key < L ? key : 0), key < L);
+        else if (threadIdx.x == BN)
+            ta_cp_async_4(skv + b * Tr::kKvEndWords + BN, p.tile_kv_min + tt, true);
+    };
+
     ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
     ta_cp_async_commit();
     uint32_t t = next_tile(0);
     if (t < t_end) {
         ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, t * BN, L, p.kv_heads, kv_head);
         ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head);
+        stage_bounds(t, 0);
     }
     ta_cp_async_commit();
     ta_cp_async_wait<1>();  // Q has landed (this thread's part)
@@ -235,6 +253,7 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
                                                   kv_head);
             ta_load_tile<BN, D, RS, Tr::kThreads>(sv + (buf ^ 1) * Tr::kKvElems, p.v, tn * BN, L, p.kv_heads,
                                                   kv_head);
+            stage_bounds(tn, buf ^ 1);
         }
         ta_cp_async_commit();
         ta_cp_async_wait<1>();  // tile t has landed
@@ -273,14 +292,15 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
             }
         }
 
-        const bool full = TA_TILE_FULL(BN, k0, q0, q1, p.tile_kv_min[t], L);
-        if (!full) {  // element mask (mask.cuh)
+        const uint32_t* const kvt = skv + buf * Tr::kKvEndWords;
+        const bool full = TA_TILE_FULL(BN, k0, q0, q1, kvt[BN], L);
+        if (!full) {  // element mask (mask.cuh; kv_end as ta_key_end gives it)
 #pragma unroll
             for (int n = 0; n < kNTiles; ++n) {
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
                     const uint32_t col = k0 + n * 8 + 2 * c + j;
-                    const uint32_t end = ta_key_end(p.kv_end, col, L);
+                    const uint32_t end = kvt[n * 8 + 2 * c + j];
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

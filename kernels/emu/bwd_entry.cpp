@@ -20,7 +20,31 @@ int check_plan(const char* what, unsigned block_threads, size_t smem, int want_t
     return 0;
 }
 
+// The two-m-tile main kernel with a test-only fault (negative controls):
+// kFault 1 drops the barrier before its dQ matmul (atomic mode), 2 swaps
+// its two key m-tiles' K fragments in Sᵀ. Emulator only: not in the cubin.
+template <class E, int kFault>
+void tree_attn_bwd_main2_fault(const TreeAttnBwdParams p) {
+    tree_attn_bwd_main2_body<Bwd2Traits<E, 64>, true, kFault>(p);
+}
+
 }  // namespace
+
+// Traits of the two-m-tile backward main kernel (D = 64 only): out = {block_m,
+// block_n, threads, smem_bytes, sub_m}. Returns 0, or 1 for a head dim
+// without that kernel.
+extern "C" int ta_emu_bwd2_traits(uint32_t head_dim, int32_t* out) noexcept {
+    return ta_emu::guard_entry("ta_emu_bwd2_traits", nullptr, 0, [&]() -> int {
+        if (head_dim != 64) return 1;
+        using M = Bwd2Traits<ta_bf16, 64>;
+        out[0] = M::kBlockM;
+        out[1] = M::kBlockN;
+        out[2] = M::kThreads;
+        out[3] = M::kSmemBytes;
+        out[4] = M::kSubM;
+        return 0;
+    });
+}
 
 // Traits of the backward kernels for head_dim: out = {main block_m, main
 // block_n, main threads, main smem_bytes, dq block_m, dq threads, dq
@@ -49,7 +73,9 @@ extern "C" int ta_emu_bwd_traits(uint32_t head_dim, int32_t* out) noexcept {
 
 // stage: 0 = tree_attn_bwd_pre, 1 = tree_attn_bwd_main_atomic, 2 =
 // tree_attn_bwd_main_det, 3 = tree_attn_bwd_dq, 4 = tree_attn_bwd_dq_convert,
-// 5 = tree_attn_bwd_dkv_convert. grid_z is the main kernel's group splits (1
+// 5 = tree_attn_bwd_dkv_convert, 6 = tree_attn_bwd_main2_atomic, 7 =
+// tree_attn_bwd_main2_det (D = 64 only), 8 / 9 = tree_attn_bwd_main2_atomic
+// with test-only fault 1 / 2 (negative controls). grid_z is the main kernel's group splits (1
 // for the others).
 // dtype: 0 = bf16, 1 = f16. *cp_async_bytes receives the bytes the launch
 // moved with cp.async.
@@ -60,7 +86,7 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
                                     size_t err_len) noexcept {
     return ta_emu::guard_entry("ta_emu_tree_attn_bwd", err, err_len, [&]() -> int {
         const dim3 grid(grid_x, grid_y, grid_z), block(block_threads);
-        const bool main_stage = stage == 1 || stage == 2;
+        const bool main_stage = stage == 1 || stage == 2 || (stage >= 6 && stage <= 9);
         if (p->group_splits == 0 || (main_stage ? grid_z != p->group_splits : grid_z != 1) ||
             (p->kv_heads != 0 && (p->q_heads / p->kv_heads) % p->group_splits != 0) ||
             (p->group_splits > 1 && p->dkv_accum == nullptr)) {
@@ -73,11 +99,19 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
         // The buffers the kernels read with cp.async.
         const size_t q_bytes = size_t(p->tokens) * p->q_heads * head_dim * 2;
         const size_t kv_bytes = size_t(p->tokens) * p->kv_heads * head_dim * 2;
-        const ta_emu::GlobalRange ranges[] = {
-            {p->q, q_bytes, "q"}, {p->k, kv_bytes, "k"}, {p->v, kv_bytes, "v"}, {p->d_o, q_bytes, "d_o"}};
+        // (kv_end, LSE and D: the two-m-tile main kernel stages them by
+        // 4-byte cp.async.)
+        const size_t row_bytes = size_t(p->tokens) * p->q_heads * 4;
+        const ta_emu::GlobalRange ranges[] = {{p->q, q_bytes, "q"},
+                                              {p->k, kv_bytes, "k"},
+                                              {p->v, kv_bytes, "v"},
+                                              {p->d_o, q_bytes, "d_o"},
+                                              {p->kv_end, size_t(p->tokens) * 4, "kv_end"},
+                                              {p->lse, row_bytes, "lse"},
+                                              {p->delta, row_bytes, "delta"}};
         ta_emu::LaunchIo io;
         io.ranges = ranges;
-        io.num_ranges = 4;
+        io.num_ranges = 7;
         io.cp_async_bytes = cp_async_bytes;
         auto launch = [&](void (*kernel)(const TreeAttnBwdParams)) {
             return ta_emu::launch_kernel<TreeAttnBwdParams>(kernel, *p, grid, block, smem, *config, err, err_len, io);
@@ -115,6 +149,21 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
         }
         TA_ATTN_VARIANTS(TA_CASE)
 #undef TA_CASE
+#define TA_CASE2(SUFFIX, E)                                                                                    \
+        if (dtype == (E::kIsBf16 ? 0u : 1u) && head_dim == 64 && stage >= 6 && stage <= 9) {                    \
+            using M2 = Bwd2Traits<E, 64>;                                                                          \
+            if (check_plan("tree_attn_bwd_main2", block_threads, smem, M2::kThreads, M2::kSmemBytes, err, err_len)) \
+                return 1;                                                                                          \
+            switch (stage) {                                                                                       \
+                case 6: return launch(tree_attn_bwd_main2_atomic_##SUFFIX);                                        \
+                case 7: return launch(tree_attn_bwd_main2_det_##SUFFIX);                                           \
+                case 8: return launch(tree_attn_bwd_main2_fault<E, 1>);                                            \
+                default: return launch(tree_attn_bwd_main2_fault<E, 2>);                                           \
+            }                                                                                                      \
+        }
+        TA_CASE2(bf16_d64, ta_bf16)
+        TA_CASE2(f16_d64, ta_f16)
+#undef TA_CASE2
         snprintf(err, err_len, "no backward kernel for dtype %u, head_dim %u, stage %u", dtype, head_dim, stage);
         return 1;
     });

@@ -61,6 +61,7 @@ struct WarpOp {
 struct PendingCopy {
     unsigned char* dst;
     uint32_t group;
+    uint32_t bytes;  // 16 or 4
     unsigned char data[16];
 };
 
@@ -297,50 +298,57 @@ static bool in_smem(const void* p, size_t bytes) {
     return c >= b.smem && c + bytes <= b.smem + b.launch->smem_bytes;
 }
 
-static void cp_async_land(void* smem_dst, const void* gmem_src, bool fill);
+static void cp_async_land(void* smem_dst, const void* gmem_src, bool fill, size_t n);
 
-void cp_async_16(void* smem_dst, const void* gmem_src, bool fill) {
-    if (!in_smem(smem_dst, 16))
+// One cp.async of n = 16 or 4 bytes: destination inside the block's shared
+// memory, both addresses n-byte aligned, the source (unless zero-filled)
+// inside one of the launch's registered input buffers.
+static void cp_async_n(void* smem_dst, const void* gmem_src, bool fill, size_t n) {
+    if (!in_smem(smem_dst, n))
         fail("cp.async destination %p is outside the block's %zu bytes of dynamic shared memory", smem_dst,
              g_block->launch->smem_bytes);
-    if ((reinterpret_cast<uintptr_t>(smem_dst) | reinterpret_cast<uintptr_t>(gmem_src)) & 15u)
-        fail("cp.async of 16 bytes needs 16-byte aligned addresses (dst %p, src %p)", smem_dst, gmem_src);
+    if ((reinterpret_cast<uintptr_t>(smem_dst) | reinterpret_cast<uintptr_t>(gmem_src)) & (n - 1))
+        fail("cp.async of %zu bytes needs %zu-byte aligned addresses (dst %p, src %p)", n, n, smem_dst, gmem_src);
     const Launch& l = *g_block->launch;
-    g_block->cp_async_bytes += 16;
+    g_block->cp_async_bytes += n;
     if (fill && l.io.ranges) {
         const unsigned char* src = static_cast<const unsigned char*>(gmem_src);
         const GlobalRange* below = nullptr;  // the buffer starting closest below src
         for (size_t i = 0; i < l.io.num_ranges; i++) {
             const GlobalRange& r = l.io.ranges[i];
             const unsigned char* b = static_cast<const unsigned char*>(r.begin);
-            if (src >= b && src + 16 <= b + r.bytes) return cp_async_land(smem_dst, gmem_src, fill);
+            if (src >= b && src + n <= b + r.bytes) return cp_async_land(smem_dst, gmem_src, fill, n);
             if (src >= b && (!below || b > static_cast<const unsigned char*>(below->begin))) below = &r;
         }
         if (below)
-            fail("cp.async reads 16 bytes at offset %zd of %s, a buffer of %zu bytes",
+            fail("cp.async reads %zu bytes at offset %zd of %s, a buffer of %zu bytes", n,
                  src - static_cast<const unsigned char*>(below->begin), below->name, below->bytes);
-        fail("cp.async reads 16 bytes at %p, before every input buffer of the launch", gmem_src);
+        fail("cp.async reads %zu bytes at %p, before every input buffer of the launch", n, gmem_src);
     }
-    cp_async_land(smem_dst, gmem_src, fill);
+    cp_async_land(smem_dst, gmem_src, fill, n);
 }
 
-// Queues (or, eagerly, performs) one checked 16-byte copy.
-static void cp_async_land(void* smem_dst, const void* gmem_src, bool fill) {
+void cp_async_16(void* smem_dst, const void* gmem_src, bool fill) { cp_async_n(smem_dst, gmem_src, fill, 16); }
+void cp_async_4(void* smem_dst, const void* gmem_src, bool fill) { cp_async_n(smem_dst, gmem_src, fill, 4); }
+
+// Queues (or, eagerly, performs) one checked copy of n bytes.
+static void cp_async_land(void* smem_dst, const void* gmem_src, bool fill, size_t n) {
     Fiber* f = g_cur;
     if (g_block->launch->config.cp_async_eager) {
         if (fill)
-            std::memcpy(smem_dst, gmem_src, 16);
+            std::memcpy(smem_dst, gmem_src, n);
         else
-            std::memset(smem_dst, 0, 16);
+            std::memset(smem_dst, 0, n);
         return;
     }
     PendingCopy c;
     c.dst = static_cast<unsigned char*>(smem_dst);
     c.group = f->groups_committed;
+    c.bytes = uint32_t(n);
     if (fill)
-        std::memcpy(c.data, gmem_src, 16);
+        std::memcpy(c.data, gmem_src, n);
     else
-        std::memset(c.data, 0, 16);
+        std::memset(c.data, 0, n);
     f->pending.push_back(c);
 }
 
@@ -354,7 +362,7 @@ void cp_async_wait(int newest_pending_allowed) {
     auto keep = f->pending.begin();
     for (auto it = f->pending.begin(); it != f->pending.end(); ++it) {
         if (int64_t(it->group) < limit)
-            std::memcpy(it->dst, it->data, 16);
+            std::memcpy(it->dst, it->data, it->bytes);
         else
             *keep++ = *it;
     }

@@ -62,6 +62,7 @@ void syncthreads();
 // poison — or, with Config::cp_async_eager, at issue (the earliest moment),
 // so a copy into a buffer that other warps still read corrupts their data.
 void cp_async_16(void* smem_dst, const void* gmem_src, bool fill);
+void cp_async_4(void* smem_dst, const void* gmem_src, bool fill);  // 4 bytes, 4-byte aligned
 void cp_async_commit();
 void cp_async_wait(int newest_pending_allowed);
 

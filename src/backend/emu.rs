@@ -20,9 +20,12 @@ mod bwd;
 mod ffi;
 mod rope;
 mod sdcc;
-pub use super::launch::bwd::DqMode;
+pub use super::launch::bwd::{DqMode, MainKernel};
 pub use super::launch::sdcc::SdccElem;
-pub use bwd::{backward_kernel_traits, last_backward_stats, BackwardStats};
+pub use bwd::{
+    backward2_kernel_traits, backward_kernel_traits, last_backward_stats, with_negative_control,
+    BackwardStats,
+};
 use ffi::RawConfig;
 pub use rope::rope_kernel_threads;
 pub use sdcc::sdcc_kernel_traits;
@@ -105,6 +108,9 @@ pub struct Emu {
     /// divisor of `q_heads / kv_heads`), so that tests cover the split and
     /// unsplit paths on small packs.
     pub group_splits: Option<u32>,
+    /// The backward main kernel: `None` takes [`MainKernel::default_for`]
+    /// the head dim, as the CUDA backend does.
+    pub main_kernel: Option<MainKernel>,
 }
 
 impl Default for Emu {
@@ -121,6 +127,16 @@ impl Emu {
             options,
             dq_mode: DqMode::Deterministic,
             group_splits: None,
+            main_kernel: None,
+        }
+    }
+
+    /// The same emulator with the backward main kernel chosen (`Some`) or
+    /// the head dim's default (`None`).
+    pub fn with_main_kernel(self, kernel: Option<MainKernel>) -> Emu {
+        Emu {
+            main_kernel: kernel,
+            ..self
         }
     }
 

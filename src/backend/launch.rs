@@ -8,9 +8,10 @@
 //! head), each warp 32 rows (two 16-row m-tiles), key tiles of 64; shared
 //! memory holds the Q tile (the O tile passes through it at the end), two
 //! buffers each of K and V, rows padded by 8 elements, and the online-softmax
-//! row statistics (4 f32 words per row a thread holds: 4 KiB):
-//! `(128 + 4 · 64) · (d + 8) · 2 + 4096` bytes (59,392 for d = 64, 108,544 for
-//! d = 128; above 48 KiB, so the CUDA backend raises each forward kernel's
+//! row statistics (4 f32 words per row a thread holds: 4 KiB), and per K / V
+//! buffer the key tile's kv_end and bound (68 words):
+//! `(128 + 4 · 64) · (d + 8) · 2 + 4096 + 544` bytes (59,936 for d = 64,
+//! 109,088 for d = 128; above 48 KiB, so the CUDA backend raises each forward kernel's
 //! dynamic shared-memory limit before its first launch).
 
 use super::{AttnParams, AttnShape};
@@ -176,11 +177,14 @@ impl FwdTraits {
     }
     /// Dynamic shared memory: the Q tile, two K and two V tiles of 16-bit
     /// elements, then the row max and partial row sum of each of a thread's
-    /// `2 · block_m / (16 · warps)` rows in f32 (C++ `FwdTraits::kOffStats`).
+    /// `2 · block_m / (16 · warps)` rows in f32 (C++ `FwdTraits::kOffStats`),
+    /// then per K / V buffer the tile's kv_end and bound (`block_n + 4`
+    /// words, C++ `FwdTraits::kOffKvEnd`).
     pub fn smem_bytes(&self) -> u32 {
         let rows_per_thread = 2 * self.block_m / (16 * (self.threads / 32));
         (self.block_m + 4 * self.block_n) * self.row_stride * 2
             + 2 * rows_per_thread * self.threads * 4
+            + 2 * (self.block_n + 4) * 4
     }
     /// The kernel's symbol for an element type.
     pub fn kernel_name(&self, dtype: Dtype) -> String {
@@ -375,8 +379,8 @@ mod tests {
         let (t, plan) = plan_forward(&shape).unwrap();
         assert_eq!(plan.grid, (2, 6, 1));
         assert_eq!(plan.block, (128, 1, 1));
-        assert_eq!(plan.shared_mem_bytes, 108_544);
-        assert_eq!(FwdTraits::for_head_dim(64).unwrap().smem_bytes(), 59_392);
+        assert_eq!(plan.shared_mem_bytes, 109_088);
+        assert_eq!(FwdTraits::for_head_dim(64).unwrap().smem_bytes(), 59_936);
         assert_eq!(t.kernel_name(Dtype::F16), "tree_attn_fwd_f16_d128");
         assert_eq!(plan_kv_tile_bounds(t.key_tiles(130)).grid, (1, 1, 1));
         assert_eq!(plan_kv_tile_bounds(5).grid, (2, 1, 1));

@@ -20,7 +20,10 @@
 //!    K+1 passes: one causal forward + backward per root-to-leaf branch of
 //!    the same tree (branches read off the mask: the ancestors of each leaf
 //!    token). FLOPs: 4·d per visible pair per head forward, 2.5x that
-//!    backward (DESIGN §7), visible pairs only.
+//!    backward (DESIGN §7), visible pairs only. d 64 rows are timed again
+//!    with the one-m-tile backward main kernel (`MainKernel::OneMTile`),
+//!    side by side with the two-m-tile default (issue 26); part 1 checks
+//!    the d 64 cases with both kernels.
 //! 4. SDCC timing: the fused kernel against the unfused baseline of
 //!    kernels/sdcc_kl.cu (log-softmax of both sides into f32 buffers, then
 //!    an elementwise KL and the gradient), bf16 logits.
@@ -36,7 +39,7 @@ use super::dump::{Dump, DumpTensor};
 use super::target::{DevElem, Target};
 use super::timing::{self, TimingRecord, Timings};
 use super::{case_meta, cpu_forward, cpu_sdcc, warmup, CheckOptions, Report};
-use crate::backend::launch::bwd::DqMode;
+use crate::backend::launch::bwd::{DqMode, MainKernel};
 use crate::backend::launch::{Dtype, KernelElem};
 use crate::backend::tolerance::SDCC;
 use crate::backend::{AttnParams, AttnShape, Rope};
@@ -434,33 +437,29 @@ pub(super) fn check<D: Target>(
         DqMode::Atomic,
         false,
     ));
-    for (name, pack, sh, rp, mode, bf) in &cases {
+    // The d 64 cases again with the one-m-tile main kernel (kept
+    // selectable until timed against the two-m-tile default; not dumped).
+    let one = be.with_main_kernel(Some(MainKernel::OneMTile));
+    let runs: Vec<(bool, String, usize)> = (0..cases.len())
+        .map(|i| (false, cases[i].0.clone(), i))
+        .chain(
+            (0..cases.len())
+                .filter(|&i| cases[i].2.head_dim == 64)
+                .map(|i| (true, format!("{} one-m-tile", cases[i].0), i)),
+        )
+        .collect();
+    for (with_one, name, i) in &runs {
+        let be = if *with_one { &one } else { be };
+        let (_, pack, sh, rp, mode, bf) = &cases[*i];
+        let dump = if *with_one { None } else { dump.as_deref_mut() };
         let (r, t) = if *bf {
             (
-                check_backward::<D, half::bf16>(
-                    be,
-                    rng,
-                    pack,
-                    *sh,
-                    *rp,
-                    *mode,
-                    name,
-                    dump.as_deref_mut(),
-                ),
+                check_backward::<D, half::bf16>(be, rng, pack, *sh, *rp, *mode, name, dump),
                 tol(Dtype::Bf16),
             )
         } else {
             (
-                check_backward::<D, half::f16>(
-                    be,
-                    rng,
-                    pack,
-                    *sh,
-                    *rp,
-                    *mode,
-                    name,
-                    dump.as_deref_mut(),
-                ),
+                check_backward::<D, half::f16>(be, rng, pack, *sh, *rp, *mode, name, dump),
                 tol(Dtype::F16),
             )
         };
@@ -586,6 +585,17 @@ pub(super) fn timings<D: Target>(
             let mut tree = [Run::<D, half::bf16>::new(be, rng, pack, *sh, *rope)?];
             let ms = time_runs(be, &mut tree, DqMode::Atomic, reps)?;
             let det_ms = time_runs(be, &mut tree, DqMode::Deterministic, reps)?;
+            // d 64: the same runs with the one-m-tile main kernel, side by
+            // side with the two-m-tile default (issue 26).
+            let one_ms = if d == 64 {
+                let one = be.with_main_kernel(Some(MainKernel::OneMTile));
+                Some((
+                    time_runs(&one, &mut tree, DqMode::Atomic, reps)?,
+                    time_runs(&one, &mut tree, DqMode::Deterministic, reps)?,
+                ))
+            } else {
+                None
+            };
             drop(tree);
             let lt = if r.base {
                 let branches = branch_lengths(pack);
@@ -630,6 +640,15 @@ pub(super) fn timings<D: Target>(
                 lt_ms,
                 vs
             );
+            if let Some((a, b)) = one_ms {
+                let _ = writeln!(
+                    rep,
+                    "  \u{2514} one-m-tile main kernel: ms atomic {a:.3}, ms det {b:.3} (time two-m-tile / \
+                     one-m-tile: {:.2}x, {:.2}x; below 1: two-m-tile faster)",
+                    ms / a,
+                    det_ms / b
+                );
+            }
             let id = tm.pack_id(timing::name_of_pack(name), pack);
             tm.records.push(TimingRecord {
                 name: name.clone(),

@@ -11,7 +11,7 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use crate::backend::launch::bwd::DqMode;
+use crate::backend::launch::bwd::{DqMode, MainKernel};
 use crate::backend::launch::sdcc::SdccElem;
 use crate::backend::launch::KernelElem;
 use crate::backend::{AttnParams, AttnShape, Element, SdccLoss};
@@ -48,6 +48,12 @@ pub(crate) trait Target {
 
     /// The device, in words.
     fn describe(&self) -> Result<String>;
+    /// The same target with the backward's main kernel chosen (`None`: the
+    /// head dim's default), sharing its device and stream: the timings run
+    /// the d 64 backward with both main kernels side by side.
+    fn with_main_kernel(&self, kernel: Option<MainKernel>) -> Self
+    where
+        Self: Sized;
     /// A copy of `x` in the target's memory.
     fn up<T: DevElem>(&self, x: &[T]) -> Result<Self::Buf<T>>;
     /// A host copy of `x`.
@@ -131,6 +137,11 @@ mod emu_target {
         const NAME: &'static str = "emu";
         const REAL_TIMING: bool = false;
 
+        fn with_main_kernel(&self, kernel: Option<MainKernel>) -> Self {
+            EmuTarget {
+                emu: self.emu.with_main_kernel(kernel),
+            }
+        }
         fn describe(&self) -> Result<String> {
             Ok(format!(
                 "the SIMT emulator ({} CPU threads; timings are the emulator's wall clock and mean nothing for a GPU)",
@@ -263,6 +274,11 @@ mod cuda_target {
         const NAME: &'static str = "cuda";
         const REAL_TIMING: bool = true;
 
+        fn with_main_kernel(&self, kernel: Option<MainKernel>) -> Self {
+            CudaTarget {
+                be: self.be.clone().with_main_kernel(kernel),
+            }
+        }
         fn describe(&self) -> Result<String> {
             self.be.describe()
         }

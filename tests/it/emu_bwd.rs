@@ -25,7 +25,7 @@ use crate::common;
 use crate::common::calls;
 
 use half::{bf16, f16};
-use treeattn::backend::emu::{self, DqMode, EmuOptions, KernelElem};
+use treeattn::backend::emu::{self, DqMode, EmuOptions, KernelElem, MainKernel};
 use treeattn::backend::launch::bwd::{plan_backward, BwdTraits};
 use treeattn::backend::{tolerance, AttnParams, AttnShape, Rope};
 use treeattn::gen::{self, Rng};
@@ -137,12 +137,39 @@ fn tol<T: KernelElem>() -> f64 {
     tolerance::attention(T::DTYPE).grad_rel
 }
 
+/// The backward main kernels that exist for `head_dim`: both for d 64 (the
+/// two-m-tile kernel and the one-m-tile one it replaces, kept selectable
+/// until a GPU has timed both), the one-m-tile kernel for d 128.
+fn main_kernels(head_dim: usize) -> Vec<MainKernel> {
+    if head_dim == 64 {
+        vec![MainKernel::TwoMTiles, MainKernel::OneMTile]
+    } else {
+        vec![MainKernel::OneMTile]
+    }
+}
+
 /// Checks one case under the emulator schedule `opts` (the tests rotate
 /// through [`EmuOptions::all`]: warp orders and cp.async landing times that
-/// expose a missing barrier or a wrong wait_group count).
+/// expose a missing barrier or a wrong wait_group count), with every main
+/// kernel of the head dim ([`main_kernels`]).
 fn check<T: KernelElem>(rng: &mut Rng, seed: u64, c: &Case, mode: DqMode, opts: EmuOptions) {
+    for kernel in main_kernels(c.shape.head_dim) {
+        calls::with_main_kernel(Some(kernel), || {
+            check_kernel::<T>(rng, seed, c, mode, opts, kernel)
+        });
+    }
+}
+
+fn check_kernel<T: KernelElem>(
+    rng: &mut Rng,
+    seed: u64,
+    c: &Case,
+    mode: DqMode,
+    opts: EmuOptions,
+    kernel: MainKernel,
+) {
     let what = format!(
-        "seed {seed}: {:?} {:?} {mode:?} rope {:?} (tokens {}) {opts:?}",
+        "seed {seed}: {:?} {:?} {mode:?} {kernel:?} rope {:?} (tokens {}) {opts:?}",
         T::DTYPE,
         c.shape,
         c.rope,
@@ -318,8 +345,9 @@ fn long_pack_many_query_tiles_per_key_tile() {
 /// A GRPO fan (a prompt, then 16 responses that each see only the prompt and
 /// themselves) long enough that the deterministic dQ kernel's key-tile walk
 /// for the last responses skips more than 32 tiles in a row (the other
-/// responses' tiles): the d128 walk reads 32 tiles per ballot, so a walk that
-/// stops after one ballot, or misreads the lowest set bit, loses keys.
+/// responses' tiles): the walk reads 32 tiles per ballot, so a walk that
+/// stops after one ballot, or misreads the lowest set bit, loses keys (d 128
+/// and, since issue 26, d 64).
 #[test]
 fn grpo_fan_walk_skips_more_than_32_key_tiles() {
     let (mut rng, seed) = common::seeded_rng();
@@ -337,19 +365,22 @@ fn grpo_fan_walk_skips_more_than_32_key_tiles() {
     // wholly inside responses 1..15: more than 32 of 64 keys.
     let skipped = (prompt + 15 * resp) / 64 - prompt.div_ceil(64);
     assert!(skipped > 32, "{skipped} skipped tiles");
-    let c = Case {
-        shape: AttnShape {
-            tokens,
-            q_heads: 1,
-            kv_heads: 1,
-            head_dim: 128,
-        },
-        kv_end,
-        pos,
-        rope: None,
-    };
-    let all = EmuOptions::all();
-    check::<bf16>(&mut rng, seed, &c, DqMode::Deterministic, all[0]);
+    // Both head dims: since issue 26 the d 64 dQ kernel walks by ballot too.
+    for (i, head_dim) in [128usize, 64].into_iter().enumerate() {
+        let c = Case {
+            shape: AttnShape {
+                tokens,
+                q_heads: 1,
+                kv_heads: 1,
+                head_dim,
+            },
+            kv_end: kv_end.clone(),
+            pos: pos.clone(),
+            rope: None,
+        };
+        let all = EmuOptions::all();
+        check::<bf16>(&mut rng, seed, &c, DqMode::Deterministic, all[3 * i]);
+    }
 }
 
 /// A pack of padding only: nothing is visible, every gradient is exactly 0.
@@ -367,26 +398,31 @@ fn all_padding_gives_zero_gradients() {
         pos: vec![0; 70],
         rope: None,
     };
-    for mode in [DqMode::Atomic, DqMode::Deterministic] {
+    for (mode, kernel) in [DqMode::Atomic, DqMode::Deterministic]
+        .into_iter()
+        .flat_map(|m| main_kernels(64).into_iter().map(move |k| (m, k)))
+    {
         let x = inputs::<bf16>(&mut rng, &c);
         let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
-        let g = calls::emu_backward(
-            &x.q,
-            &x.k,
-            &x.v,
-            &x.o,
-            &x.lse,
-            &x.d_o,
-            c.shape,
-            mask,
-            &params(&c),
-            mode,
-        )
+        let g = calls::with_main_kernel(Some(kernel), || {
+            calls::emu_backward(
+                &x.q,
+                &x.k,
+                &x.v,
+                &x.o,
+                &x.lse,
+                &x.d_o,
+                c.shape,
+                mask,
+                &params(&c),
+                mode,
+            )
+        })
         .unwrap();
         for (name, t) in [("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv)] {
             assert!(
                 t.iter().all(|e| e.to_f32() == 0.0),
-                "seed {seed}: {mode:?}: {name} not all 0 on an all-padding pack"
+                "seed {seed}: {mode:?} {kernel:?}: {name} not all 0 on an all-padding pack"
             );
         }
     }
@@ -401,41 +437,45 @@ fn deterministic_mode_is_bit_identical_across_runs() {
     let c = random_case(&mut rng, 64, true);
     let x = inputs::<bf16>(&mut rng, &c);
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
-    let run = |opts: EmuOptions| {
-        calls::with_options(opts, || {
-            calls::emu_backward(
-                &x.q,
-                &x.k,
-                &x.v,
-                &x.o,
-                &x.lse,
-                &x.d_o,
-                c.shape,
-                mask,
-                &params(&c),
-                DqMode::Deterministic,
-            )
-        })
-        .unwrap()
-    };
-    let all = EmuOptions::all();
-    let (a, b) = (run(all[0]), run(all[3]));
-    let bits = |t: &[bf16]| t.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
-    assert_eq!(
-        bits(&a.dq),
-        bits(&b.dq),
-        "seed {seed}: dQ differs between runs"
-    );
-    assert_eq!(
-        bits(&a.dk),
-        bits(&b.dk),
-        "seed {seed}: dK differs between runs"
-    );
-    assert_eq!(
-        bits(&a.dv),
-        bits(&b.dv),
-        "seed {seed}: dV differs between runs"
-    );
+    for kernel in main_kernels(64) {
+        let run = |opts: EmuOptions| {
+            calls::with_main_kernel(Some(kernel), || {
+                calls::with_options(opts, || {
+                    calls::emu_backward(
+                        &x.q,
+                        &x.k,
+                        &x.v,
+                        &x.o,
+                        &x.lse,
+                        &x.d_o,
+                        c.shape,
+                        mask,
+                        &params(&c),
+                        DqMode::Deterministic,
+                    )
+                })
+            })
+            .unwrap()
+        };
+        let all = EmuOptions::all();
+        let (a, b) = (run(all[0]), run(all[3]));
+        let bits = |t: &[bf16]| t.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&a.dq),
+            bits(&b.dq),
+            "seed {seed}: {kernel:?}: dQ differs between runs"
+        );
+        assert_eq!(
+            bits(&a.dk),
+            bits(&b.dk),
+            "seed {seed}: {kernel:?}: dK differs between runs"
+        );
+        assert_eq!(
+            bits(&a.dv),
+            bits(&b.dv),
+            "seed {seed}: {kernel:?}: dV differs between runs"
+        );
+    }
 }
 
 /// GQA group splits over the main kernel's grid.z: 8:1 GQA with the group
@@ -473,39 +513,43 @@ fn gqa_group_splits_match_the_cpu_and_are_deterministic() {
         }
         let x = inputs::<bf16>(&mut rng, &c);
         let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
-        let run = |splits: u32, opts: EmuOptions| {
-            calls::with_group_splits(Some(splits), || {
-                calls::with_options(opts, || {
-                    calls::emu_backward(
-                        &x.q,
-                        &x.k,
-                        &x.v,
-                        &x.o,
-                        &x.lse,
-                        &x.d_o,
-                        c.shape,
-                        mask,
-                        &params(&c),
-                        DqMode::Deterministic,
-                    )
+        for kernel in main_kernels(head_dim) {
+            let run = |splits: u32, opts: EmuOptions| {
+                calls::with_main_kernel(Some(kernel), || {
+                    calls::with_group_splits(Some(splits), || {
+                        calls::with_options(opts, || {
+                            calls::emu_backward(
+                                &x.q,
+                                &x.k,
+                                &x.v,
+                                &x.o,
+                                &x.lse,
+                                &x.d_o,
+                                c.shape,
+                                mask,
+                                &params(&c),
+                                DqMode::Deterministic,
+                            )
+                        })
+                    })
                 })
-            })
-            .unwrap()
-        };
-        let bits = |t: &[bf16]| t.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
-        let all = EmuOptions::all();
-        for splits in [2u32, 8] {
-            let (a, b) = (run(splits, all[1]), run(splits, all[4]));
-            for (name, x, y) in [
-                ("dQ", &a.dq, &b.dq),
-                ("dK", &a.dk, &b.dk),
-                ("dV", &a.dv, &b.dv),
-            ] {
-                assert_eq!(
+                .unwrap()
+            };
+            let bits = |t: &[bf16]| t.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+            let all = EmuOptions::all();
+            for splits in [2u32, 8] {
+                let (a, b) = (run(splits, all[1]), run(splits, all[4]));
+                for (name, x, y) in [
+                    ("dQ", &a.dq, &b.dq),
+                    ("dK", &a.dk, &b.dk),
+                    ("dV", &a.dv, &b.dv),
+                ] {
+                    assert_eq!(
                     bits(x),
                     bits(y),
-                    "seed {seed}: d {head_dim}, {splits} splits: {name} differs between runs"
+                    "seed {seed}: d {head_dim}, {kernel:?}, {splits} splits: {name} differs between runs"
                 );
+                }
             }
         }
     }
@@ -761,8 +805,9 @@ fn tile_walks_load_only_visible_tiles() {
         let what = format!("seed {seed}: d {head_dim}, L {tokens}");
         run_case::<bf16>(&mut rng, &what, &c, &c.kv_end, DqMode::Deterministic);
         let stats = emu::last_backward_stats().unwrap();
-        let t = BwdTraits::for_head_dim(head_dim).unwrap();
-        let (bm, bn) = (t.block_m as usize, t.block_n as usize);
+        // The head dim's default main kernel (128-key blocks for d 64).
+        let t = BwdTraits::for_kernel(head_dim, MainKernel::default_for(head_dim)).unwrap();
+        let (bm, bn) = (t.block_m as usize, t.main_keys as usize);
         let (d, s) = (head_dim as u64, c.shape);
         let group = (s.q_heads / s.kv_heads) as u64;
         // Each of the main kernel's z-slices loads the key tile's K and V.
@@ -784,9 +829,12 @@ fn tile_walks_load_only_visible_tiles() {
             range_tiles += max_end.div_ceil(bm).saturating_sub(kt * bn / bm) as u64;
         }
         let key_tiles = tokens.div_ceil(bn) as u64;
+        // Both main kernels also stage kv_end (4 bytes a key, per block) and
+        // each query tile's LSE and D (4 bytes a row each) by cp.async.
+        let (per_block, per_tile) = (bn as u64 * 4, 2 * bm as u64 * 4);
         let want_main = s.kv_heads as u64
-            * (splits * key_tiles * 2 * bn as u64 * d * 2
-                + group * visited * 2 * bm as u64 * d * 2);
+            * (splits * key_tiles * (2 * bn as u64 * d * 2 + per_block)
+                + group * visited * (2 * bm as u64 * d * 2 + per_tile));
         assert_eq!(stats.main_cp_async_bytes, want_main, "{what}: main kernel");
         if i == 2 {
             assert!(
@@ -898,4 +946,126 @@ fn rust_launch_plan_matches_the_kernel_traits() {
         );
     }
     assert_eq!(emu::backward_kernel_traits(96), None);
+    // The two-m-tile main kernel: d 64 only, 128-key blocks.
+    let t = BwdTraits::for_kernel(64, MainKernel::TwoMTiles).unwrap();
+    assert_eq!(
+        emu::backward2_kernel_traits(64),
+        Some([t.block_m, t.main_keys, t.threads, t.main_smem_bytes(), 32])
+    );
+    assert_eq!(t.main_smem_bytes(), 93_696);
+    assert_eq!(emu::backward2_kernel_traits(128), None);
+    assert!(BwdTraits::for_kernel(128, MainKernel::TwoMTiles).is_err());
+    assert_eq!(MainKernel::default_for(64), MainKernel::TwoMTiles);
+    assert_eq!(MainKernel::default_for(128), MainKernel::OneMTile);
+    // 300 tokens: 3 blocks of 128 keys (5 of the 64-key bounds tiles).
+    let shape = AttnShape {
+        tokens: 300,
+        q_heads: 2,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let (t, p) = plan_backward(&shape).unwrap();
+    assert_eq!(
+        (t.main_kernel, p.main.grid, p.main.shared_mem_bytes),
+        (MainKernel::TwoMTiles, (3, 2, 1), 93_696)
+    );
+    assert_eq!(
+        t.kernel_name("main_atomic", treeattn::backend::emu::Dtype::Bf16),
+        "tree_attn_bwd_main2_atomic_bf16_d64"
+    );
+}
+
+/// Negative controls of the two-m-tile main kernel (test-only faults the
+/// emulator build instantiates, `emu::with_negative_control`): without the
+/// barrier between the dSᵀ stores and the dQ matmul, and with the two key
+/// m-tiles' K fragments swapped in Sᵀ, the gradients leave the tolerance (or
+/// come out non-finite: shared memory is poisoned with NaN) — so the tests
+/// above would catch either bug. The same case passes without a fault.
+#[test]
+fn two_m_tile_negative_controls_fail() {
+    let (mut rng, seed) = common::seeded_rng();
+    let p = loop {
+        let p = gen::random_forest(&mut rng, 2, 20, 3, 3);
+        if (150..=280).contains(&p.kv_end.len()) {
+            break p;
+        }
+    };
+    let c = Case {
+        shape: AttnShape {
+            tokens: p.kv_end.len(),
+            q_heads: 2,
+            kv_heads: 1,
+            head_dim: 64,
+        },
+        kv_end: p.kv_end,
+        pos: p.position_ids,
+        rope: None,
+    };
+    let x = inputs::<bf16>(&mut rng, &c);
+    let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
+    let want = {
+        let [qf, kf, vf, of, dof] = &x.f;
+        calls::cpu_backward(qf, kf, vf, of, &x.lse, dof, c.shape, mask, &params(&c)).unwrap()
+    };
+    // The largest relative error of dQ, dK, dV, or infinity for an Err.
+    let worst = |fault: u32, opts: EmuOptions| -> f64 {
+        let got = emu::with_negative_control(fault, || {
+            calls::with_main_kernel(Some(MainKernel::TwoMTiles), || {
+                calls::with_options(opts, || {
+                    calls::emu_backward(
+                        &x.q,
+                        &x.k,
+                        &x.v,
+                        &x.o,
+                        &x.lse,
+                        &x.d_o,
+                        c.shape,
+                        mask,
+                        &params(&c),
+                        DqMode::Atomic,
+                    )
+                })
+            })
+        });
+        let Ok(g) = got else { return f64::INFINITY };
+        let err = |got: &[bf16], want: &[f32]| {
+            let (mut num, mut den) = (0.0f64, 0.0f64);
+            for (x, &r) in got.iter().zip(want) {
+                num += (x.to_f32() as f64 - r as f64).powi(2);
+                den += (r as f64).powi(2);
+            }
+            let e = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+            if e.is_nan() {
+                f64::INFINITY
+            } else {
+                e
+            }
+        };
+        err(&g.dq, &want.dq)
+            .max(err(&g.dk, &want.dk))
+            .max(err(&g.dv, &want.dv))
+    };
+    let all = EmuOptions::all();
+    let tol = tol::<bf16>();
+    for (i, opts) in all.iter().enumerate() {
+        let ok = worst(0, *opts);
+        assert!(
+            ok <= tol,
+            "seed {seed}: no fault, schedule {i}: error {ok:.3e}"
+        );
+    }
+    // A missing barrier shows under the schedules that run a warp ahead of
+    // the others (warp-serial), not necessarily under lockstep.
+    let no_barrier: Vec<f64> = all.iter().map(|o| worst(1, *o)).collect();
+    eprintln!("seed {seed}: without the dS barrier, per schedule: {no_barrier:?}");
+    assert!(
+        no_barrier.iter().any(|&e| e > 10.0 * tol),
+        "seed {seed}: a removed barrier went unnoticed: {no_barrier:?}"
+    );
+    let swapped = worst(2, all[0]);
+    eprintln!("seed {seed}: swapped m-tiles: {swapped:.2e}");
+    assert!(
+        swapped > 10.0 * tol,
+        "seed {seed}: a swapped m-tile went unnoticed: {swapped:.3e}"
+    );
 }

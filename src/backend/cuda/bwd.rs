@@ -11,7 +11,9 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::{config, cuda_err, Device};
-use crate::backend::launch::bwd::{plan_backward, BwdParams, BwdTraits, DqMode};
+use crate::backend::launch::bwd::{
+    plan_backward_with_kernel, BwdParams, BwdTraits, DqMode, MainKernel,
+};
 use crate::backend::launch::{scale_log2, KernelElem, LaunchPlan};
 use crate::backend::{BackwardCall, Grads};
 use crate::{Error, Result};
@@ -42,6 +44,9 @@ pub(crate) struct CudaBackward {
     /// [`ATTN_VARIANTS`](crate::backend::launch::ATTN_VARIANTS), stages as in
     /// [`STAGES`].
     funcs: Vec<Vec<CudaFunction>>,
+    /// `[variant]`: the two-m-tile main kernels (`main2_atomic`,
+    /// `main2_det`) where they exist (d 64).
+    funcs2: Vec<Option<[CudaFunction; 2]>>,
 }
 
 impl CudaBackward {
@@ -52,29 +57,42 @@ impl CudaBackward {
             .load_module(Ptx::from_binary(BWD_FATBIN.to_vec()))
             .map_err(cuda_err("loading the embedded backward kernels"))?;
         let mut funcs = Vec::new();
+        let mut funcs2 = Vec::new();
+        let load = |t: &BwdTraits, stage: &str, dtype| -> Result<CudaFunction> {
+            let name = t.kernel_name(stage, dtype);
+            let f = module
+                .load_function(&name)
+                .map_err(|e| Error::Cuda(format!("{name}: {e}")))?;
+            let smem = match stage {
+                "main_atomic" | "main_det" => t.main_smem_bytes(),
+                "dq" => t.dq_smem_bytes(),
+                _ => 0,
+            };
+            if smem > 48 * 1024 {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(|e| {
+                    Error::Cuda(format!("{name}: raising shared memory to {smem}: {e}"))
+                })?;
+            }
+            Ok(f)
+        };
         for &(dtype, d) in crate::backend::launch::ATTN_VARIANTS {
             let t = BwdTraits::for_head_dim(d as usize)?;
+            funcs2.push(
+                match BwdTraits::for_kernel(d as usize, MainKernel::TwoMTiles) {
+                    Ok(t2) => Some([
+                        load(&t2, "main_atomic", dtype)?,
+                        load(&t2, "main_det", dtype)?,
+                    ]),
+                    Err(_) => None,
+                },
+            );
             let mut by_stage = Vec::new();
             for stage in STAGES {
-                let name = t.kernel_name(stage, dtype);
-                let f = module
-                    .load_function(&name)
-                    .map_err(|e| Error::Cuda(format!("{name}: {e}")))?;
-                let smem = match stage {
-                    "main_atomic" | "main_det" => t.main_smem_bytes(),
-                    "dq" => t.dq_smem_bytes(),
-                    _ => 0,
-                };
-                if smem > 48 * 1024 {
-                    f.set_attribute(
-                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem as i32,
-                    )
-                    .map_err(|e| {
-                        Error::Cuda(format!("{name}: raising shared memory to {smem}: {e}"))
-                    })?;
-                }
-                by_stage.push(f);
+                by_stage.push(load(&t, stage, dtype)?);
             }
             funcs.push(by_stage);
         }
@@ -82,6 +100,7 @@ impl CudaBackward {
             stream: stream.clone(),
             _module: module,
             funcs,
+            funcs2,
         })
     }
 
@@ -101,13 +120,14 @@ impl CudaBackward {
         &self,
         call: BackwardCall<'_, '_, '_, Device, T, f32>,
         mode: DqMode,
+        kernel: Option<MainKernel>,
     ) -> Result<()> {
         let (args, saved, d_o, grads) = call.into_parts();
         let (q, k, v, shape, pack) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
         let params = args.params();
         let (o, lse) = (saved.o, saved.lse);
         let Grads { dq, dk, dv } = grads;
-        let (traits, plans) = plan_backward(&shape)?;
+        let (traits, plans) = plan_backward_with_kernel(&shape, kernel)?;
         let s = &self.stream;
         if params.check_finite {
             let lse_host = s
@@ -237,9 +257,19 @@ impl CudaBackward {
         if split {
             stages.push((5, plans.dkv_convert));
         }
-        let by_stage = &self.funcs[crate::backend::launch::variant(T::DTYPE, traits.head_dim)?];
+        let variant = crate::backend::launch::variant(T::DTYPE, traits.head_dim)?;
+        let by_stage = &self.funcs[variant];
         for &(stage, plan) in &stages {
-            let mut b = s.launch_builder(&by_stage[stage]);
+            let f = match (traits.main_kernel, stage, &self.funcs2[variant]) {
+                (MainKernel::TwoMTiles, 1 | 2, Some(two)) => &two[stage - 1],
+                (MainKernel::TwoMTiles, 1 | 2, None) => {
+                    return Err(Error::Unsupported(
+                        "internal: no two-m-tile backward main kernel for this variant".into(),
+                    ))
+                }
+                _ => &by_stage[stage],
+            };
+            let mut b = s.launch_builder(f);
             b.arg(&p);
             // SAFETY: every buffer was sized against `shape` and the pack
             // above (scratch allocated here); the kernels stay inside them.

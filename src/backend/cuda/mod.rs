@@ -50,7 +50,7 @@ use super::{
 use crate::mask::PackMask;
 use crate::{Error, Result};
 
-pub use super::launch::bwd::DqMode;
+pub use super::launch::bwd::{DqMode, MainKernel};
 
 /// Whether the CUDA driver library (`libcuda.so.1` / `libcuda.so`,
 /// `nvcuda.dll` on Windows) can be loaded on this machine: without it every
@@ -182,6 +182,8 @@ pub struct CudaBackend {
     sdcc: CudaSdcc,
     rope: rope::CudaRope,
     dq_mode: DqMode,
+    /// The backward main kernel (`None`: the head dim's default).
+    pub(crate) main_kernel: Option<MainKernel>,
 }
 
 impl CudaBackend {
@@ -272,6 +274,7 @@ impl CudaBackend {
             sdcc: CudaSdcc::new(&ctx, &stream)?,
             rope: rope::CudaRope::new(&ctx)?,
             dq_mode: DqMode::Deterministic,
+            main_kernel: None,
             ctx,
             stream,
             _module: module,
@@ -285,6 +288,16 @@ impl CudaBackend {
     pub fn with_dq_mode(self, mode: DqMode) -> Self {
         CudaBackend {
             dq_mode: mode,
+            ..self
+        }
+    }
+
+    /// The same backend with the backward's main kernel chosen (`Some`) or
+    /// the head dim's default (`None`: [`MainKernel::default_for`]); the
+    /// GPU check times both.
+    pub fn with_main_kernel(self, kernel: Option<MainKernel>) -> Self {
+        CudaBackend {
+            main_kernel: kernel,
             ..self
         }
     }

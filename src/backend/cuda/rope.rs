@@ -20,7 +20,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::{config, cuda_err, CudaBackend, Device, DevicePack};
-use crate::backend::launch::bwd::{plan_backward, DqMode};
+use crate::backend::launch::bwd::{plan_backward_with_kernel, DqMode};
 use crate::backend::launch::rope::{
     check_max_position, plan_rope_apply, plan_rope_table, rope_kernel_name, RopeApplyParams,
     RopeTableParams,
@@ -289,12 +289,12 @@ impl CudaBackend {
         mode: DqMode,
     ) -> Result<()> {
         let Some(rope) = call.args().params().rope else {
-            return self.bwd.run(call, mode);
+            return self.bwd.run(call, mode, self.main_kernel);
         };
         let (args, saved, d_o, grads) = call.into_parts();
         let Grads { dq, dk, dv } = grads;
         let shape = args.shape();
-        plan_backward(&shape)?;
+        plan_backward_with_kernel(&shape, self.main_kernel)?;
         let s = self.stream();
         check_qk(s, &args)?;
         if shape.tokens == 0 {
@@ -314,8 +314,11 @@ impl CudaBackend {
             dk: &mut *dk,
             dv,
         };
-        self.bwd
-            .run(BackwardCall::new(plain, saved, d_o, grads)?, mode)?;
+        self.bwd.run(
+            BackwardCall::new(plain, saved, d_o, grads)?,
+            mode,
+            self.main_kernel,
+        )?;
         let (pack, d) = (args.mask(), shape.head_dim);
         self.rope
             .rotate_back(s, &tables, pack, dq, shape.q_heads, d)?;

@@ -1,7 +1,7 @@
 //! Attention backward on the emulator (`kernels/tree_attn_bwd.cu`).
 
 use super::{check_result, emu_result, ffi, Emu, KernelElem};
-use crate::backend::launch::bwd::{plan_backward_with_splits, BwdParams, DqMode};
+use crate::backend::launch::bwd::{plan_backward_with, BwdParams, DqMode, MainKernel};
 use crate::backend::launch::{scale_log2, LaunchPlan};
 use crate::backend::{BackwardCall, Grads, Host};
 use crate::{Error, Result};
@@ -23,7 +23,7 @@ pub(super) fn backward<T: KernelElem>(
     let (o, lse) = (saved.o, saved.lse);
     let Grads { dq, dk, dv } = grads;
     let mode = emu.dq_mode;
-    let (traits, plans) = plan_backward_with_splits(&shape, emu.group_splits)?;
+    let (traits, plans) = plan_backward_with(&shape, emu.group_splits, emu.main_kernel)?;
     if shape.tokens == 0 {
         return Ok(());
     }
@@ -87,15 +87,25 @@ pub(super) fn backward<T: KernelElem>(
         group_splits: plans.group_splits,
         reserved: 0,
     };
+    // Stage numbers of kernels/emu/bwd_entry.cpp: the two-m-tile main
+    // kernel is 6 (atomic) / 7 (det), 8 / 9 with a negative control's fault.
+    let two = traits.main_kernel == MainKernel::TwoMTiles;
+    let fault = NEGATIVE_CONTROL.with(|f| f.get());
+    let main_atomic = match (two, fault) {
+        (true, 0) => 6,
+        (true, f) => 7 + f,
+        (false, _) => 1,
+    };
+    let main_det = if two { 7 } else { 2 };
     let mut stages: Vec<(u32, &str, LaunchPlan)> = match mode {
         DqMode::Atomic => vec![
             (0, "pre", plans.per_row),
-            (1, "main_atomic", plans.main),
+            (main_atomic, "main_atomic", plans.main),
             (4, "dq_convert", plans.per_row),
         ],
         DqMode::Deterministic => vec![
             (0, "pre", plans.per_row),
-            (2, "main_det", plans.main),
+            (main_det, "main_det", plans.main),
             (3, "dq", plans.dq),
             (4, "dq_convert", plans.per_row),
         ],
@@ -129,7 +139,7 @@ pub(super) fn backward<T: KernelElem>(
         };
         emu_result(&traits.kernel_name(name, T::DTYPE), rc, &err)?;
         match stage {
-            1 | 2 => stats.main_cp_async_bytes = bytes,
+            1 | 2 | 6..=9 => stats.main_cp_async_bytes = bytes,
             3 => stats.dq_cp_async_bytes = bytes,
             _ => {}
         }
@@ -143,7 +153,9 @@ pub(super) fn backward<T: KernelElem>(
 /// What the kernels of an emulated backward moved with `cp.async` (zero-filled
 /// rows included), to prove the tile walks: the main kernel loads, per (key
 /// tile, kv head), K and V once and Q, dO for each query tile it visits
-/// (`2 · 64 · d · 2 + group · visited · 2 · block_m · d · 2` bytes); the
+/// (`2 · 64 · d · 2 + group · visited · 2 · block_m · d · 2` bytes; the
+/// two-m-tile kernel per 128-key tile), plus the tile's kv_end, 4 bytes a
+/// key, and each visited tile's LSE and D, 4 bytes a row each; the
 /// deterministic dQ kernel Q, dO once and K, V per non-skipped key tile.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BackwardStats {
@@ -152,6 +164,23 @@ pub struct BackwardStats {
     pub main_cp_async_bytes: u64,
     /// 0 in atomic mode (no dQ kernel).
     pub dq_cp_async_bytes: u64,
+}
+
+thread_local! {
+    static NEGATIVE_CONTROL: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs `f` with a test-only fault in the two-m-tile main kernel's atomic
+/// mode on this thread (negative controls; emulator only, the GPU build has
+/// no such kernels): 1 drops the barrier between the dSᵀ stores and the dQ
+/// matmul, 2 swaps the two key m-tiles' K fragments in Sᵀ. 0: none.
+#[doc(hidden)]
+pub fn with_negative_control<R>(fault: u32, f: impl FnOnce() -> R) -> R {
+    assert!(fault <= 2, "negative control {fault}: 0, 1 or 2");
+    let before = NEGATIVE_CONTROL.with(|c| c.replace(fault));
+    let r = f();
+    NEGATIVE_CONTROL.with(|c| c.set(before));
+    r
 }
 
 thread_local! {
@@ -171,5 +200,15 @@ pub fn backward_kernel_traits(head_dim: u32) -> Option<[u32; 7]> {
     let mut out = [0i32; 7];
     // SAFETY: `out` has the 7 slots the function writes.
     let rc = unsafe { ffi::ta_emu_bwd_traits(head_dim, out.as_mut_ptr()) };
+    (rc == 0).then(|| out.map(|x| x as u32))
+}
+
+/// The C++ traits of the two-m-tile backward main kernel for `head_dim`:
+/// `[block_m, block_n, threads, smem, sub_m]`; `None` when it does not exist
+/// (every head dim but 64).
+pub fn backward2_kernel_traits(head_dim: u32) -> Option<[u32; 5]> {
+    let mut out = [0i32; 5];
+    // SAFETY: `out` has the 5 slots the function writes.
+    let rc = unsafe { ffi::ta_emu_bwd2_traits(head_dim, out.as_mut_ptr()) };
     (rc == 0).then(|| out.map(|x| x as u32))
 }

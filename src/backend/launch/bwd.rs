@@ -6,7 +6,8 @@
 //! | kernel | grid | block | shared memory |
 //! |---|---|---|---|
 //! | `tree_attn_bwd_pre_*` | `ceil(tokens · q_heads / 4)` | 128 | 0 |
-//! | `tree_attn_bwd_main_{atomic,det}_*` | `(key tiles of 64, kv_heads, group splits)` | 128 | 65,792 (d 64) / 75,520 (d 128) |
+//! | `tree_attn_bwd_main_{atomic,det}_*` ([`MainKernel::OneMTile`]) | `(key tiles of 64, kv_heads, group splits)` | 128 | 65,792 (d 64) / 75,520 (d 128) |
+//! | `tree_attn_bwd_main2_{atomic,det}_*` ([`MainKernel::TwoMTiles`], d 64, the default there) | `(key tiles of 128, kv_heads, group splits)` | 128 | 93,696 |
 //! | `tree_attn_bwd_dq_*` (deterministic only) | `(query tiles of 64, q_heads)` | 128 | 55,296 / 104,448 |
 //! | `tree_attn_bwd_dq_convert_*` | `ceil(tokens · q_heads / 4)` | 128 | 0 |
 //! | `tree_attn_bwd_dkv_convert_*` (group splits > 1 only) | `ceil(tokens · kv_heads / 4)` | 128 | 0 |
@@ -40,6 +41,32 @@ pub enum DqMode {
     Deterministic,
 }
 
+/// Which backward main kernel computes dK, dV (and dQ in atomic mode); the
+/// other kernels are shared. Both stay selectable until a GPU has timed
+/// them side by side (`treeattn gpu-check`, issue 26).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MainKernel {
+    /// `tree_attn_bwd_main_{atomic,det}_*`: one 16-key m-tile per warp,
+    /// blocks of 64 keys, d 64 and d 128.
+    OneMTile,
+    /// `tree_attn_bwd_main2_{atomic,det}_*`: two 16-key m-tiles per warp
+    /// (every Q / dO fragment feeds 4 mma), blocks of 128 keys, query tiles
+    /// of 64 in sub-tiles of 32, dQ by vector reductions; d 64 only.
+    TwoMTiles,
+}
+
+impl MainKernel {
+    /// The kernel a backward runs unless told otherwise: [`Self::TwoMTiles`]
+    /// where it exists (d 64), [`Self::OneMTile`] otherwise.
+    pub fn default_for(head_dim: usize) -> MainKernel {
+        if head_dim == 64 {
+            MainKernel::TwoMTiles
+        } else {
+            MainKernel::OneMTile
+        }
+    }
+}
+
 /// Tiling of the backward kernels for one head dim (the Rust copy of the C++
 /// `BwdTraits` / `BwdDqTraits`; the emulator checks every launch against the
 /// C++ ones).
@@ -50,8 +77,14 @@ pub struct BwdTraits {
     /// Query rows per streamed tile of the main kernel (64 for d 64, 32 for
     /// d 128: the f32 dK, dV accumulators leave room for no more).
     pub block_m: u32,
-    /// Keys per block of the main kernel (= the kv_end bounds tile).
+    /// The kv_end bounds tile (`tile_kv_min` / `tile_kv_max`), 64 keys:
+    /// the one-m-tile main kernel's block, half the two-m-tile one's.
     pub block_n: u32,
+    /// Which main kernel these traits describe.
+    pub main_kernel: MainKernel,
+    /// Keys per block of the main kernel (64, or 128 for
+    /// [`MainKernel::TwoMTiles`]).
+    pub main_keys: u32,
     /// Threads per block of the main kernel.
     pub threads: u32,
     /// Query rows per block of the deterministic dQ kernel.
@@ -60,13 +93,30 @@ pub struct BwdTraits {
 
 impl BwdTraits {
     /// The kernels exist for the head dims of
-    /// [`ATTN_VARIANTS`](super::ATTN_VARIANTS) (64, 128).
+    /// [`ATTN_VARIANTS`](super::ATTN_VARIANTS) (64, 128); these are the
+    /// traits with the one-m-tile main kernel ([`MainKernel::OneMTile`]).
     pub fn for_head_dim(head_dim: usize) -> Result<Self> {
+        Self::for_kernel(head_dim, MainKernel::OneMTile)
+    }
+    /// The traits with main kernel `kernel`; [`MainKernel::TwoMTiles`]
+    /// exists for d 64 only (an `Unsupported` error otherwise).
+    pub fn for_kernel(head_dim: usize, kernel: MainKernel) -> Result<Self> {
         let d = super::kernel_head_dim("the GPU attention backward kernels", head_dim)?;
+        if kernel == MainKernel::TwoMTiles && d != 64 {
+            return Err(Error::Unsupported(format!(
+                "the two-m-tile backward main kernel exists for head dim 64 only, not {d}"
+            )));
+        }
         Ok(BwdTraits {
             head_dim: d,
             block_m: if d == 64 { 64 } else { 32 },
             block_n: 64,
+            main_kernel: kernel,
+            main_keys: if kernel == MainKernel::TwoMTiles {
+                128
+            } else {
+                64
+            },
             threads: 128,
             dq_block_m: 64,
         })
@@ -78,11 +128,11 @@ impl BwdTraits {
     /// dSᵀ, two buffers each of lse2 and D, the tile's kv_end.
     pub fn main_smem_bytes(&self) -> u32 {
         let rs = self.row_stride();
-        2 * self.block_n * rs * 2
+        2 * self.main_keys * rs * 2
             + 4 * self.block_m * rs * 2
-            + self.block_n * (self.block_m + 8) * 2
+            + self.main_keys * (self.block_m + 8) * 2
             + 4 * self.block_m * 4
-            + self.block_n * 4
+            + self.main_keys * 4
     }
     /// Shared memory of the deterministic dQ kernel: Q, dO and two buffers
     /// each of K and V.
@@ -90,8 +140,15 @@ impl BwdTraits {
         6 * self.dq_block_m * self.row_stride() * 2
     }
     /// Symbol of one of the backward kernels (`stage` is `"pre"`,
-    /// `"main_atomic"`, `"main_det"`, `"dq"` or `"dq_convert"`).
+    /// `"main_atomic"`, `"main_det"`, `"dq"`, `"dq_convert"` or
+    /// `"dkv_convert"`); the main stages name the traits' main kernel
+    /// (`main2_*` for [`MainKernel::TwoMTiles`]).
     pub fn kernel_name(&self, stage: &str, dtype: Dtype) -> String {
+        let stage = match (self.main_kernel, stage) {
+            (MainKernel::TwoMTiles, "main_atomic") => "main2_atomic",
+            (MainKernel::TwoMTiles, "main_det") => "main2_det",
+            _ => stage,
+        };
         format!("tree_attn_bwd_{stage}_{}_d{}", dtype.name(), self.head_dim)
     }
 }
@@ -168,6 +225,15 @@ pub fn plan_backward(shape: &AttnShape) -> Result<(BwdTraits, BwdPlans)> {
     plan_backward_with_splits(shape, None)
 }
 
+/// [`plan_backward`] with the main kernel chosen: `None` takes
+/// [`MainKernel::default_for`] the head dim.
+pub fn plan_backward_with_kernel(
+    shape: &AttnShape,
+    kernel: Option<MainKernel>,
+) -> Result<(BwdTraits, BwdPlans)> {
+    plan_backward_with(shape, None, kernel)
+}
+
 /// [`plan_backward`] with the group splits forced (`Some(s)`: `s` must divide
 /// `q_heads / kv_heads`) or chosen by [`group_splits`] (`None`). Tests force
 /// them to cover both paths on small packs.
@@ -175,7 +241,19 @@ pub fn plan_backward_with_splits(
     shape: &AttnShape,
     splits: Option<u32>,
 ) -> Result<(BwdTraits, BwdPlans)> {
-    let traits = BwdTraits::for_head_dim(shape.head_dim)?;
+    plan_backward_with(shape, splits, None)
+}
+
+/// [`plan_backward`] with the group splits forced or planned (as
+/// [`plan_backward_with_splits`]) and the main kernel chosen (`None`:
+/// [`MainKernel::default_for`] the head dim).
+pub fn plan_backward_with(
+    shape: &AttnShape,
+    splits: Option<u32>,
+    kernel: Option<MainKernel>,
+) -> Result<(BwdTraits, BwdPlans)> {
+    let kernel = kernel.unwrap_or_else(|| MainKernel::default_for(shape.head_dim));
+    let traits = BwdTraits::for_kernel(shape.head_dim, kernel)?;
     if shape.q_heads > 65_535 {
         return Err(Error::Unsupported(format!(
             "{} query heads exceed the grid's y limit 65535",
@@ -190,7 +268,7 @@ pub fn plan_backward_with_splits(
         )));
     }
     let block = (traits.threads, 1, 1);
-    let key_tiles = shape.tokens.div_ceil(traits.block_n as usize) as u64;
+    let key_tiles = shape.tokens.div_ceil(traits.main_keys as usize) as u64;
     let group = (shape.q_heads / shape.kv_heads.max(1)) as u32;
     let splits = match splits {
         None => group_splits(key_tiles, shape.kv_heads as u64, group),
@@ -210,7 +288,7 @@ pub fn plan_backward_with_splits(
         },
         main: LaunchPlan {
             grid: (
-                shape.tokens.div_ceil(traits.block_n as usize) as u32,
+                shape.tokens.div_ceil(traits.main_keys as usize) as u32,
                 shape.kv_heads as u32,
                 splits,
             ),

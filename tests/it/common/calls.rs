@@ -118,6 +118,23 @@ pub fn with_options<R>(opts: EmuOptions, f: impl FnOnce() -> R) -> R {
 }
 
 thread_local! {
+    static MAIN_KERNEL: Cell<Option<treeattn::backend::emu::MainKernel>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with the emulated backward's main kernel chosen (`None`: the
+/// head dim's default) on this thread.
+#[allow(dead_code)]
+pub fn with_main_kernel<R>(
+    kernel: Option<treeattn::backend::emu::MainKernel>,
+    f: impl FnOnce() -> R,
+) -> R {
+    let before = MAIN_KERNEL.with(|o| o.replace(kernel));
+    let r = f();
+    MAIN_KERNEL.with(|o| o.set(before));
+    r
+}
+
+thread_local! {
     static GROUP_SPLITS: Cell<Option<u32>> = const { Cell::new(None) };
 }
 
@@ -181,6 +198,7 @@ pub fn emu_backward<T: KernelElem>(
     emu()
         .with_dq_mode(mode)
         .with_group_splits(GROUP_SPLITS.with(|o| o.get()))
+        .with_main_kernel(MAIN_KERNEL.with(|o| o.get()))
         .backward_owned(&args, Saved { o, lse }, d_o)
 }
 

@@ -567,7 +567,7 @@ mod tests {
         });
         for name in fwd.chain(["tree_attn_kv_tile_bounds".to_string()]) {
             assert!(
-                PTXAS_REPORT.contains(name),
+                PTXAS_REPORT.contains(name.as_str()),
                 "{name} missing from the ptxas report"
             );
         }

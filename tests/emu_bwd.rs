@@ -899,3 +899,71 @@ fn rust_launch_plan_matches_the_kernel_traits() {
     }
     assert_eq!(emu::backward_kernel_traits(96), None);
 }
+
+/// A view off a 16-byte boundary (q, k, v, d_o, dq, dk or dv, rotary on or
+/// off) is an `Err(Shape)` naming that tensor, before anything runs — the
+/// check the forward shares (`launch::check_vector_alignment`). Negative
+/// control: every tensor placed on a boundary runs.
+#[test]
+fn misaligned_views_are_errors_naming_the_tensor() {
+    use treeattn::backend::{AttentionBackend, AttnArgs, Grads, Saved};
+    let kv_end = [3u32, 3, 3];
+    let pos = [0u32, 1, 2];
+    let mask = PackMask::new(&kv_end, &pos).unwrap();
+    let shape = AttnShape {
+        tokens: 3,
+        q_heads: 1,
+        kv_heads: 1,
+        head_dim: 64,
+    };
+    let x = vec![bf16::from_f32(0.25); 3 * 64];
+    let lse = vec![1.0f32; 3];
+    let n = x.len();
+    for rope in [
+        None,
+        Some(Rope {
+            base: 10_000.0,
+            dims: 64,
+        }),
+    ] {
+        let p = AttnParams {
+            rope,
+            ..AttnParams::new(64)
+        };
+        for bad in ["", "q", "k", "v", "d_o", "dq", "dk", "dv"] {
+            let place = |name: &str| common::placed(&x, name != bad);
+            let ((qb, qo), (kb, ko), (vb, vo), (db, doff)) =
+                (place("q"), place("k"), place("v"), place("d_o"));
+            let ((mut gq, gqo), (mut gk, gko), (mut gv, gvo)) =
+                (place("dq"), place("dk"), place("dv"));
+            let args = AttnArgs::new(
+                &qb[qo..qo + n],
+                &kb[ko..ko + n],
+                &vb[vo..vo + n],
+                shape,
+                mask,
+                p,
+            )
+            .unwrap();
+            let r = calls::emu().backward(
+                &args,
+                Saved { o: &x, lse: &lse },
+                &db[doff..doff + n],
+                Grads {
+                    dq: &mut gq[gqo..gqo + n],
+                    dk: &mut gk[gko..gko + n],
+                    dv: &mut gv[gvo..gvo + n],
+                },
+            );
+            match (bad, r) {
+                ("", r) => r.unwrap(),
+                (name, Err(Error::Shape(m))) => assert!(
+                    m.starts_with(&format!("{name}: address"))
+                        && m.contains("is not 16-byte aligned"),
+                    "{name}: {m}"
+                ),
+                (name, r) => panic!("{name} misaligned, rope {rope:?}: {r:?}"),
+            }
+        }
+    }
+}

@@ -176,6 +176,14 @@ __device__ __forceinline__ float ta_bwd_lse2(const TreeAttnBwdParams& p, uint32_
     return l < INFINITY ? l * TA_LOG2E : NAN;
 }
 
+// The tile loader's skip (tile_load.cuh) for Q and dO rows: a query that sees
+// no key (LSE = −inf) is loaded as zeros, so that what its rows hold never
+// reaches dK or dV through 0 · NaN (DESIGN §5); `lse` is the head's row.
+struct TaBlindQuery {
+    const float* lse;
+    __device__ __forceinline__ bool operator()(uint32_t row) const { return lse[row] == -INFINITY; }
+};
+
 // acc[n] = A Bᵀ for the warp: A is 16 rows of `a_rows` (row stride RS), B is
 // the N rows of `b_rows`, both [row][D] 16-bit in shared memory; acc is 16 x N
 // in C fragments (N / 8 n-tiles).
@@ -272,8 +280,11 @@ __device__ __forceinline__ void tree_attn_bwd_pre_body(const TreeAttnBwdParams& 
     const uint32_t row = uint32_t(item / p.q_heads), head = uint32_t(item % p.q_heads);
     const size_t at = ((size_t)row * p.q_heads + head) * D;
     float acc = 0.f;
+    // A row that sees no key has D = 0 whatever dO holds (DESIGN §5).
+    const bool blind = p.lse[(size_t)head * p.tokens + row] == -INFINITY;
 #pragma unroll
-    for (int j = ta_lane(); j < D; j += 32) acc += ta_to_f32<E>(p.o[at + j]) * ta_to_f32<E>(p.d_o[at + j]);
+    for (int j = ta_lane(); j < D && !blind; j += 32)
+        acc += ta_to_f32<E>(p.o[at + j]) * ta_to_f32<E>(p.d_o[at + j]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(TA_FULL_MASK, acc, o);
     if (ta_lane() == 0) p.delta[(size_t)head * p.tokens + row] = acc;
@@ -311,8 +322,9 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     const unsigned lane = ta_lane(), warp = threadIdx.x / 32;
     const unsigned g = lane >> 2, c = lane & 3;
 
-    ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, k0, L, p.kv_heads, kv_head);
-    ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, k0, L, p.kv_heads, kv_head);
+    const TaUnseenKey unseen = ta_unseen_keys(p.kv_end, p.tile_kv_min, tile, BN, L);
+    ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, k0, L, p.kv_heads, kv_head, unseen);
+    ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, k0, L, p.kv_heads, kv_head, unseen);
     ta_cp_async_commit();
     // kv_end of the tile; keys past the pack are seen by nobody (0).
     if (threadIdx.x < BN) skv[threadIdx.x] = ta_key_end(p.kv_end, k0 + threadIdx.x, L);
@@ -364,8 +376,9 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
 
     // Stages query tile qt of query head `head` into buffer b.
     auto stage = [&](uint32_t head, uint32_t qt, int b) {
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head);
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head);
+        const TaBlindQuery blind{p.lse + (size_t)head * L};
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind);
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind);
         for (int i = threadIdx.x; i < BM; i += Tr::kThreads) {
             const uint32_t row = qt * BM + i;
             slse[b * BM + i] = ta_bwd_lse2(p, head, row);
@@ -563,13 +576,15 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
         }
     };
 
-    ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
-    ta_load_tile<BM, D, RS, Tr::kThreads>(sdo, p.d_o, q0, L, p.q_heads, head);
+    const TaBlindQuery blind{p.lse + (size_t)head * L};
+    ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head, blind);
+    ta_load_tile<BM, D, RS, Tr::kThreads>(sdo, p.d_o, q0, L, p.q_heads, head, blind);
     ta_cp_async_commit();
     uint32_t t = next_tile(0);
     if (t < t_end) {
-        ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, t * BN, L, p.kv_heads, kv_head);
-        ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head);
+        const TaUnseenKey unseen = ta_unseen_keys(p.kv_end, p.tile_kv_min, t, BN, L);
+        ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, t * BN, L, p.kv_heads, kv_head, unseen);
+        ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head, unseen);
     }
     ta_cp_async_commit();
     ta_cp_async_wait<1>();  // Q, dO have landed
@@ -592,10 +607,11 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     while (t < t_end) {
         const uint32_t tn = next_tile(t + 1);
         if (tn < t_end) {
+            const TaUnseenKey unseen = ta_unseen_keys(p.kv_end, p.tile_kv_min, tn, BN, L);
             ta_load_tile<BN, D, RS, Tr::kThreads>(sk + (buf ^ 1) * Tr::kTileElems, p.k, tn * BN, L, p.kv_heads,
-                                                      kv_head);
+                                                      kv_head, unseen);
             ta_load_tile<BN, D, RS, Tr::kThreads>(sv + (buf ^ 1) * Tr::kTileElems, p.v, tn * BN, L, p.kv_heads,
-                                                      kv_head);
+                                                      kv_head, unseen);
         }
         ta_cp_async_commit();
         ta_cp_async_wait<1>();  // tile t has landed

@@ -95,6 +95,32 @@ impl<'a> PackMask<'a> {
             .sum()
     }
 
+    /// Per key: whether no query sees it (`kv_end[k] == k`, a padding key).
+    /// Its K and V rows enter no visible pair, and every backend ignores
+    /// what they hold (DESIGN §5).
+    pub fn unseen_keys(&self) -> Vec<bool> {
+        self.kv_end
+            .iter()
+            .enumerate()
+            .map(|(k, &e)| e as usize <= k)
+            .collect()
+    }
+
+    /// Per query row: whether it sees no key (`max_{k <= q} kv_end[k] <= q`;
+    /// its O is 0 and its LSE `−inf`). Its Q and dO rows enter no visible
+    /// pair, and every backend ignores what they hold (DESIGN §5).
+    pub fn blind_queries(&self) -> Vec<bool> {
+        let mut reach = 0u32;
+        self.kv_end
+            .iter()
+            .enumerate()
+            .map(|(q, &e)| {
+                reach = reach.max(e);
+                reach as usize <= q
+            })
+            .collect()
+    }
+
     /// A 64-bit FNV-1a fingerprint of `kv_end` and `position_ids`. Ops store
     /// it with saved forward state so that a backward call with a pack from
     /// another batch is rejected instead of silently computing garbage.

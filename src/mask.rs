@@ -59,6 +59,16 @@ impl<'a> PackMask<'a> {
         })
     }
 
+    /// A mask already validated by [`PackMask::new`] (a
+    /// [`crate::plan::MaskPlan`] keeps only validated data).
+    pub(crate) fn trusted(kv_end: &'a [u32], position_ids: &'a [u32]) -> Self {
+        debug_assert!(PackMask::new(kv_end, position_ids).is_ok());
+        PackMask {
+            kv_end,
+            position_ids,
+        }
+    }
+
     /// `kv_end[k]`: key `k` is seen by the queries `k <= q < kv_end[k]`.
     pub fn kv_end(&self) -> &'a [u32] {
         self.kv_end

@@ -68,7 +68,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .torch import tree_attention
+from .torch import TreeMask, tree_attention
 
 __all__ = [
     "register", "attention", "target_logprobs", "pack_loss", "default_chunk",
@@ -84,6 +84,23 @@ _CHECK_POSITIONS = True
 # tensors' versions, so that the other layers of the same forward skip the
 # check, and a new or modified tensor is checked again.
 _checked: Optional[Tuple[Any, Any, int, int]] = None
+# The mask plan (TreeMask) of the kv_end tensor seen last: a weak reference
+# to the tensor the model was called with, its version and the device; built
+# by the first attention layer of a forward and reused by every other layer
+# (and by a later forward on the same, unmodified tensor). A new tensor, an
+# in-place change (its version moves) or another device builds a new one.
+_plan: Optional[Tuple[Any, int, Any, TreeMask]] = None
+
+
+def _mask_plan(arg: Tensor, kv_end: Tensor, device: torch.device) -> TreeMask:
+    """The plan of ``kv_end`` (``arg``: the tensor as the model got it)."""
+    global _plan
+    c = _plan
+    if c is not None and c[0]() is arg and c[1] == arg._version and c[2] == device:
+        return c[3]
+    m = TreeMask(kv_end, device=device)
+    _plan = (weakref.ref(arg), arg._version, device, m)
+    return m
 
 
 def tree_depths(kv_end: Tensor) -> Tensor:
@@ -164,6 +181,9 @@ def attention(
         raise ValueError(
             'attn_implementation "treeattn" needs the pack\'s mask: call the model with kv_end=pack.kv_end'
         )
+    given: Optional[TreeMask] = None
+    if isinstance(kv_end, TreeMask):
+        given, kv_end = kv_end, kv_end.kv_end
     if not isinstance(kv_end, Tensor):
         raise ValueError(f"kv_end must be a torch.Tensor, got {type(kv_end).__name__}")
     if query.dim() != 4 or query.shape[0] != 1:
@@ -192,7 +212,13 @@ def attention(
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    o = tree_attention(q, k, v, kv_end.to(q.device), scale=scaling)
+    # One plan per pack, not per layer: validated once, and on CUDA uploaded
+    # once (no host copy, no synchronization in the other layers).
+    if given is not None and given.kv_end.device == q.device:
+        mask = given
+    else:
+        mask = _mask_plan(kwargs["kv_end"] if given is None else given.kv_end, kv_end, q.device)
+    o = tree_attention(q, k, v, mask, scale=scaling)
     return o[None], None
 
 

@@ -51,7 +51,13 @@ impl MaskPlan {
     /// tiles of [`PLAN_TILE`] keys — once; [`Self::mask`] then hands out the
     /// mask without checking again.
     pub fn new(kv_end: &[u32], position_ids: &[u32]) -> Result<Self> {
-        let mask = PackMask::new(kv_end, position_ids)?;
+        Ok(Self::from_mask(PackMask::new(kv_end, position_ids)?))
+    }
+
+    /// The plan of a mask already validated (a [`PackMask`] is valid by
+    /// construction): copies it and computes the tile bounds.
+    pub fn from_mask(mask: PackMask<'_>) -> Self {
+        let (kv_end, position_ids) = (mask.kv_end(), mask.position_ids());
         let (tile_kv_min, tile_kv_max) = kv_end
             .chunks(PLAN_TILE)
             .map(|t| {
@@ -60,7 +66,7 @@ impl MaskPlan {
                 (lo, hi)
             })
             .unzip();
-        Ok(MaskPlan {
+        MaskPlan {
             kv_end: kv_end.to_vec(),
             position_ids: position_ids.to_vec(),
             tile_kv_min,
@@ -69,7 +75,12 @@ impl MaskPlan {
             visible_pairs: mask.visible_pairs(),
             #[cfg(feature = "cuda")]
             device: Mutex::new(Vec::new()),
-        })
+        }
+    }
+
+    /// Whether the plan is of exactly this mask (element by element).
+    pub fn is_of(&self, mask: PackMask<'_>) -> bool {
+        self.kv_end == mask.kv_end() && self.position_ids == mask.position_ids()
     }
 
     /// The validated mask (borrowing the plan; not checked again).

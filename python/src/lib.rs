@@ -540,7 +540,8 @@ fn cuda_built() -> bool {
 /// loaded once per device into its primary context (torch's), no context
 /// or stream is created, nothing is copied. The pack's `kv_end` and
 /// position ids come as host buffers (checked there, uploaded on the
-/// stream per call).
+/// stream per call) or as a `MaskPlan` (its device copy, uploaded by its
+/// first call and then reused: no copy, no synchronization).
 #[cfg(feature = "cuda")]
 mod device {
     use super::*;

@@ -569,7 +569,7 @@ mod tests {
         });
         for name in fwd.chain(["tree_attn_kv_tile_bounds".to_string()]) {
             assert!(
-                PTXAS_REPORT.contains(name),
+                PTXAS_REPORT.contains(&name),
                 "{name} missing from the ptxas report"
             );
         }

@@ -326,6 +326,15 @@ fn emu_gpu_check_timing_only_and_seeded_replay() {
     let out = run(&["--timing-only", "--seed", "7", "--dump", d]);
     assert!(!out.contains("correctness"), "{out}");
     assert!(out.contains("timing packs and our times"), "{out}");
+    // The two dQ modes compared at the timing sizes.
+    let modes = out
+        .lines()
+        .find(|l| l.starts_with("atomic vs deterministic dQ on the timed packs"))
+        .unwrap_or_else(|| panic!("no dQ mode comparison in:\n{out}"));
+    assert!(
+        modes.ends_with("ok") && !modes.contains("over 0 packs"),
+        "{modes}"
+    );
     assert!(dump.join("manifest.json").exists() && dump.join("timing").exists());
     let o = Command::new(env!("CARGO_BIN_EXE_treeattn"))
         .args([

@@ -406,6 +406,13 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
             .unwrap_or(1)
     });
     let mut rng = Rng::new(seed);
+    // Before anything is printed or run: a dump that cannot be written
+    // stops the run. --timing-only writes only DIR/timing/, beside the dump
+    // of a --check-only run.
+    let mut dump = match opts.timing_only {
+        true => None,
+        false => opts.dump.as_deref().map(Dump::create).transpose()?,
+    };
     let device = be.describe()?;
     let _ = writeln!(
         rep,
@@ -425,7 +432,6 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
         // only DIR/timing/ is written here.
         return timings(be, &mut rng, opts, rep);
     }
-    let mut dump = opts.dump.as_deref().map(Dump::create).transpose()?;
     // Sizes: the GPU's, or the emulator's (it runs every thread of every
     // block on the CPU: a few hundred tokens per pack).
     let sz = |gpu: usize, emu: usize| if opts.small { emu } else { gpu };

@@ -560,7 +560,8 @@ mod device {
     ///
     /// Safety: every address is the data of a live contiguous tensor of
     /// the size the call says, on `device` (host buffers for kv_end and
-    /// position ids).
+    /// position ids, unless a plan is given).
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn attention(
         forward: bool,
         dtype: &str,

@@ -120,6 +120,17 @@
 #define TREEATTN_PACK_LOSS_LOGPROB 1
 
 /**
+ * A pack's mask plan (opaque): `kv_end` and the position ids validated
+ * once, with their key-tile bounds, built by [`treeattn_mask_create`] and
+ * freed by [`treeattn_mask_destroy`]. The `*_mask` attention entries take
+ * it in place of the two arrays: no call checks the mask again, and the
+ * device entries upload it once per device (by their first call, on that
+ * call's stream) and then copy nothing and synchronize nothing. It may be
+ * shared by threads; destroy it after the last call that uses it has run.
+ */
+typedef struct TreeattnMask TreeattnMask;
+
+/**
  * A packed conditioning tree (opaque): built by [`treeattn_pack_build`],
  * read with the getters, freed by [`treeattn_pack_free`].
  */
@@ -322,6 +333,21 @@ int32_t treeattn_attention_forward(TreeattnDtype dtype,
                                    void *lse);
 
 /**
+ * [`treeattn_attention_forward`] with the pack's plan `mask` (from
+ * [`treeattn_mask_create`], of `shape.tokens` tokens) in place of its
+ * `kv_end` and `position_ids`: the mask is not checked again.
+ */
+int32_t treeattn_attention_forward_mask(TreeattnDtype dtype,
+                                        const void *q,
+                                        const void *k,
+                                        const void *v,
+                                        struct TreeattnShape shape,
+                                        const struct TreeattnMask *mask,
+                                        const struct TreeattnParams *params,
+                                        void *o,
+                                        void *lse);
+
+/**
  * Tree attention backward on host memory, `dtype` `TREEATTN_F32` or
  * `TREEATTN_F64` (every buffer of that type): from the forward's inputs
  * (same shape, mask and params), its `o` and `lse`, and the output
@@ -342,6 +368,42 @@ int32_t treeattn_attention_backward(TreeattnDtype dtype,
                                     void *dq,
                                     void *dk,
                                     void *dv);
+
+/**
+ * [`treeattn_attention_backward`] with the pack's plan `mask` in place of
+ * its `kv_end` and `position_ids` (as [`treeattn_attention_forward_mask`]).
+ */
+int32_t treeattn_attention_backward_mask(TreeattnDtype dtype,
+                                         const void *q,
+                                         const void *k,
+                                         const void *v,
+                                         struct TreeattnShape shape,
+                                         const struct TreeattnMask *mask,
+                                         const struct TreeattnParams *params,
+                                         const void *o,
+                                         const void *lse,
+                                         const void *d_o,
+                                         void *dq,
+                                         void *dk,
+                                         void *dv);
+
+/**
+ * Builds the plan of a pack's mask ([`TreeattnMask`]) from its `kv_end`
+ * and `position_ids` (`tokens` entries each, host memory, copied;
+ * `position_ids` may be null: all zeros, for calls without rotary) into
+ * `*out`. Errors: `TREEATTN_ERR_PACK` for a `kv_end` outside
+ * `k <= kv_end[k] <= tokens` (the message names the key), null pointers.
+ */
+int32_t treeattn_mask_create(const uint32_t *kv_end,
+                             const uint32_t *position_ids,
+                             size_t tokens,
+                             struct TreeattnMask **out);
+
+/**
+ * Frees a mask plan (null is allowed and does nothing). No call may be
+ * using it, on the host or still queued on a device stream.
+ */
+void treeattn_mask_destroy(struct TreeattnMask *mask);
 
 /**
  * The fused SDCC forward KL on host memory. `dtype` `TREEATTN_F32` or
@@ -397,6 +459,25 @@ int32_t treeattn_cuda_attention_forward(TreeattnDtype dtype,
                                         float *lse);
 
 /**
+ * [`treeattn_cuda_attention_forward`] with the pack's plan `mask` (from
+ * `treeattn_mask_create`, of `shape.tokens` tokens) in place of its
+ * `kv_end` and `position_ids`: the plan is uploaded to `device` by its
+ * first device call (on that call's stream) and reused by every later
+ * one — no host-to-device copy, no synchronization.
+ */
+int32_t treeattn_cuda_attention_forward_mask(TreeattnDtype dtype,
+                                             int32_t device,
+                                             void *stream,
+                                             const void *q,
+                                             const void *k,
+                                             const void *v,
+                                             struct TreeattnShape shape,
+                                             const struct TreeattnMask *mask,
+                                             const struct TreeattnParams *params,
+                                             void *o,
+                                             float *lse);
+
+/**
  * Tree attention backward on device memory, `dtype` `TREEATTN_BF16` or
  * `TREEATTN_F16` as for the forward: from the forward's inputs (same
  * shape, pack and params), its `o` and `lse` (`float`) and the output
@@ -420,6 +501,27 @@ int32_t treeattn_cuda_attention_backward(TreeattnDtype dtype,
                                          void *dq,
                                          void *dk,
                                          void *dv);
+
+/**
+ * [`treeattn_cuda_attention_backward`] with the pack's plan `mask` in
+ * place of its `kv_end` and `position_ids` (as
+ * [`treeattn_cuda_attention_forward_mask`]).
+ */
+int32_t treeattn_cuda_attention_backward_mask(TreeattnDtype dtype,
+                                              int32_t device,
+                                              void *stream,
+                                              const void *q,
+                                              const void *k,
+                                              const void *v,
+                                              struct TreeattnShape shape,
+                                              const struct TreeattnMask *mask,
+                                              const struct TreeattnParams *params,
+                                              const void *o,
+                                              const float *lse,
+                                              const void *d_o,
+                                              void *dq,
+                                              void *dk,
+                                              void *dv);
 
 /**
  * The fused SDCC forward KL on device logits. `dtype` `TREEATTN_BF16`,

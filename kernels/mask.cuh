@@ -52,6 +52,24 @@ __device__ __forceinline__ uint32_t ta_key_end(const uint32_t* kv_end, uint32_t 
     return key < tokens ? kv_end[key] : 0u;
 }
 
+// The tile loader's skip (tile_load.cuh) for K and V rows: a key no query
+// sees (kv_end[k] == k, a padding key) is loaded as zeros, so that what it
+// holds never reaches a result (DESIGN §5). `maybe` is false when the key
+// tile holds no such key — min kv_end over the tile (tile_kv_min) at or past
+// the tile's end — and then kv_end is not read.
+struct TaUnseenKey {
+    const uint32_t* kv_end;
+    bool maybe;
+    __device__ __forceinline__ bool operator()(uint32_t key) const { return maybe && kv_end[key] <= key; }
+};
+
+// TaUnseenKey for key tile t of `block_n` keys.
+__device__ __forceinline__ TaUnseenKey ta_unseen_keys(const uint32_t* kv_end, const uint32_t* tile_kv_min,
+                                                      uint32_t t, uint32_t block_n, uint32_t tokens) {
+    const uint32_t k1 = (t + 1) * block_n < tokens ? (t + 1) * block_n : tokens;
+    return TaUnseenKey{kv_end, tile_kv_min[t] < k1};
+}
+
 // Whether `query` sees `key`, given the key's end from ta_key_end (a macro
 // for the reason above).
 #define TA_VISIBLE(key, key_end, query) ((key) <= (query) && (query) < (key_end))

@@ -13,15 +13,26 @@
 // from global memory, `g` itself stands in as the valid dummy source), so a
 // partial last tile computes with zeros and the kernels mask those rows.
 //
+// A row the caller's `skip(row)` names (a row that enters no visible pair:
+// a key no query sees, a query that sees no key) is zero-filled the same
+// way, so that a NaN or inf stored there never meets the zero probabilities
+// of its masked entries inside an mma (0 · NaN = NaN): non-finite values in
+// such rows are ignored, as the CPU backend ignores them (DESIGN §5).
+//
 // The caller commits the copies as one group (ta_cp_async_commit) and waits
 // for them (ta_cp_async_wait) before reading the tile.
 #pragma once
 
 #include "common.cuh"
 
-template <int Rows, int D, int RowStride, int Threads>
+// Skips no row.
+struct TaLoadAll {
+    __device__ __forceinline__ bool operator()(uint32_t) const { return false; }
+};
+
+template <int Rows, int D, int RowStride, int Threads, class Skip = TaLoadAll>
 __device__ __forceinline__ void ta_load_tile(uint16_t* smem, const uint16_t* __restrict__ g, uint32_t row0,
-                                             uint32_t tokens, uint32_t heads, uint32_t head) {
+                                             uint32_t tokens, uint32_t heads, uint32_t head, Skip skip = Skip{}) {
     constexpr int kChunks = D / 8;
     static_assert((Rows * kChunks) % Threads == 0, "whole copy rounds per tile");
 #pragma unroll
@@ -29,7 +40,7 @@ __device__ __forceinline__ void ta_load_tile(uint16_t* smem, const uint16_t* __r
         const int i = it * Threads + threadIdx.x;
         const int r = i / kChunks, c = i % kChunks;
         const uint32_t row = row0 + r;
-        const bool ok = row < tokens;
+        const bool ok = row < tokens && !skip(row);
         const uint16_t* src = ok ? g + ((size_t)row * heads + head) * D + c * 8 : g;
         ta_cp_async_16(smem + r * RowStride + c * 8, src, ok);
     }

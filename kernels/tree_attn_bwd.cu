@@ -89,7 +89,7 @@
 //   dPᵀ (32 x 32) = V dOᵀ    the same with V, dO
 //   dSᵀ = P̃ᵀ ∘ (dPᵀ − D) with P̃ the rounded Pᵀ (FlashAttention-2 keeps P in
 //        f32 for dS: one more rounding, 2^-9 (bf16) relative per element;
-//        the emulator errors are unchanged, tests/emu_bwd.rs)
+//        the emulator errors are unchanged, tests/it/emu_bwd.rs)
 //   dV (32 x D) += Pᵀ dO, dK += dSᵀ Q   A from registers, B by
 //        ldmatrix.x4.trans on dO / Q rows
 //   kv_end of the block's keys joins the K / V cp.async group, and each
@@ -241,6 +241,14 @@ __device__ __forceinline__ float ta_bwd_lse2(const TreeAttnBwdParams& p, uint32_
     return l < INFINITY ? l * TA_LOG2E : NAN;
 }
 
+// The tile loader's skip (tile_load.cuh) for Q and dO rows: a query that sees
+// no key (LSE = −inf) is loaded as zeros, so that what its rows hold never
+// reaches dK or dV through 0 · NaN (DESIGN §5); `lse` is the head's row.
+struct TaBlindQuery {
+    const float* lse;
+    __device__ __forceinline__ bool operator()(uint32_t row) const { return lse[row] == -INFINITY; }
+};
+
 // acc[n] = A Bᵀ for the warp: A is 16 rows of `a_rows` (row stride RS), B is
 // the N rows of `b_rows`, both [row][D] 16-bit in shared memory; acc is 16 x N
 // in C fragments (N / 8 n-tiles).
@@ -337,8 +345,11 @@ __device__ __forceinline__ void tree_attn_bwd_pre_body(const TreeAttnBwdParams& 
     const uint32_t row = uint32_t(item / p.q_heads), head = uint32_t(item % p.q_heads);
     const size_t at = ((size_t)row * p.q_heads + head) * D;
     float acc = 0.f;
+    // A row that sees no key has D = 0 whatever dO holds (DESIGN §5).
+    const bool blind = p.lse[(size_t)head * p.tokens + row] == -INFINITY;
 #pragma unroll
-    for (int j = ta_lane(); j < D; j += 32) acc += ta_to_f32<E>(p.o[at + j]) * ta_to_f32<E>(p.d_o[at + j]);
+    for (int j = ta_lane(); j < D && !blind; j += 32)
+        acc += ta_to_f32<E>(p.o[at + j]) * ta_to_f32<E>(p.d_o[at + j]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(TA_FULL_MASK, acc, o);
     if (ta_lane() == 0) p.delta[(size_t)head * p.tokens + row] = acc;
@@ -376,8 +387,9 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     const unsigned lane = ta_lane(), warp = threadIdx.x / 32;
     const unsigned g = lane >> 2, c = lane & 3;
 
-    ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, k0, L, p.kv_heads, kv_head);
-    ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, k0, L, p.kv_heads, kv_head);
+    const TaUnseenKey unseen = ta_unseen_keys(p.kv_end, p.tile_kv_min, tile, BN, L);
+    ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, k0, L, p.kv_heads, kv_head, unseen);
+    ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, k0, L, p.kv_heads, kv_head, unseen);
     // kv_end of the tile in the same cp.async group; keys past the pack are
     // seen by nobody (zero-filled).
     if (threadIdx.x < BN)
@@ -435,8 +447,9 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     // thread turns LSE into lse2 after its own wait: lse2_in_place.)
     static_assert(BM <= Tr::kThreads, "one row's LSE and D per thread");
     auto stage = [&](uint32_t head, uint32_t qt, int b) {
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head);
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head);
+        const TaBlindQuery blind{p.lse + (size_t)head * L};
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind);
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind);
         if (threadIdx.x < BM) {
             const uint32_t row = qt * BM + threadIdx.x;
             const size_t at = (size_t)head * L + (row < L ? row : 0);
@@ -613,7 +626,7 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
 // ---- dK, dV (and atomic dQ) per 128-key tile, two key m-tiles per warp -------------
 // (tree_attn_bwd_main2_*: the layout and its trade-off are at the top of the
 // file.) kFault is a test-only knob, instantiated for the emulator only
-// (negative controls, tests/emu_bwd.rs): 1 drops the barrier between the dSᵀ
+// (negative controls, tests/it/emu_bwd.rs): 1 drops the barrier between the dSᵀ
 // stores and the dQ matmul, 2 swaps the two key m-tiles' K fragments in Sᵀ.
 template <class Tr, bool kAtomicDq, int kFault = 0>
 __device__ __forceinline__ void tree_attn_bwd_main2_body(const TreeAttnBwdParams& p) {
@@ -643,8 +656,15 @@ __device__ __forceinline__ void tree_attn_bwd_main2_body(const TreeAttnBwdParams
     const unsigned lane = ta_lane(), warp = threadIdx.x / 32;
     const unsigned g = lane >> 2, c = lane & 3, mi = lane >> 3, ri = lane & 7;
 
-    ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, k0, L, p.kv_heads, kv_head);
-    ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, k0, L, p.kv_heads, kv_head);
+    // Keys no query sees load as zeros (DESIGN §5); kv_end is read only when
+    // one of the block's two 64-key bounds tiles may hold such a key.
+    const uint32_t bt0 = tile * 2;
+    const TaUnseenKey unseen{
+        p.kv_end, ta_unseen_keys(p.kv_end, p.tile_kv_min, bt0, BN / 2, L).maybe ||
+                      (bt0 + 1 < p.num_key_tiles &&
+                       ta_unseen_keys(p.kv_end, p.tile_kv_min, bt0 + 1, BN / 2, L).maybe)};
+    ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, k0, L, p.kv_heads, kv_head, unseen);
+    ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, k0, L, p.kv_heads, kv_head, unseen);
     // kv_end of the tile in the same cp.async group (keys past the pack
     // zero-filled: seen by nobody).
     static_assert(BN == Tr::kThreads, "one kv_end per thread");
@@ -681,8 +701,10 @@ __device__ __forceinline__ void tree_attn_bwd_main2_body(const TreeAttnBwdParams
     // (lse2_in_place), before the barrier that publishes the tile.
     static_assert(BM <= Tr::kThreads, "one row's LSE and D per thread");
     auto stage = [&](uint32_t head, uint32_t qt, int b) {
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head);
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head);
+        // Queries that see no key load as zeros (DESIGN §5).
+        const TaBlindQuery blind{p.lse + (size_t)head * L};
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind);
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind);
         if (threadIdx.x < BM) {
             const uint32_t row = qt * BM + threadIdx.x;
             const size_t at = (size_t)head * L + (row < L ? row : 0);
@@ -992,13 +1014,15 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
         return ta_next_visible_tile(p.tile_kv_max, t, t_end, q0);
     };
 
-    ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
-    ta_load_tile<BM, D, RS, Tr::kThreads>(sdo, p.d_o, q0, L, p.q_heads, head);
+    const TaBlindQuery blind{p.lse + (size_t)head * L};
+    ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head, blind);
+    ta_load_tile<BM, D, RS, Tr::kThreads>(sdo, p.d_o, q0, L, p.q_heads, head, blind);
     ta_cp_async_commit();
     uint32_t t = next_tile(0);
     if (t < t_end) {
-        ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, t * BN, L, p.kv_heads, kv_head);
-        ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head);
+        const TaUnseenKey unseen = ta_unseen_keys(p.kv_end, p.tile_kv_min, t, BN, L);
+        ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, t * BN, L, p.kv_heads, kv_head, unseen);
+        ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head, unseen);
     }
     ta_cp_async_commit();
     ta_cp_async_wait<1>();  // Q, dO have landed
@@ -1021,10 +1045,11 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     while (t < t_end) {
         const uint32_t tn = next_tile(t + 1);
         if (tn < t_end) {
+            const TaUnseenKey unseen = ta_unseen_keys(p.kv_end, p.tile_kv_min, tn, BN, L);
             ta_load_tile<BN, D, RS, Tr::kThreads>(sk + (buf ^ 1) * Tr::kTileElems, p.k, tn * BN, L, p.kv_heads,
-                                                      kv_head);
+                                                      kv_head, unseen);
             ta_load_tile<BN, D, RS, Tr::kThreads>(sv + (buf ^ 1) * Tr::kTileElems, p.v, tn * BN, L, p.kv_heads,
-                                                      kv_head);
+                                                      kv_head, unseen);
         }
         ta_cp_async_commit();
         ta_cp_async_wait<1>();  // tile t has landed

@@ -83,7 +83,9 @@
 //           (TA_TILE_FULL, mask.cuh);
 //   partial otherwise: S[q][k] = −inf unless k < L and k <= q < kv_end[k]
 //           (ta_key_end, TA_VISIBLE).
-// Padding keys (kv_end[k] == k) are seen by nobody, their tiles are partial.
+// Padding keys (kv_end[k] == k) are seen by nobody, their tiles are partial;
+// their V rows are loaded as zeros (TaUnseenKey, mask.cuh), so that a NaN
+// there never enters P V as 0 · NaN (their K rows only reach masked scores).
 // Rows and keys past L are zero-filled on load, masked, and never stored.
 //
 // Online softmax (per row, over tiles): m = running max of S (raw units),
@@ -196,7 +198,8 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     uint32_t t = next_tile(0);
     if (t < t_end) {
         ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, t * BN, L, p.kv_heads, kv_head);
-        ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head);
+        ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head,
+                                              ta_unseen_keys(p.kv_end, p.tile_kv_min, t, BN, L));
         stage_bounds(t, 0);
     }
     ta_cp_async_commit();
@@ -252,7 +255,7 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
             ta_load_tile<BN, D, RS, Tr::kThreads>(sk + (buf ^ 1) * Tr::kKvElems, p.k, tn * BN, L, p.kv_heads,
                                                   kv_head);
             ta_load_tile<BN, D, RS, Tr::kThreads>(sv + (buf ^ 1) * Tr::kKvElems, p.v, tn * BN, L, p.kv_heads,
-                                                  kv_head);
+                                                  kv_head, ta_unseen_keys(p.kv_end, p.tile_kv_min, tn, BN, L));
             stage_bounds(tn, buf ^ 1);
         }
         ta_cp_async_commit();

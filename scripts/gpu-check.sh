@@ -2,39 +2,40 @@
 # GPU check of the CUDA tree-attention kernels and SDCC, for a machine with
 # an NVIDIA GPU and no Rust toolchain: the treeattn binary is built here, with
 #     cargo build --release --features cuda
-# and carried (target/release/treeattn). One call, under 10 minutes:
-#   1. what the machine is (read-only nvidia-smi query; nothing is changed);
-#   2. `treeattn gpu-check`: the kernel against an f64 reference on fresh
-#      random packs (trees, forests with padding, varlen, causal, a GRPO fan;
-#      GQA; d 64 and 128; bf16 and f16; outputs poisoned, every element
-#      checked), then timings of tree packs against a causal run of the same
-#      kernel and size (CUDA events, warm-up, median, inputs > L2); then the
-#      backward (both dQ modes, rotary) and SDCC against the CPU backend,
-#      forward+backward timed against causal and LogitTree's K+1 branch
-#      passes, and SDCC fused against its unfused baseline;
-#      every correctness case's pack, inputs and outputs are dumped
-#      (`--dump`, before any timing);
-#   3. scripts/gpu-anchor.py on that dump: PyTorch on the very same packs —
-#      SDPA with the dense mask (float32 reference, autograd gradients),
-#      FlexAttention compiled (forward and backward), SDPA causal (flash) of
-#      the same length — errors against ours and one side-by-side table of
-#      timings;
-#   4. the host-stream entries from their hosts, when scripts/gpu-build.sh
+# and carried (target/release/treeattn). One call, under 10 minutes, in an
+# order that keeps the most information if a kernel faults:
+#   1. the machine (read-only nvidia-smi: name, driver, clocks; nothing is
+#      changed);
+#   2. compute-sanitizer memcheck and synccheck early, on a small
+#      correctness-only run (`gpu-check --check-only --small`; the kernels
+#      carry -lineinfo, so reports name source lines);
+#   3. correctness as its own process with CUDA_LAUNCH_BLOCKING=1 (a fault
+#      names its kernel): `gpu-check --check-only --seed S --dump DIR`, the
+#      forward against an f64 reference on fresh random packs (trees,
+#      padding, varlen, causal, GRPO fans, one with a > 2k-token prompt,
+#      ~4.3k tokens with 16 / 4 heads; d 64 and 128; bf16 and f16), the
+#      backward (both dQ modes, rotary) and SDCC; on a failure, memcheck
+#      at once on the same sizes and seed (`--check-only --seed S`; the
+#      emulator replays the packs with `--backend emu --check-only --seed S`);
+#   4. timing as a second process (`gpu-check --timing-only --seed S`),
+#      nvidia-smi clocks logged before and after; the two gpu-check
+#      processes are capped near 180 s together (GPU_CHECK_CAP);
+#   5. scripts/gpu-anchor.py on the dump: PyTorch (SDPA, FlexAttention) on
+#      the very same packs, errors against ours and timings side by side;
+#   6. the host-stream entries from their hosts when scripts/gpu-build.sh
 #      built them into target/gpu-carry (GPU_CARRY): the C program
-#      capi/tests/c/device.c and python/tests/test_cuda.py with the cuda
-#      wheel; and the candle op's device test where cargo exists;
-#   5. ncu (--clock-control none) on the forward and backward main kernels
-#      of one random-tree pack (`gpu-check --profile`): speed of light,
-#      tensor-pipe use, shared-memory bank conflicts, stall reasons;
-#   6. last, compute-sanitizer memcheck, racecheck, synccheck and initcheck
-#      on a small correctness-only run (`gpu-check --check-only --small`;
-#      the kernels carry -lineinfo, so reports name source lines).
+#      capi/tests/c/device.c, python/tests/test_cuda.py with the cuda wheel,
+#      the candle op's device test where cargo exists;
+#   7. ncu (--clock-control none) on the forward and backward main kernels
+#      (`gpu-check --profile`);
+#   8. last, compute-sanitizer racecheck and initcheck on the small run.
 # Every section prints as it goes (flushed) and a failing section does not
-# stop the next. The same flow runs on CPU machines first:
+# stop the next. Everything goes to one combined log, $OUT/gpu-check.log
+# when OUT is set (a GPU run brings back at most 8 files: this script writes
+# that one and nothing else there; the dump, large, goes to GPU_CHECK_DUMP
+# or a temporary folder). The same flow runs on CPU machines first:
 # `treeattn gpu-check --backend emu --dump DIR` then
 # `python3 scripts/gpu-anchor.py DIR` (.ci/run, tests/it/gpu_check_emu.rs).
-# Logs also go to $OUT when it is set (the dump does not: it is large; set
-# GPU_CHECK_DUMP to keep it somewhere).
 #
 # Environment: TREEATTN_BIN (default target/release/treeattn), GPU_CHECK_ARGS
 # (extra arguments for gpu-check, e.g. "--tokens 16384 --heads 16 --reps 50"),
@@ -45,7 +46,9 @@
 # fit is skipped with a line, so the late ones — ncu, the sanitizer — may
 # need a second call: GPU_CHECK_ONLY="ncu sanitizer" runs just those),
 # GPU_CHECK_ONLY (space-separated sections among: check anchor hosts ncu
-# sanitizer; default all).
+# sanitizer; default all), GPU_CHECK_SEED (the seed S; default the clock),
+# GPU_CHECK_CAP (seconds for the correctness and timing processes
+# together, default 180).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -71,15 +74,22 @@ if [ -z "${TREEATTN_BIN:-}" ] && [ -x "$CARRY/treeattn" ]; then
 else
     BIN=${TREEATTN_BIN:-target/release/treeattn}
 fi
-LOG_DIR=${OUT:-$(mktemp -d)}
+# One combined log: everything below is printed and kept in it.
+LOG=${OUT:+$OUT/gpu-check.log}
+LOG=${LOG:-$(mktemp -d)/gpu-check.log}
+exec > >(tee "$LOG") 2>&1
 if [ ! -x "$BIN" ]; then
     echo "no treeattn binary at $BIN: build it with 'cargo build --release --features cuda' and carry it" >&2
     exit 2
 fi
 
 echo "== machine"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 | head -5
+CLOCKS=name,driver_version,memory.total,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,clocks_throttle_reasons.active,temperature.gpu,power.draw
+nvidia-smi --query-gpu=$CLOCKS --format=csv 2>&1 | head -5
 date -u
+SEED=${GPU_CHECK_SEED:-$(date +%s)}
+CAP=${GPU_CHECK_CAP:-180}
+echo "seed $SEED (replay: $BIN gpu-check --check-only --seed $SEED; on a CPU: --backend emu)"
 
 rc=0
 # gate SECTION NAME CAP RESERVE: sets t, the next section's timeout (see
@@ -94,26 +104,65 @@ gate() {
     [ "$t" -eq 0 ] && { skip_line "$2"; return 1; }
     return 0
 }
-# logged NAME LOG CMD...: runs CMD under the timeout t, printing its output
-# as it goes and keeping it in $LOG_DIR/LOG; a failure is reported and
-# fails the call (rc), the next sections still run.
+# logged NAME CMD...: runs CMD under the timeout t (its output goes to the
+# combined log as it comes); a failure is reported and fails the call (rc),
+# the next sections still run. Returns CMD's status.
 logged() {
-    local name=$1 log=$2
-    shift 2
-    timeout "$t" "$@" 2>&1 | tee "$LOG_DIR/$log"
-    local s=${PIPESTATUS[0]}
+    local name=$1
+    shift
+    timeout "$t" "$@"
+    local s=$?
     [ "$s" -ne 0 ] && { echo "$name: exit $s"; rc=1; }
-    return 0
+    return $s
+}
+# sanitize TOOL ARGS...: compute-sanitizer TOOL on `gpu-check ARGS`.
+sanitize() {
+    local tool=$1
+    shift
+    if command -v compute-sanitizer >/dev/null; then
+        logged "compute-sanitizer $tool" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            --print-limit 20 "$BIN" gpu-check "$@"
+    else
+        echo "skipped: no compute-sanitizer on PATH"
+    fi
 }
 
+# Early: memcheck and synccheck on the small correctness run, so that a
+# fault is found with its source line even if a later section takes the
+# context down.
+for tool in memcheck synccheck; do
+    echo "== compute-sanitizer --tool $tool (gpu-check --check-only --small --seed 1)"
+    gate sanitizer "compute-sanitizer $tool" 60 300 && sanitize "$tool" --check-only --small --seed 1
+done
+
 DUMP=${GPU_CHECK_DUMP:-$(mktemp -d)/gpu-check-dump}
-echo "== treeattn gpu-check --dump $DUMP"
-gate check "gpu-check" 300 200
+CHECK_START=$SECONDS
+echo "== correctness: CUDA_LAUNCH_BLOCKING=1 treeattn gpu-check --check-only --seed $SEED --dump $DUMP"
+gate check "gpu-check --check-only" $((CAP * 2 / 3)) 200
 case $? in
     # shellcheck disable=SC2086
-    0) logged gpu-check gpu-check.log "$BIN" gpu-check --dump "$DUMP" ${GPU_CHECK_ARGS:-} ;;
+    0)
+        if ! logged gpu-check-correctness env CUDA_LAUNCH_BLOCKING=1 \
+            "$BIN" gpu-check --check-only --seed "$SEED" --dump "$DUMP" ${GPU_CHECK_ARGS:-}; then
+            echo "== correctness failed: compute-sanitizer memcheck at once, same sizes and seed"
+            gate check "memcheck on the failing run" 120 150 && sanitize memcheck --check-only --seed "$SEED"
+        fi
+        ;;
     1) rc=1 ;;  # the main check did not run for lack of time: a failed call
 esac
+
+echo "== timing: treeattn gpu-check --timing-only --seed $SEED --dump $DUMP"
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks_throttle_reasons.active,temperature.gpu,power.draw \
+    --format=csv,noheader 2>&1 | sed 's/^/clocks before timing: /'
+left_cap=$((CAP - (SECONDS - CHECK_START)))
+if [ "$left_cap" -lt 20 ]; then
+    echo "skipped: the correctness process used the gpu-check cap ($CAP s)"
+elif gate check "gpu-check --timing-only" "$left_cap" 150; then
+    # shellcheck disable=SC2086
+    logged gpu-check-timing "$BIN" gpu-check --timing-only --seed "$SEED" --dump "$DUMP" ${GPU_CHECK_ARGS:-}
+fi
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks_throttle_reasons.active,temperature.gpu,power.draw \
+    --format=csv,noheader 2>&1 | sed 's/^/clocks after timing: /'
 
 echo "== scripts/gpu-anchor.py $DUMP (PyTorch SDPA / FlexAttention on the same packs)"
 # The correctness comparisons with eager FlexAttention (a compile per case
@@ -123,7 +172,7 @@ echo "== scripts/gpu-anchor.py $DUMP (PyTorch SDPA / FlexAttention on the same p
 if gate anchor "gpu-anchor.py" 200 100; then
     if [ -f "$DUMP/manifest.json" ]; then
         # shellcheck disable=SC2086
-        logged gpu-anchor.py gpu-anchor.log "${PYTHON:-python3}" -u scripts/gpu-anchor.py "$DUMP" \
+        logged gpu-anchor.py "${PYTHON:-python3}" -u scripts/gpu-anchor.py "$DUMP" \
             --no-case-timing --flex-check eager --timing-budget $((t - 40 > 20 ? t - 40 : 20)) ${GPU_ANCHOR_ARGS:-}
     else
         echo "no dump at $DUMP (gpu-check stopped before its correctness sections ended): gpu-anchor.py not run"
@@ -137,7 +186,7 @@ fi
 echo "== C host on the device (capi/tests/c/device.c: its context, memory and stream)"
 if gate hosts "the C host" 30 60; then
     if [ -x "$CARRY/capi-device" ]; then
-        logged capi-device capi-device.log "$CARRY/capi-device" --require-gpu
+        logged capi-device "$CARRY/capi-device" --require-gpu
     else
         echo "skipped: no $CARRY/capi-device (run scripts/gpu-build.sh and carry $CARRY)"
     fi
@@ -152,7 +201,7 @@ if gate hosts "test_cuda.py" 120 60; then
         "$venv/bin/python" -c "import pytest" 2>/dev/null \
             || "$venv/bin/python" -m pip install --quiet --no-index --find-links "$CARRY/wheels" pytest
         "$venv/bin/python" -m pip install --quiet --no-deps --no-index "$wheel"
-        logged "python test_cuda" python-cuda.log env -C python/tests \
+        logged "python test_cuda" env -C python/tests \
             "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs test_cuda.py
     else
         echo "skipped: no wheel in $CARRY (run scripts/gpu-build.sh and carry $CARRY)"
@@ -164,7 +213,7 @@ echo "== candle op on CUDA tensors (tests/candle_op.rs cuda_op_matches_the_cpu_o
 # it is built and run here, where a Rust toolchain exists.
 if gate hosts "the candle device test" 300 60; then
     if command -v cargo >/dev/null; then
-        logged "candle cuda test" candle-cuda.log cargo test --release --features candle-cuda --test candle_op \
+        logged "candle cuda test" cargo test --release --features candle-cuda --test candle_op \
             cuda_op_matches_the_cpu_op -- --nocapture
     else
         echo "skipped: no Rust toolchain on this machine (the candle CUDA test must be linked where libcuda and cuBLAS exist)"
@@ -176,7 +225,7 @@ echo "== ncu --clock-control none: forward and backward main kernels of one rand
 # kernel only (-c 2: the forward, then the backward's main kernel).
 if gate ncu "ncu" 90 45; then
     if command -v ncu >/dev/null; then
-        logged ncu ncu.log ncu --clock-control none -k 'regex:^tree_attn_(fwd|bwd_main)' -c 2 \
+        logged ncu ncu --clock-control none -k 'regex:^tree_attn_(fwd|bwd_main)' -c 2 \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
             --section WarpStateStats --section Occupancy --section LaunchStats \
             "$BIN" gpu-check --profile --tokens 16384 --heads 16
@@ -185,18 +234,12 @@ if gate ncu "ncu" 90 45; then
     fi
 fi
 
-# Last: each tool on a small correctness-only run (sanitized kernels run
-# 10-100x slower); a tool's report ends in "ERROR SUMMARY: N errors"
-# (printed in full: --print-limit 20 keeps it short).
-for tool in memcheck racecheck synccheck initcheck; do
-    echo "== compute-sanitizer --tool $tool (gpu-check --check-only --small)"
-    gate sanitizer "compute-sanitizer $tool" 90 0 || continue
-    if command -v compute-sanitizer >/dev/null; then
-        logged "compute-sanitizer $tool" "sanitizer-$tool.log" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-            --print-limit 20 "$BIN" gpu-check --check-only --small --seed 1
-    else
-        echo "skipped: no compute-sanitizer on PATH"
-    fi
+# Last: racecheck and initcheck on the small correctness-only run
+# (sanitized kernels run 10-100x slower); a tool's report ends in
+# "ERROR SUMMARY: N errors" (--print-limit 20 keeps it short).
+for tool in racecheck initcheck; do
+    echo "== compute-sanitizer --tool $tool (gpu-check --check-only --small --seed 1)"
+    gate sanitizer "compute-sanitizer $tool" 90 0 && sanitize "$tool" --check-only --small --seed 1
 done
-echo "== done in $((SECONDS - START)) s of a $BUDGET s budget"
+echo "== done in $((SECONDS - START)) s of a $BUDGET s budget; log: $LOG"
 exit $rc

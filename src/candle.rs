@@ -16,6 +16,13 @@
 //! LSE); the kernels are loaded once per CUDA context. f32 / f64 CUDA
 //! tensors are an error (cast them: nothing is cast silently).
 //!
+//! The mask is planned once per pack ([`crate::plan::MaskPlan`]): the op
+//! keeps the plan for its backward, [`tree_attention`] reuses the plan of
+//! the last pack it saw when it is given the same mask again (every layer of
+//! a model), and [`tree_attention_plan`] takes a plan the caller holds. On
+//! CUDA the plan's device copy is uploaded by its first call and shared by
+//! the others (no copy, no synchronization per layer).
+//!
 //! ```
 //! use candle_core::{Device, Tensor, Var};
 //! use treeattn::backend::AttnParams;
@@ -33,7 +40,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
@@ -41,6 +48,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use crate::backend::cpu::{Cpu, CpuFloat};
 use crate::backend::{AttnArgs, AttnOut, AttnParams, AttnShape, HostAttention};
 use crate::mask::PackMask;
+use crate::plan::MaskPlan;
 
 /// Tree attention on a pack as a differentiable candle op; see the module
 /// docs. Errors (as `candle_core::Error`, the message of the crate's
@@ -55,6 +63,35 @@ pub fn tree_attention(
     mask: &PackMask<'_>,
     params: &AttnParams,
 ) -> candle_core::Result<Tensor> {
+    tree_attention_plan(q, k, v, &plan_for(*mask), params)
+}
+
+/// The plan of `mask`, cached per pack: the plan [`tree_attention`] built
+/// last when `mask` is the same pack (compared element by element, `O(L)`),
+/// else a new one, which becomes the cached one. One process-wide entry:
+/// the layers of a model's forward and backward all hit it.
+pub fn plan_for(mask: PackMask<'_>) -> Arc<MaskPlan> {
+    static LAST: Mutex<Option<Arc<MaskPlan>>> = Mutex::new(None);
+    let mut last = LAST.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(plan) = last.as_ref().filter(|p| p.is_of(mask)) {
+        return plan.clone();
+    }
+    let plan = Arc::new(MaskPlan::from_mask(mask));
+    *last = Some(plan.clone());
+    plan
+}
+
+/// [`tree_attention`] on a pack's plan the caller holds (build it once per
+/// pack with [`MaskPlan::new`] and pass it to every layer): the mask is not
+/// checked, copied or, on CUDA, uploaded again.
+pub fn tree_attention_plan(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    plan: &Arc<MaskPlan>,
+    params: &AttnParams,
+) -> candle_core::Result<Tensor> {
+    let mask = plan.mask();
     let (tokens, q_heads, head_dim) = q.dims3()?;
     let (_, kv_heads, _) = k.dims3()?;
     let shape = AttnShape {
@@ -96,8 +133,7 @@ pub fn tree_attention(
         ))));
     }
     let op = TreeAttention {
-        kv_end: mask.kv_end().to_vec(),
-        position_ids: mask.position_ids().to_vec(),
+        plan: plan.clone(),
         shape,
         params: *params,
         lse: Mutex::new(None),
@@ -119,11 +155,10 @@ enum Lse {
     Device(cudarc::driver::CudaSlice<f32>),
 }
 
-/// The op: an owned copy of the pack's mask (candle keeps the op until the
+/// The op: the pack's plan (shared; candle keeps the op until the
 /// backward), the sizes, the parameters and the forward's LSE.
 struct TreeAttention {
-    kv_end: Vec<u32>,
-    position_ids: Vec<u32>,
+    plan: Arc<MaskPlan>,
     shape: AttnShape,
     params: AttnParams,
     lse: Mutex<Option<Lse>>,
@@ -144,8 +179,7 @@ impl TreeAttention {
         k: &'a [T],
         v: &'a [T],
     ) -> candle_core::Result<AttnArgs<'a, crate::backend::Host, T>> {
-        let mask = PackMask::new(&self.kv_end, &self.position_ids).map_err(err)?;
-        AttnArgs::new(q, k, v, self.shape, mask, self.params).map_err(err)
+        AttnArgs::new(q, k, v, self.shape, self.plan.mask(), self.params).map_err(err)
     }
 
     fn forward<T: CpuFloat>(
@@ -345,7 +379,6 @@ mod device {
     use crate::backend::cuda::host::RawAttention;
     use crate::backend::cuda::{CudaBackend, DevicePack};
     use crate::backend::launch::KernelElem;
-    use crate::mask::PackMask;
 
     /// The kernels for `stream`'s context (loaded once per context),
     /// launching on `stream`.
@@ -367,9 +400,10 @@ mod device {
         be.map_err(err)
     }
 
-    fn upload(op: &TreeAttention, be: &CudaBackend) -> candle_core::Result<DevicePack> {
-        let mask = PackMask::new(&op.kv_end, &op.position_ids).map_err(err)?;
-        be.upload_pack(mask).map_err(err)
+    /// The plan's device copy: uploaded by its first call on this context,
+    /// then shared (no copy, no synchronization).
+    fn upload(op: &TreeAttention, be: &CudaBackend) -> candle_core::Result<Arc<DevicePack>> {
+        op.plan.on_device(be).map_err(err)
     }
 
     /// The device address of a contiguous candle buffer's first element.

@@ -64,6 +64,7 @@ pub mod model;
 pub mod ops;
 pub mod pack;
 pub mod paths;
+pub mod plan;
 pub mod rl;
 pub mod rng;
 pub mod rollout;

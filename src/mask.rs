@@ -59,6 +59,16 @@ impl<'a> PackMask<'a> {
         })
     }
 
+    /// A mask already validated by [`PackMask::new`] (a
+    /// [`crate::plan::MaskPlan`] keeps only validated data).
+    pub(crate) fn trusted(kv_end: &'a [u32], position_ids: &'a [u32]) -> Self {
+        debug_assert!(PackMask::new(kv_end, position_ids).is_ok());
+        PackMask {
+            kv_end,
+            position_ids,
+        }
+    }
+
     /// `kv_end[k]`: key `k` is seen by the queries `k <= q < kv_end[k]`.
     pub fn kv_end(&self) -> &'a [u32] {
         self.kv_end
@@ -93,6 +103,32 @@ impl<'a> PackMask<'a> {
             .enumerate()
             .map(|(k, &e)| e as u64 - k as u64)
             .sum()
+    }
+
+    /// Per key: whether no query sees it (`kv_end[k] == k`, a padding key).
+    /// Its K and V rows enter no visible pair, and every backend ignores
+    /// what they hold (DESIGN §5).
+    pub fn unseen_keys(&self) -> Vec<bool> {
+        self.kv_end
+            .iter()
+            .enumerate()
+            .map(|(k, &e)| e as usize <= k)
+            .collect()
+    }
+
+    /// Per query row: whether it sees no key (`max_{k <= q} kv_end[k] <= q`;
+    /// its O is 0 and its LSE `−inf`). Its Q and dO rows enter no visible
+    /// pair, and every backend ignores what they hold (DESIGN §5).
+    pub fn blind_queries(&self) -> Vec<bool> {
+        let mut reach = 0u32;
+        self.kv_end
+            .iter()
+            .enumerate()
+            .map(|(q, &e)| {
+                reach = reach.max(e);
+                reach as usize <= q
+            })
+            .collect()
     }
 
     /// A 64-bit FNV-1a fingerprint of `kv_end` and `position_ids`. Ops store

@@ -342,3 +342,42 @@ fn cuda_op_matches_the_cpu_op() -> R<()> {
     }
     Ok(())
 }
+
+/// The mask is planned once per pack: `tree_attention` called again with
+/// the same pack (every layer) reuses the cached plan, another pack gets
+/// its own; `tree_attention_plan` on a plan the caller holds gives the same
+/// output and gradients bit for bit. Negative control: the cache tells
+/// packs apart (a changed position id is another plan).
+#[test]
+fn the_mask_plan_is_built_once_per_pack_and_reused() -> R<()> {
+    use std::sync::Arc;
+    use treeattn::candle::{plan_for, tree_attention_plan};
+    use treeattn::plan::MaskPlan;
+    let (kv_end, pos) = ([5u32, 3, 3, 5, 5], [0u32, 1, 2, 1, 2]);
+    let mask = PackMask::new(&kv_end, &pos).unwrap();
+    let a = plan_for(mask);
+    assert!(Arc::ptr_eq(&a, &plan_for(mask)));
+    let pos2 = [0u32, 1, 2, 1, 3];
+    let other = plan_for(PackMask::new(&kv_end, &pos2).unwrap());
+    assert!(!Arc::ptr_eq(&a, &other) && other.mask().position_ids() == pos2);
+    let mut rng = Rng::new(11);
+    let q = Var::from_tensor(&random(&mut rng, &[5, 2, 8], DType::F64)?)?;
+    let k = Var::from_tensor(&random(&mut rng, &[5, 1, 8], DType::F64)?)?;
+    let v = random(&mut rng, &[5, 1, 8], DType::F64)?;
+    let p = AttnParams {
+        rope: Some(Rope {
+            base: 100.0,
+            dims: 8,
+        }),
+        ..AttnParams::new(8)
+    };
+    let plan = Arc::new(MaskPlan::new(&kv_end, &pos).unwrap());
+    let o1 = tree_attention(&q, &k, &v, &mask, &p)?;
+    let o2 = tree_attention_plan(&q, &k, &v, &plan, &p)?;
+    assert_eq!(max_diff(&o1, &o2), 0.0);
+    let (g1, g2) = (o1.sum_all()?.backward()?, o2.sum_all()?.backward()?);
+    for x in [q.as_tensor(), k.as_tensor()] {
+        assert_eq!(max_diff(g1.get(x).unwrap(), g2.get(x).unwrap()), 0.0);
+    }
+    Ok(())
+}

@@ -18,7 +18,9 @@
 
 use std::ffi::c_void;
 
-use crate::{check_dtype, guard, AttnCall, AttnGrads, Fail, TreeattnDtype, TreeattnParams};
+use crate::{
+    check_dtype, guard, AttnCall, AttnGrads, Fail, TreeattnDtype, TreeattnMask, TreeattnParams,
+};
 #[cfg(feature = "cuda")]
 use crate::{null, params_of, shape_of, slice};
 use crate::{TreeattnSdccLoss, TreeattnShape, TREEATTN_BF16, TREEATTN_F16, TREEATTN_F32};
@@ -82,11 +84,19 @@ unsafe fn with_device_call(
             return Err(null(what));
         }
     }
-    let kv_end = slice("kv_end", c.kv_end, shape.tokens)?;
-    let pos = slice("position_ids", c.position_ids, shape.tokens)?;
-    let mask = PackMask::new(kv_end, pos)?;
+    let plan = crate::call_plan(c.mask, shape.tokens)?;
     let be = device_backend(device, stream)?;
-    let pack = be.upload_pack(mask)?;
+    // With a plan: its device copy (uploaded by its first call on this
+    // device, then shared: no copy, no synchronization). Without: the
+    // arrays checked and uploaded per call.
+    let pack = match plan {
+        Some(plan) => plan.on_device(&be)?,
+        None => {
+            let kv_end = slice("kv_end", c.kv_end, shape.tokens)?;
+            let pos = slice("position_ids", c.position_ids, shape.tokens)?;
+            std::sync::Arc::new(be.upload_pack(PackMask::new(kv_end, pos)?)?)
+        }
+    };
     let call = host::RawAttention {
         q: c.q as u64,
         k: c.k as u64,
@@ -165,7 +175,6 @@ pub unsafe extern "C" fn treeattn_cuda_attention_forward(
     o: *mut c_void,
     lse: *mut f32,
 ) -> i32 {
-    const ENTRY: &str = "treeattn_cuda_attention_forward";
     let c = AttnCall {
         q,
         k,
@@ -173,10 +182,75 @@ pub unsafe extern "C" fn treeattn_cuda_attention_forward(
         shape,
         kv_end,
         position_ids,
+        mask: std::ptr::null(),
         params,
     };
+    device_forward(
+        "treeattn_cuda_attention_forward",
+        dtype,
+        device,
+        stream,
+        c,
+        o,
+        lse,
+    )
+}
+
+/// [`treeattn_cuda_attention_forward`] with the pack's plan `mask` (from
+/// `treeattn_mask_create`, of `shape.tokens` tokens) in place of its
+/// `kv_end` and `position_ids`: the plan is uploaded to `device` by its
+/// first device call (on that call's stream) and reused by every later
+/// one — no host-to-device copy, no synchronization.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn treeattn_cuda_attention_forward_mask(
+    dtype: TreeattnDtype,
+    device: i32,
+    stream: *mut c_void,
+    q: *const c_void,
+    k: *const c_void,
+    v: *const c_void,
+    shape: TreeattnShape,
+    mask: *const TreeattnMask,
+    params: *const TreeattnParams,
+    o: *mut c_void,
+    lse: *mut f32,
+) -> i32 {
+    if mask.is_null() {
+        return guard(|| Err(crate::null("mask")));
+    }
+    let c = AttnCall {
+        q,
+        k,
+        v,
+        shape,
+        kv_end: std::ptr::null(),
+        position_ids: std::ptr::null(),
+        mask,
+        params,
+    };
+    device_forward(
+        "treeattn_cuda_attention_forward_mask",
+        dtype,
+        device,
+        stream,
+        c,
+        o,
+        lse,
+    )
+}
+
+unsafe fn device_forward(
+    entry: &'static str,
+    dtype: TreeattnDtype,
+    device: i32,
+    stream: *mut c_void,
+    c: AttnCall,
+    o: *mut c_void,
+    lse: *mut f32,
+) -> i32 {
     guard(|| {
-        check_dtype(ENTRY, dtype, &ATTENTION_DTYPES)?;
+        check_dtype(entry, dtype, &ATTENTION_DTYPES)?;
         #[cfg(feature = "cuda")]
         return match dtype {
             TREEATTN_BF16 => forward::<treeattn::half::bf16>(device, stream, c, o, lse),
@@ -185,7 +259,7 @@ pub unsafe extern "C" fn treeattn_cuda_attention_forward(
         #[cfg(not(feature = "cuda"))]
         {
             let _ = (device, stream, c, o, lse);
-            Err(no_cuda(ENTRY))
+            Err(no_cuda(entry))
         }
     })
 }
@@ -216,7 +290,6 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward(
     dk: *mut c_void,
     dv: *mut c_void,
 ) -> i32 {
-    const ENTRY: &str = "treeattn_cuda_attention_backward";
     let c = AttnCall {
         q,
         k,
@@ -224,6 +297,7 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward(
         shape,
         kv_end,
         position_ids,
+        mask: std::ptr::null(),
         params,
     };
     let g = AttnGrads {
@@ -234,8 +308,79 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward(
         dk,
         dv,
     };
+    device_backward(
+        "treeattn_cuda_attention_backward",
+        dtype,
+        device,
+        stream,
+        c,
+        g,
+    )
+}
+
+/// [`treeattn_cuda_attention_backward`] with the pack's plan `mask` in
+/// place of its `kv_end` and `position_ids` (as
+/// [`treeattn_cuda_attention_forward_mask`]).
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn treeattn_cuda_attention_backward_mask(
+    dtype: TreeattnDtype,
+    device: i32,
+    stream: *mut c_void,
+    q: *const c_void,
+    k: *const c_void,
+    v: *const c_void,
+    shape: TreeattnShape,
+    mask: *const TreeattnMask,
+    params: *const TreeattnParams,
+    o: *const c_void,
+    lse: *const f32,
+    d_o: *const c_void,
+    dq: *mut c_void,
+    dk: *mut c_void,
+    dv: *mut c_void,
+) -> i32 {
+    if mask.is_null() {
+        return guard(|| Err(crate::null("mask")));
+    }
+    let c = AttnCall {
+        q,
+        k,
+        v,
+        shape,
+        kv_end: std::ptr::null(),
+        position_ids: std::ptr::null(),
+        mask,
+        params,
+    };
+    let g = AttnGrads {
+        o,
+        lse: lse.cast(),
+        d_o,
+        dq,
+        dk,
+        dv,
+    };
+    device_backward(
+        "treeattn_cuda_attention_backward_mask",
+        dtype,
+        device,
+        stream,
+        c,
+        g,
+    )
+}
+
+unsafe fn device_backward(
+    entry: &'static str,
+    dtype: TreeattnDtype,
+    device: i32,
+    stream: *mut c_void,
+    c: AttnCall,
+    g: AttnGrads,
+) -> i32 {
     guard(|| {
-        check_dtype(ENTRY, dtype, &ATTENTION_DTYPES)?;
+        check_dtype(entry, dtype, &ATTENTION_DTYPES)?;
         #[cfg(feature = "cuda")]
         return match dtype {
             TREEATTN_BF16 => backward::<treeattn::half::bf16>(device, stream, c, g),
@@ -244,7 +389,7 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward(
         #[cfg(not(feature = "cuda"))]
         {
             let _ = (device, stream, c, g);
-            Err(no_cuda(ENTRY))
+            Err(no_cuda(entry))
         }
     })
 }

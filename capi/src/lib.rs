@@ -32,6 +32,7 @@ use treeattn::backend::{
 };
 use treeattn::mask::PackMask;
 use treeattn::pack::{Pack, SdccPair};
+use treeattn::plan::MaskPlan;
 use treeattn::rollout::{Call, Rollout};
 use treeattn::tree::Tree;
 use treeattn::Error;
@@ -106,6 +107,17 @@ pub struct TreeattnPack {
     /// The pack's arrays as the getters hand them out (struct of arrays).
     u32s: [Vec<u32>; 10],
     f32s: [Vec<f32>; 2],
+}
+
+/// A pack's mask plan (opaque): `kv_end` and the position ids validated
+/// once, with their key-tile bounds, built by [`treeattn_mask_create`] and
+/// freed by [`treeattn_mask_destroy`]. The `*_mask` attention entries take
+/// it in place of the two arrays: no call checks the mask again, and the
+/// device entries upload it once per device (by their first call, on that
+/// call's stream) and then copy nothing and synchronize nothing. It may be
+/// shared by threads; destroy it after the last call that uses it has run.
+pub struct TreeattnMask {
+    plan: MaskPlan,
 }
 
 /// Sizes of an attention call.
@@ -554,6 +566,9 @@ struct Inputs<'a, T> {
     v: &'a [T],
     kv_end: &'a [u32],
     pos: &'a [u32],
+    /// The call's mask plan, when it came with one (then `kv_end` and
+    /// `pos` are the plan's).
+    plan: Option<&'a MaskPlan>,
     shape: AttnShape,
     params: AttnParams,
 }
@@ -568,7 +583,28 @@ struct AttnCall {
     shape: TreeattnShape,
     kv_end: *const u32,
     position_ids: *const u32,
+    /// Non-null: the pack's plan, in place of `kv_end` / `position_ids`.
+    mask: *const TreeattnMask,
     params: *const TreeattnParams,
+}
+
+/// The plan of a call made with one (null: none), checked against the
+/// call's token count.
+unsafe fn call_plan<'a>(mask: *const TreeattnMask, tokens: usize) -> R<Option<&'a MaskPlan>> {
+    if mask.is_null() {
+        return Ok(None);
+    }
+    let plan = &(*mask).plan;
+    if plan.len() != tokens {
+        return Err(Fail(
+            TREEATTN_ERR_SHAPE,
+            format!(
+                "`mask` is the plan of a pack of {} tokens, the call has {tokens}",
+                plan.len()
+            ),
+        ));
+    }
+    Ok(Some(plan))
 }
 
 /// What a backward call adds to its [`AttnCall`]: the forward's `o` and
@@ -610,6 +646,7 @@ impl<'a, T> Inputs<'a, T> {
             shape,
             kv_end,
             position_ids,
+            mask,
             params,
         } = *c;
         // Validated (sizes > 0, no overflow) before any length is used.
@@ -619,14 +656,25 @@ impl<'a, T> Inputs<'a, T> {
         nonnull("q", q as _)?;
         nonnull("k", k as _)?;
         nonnull("v", v as _)?;
-        nonnull("kv_end", kv_end as _)?;
-        nonnull("position_ids", position_ids as _)?;
+        let plan = call_plan(mask, shape.tokens)?;
+        let (kv_end, pos) = match plan {
+            Some(plan) => (plan.mask().kv_end(), plan.mask().position_ids()),
+            None => {
+                nonnull("kv_end", kv_end as _)?;
+                nonnull("position_ids", position_ids as _)?;
+                (
+                    slice("kv_end", kv_end, shape.tokens)?,
+                    slice("position_ids", position_ids, shape.tokens)?,
+                )
+            }
+        };
         Ok(Inputs {
             q: slice("q", q.cast::<T>(), shape.q_len())?,
             k: slice("k", k.cast::<T>(), shape.kv_len())?,
             v: slice("v", v.cast::<T>(), shape.kv_len())?,
-            kv_end: slice("kv_end", kv_end, shape.tokens)?,
-            pos: slice("position_ids", position_ids, shape.tokens)?,
+            kv_end,
+            pos,
+            plan,
             shape,
             params,
         })
@@ -644,7 +692,10 @@ impl<'a, T> Inputs<'a, T> {
     where
         T: Element,
     {
-        let mask = PackMask::new(self.kv_end, self.pos)?;
+        let mask = match self.plan {
+            Some(plan) => plan.mask(),
+            None => PackMask::new(self.kv_end, self.pos)?,
+        };
         Ok(AttnArgs::new(
             self.q,
             self.k,
@@ -752,10 +803,53 @@ pub unsafe extern "C" fn treeattn_attention_forward(
         shape,
         kv_end,
         position_ids,
+        mask: std::ptr::null(),
         params,
     };
+    host_forward("treeattn_attention_forward", dtype, c, o, lse)
+}
+
+/// [`treeattn_attention_forward`] with the pack's plan `mask` (from
+/// [`treeattn_mask_create`], of `shape.tokens` tokens) in place of its
+/// `kv_end` and `position_ids`: the mask is not checked again.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn treeattn_attention_forward_mask(
+    dtype: TreeattnDtype,
+    q: *const c_void,
+    k: *const c_void,
+    v: *const c_void,
+    shape: TreeattnShape,
+    mask: *const TreeattnMask,
+    params: *const TreeattnParams,
+    o: *mut c_void,
+    lse: *mut c_void,
+) -> i32 {
+    if mask.is_null() {
+        return guard(|| Err(null("mask")));
+    }
+    let c = AttnCall {
+        q,
+        k,
+        v,
+        shape,
+        kv_end: std::ptr::null(),
+        position_ids: std::ptr::null(),
+        mask,
+        params,
+    };
+    host_forward("treeattn_attention_forward_mask", dtype, c, o, lse)
+}
+
+unsafe fn host_forward(
+    entry: &str,
+    dtype: TreeattnDtype,
+    c: AttnCall,
+    o: *mut c_void,
+    lse: *mut c_void,
+) -> i32 {
     guard(|| {
-        check_dtype("treeattn_attention_forward", dtype, &HOST_DTYPES)?;
+        check_dtype(entry, dtype, &HOST_DTYPES)?;
         match dtype {
             TREEATTN_F32 => forward::<f32>(c, o, lse),
             _ => forward::<f64>(c, o, lse),
@@ -793,6 +887,7 @@ pub unsafe extern "C" fn treeattn_attention_backward(
         shape,
         kv_end,
         position_ids,
+        mask: std::ptr::null(),
         params,
     };
     let g = AttnGrads {
@@ -803,13 +898,103 @@ pub unsafe extern "C" fn treeattn_attention_backward(
         dk,
         dv,
     };
+    host_backward("treeattn_attention_backward", dtype, c, g)
+}
+
+/// [`treeattn_attention_backward`] with the pack's plan `mask` in place of
+/// its `kv_end` and `position_ids` (as [`treeattn_attention_forward_mask`]).
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn treeattn_attention_backward_mask(
+    dtype: TreeattnDtype,
+    q: *const c_void,
+    k: *const c_void,
+    v: *const c_void,
+    shape: TreeattnShape,
+    mask: *const TreeattnMask,
+    params: *const TreeattnParams,
+    o: *const c_void,
+    lse: *const c_void,
+    d_o: *const c_void,
+    dq: *mut c_void,
+    dk: *mut c_void,
+    dv: *mut c_void,
+) -> i32 {
+    if mask.is_null() {
+        return guard(|| Err(null("mask")));
+    }
+    let c = AttnCall {
+        q,
+        k,
+        v,
+        shape,
+        kv_end: std::ptr::null(),
+        position_ids: std::ptr::null(),
+        mask,
+        params,
+    };
+    let g = AttnGrads {
+        o,
+        lse,
+        d_o,
+        dq,
+        dk,
+        dv,
+    };
+    host_backward("treeattn_attention_backward_mask", dtype, c, g)
+}
+
+unsafe fn host_backward(entry: &str, dtype: TreeattnDtype, c: AttnCall, g: AttnGrads) -> i32 {
     guard(|| {
-        check_dtype("treeattn_attention_backward", dtype, &HOST_DTYPES)?;
+        check_dtype(entry, dtype, &HOST_DTYPES)?;
         match dtype {
             TREEATTN_F32 => backward::<f32>(c, g),
             _ => backward::<f64>(c, g),
         }
     })
+}
+
+/// Builds the plan of a pack's mask ([`TreeattnMask`]) from its `kv_end`
+/// and `position_ids` (`tokens` entries each, host memory, copied;
+/// `position_ids` may be null: all zeros, for calls without rotary) into
+/// `*out`. Errors: `TREEATTN_ERR_PACK` for a `kv_end` outside
+/// `k <= kv_end[k] <= tokens` (the message names the key), null pointers.
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_mask_create(
+    kv_end: *const u32,
+    position_ids: *const u32,
+    tokens: usize,
+    out: *mut *mut TreeattnMask,
+) -> i32 {
+    guard(|| {
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        *out = std::ptr::null_mut();
+        if kv_end.is_null() && tokens > 0 {
+            return Err(null("kv_end"));
+        }
+        let kv_end = slice("kv_end", kv_end, tokens)?;
+        let zeros;
+        let pos = if position_ids.is_null() {
+            zeros = vec![0u32; tokens];
+            &zeros[..]
+        } else {
+            slice("position_ids", position_ids, tokens)?
+        };
+        let plan = MaskPlan::new(kv_end, pos)?;
+        *out = Box::into_raw(Box::new(TreeattnMask { plan }));
+        Ok(())
+    })
+}
+
+/// Frees a mask plan (null is allowed and does nothing). No call may be
+/// using it, on the host or still queued on a device stream.
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_mask_destroy(mask: *mut TreeattnMask) {
+    if !mask.is_null() {
+        let _ = catch_unwind(AssertUnwindSafe(|| drop(Box::from_raw(mask))));
+    }
 }
 
 /// The arguments of an SDCC call as C gives them, host or device logits

@@ -21,6 +21,7 @@
 //! `BaseException`).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
 
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -35,6 +36,7 @@ use treeattn::cost::{visible_pairs, ModelCost};
 use treeattn::mask::{BlockCensus, PackMask};
 use treeattn::pack::{batch, Layout};
 use treeattn::paths::Paths;
+use treeattn::plan::MaskPlan;
 use treeattn::rl::{grpo_advantages, Gae, GaeMode, GrpoScale, Lambda, Targets};
 use treeattn::rollout::{parse_jsonl, read_jsonl_file, Rollout};
 use treeattn::safetensors::{pack_tensors, rollout_tensors, Dtype};
@@ -186,6 +188,70 @@ struct Ptrs {
     pos: usize,
 }
 
+/// `treeattn._native.MaskPlan`: a pack's mask validated once
+/// ([`treeattn::plan::MaskPlan`]), passed as `plan=` to the attention
+/// entries in place of the kv_end / position id buffers, so that no call
+/// validates or (on CUDA) uploads the mask again: the device copy is made
+/// by the first CUDA call and kept in the plan.
+#[pyclass(name = "MaskPlan", module = "treeattn._native", frozen)]
+struct PyMaskPlan(Arc<MaskPlan>);
+
+#[pymethods]
+impl PyMaskPlan {
+    /// From host int32 buffers (read as u32) of `tokens` entries each.
+    #[new]
+    fn new(kv_end: usize, position_ids: usize, tokens: usize) -> PyResult<Self> {
+        // SAFETY: the wrapper passes the data of live contiguous int32
+        // tensors of `tokens` elements (checked for null and alignment).
+        let (ke, pos) = unsafe {
+            (
+                slice::<u32>("kv_end", kv_end, tokens)?,
+                slice::<u32>("position_ids", position_ids, tokens)?,
+            )
+        };
+        guarded(|| Ok(PyMaskPlan(Arc::new(MaskPlan::new(ke, pos).map_err(to_py)?))))
+    }
+    fn __len__(&self) -> usize {
+        self.0.len()
+    }
+    /// The pack's fingerprint (FNV-1a of kv_end and position ids).
+    #[getter]
+    fn fingerprint(&self) -> u64 {
+        self.0.fingerprint()
+    }
+    /// Device copies the plan holds (one per CUDA device used; 0 without
+    /// the `cuda` feature).
+    #[getter]
+    fn device_copies(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        return self.0.device_copies();
+        #[cfg(not(feature = "cuda"))]
+        0
+    }
+}
+
+/// The mask of a call: the plan's, else the buffers' (validated here).
+///
+/// Safety: with no plan, `p.kv_end` and `p.pos` as for [`slice`].
+unsafe fn call_mask<'a>(
+    plan: Option<&'a MaskPlan>,
+    p: Ptrs,
+    tokens: usize,
+) -> PyResult<PackMask<'a>> {
+    match plan {
+        Some(plan) if plan.len() != tokens => Err(ShapeError::new_err(format!(
+            "the mask plan is for {} tokens, the call has {tokens}",
+            plan.len()
+        ))),
+        Some(plan) => Ok(plan.mask()),
+        None => {
+            let kv_end = slice::<u32>("kv_end", p.kv_end, tokens)?;
+            let pos = slice::<u32>("position_ids", p.pos, tokens)?;
+            PackMask::new(kv_end, pos).map_err(to_py)
+        }
+    }
+}
+
 fn cpu(threads: usize) -> Cpu {
     if threads == 0 {
         Cpu::default()
@@ -200,6 +266,7 @@ fn cpu(threads: usize) -> Cpu {
 unsafe fn forward_t<T: Element>(
     c: Call,
     p: Ptrs,
+    plan: Option<&MaskPlan>,
     o: usize,
     lse: usize,
     threads: usize,
@@ -208,9 +275,7 @@ where
     Cpu: AttentionBackend<T, Memory = Host, Lse = T>,
 {
     let s = c.shape;
-    let kv_end = slice::<u32>("kv_end", p.kv_end, s.tokens)?;
-    let pos = slice::<u32>("position_ids", p.pos, s.tokens)?;
-    let mask = PackMask::new(kv_end, pos).map_err(to_py)?;
+    let mask = call_mask(plan, p, s.tokens)?;
     let args = AttnArgs::<Host, T>::new(
         slice("q", p.q, s.q_len())?,
         slice("k", p.k, s.kv_len())?,
@@ -232,6 +297,7 @@ where
 unsafe fn backward_t<T: Element>(
     c: Call,
     p: Ptrs,
+    plan: Option<&MaskPlan>,
     o: usize,
     lse: usize,
     d_o: usize,
@@ -244,9 +310,7 @@ where
     Cpu: AttentionBackend<T, Memory = Host, Lse = T>,
 {
     let s = c.shape;
-    let kv_end = slice::<u32>("kv_end", p.kv_end, s.tokens)?;
-    let pos = slice::<u32>("position_ids", p.pos, s.tokens)?;
-    let mask = PackMask::new(kv_end, pos).map_err(to_py)?;
+    let mask = call_mask(plan, p, s.tokens)?;
     let args = AttnArgs::<Host, T>::new(
         slice("q", p.q, s.q_len())?,
         slice("k", p.k, s.kv_len())?,
@@ -279,7 +343,7 @@ fn dtype_error(dtype: &str) -> PyErr {
 
 /// Tree attention forward on contiguous CPU buffers (see `treeattn.torch`).
 #[pyfunction]
-#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0))]
+#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0, plan=None))]
 #[allow(clippy::too_many_arguments)]
 fn attention_forward(
     py: Python<'_>,
@@ -299,6 +363,7 @@ fn attention_forward(
     rope_base: Option<f64>,
     rope_dims: Option<usize>,
     threads: usize,
+    plan: Option<&PyMaskPlan>,
 ) -> PyResult<()> {
     let c = attn_call(
         tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims,
@@ -311,11 +376,13 @@ fn attention_forward(
         pos: position_ids,
     };
     let dtype = dtype.to_string();
+    let plan = plan.map(|pl| pl.0.clone());
     py.detach(move || {
+        let plan = plan.as_deref();
         guarded(|| unsafe {
             match dtype.as_str() {
-                "float32" => forward_t::<f32>(c, p, o, lse, threads),
-                "float64" => forward_t::<f64>(c, p, o, lse, threads),
+                "float32" => forward_t::<f32>(c, p, plan, o, lse, threads),
+                "float64" => forward_t::<f64>(c, p, plan, o, lse, threads),
                 other => Err(dtype_error(other)),
             }
         })
@@ -324,7 +391,7 @@ fn attention_forward(
 
 /// Tree attention backward on contiguous CPU buffers (see `treeattn.torch`).
 #[pyfunction]
-#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0))]
+#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0, plan=None))]
 #[allow(clippy::too_many_arguments)]
 fn attention_backward(
     py: Python<'_>,
@@ -348,6 +415,7 @@ fn attention_backward(
     rope_base: Option<f64>,
     rope_dims: Option<usize>,
     threads: usize,
+    plan: Option<&PyMaskPlan>,
 ) -> PyResult<()> {
     let c = attn_call(
         tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims,
@@ -360,11 +428,13 @@ fn attention_backward(
         pos: position_ids,
     };
     let dtype = dtype.to_string();
+    let plan = plan.map(|pl| pl.0.clone());
     py.detach(move || {
+        let plan = plan.as_deref();
         guarded(|| unsafe {
             match dtype.as_str() {
-                "float32" => backward_t::<f32>(c, p, o, lse, grad_out, dq, dk, dv, threads),
-                "float64" => backward_t::<f64>(c, p, o, lse, grad_out, dq, dk, dv, threads),
+                "float32" => backward_t::<f32>(c, p, plan, o, lse, grad_out, dq, dk, dv, threads),
+                "float64" => backward_t::<f64>(c, p, plan, o, lse, grad_out, dq, dk, dv, threads),
                 other => Err(dtype_error(other)),
             }
         })
@@ -470,7 +540,8 @@ fn cuda_built() -> bool {
 /// loaded once per device into its primary context (torch's), no context
 /// or stream is created, nothing is copied. The pack's `kv_end` and
 /// position ids come as host buffers (checked there, uploaded on the
-/// stream per call).
+/// stream per call) or as a `MaskPlan` (its device copy, uploaded by its
+/// first call and then reused: no copy, no synchronization).
 #[cfg(feature = "cuda")]
 mod device {
     use super::*;
@@ -489,7 +560,8 @@ mod device {
     ///
     /// Safety: every address is the data of a live contiguous tensor of
     /// the size the call says, on `device` (host buffers for kv_end and
-    /// position ids).
+    /// position ids, unless a plan is given).
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn attention(
         forward: bool,
         dtype: &str,
@@ -497,14 +569,23 @@ mod device {
         stream: usize,
         c: Call,
         p: Ptrs,
+        plan: Option<&MaskPlan>,
         outs: &[usize],
     ) -> PyResult<()> {
         let s = c.shape;
-        let kv_end = slice::<u32>("kv_end", p.kv_end, s.tokens)?;
-        let pos = slice::<u32>("position_ids", p.pos, s.tokens)?;
-        let mask = PackMask::new(kv_end, pos).map_err(to_py)?;
         let be = backend(device, stream).map_err(to_py)?;
-        let pack = be.upload_pack(mask).map_err(to_py)?;
+        // With a plan: its device copy (uploaded by its first call, then
+        // shared: no copy, no synchronization). Without: uploaded per call.
+        let pack = match plan {
+            Some(plan) => {
+                call_mask(Some(plan), p, s.tokens)?;
+                plan.on_device(&be).map_err(to_py)?
+            }
+            None => std::sync::Arc::new(
+                be.upload_pack(call_mask(None, p, s.tokens)?)
+                    .map_err(to_py)?,
+            ),
+        };
         let a = RawAttention {
             q: p.q as u64,
             k: p.k as u64,
@@ -590,7 +671,7 @@ fn no_cuda_build(what: &str) -> PyErr {
 /// tokens]`, kv_end and position_ids host int32 buffers; enqueued on
 /// `stream` (torch's current stream of `device`).
 #[pyfunction]
-#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None))]
+#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None))]
 #[allow(clippy::too_many_arguments, unused_variables)]
 fn cuda_attention_forward(
     py: Python<'_>,
@@ -611,6 +692,7 @@ fn cuda_attention_forward(
     scale: f64,
     rope_base: Option<f64>,
     rope_dims: Option<usize>,
+    plan: Option<&PyMaskPlan>,
 ) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     {
@@ -625,8 +707,20 @@ fn cuda_attention_forward(
             pos: position_ids,
         };
         let dtype = dtype.to_string();
+        let plan = plan.map(|pl| pl.0.clone());
         py.detach(move || {
-            guarded(|| unsafe { device::attention(true, &dtype, device, stream, c, p, &[o, lse]) })
+            guarded(|| unsafe {
+                device::attention(
+                    true,
+                    &dtype,
+                    device,
+                    stream,
+                    c,
+                    p,
+                    plan.as_deref(),
+                    &[o, lse],
+                )
+            })
         })
     }
     #[cfg(not(feature = "cuda"))]
@@ -636,7 +730,7 @@ fn cuda_attention_forward(
 /// Tree attention backward on CUDA tensors (see `cuda_attention_forward`):
 /// o, grad_out, dq, dk, dv in q's dtype, lse f32.
 #[pyfunction]
-#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None))]
+#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None))]
 #[allow(clippy::too_many_arguments, unused_variables)]
 fn cuda_attention_backward(
     py: Python<'_>,
@@ -661,6 +755,7 @@ fn cuda_attention_backward(
     scale: f64,
     rope_base: Option<f64>,
     rope_dims: Option<usize>,
+    plan: Option<&PyMaskPlan>,
 ) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     {
@@ -675,6 +770,7 @@ fn cuda_attention_backward(
             pos: position_ids,
         };
         let dtype = dtype.to_string();
+        let plan = plan.map(|pl| pl.0.clone());
         py.detach(move || {
             guarded(|| unsafe {
                 device::attention(
@@ -684,6 +780,7 @@ fn cuda_attention_backward(
                     stream,
                     c,
                     p,
+                    plan.as_deref(),
                     &[o, lse, grad_out, dq, dk, dv],
                 )
             })
@@ -1111,6 +1208,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_sdcc_forward_kl, m)?)?;
+    m.add_class::<PyMaskPlan>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     let py = m.py();
     m.add("TreeattnError", py.get_type::<TreeattnError>())?;

@@ -132,3 +132,44 @@ def test_missing_kv_end_raises(setup):
     model.set_attn_implementation("treeattn")
     with pytest.raises(ValueError, match="kv_end"):
         model(input_ids=pack.tokens[None], position_ids=pack.position_ids[None])
+
+
+def test_one_mask_plan_per_forward(setup):
+    """The hook builds the pack's mask plan once per forward and every layer
+    reuses it, backward included: one plan build and one validation of
+    kv_end per forward and backward of a multi-layer model, no host copy.
+    The same, unmodified kv_end tensor in a later forward reuses the plan;
+    an in-place change builds a new one. Negative control: bare kv_end
+    calls (the path without a plan) validate once per call."""
+    _, pack, model = setup
+    model.set_attn_implementation("treeattn")
+    layers = model.config.num_hidden_layers
+    assert layers >= 2
+    kv_end = pack.kv_end.clone()
+    run = lambda: model(  # noqa: E731
+        input_ids=pack.tokens[None], position_ids=pack.position_ids[None], kv_end=kv_end
+    ).logits
+    with treeattn.torch.count_mask_work() as n:
+        run().sum().backward()
+    assert n == {"plan_builds": 1, "validations": 1}, n
+    with treeattn.torch.count_mask_work() as n:
+        run()
+    assert n == {}, n
+    kv_end.add_(0)  # an in-place change: the version moves
+    with treeattn.torch.count_mask_work() as n:
+        ref = run()
+    assert n == {"plan_builds": 1, "validations": 1}, n
+    # A TreeMask given by the caller is used as it is.
+    with treeattn.torch.count_mask_work() as n:
+        given = model(
+            input_ids=pack.tokens[None], position_ids=pack.position_ids[None],
+            kv_end=treeattn.torch.TreeMask(kv_end),
+        ).logits
+    assert n == {"plan_builds": 1, "validations": 1}, n
+    assert torch.equal(given, ref)
+    L = kv_end.shape[0]
+    q = torch.randn(L, 4, 8, dtype=torch.float64)
+    with treeattn.torch.count_mask_work() as n:
+        for _ in range(layers):
+            treeattn.torch.tree_attention(q, q, q, kv_end)
+    assert n == {"validations": layers}, n

@@ -139,3 +139,53 @@ def test_magi_ranges_cover_exactly_the_tree_mask(gen):
             dense[q0:q1, k0:k1] += block
         assert dense.max() <= 1, "slices overlap"
         assert torch.equal(dense.bool(), m.dense())
+
+
+def test_tree_mask_plan_is_reused_and_equals_the_per_call_path(gen):
+    """A TreeMask's plan is validated once (at construction) and then used
+    by every call, forward and backward, with the same results as a bare
+    kv_end (bit for bit: the same crate code on the same mask). Position
+    ids other than the mask's take the per-call path; a plan whose
+    TreeMask is gone is never looked up (its id is dead)."""
+    (p,) = treeattn.pack(GOLDEN)
+    kv = random_forest(90, gen, padding=0.1)
+    pos = depths(kv)
+    with tt.count_mask_work() as n:
+        m = tt.TreeMask(kv, pos)
+    assert n == {"plan_builds": 1, "validations": 1}, n
+    assert m._native.fingerprint != 0 and len(m._native) == 90 and m._native.device_copies == 0
+    q = torch.randn(90, 4, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(90, 2, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(90, 2, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+    g = torch.randn(90, 4, 16, dtype=torch.float64, generator=gen)
+
+    def run(mask, **kw):
+        o = tt.tree_attention(q, k, v, mask, rope_base=1000.0, **kw)
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), g)
+        return o, dq, dk, dv
+
+    with tt.count_mask_work() as n:
+        ours = [run(m) for _ in range(3)]  # three "layers"
+    assert n == {}, n
+    with tt.count_mask_work() as n:
+        ref = run(kv, position_ids=pos)
+    assert n == {"validations": 2}, n  # forward and backward
+    for a in ours:
+        for x, y in zip(a, ref):
+            assert torch.equal(x, y)
+    with tt.count_mask_work() as n:
+        run(m, position_ids=pos.clone())
+    assert n == {"validations": 2}, n
+    # A plan of the wrong length is an error from the crate, not a wrong read.
+    with pytest.raises(treeattn.ShapeError, match="mask plan is for 16 tokens"):
+        x = torch.zeros(90, 1, 8)
+        treeattn._native.attention_forward(
+            "float32", x.data_ptr(), x.data_ptr(), x.data_ptr(), 0, 0, x.data_ptr(),
+            torch.zeros(90).data_ptr(), 90, 1, 1, 8, 1.0, plan=tt.TreeMask(p.kv_end)._native,
+        )
+    pid = m._plan_id
+    del m, ours, a, x, y
+    import gc
+
+    gc.collect()
+    assert pid not in tt._PLANS

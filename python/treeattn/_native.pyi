@@ -8,7 +8,7 @@ that :mod:`treeattn.torch` has validated; ``dtype`` is a torch dtype's name:
 device attention, and those or ``"float32"`` for device SDCC.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, final
 
 __all__ = [
     "attention_forward",
@@ -24,6 +24,7 @@ __all__ = [
     "cuda_attention_forward",
     "cuda_attention_backward",
     "cuda_sdcc_forward_kl",
+    "MaskPlan",
     "__version__",
     "TreeattnError",
     "RolloutError",
@@ -48,6 +49,20 @@ class ShapeError(TreeattnError):
 class UnsupportedError(TreeattnError):
     """Well-formed input treeattn does not take (a head dim, a rotary setting, ...)."""
 
+@final
+class MaskPlan:
+    """A pack's mask validated once (kv_end and position ids from host int32
+    buffers of ``tokens`` entries); pass it as ``plan=`` to the attention
+    entries, whose kv_end / position_ids arguments are then ignored. On CUDA
+    it keeps its device copy, made by its first call."""
+
+    def __new__(cls, kv_end: int, position_ids: int, tokens: int) -> MaskPlan: ...
+    def __len__(self) -> int: ...
+    @property
+    def fingerprint(self) -> int: ...
+    @property
+    def device_copies(self) -> int: ...
+
 def attention_forward(
     dtype: str,
     q: int,
@@ -65,6 +80,7 @@ def attention_forward(
     rope_base: Optional[float] = None,
     rope_dims: Optional[int] = None,
     threads: int = 0,
+    plan: Optional[MaskPlan] = None,
 ) -> None: ...
 def attention_backward(
     dtype: str,
@@ -87,6 +103,7 @@ def attention_backward(
     rope_base: Optional[float] = None,
     rope_dims: Optional[int] = None,
     threads: int = 0,
+    plan: Optional[MaskPlan] = None,
 ) -> None: ...
 def sdcc_forward_kl(
     dtype: str,
@@ -164,6 +181,7 @@ def cuda_attention_forward(
     scale: float,
     rope_base: Optional[float] = None,
     rope_dims: Optional[int] = None,
+    plan: Optional[MaskPlan] = None,
 ) -> None: ...
 def cuda_attention_backward(
     dtype: str,
@@ -187,6 +205,7 @@ def cuda_attention_backward(
     scale: float,
     rope_base: Optional[float] = None,
     rope_dims: Optional[int] = None,
+    plan: Optional[MaskPlan] = None,
 ) -> None: ...
 def cuda_sdcc_forward_kl(
     dtype: str,

@@ -72,7 +72,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .torch import tree_attention
+from .torch import TreeMask, tree_attention
 
 __all__ = [
     "register", "attention", "target_logprobs", "pack_loss", "default_chunk",
@@ -88,6 +88,23 @@ _CHECK_POSITIONS = True
 # tensors' versions, so that the other layers of the same forward skip the
 # check, and a new or modified tensor is checked again.
 _checked: Optional[Tuple[Any, Any, int, int]] = None
+# The mask plan (TreeMask) of the kv_end tensor seen last: a weak reference
+# to the tensor the model was called with, its version and the device; built
+# by the first attention layer of a forward and reused by every other layer
+# (and by a later forward on the same, unmodified tensor). A new tensor, an
+# in-place change (its version moves) or another device builds a new one.
+_plan: Optional[Tuple[Any, int, Any, TreeMask]] = None
+
+
+def _mask_plan(arg: Tensor, kv_end: Tensor, device: torch.device) -> TreeMask:
+    """The plan of ``kv_end`` (``arg``: the tensor as the model got it)."""
+    global _plan
+    c = _plan
+    if c is not None and c[0]() is arg and c[1] == arg._version and c[2] == device:
+        return c[3]
+    m = TreeMask(kv_end, device=device)
+    _plan = (weakref.ref(arg), arg._version, device, m)
+    return m
 
 
 def tree_depths(kv_end: Tensor) -> Tensor:
@@ -169,6 +186,9 @@ def attention(
         raise ValueError(
             'attn_implementation "treeattn" needs the pack\'s mask: call the model with kv_end=pack.kv_end'
         )
+    given: Optional[TreeMask] = None
+    if isinstance(kv_end, TreeMask):
+        given, kv_end = kv_end, kv_end.kv_end
     if not isinstance(kv_end, Tensor):
         raise ValueError(f"kv_end must be a torch.Tensor, got {type(kv_end).__name__}")
     if query.dim() != 4:
@@ -184,6 +204,8 @@ def attention(
             "treeattn attention got a mask from transformers: register the mask function too (treeattn.hf.register())"
         )
     B, L = int(query.shape[0]), int(query.shape[2])
+    if given is not None and B != 1:
+        raise ValueError(f"a TreeMask is one pack's mask, got a batch of {B}: pass treeattn.collate's kv_end [B, L]")
     shape2 = (1,) + tuple(kv_end.shape) if kv_end.dim() == 1 else tuple(kv_end.shape)
     if shape2 != (B, L):
         raise ValueError(
@@ -198,7 +220,14 @@ def attention(
     q = query.transpose(1, 2).reshape(B * L, query.shape[1], query.shape[3])
     k = key.transpose(1, 2).reshape(B * L, key.shape[1], key.shape[3])
     v = value.transpose(1, 2).reshape(B * L, value.shape[1], value.shape[3])
-    o = tree_attention(q, k, v, flat.to(q.device), scale=scaling)
+    # One plan per forward, not per layer: validated once, and on CUDA
+    # uploaded once (no host copy, no synchronization in the other layers).
+    # `flat` is the same tensor in every layer of a forward (_forest).
+    if given is not None and given.kv_end.device == q.device:
+        mask = given
+    else:
+        mask = _mask_plan(flat, flat, q.device)
+    o = tree_attention(q, k, v, mask, scale=scaling)
     return o.reshape(B, L, o.shape[1], o.shape[2]), None
 
 

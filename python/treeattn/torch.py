@@ -22,9 +22,13 @@ crate's CUDA kernels when the extension was built with the crate's
 bfloat16 or float16 with head dim 64 or 128 (an f32 softmax, an f32 LSE),
 SDCC on bfloat16, float16 or float32 logits. They run on torch's current
 stream with torch's device pointers (the kernels are loaded once per device
-into its primary context, torch's; no context or stream is created). The
-pack's ``kv_end`` / ``position_ids`` are read on the host (copied there if
-they live on the GPU) and uploaded per call. float32 / float64 CUDA inputs
+into its primary context, torch's; no context or stream is created). With a
+bare ``kv_end`` tensor the pack's ``kv_end`` / ``position_ids`` are read on
+the host (copied there if they live on the GPU: a stream synchronization)
+and uploaded per call; with a :class:`TreeMask` they are validated once and
+uploaded by its first CUDA call, and every later call (every layer) copies
+nothing and synchronizes nothing. :func:`count_mask_work` counts the
+copies. float32 / float64 CUDA inputs
 to attention raise ``ValueError`` (cast them; nothing is cast silently);
 an extension built without ``cuda`` raises ``RuntimeError`` saying so.
 Tensors on different devices, wrong shapes or dtypes and out-of-range
@@ -38,8 +42,11 @@ the computation runs with the GIL released.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
-from typing import Any, Dict, Optional, Tuple, Union
+import weakref
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -48,6 +55,7 @@ from . import _native
 
 __all__ = [
     "tree_attention", "sdcc_forward_kl", "set_num_threads", "get_num_threads", "cuda_built", "TreeMask",
+    "count_mask_work",
 ]
 
 _threads = 0  # 0: the crate's default (TREEATTN_THREADS or all cores)
@@ -83,9 +91,41 @@ def _ptr(t: Tensor) -> int:
     return t.data_ptr() if t.numel() > 0 else 0
 
 
+# Debug counting of the mask work (count_mask_work): None when off.
+_COUNTS: Optional[Dict[str, int]] = None
+
+
+def _count(what: str) -> None:
+    if _COUNTS is not None:
+        _COUNTS[what] = _COUNTS.get(what, 0) + 1
+
+
+@contextlib.contextmanager
+def count_mask_work() -> Iterator[Dict[str, int]]:
+    """Debug mode: counts, while the ``with`` block runs, what the package
+    does with a pack's mask — ``"plan_builds"`` (:class:`TreeMask` built),
+    ``"validations"`` (``kv_end`` / ``position_ids`` checked and converted
+    for the crate: once per plan, or once per call with a bare ``kv_end``)
+    and ``"host_copies"`` (mask data copied from a device to the host: a
+    stream synchronization). Yields the dict of counts (zero entries
+    absent)::
+
+        with treeattn.torch.count_mask_work() as n:
+            model(input_ids=..., kv_end=kv_end)
+        assert n.get("host_copies", 0) == 0
+    """
+    global _COUNTS
+    outer, _COUNTS = _COUNTS, {}
+    try:
+        yield _COUNTS
+    finally:
+        _COUNTS = outer
+
+
 def _mask_u32(kv_end: Tensor, position_ids: Optional[Tensor], L: int) -> Tuple[Tensor, Tensor]:
     """Checks the values of kv_end and position_ids (real tensors, inside the
     op) and returns them as contiguous int32 buffers (read as u32)."""
+    _count("validations")
     if L > 0:
         idx = torch.arange(L, dtype=torch.int64)
         ke = kv_end.to(torch.int64)
@@ -125,22 +165,23 @@ def _attn_fwd(
     rope_base: Optional[float],
     rope_dims: Optional[int],
     threads: int,
+    plan: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     L, hq, d = q.shape
     hkv = k.shape[1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    ke, pos = _mask_u32(kv_end, position_ids, L)
+    ke, pos, native = _call_mask(plan, kv_end, position_ids, L, host=False)
     o = torch.empty_like(q)
     lse = torch.empty((hq, L), dtype=q.dtype)
     _native.attention_forward(
-        _dtype_name(q), _ptr(q), _ptr(k), _ptr(v), _ptr(ke), _ptr(pos), _ptr(o), _ptr(lse),
-        L, hq, hkv, d, scale, rope_base, rope_dims, threads,
+        _dtype_name(q), _ptr(q), _ptr(k), _ptr(v), _ptr_opt(ke), _ptr_opt(pos), _ptr(o), _ptr(lse),
+        L, hq, hkv, d, scale, rope_base, rope_dims, threads, native,
     )
     return o, lse
 
 
 @_attn_fwd.register_fake
-def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads):
+def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, plan=0):
     L, hq, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((hq, L), dtype=_lse_dtype(q))
 
@@ -159,23 +200,24 @@ def _attn_bwd(
     rope_base: Optional[float],
     rope_dims: Optional[int],
     threads: int,
+    plan: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     L, hq, d = q.shape
     hkv = k.shape[1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o, lse, grad_out = o.contiguous(), lse.contiguous(), grad_out.to(q.dtype).contiguous()
-    ke, pos = _mask_u32(kv_end, position_ids, L)
+    ke, pos, native = _call_mask(plan, kv_end, position_ids, L, host=False)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _native.attention_backward(
-        _dtype_name(q), _ptr(q), _ptr(k), _ptr(v), _ptr(ke), _ptr(pos), _ptr(o), _ptr(lse),
+        _dtype_name(q), _ptr(q), _ptr(k), _ptr(v), _ptr_opt(ke), _ptr_opt(pos), _ptr(o), _ptr(lse),
         _ptr(grad_out), _ptr(dq), _ptr(dk), _ptr(dv),
-        L, hq, hkv, d, scale, rope_base, rope_dims, threads,
+        L, hq, hkv, d, scale, rope_base, rope_dims, threads, native,
     )
     return dq, dk, dv
 
 
 @_attn_bwd.register_fake
-def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_dims, threads):
+def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_dims, threads, plan=0):
     f = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     return f(q), f(k), f(v)
 
@@ -192,40 +234,74 @@ def _stream(t: Tensor) -> int:
 
 
 def _host(t: Optional[Tensor]) -> Optional[Tensor]:
-    return None if t is None else t.cpu()
+    """``t`` on the host: the one place the package copies mask data there
+    (counted by :func:`count_mask_work` when it is a real copy)."""
+    if t is None:
+        return None
+    if t.device.type != "cpu":
+        _count("host_copies")
+    return t.cpu()
+
+
+# Live TreeMasks by plan id: the ops take the id (an int, which custom ops
+# and torch.compile pass through) and find the plan here; a plan that is
+# gone (its TreeMask collected) falls back to the kv_end tensor.
+_PLANS: "weakref.WeakValueDictionary[int, TreeMask]" = weakref.WeakValueDictionary()
+_PLAN_IDS = itertools.count(1)
+
+
+def _call_mask(
+    plan: int, kv_end: Tensor, position_ids: Optional[Tensor], L: int, *, host: bool
+) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Any]]:
+    """The mask of one op call: ``(None, None, native plan)`` when ``plan``
+    names a live TreeMask of ``L`` tokens (nothing checked, copied or
+    uploaded again), else kv_end / position_ids validated as int32 host
+    buffers (copied there first when ``host`` says they may be on a
+    device)."""
+    m = _PLANS.get(plan) if plan else None
+    if m is not None and len(m) == L:
+        return None, None, m._native
+    if host:
+        kv_end, position_ids = _host(kv_end), _host(position_ids)
+    ke, pos = _mask_u32(kv_end, position_ids, L)
+    return ke, pos, None
+
+
+def _ptr_opt(t: Optional[Tensor]) -> int:
+    return 0 if t is None else _ptr(t)
 
 
 @_attn_fwd.register_kernel("cuda")
-def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads):
+def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, plan=0):
     L, hq, d = q.shape
     hkv = k.shape[1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    ke, pos = _mask_u32(_host(kv_end), _host(position_ids), L)
+    ke, pos, native = _call_mask(plan, kv_end, position_ids, L, host=True)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((hq, L), dtype=torch.float32, device=q.device)
     _native.cuda_attention_forward(
         _CUDA_NAMES.get(q.dtype, str(q.dtype)), q.get_device(), _stream(q),
-        _ptr(q), _ptr(k), _ptr(v), _ptr(ke), _ptr(pos), _ptr(o), _ptr(lse),
-        L, hq, hkv, d, scale, rope_base, rope_dims,
+        _ptr(q), _ptr(k), _ptr(v), _ptr_opt(ke), _ptr_opt(pos), _ptr(o), _ptr(lse),
+        L, hq, hkv, d, scale, rope_base, rope_dims, native,
     )
     return o, lse
 
 
 @_attn_bwd.register_kernel("cuda")
-def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_dims, threads):
+def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_dims, threads, plan=0):
     L, hq, d = q.shape
     hkv = k.shape[1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o, lse = o.contiguous(), lse.to(torch.float32).contiguous()
     grad_out = grad_out.to(q.dtype).contiguous()
-    ke, pos = _mask_u32(_host(kv_end), _host(position_ids), L)
+    ke, pos, native = _call_mask(plan, kv_end, position_ids, L, host=True)
     f = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     dq, dk, dv = f(q), f(k), f(v)
     _native.cuda_attention_backward(
         _CUDA_NAMES.get(q.dtype, str(q.dtype)), q.get_device(), _stream(q),
-        _ptr(q), _ptr(k), _ptr(v), _ptr(ke), _ptr(pos), _ptr(o), _ptr(lse), _ptr(grad_out),
+        _ptr(q), _ptr(k), _ptr(v), _ptr_opt(ke), _ptr_opt(pos), _ptr(o), _ptr(lse), _ptr(grad_out),
         _ptr(dq), _ptr(dk), _ptr(dv),
-        L, hq, hkv, d, scale, rope_base, rope_dims,
+        L, hq, hkv, d, scale, rope_base, rope_dims, native,
     )
     return dq, dk, dv
 
@@ -239,22 +315,25 @@ def cuda_built() -> bool:
 
 
 def _attn_setup(ctx, inputs, output):
-    q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads = inputs
+    q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, *rest = inputs
+    plan = rest[0] if rest else 0
     o, lse = output
     ctx.save_for_backward(q, k, v, kv_end, position_ids, o, lse)
-    ctx.params = (scale, rope_base, rope_dims, threads)
+    ctx.params = (scale, rope_base, rope_dims, threads, plan)
+    # The plan stays alive until the backward has used it.
+    ctx.plan_ref = _PLANS.get(plan) if plan else None
     ctx.mark_non_differentiable(lse)
 
 
 def _attn_backward(ctx, grad_o, grad_lse):
     q, k, v, kv_end, position_ids, o, lse = ctx.saved_tensors
-    scale, rope_base, rope_dims, threads = ctx.params
+    scale, rope_base, rope_dims, threads, plan = ctx.params
     if grad_o is None:
         grad_o = torch.zeros_like(o)
     dq, dk, dv = _attn_bwd(
-        q, k, v, kv_end, position_ids, o, lse, grad_o, scale, rope_base, rope_dims, threads
+        q, k, v, kv_end, position_ids, o, lse, grad_o, scale, rope_base, rope_dims, threads, plan
     )
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _attn_fwd.register_autograd(_attn_backward, setup_context=_attn_setup)
@@ -304,8 +383,14 @@ class TreeMask:
       mask types (a causal slice per trie node, a full slice per run of its
       ancestors' rows).
 
-    What it does not do yet: on CUDA the crate's kernels still take the mask
-    from host memory per call (a device-resident plan is not built).
+    The plan: ``kv_end`` and the position ids are validated once, here, into
+    the crate's ``MaskPlan`` (one host copy if they live on a GPU); every
+    :func:`tree_attention` call with this mask then skips validation, and on
+    CUDA the plan's device copy (kv_end, position ids, key-tile bounds,
+    rotary tables) is uploaded by the first call and reused by every later
+    one — no host↔device copy, no synchronization per layer
+    (:func:`count_mask_work` counts them). Build one per pack and pass it
+    to every layer (``treeattn.hf`` does).
     """
 
     def __init__(self, kv_end: Tensor, position_ids: Optional[Tensor] = None, *, device: Any = None):
@@ -320,7 +405,11 @@ class TreeMask:
                 raise ValueError("position_ids must be a 1-D integer torch.Tensor or None")
             if position_ids.shape[0] != L:
                 raise ValueError(f"position_ids has {position_ids.shape[0]} entries, kv_end has {L}")
-        self._ke32, self._pos32 = _mask_u32(kv_end.cpu(), None if position_ids is None else position_ids.cpu(), L)
+        _count("plan_builds")
+        self._ke32, self._pos32 = _mask_u32(_host(kv_end), _host(position_ids), L)
+        self._native = _native.MaskPlan(_ptr(self._ke32), _ptr(self._pos32), L)
+        self._plan_id = next(_PLAN_IDS)
+        _PLANS[self._plan_id] = self
         dev = torch.device(device) if device is not None else kv_end.device
         self.kv_end = kv_end.to(dev, torch.int64)
         self.position_ids = None if position_ids is None else position_ids.to(dev, torch.int64)
@@ -501,11 +590,16 @@ def tree_attention(
     if backend not in ("treeattn", "flex", "auto"):
         raise ValueError(f'backend {backend!r}: expected "treeattn", "flex" or "auto"')
     mask: Optional[TreeMask] = None
+    plan = 0
     if isinstance(kv_end, TreeMask):
         mask = kv_end
         kv_end = mask.kv_end
         if position_ids is None:
             position_ids = mask.position_ids
+        # The plan holds the mask's own position ids: other ones take the
+        # per-call path.
+        if position_ids is mask.position_ids:
+            plan = mask._plan_id
     for name, t in (("q", q), ("k", k), ("v", v), ("kv_end", kv_end)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -582,14 +676,14 @@ def tree_attention(
                 f"q has dtype {q.dtype} on {device}: the CUDA kernels take bfloat16 or float16 "
                 "(cast q, k, v, e.g. q.to(torch.bfloat16); nothing is cast silently)"
             )
-        o, _lse = _attn_fwd(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads)
+        o, _lse = _attn_fwd(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads, plan)
         return o
     if device.type not in ("cpu", "meta"):
         raise ValueError(f"q is on {device}: treeattn runs on CPU and CUDA tensors")
     cdt = _COMPUTE[q.dtype]
     o, _lse = _attn_fwd(
         q.to(cdt), k.to(cdt), v.to(cdt), kv_end, position_ids,
-        scale, rope_base, rope_dims, _threads,
+        scale, rope_base, rope_dims, _threads, plan,
     )
     return o.to(q.dtype)
 

@@ -442,6 +442,9 @@ impl<'i, 's, 'o, M: Memory, T: Element, L: Element> BackwardCall<'i, 's, 'o, M, 
 /// `params.rope` is set (dQ, dK are taken back through it). A query row
 /// with no visible key (only with padding keys, `kv_end[k] == k`) gets
 /// `O = 0`, `LSE = −inf`, `dQ = 0` and adds nothing to dK, dV — never a NaN.
+/// What rows that enter no visible pair hold (K, V of keys no query sees,
+/// Q, dO of queries that see no key) is ignored, NaN and inf included
+/// (DESIGN §5): every backend gives the result it gives with zeros there.
 ///
 /// Non-finite results (scores overflowing the element type, or non-finite
 /// inputs left unchecked) are an [`Error::NonFinite`] on host memory, never

@@ -166,12 +166,41 @@ impl<T: KernelElem> AttentionBackend<T> for Emu {
     type Memory = Host;
     type Lse = f32;
     fn run_forward(&self, call: ForwardCall<'_, '_, Host, T, f32>) -> Result<()> {
+        let (args, o, lse) = call.into_parts();
+        // As on the GPU (device allocations are 256-byte aligned, views
+        // need not be): checked before anything runs, rotary included.
+        launch::check_vector_alignment(
+            "forward kernels",
+            args.shape().tokens,
+            &[
+                ("q", args.q().as_ptr() as u64),
+                ("k", args.k().as_ptr() as u64),
+                ("v", args.v().as_ptr() as u64),
+                ("o", o.as_ptr() as u64),
+            ],
+        )?;
+        let call = ForwardCall::new(args, o, lse)?;
         match call.args().params().rope {
             Some(r) => rope::forward(self, r, call),
             None => forward(self, call),
         }
     }
     fn run_backward(&self, call: BackwardCall<'_, '_, '_, Host, T, f32>) -> Result<()> {
+        let (args, saved, d_o, grads) = call.into_parts();
+        launch::check_vector_alignment(
+            "backward kernels",
+            args.shape().tokens,
+            &[
+                ("q", args.q().as_ptr() as u64),
+                ("k", args.k().as_ptr() as u64),
+                ("v", args.v().as_ptr() as u64),
+                ("d_o", d_o.as_ptr() as u64),
+                ("dq", grads.dq.as_ptr() as u64),
+                ("dk", grads.dk.as_ptr() as u64),
+                ("dv", grads.dv.as_ptr() as u64),
+            ],
+        )?;
+        let call = BackwardCall::new(args, saved, d_o, grads)?;
         match call.args().params().rope {
             Some(r) => rope::backward(self, r, call),
             None => bwd::backward(self, call),
@@ -266,7 +295,7 @@ impl Emu {
 /// [`AttentionBackend`]) without rotary (`rope::forward` rotates Q and K
 /// first, then calls this): d ∈ {64, 128}; 16-bit inputs, f32 accumulation
 /// and softmax, an f32 LSE. Tensors must start at 16-byte aligned addresses
-/// (as device allocations do). A non-finite `o` or `lse` (other than `−inf`)
+/// (as device allocations do; checked by `run_forward`). A non-finite `o` or `lse` (other than `−inf`)
 /// is an [`Error::NonFinite`].
 fn forward<T: KernelElem>(emu: &Emu, call: ForwardCall<'_, '_, Host, T, f32>) -> Result<()> {
     let (args, o, lse) = call.into_parts();
@@ -275,20 +304,6 @@ fn forward<T: KernelElem>(emu: &Emu, call: ForwardCall<'_, '_, Host, T, f32>) ->
     let (traits, plan) = launch::plan_forward(&shape)?;
     if shape.tokens == 0 {
         return Ok(());
-    }
-    // The kernel moves rows in 16-byte vectors (cp.async, the O stores), as on
-    // the GPU, where device allocations are 256-byte aligned.
-    for (name, addr) in [
-        ("q", q.as_ptr() as usize),
-        ("k", k.as_ptr() as usize),
-        ("v", v.as_ptr() as usize),
-        ("o", o.as_ptr() as usize),
-    ] {
-        if addr % 16 != 0 {
-            return Err(Error::Unsupported(format!(
-                "{name} starts at {addr:#x}: the kernel needs 16-byte aligned tensors (copy it into a fresh Vec)"
-            )));
-        }
     }
     if params.rope.is_some() {
         return Err(Error::Unsupported(

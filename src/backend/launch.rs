@@ -300,6 +300,36 @@ pub fn plan_kv_tile_bounds(num_tiles: usize) -> LaunchPlan {
     }
 }
 
+/// The alignment, in bytes, the attention kernels need of every tensor they
+/// read or write row by row: rows move in 16-byte vectors (`cp.async`
+/// loads of q, k, v, d_o; the stores of o, dq, dk, dv).
+pub const VECTOR_ALIGN: u64 = 16;
+
+/// The one alignment check of the attention kernels (forward and backward,
+/// CUDA and emulator), run before any launch: `Err(Error::Shape)` naming
+/// the first of `tensors` (name, address) that does not start on a
+/// [`VECTOR_ALIGN`]-byte boundary — a misaligned view (a tensor sliced one
+/// element in, a host buffer) would otherwise be a misaligned-address fault
+/// that takes the whole CUDA context down. Device allocations are 256-byte
+/// aligned, so only views can fail. With `tokens == 0` nothing is read and
+/// nothing is checked (an empty buffer may sit anywhere).
+pub(crate) fn check_vector_alignment(
+    kernels: &str,
+    tokens: usize,
+    tensors: &[(&str, u64)],
+) -> Result<()> {
+    if tokens == 0 {
+        return Ok(());
+    }
+    match tensors.iter().find(|(_, addr)| addr % VECTOR_ALIGN != 0) {
+        Some((name, addr)) => Err(Error::Shape(format!(
+            "{name}: address {addr:#x} is not {VECTOR_ALIGN}-byte aligned; the {kernels} move rows in \
+             {VECTOR_ALIGN}-byte vectors (pass a tensor that starts on such a boundary, e.g. a fresh copy)"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// `softmax_scale · log2(e)`, the factor the kernel folds into exp2.
 pub(crate) fn scale_log2(params: &AttnParams) -> f32 {
     (params.softmax_scale * std::f64::consts::LOG2_E) as f32

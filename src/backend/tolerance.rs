@@ -1,5 +1,5 @@
 //! The one table of tolerances that kernel results are held to, by the
-//! emulator tests (`tests/emu_*.rs`) and by the GPU check
+//! emulator tests (`tests/it/emu_*.rs`) and by the GPU check
 //! (`treeattn gpu-check`) alike, and the error measures they use. The
 //! reference is always the CPU backend ([`super::cpu::Cpu`], itself proven
 //! against a dense loop) on the *same rounded inputs* the kernel saw, so

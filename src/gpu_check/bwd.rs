@@ -561,6 +561,9 @@ pub(super) fn timings<D: Target>(
         "vs LogitT"
     );
     let groups = set.groups();
+    // Atomic against deterministic dQ on the same inputs, per timed tree
+    // pack: (pack, relative Frobenius difference).
+    let mut dq_modes: Vec<(String, f64)> = Vec::new();
     for (sh, rows) in &groups {
         let (d, l) = (sh.head_dim, sh.tokens);
         let causal = timing::causal_pack(l);
@@ -584,7 +587,17 @@ pub(super) fn timings<D: Target>(
             let (name, pack, rope) = (&r.label, r.pack, &r.rope);
             let mut tree = [Run::<D, half::bf16>::new(be, rng, pack, *sh, *rope)?];
             let ms = time_runs(be, &mut tree, DqMode::Atomic, reps)?;
+            let dq_atomic = be.down(&tree[0].grads[0])?;
             let det_ms = time_runs(be, &mut tree, DqMode::Deterministic, reps)?;
+            let dq_det: Vec<f32> = be
+                .down(&tree[0].grads[0])?
+                .iter()
+                .map(|x| x.to_f32())
+                .collect();
+            dq_modes.push((
+                format!("{name} d{d}"),
+                rel_err("dq (atomic mode)", &dq_atomic, &dq_det)?,
+            ));
             // d 64: the same runs with the one-m-tile main kernel, side by
             // side with the two-m-tile default (issue 26).
             let one_ms = if d == 64 {
@@ -664,6 +677,24 @@ pub(super) fn timings<D: Target>(
         }
     }
 
+    // The two dQ modes at the timing sizes (16k tokens on a GPU): the same
+    // sums in another order, so they differ by f32 rounding before the bf16
+    // store, far inside the gradient tolerance.
+    let bound = tol(Dtype::Bf16);
+    let worst = dq_modes.iter().map(|m| m.1).fold(0.0f64, f64::max);
+    let bad: Vec<&str> = dq_modes
+        .iter()
+        .filter(|m| m.1.is_nan() || m.1 > bound)
+        .map(|m| m.0.as_str())
+        .collect();
+    let _ = writeln!(
+        rep,
+        "atomic vs deterministic dQ on the timed packs (L = {n}): max relative difference {worst:.2e} over {} \
+         packs (tol {bound:.0e})  {}",
+        dq_modes.len(),
+        if bad.is_empty() { "ok" } else { "FAIL" }
+    );
+
     // 4. SDCC fused vs unfused
     let vocab = opts.sdcc_vocab;
     // 2048 pairs at the default 16k timing tokens (~1.8 MB of traffic per
@@ -704,6 +735,12 @@ pub(super) fn timings<D: Target>(
         bytes / (fused * 1e-3) / 1e9,
         unfused / fused
     );
+    if !bad.is_empty() {
+        return Err(Error::Cuda(format!(
+            "gpu-check failed (atomic vs deterministic dQ differ beyond {bound:.0e}: {})",
+            bad.join(", ")
+        )));
+    }
     Ok(())
 }
 

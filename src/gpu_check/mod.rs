@@ -110,8 +110,12 @@ pub struct CheckOptions {
     /// Write every correctness case's pack, inputs and outputs here (and,
     /// after the timings, the timing packs and our times in `timing/`).
     pub dump: Option<PathBuf>,
-    /// Correctness only: no timing sections (the sanitizer runs).
+    /// Correctness only: no timing sections (the sanitizer runs, and the
+    /// correctness process of scripts/gpu-check.sh).
     pub check_only: bool,
+    /// Timing only: no correctness sections (the timing process of
+    /// scripts/gpu-check.sh, after a correctness process).
+    pub timing_only: bool,
     /// Only one forward + backward of one tree pack at the timing length
     /// (d 128), no checks: what a profiler looks at.
     pub profile: bool,
@@ -134,6 +138,7 @@ impl CheckOptions {
                 sdcc_vocab: 151_936,
                 dump: None,
                 check_only: false,
+                timing_only: false,
                 profile: false,
             },
             CheckBackend::Emu => CheckOptions {
@@ -147,6 +152,7 @@ impl CheckOptions {
                 sdcc_vocab: 8_192,
                 dump: None,
                 check_only: false,
+                timing_only: false,
                 profile: false,
             },
         }
@@ -400,7 +406,13 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
             .unwrap_or(1)
     });
     let mut rng = Rng::new(seed);
-    let mut dump = opts.dump.as_deref().map(Dump::create).transpose()?;
+    // Before anything is printed or run: a dump that cannot be written
+    // stops the run. --timing-only writes only DIR/timing/, beside the dump
+    // of a --check-only run.
+    let mut dump = match opts.timing_only {
+        true => None,
+        false => opts.dump.as_deref().map(Dump::create).transpose()?,
+    };
     let device = be.describe()?;
     let _ = writeln!(
         rep,
@@ -409,6 +421,16 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
     );
     if opts.profile {
         return timing::profile(be, &mut rng, opts, rep);
+    }
+    if opts.check_only && opts.timing_only {
+        return Err(Error::Usage(
+            "gpu-check: --check-only and --timing-only leave nothing to run".into(),
+        ));
+    }
+    if opts.timing_only {
+        // The dump's correctness part comes from another (check-only) run:
+        // only DIR/timing/ is written here.
+        return timings(be, &mut rng, opts, rep);
     }
     // Sizes: the GPU's, or the emulator's (it runs every thread of every
     // block on the CPU: a few hundred tokens per pack).
@@ -463,6 +485,32 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
         );
         let n = p.kv_end.len();
         cases.push(("grpo fan bf16 d128".into(), p, shape(n, 4, 2, 128), true));
+        // The paths only the timed sizes used to reach: a group of 4 query
+        // heads per kv head over ~4.3k tokens (the kernels' in-block GQA
+        // head loop at the timing shapes' 16 / 4 heads) ...
+        let mut p = MaskBuilder::new();
+        while p.kv_end.len() < sz(4300, 160) {
+            p.push_tree(&mut rng, 0, sz(900, 40), 3, true);
+        }
+        let n = p.kv_end.len();
+        cases.push((
+            "trees bf16 d128 gqa 16/4".into(),
+            p,
+            shape(n, sz(16, 4), sz(4, 1), 128),
+            true,
+        ));
+        // ... and a GRPO fan whose prompt is longer than 32 key tiles of 64
+        // (2,048 keys): each answer's query tiles walk the prompt's tiles in
+        // more than one step of the tile walk.
+        let mut p = MaskBuilder::new();
+        p.push_fan(sz(2200, 140), 16, rng.range(sz(30, 4), sz(60, 8)));
+        let n = p.kv_end.len();
+        cases.push((
+            "grpo fan 2k prompt f16 d64".into(),
+            p,
+            shape(n, 4, 2, 64),
+            false,
+        ));
     }
     let mut failures = Vec::new();
     let _ = writeln!(
@@ -537,26 +585,7 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
 
     // 4. timing (timing.rs, bwd.rs), recorded for the anchor
     if !opts.check_only {
-        let mut tm = Timings::default();
-        let set = timing::TimingSet::new(&mut rng, opts);
-        let r = timing::forward(be, &mut rng, opts, rep, &mut tm, &set)
-            .and_then(|()| bwd::timings(be, &mut rng, opts, rep, &mut tm, &set));
-        // What was timed reaches the dump even when a later section failed.
-        if let (Some(dir), false) = (&opts.dump, tm.records.is_empty()) {
-            match tm.write(dir, D::REAL_TIMING) {
-                Ok(p) => {
-                    let _ = writeln!(
-                        rep,
-                        "\ntiming packs and our times: {} (scripts/gpu-anchor.py times PyTorch on them)",
-                        p.display()
-                    );
-                }
-                Err(e) => {
-                    let _ = writeln!(rep, "\ntiming packs could not be written: {e}");
-                }
-            }
-        }
-        r?;
+        timings(be, &mut rng, opts, rep)?;
     }
     if failures.is_empty() {
         Ok(())
@@ -566,6 +595,36 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
             failures.join(", ")
         )))
     }
+}
+
+/// The timing sections (timing.rs, bwd.rs), recorded for the anchor in the
+/// dump's `timing/` when there is a dump.
+fn timings<D: Target>(
+    be: &D,
+    rng: &mut Rng,
+    opts: &CheckOptions,
+    rep: &mut Report<'_>,
+) -> Result<()> {
+    let mut tm = Timings::default();
+    let set = timing::TimingSet::new(rng, opts);
+    let r = timing::forward(be, rng, opts, rep, &mut tm, &set)
+        .and_then(|()| bwd::timings(be, rng, opts, rep, &mut tm, &set));
+    // What was timed reaches the dump even when a later section failed.
+    if let (Some(dir), false) = (&opts.dump, tm.records.is_empty()) {
+        match tm.write(dir, D::REAL_TIMING) {
+            Ok(p) => {
+                let _ = writeln!(
+                    rep,
+                    "\ntiming packs and our times: {} (scripts/gpu-anchor.py times PyTorch on them)",
+                    p.display()
+                );
+            }
+            Err(e) => {
+                let _ = writeln!(rep, "\ntiming packs could not be written: {e}");
+            }
+        }
+    }
+    r
 }
 
 // Needs the emulator (feature `emu`: on in `cargo test`).

@@ -1069,3 +1069,174 @@ fn two_m_tile_negative_controls_fail() {
         "seed {seed}: a swapped m-tile went unnoticed: {swapped:.3e}"
     );
 }
+
+/// A view off a 16-byte boundary (q, k, v, d_o, dq, dk or dv, rotary on or
+/// off) is an `Err(Shape)` naming that tensor, before anything runs — the
+/// check the forward shares (`launch::check_vector_alignment`). Negative
+/// control: every tensor placed on a boundary runs.
+#[test]
+fn misaligned_views_are_errors_naming_the_tensor() {
+    use treeattn::backend::{AttentionBackend, AttnArgs, Grads, Saved};
+    let kv_end = [3u32, 3, 3];
+    let pos = [0u32, 1, 2];
+    let mask = PackMask::new(&kv_end, &pos).unwrap();
+    let shape = AttnShape {
+        tokens: 3,
+        q_heads: 1,
+        kv_heads: 1,
+        head_dim: 64,
+    };
+    let x = vec![bf16::from_f32(0.25); 3 * 64];
+    let lse = vec![1.0f32; 3];
+    let n = x.len();
+    for rope in [
+        None,
+        Some(Rope {
+            base: 10_000.0,
+            dims: 64,
+        }),
+    ] {
+        let p = AttnParams {
+            rope,
+            ..AttnParams::new(64)
+        };
+        for bad in ["", "q", "k", "v", "d_o", "dq", "dk", "dv"] {
+            let place = |name: &str| common::placed(&x, name != bad);
+            let ((qb, qo), (kb, ko), (vb, vo), (db, doff)) =
+                (place("q"), place("k"), place("v"), place("d_o"));
+            let ((mut gq, gqo), (mut gk, gko), (mut gv, gvo)) =
+                (place("dq"), place("dk"), place("dv"));
+            let args = AttnArgs::new(
+                &qb[qo..qo + n],
+                &kb[ko..ko + n],
+                &vb[vo..vo + n],
+                shape,
+                mask,
+                p,
+            )
+            .unwrap();
+            let r = calls::emu().backward(
+                &args,
+                Saved { o: &x, lse: &lse },
+                &db[doff..doff + n],
+                Grads {
+                    dq: &mut gq[gqo..gqo + n],
+                    dk: &mut gk[gko..gko + n],
+                    dv: &mut gv[gvo..gvo + n],
+                },
+            );
+            match (bad, r) {
+                ("", r) => r.unwrap(),
+                (name, Err(Error::Shape(m))) => assert!(
+                    m.starts_with(&format!("{name}: address"))
+                        && m.contains("is not 16-byte aligned"),
+                    "{name}: {m}"
+                ),
+                (name, r) => panic!("{name} misaligned, rope {rope:?}: {r:?}"),
+            }
+        }
+    }
+}
+
+/// The policy for non-finite values in rows that enter no visible pair
+/// (DESIGN §5): K and V of keys no query sees (`kv_end[k] == k`), Q and dO
+/// of query rows with no visible key, are ignored — by the CPU backend and
+/// by the kernels alike. A pack of 40 causal rows then 30 padding rows (one
+/// query tile, a key tile mixing both), each group's padding rows planted
+/// with NaN / ±inf, gives bit for bit the result of the same inputs with
+/// finite padding rows: padding contributes exact zeros either way.
+/// Negative control: a NaN in a visible key's V is not ignored (an `Err`
+/// from the emulator's result check, NaN rows from the CPU).
+#[test]
+fn non_finite_values_in_padding_rows_are_ignored() {
+    let (mut rng, seed) = common::seeded_rng();
+    let (real, pad) = (40usize, 30usize);
+    let l = real + pad;
+    let kv_end: Vec<u32> = (0..l as u32)
+        .map(|k| if (k as usize) < real { real as u32 } else { k })
+        .collect();
+    let pos: Vec<u32> = (0..l as u32).collect();
+    let mask = PackMask::new(&kv_end, &pos).unwrap();
+    let (hq, hk, d) = (4usize, 2usize, 64usize);
+    let shape = AttnShape {
+        tokens: l,
+        q_heads: hq,
+        kv_heads: hk,
+        head_dim: d,
+    };
+    let p = AttnParams::new(d);
+    let (q, qw): (Vec<bf16>, Vec<f32>) = common::random_tensor(&mut rng, l * hq * d, 1.0);
+    let (k, kw): (Vec<bf16>, Vec<f32>) = common::random_tensor(&mut rng, l * hk * d, 1.0);
+    let (v, vw): (Vec<bf16>, Vec<f32>) = common::random_tensor(&mut rng, l * hk * d, 1.0);
+    let (g, gw): (Vec<bf16>, Vec<f32>) = common::random_tensor(&mut rng, l * hq * d, 1.0);
+    // Rows [real, l) of a [l, heads, d] tensor set to `x`.
+    fn plant<T: Copy>(t: &[T], heads: usize, d: usize, from: usize, x: T) -> Vec<T> {
+        let mut t = t.to_vec();
+        t[from * heads * d..].iter_mut().for_each(|e| *e = x);
+        t
+    }
+    let ctx = format!("seed {seed}");
+
+    // CPU (f32).
+    let cpu = |q: &[f32], k: &[f32], v: &[f32], g: &[f32]| {
+        let out = calls::cpu_forward(q, k, v, shape, mask, &p).unwrap();
+        let gr = calls::cpu_backward(q, k, v, &out.o, &out.lse, g, shape, mask, &p).unwrap();
+        (out.o, out.lse, gr.dq, gr.dk, gr.dv)
+    };
+    let clean = cpu(&qw, &kw, &vw, &gw);
+    let dirty = cpu(
+        &plant(&qw, hq, d, real, f32::NAN),
+        &plant(&kw, hk, d, real, f32::INFINITY),
+        &plant(&vw, hk, d, real, f32::NAN),
+        &plant(&gw, hq, d, real, f32::NEG_INFINITY),
+    );
+    let bits = |x: &[f32]| x.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+    for (what, a, b) in [
+        ("o", &clean.0, &dirty.0),
+        ("lse", &clean.1, &dirty.1),
+        ("dq", &clean.2, &dirty.2),
+        ("dk", &clean.3, &dirty.3),
+        ("dv", &clean.4, &dirty.4),
+    ] {
+        assert_eq!(bits(a), bits(b), "cpu {what}: {ctx}");
+    }
+    // Control: a NaN in a visible key's V reaches O.
+    let mut vbad = vw.clone();
+    vbad[3 * hk * d] = f32::NAN;
+    let o = calls::cpu_forward(&qw, &kw, &vbad, shape, mask, &p)
+        .map(|out| out.o.iter().any(|x| x.is_nan()));
+    assert!(!matches!(o, Ok(false)), "cpu control: {o:?}");
+
+    // Emulator (bf16), both dQ modes.
+    for mode in [DqMode::Deterministic, DqMode::Atomic] {
+        let emu = |q: &[bf16], k: &[bf16], v: &[bf16], g: &[bf16]| {
+            let out = calls::emu_forward(q, k, v, shape, mask, &p)?;
+            let gr = calls::emu_backward(q, k, v, &out.o, &out.lse, g, shape, mask, &p, mode)?;
+            Ok::<_, Error>((out.o, out.lse, gr.dq, gr.dk, gr.dv))
+        };
+        let clean = emu(&q, &k, &v, &g).unwrap();
+        let dirty = emu(
+            &plant(&q, hq, d, real, bf16::NAN),
+            &plant(&k, hk, d, real, bf16::INFINITY),
+            &plant(&v, hk, d, real, bf16::NAN),
+            &plant(&g, hq, d, real, bf16::NEG_INFINITY),
+        )
+        .unwrap_or_else(|e| panic!("emu {mode:?}: {e}; {ctx}"));
+        let bits = |x: &[bf16]| x.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+        assert_eq!(clean.1, dirty.1, "emu lse {mode:?}: {ctx}");
+        for (what, a, b) in [
+            ("o", &clean.0, &dirty.0),
+            ("dq", &clean.2, &dirty.2),
+            ("dk", &clean.3, &dirty.3),
+            ("dv", &clean.4, &dirty.4),
+        ] {
+            assert_eq!(bits(a), bits(b), "emu {what} {mode:?}: {ctx}");
+        }
+        let mut vbad = v.clone();
+        vbad[3 * hk * d] = bf16::NAN;
+        assert!(
+            calls::emu_forward(&q, &k, &vbad, shape, mask, &p).is_err(),
+            "emu control: {ctx}"
+        );
+    }
+}

@@ -560,3 +560,60 @@ fn skipped_key_tiles_are_never_loaded() {
         }
     }
 }
+
+/// A view that does not start on a 16-byte boundary (q, k, v or o, rotary
+/// on or off) is an `Err(Shape)` naming that tensor, raised before anything
+/// runs — the one check the CUDA forward and backward also run before any
+/// launch (`launch::check_vector_alignment`). Negative control: the same
+/// data placed on a boundary runs.
+#[test]
+fn misaligned_views_are_errors_naming_the_tensor() {
+    let kv_end = [3u32, 3, 3];
+    let pos = [0u32, 1, 2];
+    let mask = PackMask::new(&kv_end, &pos).unwrap();
+    let shape = AttnShape {
+        tokens: 3,
+        q_heads: 1,
+        kv_heads: 1,
+        head_dim: 64,
+    };
+    let x = vec![bf16::from_f32(0.25); 3 * 64];
+    for rope in [
+        None,
+        Some(Rope {
+            base: 10_000.0,
+            dims: 64,
+        }),
+    ] {
+        let p = AttnParams {
+            rope,
+            ..AttnParams::new(64)
+        };
+        for bad in ["", "q", "k", "v", "o"] {
+            let place = |name: &str| common::placed(&x, name != bad);
+            let ((qb, qo), (kb, ko), (vb, vo), (mut ob, oo)) =
+                (place("q"), place("k"), place("v"), place("o"));
+            let mut lse = vec![0f32; 3];
+            let n = x.len();
+            let r = calls::emu_forward_into(
+                &qb[qo..qo + n],
+                &kb[ko..ko + n],
+                &vb[vo..vo + n],
+                shape,
+                mask,
+                &p,
+                &mut ob[oo..oo + n],
+                &mut lse,
+            );
+            match (bad, r) {
+                ("", r) => r.unwrap(),
+                (name, Err(Error::Shape(m))) => assert!(
+                    m.starts_with(&format!("{name}: address"))
+                        && m.contains("is not 16-byte aligned"),
+                    "{name}: {m}"
+                ),
+                (name, r) => panic!("{name} misaligned, rope {rope:?}: {r:?}"),
+            }
+        }
+    }
+}

@@ -100,7 +100,7 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
     assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
     for want in [
         "gpu-check --backend emu on the SIMT emulator",
-        "all 5 correctness checks passed",
+        "all 7 correctness checks passed",
         "sdcc vocab 8192",
         "EMULATOR WALL CLOCK, meaningless for a GPU",
         "LogitT ms",
@@ -109,7 +109,7 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
         assert!(out.contains(want), "{want:?} missing from:\n{out}");
     }
     assert!(!out.contains("FAIL"), "{out}");
-    // The dump: a manifest naming 9 cases (5 forward, 4 backward), each
+    // The dump: a manifest naming 11 cases (7 forward, 4 backward), each
     // file present, nothing partial left beside it.
     let m: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dump.join("manifest.json")).unwrap())
@@ -117,9 +117,9 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
     assert_eq!(m["format"], treeattn::gpu_check::DUMP_FORMAT);
     assert_eq!(m["backend"], "emu");
     let cases = m["cases"].as_array().unwrap();
-    assert_eq!(cases.len(), 9, "{m:#}");
+    assert_eq!(cases.len(), 11, "{m:#}");
     let kinds = |k: &str| cases.iter().filter(|c| c["kind"] == k).count();
-    assert_eq!((kinds("forward"), kinds("backward")), (5, 4));
+    assert_eq!((kinds("forward"), kinds("backward")), (7, 4));
     for c in cases {
         let bytes = std::fs::read(dump.join(c["file"].as_str().unwrap())).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -227,7 +227,7 @@ fn emu_gpu_check_dump_and_the_torch_anchor_agree() {
     };
     let (code, out, err) = anchor(&dump, &["--flex", "eager"]);
     assert_eq!(code, Some(0), "{out}\n{err}");
-    assert!(out.contains("all 9 cases agree"), "{out}");
+    assert!(out.contains("all 11 cases agree"), "{out}");
     assert!(out.contains("flex (eager) vs ours"), "{out}");
     assert!(out.contains("side by side"), "{out}");
     // ... and torch on the timing packs, one line per record.
@@ -263,7 +263,7 @@ fn emu_gpu_check_check_only_and_profile() {
         .unwrap();
     let out = text(&o.stdout);
     assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
-    assert!(out.contains("all 5 correctness checks passed"), "{out}");
+    assert!(out.contains("all 7 correctness checks passed"), "{out}");
     assert!(
         !out.contains("forward timing") && !out.contains("SDCC timing"),
         "{out}"
@@ -287,5 +287,65 @@ fn emu_gpu_check_check_only_and_profile() {
     assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
     assert!(out.contains("profile: one forward + backward"), "{out}");
     assert!(!out.contains("correctness"), "{out}");
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+/// `--timing-only` runs the timings and no correctness section, writing
+/// only `timing/` into an existing dump directory (beside a check-only
+/// run's); `--check-only --seed S` is reproducible: the same seed gives
+/// the same packs (the same L of every case) and the same errors. Negative
+/// control: another seed gives other packs.
+#[test]
+fn emu_gpu_check_timing_only_and_seeded_replay() {
+    let base = scratch("split");
+    let dump = base.join("dump");
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_treeattn"))
+            .args(["gpu-check", "--backend", "emu"])
+            .args(args)
+            .output()
+            .unwrap();
+        let out = text(&o.stdout);
+        assert!(o.status.success(), "{args:?}: {out}\n{}", text(&o.stderr));
+        out
+    };
+    let d = dump.to_str().unwrap();
+    let check = |seed: &str| {
+        let out = run(&["--check-only", "--small", "--seed", seed]);
+        // The correctness lines (case, L, errors), without the header.
+        out.lines()
+            .filter(|l| l.contains(" L="))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let a = check("7");
+    assert!(a.len() >= 7, "{a:?}");
+    assert_eq!(a, check("7"));
+    assert_ne!(a, check("8"));
+    run(&["--check-only", "--small", "--seed", "7", "--dump", d]);
+    let out = run(&["--timing-only", "--seed", "7", "--dump", d]);
+    assert!(!out.contains("correctness"), "{out}");
+    assert!(out.contains("timing packs and our times"), "{out}");
+    // The two dQ modes compared at the timing sizes.
+    let modes = out
+        .lines()
+        .find(|l| l.starts_with("atomic vs deterministic dQ on the timed packs"))
+        .unwrap_or_else(|| panic!("no dQ mode comparison in:\n{out}"));
+    assert!(
+        modes.ends_with("ok") && !modes.contains("over 0 packs"),
+        "{modes}"
+    );
+    assert!(dump.join("manifest.json").exists() && dump.join("timing").exists());
+    let o = Command::new(env!("CARGO_BIN_EXE_treeattn"))
+        .args([
+            "gpu-check",
+            "--backend",
+            "emu",
+            "--timing-only",
+            "--check-only",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
     std::fs::remove_dir_all(&base).unwrap();
 }

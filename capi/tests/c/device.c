@@ -212,6 +212,36 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
   CHECK(e_o <= o_bound, "%s O rel error %.3e > %.0e", name, e_o, o_bound);
   CHECK(e_lse <= 1e-3, "%s LSE abs error %.3e > 1e-3", name, e_lse);
 
+  /* The same forward through a mask plan, twice (two "layers": the second
+   * reuses the plan's device copy): bit-identical O and LSE. */
+  {
+    TreeattnMask *mask = NULL;
+    OK(treeattn_mask_create(kv_end, pos, L, &mask));
+    uint16_t *o_plan = malloc(nq * 2);
+    float *lse_plan = malloc(nl * 4);
+    for (int layer = 0; layer < 2; layer++) {
+      memset(o_plan, 0xFF, nq * 2);
+      memset(lse_plan, 0xFF, nl * 4);
+      CU(cu.htod(d_o, o_plan, nq * 2));
+      CU(cu.htod(d_lse, lse_plan, nl * 4));
+      OK(treeattn_cuda_attention_forward_mask(dtype, 0, stream, (void *)dq_, (void *)dk_,
+                                              (void *)dv_, shape, mask, NULL, (void *)d_o,
+                                              (float *)d_lse));
+      CU(cu.stream_sync(stream));
+      CU(cu.dtoh(o_plan, d_o, nq * 2));
+      CU(cu.dtoh(lse_plan, d_lse, nl * 4));
+      CHECK(memcmp(o_plan, o16, nq * 2) == 0, "%s O through the plan (call %d) differs", name,
+            layer);
+      CHECK(memcmp(lse_plan, got_lse, nl * 4) == 0, "%s LSE through the plan (call %d) differs",
+            name, layer);
+    }
+    treeattn_mask_destroy(mask);
+    free(o_plan);
+    free(lse_plan);
+    CU(cu.htod(d_o, o16, nq * 2));
+    CU(cu.htod(d_lse, got_lse, nl * 4));
+  }
+
   /* Backward from the device's own O and LSE; the reference from the
    * CPU's (both within the forward bounds of each other). */
   OK(treeattn_attention_backward(TREEATTN_F32, q, k, v, shape, kv_end, pos, NULL, o, lse,
@@ -319,6 +349,14 @@ int main(int argc, char **argv) {
           "message: %s", treeattn_last_error());
     printf("no GPU here: the device entries fail cleanly (%s: %s)\n", treeattn_status_name(st),
            treeattn_last_error());
+    TreeattnMask *mask = NULL;
+    OK(treeattn_mask_create(kv_end, pos, L, &mask));
+    st = treeattn_cuda_attention_forward_mask(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy, shape,
+                                              mask, NULL, dummy, dummy_lse);
+    CHECK(st == TREEATTN_ERR_UNSUPPORTED || st == TREEATTN_ERR_CUDA,
+          "forward with a plan without a GPU -> %d (%s): %s", st, treeattn_status_name(st),
+          treeattn_last_error());
+    treeattn_mask_destroy(mask);
     treeattn_pack_free(pack);
     if (require) {
       fprintf(stderr, "FAIL: --require-gpu and no usable GPU\n");

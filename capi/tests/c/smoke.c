@@ -205,6 +205,38 @@ int main(int argc, char **argv) {
   CHECK(max_abs_diff(dk, rdk, nkv) <= 1e-12, "f64 dk vs reference %g", max_abs_diff(dk, rdk, nkv));
   CHECK(max_abs_diff(dv, rdv, nkv) <= 1e-12, "f64 dv vs reference %g", max_abs_diff(dv, rdv, nkv));
 
+  /* the same calls through a mask plan built once: bit-identical results */
+  {
+    TreeattnMask *mask = NULL;
+    OK(treeattn_mask_create(kv_end, pos, L, &mask));
+    double *o2 = malloc(nq * sizeof(double)), *lse2 = malloc(hq * L * sizeof(double));
+    double *dq2 = malloc(nq * sizeof(double)), *dk2 = malloc(nkv * sizeof(double)),
+           *dv2 = malloc(nkv * sizeof(double));
+    for (int layer = 0; layer < 2; layer++) {
+      OK(treeattn_attention_forward_mask(TREEATTN_F64, q, k, v, shape, mask, NULL, o2, lse2));
+      OK(treeattn_attention_backward_mask(TREEATTN_F64, q, k, v, shape, mask, NULL, o2, lse2,
+                                          d_o, dq2, dk2, dv2));
+      CHECK(memcmp(o, o2, nq * sizeof(double)) == 0, "o through the plan differs");
+      CHECK(memcmp(lse, lse2, hq * L * sizeof(double)) == 0, "lse through the plan differs");
+      CHECK(memcmp(dq, dq2, nq * sizeof(double)) == 0, "dq through the plan differs");
+      CHECK(memcmp(dk, dk2, nkv * sizeof(double)) == 0, "dk through the plan differs");
+      CHECK(memcmp(dv, dv2, nkv * sizeof(double)) == 0, "dv through the plan differs");
+    }
+    TreeattnShape shorter = {L - 1, hq, hkv, d};
+    FAILS(treeattn_attention_forward_mask(TREEATTN_F64, q, k, v, shorter, mask, NULL, o2, lse2),
+          TREEATTN_ERR_SHAPE, "plan of a pack of 16 tokens");
+    FAILS(treeattn_attention_forward_mask(TREEATTN_F64, q, k, v, shape, NULL, NULL, o2, lse2),
+          TREEATTN_ERR_NULL, "`mask`");
+    treeattn_mask_destroy(mask);
+    treeattn_mask_destroy(NULL);
+    const uint32_t bad_kv[3] = {3, 0, 3};
+    TreeattnMask *none = (TreeattnMask *)1;
+    FAILS(treeattn_mask_create(bad_kv, NULL, 3, &none), TREEATTN_ERR_PACK, "kv_end[1] = 0");
+    CHECK(none == NULL, "a failed treeattn_mask_create leaves *out non-null");
+    FAILS(treeattn_mask_create(bad_kv, NULL, 3, NULL), TREEATTN_ERR_NULL, "`out`");
+    free(o2); free(lse2); free(dq2); free(dk2); free(dv2);
+  }
+
   float *qf = malloc(nq * sizeof(float)), *kf = malloc(nkv * sizeof(float)),
         *vf = malloc(nkv * sizeof(float)), *of = malloc(nq * sizeof(float)),
         *lsef = malloc(hq * L * sizeof(float));

@@ -63,6 +63,10 @@ pub(crate) fn backward<T: CpuFloat>(
         lse_eff[l..].fill(T::INFINITY);
     }
 
+    // Rows that enter no visible pair are read as zeros, whatever they hold
+    // (DESIGN §5): K, V of keys no query sees, Q, dO of queries that see no
+    // key — otherwise a NaN there reaches dK, dQ through 0 · NaN.
+    let (unseen, blind) = (mask.unseen_keys(), mask.blind_queries());
     let bounds = KeyTileBounds::new(mask.kv_end());
     let group = shape.group();
     let scratch = || BwdScratch::new(lay.dp);
@@ -88,11 +92,18 @@ pub(crate) fn backward<T: CpuFloat>(
         // of item compute S and dP with query rows, key columns.
         let mut delta = workspace::take_stale(group * lpad, T::ZERO);
         let [qh, k2, vt, doh] = lay.copy_inputs([
-            Input::rows(q, hq, rope.as_ref()).heads(heads.clone()),
-            Input::rows_and_columns(k, hkv, rope.as_ref()).heads(g..g + 1),
-            Input::columns(v, hkv, None).heads(g..g + 1),
+            Input::rows(q, hq, rope.as_ref())
+                .heads(heads.clone())
+                .ignoring(&blind),
+            Input::rows_and_columns(k, hkv, rope.as_ref())
+                .heads(g..g + 1)
+                .ignoring(&unseen),
+            Input::columns(v, hkv, None)
+                .heads(g..g + 1)
+                .ignoring(&unseen),
             Input::rows(d_o, hq, None)
                 .heads(heads.clone())
+                .ignoring(&blind)
                 .with_row_dots(o, &mut delta),
         ]);
         let (kh, kt) = k2.split_at(k2.len() / 2);

@@ -103,6 +103,7 @@ impl Layout {
                         x: x.x,
                         heads: x.heads,
                         rope: x.rope,
+                        ignored: x.ignored,
                         h,
                         t0,
                         t1: (t0 + piece).min(self.lpad),
@@ -127,9 +128,12 @@ impl Layout {
     }
 
     /// Row `t` of head `h` of `x` `[l, heads, d]` into `row` (`dp` values),
-    /// rotated by `rope` if given, padded with zeros; all zero when `t >= l`.
-    /// Returns where the row starts in `x` (`None` past the last token).
+    /// rotated by `rope` if given, padded with zeros; all zero when `t >= l`
+    /// or `ignored[t]` (a row that enters no visible pair: never read, so a
+    /// NaN there cannot reach a result through `0 · NaN`). Returns where the
+    /// row starts in `x` (`None` for a zero row).
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
     fn padded_row<T: CpuFloat>(
         &self,
         x: &[T],
@@ -137,10 +141,11 @@ impl Layout {
         h: usize,
         t: usize,
         rope: Option<&RopeTable>,
+        ignored: Option<&[bool]>,
         row: &mut [T],
     ) -> Option<usize> {
         let d = self.d;
-        if t >= self.l {
+        if t >= self.l || ignored.is_some_and(|z| z[t]) {
             row.fill(T::ZERO);
             return None;
         }
@@ -169,7 +174,7 @@ impl Layout {
     ) {
         self.prefetch_tile_rows(x, heads, h, t0);
         for (j, row) in tile[..TILE * self.dp].chunks_exact_mut(self.dp).enumerate() {
-            self.padded_row(x, heads, h, t0 + j, rope, row);
+            self.padded_row(x, heads, h, t0 + j, rope, None, row);
         }
     }
 
@@ -212,7 +217,8 @@ impl Layout {
             };
             for (j, row) in rows.chunks_exact_mut(dp).enumerate() {
                 let t = t0 + j;
-                let at = self.padded_row(item.x, item.heads, item.h, t, item.rope, row);
+                let at =
+                    self.padded_row(item.x, item.heads, item.h, t, item.rope, item.ignored, row);
                 if let Some((with, out)) = item.dots.as_mut() {
                     out[p0 + j] = match at {
                         Some(at) => {
@@ -238,6 +244,7 @@ struct CopyItem<'a, 'b, T> {
     x: &'a [T],
     heads: usize,
     rope: Option<&'a RopeTable>,
+    ignored: Option<&'a [bool]>,
     h: usize,
     /// The piece: tokens `t0 .. t1`, whole tiles.
     t0: usize,
@@ -280,6 +287,8 @@ pub(crate) struct Input<'a, T> {
     /// The heads copied (all unless [`Input::heads`] narrows them).
     copied: Range<usize>,
     rope: Option<&'a RopeTable>,
+    /// Rows copied as zeros ([`Input::ignoring`]).
+    ignored: Option<&'a [bool]>,
     form: Form,
     dots: Option<RowDots<'a, T>>,
 }
@@ -299,6 +308,7 @@ impl<'a, T> Input<'a, T> {
             heads,
             copied: 0..heads,
             rope,
+            ignored: None,
             form: Form::Rows,
             dots: None,
         }
@@ -311,6 +321,7 @@ impl<'a, T> Input<'a, T> {
             heads,
             copied: 0..heads,
             rope,
+            ignored: None,
             form: Form::Columns,
             dots: None,
         }
@@ -325,6 +336,7 @@ impl<'a, T> Input<'a, T> {
             heads,
             copied: 0..heads,
             rope,
+            ignored: None,
             form: Form::Both,
             dots: None,
         }
@@ -340,6 +352,16 @@ impl<'a, T> Input<'a, T> {
             self.heads
         );
         Input { copied, ..self }
+    }
+
+    /// Copies the rows `t` with `ignored[t]` (`[l]`) as zeros, whatever
+    /// they hold (their row dots are 0): rows that enter no visible pair
+    /// (DESIGN §5, non-finite values in padding rows).
+    pub(crate) fn ignoring(self, ignored: &'a [bool]) -> Self {
+        Input {
+            ignored: Some(ignored),
+            ..self
+        }
     }
 
     /// Also writes `out[(h − copied.start) · lpad + t] = Σ_c with[t, h, c] ·

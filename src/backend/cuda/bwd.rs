@@ -199,25 +199,6 @@ impl CudaBackward {
         let (lo, _g12) = pack.tile_kv_min.device_ptr(s);
         let (hi, _g13) = pack.tile_kv_max.device_ptr(s);
         let (dkvp, _g14) = dkv.device_ptr_mut(s);
-        // The kernels move rows in 16-byte vectors (cp.async loads of q, k,
-        // v, d_o; stores of dq, dk, dv): a caller's view that starts off a
-        // 16-byte boundary is an error, not a misaligned access.
-        for (name, addr) in [
-            ("q", qp),
-            ("k", kp),
-            ("v", vp),
-            ("d_o", dop),
-            ("dq", dqp),
-            ("dk", dkp),
-            ("dv", dvp),
-        ] {
-            if addr % 16 != 0 {
-                return Err(Error::Shape(format!(
-                    "{name}: device pointer {addr:#x} is not 16-byte aligned (the backward kernels move 16-byte \
-                     vectors)"
-                )));
-            }
-        }
         let p = BwdParams {
             q: qp,
             k: kp,

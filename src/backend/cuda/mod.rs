@@ -474,6 +474,21 @@ impl<T: KernelElem + DeviceRepr> AttentionBackend<T> for CudaBackend {
     type Memory = Device;
     type Lse = f32;
     fn run_forward(&self, call: ForwardCall<'_, '_, Device, T, f32>) -> Result<()> {
+        let (args, o, lse) = call.into_parts();
+        let s = &self.stream;
+        // Before any launch (rotary included): a misaligned view would
+        // fault and take the CUDA context down.
+        launch::check_vector_alignment(
+            "forward kernels",
+            args.shape().tokens,
+            &[
+                ("q", args.q().device_ptr(s).0),
+                ("k", args.k().device_ptr(s).0),
+                ("v", args.v().device_ptr(s).0),
+                ("o", o.device_ptr(s).0),
+            ],
+        )?;
+        let call = ForwardCall::new(args, o, lse)?;
         match call.args().params().rope {
             Some(r) => rope::forward(self, r, call),
             None => self.run_forward_kernel(call),

@@ -288,6 +288,23 @@ impl CudaBackend {
         call: BackwardCall<'_, '_, '_, Device, T, f32>,
         mode: DqMode,
     ) -> Result<()> {
+        let (args, saved, d_o, grads) = call.into_parts();
+        let s = self.stream();
+        // Before any launch (rotary included), as the forward does.
+        crate::backend::launch::check_vector_alignment(
+            "backward kernels",
+            args.shape().tokens,
+            &[
+                ("q", args.q().device_ptr(s).0),
+                ("k", args.k().device_ptr(s).0),
+                ("v", args.v().device_ptr(s).0),
+                ("d_o", d_o.device_ptr(s).0),
+                ("dq", grads.dq.device_ptr(s).0),
+                ("dk", grads.dk.device_ptr(s).0),
+                ("dv", grads.dv.device_ptr(s).0),
+            ],
+        )?;
+        let call = BackwardCall::new(args, saved, d_o, grads)?;
         let Some(rope) = call.args().params().rope else {
             return self.bwd.run(call, mode, self.main_kernel);
         };

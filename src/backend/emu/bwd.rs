@@ -27,24 +27,6 @@ pub(super) fn backward<T: KernelElem>(
     if shape.tokens == 0 {
         return Ok(());
     }
-    // Rows move in 16-byte cp.async vectors and dQ, dK, dV in 16-byte
-    // stores, as on the GPU, where device allocations are 256-byte aligned.
-    for (name, addr, align) in [
-        ("q", q.as_ptr() as usize, 16),
-        ("k", k.as_ptr() as usize, 16),
-        ("v", v.as_ptr() as usize, 16),
-        ("d_o", d_o.as_ptr() as usize, 16),
-        ("dq", dq.as_ptr() as usize, 16),
-        ("dk", dk.as_ptr() as usize, 16),
-        ("dv", dv.as_ptr() as usize, 16),
-    ] {
-        if addr % align != 0 {
-            return Err(Error::Unsupported(format!(
-                "{name} starts at {addr:#x}: the backward kernels need {align}-byte aligned tensors (copy it into a \
-                 fresh Vec)"
-            )));
-        }
-    }
     if params.rope.is_some() {
         return Err(Error::Unsupported(
             "internal: rotary reached the rotary-free backward kernels".into(),

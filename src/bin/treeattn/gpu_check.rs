@@ -46,7 +46,10 @@ timing; after the timings, DIR/timing/ holds the timing packs and our times
 (timing.json). scripts/gpu-anchor.py DIR runs PyTorch on the same packs and
 prints its times beside ours.
 
---check-only skips the timings; --small uses the emulator's pack sizes;
+--check-only skips the timings, --timing-only the correctness checks (the
+same --seed gives the same packs and inputs: a failure found by a GPU run
+replays with --check-only --seed S, on the GPU or with --backend emu);
+--small uses the emulator's pack sizes;
 --profile runs only one forward + backward (for ncu).")]
 pub struct GpuCheckArgs {
     /// cuda or emu [default: cuda where built with `cuda`, else emu].
@@ -74,6 +77,10 @@ pub struct GpuCheckArgs {
     /// Correctness checks only, no timing (what the sanitizer runs).
     #[arg(long, conflicts_with = "profile")]
     check_only: bool,
+    /// Timings only, no correctness checks (with --dump DIR: only
+    /// DIR/timing/ is written, beside a --check-only run's dump).
+    #[arg(long, conflicts_with_all = ["profile", "check_only"])]
+    timing_only: bool,
     /// The emulator's small correctness packs (a few hundred tokens), on any
     /// backend (the sanitizer runs).
     #[arg(long)]
@@ -115,6 +122,7 @@ pub fn run(a: GpuCheckArgs) -> Result<()> {
     }
     opts.dump = a.dump;
     opts.check_only = a.check_only;
+    opts.timing_only = a.timing_only;
     opts.profile = a.profile;
     opts.small |= a.small;
     let mut out = std::io::stdout().lock();
@@ -133,7 +141,14 @@ pub fn run(a: GpuCheckArgs) -> Result<()> {
             to_usize(name, v)?;
         }
     }
-    let _ = (a.seed, a.dump, a.check_only, a.small, a.profile);
+    let _ = (
+        a.seed,
+        a.dump,
+        a.check_only,
+        a.timing_only,
+        a.small,
+        a.profile,
+    );
     let how = match a.backend {
         Some(BackendArg::Emu) => {
             "this treeattn was built without the `emu` feature: rebuild with `cargo build --release --features emu` \

@@ -100,3 +100,19 @@ impl ThreadClock {
 }
 
 pub mod calls;
+
+/// A copy of `x` in a buffer of its own that starts `aligned` or not on a
+/// 16-byte boundary (the attention kernels need 16-byte aligned tensors):
+/// returns the buffer and the offset of the copy in it, so that
+/// `&buf[off..off + x.len()]` is the view.
+#[allow(dead_code)]
+pub fn placed<T: Copy + Default>(x: &[T], aligned: bool) -> (Vec<T>, usize) {
+    let size = std::mem::size_of::<T>();
+    let mut buf = vec![T::default(); x.len() + 16];
+    let base = buf.as_ptr() as usize;
+    let off = (0..16)
+        .find(|i| ((base + i * size) % 16 == 0) == aligned)
+        .expect("an offset with the asked alignment");
+    buf[off..off + x.len()].copy_from_slice(x);
+    (buf, off)
+}

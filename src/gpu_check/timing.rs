@@ -142,11 +142,12 @@ pub const TIMING_FORMAT: &str = "treeattn-gpu-check-timing-v1";
 
 /// Random input sets (q, k, v) for timing: on a GPU, enough of them that
 /// one pass over the sets is several times a 60 MB L2; two on the emulator.
+/// Also returns the host copy of the first set (for [`sampled_rows_check`]).
 fn timing_inputs<D: Target, T: KernelElem + DevElem>(
     be: &D,
     rng: &mut Rng,
     shape: AttnShape,
-) -> Result<Vec<[D::Buf<T>; 3]>> {
+) -> Result<(Vec<[D::Buf<T>; 3]>, [Vec<T>; 3])> {
     let set_bytes = (shape.q_len() + 2 * shape.kv_len()) * 2;
     let sets = if D::REAL_TIMING {
         (240usize << 20).div_ceil(set_bytes).clamp(2, 16)
@@ -154,16 +155,113 @@ fn timing_inputs<D: Target, T: KernelElem + DevElem>(
         2
     };
     let mut inputs = Vec::with_capacity(sets);
+    let mut first: Option<[Vec<T>; 3]> = None;
     for _ in 0..sets {
-        let mut mk = |n: usize| -> Result<D::Buf<T>> {
-            let h: Vec<T> = (0..n)
+        let mut mk = |n: usize| -> Vec<T> {
+            (0..n)
                 .map(|_| T::from_f32(rng.signed_unit() * 2.0))
-                .collect();
-            be.up(&h)
+                .collect()
         };
-        inputs.push([mk(shape.q_len())?, mk(shape.kv_len())?, mk(shape.kv_len())?]);
+        let host = [mk(shape.q_len()), mk(shape.kv_len()), mk(shape.kv_len())];
+        inputs.push([be.up(&host[0])?, be.up(&host[1])?, be.up(&host[2])?]);
+        first.get_or_insert(host);
     }
-    Ok(inputs)
+    Ok((inputs, first.expect("at least two input sets")))
+}
+
+/// Rows of the timing packs checked against a float64 reference.
+const SAMPLED_ROWS: usize = 16;
+
+/// The kernel forward on a timing pack (the first input set, no rotary)
+/// against a float64 reference computed here on `SAMPLED_ROWS` query rows
+/// (every head): the last row, and rows drawn at random. At the timing
+/// lengths (16k and 64k tokens on a GPU) the correctness cases' full CPU
+/// reference would take minutes; a row's reference is one pass over its
+/// visible keys. Returns (relative Frobenius error of O on those rows, max
+/// |ΔLSE|, rows); an error beyond `backend::tolerance` is an `Err`, as in
+/// the correctness section.
+fn sampled_rows_check<D: Target, T: KernelElem + DevElem>(
+    be: &D,
+    rng: &mut Rng,
+    inputs: &[D::Buf<T>; 3],
+    host: &[Vec<T>; 3],
+    pack: &MaskBuilder,
+    shape: AttnShape,
+) -> Result<(f64, f64, usize)> {
+    let (l, hq, hk, d) = (shape.tokens, shape.q_heads, shape.kv_heads, shape.head_dim);
+    let params = AttnParams::new(d);
+    let dp = be.pack(pack)?;
+    let mut out = be.filled(shape.q_len(), T::from_f32(f32::NAN))?;
+    let mut lse = be.filled(hq * l, f32::NAN)?;
+    let [q, k, v] = inputs;
+    be.forward(q, k, v, shape, &dp, &params, &mut out, &mut lse)?;
+    let (o, lse) = (be.down(&out)?, be.down(&lse)?);
+    let mut rows: Vec<usize> = (0..SAMPLED_ROWS.min(l) - 1)
+        .map(|_| rng.range(0, l - 1))
+        .collect();
+    rows.push(l - 1);
+    rows.sort_unstable();
+    rows.dedup();
+    let kv_end = &pack.kv_end;
+    let wide = |x: &T| x.to_f32() as f64;
+    let scale = params.softmax_scale;
+    let (mut num, mut den, mut lse_err) = (0.0f64, 0.0f64, 0.0f64);
+    for &r in &rows {
+        let keys: Vec<usize> = (0..=r).filter(|&c| kv_end[c] as usize > r).collect();
+        for h in 0..hq {
+            let g = h / (hq / hk);
+            let qr = &host[0][(r * hq + h) * d..][..d];
+            let s: Vec<f64> = keys
+                .iter()
+                .map(|&c| {
+                    let kc = &host[1][(c * hk + g) * d..][..d];
+                    scale * qr.iter().zip(kc).map(|(a, b)| wide(a) * wide(b)).sum::<f64>()
+                })
+                .collect();
+            let got_lse = lse[h * l + r] as f64;
+            let got = &o[(r * hq + h) * d..][..d];
+            if keys.is_empty() {
+                if got_lse != f64::NEG_INFINITY || got.iter().any(|x| x.to_f32() != 0.0) {
+                    return Err(crate::Error::Cuda(format!(
+                        "row {r} head {h} sees no key: O must be 0 and LSE -inf, got LSE {got_lse}"
+                    )));
+                }
+                continue;
+            }
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let p: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let sum: f64 = p.iter().sum();
+            for (i, x) in got.iter().enumerate() {
+                let want = keys
+                    .iter()
+                    .zip(&p)
+                    .map(|(&c, pc)| pc * wide(&host[2][(c * hk + g) * d + i]))
+                    .sum::<f64>()
+                    / sum;
+                let x = x.to_f32() as f64;
+                if !x.is_finite() {
+                    return Err(crate::Error::Cuda(format!(
+                        "O[row {r}, head {h}, {i}] = {x}: not written or not finite"
+                    )));
+                }
+                num += (x - want) * (x - want);
+                den += want * want;
+            }
+            lse_err = lse_err.max((got_lse - (m + sum.ln())).abs());
+        }
+    }
+    let o_err = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+    let tol = crate::backend::tolerance::attention(T::DTYPE);
+    if !(o_err <= tol.o_rel && lse_err <= tol.lse_abs) {
+        return Err(crate::Error::Cuda(format!(
+            "L={l}: on {} sampled rows the kernel's O is {o_err:.2e} (relative) and its LSE {lse_err:.2e} (absolute) \
+             from the float64 reference, beyond {:.0e} / {:.0e}",
+            rows.len(),
+            tol.o_rel,
+            tol.lse_abs
+        )));
+    }
+    Ok((o_err, lse_err, rows.len()))
 }
 
 /// Milliseconds per forward call of one pack: the warm-up launches, then
@@ -378,7 +476,7 @@ pub(super) fn forward<D: Target>(
     let groups = set.groups();
     for (sh, rows) in &groups {
         let traits = FwdTraits::for_head_dim(sh.head_dim)?;
-        let inputs = timing_inputs::<D, half::bf16>(be, rng, *sh)?;
+        let (inputs, host) = timing_inputs::<D, half::bf16>(be, rng, *sh)?;
         let plain = AttnParams::new(sh.head_dim);
         let causal = causal_pack(sh.tokens);
         let causal_ms = time_pack(be, &inputs, &causal, *sh, &plain, opts.reps)?;
@@ -433,6 +531,19 @@ pub(super) fn forward<D: Target>(
             let ms = time_pack(be, &inputs, r.pack, *sh, &params, opts.reps)?;
             line(&r.label, r.pack, r.rope, ms)?;
         }
+        // The timing packs at d 128 (16k tokens, and the long one: 64k on a
+        // GPU) are also checked: sizes the correctness section never runs.
+        if sh.head_dim == 128 && sh.q_heads == set.q_heads {
+            for r in rows.iter().filter(|r| r.rope.is_none()) {
+                let (o_err, lse_err, n) =
+                    sampled_rows_check(be, rng, &inputs[0], &host, r.pack, *sh)?;
+                let _ = writeln!(
+                    rep,
+                    "  {:<32} float64 reference on {n} sampled rows x {} heads: O {o_err:.2e} (relative), LSE {lse_err:.2e} (absolute): ok",
+                    r.label, sh.q_heads
+                );
+            }
+        }
     }
     Ok(())
 }
@@ -486,6 +597,32 @@ mod tests {
         assert_eq!(name_of_pack("random trees 16/2 (gqa 8:1)"), "random trees");
         assert_eq!(name_of_pack("grpo: prompt + 16 responses 16/4"), "grpo");
         assert_eq!(name_of_pack("causal 16/4"), "causal");
+    }
+
+    /// The float64 check of the timing packs passes on the emulated kernel
+    /// and fails when the reference's inputs are not the kernel's (a
+    /// negative control: a wrong O is caught).
+    #[cfg(feature = "emu")]
+    #[test]
+    fn sampled_rows_check_passes_and_catches_a_wrong_output() {
+        use super::super::target::EmuTarget;
+        let be = EmuTarget::default();
+        let mut rng = Rng::new(11);
+        let pack = random_trees(&mut rng, 300);
+        let shape = AttnShape {
+            tokens: 300,
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+        };
+        let (inputs, host) = timing_inputs::<EmuTarget, half::bf16>(&be, &mut rng, shape).unwrap();
+        let (o_err, lse_err, n) =
+            sampled_rows_check(&be, &mut rng, &inputs[0], &host, &pack, shape).unwrap();
+        assert!(n >= 2 && o_err < 1e-2 && lse_err < 1e-3, "{o_err} {lse_err} {n}");
+        let mut wrong = host.clone();
+        wrong[2].iter_mut().for_each(|x| *x = half::bf16::from_f32(-x.to_f32()));
+        let e = sampled_rows_check(&be, &mut rng, &inputs[0], &wrong, &pack, shape).unwrap_err();
+        assert!(e.to_string().contains("float64 reference"), "{e}");
     }
 
     #[test]

@@ -140,6 +140,10 @@ impl Timings {
 /// `timing.json`'s `format`.
 pub const TIMING_FORMAT: &str = "treeattn-gpu-check-timing-v1";
 
+/// The timing input sets (q, k, v) on the target, and the host copy of the
+/// first set.
+type TimingInputs<D, T> = (Vec<[<D as Target>::Buf<T>; 3]>, [Vec<T>; 3]);
+
 /// Random input sets (q, k, v) for timing: on a GPU, enough of them that
 /// one pass over the sets is several times a 60 MB L2; two on the emulator.
 /// Also returns the host copy of the first set (for [`sampled_rows_check`]).
@@ -147,7 +151,7 @@ fn timing_inputs<D: Target, T: KernelElem + DevElem>(
     be: &D,
     rng: &mut Rng,
     shape: AttnShape,
-) -> Result<(Vec<[D::Buf<T>; 3]>, [Vec<T>; 3])> {
+) -> Result<TimingInputs<D, T>> {
     let set_bytes = (shape.q_len() + 2 * shape.kv_len()) * 2;
     let sets = if D::REAL_TIMING {
         (240usize << 20).div_ceil(set_bytes).clamp(2, 16)

@@ -178,6 +178,10 @@ def test_batch_errors():
     bad["loss_batch"] = batch["loss_batch"] + 5
     with pytest.raises(ValueError, match="loss_batch"):
         treeattn.hf.target_logprobs(model, bad)
+    # Context parallelism splits one pack: a batch is refused, not cut to its first row.
+    q = torch.zeros(2, 4, 8, 16)
+    with pytest.raises(ValueError, match="batch 1"):
+        treeattn.hf.attention(None, q, q, q, None, treeattn_shard=object())
     # Another batch's position ids: the depth check names the row.
     pos = batch["position_ids"].flip(0)
     with pytest.raises(ValueError, match="position_ids"):

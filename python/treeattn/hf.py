@@ -88,22 +88,23 @@ _CHECK_POSITIONS = True
 # tensors' versions, so that the other layers of the same forward skip the
 # check, and a new or modified tensor is checked again.
 _checked: Optional[Tuple[Any, Any, int, int]] = None
-# The mask plan (TreeMask) of the kv_end tensor seen last: a weak reference
-# to the tensor the model was called with, its version and the device; built
-# by the first attention layer of a forward and reused by every other layer
-# (and by a later forward on the same, unmodified tensor). A new tensor, an
-# in-place change (its version moves) or another device builds a new one.
+# The mask plan (TreeMask) of the forest kv_end seen last (_forest: the same
+# tensor in every layer of a forward): a weak reference to it, its version
+# and the device; built by the first attention layer of a forward and reused
+# by every other layer (and by a later forward on the same, unmodified
+# tensor). A new tensor, an in-place change (its version moves) or another
+# device builds a new one.
 _plan: Optional[Tuple[Any, int, Any, TreeMask]] = None
 
 
-def _mask_plan(arg: Tensor, kv_end: Tensor, device: torch.device) -> TreeMask:
-    """The plan of ``kv_end`` (``arg``: the tensor as the model got it)."""
+def _mask_plan(kv_end: Tensor, device: torch.device) -> TreeMask:
+    """The plan of ``kv_end`` on ``device``, built once per tensor."""
     global _plan
     c = _plan
-    if c is not None and c[0]() is arg and c[1] == arg._version and c[2] == device:
+    if c is not None and c[0]() is kv_end and c[1] == kv_end._version and c[2] == device:
         return c[3]
     m = TreeMask(kv_end, device=device)
-    _plan = (weakref.ref(arg), arg._version, device, m)
+    _plan = (weakref.ref(kv_end), kv_end._version, device, m)
     return m
 
 
@@ -226,7 +227,7 @@ def attention(
     if given is not None and given.kv_end.device == q.device:
         mask = given
     else:
-        mask = _mask_plan(flat, flat, q.device)
+        mask = _mask_plan(flat, q.device)
     o = tree_attention(q, k, v, mask, scale=scaling)
     return o.reshape(B, L, o.shape[1], o.shape[2]), None
 
@@ -282,8 +283,10 @@ def _shard_attention(query, key, value, attention_mask, scaling, dropout, shard)
     (:func:`treeattn.distributed.tree_attention` on this rank's rows)."""
     from .distributed import tree_attention as cp_attention
 
-    if query.dim() != 4:
-        raise ValueError(f"treeattn attention takes query [B, H, L, d], got shape {tuple(query.shape)}")
+    if query.dim() != 4 or query.shape[0] != 1:
+        raise ValueError(
+            f"context-parallel treeattn attention takes one pack's shard (batch 1), got query of shape {tuple(query.shape)}"
+        )
     if dropout:
         raise ValueError(f"treeattn attention has no dropout (got dropout={dropout}); set attention_dropout=0")
     if attention_mask is not None:

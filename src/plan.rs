@@ -1,10 +1,10 @@
-//! A pack's mask plan: `kv_end` and the position ids validated once, with
-//! the per-key-tile bounds of `kv_end` the kernels walk, built once per pack
-//! and reused by every attention call on it — every layer of a model's
-//! forward and backward. With the `cuda` feature the plan also keeps its
-//! device copy ([`DevicePack`]) per CUDA context, uploaded by its first
-//! device call: later calls copy nothing between host and device and do not
-//! synchronize (FlexAttention users build a `BlockMask` once per step; this
+//! A pack's mask plan: `kv_end` and the position ids validated once, built
+//! once per pack and reused by every attention call on it — every layer of
+//! a model's forward and backward. With the `cuda` feature the plan also
+//! keeps its device copy ([`DevicePack`]: kv_end, position ids, the
+//! key-tile bounds the kernels walk, the rotary tables) per CUDA context,
+//! uploaded by its first device call: later calls copy nothing between host
+//! and device and do not synchronize (FlexAttention users build a `BlockMask` once per step; this
 //! is the same, for treeattn's mask).
 //!
 //! A plan owns its data (no borrow of the caller's buffers), so hosts can
@@ -19,16 +19,10 @@ use crate::backend::cuda::{CudaBackend, DevicePack};
 #[cfg(feature = "cuda")]
 use std::sync::{Arc, Mutex, PoisonError};
 
-/// Key-tile size of the plan's bounds: the kernels' key tile (forward and
-/// backward), [`crate::backend::launch::FwdTraits::block_n`].
-pub const PLAN_TILE: usize = 64;
-
-/// A validated pack mask and its key-tile bounds, built once per pack.
+/// A validated pack mask, built once per pack.
 pub struct MaskPlan {
     kv_end: Vec<u32>,
     position_ids: Vec<u32>,
-    tile_kv_min: Vec<u32>,
-    tile_kv_max: Vec<u32>,
     fingerprint: u64,
     visible_pairs: u64,
     /// Device copies per CUDA context (`CUcontext` address), made on first use.
@@ -47,30 +41,18 @@ impl std::fmt::Debug for MaskPlan {
 
 impl MaskPlan {
     /// Validates `kv_end` and `position_ids` ([`PackMask::new`]: the same
-    /// errors) and computes the per-key-tile min / max of `kv_end` over
-    /// tiles of [`PLAN_TILE`] keys — once; [`Self::mask`] then hands out the
-    /// mask without checking again.
+    /// errors) — once; [`Self::mask`] then hands out the mask without
+    /// checking again.
     pub fn new(kv_end: &[u32], position_ids: &[u32]) -> Result<Self> {
         Ok(Self::from_mask(PackMask::new(kv_end, position_ids)?))
     }
 
     /// The plan of a mask already validated (a [`PackMask`] is valid by
-    /// construction): copies it and computes the tile bounds.
+    /// construction): copies it.
     pub fn from_mask(mask: PackMask<'_>) -> Self {
-        let (kv_end, position_ids) = (mask.kv_end(), mask.position_ids());
-        let (tile_kv_min, tile_kv_max) = kv_end
-            .chunks(PLAN_TILE)
-            .map(|t| {
-                let lo = t.iter().copied().min().unwrap_or(0);
-                let hi = t.iter().copied().max().unwrap_or(0);
-                (lo, hi)
-            })
-            .unzip();
         MaskPlan {
-            kv_end: kv_end.to_vec(),
-            position_ids: position_ids.to_vec(),
-            tile_kv_min,
-            tile_kv_max,
+            kv_end: mask.kv_end().to_vec(),
+            position_ids: mask.position_ids().to_vec(),
             fingerprint: mask.fingerprint(),
             visible_pairs: mask.visible_pairs(),
             #[cfg(feature = "cuda")]
@@ -108,12 +90,6 @@ impl MaskPlan {
         self.visible_pairs
     }
 
-    /// Per-key-tile `(min, max)` of `kv_end` over tiles of [`PLAN_TILE`]
-    /// keys (the last one may be short).
-    pub fn tile_bounds(&self) -> (&[u32], &[u32]) {
-        (&self.tile_kv_min, &self.tile_kv_max)
-    }
-
     /// The plan on `be`'s device: uploaded (kv_end, position ids, tile
     /// bounds) on `be`'s stream by the first call for that CUDA context,
     /// then shared — a later call copies nothing and synchronizes nothing.
@@ -148,7 +124,7 @@ mod tests {
     use crate::Error;
 
     #[test]
-    fn a_plan_is_its_mask_validated_once_with_the_tile_bounds() {
+    fn a_plan_is_its_mask_validated_once() {
         let mut rng = crate::gen::Rng::new(7);
         let p = crate::gen::random_forest(&mut rng, 3, 60, 3, 9);
         let plan = MaskPlan::new(&p.kv_end, &p.position_ids).unwrap();
@@ -157,18 +133,13 @@ mod tests {
         assert_eq!(plan.mask().position_ids(), mask.position_ids());
         assert_eq!(plan.fingerprint(), mask.fingerprint());
         assert_eq!(plan.visible_pairs(), mask.visible_pairs());
-        let (lo, hi) = plan.tile_bounds();
-        assert_eq!(lo.len(), p.kv_end.len().div_ceil(PLAN_TILE));
-        for (t, keys) in p.kv_end.chunks(PLAN_TILE).enumerate() {
-            assert_eq!(lo[t], *keys.iter().min().unwrap());
-            assert_eq!(hi[t], *keys.iter().max().unwrap());
-        }
-        assert_eq!(
-            PLAN_TILE as u32,
-            crate::backend::launch::FwdTraits::for_head_dim(64)
-                .unwrap()
-                .block_n
-        );
+        assert!(plan.is_of(mask));
+        let mut other = p.kv_end.clone();
+        let last = other.len() - 1;
+        // The last key becomes padding (kv_end[k] == k), or stops being it.
+        let l = other.len() as u32;
+        other[last] = if other[last] == l { l - 1 } else { l };
+        assert!(!plan.is_of(PackMask::new(&other, &p.position_ids).unwrap()));
     }
 
     #[test]
@@ -180,6 +151,6 @@ mod tests {
         );
         assert!(matches!(MaskPlan::new(&[1], &[]), Err(Error::Pack(_))));
         let empty = MaskPlan::new(&[], &[]).unwrap();
-        assert!(empty.is_empty() && empty.tile_bounds().0.is_empty());
+        assert!(empty.is_empty() && empty.mask().kv_end().is_empty());
     }
 }

@@ -111,7 +111,7 @@ def median_ms(fn, reps):
     return statistics.median(times) * 1e3
 
 
-def torch_side(kv_end, heads, head_dim, reps, flex):
+def torch_side(kv_end, heads, head_dim, reps, flex, dense_mask=True):
     import torch
     import torch.nn.functional as F
 
@@ -134,8 +134,11 @@ def torch_side(kv_end, heads, head_dim, reps, flex):
     masked = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=dense)
     with torch.no_grad():
         res["sdpa-causal"] = [median_ms(lambda: causal(q, k, v), reps)]
-        res["sdpa-dense"] = [median_ms(lambda: masked(q, k, v), reps)]
     res["sdpa-causal"].append(median_ms(fwd_bwd(causal), reps))
+    if not dense_mask:
+        return res
+    with torch.no_grad():
+        res["sdpa-dense"] = [median_ms(lambda: masked(q, k, v), reps)]
     res["sdpa-dense"].append(median_ms(fwd_bwd(masked), reps))
     # Sanity: the dense-mask output differs from causal wherever the tree hides keys.
     with torch.no_grad():
@@ -168,6 +171,8 @@ def main():
     ap.add_argument("--shapes", default="compaction,grpo")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes a while)")
+    ap.add_argument("--no-dense", action="store_true",
+                    help="skip SDPA with the dense tree mask (minutes per call at 16-32k) and the flex run")
     ap.add_argument("--json-out", help="also write the results as JSON here")
     a = ap.parse_args()
 
@@ -193,7 +198,7 @@ def main():
                 pairs = int((kv_end - list(range(L))).sum())
                 causal_pairs = L * (L + 1) // 2
                 gflops = lambda p, ms, bwd: p * a.heads * 4 * a.head_dim * (3.5 if bwd else 1) / (ms * 1e-3) / 1e9
-                res = torch_side(kv_end, a.heads, a.head_dim, a.reps, not a.no_flex)
+                res = torch_side(kv_end, a.heads, a.head_dim, a.reps, not (a.no_flex or a.no_dense), not a.no_dense)
                 out = subprocess.run(
                     [a.treeattn, "bench", "--pack", path, "--heads", str(a.heads), "--head-dim", str(a.head_dim),
                      "--threads", str(a.threads), "--reps", str(a.reps), "--json"],
@@ -203,15 +208,17 @@ def main():
                 table = {
                     "sdpa-causal": [gflops(causal_pairs, ms, i == 1) if ms else None
                                     for i, ms in enumerate(res["sdpa-causal"])],
-                    "sdpa-dense": [gflops(pairs, ms, i == 1) for i, ms in enumerate(res["sdpa-dense"])],
                     "treeattn": [ta["fwd_gflops"], ta["fwd_bwd_gflops"]],
                     "treeattn-causal": [ta["causal_fwd_gflops"], ta["causal_fwd_bwd_gflops"]],
                 }
+                if "sdpa-dense" in res:
+                    table["sdpa-dense"] = [gflops(pairs, ms, i == 1) for i, ms in enumerate(res["sdpa-dense"])]
                 if "flex" in res:
                     table["flex"] = [gflops(pairs, res["flex"][0], False), None]
                 base = table["sdpa-causal"]
                 print(f"\n{shape}: L = {L}, visible pairs {pairs} ({pairs / causal_pairs:.3f} of causal); "
-                      f"isa {ta['isa']}; checks: |dense - causal| {res['_dense_vs_causal']:.2e}"
+                      f"isa {ta['isa']}; checks: "
+                      + (f"|dense - causal| {res['_dense_vs_causal']:.2e}" if "_dense_vs_causal" in res else "dense skipped")
                       + (f", |flex - dense| {res['_flex_vs_dense']:.2e}" if "_flex_vs_dense" in res else "")
                       + (f"; flex failed: {res['_flex_error']}" if "_flex_error" in res else ""), flush=True)
                 print(f"  {'method':<16} {'fwd GF/s':>9} {'fwd+bwd GF/s':>13} {'fwd / sdpa-causal':>18} {'fwd+bwd / sdpa-causal':>22}")

@@ -219,7 +219,11 @@ fn sampled_rows_check<D: Target, T: KernelElem + DevElem>(
                 .iter()
                 .map(|&c| {
                     let kc = &host[1][(c * hk + g) * d..][..d];
-                    scale * qr.iter().zip(kc).map(|(a, b)| wide(a) * wide(b)).sum::<f64>()
+                    scale
+                        * qr.iter()
+                            .zip(kc)
+                            .map(|(a, b)| wide(a) * wide(b))
+                            .sum::<f64>()
                 })
                 .collect();
             let got_lse = lse[h * l + r] as f64;
@@ -622,9 +626,14 @@ mod tests {
         let (inputs, host) = timing_inputs::<EmuTarget, half::bf16>(&be, &mut rng, shape).unwrap();
         let (o_err, lse_err, n) =
             sampled_rows_check(&be, &mut rng, &inputs[0], &host, &pack, shape).unwrap();
-        assert!(n >= 2 && o_err < 1e-2 && lse_err < 1e-3, "{o_err} {lse_err} {n}");
+        assert!(
+            n >= 2 && o_err < 1e-2 && lse_err < 1e-3,
+            "{o_err} {lse_err} {n}"
+        );
         let mut wrong = host.clone();
-        wrong[2].iter_mut().for_each(|x| *x = half::bf16::from_f32(-x.to_f32()));
+        wrong[2]
+            .iter_mut()
+            .for_each(|x| *x = half::bf16::from_f32(-x.to_f32()));
         let e = sampled_rows_check(&be, &mut rng, &inputs[0], &wrong, &pack, shape).unwrap_err();
         assert!(e.to_string().contains("float64 reference"), "{e}");
     }

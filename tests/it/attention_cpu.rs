@@ -2,7 +2,6 @@
 //! differences, fully masked rows, a negative control, tile coverage and
 //! error handling.
 
-
 use crate::common::calls;
 
 use ndarray::Array3;
@@ -898,7 +897,7 @@ fn skipped_full_and_masked_register_blocks_match_the_dense_reference() {
 /// A compaction-like star: a shared prefix, then sibling branches that each
 /// see the prefix and themselves, all of random lengths. Query tiles of the
 /// later branches see the prefix's tail and their own branch's head inside
-/// tiles split by columns: the keys the CPU forward and dQ pass gather.
+/// tiles split by columns: the keys the CPU forward gathers.
 fn star_pack(rng: &mut Rng, branches: usize) -> Mask {
     let prefix = rng.range(20, 150);
     let lens: Vec<usize> = (0..branches).map(|_| rng.range(150, 320)).collect();

@@ -113,7 +113,10 @@ fn run_all<T: CpuFloat>(seed: u64, tol: f64) {
 
 #[test]
 fn every_code_path_matches_the_portable_one() {
-    if !crate::common::own_process("attention_isa::every_code_path_matches_the_portable_one", &[]) {
+    if !crate::common::own_process(
+        "attention_isa::every_code_path_matches_the_portable_one",
+        &[],
+    ) {
         return;
     }
     run_all::<f32>(43, 1e-5);

@@ -44,7 +44,10 @@ fn shown_files(text: &str) -> Vec<(String, String)> {
         };
         let path = rest.trim_end_matches("-->").trim().to_string();
         let open = lines.get(i + 1).copied().unwrap_or("");
-        assert!(open.starts_with("```"), "{path}: no fenced block after the marker");
+        assert!(
+            open.starts_with("```"),
+            "{path}: no fenced block after the marker"
+        );
         let body: Vec<&str> = lines[i + 2..]
             .iter()
             .take_while(|l| !l.starts_with("```"))
@@ -75,7 +78,8 @@ fn blocks_marked_with_a_file_show_that_file() {
 
 #[test]
 fn negative_control_a_changed_block_is_caught() {
-    let text = "<!-- file: capi/examples/quickstart.c -->\n```c\nint main(void) { return 0; }\n```\n";
+    let text =
+        "<!-- file: capi/examples/quickstart.c -->\n```c\nint main(void) { return 0; }\n```\n";
     let (path, body) = shown_files(text).pop().unwrap();
     let want = std::fs::read_to_string(root().join(path)).unwrap();
     assert_ne!(body.trim_end(), want.trim_end());

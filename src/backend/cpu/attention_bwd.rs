@@ -1,12 +1,23 @@
-//! Tiled attention backward: two deterministic kinds of work item (dK, dV
-//! per key tile; dQ per query tile), each recomputing `P` from the saved
-//! LSE. One kv head (with its query heads) at a time: its inputs are copied,
-//! then all its items run in one parallel step while the copies are still in
-//! cache: copies of every head at once (5 arrays of `lpad · dp` per head: 12 MB
-//! at 2.3k tokens, 4 heads, d = 64) would be read back from memory by the
-//! passes (BENCHMARKS.md §2 has the measurement).
+//! Tiled attention backward in two deterministic kinds of work item, with
+//! `S` and `dP` computed once per visited block (FlashAttention-2's five
+//! block products, not seven):
+//!
+//! - per key tile, dK and dV over the query tiles that see it: `S`, `dP`,
+//!   `P`, `dS`, then `dV += Pᵀ dO` and `dK += dSᵀ Q`, leaving each block's
+//!   `dS` in a store;
+//! - per (query head, query tile), dQ over the key tiles it sees:
+//!   `dQ += dS K` from that store, after the key items are done.
+//!
+//! The store holds the `dS` of a *chunk* of query tiles at a time (at most
+//! [`DS_BUDGET`] bytes, so it is read back from cache, not memory), key tiles
+//! accumulating dK, dV across chunks. The chunks depend on the mask alone and
+//! every output block is summed by one item in a fixed order, so results are
+//! bit-identical whatever the thread count. One kv head (with its query
+//! heads) at a time: its inputs are copied, then its items run while the
+//! copies are still in cache: copies of every head at once (5 arrays of
+//! `lpad · dp` per head: 12 MB at 2.3k tokens, 4 heads, d = 64) would be read
+//! back from memory by the passes (BENCHMARKS.md §2 has the measurement).
 
-use super::gather::{last_strip_ends, KeyGather};
 use super::lanes;
 use super::microkernel::{
     accumulate, accumulate_t, live_strip_indices, live_strips, row_strips, scores, simd_dispatch,
@@ -18,7 +29,14 @@ use super::workspace::Staggered;
 use super::{check_result, run_parallel, BlockMasks, CpuFloat, KeyTileBounds, TileClass, TILE};
 use crate::backend::{BackwardCall, Grads, Host};
 use crate::Result;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Most bytes of `dS` one chunk of query tiles keeps for its dQ items
+/// (every query head of the kv head): small enough to be read back from
+/// cache (BENCHMARKS.md §10 has the measurement). A query tile whose blocks
+/// alone exceed it is a chunk of its own.
+pub(crate) const DS_BUDGET: usize = 4 << 20;
 
 /// The backward of a validated call on `threads` threads, from the
 /// forward's `O`, `LSE` and the output gradient `dO`:
@@ -38,6 +56,15 @@ pub(crate) fn backward<T: CpuFloat>(
     call: BackwardCall<'_, '_, '_, Host, T, T>,
     threads: usize,
 ) -> Result<()> {
+    backward_in_chunks(call, threads, DS_BUDGET)
+}
+
+/// [`backward`] with query chunks of at most `ds_budget` bytes of dS.
+fn backward_in_chunks<T: CpuFloat>(
+    call: BackwardCall<'_, '_, '_, Host, T, T>,
+    threads: usize,
+    ds_budget: usize,
+) -> Result<()> {
     let (args, saved, d_o, grads) = call.into_parts();
     let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
     let params = args.params();
@@ -48,7 +75,7 @@ pub(crate) fn backward<T: CpuFloat>(
         return Ok(());
     }
     let lay = Layout::new(l, shape.head_dim, threads);
-    let lpad = lay.lpad;
+    let (lpad, dp) = (lay.lpad, lay.dp);
     let (hq, hkv) = (shape.q_heads, shape.kv_heads);
     let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids()));
 
@@ -69,7 +96,8 @@ pub(crate) fn backward<T: CpuFloat>(
     let (unseen, blind) = (mask.unseen_keys(), mask.blind_queries());
     let bounds = KeyTileBounds::new(mask.kv_end());
     let group = shape.group();
-    let scratch = || BwdScratch::new(lay.dp);
+    let block_bytes = group * TILE * TILE * std::mem::size_of::<T>();
+    let chunks = QueryChunks::new(&bounds, l, (ds_budget / block_bytes).max(1));
     let bad = [(); 3].map(|_| AtomicBool::new(false));
     let flag = |i: usize, finite: bool| {
         if !finite {
@@ -82,6 +110,10 @@ pub(crate) fn backward<T: CpuFloat>(
     let per_group = dq_rows
         .chunks_mut(group)
         .zip(dk_rows.iter_mut().zip(dv_rows.iter_mut()));
+    // dK, dV of the kv head being done, `[lpad, dp]` each, summed over the
+    // chunks; the dS of a chunk.
+    let mut acc = workspace::take_stale(2 * lpad * dp, T::ZERO);
+    let mut ds = workspace::take_stale(chunks.max_blocks * group * TILE * TILE, T::ZERO);
     // One kv head and its query heads at a time: their copies (5 arrays of
     // `lpad · dp` per head) stay in cache while both kinds of item read them,
     // where copies of all heads at once would be read back from memory.
@@ -122,46 +154,86 @@ pub(crate) fn backward<T: CpuFloat>(
             vt: &vt,
             doh: &doh,
         };
-
-        // dK, dV per key tile, stored into the caller's dk, dv; earlier key
-        // tiles see more query tiles, so they go first. Then dQ per (query
-        // head, query tile), stored into the caller's dq, longest first.
-        let mut keys: Vec<_> = dk_head
+        let (acc_k, acc_v) = acc.split_at_mut(lpad * dp);
+        acc_k.fill(T::ZERO);
+        acc_v.fill(T::ZERO);
+        for chunk in &chunks.chunks {
+            // dK, dV of every key tile the chunk's query tiles see, most
+            // query tiles first; each item leaves its blocks' dS in its part
+            // of the store.
+            let mut keys = Vec::new();
+            let mut store = &mut ds[..chunk.blocks() * group * TILE * TILE];
+            for (kt, (dk, dv)) in acc_k
+                .chunks_mut(TILE * dp)
+                .zip(acc_v.chunks_mut(TILE * dp))
+                .enumerate()
+            {
+                let n = chunk.query_tiles(kt).len();
+                if n == 0 {
+                    continue;
+                }
+                let (ds, rest) = std::mem::take(&mut store).split_at_mut(n * group * TILE * TILE);
+                store = rest;
+                keys.push(KeyItem { kt, dk, dv, ds });
+            }
+            keys.sort_by_key(|w| (std::cmp::Reverse(chunk.query_tiles(w.kt).len()), w.kt));
+            run_parallel(
+                keys,
+                threads,
+                || KeyScratch::new(),
+                |s, item| key_tile(&ctx, chunk, s, item),
+            );
+            // dQ of the chunk's query tiles, from the stored dS, those that
+            // see the most key tiles first.
+            let rows = chunk.rows(l);
+            let mut queries: Vec<_> = dq_group
+                .iter_mut()
+                .zip(heads.clone())
+                .flat_map(|(dq_head, h)| {
+                    dq_head[rows.clone()]
+                        .chunks_mut(TILE)
+                        .zip(chunk.tiles.clone())
+                        .map(move |(dq, qt)| QueryItem { h, qt, dq })
+                })
+                .collect();
+            queries.sort_by_key(|w| (std::cmp::Reverse(chunk.key_tiles(w.qt)), w.qt, w.h));
+            let ds = &ds[..];
+            run_parallel(
+                queries,
+                threads,
+                || DqScratch::new(dp),
+                |s, item| {
+                    prefetch_for_write(item.dq);
+                    flag(0, query_tile(&ctx, chunk, ds, s, item))
+                },
+            );
+        }
+        // Store dK (scaled) and dV, rotated back, key tile by key tile.
+        let stores: Vec<_> = dk_head
             .chunks_mut(TILE)
             .zip(dv_head.chunks_mut(TILE))
+            .zip(acc_k.chunks_mut(TILE * dp).zip(acc_v.chunks_mut(TILE * dp)))
             .enumerate()
-            .map(|(kt, (dk, dv))| KeyItem { kt, dk, dv })
             .collect();
-        keys.sort_by_key(|w| (std::cmp::Reverse(bounds.query_tile_end(w.kt) - w.kt), w.kt));
-        let mut queries: Vec<_> = dq_group
-            .iter_mut()
-            .zip(heads.clone())
-            .flat_map(|(dq_head, h)| {
-                dq_head
-                    .chunks_mut(TILE)
-                    .enumerate()
-                    .map(move |(qt, dq)| QueryItem { h, qt, dq })
-            })
-            .collect();
-        queries.sort_by_key(|w| std::cmp::Reverse(w.qt));
-        let work = keys
-            .into_iter()
-            .map(BwdItem::Key)
-            .chain(queries.into_iter().map(BwdItem::Query))
-            .collect();
-        run_parallel(work, lay.threads, scratch, |s, item| match item {
-            BwdItem::Key(item) => {
-                prefetch_for_write(item.dk);
-                prefetch_for_write(item.dv);
-                let [dk_ok, dv_ok] = key_tile(&ctx, s, item);
+        run_parallel(
+            stores,
+            threads,
+            || (),
+            |_, (kt, ((dk_rows, dv_rows), (dk, dv)))| {
+                for x in dk.iter_mut() {
+                    *x *= ctx.scale;
+                }
+                let (mut dk_ok, mut dv_ok) = (true, true);
+                for (j, (dk_row, dv_row)) in dk_rows.iter_mut().zip(dv_rows.iter_mut()).enumerate()
+                {
+                    let t = kt * TILE + j;
+                    dk_ok &= store_row(&mut dk[j * dp..][..lay.d], dk_row, t, rope.as_ref());
+                    dv_ok &= store_row(&mut dv[j * dp..][..lay.d], dv_row, t, None);
+                }
                 flag(1, dk_ok);
                 flag(2, dv_ok);
-            }
-            BwdItem::Query(item) => {
-                prefetch_for_write(item.dq);
-                flag(0, query_tile(&ctx, s, item))
-            }
-        });
+            },
+        );
     }
 
     // The first non-finite index of the first bad gradient, as scans of dq,
@@ -179,6 +251,99 @@ pub(crate) fn backward<T: CpuFloat>(
     Ok(())
 }
 
+/// The query tiles of the backward in chunks whose blocks' dS fit
+/// [`DS_BUDGET`], each with its visited (query tile, key tile) blocks in
+/// key-tile-major order (the order the key items store them).
+struct QueryChunks {
+    chunks: Vec<QueryChunk>,
+    /// Most blocks of any chunk.
+    max_blocks: usize,
+}
+
+struct QueryChunk {
+    /// Query tiles `tiles.start .. tiles.end`.
+    tiles: Range<usize>,
+    /// Key tile `kt`'s visited query tiles of the chunk, ascending:
+    /// `query_tiles[starts[kt] .. starts[kt + 1]]`.
+    starts: Vec<usize>,
+    query_tiles: Vec<u32>,
+    /// Per query tile of the chunk, the key tiles it visits.
+    key_tiles: Vec<u32>,
+}
+
+impl QueryChunks {
+    /// Chunks of at most `most` blocks (at least one query tile each), from
+    /// the mask alone.
+    fn new(bounds: &KeyTileBounds, l: usize, most: usize) -> Self {
+        let tiles = l.div_ceil(TILE);
+        let visited = |qt: usize, kt: usize| {
+            let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
+            bounds.classify(q0, q1, kt) != TileClass::Skip
+        };
+        let per_query: Vec<usize> = (0..tiles)
+            .map(|qt| (0..=qt).filter(|&kt| visited(qt, kt)).count())
+            .collect();
+        let mut chunks = Vec::new();
+        let mut start = 0;
+        while start < tiles {
+            let (mut end, mut blocks) = (start, 0);
+            while end < tiles && (end == start || blocks + per_query[end] <= most) {
+                blocks += per_query[end];
+                end += 1;
+            }
+            let mut starts = vec![0; tiles + 1];
+            let mut query_tiles = Vec::with_capacity(blocks);
+            for kt in 0..tiles {
+                let from = kt.max(start);
+                let to = bounds.query_tile_end(kt).min(end);
+                query_tiles.extend((from..to).filter(|&qt| visited(qt, kt)).map(|qt| qt as u32));
+                starts[kt + 1] = query_tiles.len();
+            }
+            debug_assert_eq!(query_tiles.len(), blocks);
+            chunks.push(QueryChunk {
+                tiles: start..end,
+                starts,
+                query_tiles,
+                key_tiles: per_query[start..end].iter().map(|&n| n as u32).collect(),
+            });
+            start = end;
+        }
+        let max_blocks = chunks.iter().map(QueryChunk::blocks).max().unwrap_or(0);
+        QueryChunks { chunks, max_blocks }
+    }
+}
+
+impl QueryChunk {
+    /// Visited blocks.
+    fn blocks(&self) -> usize {
+        self.query_tiles.len()
+    }
+
+    /// The chunk's query tiles that visit key tile `kt`, ascending.
+    fn query_tiles(&self, kt: usize) -> &[u32] {
+        &self.query_tiles[self.starts[kt]..self.starts[kt + 1]]
+    }
+
+    /// How many key tiles query tile `qt` of the chunk visits.
+    fn key_tiles(&self, qt: usize) -> u32 {
+        self.key_tiles[qt - self.tiles.start]
+    }
+
+    /// The chunk's token rows.
+    fn rows(&self, l: usize) -> Range<usize> {
+        self.tiles.start * TILE..(self.tiles.end * TILE).min(l)
+    }
+
+    /// Offset in the store (of a kv head with `group` query heads) of the dS
+    /// of query tile `qt`, local head `local`, key tile `kt`; `None` if the
+    /// block is not visited.
+    fn ds_offset(&self, group: usize, local: usize, qt: usize, kt: usize) -> Option<usize> {
+        let tiles = self.query_tiles(kt);
+        let rank = tiles.binary_search(&(qt as u32)).ok()?;
+        Some((self.starts[kt] * group + local * tiles.len() + rank) * TILE * TILE)
+    }
+}
+
 /// What the items of one kv head and its query heads `h0 .. h0 + group`
 /// read: the copies hold those heads only (local head `h − h0`).
 struct BwdCtx<'a, T> {
@@ -187,7 +352,7 @@ struct BwdCtx<'a, T> {
     group: usize,
     scale: T,
     bounds: &'a KeyTileBounds,
-    /// Rotates dQ, dK back to the unrotated inputs.
+    /// Rotates dQ back to the unrotated inputs.
     rope: Option<&'a RopeTable>,
     /// `[group, lpad]`.
     delta: &'a [T],
@@ -203,18 +368,13 @@ struct BwdCtx<'a, T> {
     doh: &'a [T],
 }
 
-/// One item of the backward of a kv head and its query heads.
-enum BwdItem<'a, 'b, T> {
-    Key(KeyItem<'a, 'b, T>),
-    Query(QueryItem<'a, 'b, T>),
-}
-
-struct KeyItem<'a, 'b, T> {
+struct KeyItem<'a, T> {
     kt: usize,
-    /// The tile's rows (up to `TILE`, `head_dim` values each) of the
-    /// caller's token-major dK, dV.
-    dk: &'a mut [&'b mut [T]],
-    dv: &'a mut [&'b mut [T]],
+    /// The tile's `[TILE, dp]` dK, dV accumulators.
+    dk: &'a mut [T],
+    dv: &'a mut [T],
+    /// The store of its blocks' dS: `[group, blocks, TILE, TILE]`.
+    ds: &'a mut [T],
 }
 
 struct QueryItem<'a, 'b, T> {
@@ -225,69 +385,66 @@ struct QueryItem<'a, 'b, T> {
     dq: &'a mut [&'b mut [T]],
 }
 
-/// Per thread, `[TILE, TILE]` scores then P (dK, dV items) or dS (dQ
-/// items); `[TILE, TILE]` dP, then dS (dK, dV items); the `[TILE, dp]`
-/// gradient rows being accumulated: dK and dV, or dQ; and a chunk of
-/// gathered keys for dQ items.
-struct BwdScratch<T> {
-    /// Two `[TILE, TILE]` blocks and five `[TILE, dp]` ones: a dK, dV item's
-    /// scores, dP, dK accumulator and (the last) dV accumulator; a dQ item's
-    /// scores, dP, dQ accumulator and a chunk of gathered keys (its Kᵀ and
-    /// Vᵀ columns and K rows), which a dK, dV item never overwrites, so the
-    /// next dQ item of the thread can reuse it ([`KeyGather::holds_chunk`]).
-    tiles: Staggered<T, 7>,
-    gather: KeyGather,
+/// Per thread, a key item's `[TILE, TILE]` scores, then P.
+struct KeyScratch<T> {
+    s: Vec<T>,
 }
 
-impl<T: CpuFloat> BwdScratch<T> {
+impl<T: CpuFloat> KeyScratch<T> {
+    fn new() -> Self {
+        KeyScratch {
+            s: vec![T::ZERO; TILE * TILE],
+        }
+    }
+}
+
+/// Per thread, a dQ item's `[TILE, dp]` accumulator.
+struct DqScratch<T> {
+    tiles: Staggered<T, 1>,
+}
+
+impl<T: CpuFloat> DqScratch<T> {
     fn new(dp: usize) -> Self {
-        let (tile, rows) = (TILE * TILE, TILE * dp);
-        BwdScratch {
-            tiles: Staggered::new([tile, tile, rows, rows, rows, rows, rows], T::ZERO),
-            gather: KeyGather::default(),
+        DqScratch {
+            tiles: Staggered::new([TILE * dp], T::ZERO),
         }
     }
 }
 
 simd_dispatch! {
-    /// Runs one work item; per dK, dV: `false` if it stored a non-finite value.
-    fn key_tile(ctx: &BwdCtx<'_, T>, s: &mut BwdScratch<T>, item: KeyItem<'_, '_, T>) -> [bool; 2] => key_tile_body
+    /// Runs one key work item.
+    fn key_tile(ctx: &BwdCtx<'_, T>, chunk: &QueryChunk, s: &mut KeyScratch<T>, item: KeyItem<'_, T>) -> () => key_tile_body
 }
 
 /// dK, dV of one key tile of kv head `g`, summed over the group's query heads
-/// and over the query tiles `kt .. query_tile_end(kt)` (all that can see it):
-/// S and dP of each visited (query tile, key tile) block with query rows and
-/// key columns, as the dQ items compute them, then `dV += Pᵀ dO` and
-/// `dK += dSᵀ Q` by the transposed product ([`accumulate_t`]).
+/// and the chunk's query tiles that see it: S and dP of each visited (query
+/// tile, key tile) block with query rows and key columns, P and dS, then
+/// `dV += Pᵀ dO` and `dK += dSᵀ Q` by the transposed product
+/// ([`accumulate_t`]); dS stays in the item's store for the dQ items.
 #[inline(always)]
 fn key_tile_body<T: CpuFloat, const FMA: bool>(
     ctx: &BwdCtx<'_, T>,
-    sc: &mut BwdScratch<T>,
-    item: KeyItem<'_, '_, T>,
-) -> [bool; 2] {
-    let Layout { l, lpad, d, dp, .. } = ctx.lay;
-    let KeyItem {
-        kt,
-        dk: dk_rows,
-        dv: dv_rows,
-    } = item;
+    chunk: &QueryChunk,
+    sc: &mut KeyScratch<T>,
+    item: KeyItem<'_, T>,
+) {
+    let Layout { l, lpad, dp, .. } = ctx.lay;
+    let KeyItem { kt, dk, dv, ds } = item;
     let k0 = kt * TILE;
     let (k_cols, v_cols) = (&ctx.kt[k0 * dp..], &ctx.vt[k0 * dp..]);
-    let [s, dpm, dk, _, _, _, dv] = sc.tiles.parts();
-    dk.fill(T::ZERO);
-    dv.fill(T::ZERO);
+    let s = &mut sc.s[..];
     // Keys past the pack's end have kv_end 0: masked.
     let masks = |c: usize, full: bool| {
         let k = k0 + c * NS;
         (!full || k + NS > l).then(|| (k as u32, ctx.bounds.strip_ends(k)))
     };
+    let mut stores = ds.chunks_exact_mut(TILE * TILE);
     for local in 0..ctx.group {
         let head = local * lpad;
-        for qt in kt..ctx.bounds.query_tile_end(kt) {
+        for &qt in chunk.query_tiles(kt) {
+            let qt = qt as usize;
+            let dpm = stores.next().expect("one dS block per visited block");
             let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
-            if ctx.bounds.classify(q0, q1, kt) == TileClass::Skip {
-                continue;
-            }
             let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
             let q_rows = &ctx.qh[(head + q0) * dp..][..TILE * dp];
             let do_rows = &ctx.doh[(head + q0) * dp..][..TILE * dp];
@@ -299,94 +456,47 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
                 delta: &ctx.delta[head + q0..head + q0 + TILE],
                 scale: ctx.scale,
             };
-            ds_block::<T, FMA, true>(rows, s, dpm, blocks, masks);
+            ds_block::<T, FMA>(rows, s, dpm, blocks, masks);
             accumulate_t::<T, FMA>(s, do_rows, dp, dv, blocks.live);
             accumulate_t::<T, FMA>(dpm, q_rows, dp, dk, blocks.live);
         }
     }
-    for x in dk.iter_mut() {
-        *x *= ctx.scale;
-    }
-    let (mut dk_ok, mut dv_ok) = (true, true);
-    for (j, (dk_row, dv_row)) in dk_rows.iter_mut().zip(dv_rows.iter_mut()).enumerate() {
-        dk_ok &= store_row(&mut dk[j * dp..][..d], dk_row, k0 + j, ctx.rope);
-        dv_ok &= store_row(&mut dv[j * dp..][..d], dv_row, k0 + j, None);
-    }
-    [dk_ok, dv_ok]
 }
 
 simd_dispatch! {
     /// Runs one work item; `false` if it stored a non-finite value into dQ.
-    fn query_tile(ctx: &BwdCtx<'_, T>, s: &mut BwdScratch<T>, item: QueryItem<'_, '_, T>) -> bool => query_tile_body
+    fn query_tile(ctx: &BwdCtx<'_, T>, chunk: &QueryChunk, ds: &[T], s: &mut DqScratch<T>, item: QueryItem<'_, '_, T>) -> bool => query_tile_body
 }
 
-/// dQ of one query tile of head `h`, over the key tiles it can see.
+/// dQ of one query tile of head `h`: `scale · Σ dS K` over the key tiles it
+/// visits, in key order, from the dS the key items stored.
 #[inline(always)]
 fn query_tile_body<T: CpuFloat, const FMA: bool>(
     ctx: &BwdCtx<'_, T>,
-    sc: &mut BwdScratch<T>,
+    chunk: &QueryChunk,
+    ds: &[T],
+    sc: &mut DqScratch<T>,
     item: QueryItem<'_, '_, T>,
 ) -> bool {
-    let Layout { l, lpad, d, dp, .. } = ctx.lay;
+    let Layout { l, d, dp, .. } = ctx.lay;
     let QueryItem { h, qt, dq: dq_rows } = item;
     let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
-    let head = (h - ctx.h0) * lpad;
-    let q_rows = &ctx.qh[(head + q0) * dp..][..TILE * dp];
-    let do_rows = &ctx.doh[(head + q0) * dp..][..TILE * dp];
-    let (kt_head, vt_head, kh_head) = (ctx.kt, ctx.vt, ctx.kh);
-    let lse = &ctx.lse[head + q0..head + q0 + TILE];
-    let delta = &ctx.delta[head + q0..head + q0 + TILE];
-    let [s, dpm, dq, kg, vg, krows, _] = sc.tiles.parts();
+    let local = h - ctx.h0;
+    let [dq] = sc.tiles.parts();
     dq.fill(T::ZERO);
-    let rows = DqRows {
-        q0,
-        lse,
-        delta,
-        scale: ctx.scale,
-    };
-    // The past column-split tiles, as whole chunks of gathered keys (still
-    // in the buffers when the previous dQ item of this thread had the same).
-    let gather = &mut sc.gather;
-    gather.plan(ctx.bounds, q0, q1, qt);
-    let source = ctx.h0 / ctx.group;
-    let held = gather.holds_chunk(source);
-    for c in 0..gather.chunks() {
-        let n = if held {
-            gather.chunk_keys(c)
-        } else {
-            gather.gather_columns(c, vt_head, dp, vg);
-            gather.gather_rows(c, kh_head, dp, krows);
-            gather.gather_columns(c, kt_head, dp, kg)
-        };
-        let blocks = KeyGather::chunk_blocks(q1 - q0, n);
-        let ends = last_strip_ends(n);
-        scores::<T, FMA>(q_rows, kg, TILE, dp, s, blocks.live);
-        scores::<T, FMA>(do_rows, vg, TILE, dp, dpm, blocks.live);
-        // Every row sees every key of the chunk: only lanes past its last
-        // key are masked (first key taken as 0: the rows are past TILE).
-        let masks = |_: usize, full: bool| (!full).then_some((0, &ends));
-        ds_block::<T, FMA, false>(rows, s, dpm, blocks, masks);
-        accumulate::<T, FMA>(s, krows, dp, dq, blocks.live);
-    }
-    gather.keep(source);
-
     for kt in 0..=qt {
-        let class = ctx.bounds.classify(q0, q1, kt);
-        if class == TileClass::Skip || gather.is_gathered(kt) {
+        let Some(at) = chunk.ds_offset(ctx.group, local, qt, kt) else {
             continue;
-        }
+        };
         let k0 = kt * TILE;
         let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
-        scores::<T, FMA>(q_rows, &kt_head[k0 * dp..], TILE, dp, s, blocks.live);
-        scores::<T, FMA>(do_rows, &vt_head[k0 * dp..], TILE, dp, dpm, blocks.live);
-        // Masked entries, and keys past the pack's end (kv_end 0), get
-        // exp(−inf) = 0.
-        let masks = |c: usize, full: bool| {
-            let k = k0 + c * NS;
-            (!full || k + NS > l).then(|| (k as u32, ctx.bounds.strip_ends(k)))
-        };
-        ds_block::<T, FMA, false>(rows, s, dpm, blocks, masks);
-        accumulate::<T, FMA>(s, &kh_head[k0 * dp..], dp, dq, blocks.live);
+        accumulate::<T, FMA>(
+            &ds[at..][..TILE * TILE],
+            &ctx.kh[k0 * dp..],
+            dp,
+            dq,
+            blocks.live,
+        );
     }
     for x in dq.iter_mut() {
         *x *= ctx.scale;
@@ -410,13 +520,12 @@ struct DqRows<'a, T> {
 
 /// `dS = P ∘ (dP − D)` of the `blocks.live` register blocks, with
 /// `P = exp(scale · s − LSE)` (0 where masked) from the raw scores `s` and
-/// `dP` in `dpm`: in place of `s` (dQ items), or into `dpm` with `P` in
-/// place of `s` when `KEEP_P` (dK, dV items). `masks(c, full)` gives strip
+/// `dP` in `dpm`: dS into `dpm`, `P` in place of `s`. `masks(c, full)` gives strip
 /// `c`'s first key and `kv_end`s when it must be masked for a row whose
 /// block `full` says it holds only visible entries, `None` when it needs no
 /// mask.
 #[inline(always)]
-fn ds_block<'e, T: CpuFloat, const FMA: bool, const KEEP_P: bool>(
+fn ds_block<'e, T: CpuFloat, const FMA: bool>(
     DqRows {
         q0,
         lse,
@@ -441,9 +550,7 @@ fn ds_block<'e, T: CpuFloat, const FMA: bool, const KEEP_P: bool>(
         if m == T::INFINITY {
             // No visible key in this row (or a padding row): P = dS = 0.
             live_strips(srow, strips).for_each(|x| *x = [T::ZERO; NS]);
-            if KEEP_P {
-                live_strips(dprow, strips).for_each(|x| *x = [T::ZERO; NS]);
-            }
+            live_strips(dprow, strips).for_each(|x| *x = [T::ZERO; NS]);
             continue;
         }
         let full = row_strips(blocks.full, i);
@@ -465,11 +572,7 @@ fn ds_block<'e, T: CpuFloat, const FMA: bool, const KEEP_P: bool>(
                     &mut unused_visible,
                 ),
             }
-            if KEEP_P {
-                lanes::exp_ds::<T, FMA>(x, dx, dd);
-            } else {
-                lanes::exp_times::<T, FMA>(x, &*dx, dd);
-            }
+            lanes::exp_ds::<T, FMA>(x, dx, dd);
         }
     }
 }
@@ -478,9 +581,90 @@ fn ds_block<'e, T: CpuFloat, const FMA: bool, const KEEP_P: bool>(
 mod tests {
     use super::*;
     use crate::backend::cpu::Cpu;
+    use crate::backend::BackwardCall;
     use crate::backend::{AttentionBackend, AttnArgs, AttnParams, HostAttention, Saved};
     use crate::mask::PackMask;
     use crate::Error;
+
+    /// The gradients of `backward_in_chunks` with `budget` bytes of dS per
+    /// chunk on `threads` threads: a tree of two branches after a shared
+    /// prompt, partial tiles and padding rows, rotary on.
+    fn chunked<T: CpuFloat>(hq: usize, hkv: usize, budget: usize, threads: usize) -> Vec<T> {
+        let (l, d) = (347, 40);
+        let kv_end: Vec<u32> = (0..l as u32)
+            .map(|k| match k {
+                0..=119 => l as u32,
+                120..=229 => 230,
+                _ => l as u32,
+            })
+            .collect();
+        let pos: Vec<u32> = (0..l as u32)
+            .map(|k| if k < 230 { k } else { k - 110 })
+            .collect();
+        let mask = PackMask::new(&kv_end, &pos).unwrap();
+        let shape = crate::backend::AttnShape {
+            tokens: l,
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: d,
+        };
+        let mut params = AttnParams::new(d);
+        params.rope = Some(crate::backend::Rope {
+            base: 700.0,
+            dims: d,
+        });
+        let data = |n: usize, salt: u64| super::super::hashed_values::<T>(n, salt);
+        let (q, k, v, d_o) = (
+            data(shape.q_len(), 11),
+            data(shape.kv_len(), 12),
+            data(shape.kv_len(), 13),
+            data(shape.q_len(), 14),
+        );
+        let args = AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, params).unwrap();
+        let fwd = Cpu::with_threads(1).forward_owned(&args).unwrap();
+        // Poisoned: every element must be written.
+        let mut out = vec![T::from_f64(f64::NAN); 2 * shape.kv_len() + shape.q_len()];
+        let (dq, rest) = out.split_at_mut(shape.q_len());
+        let (dk, dv) = rest.split_at_mut(shape.kv_len());
+        let saved = Saved {
+            o: &fwd.o[..],
+            lse: &fwd.lse[..],
+        };
+        let call = BackwardCall::new(args, saved, &d_o[..], Grads { dq, dk, dv }).unwrap();
+        backward_in_chunks(call, threads, budget).unwrap();
+        out
+    }
+
+    /// With dS kept for one query tile at a time (6 chunks), the gradients
+    /// equal those of one chunk: bit for bit without GQA (each sum keeps its
+    /// order), within rounding with a group of 2 (dK, dV then sum chunk by
+    /// chunk instead of head by head), on any thread count.
+    #[test]
+    fn query_chunks_give_the_gradients_of_one_chunk() {
+        let block = TILE * TILE * std::mem::size_of::<f64>();
+        let one_tile = |group: usize| group * block;
+        let whole = chunked::<f64>(2, 2, usize::MAX, 1);
+        let tiny = chunked::<f64>(2, 2, one_tile(1), 1);
+        assert!(whole.iter().all(|x| x.is_finite()));
+        assert!(whole == tiny, "no GQA: same bits");
+        assert!(chunked::<f64>(2, 2, one_tile(1), 3) == tiny, "3 threads");
+        let bounds = KeyTileBounds::new(&[347; 347]);
+        assert_eq!(QueryChunks::new(&bounds, 347, 1).chunks.len(), 6);
+        assert_eq!(QueryChunks::new(&bounds, 347, 7).chunks.len(), 4);
+        let whole = chunked::<f64>(4, 2, usize::MAX, 2);
+        let tiny = chunked::<f64>(4, 2, one_tile(2), 2);
+        let worst = whole
+            .iter()
+            .zip(&tiny)
+            .map(|(a, b)| (a - b).abs() / (1.0 + a.abs()))
+            .fold(0.0, f64::max);
+        assert!(worst < 1e-13, "GQA: {worst}");
+        assert!(worst > 0.0, "negative control: the sums did change order");
+        assert!(chunked::<f64>(4, 2, one_tile(2), 1) == tiny, "1 thread");
+        // f32, where the chunked order matters more: still the same bits
+        // on 1 and 2 threads.
+        assert!(chunked::<f32>(4, 2, 3 * block / 2, 1) == chunked::<f32>(4, 2, 3 * block / 2, 2));
+    }
 
     /// Items store their gradient rows directly and only flag a bad value;
     /// the error must still name the first non-finite index of dq (checked

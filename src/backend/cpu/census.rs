@@ -43,7 +43,7 @@ pub fn tile_counts(mask: PackMask<'_>) -> TileCounts {
 
 /// Census of the register blocks ([`BLOCK_QUERIES`] queries × [`BLOCK_KEYS`]
 /// keys, the micro-kernels' unit) inside the partial tiles of a pack, as the
-/// forward and the dQ pass classify them: `skip` blocks hold no visible
+/// forward and the backward classify them: `skip` blocks hold no visible
 /// entry and are not computed, `full` ones need no per-element mask,
 /// `masked` ones are masked element-wise. Blocks past the last token are not
 /// counted. (The partial tiles that are gathered, [`gather_counts`], are
@@ -95,7 +95,7 @@ pub fn block_counts(mask: PackMask<'_>) -> BlockCounts {
     c
 }
 
-/// The (query, key) entries the CPU forward and dQ pass compute on this
+/// The (query, key) entries the CPU forward computes on this
 /// mask: the live register blocks ([`BLOCK_QUERIES`] × [`BLOCK_KEYS`]) of
 /// every tile that is neither skipped nor gathered, and of every chunk of
 /// gathered keys ([`gather_counts`]), whole blocks (the kernels compute
@@ -124,7 +124,7 @@ pub fn computed_entries(mask: PackMask<'_>) -> u64 {
 }
 
 /// Census of key gathering on a pack (per head): the partial tiles that the
-/// CPU forward and dQ pass compute as chunks of gathered keys instead of
+/// CPU forward computes as chunks of gathered keys instead of
 /// visiting them, and those chunks. A past key tile (wholly before the query
 /// tile) whose keys are each seen by all of the query tile's rows or by none
 /// (a run of ancestors starting or ending inside it) is gathered when the
@@ -140,7 +140,7 @@ pub struct GatherCounts {
     pub keys: u64,
 }
 
-/// Counts the key gathering of the CPU forward and dQ pass on this mask
+/// Counts the key gathering of the CPU forward on this mask
 /// (see [`GatherCounts`]).
 pub fn gather_counts(mask: PackMask<'_>) -> GatherCounts {
     let bounds = KeyTileBounds::new(mask.kv_end());

@@ -137,27 +137,7 @@ pub(crate) fn exp_sum<T: CpuFloat, const SIMD: bool>(x: &mut [T; NS], m: T, sum:
     }
 }
 
-/// dS of the dQ pass: `x ← exp(x) · (dp − dd)`.
-#[inline(always)]
-pub(crate) fn exp_times<T: CpuFloat, const SIMD: bool>(x: &mut [T; NS], dp: &[T; NS], dd: T) {
-    #[cfg(target_arch = "x86_64")]
-    if SIMD {
-        if let Some(x32) = f32_lanes(x) {
-            let mut dp32 = [0.0f32; NS];
-            for (d, &p) in dp32.iter_mut().zip(dp) {
-                *d = to_f32(p);
-            }
-            // SAFETY: SIMD copies run only where AVX2 and FMA were detected.
-            return unsafe { avx2::exp_times(x32, &dp32, to_f32(dd)) };
-        }
-    }
-    T::exp_lanes(x);
-    for (x, &dp) in x.iter_mut().zip(dp) {
-        *x *= dp - dd;
-    }
-}
-
-/// P and dS of the dK, dV pass: `p = exp(x)`, then `dx ← (dx − dd) · p` and
+/// P and dS of the backward's key items: `p = exp(x)`, then `dx ← (dx − dd) · p` and
 /// `x ← p` (from scores already scaled, offset by the row's LSE and masked
 /// to −inf, so that masked lanes get `p = 0` and `dS = 0`).
 #[inline(always)]
@@ -358,16 +338,6 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn exp_times(x: &mut [f32; NS], dp: &[f32; NS], dd: f32) {
-        let p = exp(load(x));
-        store(
-            x,
-            _mm256_mul_ps(p, _mm256_sub_ps(load(dp), _mm256_set1_ps(dd))),
-        );
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn exp_ds(x: &mut [f32; NS], dx: &mut [f32; NS], dd: f32) {
         let p = exp(load(x));
         store(x, p);
@@ -479,7 +449,6 @@ mod tests {
                             run(&|x, acc, n| both!(mask_max, x, first, &ends, q, scale, m, acc, n)),
                             run(&|x, _, _| both!(scale_offset, x, scale, m)),
                             run(&|x, acc, _| both!(exp_sum, x, m, acc)),
-                            run(&|x, acc, _| both!(exp_times, x, acc, m)),
                             run(&|x, acc, _| both!(exp_ds, x, acc, m)),
                         ];
                         let reduced = [

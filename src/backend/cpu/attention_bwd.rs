@@ -113,7 +113,8 @@ fn backward_in_chunks<T: CpuFloat>(
     // dK, dV of the kv head being done, `[lpad, dp]` each, summed over the
     // chunks; the dS of a chunk.
     let mut acc = workspace::take_stale(2 * lpad * dp, T::ZERO);
-    let mut ds = workspace::take_stale(chunks.max_blocks * group * TILE * TILE, T::ZERO);
+    let mut ds = workspace::take_stale(2 * chunks.max_blocks * group * TILE * TILE, T::ZERO);
+    let scratch = || BwdScratch::new(lay.dp);
     // One kv head and its query heads at a time: their copies (5 arrays of
     // `lpad · dp` per head) stay in cache while both kinds of item read them,
     // where copies of all heads at once would be read back from memory.
@@ -157,83 +158,87 @@ fn backward_in_chunks<T: CpuFloat>(
         let (acc_k, acc_v) = acc.split_at_mut(lpad * dp);
         acc_k.fill(T::ZERO);
         acc_v.fill(T::ZERO);
-        for chunk in &chunks.chunks {
-            // dK, dV of every key tile the chunk's query tiles see, most
-            // query tiles first; each item leaves its blocks' dS in its part
-            // of the store.
-            let mut keys = Vec::new();
-            let mut store = &mut ds[..chunk.blocks() * group * TILE * TILE];
-            for (kt, (dk, dv)) in acc_k
-                .chunks_mut(TILE * dp)
-                .zip(acc_v.chunks_mut(TILE * dp))
-                .enumerate()
-            {
-                let n = chunk.query_tiles(kt).len();
-                if n == 0 {
-                    continue;
+        let half = ds.len() / 2;
+        let (store_a, store_b) = ds.split_at_mut(half);
+        // Step `c` runs the dK, dV items of chunk `c`, which leave their dS
+        // in one half of the store, beside the dQ items of chunk `c − 1`,
+        // which read the other half; the last step stores dK and dV. One
+        // parallel step per chunk, the longest items of both kinds first.
+        let n = chunks.chunks.len();
+        for c in 0..=n {
+            let (write, read): (&mut [T], &[T]) = if c % 2 == 0 {
+                (&mut *store_a, &*store_b)
+            } else {
+                (&mut *store_b, &*store_a)
+            };
+            let mut work = Vec::new();
+            if let Some(chunk) = chunks.chunks.get(c) {
+                // dK, dV of every key tile the chunk's query tiles see; each
+                // item leaves its blocks' dS in its part of the store.
+                let mut store = &mut write[..chunk.blocks() * group * TILE * TILE];
+                for (kt, (dk, dv)) in acc_k
+                    .chunks_mut(TILE * dp)
+                    .zip(acc_v.chunks_mut(TILE * dp))
+                    .enumerate()
+                {
+                    let blocks = chunk.query_tiles(kt).len();
+                    if blocks == 0 {
+                        continue;
+                    }
+                    let (ds, rest) =
+                        std::mem::take(&mut store).split_at_mut(blocks * group * TILE * TILE);
+                    store = rest;
+                    let cost = 4 * blocks * group;
+                    work.push((cost, BwdItem::Key(chunk, KeyItem { kt, dk, dv, ds })));
                 }
-                let (ds, rest) = std::mem::take(&mut store).split_at_mut(n * group * TILE * TILE);
-                store = rest;
-                keys.push(KeyItem { kt, dk, dv, ds });
+            } else {
+                // The last step: dK, dV are complete.
+                for (kt, ((dk_rows, dv_rows), (dk, dv))) in dk_head
+                    .chunks_mut(TILE)
+                    .zip(dv_head.chunks_mut(TILE))
+                    .zip(acc_k.chunks_mut(TILE * dp).zip(acc_v.chunks_mut(TILE * dp)))
+                    .enumerate()
+                {
+                    let item = StoreItem {
+                        kt,
+                        dk_rows,
+                        dv_rows,
+                        dk,
+                        dv,
+                    };
+                    work.push((0, BwdItem::Store(item)));
+                }
             }
-            keys.sort_by_key(|w| (std::cmp::Reverse(chunk.query_tiles(w.kt).len()), w.kt));
-            run_parallel(
-                keys,
-                threads,
-                || KeyScratch::new(),
-                |s, item| key_tile(&ctx, chunk, s, item),
-            );
-            // dQ of the chunk's query tiles, from the stored dS, those that
-            // see the most key tiles first.
-            let rows = chunk.rows(l);
-            let mut queries: Vec<_> = dq_group
-                .iter_mut()
-                .zip(heads.clone())
-                .flat_map(|(dq_head, h)| {
-                    dq_head[rows.clone()]
+            if let Some(chunk) = c.checked_sub(1).map(|p| &chunks.chunks[p]) {
+                // dQ of the previous chunk's query tiles, from its stored dS.
+                let rows = chunk.rows(l);
+                for (dq_head, h) in dq_group.iter_mut().zip(heads.clone()) {
+                    for (dq, qt) in dq_head[rows.clone()]
                         .chunks_mut(TILE)
                         .zip(chunk.tiles.clone())
-                        .map(move |(dq, qt)| QueryItem { h, qt, dq })
-                })
-                .collect();
-            queries.sort_by_key(|w| (std::cmp::Reverse(chunk.key_tiles(w.qt)), w.qt, w.h));
-            let ds = &ds[..];
-            run_parallel(
-                queries,
-                threads,
-                || DqScratch::new(dp),
-                |s, item| {
+                    {
+                        let cost = chunk.key_tiles(qt) as usize;
+                        work.push((cost, BwdItem::Query(chunk, QueryItem { h, qt, dq })));
+                    }
+                }
+            }
+            // Longest first; ties in a fixed order (the results do not
+            // depend on it, only the balance does).
+            work.sort_by_key(|(cost, _)| std::cmp::Reverse(*cost));
+            let work = work.into_iter().map(|(_, w)| w).collect();
+            run_parallel(work, threads, scratch, |s, item| match item {
+                BwdItem::Key(chunk, item) => key_tile(&ctx, chunk, s, item),
+                BwdItem::Query(chunk, item) => {
                     prefetch_for_write(item.dq);
-                    flag(0, query_tile(&ctx, chunk, ds, s, item))
-                },
-            );
+                    flag(0, query_tile(&ctx, chunk, read, s, item))
+                }
+                BwdItem::Store(item) => {
+                    let [dk_ok, dv_ok] = store_key_tile(&ctx, item);
+                    flag(1, dk_ok);
+                    flag(2, dv_ok);
+                }
+            });
         }
-        // Store dK (scaled) and dV, rotated back, key tile by key tile.
-        let stores: Vec<_> = dk_head
-            .chunks_mut(TILE)
-            .zip(dv_head.chunks_mut(TILE))
-            .zip(acc_k.chunks_mut(TILE * dp).zip(acc_v.chunks_mut(TILE * dp)))
-            .enumerate()
-            .collect();
-        run_parallel(
-            stores,
-            threads,
-            || (),
-            |_, (kt, ((dk_rows, dv_rows), (dk, dv)))| {
-                for x in dk.iter_mut() {
-                    *x *= ctx.scale;
-                }
-                let (mut dk_ok, mut dv_ok) = (true, true);
-                for (j, (dk_row, dv_row)) in dk_rows.iter_mut().zip(dv_rows.iter_mut()).enumerate()
-                {
-                    let t = kt * TILE + j;
-                    dk_ok &= store_row(&mut dk[j * dp..][..lay.d], dk_row, t, rope.as_ref());
-                    dv_ok &= store_row(&mut dv[j * dp..][..lay.d], dv_row, t, None);
-                }
-                flag(1, dk_ok);
-                flag(2, dv_ok);
-            },
-        );
     }
 
     // The first non-finite index of the first bad gradient, as scans of dq,
@@ -368,6 +373,23 @@ struct BwdCtx<'a, T> {
     doh: &'a [T],
 }
 
+/// One item of the backward of a kv head and its query heads.
+enum BwdItem<'c, 'a, 'b, T> {
+    Key(&'c QueryChunk, KeyItem<'a, T>),
+    Query(&'c QueryChunk, QueryItem<'a, 'b, T>),
+    Store(StoreItem<'a, 'b, T>),
+}
+
+/// The finished dK, dV accumulators of key tile `kt` and its rows (up to
+/// `TILE`, `head_dim` values each) of the caller's token-major dK, dV.
+struct StoreItem<'a, 'b, T> {
+    kt: usize,
+    dk_rows: &'a mut [&'b mut [T]],
+    dv_rows: &'a mut [&'b mut [T]],
+    dk: &'a mut [T],
+    dv: &'a mut [T],
+}
+
 struct KeyItem<'a, T> {
     kt: usize,
     /// The tile's `[TILE, dp]` dK, dV accumulators.
@@ -385,35 +407,48 @@ struct QueryItem<'a, 'b, T> {
     dq: &'a mut [&'b mut [T]],
 }
 
-/// Per thread, a key item's `[TILE, TILE]` scores, then P.
-struct KeyScratch<T> {
-    s: Vec<T>,
+/// Per thread: a key item's `[TILE, TILE]` scores, then P; a dQ item's
+/// `[TILE, dp]` accumulator.
+struct BwdScratch<T> {
+    tiles: Staggered<T, 2>,
 }
 
-impl<T: CpuFloat> KeyScratch<T> {
-    fn new() -> Self {
-        KeyScratch {
-            s: vec![T::ZERO; TILE * TILE],
-        }
-    }
-}
-
-/// Per thread, a dQ item's `[TILE, dp]` accumulator.
-struct DqScratch<T> {
-    tiles: Staggered<T, 1>,
-}
-
-impl<T: CpuFloat> DqScratch<T> {
+impl<T: CpuFloat> BwdScratch<T> {
     fn new(dp: usize) -> Self {
-        DqScratch {
-            tiles: Staggered::new([TILE * dp], T::ZERO),
+        BwdScratch {
+            tiles: Staggered::new([TILE * TILE, TILE * dp], T::ZERO),
         }
     }
+}
+
+/// Stores key tile `item.kt`'s dK (times the softmax scale, rotated back)
+/// and dV; per dK, dV: `false` if it stored a non-finite value.
+fn store_key_tile<T: CpuFloat>(ctx: &BwdCtx<'_, T>, item: StoreItem<'_, '_, T>) -> [bool; 2] {
+    let Layout { d, dp, .. } = ctx.lay;
+    let StoreItem {
+        kt,
+        dk_rows,
+        dv_rows,
+        dk,
+        dv,
+    } = item;
+    prefetch_for_write(dk_rows);
+    prefetch_for_write(dv_rows);
+    for x in dk.iter_mut() {
+        *x *= ctx.scale;
+    }
+    let (mut dk_ok, mut dv_ok) = (true, true);
+    for (j, (dk_row, dv_row)) in dk_rows.iter_mut().zip(dv_rows.iter_mut()).enumerate() {
+        let t = kt * TILE + j;
+        dk_ok &= store_row(&mut dk[j * dp..][..d], dk_row, t, ctx.rope);
+        dv_ok &= store_row(&mut dv[j * dp..][..d], dv_row, t, None);
+    }
+    [dk_ok, dv_ok]
 }
 
 simd_dispatch! {
     /// Runs one key work item.
-    fn key_tile(ctx: &BwdCtx<'_, T>, chunk: &QueryChunk, s: &mut KeyScratch<T>, item: KeyItem<'_, T>) -> () => key_tile_body
+    fn key_tile(ctx: &BwdCtx<'_, T>, chunk: &QueryChunk, s: &mut BwdScratch<T>, item: KeyItem<'_, T>) -> () => key_tile_body
 }
 
 /// dK, dV of one key tile of kv head `g`, summed over the group's query heads
@@ -425,14 +460,14 @@ simd_dispatch! {
 fn key_tile_body<T: CpuFloat, const FMA: bool>(
     ctx: &BwdCtx<'_, T>,
     chunk: &QueryChunk,
-    sc: &mut KeyScratch<T>,
+    sc: &mut BwdScratch<T>,
     item: KeyItem<'_, T>,
 ) {
     let Layout { l, lpad, dp, .. } = ctx.lay;
     let KeyItem { kt, dk, dv, ds } = item;
     let k0 = kt * TILE;
     let (k_cols, v_cols) = (&ctx.kt[k0 * dp..], &ctx.vt[k0 * dp..]);
-    let s = &mut sc.s[..];
+    let [s, _] = sc.tiles.parts();
     // Keys past the pack's end have kv_end 0: masked.
     let masks = |c: usize, full: bool| {
         let k = k0 + c * NS;
@@ -465,7 +500,7 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
 
 simd_dispatch! {
     /// Runs one work item; `false` if it stored a non-finite value into dQ.
-    fn query_tile(ctx: &BwdCtx<'_, T>, chunk: &QueryChunk, ds: &[T], s: &mut DqScratch<T>, item: QueryItem<'_, '_, T>) -> bool => query_tile_body
+    fn query_tile(ctx: &BwdCtx<'_, T>, chunk: &QueryChunk, ds: &[T], s: &mut BwdScratch<T>, item: QueryItem<'_, '_, T>) -> bool => query_tile_body
 }
 
 /// dQ of one query tile of head `h`: `scale · Σ dS K` over the key tiles it
@@ -475,14 +510,14 @@ fn query_tile_body<T: CpuFloat, const FMA: bool>(
     ctx: &BwdCtx<'_, T>,
     chunk: &QueryChunk,
     ds: &[T],
-    sc: &mut DqScratch<T>,
+    sc: &mut BwdScratch<T>,
     item: QueryItem<'_, '_, T>,
 ) -> bool {
     let Layout { l, d, dp, .. } = ctx.lay;
     let QueryItem { h, qt, dq: dq_rows } = item;
     let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
     let local = h - ctx.h0;
-    let [dq] = sc.tiles.parts();
+    let [_, dq] = sc.tiles.parts();
     dq.fill(T::ZERO);
     for kt in 0..=qt {
         let Some(at) = chunk.ds_offset(ctx.group, local, qt, kt) else {

@@ -145,3 +145,38 @@ struct Bwd2Traits : TaTileTraits<E, D, 64, 128> {
     static_assert(kBlockM % kSubM == 0 && kBlockM == 64, "dQ split: 2 x 2 warps of 32 x 32");
     static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
 };
+
+// Backward main kernel for D = 128, two key m-tiles per warp with the head
+// dim split (tree_attn_bwd_main2_d128.cuh, tree_attn_bwd_main2_*_d128; the
+// layout and its trade-off are at the top of that file): 8 warps, a key tile
+// of 128 keys (two 64-key bounds tiles), query tiles of 64 rows. Warp w =
+// (key group wk = w % 4: keys 32wk..32wk+31, role = w / 4). Each warp holds
+// dK, dV of its 32 keys x one half of D (64 columns: 2 · 2 · 8 · 4 = 128
+// registers); role 0 computes Sᵀ (32 keys x 64 queries) and P, role 1 dPᵀ
+// and dS; P (then dS, written over it) is staged in shared memory.
+// Shared memory, in bytes: K, V | Q[2], dO[2] | P / dS ([key][query], one
+// region) | lse2[2], D[2] | kv_end = 69,632 + 69,632 + 18,432 + 1,024 + 512
+// = 159,232 (1 block per SM: A100 163 KB per block, H100 / H200 227 KB).
+template <class E, int D>
+struct Bwd2SplitTraits : TaTileTraits<E, D, 64, 128> {
+    using Base = TaTileTraits<E, D, 64, 128>;
+    static constexpr int kBlockM = Base::kBlockM, kBlockN = Base::kBlockN, kRowStride = Base::kRowStride;
+    static constexpr int kWarps = 8;  // (shadows the base's 4)
+    static constexpr int kThreads = kWarps * 32;
+    static constexpr int kSubM = kBlockM;  // queries per Sᵀ pass: the whole tile
+    static constexpr int kBoundsTile = 64;
+    static constexpr int kHalfD = D / 2;  // columns of dK, dV per warp
+    static constexpr int kDsStride = kBlockM + 8;
+    static constexpr int kKvElems = kBlockN * kRowStride;
+    static constexpr int kQElems = kBlockM * kRowStride;
+    static constexpr int kOffQ = 2 * kKvElems * 2;
+    static constexpr int kOffDs = kOffQ + 4 * kQElems * 2;  // P, then dS in place
+    static constexpr int kOffRowStats = kOffDs + kBlockN * kDsStride * 2;
+    static constexpr int kOffKvEnd = kOffRowStats + 4 * kBlockM * 4;
+    static constexpr int kSmemBytes = kOffKvEnd + kBlockN * 4;
+    static_assert(D == 128, "the head-dim split layout is written for D = 128");
+    static_assert(kBlockN == 32 * (kWarps / 2) && kBlockN == 2 * kBoundsTile, "32 keys per warp pair, 2 bounds tiles");
+    static_assert(kBlockM == 64 && kBlockM <= kThreads && kBlockN <= kThreads, "tile shape");
+    static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
+    static_assert(kSmemBytes == 159232, "shared memory: update the Rust plan and the docs");
+};

@@ -1177,7 +1177,7 @@ __device__ __forceinline__ void tree_attn_bwd_dkv_convert_body(const TreeAttnBwd
 TA_ATTN_VARIANTS(TA_BWD_KERNELS)
 #undef TA_BWD_KERNELS
 
-// The two-m-tile main kernels exist for D = 64 only (Bwd2Traits).
+// The two-m-tile main kernels for D = 64 (Bwd2Traits).
 #define TA_BWD2_KERNELS(SUFFIX, E)                                                                               \
     extern "C" __global__ void __launch_bounds__(Bwd2Traits<E, 64>::kThreads)                                   \
         tree_attn_bwd_main2_atomic_##SUFFIX(const TreeAttnBwdParams p) {                                         \
@@ -1190,3 +1190,19 @@ TA_ATTN_VARIANTS(TA_BWD_KERNELS)
 TA_BWD2_KERNELS(bf16_d64, ta_bf16)
 TA_BWD2_KERNELS(f16_d64, ta_f16)
 #undef TA_BWD2_KERNELS
+
+// The D = 128 two-m-tile main kernels: 8 warps, the head-dim split of dK, dV
+// (tree_attn_bwd_main2_d128.cuh, Bwd2SplitTraits).
+#include "tree_attn_bwd_main2_d128.cuh"
+#define TA_BWD2_D128_KERNELS(SUFFIX, E)                                                                          \
+    extern "C" __global__ void __launch_bounds__(Bwd2SplitTraits<E, 128>::kThreads)                             \
+        tree_attn_bwd_main2_atomic_##SUFFIX(const TreeAttnBwdParams p) {                                         \
+        tree_attn_bwd_main2_d128_body<Bwd2SplitTraits<E, 128>, true>(p);                                         \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(Bwd2SplitTraits<E, 128>::kThreads)                             \
+        tree_attn_bwd_main2_det_##SUFFIX(const TreeAttnBwdParams p) {                                            \
+        tree_attn_bwd_main2_d128_body<Bwd2SplitTraits<E, 128>, false>(p);                                        \
+    }
+TA_BWD2_D128_KERNELS(bf16_d128, ta_bf16)
+TA_BWD2_D128_KERNELS(f16_d128, ta_f16)
+#undef TA_BWD2_D128_KERNELS

@@ -30,10 +30,11 @@
 //                       dQ accumulator rows in atomic mode. One warp per
 //                       (row, head).
 //   tree_attn_bwd_main  dK, dV (and, in atomic mode, dQ through f32
-//                       atomic adds into the accumulator; main2: the d 64
-//                       two-m-tile variant below). One block per (key
-//                       tile, kv head, group split): grid (key tiles,
-//                       kv_heads, group splits).
+//                       atomic adds into the accumulator; main2: the
+//                       two-m-tile variants, d 64 below, d 128 in
+//                       tree_attn_bwd_main2_d128.cuh, the default for
+//                       both). One block per (key tile, kv head, group
+//                       split): grid (key tiles, kv_heads, group splits).
 //   tree_attn_bwd_dq    deterministic mode only: dQ per (query tile, query
 //                       head), plain f32 stores into the accumulator.
 //   tree_attn_bwd_dq_convert   accumulator → dQ in the element type.
@@ -73,10 +74,12 @@
 //                          two adjacent columns on sm_90 (two scalar
 //                          atomic adds on sm_80).
 //
-// Two-m-tile main kernel (tree_attn_bwd_main2_{atomic,det}_*, D = 64 only,
-// Bwd2Traits; Rust `MainKernel::TwoMTiles`, the default for d 64 — the
-// one-m-tile kernel above stays selectable, `MainKernel::OneMTile`, until a
-// GPU has timed both). Why: with one 16-key m-tile per warp every Q / dO
+// Two-m-tile main kernel (tree_attn_bwd_main2_{atomic,det}_*_d64,
+// Bwd2Traits; Rust `MainKernel::TwoMTiles`, the default — the one-m-tile
+// kernel above stays selectable, `MainKernel::OneMTile`, until a GPU has
+// timed both; the D = 128 two-m-tile kernel has a layout of its own, 8
+// warps with the dK, dV accumulators split over the head dim:
+// tree_attn_bwd_main2_d128.cuh). Why: with one 16-key m-tile per warp every Q / dO
 // B fragment feeds 2 mma, so the loop above does 1.6–2.0 HMMA per LDSM.
 // Here a block owns BN = 128 keys (two kv_end bounds tiles), warp w keys
 // 32w..32w+31 as two m-tiles, and every B fragment (Q, dO; ldmatrix or
@@ -126,10 +129,9 @@
 //   Shared memory 93,696 bytes (K, V 36,864 | Q, dO x 2 36,864 | dSᵀ
 //   18,432 | lse2, D 1,024 | kv_end 512): 1 block per SM on A100 (164 KB),
 //   2 on H100 / H200 (227 KB); registers allow 2 either way.
-//   D = 128 would need 256 registers for dK, dV alone: it keeps the
-//   one-m-tile kernel (FA2's answer, a head-dim split of the dK, dV
-//   accumulators over 8 warps with P and dS staged in shared memory, is not
-//   built).
+//   D = 128 would need 256 registers for dK, dV alone in this layout: its
+//   two-m-tile kernel splits them over the head dim across 8 warps, with P
+//   and dS staged in shared memory (tree_attn_bwd_main2_d128.cuh).
 // Fragment layouts (PTX ISA, mma.m16n8k16; g = lane/4, c = lane%4):
 //   A 16x16: a[r] half h = A[g + 8(r&1)][2c + h + 8(r>>1)]
 //   B 16x8:  b[r] half h = B[2c + h + 8r][g]

@@ -56,11 +56,17 @@
 // 48 / 128 more. Per block and tile (64 queries x 128 keys): det 704 LDSM /
 // 2,048 HMMA = 2.91, atomic 896 / 2,560 = 2.86 (the one-m-tile d 128 kernel:
 // 1.89 / 1.79 by the same count). FA2's split (every warp 32 x 32 of Sᵀ and
-// dPᵀ, 32 keys x 64 of dK, dV, 32 x 32 of dQ) counts 2.29 / 2.13.
+// dPᵀ, 32 keys x 64 of dK, dV, 32 x 32 of dQ) counts 112 / 256 = 2.29 and
+// 144 / 320 = 2.22. The price of the role split: while role 1 finishes
+// phase 2 (its second 64 HMMA) and, in deterministic mode, while role 0
+// runs phase 3, one warp per sub-partition issues alone (about a quarter
+// of the HMMA, det; a fifth, atomic), with less latency hiding than FA2's
+// lockstep warps; and 4 barriers per query tile instead of 3.
 //
 // dQ atomics: 64 x D f32 per 64 x 128 tile pair = D · 4 / 128 = 4 bytes per
-// visible (query, key) pair and head (8 before: 64-key tiles), in 0.5
-// REDG.F32x2 per pair on sm_90 (2 scalar REDs before), 1 scalar on sm_80.
+// visible (query, key) pair and head, in 0.5 red.global.add.v2.f32 per pair
+// on sm_90 (1 scalar on sm_80); the one-m-tile kernel (64-key tiles): 8
+// bytes, 1 v2 (2 scalar) per pair.
 //
 // Registers: dK, dV 128, Sᵀ / Pᵀ or dPᵀ (f32, the same 64 registers: both
 // roles run one code path in phase 1 and the barriers sit outside the role

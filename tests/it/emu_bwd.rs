@@ -380,25 +380,27 @@ fn grpo_fan_walk_skips_more_than_32_key_tiles() {
     }
 }
 
-/// A pack of padding only: nothing is visible, every gradient is exactly 0.
+/// A pack of padding only: nothing is visible, every gradient is exactly 0
+/// (both head dims, both main kernels, both dQ modes).
 #[test]
 fn all_padding_gives_zero_gradients() {
     let (mut rng, seed) = common::seeded_rng();
-    let c = Case {
-        shape: AttnShape {
-            tokens: 70,
-            q_heads: 2,
-            kv_heads: 1,
-            head_dim: 64,
-        },
-        kv_end: (0..70).collect(),
-        pos: vec![0; 70],
-        rope: None,
-    };
-    for (mode, kernel) in [DqMode::Atomic, DqMode::Deterministic]
-        .into_iter()
-        .flat_map(|m| main_kernels(64).into_iter().map(move |k| (m, k)))
-    {
+    for (head_dim, mode, kernel) in [64usize, 128].into_iter().flat_map(|d| {
+        [DqMode::Atomic, DqMode::Deterministic]
+            .into_iter()
+            .flat_map(move |m| main_kernels(d).into_iter().map(move |k| (d, m, k)))
+    }) {
+        let c = Case {
+            shape: AttnShape {
+                tokens: 70,
+                q_heads: 2,
+                kv_heads: 1,
+                head_dim,
+            },
+            kv_end: (0..70).collect(),
+            pos: vec![0; 70],
+            rope: None,
+        };
         let x = inputs::<bf16>(&mut rng, &c);
         let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
         let g = calls::with_main_kernel(Some(kernel), || {
@@ -419,7 +421,7 @@ fn all_padding_gives_zero_gradients() {
         for (name, t) in [("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv)] {
             assert!(
                 t.iter().all(|e| e.to_f32() == 0.0),
-                "seed {seed}: {mode:?} {kernel:?}: {name} not all 0 on an all-padding pack"
+                "seed {seed}: d {head_dim} {mode:?} {kernel:?}: {name} not all 0 on an all-padding pack"
             );
         }
     }
@@ -431,47 +433,49 @@ fn all_padding_gives_zero_gradients() {
 #[test]
 fn deterministic_mode_is_bit_identical_across_runs() {
     let (mut rng, seed) = common::seeded_rng();
-    let c = random_case(&mut rng, 64, true);
-    let x = inputs::<bf16>(&mut rng, &c);
-    let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
-    for kernel in main_kernels(64) {
-        let run = |opts: EmuOptions| {
-            calls::with_main_kernel(Some(kernel), || {
-                calls::with_options(opts, || {
-                    calls::emu_backward(
-                        &x.q,
-                        &x.k,
-                        &x.v,
-                        &x.o,
-                        &x.lse,
-                        &x.d_o,
-                        c.shape,
-                        mask,
-                        &params(&c),
-                        DqMode::Deterministic,
-                    )
+    for head_dim in [64usize, 128] {
+        let c = random_case(&mut rng, head_dim, true);
+        let x = inputs::<bf16>(&mut rng, &c);
+        let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
+        for kernel in main_kernels(head_dim) {
+            let run = |opts: EmuOptions| {
+                calls::with_main_kernel(Some(kernel), || {
+                    calls::with_options(opts, || {
+                        calls::emu_backward(
+                            &x.q,
+                            &x.k,
+                            &x.v,
+                            &x.o,
+                            &x.lse,
+                            &x.d_o,
+                            c.shape,
+                            mask,
+                            &params(&c),
+                            DqMode::Deterministic,
+                        )
+                    })
                 })
-            })
-            .unwrap()
-        };
-        let all = EmuOptions::all();
-        let (a, b) = (run(all[0]), run(all[3]));
-        let bits = |t: &[bf16]| t.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
-        assert_eq!(
-            bits(&a.dq),
-            bits(&b.dq),
-            "seed {seed}: {kernel:?}: dQ differs between runs"
-        );
-        assert_eq!(
-            bits(&a.dk),
-            bits(&b.dk),
-            "seed {seed}: {kernel:?}: dK differs between runs"
-        );
-        assert_eq!(
-            bits(&a.dv),
-            bits(&b.dv),
-            "seed {seed}: {kernel:?}: dV differs between runs"
-        );
+                .unwrap()
+            };
+            let all = EmuOptions::all();
+            let (a, b) = (run(all[0]), run(all[3]));
+            let bits = |t: &[bf16]| t.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&a.dq),
+                bits(&b.dq),
+                "seed {seed}: d {head_dim}, {kernel:?}: dQ differs between runs"
+            );
+            assert_eq!(
+                bits(&a.dk),
+                bits(&b.dk),
+                "seed {seed}: d {head_dim}, {kernel:?}: dK differs between runs"
+            );
+            assert_eq!(
+                bits(&a.dv),
+                bits(&b.dv),
+                "seed {seed}: d {head_dim}, {kernel:?}: dV differs between runs"
+            );
+        }
     }
 }
 
@@ -554,9 +558,16 @@ fn gqa_group_splits_match_the_cpu_and_are_deterministic() {
 
 /// Negative controls: the same kernels with a plain causal mask (tree
 /// ignored), or with rotary left out, are far off the reference — so the
-/// tolerances above detect a wrong mask and a missing rotation.
+/// tolerances above detect a wrong mask and a missing rotation (both head
+/// dims, the default main kernel).
 #[test]
 fn wrong_mask_or_missing_rotary_fails_the_tolerance() {
+    for head_dim in [64usize, 128] {
+        wrong_mask_or_missing_rotary(head_dim);
+    }
+}
+
+fn wrong_mask_or_missing_rotary(head_dim: usize) {
     let (mut rng, seed) = common::seeded_rng();
     let p = gen::random_forest(&mut rng, 2, 20, 3, 0);
     let tokens = p.kv_end.len();
@@ -565,7 +576,7 @@ fn wrong_mask_or_missing_rotary_fails_the_tolerance() {
             tokens,
             q_heads: 2,
             kv_heads: 1,
-            head_dim: 64,
+            head_dim,
         },
         kv_end: p.kv_end,
         pos: p.position_ids,
@@ -575,19 +586,19 @@ fn wrong_mask_or_missing_rotary_fails_the_tolerance() {
     let errs = run_case::<f16>(&mut rng, "causal", &c, &causal, DqMode::Atomic);
     assert!(
         errs.iter().all(|&e| e > 20.0 * tol::<f16>()),
-        "seed {seed}: causal mask on a tree only {errs:?} off"
+        "seed {seed}: d {head_dim}: causal mask on a tree only {errs:?} off"
     );
     // Reference with rotary, kernels without.
     c.rope = Some(Rope {
         base: 100.0,
-        dims: 64,
+        dims: head_dim,
     });
     let x = inputs::<f16>(&mut rng, &c);
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
     let [qf, kf, vf, of, dof] = &x.f;
     let want =
         calls::cpu_backward(qf, kf, vf, of, &x.lse, dof, c.shape, mask, &params(&c)).unwrap();
-    let plain = AttnParams::new(64);
+    let plain = AttnParams::new(head_dim);
     let got = calls::emu_backward(
         &x.q,
         &x.k,
@@ -604,7 +615,7 @@ fn wrong_mask_or_missing_rotary_fails_the_tolerance() {
     let e = rel_err("dq", &got.dq, &want.dq);
     assert!(
         e > 20.0 * tol::<f16>(),
-        "seed {seed}: rotary left out only {e:.3e} off"
+        "seed {seed}: d {head_dim}: rotary left out only {e:.3e} off"
     );
 }
 
@@ -1168,9 +1179,16 @@ fn misaligned_views_are_errors_naming_the_tensor() {
 /// with NaN / ±inf, gives bit for bit the result of the same inputs with
 /// finite padding rows: padding contributes exact zeros either way.
 /// Negative control: a NaN in a visible key's V is not ignored (an `Err`
-/// from the emulator's result check, NaN rows from the CPU).
+/// from the emulator's result check, NaN rows from the CPU). Both head dims,
+/// both backward main kernels.
 #[test]
 fn non_finite_values_in_padding_rows_are_ignored() {
+    for d in [64usize, 128] {
+        non_finite_values_in_padding_rows(d);
+    }
+}
+
+fn non_finite_values_in_padding_rows(d: usize) {
     let (mut rng, seed) = common::seeded_rng();
     let (real, pad) = (40usize, 30usize);
     let l = real + pad;
@@ -1179,7 +1197,7 @@ fn non_finite_values_in_padding_rows_are_ignored() {
         .collect();
     let pos: Vec<u32> = (0..l as u32).collect();
     let mask = PackMask::new(&kv_end, &pos).unwrap();
-    let (hq, hk, d) = (4usize, 2usize, 64usize);
+    let (hq, hk) = (4usize, 2usize);
     let shape = AttnShape {
         tokens: l,
         q_heads: hq,
@@ -1197,7 +1215,7 @@ fn non_finite_values_in_padding_rows_are_ignored() {
         t[from * heads * d..].iter_mut().for_each(|e| *e = x);
         t
     }
-    let ctx = format!("seed {seed}");
+    let ctx = format!("seed {seed}, d {d}");
 
     // CPU (f32).
     let cpu = |q: &[f32], k: &[f32], v: &[f32], g: &[f32]| {
@@ -1229,11 +1247,17 @@ fn non_finite_values_in_padding_rows_are_ignored() {
         .map(|out| out.o.iter().any(|x| x.is_nan()));
     assert!(!matches!(o, Ok(false)), "cpu control: {o:?}");
 
-    // Emulator (bf16), both dQ modes.
-    for mode in [DqMode::Deterministic, DqMode::Atomic] {
+    // Emulator (bf16), both dQ modes, both main kernels.
+    for (mode, kernel) in [DqMode::Deterministic, DqMode::Atomic]
+        .into_iter()
+        .flat_map(|m| main_kernels(d).into_iter().map(move |k| (m, k)))
+    {
+        let ctx = format!("{ctx}, {kernel:?}");
         let emu = |q: &[bf16], k: &[bf16], v: &[bf16], g: &[bf16]| {
             let out = calls::emu_forward(q, k, v, shape, mask, &p)?;
-            let gr = calls::emu_backward(q, k, v, &out.o, &out.lse, g, shape, mask, &p, mode)?;
+            let gr = calls::with_main_kernel(Some(kernel), || {
+                calls::emu_backward(q, k, v, &out.o, &out.lse, g, shape, mask, &p, mode)
+            })?;
             Ok::<_, Error>((out.o, out.lse, gr.dq, gr.dk, gr.dv))
         };
         let clean = emu(&q, &k, &v, &g).unwrap();

@@ -12,6 +12,21 @@
 //! | `tree_attn_bwd_dq_convert_*` | `ceil(tokens · q_heads / 4)` | 128 | 0 |
 //! | `tree_attn_bwd_dkv_convert_*` (group splits > 1 only) | `ceil(tokens · kv_heads / 4)` | 128 | 0 |
 //!
+//! Main kernels ([`MainKernel`]; tiling at the top of the .cu file and of
+//! `kernels/tree_attn_bwd_main2_d128.cuh`). [`MainKernel::TwoMTiles`], the
+//! default for both head dims, gives each warp two 16-key m-tiles so that
+//! every shared-memory fragment feeds more `mma`: d 64 in blocks of 4 warps
+//! (32 keys each, 64-row query tiles in 32-query sub-tiles), d 128 in
+//! blocks of 8 warps where warps w and w + 4 share keys 32w..32w+31 and
+//! split the dK, dV accumulators over the head dim (one computes Sᵀ and P,
+//! the other dPᵀ and dS; P and dS pass through shared memory). HMMA per
+//! `ldmatrix`, counted per query tile from the code: d 64 2.67 / 2.50, d
+//! 128 2.91 / 2.86 (det / atomic), against 2.00 / 1.90 and 1.89 / 1.79 for
+//! [`MainKernel::OneMTile`], which stays selectable until a GPU has timed
+//! both (BENCHMARKS.md §6). The main kernel's block
+//! ([`BwdTraits::main_threads`]) is 256 threads for the d 128 two-m-tile
+//! kernel, 128 otherwise.
+//!
 //! Group splits ([`group_splits`], the one place the rule lives). The main
 //! kernel's block sums dK, dV of its key tile over the `group = q_heads /
 //! kv_heads` query heads that read its kv head. When `key tiles · kv_heads`

@@ -94,19 +94,22 @@ struct BwdTraits : TaTileTraits<E, D, D == 64 ? 64 : 32, 64> {
 
 // Backward deterministic dQ kernel (tree_attn_bwd.cu): the forward's tile
 // rule on 64-row query tiles (one 16-row m-tile per warp; the forward itself
-// moved to 128-row tiles) and key tiles of 64.
+// moved to 128-row tiles) and key tiles of 64. Shared memory: Q, dO, K[2],
+// V[2] | lse2, D of the query tile = 55,808 B (D = 64) / 104,960 B (128).
 template <class E, int D>
 struct BwdDqTraits : TaTileTraits<E, D, 64, 64> {
     using Base = TaTileTraits<E, D, 64, 64>;
     static constexpr int kTileElems = 64 * Base::kRowStride;
-    // Q, dO, K[2], V[2].
-    static constexpr int kSmemBytes = 6 * kTileElems * 2;
+    // Q, dO, K[2], V[2], then the query tile's lse2 and D (64 f32 each,
+    // staged by cp.async with Q and dO).
+    static constexpr int kOffRowStats = 6 * kTileElems * 2;
+    static constexpr int kSmemBytes = kOffRowStats + 2 * 64 * 4;
     // Blocks per SM the register allocation must leave room for. On sm_90
-    // the D = 64 kernel's 55,296 bytes of shared memory allow 4 blocks, and
+    // the D = 64 kernel's 55,808 bytes of shared memory allow 4 blocks, and
     // 4 blocks of 128 threads need at most 128 registers each: without the
     // bound ptxas takes 156 (3 blocks) since the kernel no longer carries
     // rotary (kernels/rope.cu). sm_80 (164 KB: 2 blocks by shared memory)
-    // and D = 128 (104,448 bytes: 2 blocks) gain nothing from a bound.
+    // and D = 128 (104,960 bytes: 2 blocks) gain nothing from a bound.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static constexpr int kMinBlocks = D == 64 ? 4 : 1;
 #else

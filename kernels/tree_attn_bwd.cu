@@ -167,7 +167,8 @@
 // Deterministic mode. The main kernel skips its dQ part, and tree_attn_bwd_dq
 // (one block of 4 warps per 64 query rows and query head, the forward's
 // tiling and tile walk) recomputes, per visible key tile, S = Q Kᵀ, P, dP =
-// dO Vᵀ and dS, then dQ += dS K in registers (B: ldmatrix.x4.trans on K). Per
+// dO Vᵀ and dS, then dQ += dS K in registers (B: ldmatrix.x4.trans on K);
+// its rows' LSE and D arrive by 4-byte cp.async with Q and dO. Per
 // visible (query tile, key tile) pair atomic mode does 5 tile matmuls (S, dP,
 // dV, dK, dQ), deterministic mode 4 + 3 = 7: 1.4x the matmul FLOPs and twice
 // the exp2 work, but no atomics and a bit-identical dQ from run to run. (The
@@ -235,11 +236,11 @@ TA_FIELD_AT(TreeAttnBwdParams, group_splits, 152); TA_FIELD_AT(TreeAttnBwdParams
 // the pack, so that exp2(S·c − lse2) is exactly 0 there. An invalid LSE (NaN
 // or +inf: not from a forward) gives NaN, so that the row's gradients are NaN
 // rather than a silent 0 (the emulator wrapper, and the CUDA one with
-// check_finite, report it as an Err before the launch).
-__device__ __forceinline__ float ta_bwd_lse2(const TreeAttnBwdParams& p, uint32_t head, uint32_t row) {
-    if (row >= p.tokens) return INFINITY;
-    const float l = p.lse[(size_t)head * p.tokens + row];
-    if (l == -INFINITY) return INFINITY;
+// check_finite, report it as an Err before the launch). `l` is the row's
+// natural-log LSE, `in_pack` whether the row is inside the pack. (The main
+// kernels write the same rule out in place.)
+__device__ __forceinline__ float ta_bwd_lse2(float l, bool in_pack) {
+    if (!in_pack || l == -INFINITY) return INFINITY;
     return l < INFINITY ? l * TA_LOG2E : NAN;
 }
 
@@ -997,6 +998,8 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     uint16_t* const sdo = sq + Tr::kTileElems;
     uint16_t* const sk = sdo + Tr::kTileElems;     // 2 buffers
     uint16_t* const sv = sk + 2 * Tr::kTileElems;  // 2 buffers
+    float* const slse = reinterpret_cast<float*>(smem_raw + Tr::kOffRowStats);  // BM
+    float* const sdelta = slse + BM;                                              // BM
 
     const uint32_t L = p.tokens;
     // Heaviest query tiles (the last ones, which see the most keys) first.
@@ -1019,6 +1022,16 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     const TaBlindQuery blind{p.lse + (size_t)head * L};
     ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head, blind);
     ta_load_tile<BM, D, RS, Tr::kThreads>(sdo, p.d_o, q0, L, p.q_heads, head, blind);
+    // The rows' LSE and D join the Q / dO group (4-byte cp.async, rows past
+    // the pack zero-filled), as in the main kernels: no dependent global
+    // loads after the first barrier.
+    static_assert(BM <= Tr::kThreads, "one row's LSE and D per thread");
+    if (threadIdx.x < BM) {
+        const uint32_t row = q0 + threadIdx.x;
+        const size_t at = (size_t)head * L + (row < L ? row : 0);
+        ta_cp_async_4(slse + threadIdx.x, p.lse + at, row < L);
+        ta_cp_async_4(sdelta + threadIdx.x, p.delta + at, row < L);
+    }
     ta_cp_async_commit();
     uint32_t t = next_tile(0);
     if (t < t_end) {
@@ -1027,15 +1040,18 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
         ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head, unseen);
     }
     ta_cp_async_commit();
-    ta_cp_async_wait<1>();  // Q, dO have landed
+    ta_cp_async_wait<1>();  // Q, dO, LSE and D have landed
+    // LSE -> lse2 (ta_bwd_lse2's rule) by the thread that copied the row,
+    // after its own wait and before the barrier that publishes it.
+    if (threadIdx.x < BM) slse[threadIdx.x] = ta_bwd_lse2(slse[threadIdx.x], q0 + threadIdx.x < L);
     __syncthreads();
 
     const uint32_t rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
     float lse2[2], dlt[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        lse2[r] = ta_bwd_lse2(p, head, rows[r]);
-        dlt[r] = rows[r] < L ? p.delta[(size_t)head * L + rows[r]] : 0.f;
+        lse2[r] = slse[warp * 16 + g + 8 * r];
+        dlt[r] = sdelta[warp * 16 + g + 8 * r];  // 0 past the pack (zero-filled)
     }
     float acc[kDTiles][4];
 #pragma unroll

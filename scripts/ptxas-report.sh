@@ -13,7 +13,7 @@
 # 109088 for d=128);
 # the backward main kernels 65792 / 75520 (the two-m-tile main2 kernels
 # 93696 for d64, 159232 for d128), the deterministic dQ kernels
-# 55296 / 104448 (src/backend/launch/bwd.rs), the SDCC kernels 400.
+# 55808 / 104960 (src/backend/launch/bwd.rs), the SDCC kernels 400.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -871,8 +871,11 @@ fn tile_walks_load_only_visible_tiles() {
                     }
                 }
             }
+            // Per block Q, dO and the rows' LSE and D (4 bytes a row each),
+            // then K, V per loaded key tile.
             let want_dq = s.q_heads as u64
-                * (tokens.div_ceil(64) as u64 * 2 * 64 * d * 2 + loaded * 2 * 64 * d * 2);
+                * (tokens.div_ceil(64) as u64 * (2 * 64 * d * 2 + 2 * 64 * 4)
+                    + loaded * 2 * 64 * d * 2);
             assert_eq!(stats.dq_cp_async_bytes, want_dq, "{what}: dQ kernel");
         }
     }

@@ -139,7 +139,8 @@ pub(super) fn backward<T: KernelElem>(
 /// (`2 · 64 · d · 2 + group · visited · 2 · block_m · d · 2` bytes; the
 /// two-m-tile kernel per 128-key tile), plus the tile's kv_end, 4 bytes a
 /// key, and each visited tile's LSE and D, 4 bytes a row each; the
-/// deterministic dQ kernel Q, dO once and K, V per non-skipped key tile.
+/// deterministic dQ kernel Q, dO and the rows' LSE and D once and K, V per
+/// non-skipped key tile.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BackwardStats {
     /// Bytes the main kernel (atomic or deterministic) moved with

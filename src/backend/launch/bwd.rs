@@ -171,7 +171,9 @@ impl BwdTraits {
 
 /// Blocks of the main kernel below which [`group_splits`] splits the GQA
 /// group over grid.z: two blocks per SM of an H100 / H200 (132 SMs; the
-/// main kernel's 65,792 / 75,520 bytes of shared memory allow 3 per SM).
+/// one-m-tile kernel's 65,792 / 75,520 bytes of shared memory allow 3 per
+/// SM, the two-m-tile kernel's 93,696 (d 64) 2 and 159,232 (d 128, 8
+/// warps) 1: two waves there). Not tuned on a GPU.
 pub const MAIN_TARGET_BLOCKS: u64 = 264;
 
 /// Most z-slices a group is split into: the scratch of the split path is

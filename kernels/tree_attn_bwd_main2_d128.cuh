@@ -31,11 +31,12 @@
 //                                              values it stored),
 //                                              B: ldmatrix.x4.trans on dO
 //             role 1, per 16-query k-step: Pᵀ's A fragments by ldmatrix.x4
-//             from shared memory; dSᵀ = P̃ᵀ ∘ (dPᵀ − D[q]) (P̃: the rounded
-//             P, as in the d 64 kernels), rounded to E, written over Pᵀ in
-//             shared memory (the warp's own rows: no other warp reads them
-//             until barrier B); dV[:, 64:128] += Pᵀ dO, dK[:, 64:128] += dSᵀ Q
-//             (B: ldmatrix.x4.trans on dO / Q rows)
+//             from shared memory, dV[:, 64:128] += Pᵀ dO; then, in the same
+//             registers, dSᵀ = P̃ᵀ ∘ (dPᵀ − D[q]) (P̃: the rounded P, as in
+//             the d 64 kernels) rounded to E, written over Pᵀ in shared
+//             memory (the warp's own rows: no other warp reads them until
+//             barrier B), and dK[:, 64:128] += dSᵀ Q (B: ldmatrix.x4.trans
+//             on dO / Q rows)
 //   barrier B (dS in shared memory)
 //   phase 3   role 0: dK[:, 0:64] += dSᵀ Q   A: ldmatrix.x4 on dSᵀ
 //             role 1, atomic mode only: dQ (64 queries x 32 columns
@@ -61,7 +62,8 @@
 // phase 2 (its second 64 HMMA) and, in deterministic mode, while role 0
 // runs phase 3, one warp per sub-partition issues alone (about a quarter
 // of the HMMA, det; a fifth, atomic), with less latency hiding than FA2's
-// lockstep warps; and 4 barriers per query tile instead of 3.
+// lockstep warps; and 4 barriers per query tile (tile landed, A, B,
+// buffers free) where the d 64 two-m-tile kernel has 3 (atomic) / 2 (det).
 //
 // dQ atomics: 64 x D f32 per 64 x 128 tile pair = D · 4 / 128 = 4 bytes per
 // visible (query, key) pair and head, in 0.5 red.global.add.v2.f32 per pair

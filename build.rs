@@ -38,6 +38,7 @@ const HEADERS: &[&str] = &[
     "kernels/kernel_traits.cuh",
     "kernels/mask.cuh",
     "kernels/tile_load.cuh",
+    "kernels/tree_attn_bwd_main2_d128.cuh",
     "kernels/emu/shim.h",
 ];
 

@@ -51,6 +51,21 @@ struct alignas(16) ta_vec16 {
 
 __device__ __forceinline__ unsigned ta_lane() { return threadIdx.x & 31u; }
 
+// threadIdx.x read afresh (a volatile read of %tid.x on the GPU): what is
+// computed from it cannot be hoisted out of a loop or shared with an
+// earlier computation, so ptxas recomputes such addresses where they are
+// used instead of holding (or spilling) them across the loop. For address
+// arithmetic used once per tile in a kernel at the register limit.
+__device__ __forceinline__ unsigned ta_tid_fresh() {
+#ifdef TA_EMU
+    return threadIdx.x;
+#else
+    unsigned t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+#endif
+}
+
 #ifndef TA_EMU
 __device__ __forceinline__ unsigned ta_smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));

@@ -94,19 +94,22 @@ struct BwdTraits : TaTileTraits<E, D, D == 64 ? 64 : 32, 64> {
 
 // Backward deterministic dQ kernel (tree_attn_bwd.cu): the forward's tile
 // rule on 64-row query tiles (one 16-row m-tile per warp; the forward itself
-// moved to 128-row tiles) and key tiles of 64.
+// moved to 128-row tiles) and key tiles of 64. Shared memory: Q, dO, K[2],
+// V[2] | lse2, D of the query tile = 55,808 B (D = 64) / 104,960 B (128).
 template <class E, int D>
 struct BwdDqTraits : TaTileTraits<E, D, 64, 64> {
     using Base = TaTileTraits<E, D, 64, 64>;
     static constexpr int kTileElems = 64 * Base::kRowStride;
-    // Q, dO, K[2], V[2].
-    static constexpr int kSmemBytes = 6 * kTileElems * 2;
+    // Q, dO, K[2], V[2], then the query tile's lse2 and D (64 f32 each,
+    // staged by cp.async with Q and dO).
+    static constexpr int kOffRowStats = 6 * kTileElems * 2;
+    static constexpr int kSmemBytes = kOffRowStats + 2 * 64 * 4;
     // Blocks per SM the register allocation must leave room for. On sm_90
-    // the D = 64 kernel's 55,296 bytes of shared memory allow 4 blocks, and
+    // the D = 64 kernel's 55,808 bytes of shared memory allow 4 blocks, and
     // 4 blocks of 128 threads need at most 128 registers each: without the
     // bound ptxas takes 156 (3 blocks) since the kernel no longer carries
     // rotary (kernels/rope.cu). sm_80 (164 KB: 2 blocks by shared memory)
-    // and D = 128 (104,448 bytes: 2 blocks) gain nothing from a bound.
+    // and D = 128 (104,960 bytes: 2 blocks) gain nothing from a bound.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static constexpr int kMinBlocks = D == 64 ? 4 : 1;
 #else
@@ -144,4 +147,39 @@ struct Bwd2Traits : TaTileTraits<E, D, 64, 128> {
     static_assert(kBlockN == 32 * Base::kWarps && kBlockN == 2 * kBoundsTile, "32 keys per warp, 2 bounds tiles");
     static_assert(kBlockM % kSubM == 0 && kBlockM == 64, "dQ split: 2 x 2 warps of 32 x 32");
     static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
+};
+
+// Backward main kernel for D = 128, two key m-tiles per warp with the head
+// dim split (tree_attn_bwd_main2_d128.cuh, tree_attn_bwd_main2_*_d128; the
+// layout and its trade-off are at the top of that file): 8 warps, a key tile
+// of 128 keys (two 64-key bounds tiles), query tiles of 64 rows. Warp w =
+// (key group wk = w % 4: keys 32wk..32wk+31, role = w / 4). Each warp holds
+// dK, dV of its 32 keys x one half of D (64 columns: 2 · 2 · 8 · 4 = 128
+// registers); role 0 computes Sᵀ (32 keys x 64 queries) and P, role 1 dPᵀ
+// and dS; P (then dS, written over it) is staged in shared memory.
+// Shared memory, in bytes: K, V | Q[2], dO[2] | P / dS ([key][query], one
+// region) | lse2[2], D[2] | kv_end = 69,632 + 69,632 + 18,432 + 1,024 + 512
+// = 159,232 (1 block per SM: A100 163 KB per block, H100 / H200 227 KB).
+template <class E, int D>
+struct Bwd2SplitTraits : TaTileTraits<E, D, 64, 128> {
+    using Base = TaTileTraits<E, D, 64, 128>;
+    static constexpr int kBlockM = Base::kBlockM, kBlockN = Base::kBlockN, kRowStride = Base::kRowStride;
+    static constexpr int kWarps = 8;  // (shadows the base's 4)
+    static constexpr int kThreads = kWarps * 32;
+    static constexpr int kSubM = kBlockM;  // queries per Sᵀ pass: the whole tile
+    static constexpr int kBoundsTile = 64;
+    static constexpr int kHalfD = D / 2;  // columns of dK, dV per warp
+    static constexpr int kDsStride = kBlockM + 8;
+    static constexpr int kKvElems = kBlockN * kRowStride;
+    static constexpr int kQElems = kBlockM * kRowStride;
+    static constexpr int kOffQ = 2 * kKvElems * 2;
+    static constexpr int kOffDs = kOffQ + 4 * kQElems * 2;  // P, then dS in place
+    static constexpr int kOffRowStats = kOffDs + kBlockN * kDsStride * 2;
+    static constexpr int kOffKvEnd = kOffRowStats + 4 * kBlockM * 4;
+    static constexpr int kSmemBytes = kOffKvEnd + kBlockN * 4;
+    static_assert(D == 128, "the head-dim split layout is written for D = 128");
+    static_assert(kBlockN == 32 * (kWarps / 2) && kBlockN == 2 * kBoundsTile, "32 keys per warp pair, 2 bounds tiles");
+    static_assert(kBlockM == 64 && kBlockM <= kThreads && kBlockN <= kThreads, "tile shape");
+    static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
+    static_assert(kSmemBytes == 159232, "shared memory: update the Rust plan and the docs");
 };

@@ -30,14 +30,18 @@ struct TaLoadAll {
     __device__ __forceinline__ bool operator()(uint32_t) const { return false; }
 };
 
+// `tid` is the thread's index in the block (threadIdx.x; a kernel at the
+// register limit may pass ta_tid_fresh() so that the copy addresses are
+// recomputed per call rather than held across its loop).
 template <int Rows, int D, int RowStride, int Threads, class Skip = TaLoadAll>
 __device__ __forceinline__ void ta_load_tile(uint16_t* smem, const uint16_t* __restrict__ g, uint32_t row0,
-                                             uint32_t tokens, uint32_t heads, uint32_t head, Skip skip = Skip{}) {
+                                             uint32_t tokens, uint32_t heads, uint32_t head, Skip skip = Skip{},
+                                             unsigned tid = threadIdx.x) {
     constexpr int kChunks = D / 8;
     static_assert((Rows * kChunks) % Threads == 0, "whole copy rounds per tile");
 #pragma unroll
     for (int it = 0; it < Rows * kChunks / Threads; ++it) {
-        const int i = it * Threads + threadIdx.x;
+        const int i = it * Threads + tid;
         const int r = i / kChunks, c = i % kChunks;
         const uint32_t row = row0 + r;
         const bool ok = row < tokens && !skip(row);

@@ -30,10 +30,11 @@
 //                       dQ accumulator rows in atomic mode. One warp per
 //                       (row, head).
 //   tree_attn_bwd_main  dK, dV (and, in atomic mode, dQ through f32
-//                       atomic adds into the accumulator; main2: the d 64
-//                       two-m-tile variant below). One block per (key
-//                       tile, kv head, group split): grid (key tiles,
-//                       kv_heads, group splits).
+//                       atomic adds into the accumulator; main2: the
+//                       two-m-tile variants, d 64 below, d 128 in
+//                       tree_attn_bwd_main2_d128.cuh, the default for
+//                       both). One block per (key tile, kv head, group
+//                       split): grid (key tiles, kv_heads, group splits).
 //   tree_attn_bwd_dq    deterministic mode only: dQ per (query tile, query
 //                       head), plain f32 stores into the accumulator.
 //   tree_attn_bwd_dq_convert   accumulator → dQ in the element type.
@@ -73,10 +74,12 @@
 //                          two adjacent columns on sm_90 (two scalar
 //                          atomic adds on sm_80).
 //
-// Two-m-tile main kernel (tree_attn_bwd_main2_{atomic,det}_*, D = 64 only,
-// Bwd2Traits; Rust `MainKernel::TwoMTiles`, the default for d 64 — the
-// one-m-tile kernel above stays selectable, `MainKernel::OneMTile`, until a
-// GPU has timed both). Why: with one 16-key m-tile per warp every Q / dO
+// Two-m-tile main kernel (tree_attn_bwd_main2_{atomic,det}_*_d64,
+// Bwd2Traits; Rust `MainKernel::TwoMTiles`, the default — the one-m-tile
+// kernel above stays selectable, `MainKernel::OneMTile`, until a GPU has
+// timed both; the D = 128 two-m-tile kernel has a layout of its own, 8
+// warps with the dK, dV accumulators split over the head dim:
+// tree_attn_bwd_main2_d128.cuh). Why: with one 16-key m-tile per warp every Q / dO
 // B fragment feeds 2 mma, so the loop above does 1.6–2.0 HMMA per LDSM.
 // Here a block owns BN = 128 keys (two kv_end bounds tiles), warp w keys
 // 32w..32w+31 as two m-tiles, and every B fragment (Q, dO; ldmatrix or
@@ -126,10 +129,9 @@
 //   Shared memory 93,696 bytes (K, V 36,864 | Q, dO x 2 36,864 | dSᵀ
 //   18,432 | lse2, D 1,024 | kv_end 512): 1 block per SM on A100 (164 KB),
 //   2 on H100 / H200 (227 KB); registers allow 2 either way.
-//   D = 128 would need 256 registers for dK, dV alone: it keeps the
-//   one-m-tile kernel (FA2's answer, a head-dim split of the dK, dV
-//   accumulators over 8 warps with P and dS staged in shared memory, is not
-//   built).
+//   D = 128 would need 256 registers for dK, dV alone in this layout: its
+//   two-m-tile kernel splits them over the head dim across 8 warps, with P
+//   and dS staged in shared memory (tree_attn_bwd_main2_d128.cuh).
 // Fragment layouts (PTX ISA, mma.m16n8k16; g = lane/4, c = lane%4):
 //   A 16x16: a[r] half h = A[g + 8(r&1)][2c + h + 8(r>>1)]
 //   B 16x8:  b[r] half h = B[2c + h + 8r][g]
@@ -165,7 +167,8 @@
 // Deterministic mode. The main kernel skips its dQ part, and tree_attn_bwd_dq
 // (one block of 4 warps per 64 query rows and query head, the forward's
 // tiling and tile walk) recomputes, per visible key tile, S = Q Kᵀ, P, dP =
-// dO Vᵀ and dS, then dQ += dS K in registers (B: ldmatrix.x4.trans on K). Per
+// dO Vᵀ and dS, then dQ += dS K in registers (B: ldmatrix.x4.trans on K);
+// its rows' LSE and D arrive by 4-byte cp.async with Q and dO. Per
 // visible (query tile, key tile) pair atomic mode does 5 tile matmuls (S, dP,
 // dV, dK, dQ), deterministic mode 4 + 3 = 7: 1.4x the matmul FLOPs and twice
 // the exp2 work, but no atomics and a bit-identical dQ from run to run. (The
@@ -233,11 +236,11 @@ TA_FIELD_AT(TreeAttnBwdParams, group_splits, 152); TA_FIELD_AT(TreeAttnBwdParams
 // the pack, so that exp2(S·c − lse2) is exactly 0 there. An invalid LSE (NaN
 // or +inf: not from a forward) gives NaN, so that the row's gradients are NaN
 // rather than a silent 0 (the emulator wrapper, and the CUDA one with
-// check_finite, report it as an Err before the launch).
-__device__ __forceinline__ float ta_bwd_lse2(const TreeAttnBwdParams& p, uint32_t head, uint32_t row) {
-    if (row >= p.tokens) return INFINITY;
-    const float l = p.lse[(size_t)head * p.tokens + row];
-    if (l == -INFINITY) return INFINITY;
+// check_finite, report it as an Err before the launch). `l` is the row's
+// natural-log LSE, `in_pack` whether the row is inside the pack. (The main
+// kernels write the same rule out in place.)
+__device__ __forceinline__ float ta_bwd_lse2(float l, bool in_pack) {
+    if (!in_pack || l == -INFINITY) return INFINITY;
     return l < INFINITY ? l * TA_LOG2E : NAN;
 }
 
@@ -995,6 +998,8 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     uint16_t* const sdo = sq + Tr::kTileElems;
     uint16_t* const sk = sdo + Tr::kTileElems;     // 2 buffers
     uint16_t* const sv = sk + 2 * Tr::kTileElems;  // 2 buffers
+    float* const slse = reinterpret_cast<float*>(smem_raw + Tr::kOffRowStats);  // BM
+    float* const sdelta = slse + BM;                                              // BM
 
     const uint32_t L = p.tokens;
     // Heaviest query tiles (the last ones, which see the most keys) first.
@@ -1017,6 +1022,16 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     const TaBlindQuery blind{p.lse + (size_t)head * L};
     ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head, blind);
     ta_load_tile<BM, D, RS, Tr::kThreads>(sdo, p.d_o, q0, L, p.q_heads, head, blind);
+    // The rows' LSE and D join the Q / dO group (4-byte cp.async, rows past
+    // the pack zero-filled), as in the main kernels: no dependent global
+    // loads after the first barrier.
+    static_assert(BM <= Tr::kThreads, "one row's LSE and D per thread");
+    if (threadIdx.x < BM) {
+        const uint32_t row = q0 + threadIdx.x;
+        const size_t at = (size_t)head * L + (row < L ? row : 0);
+        ta_cp_async_4(slse + threadIdx.x, p.lse + at, row < L);
+        ta_cp_async_4(sdelta + threadIdx.x, p.delta + at, row < L);
+    }
     ta_cp_async_commit();
     uint32_t t = next_tile(0);
     if (t < t_end) {
@@ -1025,15 +1040,18 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
         ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head, unseen);
     }
     ta_cp_async_commit();
-    ta_cp_async_wait<1>();  // Q, dO have landed
+    ta_cp_async_wait<1>();  // Q, dO, LSE and D have landed
+    // LSE -> lse2 (ta_bwd_lse2's rule) by the thread that copied the row,
+    // after its own wait and before the barrier that publishes it.
+    if (threadIdx.x < BM) slse[threadIdx.x] = ta_bwd_lse2(slse[threadIdx.x], q0 + threadIdx.x < L);
     __syncthreads();
 
     const uint32_t rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
     float lse2[2], dlt[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        lse2[r] = ta_bwd_lse2(p, head, rows[r]);
-        dlt[r] = rows[r] < L ? p.delta[(size_t)head * L + rows[r]] : 0.f;
+        lse2[r] = slse[warp * 16 + g + 8 * r];
+        dlt[r] = sdelta[warp * 16 + g + 8 * r];  // 0 past the pack (zero-filled)
     }
     float acc[kDTiles][4];
 #pragma unroll
@@ -1177,7 +1195,7 @@ __device__ __forceinline__ void tree_attn_bwd_dkv_convert_body(const TreeAttnBwd
 TA_ATTN_VARIANTS(TA_BWD_KERNELS)
 #undef TA_BWD_KERNELS
 
-// The two-m-tile main kernels exist for D = 64 only (Bwd2Traits).
+// The two-m-tile main kernels for D = 64 (Bwd2Traits).
 #define TA_BWD2_KERNELS(SUFFIX, E)                                                                               \
     extern "C" __global__ void __launch_bounds__(Bwd2Traits<E, 64>::kThreads)                                   \
         tree_attn_bwd_main2_atomic_##SUFFIX(const TreeAttnBwdParams p) {                                         \
@@ -1190,3 +1208,19 @@ TA_ATTN_VARIANTS(TA_BWD_KERNELS)
 TA_BWD2_KERNELS(bf16_d64, ta_bf16)
 TA_BWD2_KERNELS(f16_d64, ta_f16)
 #undef TA_BWD2_KERNELS
+
+// The D = 128 two-m-tile main kernels: 8 warps, the head-dim split of dK, dV
+// (tree_attn_bwd_main2_d128.cuh, Bwd2SplitTraits).
+#include "tree_attn_bwd_main2_d128.cuh"
+#define TA_BWD2_D128_KERNELS(SUFFIX, E)                                                                          \
+    extern "C" __global__ void __launch_bounds__(Bwd2SplitTraits<E, 128>::kThreads)                             \
+        tree_attn_bwd_main2_atomic_##SUFFIX(const TreeAttnBwdParams p) {                                         \
+        tree_attn_bwd_main2_d128_body<Bwd2SplitTraits<E, 128>, true>(p);                                         \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(Bwd2SplitTraits<E, 128>::kThreads)                             \
+        tree_attn_bwd_main2_det_##SUFFIX(const TreeAttnBwdParams p) {                                            \
+        tree_attn_bwd_main2_d128_body<Bwd2SplitTraits<E, 128>, false>(p);                                        \
+    }
+TA_BWD2_D128_KERNELS(bf16_d128, ta_bf16)
+TA_BWD2_D128_KERNELS(f16_d128, ta_f16)
+#undef TA_BWD2_D128_KERNELS

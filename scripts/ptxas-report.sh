@@ -11,9 +11,9 @@
 # Dynamic shared memory is not in ptxas's numbers: the forward kernels take
 # (128 + 4 * 64) * (d + 8) * 2 + 4096 + 544 bytes at launch (59936 for d=64,
 # 109088 for d=128);
-# the backward main kernels 65792 / 75520 (the d64 two-m-tile main2 kernels
-# 93696), the deterministic dQ kernels
-# 55296 / 104448 (src/backend/launch/bwd.rs), the SDCC kernels 400.
+# the backward main kernels 65792 / 75520 (the two-m-tile main2 kernels
+# 93696 for d64, 159232 for d128), the deterministic dQ kernels
+# 55808 / 104960 (src/backend/launch/bwd.rs), the SDCC kernels 400.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -27,22 +27,33 @@ template <class E, int kFault>
 void tree_attn_bwd_main2_fault(const TreeAttnBwdParams p) {
     tree_attn_bwd_main2_body<Bwd2Traits<E, 64>, true, kFault>(p);
 }
+// The same for the D = 128 two-m-tile kernel (tree_attn_bwd_main2_d128.cuh):
+// 1 drops its barrier B, 2 swaps the key m-tiles' K fragments in Sᵀ, 3 drops
+// its barrier A.
+template <class E, int kFault>
+void tree_attn_bwd_main2_d128_fault(const TreeAttnBwdParams p) {
+    tree_attn_bwd_main2_d128_body<Bwd2SplitTraits<E, 128>, true, kFault>(p);
+}
 
 }  // namespace
 
-// Traits of the two-m-tile backward main kernel (D = 64 only): out = {block_m,
-// block_n, threads, smem_bytes, sub_m}. Returns 0, or 1 for a head dim
-// without that kernel.
+// Traits of the two-m-tile backward main kernel (Bwd2Traits for D = 64,
+// Bwd2SplitTraits for D = 128): out = {block_m, block_n, threads,
+// smem_bytes, sub_m}. Returns 0, or 1 for a head dim without that kernel.
 extern "C" int ta_emu_bwd2_traits(uint32_t head_dim, int32_t* out) noexcept {
     return ta_emu::guard_entry("ta_emu_bwd2_traits", nullptr, 0, [&]() -> int {
-        if (head_dim != 64) return 1;
-        using M = Bwd2Traits<ta_bf16, 64>;
-        out[0] = M::kBlockM;
-        out[1] = M::kBlockN;
-        out[2] = M::kThreads;
-        out[3] = M::kSmemBytes;
-        out[4] = M::kSubM;
-        return 0;
+        auto fill = [&](auto t) {
+            using M = decltype(t);
+            out[0] = M::kBlockM;
+            out[1] = M::kBlockN;
+            out[2] = M::kThreads;
+            out[3] = M::kSmemBytes;
+            out[4] = M::kSubM;
+            return 0;
+        };
+        if (head_dim == 64) return fill(Bwd2Traits<ta_bf16, 64>{});
+        if (head_dim == 128) return fill(Bwd2SplitTraits<ta_bf16, 128>{});
+        return 1;
     });
 }
 
@@ -74,8 +85,8 @@ extern "C" int ta_emu_bwd_traits(uint32_t head_dim, int32_t* out) noexcept {
 // stage: 0 = tree_attn_bwd_pre, 1 = tree_attn_bwd_main_atomic, 2 =
 // tree_attn_bwd_main_det, 3 = tree_attn_bwd_dq, 4 = tree_attn_bwd_dq_convert,
 // 5 = tree_attn_bwd_dkv_convert, 6 = tree_attn_bwd_main2_atomic, 7 =
-// tree_attn_bwd_main2_det (D = 64 only), 8 / 9 = tree_attn_bwd_main2_atomic
-// with test-only fault 1 / 2 (negative controls). grid_z is the main kernel's group splits (1
+// tree_attn_bwd_main2_det (D = 64 and 128), 8 / 9 / 10 = tree_attn_bwd_main2_atomic
+// with test-only fault 1 / 2 / 3 (negative controls; 3: D = 128 only). grid_z is the main kernel's group splits (1
 // for the others).
 // dtype: 0 = bf16, 1 = f16. *cp_async_bytes receives the bytes the launch
 // moved with cp.async.
@@ -86,7 +97,7 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
                                     size_t err_len) noexcept {
     return ta_emu::guard_entry("ta_emu_tree_attn_bwd", err, err_len, [&]() -> int {
         const dim3 grid(grid_x, grid_y, grid_z), block(block_threads);
-        const bool main_stage = stage == 1 || stage == 2 || (stage >= 6 && stage <= 9);
+        const bool main_stage = stage == 1 || stage == 2 || (stage >= 6 && stage <= 10);
         if (p->group_splits == 0 || (main_stage ? grid_z != p->group_splits : grid_z != 1) ||
             (p->kv_heads != 0 && (p->q_heads / p->kv_heads) % p->group_splits != 0) ||
             (p->group_splits > 1 && p->dkv_accum == nullptr)) {
@@ -164,6 +175,22 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
         TA_CASE2(bf16_d64, ta_bf16)
         TA_CASE2(f16_d64, ta_f16)
 #undef TA_CASE2
+#define TA_CASE2_D128(SUFFIX, E)                                                                                \
+        if (dtype == (E::kIsBf16 ? 0u : 1u) && head_dim == 128 && stage >= 6 && stage <= 10) {                   \
+            using M2 = Bwd2SplitTraits<E, 128>;                                                                    \
+            if (check_plan("tree_attn_bwd_main2", block_threads, smem, M2::kThreads, M2::kSmemBytes, err, err_len)) \
+                return 1;                                                                                          \
+            switch (stage) {                                                                                       \
+                case 6: return launch(tree_attn_bwd_main2_atomic_##SUFFIX);                                        \
+                case 7: return launch(tree_attn_bwd_main2_det_##SUFFIX);                                           \
+                case 8: return launch(tree_attn_bwd_main2_d128_fault<E, 1>);                                       \
+                case 9: return launch(tree_attn_bwd_main2_d128_fault<E, 2>);                                       \
+                default: return launch(tree_attn_bwd_main2_d128_fault<E, 3>);                                      \
+            }                                                                                                      \
+        }
+        TA_CASE2_D128(bf16_d128, ta_bf16)
+        TA_CASE2_D128(f16_d128, ta_f16)
+#undef TA_CASE2_D128
         snprintf(err, err_len, "no backward kernel for dtype %u, head_dim %u, stage %u", dtype, head_dim, stage);
         return 1;
     });

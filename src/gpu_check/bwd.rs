@@ -20,10 +20,10 @@
 //!    K+1 passes: one causal forward + backward per root-to-leaf branch of
 //!    the same tree (branches read off the mask: the ancestors of each leaf
 //!    token). FLOPs: 4·d per visible pair per head forward, 2.5x that
-//!    backward (DESIGN §7), visible pairs only. d 64 rows are timed again
-//!    with the one-m-tile backward main kernel (`MainKernel::OneMTile`),
-//!    side by side with the two-m-tile default (issue 26); part 1 checks
-//!    the d 64 cases with both kernels.
+//!    backward (DESIGN §7), visible pairs only. Every row (d 64 and d 128)
+//!    is timed again with the one-m-tile backward main kernel
+//!    (`MainKernel::OneMTile`), side by side with the two-m-tile default
+//!    (issue 26); part 1 checks every case with both kernels.
 //! 4. SDCC timing: the fused kernel against the unfused baseline of
 //!    kernels/sdcc_kl.cu (log-softmax of both sides into f32 buffers, then
 //!    an elementwise KL and the gradient), bf16 logits.
@@ -437,16 +437,12 @@ pub(super) fn check<D: Target>(
         DqMode::Atomic,
         false,
     ));
-    // The d 64 cases again with the one-m-tile main kernel (kept
+    // The cases again with the one-m-tile main kernel (kept
     // selectable until timed against the two-m-tile default; not dumped).
     let one = be.with_main_kernel(Some(MainKernel::OneMTile));
     let runs: Vec<(bool, String, usize)> = (0..cases.len())
         .map(|i| (false, cases[i].0.clone(), i))
-        .chain(
-            (0..cases.len())
-                .filter(|&i| cases[i].2.head_dim == 64)
-                .map(|i| (true, format!("{} one-m-tile", cases[i].0), i)),
-        )
+        .chain((0..cases.len()).map(|i| (true, format!("{} one-m-tile", cases[i].0), i)))
         .collect();
     for (with_one, name, i) in &runs {
         let be = if *with_one { &one } else { be };
@@ -598,17 +594,13 @@ pub(super) fn timings<D: Target>(
                 format!("{name} d{d}"),
                 rel_err("dq (atomic mode)", &dq_atomic, &dq_det)?,
             ));
-            // d 64: the same runs with the one-m-tile main kernel, side by
+            // The same runs with the one-m-tile main kernel, side by
             // side with the two-m-tile default (issue 26).
-            let one_ms = if d == 64 {
-                let one = be.with_main_kernel(Some(MainKernel::OneMTile));
-                Some((
-                    time_runs(&one, &mut tree, DqMode::Atomic, reps)?,
-                    time_runs(&one, &mut tree, DqMode::Deterministic, reps)?,
-                ))
-            } else {
-                None
-            };
+            let one = be.with_main_kernel(Some(MainKernel::OneMTile));
+            let one_ms = (
+                time_runs(&one, &mut tree, DqMode::Atomic, reps)?,
+                time_runs(&one, &mut tree, DqMode::Deterministic, reps)?,
+            );
             drop(tree);
             let lt = if r.base {
                 let branches = branch_lengths(pack);
@@ -653,15 +645,14 @@ pub(super) fn timings<D: Target>(
                 lt_ms,
                 vs
             );
-            if let Some((a, b)) = one_ms {
-                let _ = writeln!(
-                    rep,
-                    "  \u{2514} one-m-tile main kernel: ms atomic {a:.3}, ms det {b:.3} (time two-m-tile / \
-                     one-m-tile: {:.2}x, {:.2}x; below 1: two-m-tile faster)",
-                    ms / a,
-                    det_ms / b
-                );
-            }
+            let (a, b) = one_ms;
+            let _ = writeln!(
+                rep,
+                "  \u{2514} one-m-tile main kernel: ms atomic {a:.3}, ms det {b:.3} (time two-m-tile / \
+                 one-m-tile: {:.2}x, {:.2}x; below 1: two-m-tile faster)",
+                ms / a,
+                det_ms / b
+            );
             let id = tm.pack_id(timing::name_of_pack(name), pack);
             tm.records.push(TimingRecord {
                 name: name.clone(),

@@ -50,7 +50,7 @@ pub(crate) trait Target {
     fn describe(&self) -> Result<String>;
     /// The same target with the backward's main kernel chosen (`None`: the
     /// head dim's default), sharing its device and stream: the timings run
-    /// the d 64 backward with both main kernels side by side.
+    /// the backward with both main kernels side by side.
     fn with_main_kernel(&self, kernel: Option<MainKernel>) -> Self
     where
         Self: Sized;

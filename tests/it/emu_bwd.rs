@@ -137,15 +137,12 @@ fn tol<T: KernelElem>() -> f64 {
     tolerance::attention(T::DTYPE).grad_rel
 }
 
-/// The backward main kernels that exist for `head_dim`: both for d 64 (the
-/// two-m-tile kernel and the one-m-tile one it replaces, kept selectable
-/// until a GPU has timed both), the one-m-tile kernel for d 128.
+/// The backward main kernels: for d 64 and d 128 both the two-m-tile
+/// kernel (the default; at d 128 the 8-warp head-dim split) and the
+/// one-m-tile one it replaces, kept selectable until a GPU has timed both.
 fn main_kernels(head_dim: usize) -> Vec<MainKernel> {
-    if head_dim == 64 {
-        vec![MainKernel::TwoMTiles, MainKernel::OneMTile]
-    } else {
-        vec![MainKernel::OneMTile]
-    }
+    let _ = head_dim;
+    vec![MainKernel::TwoMTiles, MainKernel::OneMTile]
 }
 
 /// Checks one case under the emulator schedule `opts` (the tests rotate
@@ -383,25 +380,27 @@ fn grpo_fan_walk_skips_more_than_32_key_tiles() {
     }
 }
 
-/// A pack of padding only: nothing is visible, every gradient is exactly 0.
+/// A pack of padding only: nothing is visible, every gradient is exactly 0
+/// (both head dims, both main kernels, both dQ modes).
 #[test]
 fn all_padding_gives_zero_gradients() {
     let (mut rng, seed) = common::seeded_rng();
-    let c = Case {
-        shape: AttnShape {
-            tokens: 70,
-            q_heads: 2,
-            kv_heads: 1,
-            head_dim: 64,
-        },
-        kv_end: (0..70).collect(),
-        pos: vec![0; 70],
-        rope: None,
-    };
-    for (mode, kernel) in [DqMode::Atomic, DqMode::Deterministic]
-        .into_iter()
-        .flat_map(|m| main_kernels(64).into_iter().map(move |k| (m, k)))
-    {
+    for (head_dim, mode, kernel) in [64usize, 128].into_iter().flat_map(|d| {
+        [DqMode::Atomic, DqMode::Deterministic]
+            .into_iter()
+            .flat_map(move |m| main_kernels(d).into_iter().map(move |k| (d, m, k)))
+    }) {
+        let c = Case {
+            shape: AttnShape {
+                tokens: 70,
+                q_heads: 2,
+                kv_heads: 1,
+                head_dim,
+            },
+            kv_end: (0..70).collect(),
+            pos: vec![0; 70],
+            rope: None,
+        };
         let x = inputs::<bf16>(&mut rng, &c);
         let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
         let g = calls::with_main_kernel(Some(kernel), || {
@@ -422,7 +421,7 @@ fn all_padding_gives_zero_gradients() {
         for (name, t) in [("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv)] {
             assert!(
                 t.iter().all(|e| e.to_f32() == 0.0),
-                "seed {seed}: {mode:?} {kernel:?}: {name} not all 0 on an all-padding pack"
+                "seed {seed}: d {head_dim} {mode:?} {kernel:?}: {name} not all 0 on an all-padding pack"
             );
         }
     }
@@ -434,47 +433,49 @@ fn all_padding_gives_zero_gradients() {
 #[test]
 fn deterministic_mode_is_bit_identical_across_runs() {
     let (mut rng, seed) = common::seeded_rng();
-    let c = random_case(&mut rng, 64, true);
-    let x = inputs::<bf16>(&mut rng, &c);
-    let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
-    for kernel in main_kernels(64) {
-        let run = |opts: EmuOptions| {
-            calls::with_main_kernel(Some(kernel), || {
-                calls::with_options(opts, || {
-                    calls::emu_backward(
-                        &x.q,
-                        &x.k,
-                        &x.v,
-                        &x.o,
-                        &x.lse,
-                        &x.d_o,
-                        c.shape,
-                        mask,
-                        &params(&c),
-                        DqMode::Deterministic,
-                    )
+    for head_dim in [64usize, 128] {
+        let c = random_case(&mut rng, head_dim, true);
+        let x = inputs::<bf16>(&mut rng, &c);
+        let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
+        for kernel in main_kernels(head_dim) {
+            let run = |opts: EmuOptions| {
+                calls::with_main_kernel(Some(kernel), || {
+                    calls::with_options(opts, || {
+                        calls::emu_backward(
+                            &x.q,
+                            &x.k,
+                            &x.v,
+                            &x.o,
+                            &x.lse,
+                            &x.d_o,
+                            c.shape,
+                            mask,
+                            &params(&c),
+                            DqMode::Deterministic,
+                        )
+                    })
                 })
-            })
-            .unwrap()
-        };
-        let all = EmuOptions::all();
-        let (a, b) = (run(all[0]), run(all[3]));
-        let bits = |t: &[bf16]| t.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
-        assert_eq!(
-            bits(&a.dq),
-            bits(&b.dq),
-            "seed {seed}: {kernel:?}: dQ differs between runs"
-        );
-        assert_eq!(
-            bits(&a.dk),
-            bits(&b.dk),
-            "seed {seed}: {kernel:?}: dK differs between runs"
-        );
-        assert_eq!(
-            bits(&a.dv),
-            bits(&b.dv),
-            "seed {seed}: {kernel:?}: dV differs between runs"
-        );
+                .unwrap()
+            };
+            let all = EmuOptions::all();
+            let (a, b) = (run(all[0]), run(all[3]));
+            let bits = |t: &[bf16]| t.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&a.dq),
+                bits(&b.dq),
+                "seed {seed}: d {head_dim}, {kernel:?}: dQ differs between runs"
+            );
+            assert_eq!(
+                bits(&a.dk),
+                bits(&b.dk),
+                "seed {seed}: d {head_dim}, {kernel:?}: dK differs between runs"
+            );
+            assert_eq!(
+                bits(&a.dv),
+                bits(&b.dv),
+                "seed {seed}: d {head_dim}, {kernel:?}: dV differs between runs"
+            );
+        }
     }
 }
 
@@ -557,9 +558,16 @@ fn gqa_group_splits_match_the_cpu_and_are_deterministic() {
 
 /// Negative controls: the same kernels with a plain causal mask (tree
 /// ignored), or with rotary left out, are far off the reference — so the
-/// tolerances above detect a wrong mask and a missing rotation.
+/// tolerances above detect a wrong mask and a missing rotation (both head
+/// dims, the default main kernel).
 #[test]
 fn wrong_mask_or_missing_rotary_fails_the_tolerance() {
+    for head_dim in [64usize, 128] {
+        wrong_mask_or_missing_rotary(head_dim);
+    }
+}
+
+fn wrong_mask_or_missing_rotary(head_dim: usize) {
     let (mut rng, seed) = common::seeded_rng();
     let p = gen::random_forest(&mut rng, 2, 20, 3, 0);
     let tokens = p.kv_end.len();
@@ -568,7 +576,7 @@ fn wrong_mask_or_missing_rotary_fails_the_tolerance() {
             tokens,
             q_heads: 2,
             kv_heads: 1,
-            head_dim: 64,
+            head_dim,
         },
         kv_end: p.kv_end,
         pos: p.position_ids,
@@ -578,19 +586,19 @@ fn wrong_mask_or_missing_rotary_fails_the_tolerance() {
     let errs = run_case::<f16>(&mut rng, "causal", &c, &causal, DqMode::Atomic);
     assert!(
         errs.iter().all(|&e| e > 20.0 * tol::<f16>()),
-        "seed {seed}: causal mask on a tree only {errs:?} off"
+        "seed {seed}: d {head_dim}: causal mask on a tree only {errs:?} off"
     );
     // Reference with rotary, kernels without.
     c.rope = Some(Rope {
         base: 100.0,
-        dims: 64,
+        dims: head_dim,
     });
     let x = inputs::<f16>(&mut rng, &c);
     let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
     let [qf, kf, vf, of, dof] = &x.f;
     let want =
         calls::cpu_backward(qf, kf, vf, of, &x.lse, dof, c.shape, mask, &params(&c)).unwrap();
-    let plain = AttnParams::new(64);
+    let plain = AttnParams::new(head_dim);
     let got = calls::emu_backward(
         &x.q,
         &x.k,
@@ -607,7 +615,7 @@ fn wrong_mask_or_missing_rotary_fails_the_tolerance() {
     let e = rel_err("dq", &got.dq, &want.dq);
     assert!(
         e > 20.0 * tol::<f16>(),
-        "seed {seed}: rotary left out only {e:.3e} off"
+        "seed {seed}: d {head_dim}: rotary left out only {e:.3e} off"
     );
 }
 
@@ -764,8 +772,10 @@ fn emulated_forward_then_backward_matches_the_cpu() {
 /// per-tile min/max classification cannot see — and the deterministic dQ
 /// kernel loads K and V exactly for the key tiles the forward's tile rule
 /// does not skip. Varlen packs with padding (most tile pairs skipped), and
-/// for d = 128 (32-row query tiles, two per key tile) a run of 32 padding
-/// keys at the start of a key tile.
+/// a run of 64 padding keys (64..128) after 64 keys that see only the first
+/// 64 queries: a gap inside the range of a key tile for both main kernels
+/// (64-key tiles of 32-row query tiles, and 128-key tiles of 64-row query
+/// tiles), each run.
 #[test]
 fn tile_walks_load_only_visible_tiles() {
     use treeattn::backend::launch::{tile_class, FwdTraits, TileClass};
@@ -781,9 +791,10 @@ fn tile_walks_load_only_visible_tiles() {
             }
         }
         if i == 2 {
-            // Keys 64..96 padding: query tile 2 (rows 64..96) sees nothing of
-            // key tile 1, whose range still starts there.
-            for (k, e) in kv_end.iter_mut().enumerate().take(96).skip(64) {
+            // Keys 64..128 padding: the query tile after the first 64 rows
+            // sees nothing of the key tile holding them, whose range still
+            // starts there.
+            for (k, e) in kv_end.iter_mut().enumerate().take(128).skip(64) {
                 *e = k as u32;
             }
             for e in kv_end.iter_mut().take(64) {
@@ -802,65 +813,71 @@ fn tile_walks_load_only_visible_tiles() {
             kv_end,
             rope: None,
         };
-        let what = format!("seed {seed}: d {head_dim}, L {tokens}");
-        run_case::<bf16>(&mut rng, &what, &c, &c.kv_end, DqMode::Deterministic);
-        let stats = emu::last_backward_stats().unwrap();
-        // The head dim's default main kernel (128-key blocks for d 64).
-        let t = BwdTraits::for_kernel(head_dim, MainKernel::default_for(head_dim)).unwrap();
-        let (bm, bn) = (t.block_m as usize, t.main_keys as usize);
-        let (d, s) = (head_dim as u64, c.shape);
-        let group = (s.q_heads / s.kv_heads) as u64;
-        // Each of the main kernel's z-slices loads the key tile's K and V.
-        let splits = plan_backward(&s).unwrap().1.group_splits as u64;
-        assert!(splits > 1, "{what}: few blocks, so the group should split");
-        // Main kernel: per key tile, the distinct query tiles its keys' intervals meet.
-        let mut visited = 0u64;
-        let mut range_tiles = 0u64;
-        for (kt, ends) in c.kv_end.chunks(bn).enumerate() {
-            let mut tiles = std::collections::BTreeSet::new();
-            for (j, &e) in ends.iter().enumerate() {
-                let k = kt * bn + j;
-                for q in k..e as usize {
-                    tiles.insert(q / bm);
+        for kernel in main_kernels(head_dim) {
+            let what = format!("seed {seed}: d {head_dim}, L {tokens}, {kernel:?}");
+            calls::with_main_kernel(Some(kernel), || {
+                run_case::<bf16>(&mut rng, &what, &c, &c.kv_end, DqMode::Deterministic)
+            });
+            let stats = emu::last_backward_stats().unwrap();
+            let t = BwdTraits::for_kernel(head_dim, kernel).unwrap();
+            let (bm, bn) = (t.block_m as usize, t.main_keys as usize);
+            let (d, s) = (head_dim as u64, c.shape);
+            let group = (s.q_heads / s.kv_heads) as u64;
+            // Each of the main kernel's z-slices loads the key tile's K and V.
+            let splits = plan_backward(&s).unwrap().1.group_splits as u64;
+            assert!(splits > 1, "{what}: few blocks, so the group should split");
+            // Main kernel: per key tile, the distinct query tiles its keys' intervals meet.
+            let mut visited = 0u64;
+            let mut range_tiles = 0u64;
+            for (kt, ends) in c.kv_end.chunks(bn).enumerate() {
+                let mut tiles = std::collections::BTreeSet::new();
+                for (j, &e) in ends.iter().enumerate() {
+                    let k = kt * bn + j;
+                    for q in k..e as usize {
+                        tiles.insert(q / bm);
+                    }
+                }
+                visited += tiles.len() as u64;
+                let max_end = *ends.iter().max().unwrap() as usize;
+                range_tiles += max_end.div_ceil(bm).saturating_sub(kt * bn / bm) as u64;
+            }
+            let key_tiles = tokens.div_ceil(bn) as u64;
+            // Both main kernels also stage kv_end (4 bytes a key, per block) and
+            // each query tile's LSE and D (4 bytes a row each) by cp.async.
+            let (per_block, per_tile) = (bn as u64 * 4, 2 * bm as u64 * 4);
+            let want_main = s.kv_heads as u64
+                * (splits * key_tiles * (2 * bn as u64 * d * 2 + per_block)
+                    + group * visited * (2 * bm as u64 * d * 2 + per_tile));
+            assert_eq!(stats.main_cp_async_bytes, want_main, "{what}: main kernel");
+            if i == 2 {
+                assert!(
+                    visited < range_tiles,
+                    "{what}: the pack should have a gap inside a key tile's range"
+                );
+            }
+            // Deterministic dQ kernel: the forward's tile rule at the dQ kernel's
+            // 64 x 64 tiles (the forward's own query tiles are 128 rows).
+            let ft = FwdTraits {
+                block_m: 64,
+                ..FwdTraits::for_head_dim(head_dim).unwrap()
+            };
+            assert_eq!(ft.block_n, 64);
+            let mut loaded = 0u64;
+            for q0 in (0..tokens).step_by(64) {
+                for (ti, keys) in c.kv_end.chunks(64).enumerate() {
+                    let (lo, hi) = (*keys.iter().min().unwrap(), *keys.iter().max().unwrap());
+                    if tile_class(&ft, tokens, q0, ti * 64, lo, hi) != TileClass::Skip {
+                        loaded += 1;
+                    }
                 }
             }
-            visited += tiles.len() as u64;
-            let max_end = *ends.iter().max().unwrap() as usize;
-            range_tiles += max_end.div_ceil(bm).saturating_sub(kt * bn / bm) as u64;
+            // Per block Q, dO and the rows' LSE and D (4 bytes a row each),
+            // then K, V per loaded key tile.
+            let want_dq = s.q_heads as u64
+                * (tokens.div_ceil(64) as u64 * (2 * 64 * d * 2 + 2 * 64 * 4)
+                    + loaded * 2 * 64 * d * 2);
+            assert_eq!(stats.dq_cp_async_bytes, want_dq, "{what}: dQ kernel");
         }
-        let key_tiles = tokens.div_ceil(bn) as u64;
-        // Both main kernels also stage kv_end (4 bytes a key, per block) and
-        // each query tile's LSE and D (4 bytes a row each) by cp.async.
-        let (per_block, per_tile) = (bn as u64 * 4, 2 * bm as u64 * 4);
-        let want_main = s.kv_heads as u64
-            * (splits * key_tiles * (2 * bn as u64 * d * 2 + per_block)
-                + group * visited * (2 * bm as u64 * d * 2 + per_tile));
-        assert_eq!(stats.main_cp_async_bytes, want_main, "{what}: main kernel");
-        if i == 2 {
-            assert!(
-                visited < range_tiles,
-                "{what}: the pack should have a gap inside a key tile's range"
-            );
-        }
-        // Deterministic dQ kernel: the forward's tile rule at the dQ kernel's
-        // 64 x 64 tiles (the forward's own query tiles are 128 rows).
-        let ft = FwdTraits {
-            block_m: 64,
-            ..FwdTraits::for_head_dim(head_dim).unwrap()
-        };
-        assert_eq!(ft.block_n, 64);
-        let mut loaded = 0u64;
-        for q0 in (0..tokens).step_by(64) {
-            for (ti, keys) in c.kv_end.chunks(64).enumerate() {
-                let (lo, hi) = (*keys.iter().min().unwrap(), *keys.iter().max().unwrap());
-                if tile_class(&ft, tokens, q0, ti * 64, lo, hi) != TileClass::Skip {
-                    loaded += 1;
-                }
-            }
-        }
-        let want_dq = s.q_heads as u64
-            * (tokens.div_ceil(64) as u64 * 2 * 64 * d * 2 + loaded * 2 * 64 * d * 2);
-        assert_eq!(stats.dq_cp_async_bytes, want_dq, "{what}: dQ kernel");
     }
 }
 
@@ -937,7 +954,7 @@ fn rust_launch_plan_matches_the_kernel_traits() {
             Some([
                 t.block_m,
                 t.block_n,
-                t.threads,
+                t.main_threads,
                 t.main_smem_bytes(),
                 t.dq_block_m,
                 t.threads,
@@ -946,17 +963,24 @@ fn rust_launch_plan_matches_the_kernel_traits() {
         );
     }
     assert_eq!(emu::backward_kernel_traits(96), None);
-    // The two-m-tile main kernel: d 64 only, 128-key blocks.
-    let t = BwdTraits::for_kernel(64, MainKernel::TwoMTiles).unwrap();
-    assert_eq!(
-        emu::backward2_kernel_traits(64),
-        Some([t.block_m, t.main_keys, t.threads, t.main_smem_bytes(), 32])
-    );
-    assert_eq!(t.main_smem_bytes(), 93_696);
-    assert_eq!(emu::backward2_kernel_traits(128), None);
-    assert!(BwdTraits::for_kernel(128, MainKernel::TwoMTiles).is_err());
-    assert_eq!(MainKernel::default_for(64), MainKernel::TwoMTiles);
-    assert_eq!(MainKernel::default_for(128), MainKernel::OneMTile);
+    // The two-m-tile main kernels: 128-key blocks; d 64 of 4 warps in
+    // 32-query sub-tiles, d 128 of 8 warps over the whole 64-query tile.
+    for (d, threads, smem, sub_m) in [(64usize, 128, 93_696, 32), (128, 256, 159_232, 64)] {
+        let t = BwdTraits::for_kernel(d, MainKernel::TwoMTiles).unwrap();
+        assert_eq!(
+            emu::backward2_kernel_traits(d as u32),
+            Some([
+                t.block_m,
+                t.main_keys,
+                t.main_threads,
+                t.main_smem_bytes(),
+                sub_m
+            ])
+        );
+        assert_eq!((t.main_threads, t.main_smem_bytes()), (threads, smem));
+        assert_eq!(MainKernel::default_for(d), MainKernel::TwoMTiles);
+    }
+    assert_eq!(emu::backward2_kernel_traits(96), None);
     // 300 tokens: 3 blocks of 128 keys (5 of the 64-key bounds tiles).
     let shape = AttnShape {
         tokens: 300,
@@ -975,14 +999,24 @@ fn rust_launch_plan_matches_the_kernel_traits() {
     );
 }
 
-/// Negative controls of the two-m-tile main kernel (test-only faults the
-/// emulator build instantiates, `emu::with_negative_control`): without the
-/// barrier between the dSᵀ stores and the dQ matmul, and with the two key
-/// m-tiles' K fragments swapped in Sᵀ, the gradients leave the tolerance (or
-/// come out non-finite: shared memory is poisoned with NaN) — so the tests
-/// above would catch either bug. The same case passes without a fault.
+/// Negative controls of the two-m-tile main kernels (test-only faults the
+/// emulator build instantiates, `emu::with_negative_control`): without a
+/// barrier that publishes dSᵀ (d 64 and d 128: fault 1) or P (d 128: fault
+/// 3) in shared memory, and with the two key m-tiles' K fragments swapped in
+/// Sᵀ (fault 2), the gradients leave the tolerance (or come out
+/// non-finite: shared memory is poisoned with NaN) — so the tests above
+/// would catch either bug. The same case passes without a fault under every
+/// schedule.
 #[test]
 fn two_m_tile_negative_controls_fail() {
+    two_m_tile_negative_controls(64, &[1]);
+}
+#[test]
+fn two_m_tile_d128_negative_controls_fail() {
+    two_m_tile_negative_controls(128, &[1, 3]);
+}
+
+fn two_m_tile_negative_controls(head_dim: usize, barrier_faults: &[u32]) {
     let (mut rng, seed) = common::seeded_rng();
     let p = loop {
         let p = gen::random_forest(&mut rng, 2, 20, 3, 3);
@@ -995,7 +1029,7 @@ fn two_m_tile_negative_controls_fail() {
             tokens: p.kv_end.len(),
             q_heads: 2,
             kv_heads: 1,
-            head_dim: 64,
+            head_dim,
         },
         kv_end: p.kv_end,
         pos: p.position_ids,
@@ -1051,22 +1085,24 @@ fn two_m_tile_negative_controls_fail() {
         let ok = worst(0, *opts);
         assert!(
             ok <= tol,
-            "seed {seed}: no fault, schedule {i}: error {ok:.3e}"
+            "seed {seed}: d {head_dim}, no fault, schedule {i}: error {ok:.3e}"
         );
     }
     // A missing barrier shows under the schedules that run a warp ahead of
     // the others (warp-serial), not necessarily under lockstep.
-    let no_barrier: Vec<f64> = all.iter().map(|o| worst(1, *o)).collect();
-    eprintln!("seed {seed}: without the dS barrier, per schedule: {no_barrier:?}");
-    assert!(
-        no_barrier.iter().any(|&e| e > 10.0 * tol),
-        "seed {seed}: a removed barrier went unnoticed: {no_barrier:?}"
-    );
+    for &fault in barrier_faults {
+        let no_barrier: Vec<f64> = all.iter().map(|o| worst(fault, *o)).collect();
+        eprintln!("seed {seed}: d {head_dim}, fault {fault} (a barrier removed), per schedule: {no_barrier:?}");
+        assert!(
+            no_barrier.iter().any(|&e| e > 10.0 * tol),
+            "seed {seed}: d {head_dim}: a removed barrier (fault {fault}) went unnoticed: {no_barrier:?}"
+        );
+    }
     let swapped = worst(2, all[0]);
-    eprintln!("seed {seed}: swapped m-tiles: {swapped:.2e}");
+    eprintln!("seed {seed}: d {head_dim}, swapped m-tiles: {swapped:.2e}");
     assert!(
         swapped > 10.0 * tol,
-        "seed {seed}: a swapped m-tile went unnoticed: {swapped:.3e}"
+        "seed {seed}: d {head_dim}: a swapped m-tile went unnoticed: {swapped:.3e}"
     );
 }
 
@@ -1146,9 +1182,16 @@ fn misaligned_views_are_errors_naming_the_tensor() {
 /// with NaN / ±inf, gives bit for bit the result of the same inputs with
 /// finite padding rows: padding contributes exact zeros either way.
 /// Negative control: a NaN in a visible key's V is not ignored (an `Err`
-/// from the emulator's result check, NaN rows from the CPU).
+/// from the emulator's result check, NaN rows from the CPU). Both head dims,
+/// both backward main kernels.
 #[test]
 fn non_finite_values_in_padding_rows_are_ignored() {
+    for d in [64usize, 128] {
+        non_finite_values_in_padding_rows(d);
+    }
+}
+
+fn non_finite_values_in_padding_rows(d: usize) {
     let (mut rng, seed) = common::seeded_rng();
     let (real, pad) = (40usize, 30usize);
     let l = real + pad;
@@ -1157,7 +1200,7 @@ fn non_finite_values_in_padding_rows_are_ignored() {
         .collect();
     let pos: Vec<u32> = (0..l as u32).collect();
     let mask = PackMask::new(&kv_end, &pos).unwrap();
-    let (hq, hk, d) = (4usize, 2usize, 64usize);
+    let (hq, hk) = (4usize, 2usize);
     let shape = AttnShape {
         tokens: l,
         q_heads: hq,
@@ -1175,7 +1218,7 @@ fn non_finite_values_in_padding_rows_are_ignored() {
         t[from * heads * d..].iter_mut().for_each(|e| *e = x);
         t
     }
-    let ctx = format!("seed {seed}");
+    let ctx = format!("seed {seed}, d {d}");
 
     // CPU (f32).
     let cpu = |q: &[f32], k: &[f32], v: &[f32], g: &[f32]| {
@@ -1207,11 +1250,17 @@ fn non_finite_values_in_padding_rows_are_ignored() {
         .map(|out| out.o.iter().any(|x| x.is_nan()));
     assert!(!matches!(o, Ok(false)), "cpu control: {o:?}");
 
-    // Emulator (bf16), both dQ modes.
-    for mode in [DqMode::Deterministic, DqMode::Atomic] {
+    // Emulator (bf16), both dQ modes, both main kernels.
+    for (mode, kernel) in [DqMode::Deterministic, DqMode::Atomic]
+        .into_iter()
+        .flat_map(|m| main_kernels(d).into_iter().map(move |k| (m, k)))
+    {
+        let ctx = format!("{ctx}, {kernel:?}");
         let emu = |q: &[bf16], k: &[bf16], v: &[bf16], g: &[bf16]| {
             let out = calls::emu_forward(q, k, v, shape, mask, &p)?;
-            let gr = calls::emu_backward(q, k, v, &out.o, &out.lse, g, shape, mask, &p, mode)?;
+            let gr = calls::with_main_kernel(Some(kernel), || {
+                calls::emu_backward(q, k, v, &out.o, &out.lse, g, shape, mask, &p, mode)
+            })?;
             Ok::<_, Error>((out.o, out.lse, gr.dq, gr.dk, gr.dv))
         };
         let clean = emu(&q, &k, &v, &g).unwrap();

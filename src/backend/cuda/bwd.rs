@@ -45,13 +45,14 @@ pub(crate) struct CudaBackward {
     /// [`STAGES`].
     funcs: Vec<Vec<CudaFunction>>,
     /// `[variant]`: the two-m-tile main kernels (`main2_atomic`,
-    /// `main2_det`) where they exist (d 64).
+    /// `main2_det`) where they exist (d 64 and d 128).
     funcs2: Vec<Option<[CudaFunction; 2]>>,
 }
 
 impl CudaBackward {
     /// Loads the embedded backward kernels on `be`'s device and raises their
-    /// dynamic shared memory limits (up to 104,448 bytes).
+    /// dynamic shared memory limits (up to 159,232 bytes: the d 128
+    /// two-m-tile main kernel).
     pub(crate) fn new(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>) -> Result<Self> {
         let module = ctx
             .load_module(Ptx::from_binary(BWD_FATBIN.to_vec()))
@@ -280,6 +281,15 @@ mod tests {
                 let name = t.kernel_name(stage, dtype);
                 assert!(
                     PTXAS_REPORT.contains(&name),
+                    "{name} missing from the ptxas report"
+                );
+            }
+            // The two-m-tile main kernels (d 64 and d 128).
+            let t2 = BwdTraits::for_kernel(d as usize, MainKernel::TwoMTiles).unwrap();
+            for stage in ["main_atomic", "main_det"] {
+                let name = t2.kernel_name(stage, dtype);
+                assert!(
+                    name.contains("main2") && PTXAS_REPORT.contains(&name),
                     "{name} missing from the ptxas report"
                 );
             }

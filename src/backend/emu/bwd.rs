@@ -70,7 +70,8 @@ pub(super) fn backward<T: KernelElem>(
         reserved: 0,
     };
     // Stage numbers of kernels/emu/bwd_entry.cpp: the two-m-tile main
-    // kernel is 6 (atomic) / 7 (det), 8 / 9 with a negative control's fault.
+    // kernel is 6 (atomic) / 7 (det), 8 / 9 / 10 with a negative control's
+    // fault.
     let two = traits.main_kernel == MainKernel::TwoMTiles;
     let fault = NEGATIVE_CONTROL.with(|f| f.get());
     let main_atomic = match (two, fault) {
@@ -121,7 +122,7 @@ pub(super) fn backward<T: KernelElem>(
         };
         emu_result(&traits.kernel_name(name, T::DTYPE), rc, &err)?;
         match stage {
-            1 | 2 | 6..=9 => stats.main_cp_async_bytes = bytes,
+            1 | 2 | 6..=10 => stats.main_cp_async_bytes = bytes,
             3 => stats.dq_cp_async_bytes = bytes,
             _ => {}
         }
@@ -138,7 +139,8 @@ pub(super) fn backward<T: KernelElem>(
 /// (`2 · 64 · d · 2 + group · visited · 2 · block_m · d · 2` bytes; the
 /// two-m-tile kernel per 128-key tile), plus the tile's kv_end, 4 bytes a
 /// key, and each visited tile's LSE and D, 4 bytes a row each; the
-/// deterministic dQ kernel Q, dO once and K, V per non-skipped key tile.
+/// deterministic dQ kernel Q, dO and the rows' LSE and D once and K, V per
+/// non-skipped key tile.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BackwardStats {
     /// Bytes the main kernel (atomic or deterministic) moved with
@@ -154,11 +156,14 @@ thread_local! {
 
 /// Runs `f` with a test-only fault in the two-m-tile main kernel's atomic
 /// mode on this thread (negative controls; emulator only, the GPU build has
-/// no such kernels): 1 drops the barrier between the dSᵀ stores and the dQ
-/// matmul, 2 swaps the two key m-tiles' K fragments in Sᵀ. 0: none.
+/// no such kernels): 1 drops the barrier between the dSᵀ stores and the
+/// matmuls that read dS from shared memory (d 64: dQ; d 128: dK's first
+/// half and dQ), 2 swaps the two key m-tiles' K fragments in Sᵀ, 3 (d 128
+/// only; an error at d 64) drops the barrier between the P stores and the
+/// warps that read P. 0: none.
 #[doc(hidden)]
 pub fn with_negative_control<R>(fault: u32, f: impl FnOnce() -> R) -> R {
-    assert!(fault <= 2, "negative control {fault}: 0, 1 or 2");
+    assert!(fault <= 3, "negative control {fault}: 0, 1, 2 or 3");
     let before = NEGATIVE_CONTROL.with(|c| c.replace(fault));
     let r = f();
     NEGATIVE_CONTROL.with(|c| c.set(before));
@@ -187,7 +192,7 @@ pub fn backward_kernel_traits(head_dim: u32) -> Option<[u32; 7]> {
 
 /// The C++ traits of the two-m-tile backward main kernel for `head_dim`:
 /// `[block_m, block_n, threads, smem, sub_m]`; `None` when it does not exist
-/// (every head dim but 64).
+/// (head dims other than 64 and 128).
 pub fn backward2_kernel_traits(head_dim: u32) -> Option<[u32; 5]> {
     let mut out = [0i32; 5];
     // SAFETY: `out` has the 5 slots the function writes.

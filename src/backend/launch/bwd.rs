@@ -7,10 +7,25 @@
 //! |---|---|---|---|
 //! | `tree_attn_bwd_pre_*` | `ceil(tokens · q_heads / 4)` | 128 | 0 |
 //! | `tree_attn_bwd_main_{atomic,det}_*` ([`MainKernel::OneMTile`]) | `(key tiles of 64, kv_heads, group splits)` | 128 | 65,792 (d 64) / 75,520 (d 128) |
-//! | `tree_attn_bwd_main2_{atomic,det}_*` ([`MainKernel::TwoMTiles`], d 64, the default there) | `(key tiles of 128, kv_heads, group splits)` | 128 | 93,696 |
-//! | `tree_attn_bwd_dq_*` (deterministic only) | `(query tiles of 64, q_heads)` | 128 | 55,296 / 104,448 |
+//! | `tree_attn_bwd_main2_{atomic,det}_*` ([`MainKernel::TwoMTiles`], the default) | `(key tiles of 128, kv_heads, group splits)` | 128 (d 64) / 256 (d 128) | 93,696 / 159,232 |
+//! | `tree_attn_bwd_dq_*` (deterministic only) | `(query tiles of 64, q_heads)` | 128 | 55,808 / 104,960 |
 //! | `tree_attn_bwd_dq_convert_*` | `ceil(tokens · q_heads / 4)` | 128 | 0 |
 //! | `tree_attn_bwd_dkv_convert_*` (group splits > 1 only) | `ceil(tokens · kv_heads / 4)` | 128 | 0 |
+//!
+//! Main kernels ([`MainKernel`]; tiling at the top of the .cu file and of
+//! `kernels/tree_attn_bwd_main2_d128.cuh`). [`MainKernel::TwoMTiles`], the
+//! default for both head dims, gives each warp two 16-key m-tiles so that
+//! every shared-memory fragment feeds more `mma`: d 64 in blocks of 4 warps
+//! (32 keys each, 64-row query tiles in 32-query sub-tiles), d 128 in
+//! blocks of 8 warps where warps w and w + 4 share keys 32w..32w+31 and
+//! split the dK, dV accumulators over the head dim (one computes Sᵀ and P,
+//! the other dPᵀ and dS; P and dS pass through shared memory). HMMA per
+//! `ldmatrix`, counted per query tile from the code: d 64 2.67 / 2.50, d
+//! 128 2.91 / 2.86 (det / atomic), against 2.00 / 1.90 and 1.89 / 1.79 for
+//! [`MainKernel::OneMTile`], which stays selectable until a GPU has timed
+//! both (BENCHMARKS.md §6). The main kernel's block
+//! ([`BwdTraits::main_threads`]) is 256 threads for the d 128 two-m-tile
+//! kernel, 128 otherwise.
 //!
 //! Group splits ([`group_splits`], the one place the rule lives). The main
 //! kernel's block sums dK, dV of its key tile over the `group = q_heads /
@@ -47,23 +62,26 @@ pub enum DqMode {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MainKernel {
     /// `tree_attn_bwd_main_{atomic,det}_*`: one 16-key m-tile per warp,
-    /// blocks of 64 keys, d 64 and d 128.
+    /// blocks of 64 keys and 4 warps, query tiles of 64 (d 64) or 32 (d
+    /// 128) rows.
     OneMTile,
-    /// `tree_attn_bwd_main2_{atomic,det}_*`: two 16-key m-tiles per warp
-    /// (every Q / dO fragment feeds 4 mma), blocks of 128 keys, query tiles
-    /// of 64 in sub-tiles of 32, dQ by vector reductions; d 64 only.
+    /// `tree_attn_bwd_main2_{atomic,det}_*`: two 16-key m-tiles per warp,
+    /// blocks of 128 keys, query tiles of 64, dQ by vector reductions. d
+    /// 64: 4 warps of 32 keys, query sub-tiles of 32 (every Q / dO fragment
+    /// feeds 4 mma). d 128: 8 warps, each pair of warps sharing 32 keys with
+    /// the dK, dV accumulators split over the head dim (64 columns each),
+    /// one computing Sᵀ and P, the other dPᵀ and dS, P and dS staged in
+    /// shared memory (kernels/tree_attn_bwd_main2_d128.cuh).
     TwoMTiles,
 }
 
 impl MainKernel {
-    /// The kernel a backward runs unless told otherwise: [`Self::TwoMTiles`]
-    /// where it exists (d 64), [`Self::OneMTile`] otherwise.
+    /// The kernel a backward runs unless told otherwise:
+    /// [`Self::TwoMTiles`] (d 64 and d 128; [`Self::OneMTile`] stays
+    /// selectable until a GPU has timed both).
     pub fn default_for(head_dim: usize) -> MainKernel {
-        if head_dim == 64 {
-            MainKernel::TwoMTiles
-        } else {
-            MainKernel::OneMTile
-        }
+        let _ = head_dim;
+        MainKernel::TwoMTiles
     }
 }
 
@@ -74,8 +92,9 @@ impl MainKernel {
 pub struct BwdTraits {
     /// Head dim of the kernels (64 or 128).
     pub head_dim: u32,
-    /// Query rows per streamed tile of the main kernel (64 for d 64, 32 for
-    /// d 128: the f32 dK, dV accumulators leave room for no more).
+    /// Query rows per streamed tile of the main kernel (64; 32 for the
+    /// one-m-tile kernel at d 128, whose f32 dK, dV accumulators leave room
+    /// for no more).
     pub block_m: u32,
     /// The kv_end bounds tile (`tile_kv_min` / `tile_kv_max`), 64 keys:
     /// the one-m-tile main kernel's block, half the two-m-tile one's.
@@ -85,8 +104,11 @@ pub struct BwdTraits {
     /// Keys per block of the main kernel (64, or 128 for
     /// [`MainKernel::TwoMTiles`]).
     pub main_keys: u32,
-    /// Threads per block of the main kernel.
+    /// Threads per block of the kernels other than the main one (128).
     pub threads: u32,
+    /// Threads per block of the main kernel (128; 256 for the d 128
+    /// two-m-tile kernel's 8 warps).
+    pub main_threads: u32,
     /// Query rows per block of the deterministic dQ kernel.
     pub dq_block_m: u32,
 }
@@ -98,26 +120,19 @@ impl BwdTraits {
     pub fn for_head_dim(head_dim: usize) -> Result<Self> {
         Self::for_kernel(head_dim, MainKernel::OneMTile)
     }
-    /// The traits with main kernel `kernel`; [`MainKernel::TwoMTiles`]
-    /// exists for d 64 only (an `Unsupported` error otherwise).
+    /// The traits with main kernel `kernel` (both exist for every head dim
+    /// of the kernels).
     pub fn for_kernel(head_dim: usize, kernel: MainKernel) -> Result<Self> {
         let d = super::kernel_head_dim("the GPU attention backward kernels", head_dim)?;
-        if kernel == MainKernel::TwoMTiles && d != 64 {
-            return Err(Error::Unsupported(format!(
-                "the two-m-tile backward main kernel exists for head dim 64 only, not {d}"
-            )));
-        }
+        let two = kernel == MainKernel::TwoMTiles;
         Ok(BwdTraits {
             head_dim: d,
-            block_m: if d == 64 { 64 } else { 32 },
+            block_m: if d == 64 || two { 64 } else { 32 },
             block_n: 64,
             main_kernel: kernel,
-            main_keys: if kernel == MainKernel::TwoMTiles {
-                128
-            } else {
-                64
-            },
+            main_keys: if two { 128 } else { 64 },
             threads: 128,
+            main_threads: if two && d == 128 { 256 } else { 128 },
             dq_block_m: 64,
         })
     }
@@ -125,7 +140,8 @@ impl BwdTraits {
         self.head_dim + 8
     }
     /// Shared memory of the main kernel: K, V, two buffers each of Q and dO,
-    /// dSᵀ, two buffers each of lse2 and D, the tile's kv_end.
+    /// dSᵀ (the d 128 two-m-tile kernel: P, then dS written over it), two
+    /// buffers each of lse2 and D, the tile's kv_end.
     pub fn main_smem_bytes(&self) -> u32 {
         let rs = self.row_stride();
         2 * self.main_keys * rs * 2
@@ -134,10 +150,10 @@ impl BwdTraits {
             + 4 * self.block_m * 4
             + self.main_keys * 4
     }
-    /// Shared memory of the deterministic dQ kernel: Q, dO and two buffers
-    /// each of K and V.
+    /// Shared memory of the deterministic dQ kernel: Q, dO, two buffers
+    /// each of K and V, the query tile's lse2 and D.
     pub fn dq_smem_bytes(&self) -> u32 {
-        6 * self.dq_block_m * self.row_stride() * 2
+        6 * self.dq_block_m * self.row_stride() * 2 + 2 * self.dq_block_m * 4
     }
     /// Symbol of one of the backward kernels (`stage` is `"pre"`,
     /// `"main_atomic"`, `"main_det"`, `"dq"`, `"dq_convert"` or
@@ -155,7 +171,9 @@ impl BwdTraits {
 
 /// Blocks of the main kernel below which [`group_splits`] splits the GQA
 /// group over grid.z: two blocks per SM of an H100 / H200 (132 SMs; the
-/// main kernel's 65,792 / 75,520 bytes of shared memory allow 3 per SM).
+/// one-m-tile kernel's 65,792 / 75,520 bytes of shared memory allow 3 per
+/// SM, the two-m-tile kernel's 93,696 (d 64) 2 and 159,232 (d 128, 8
+/// warps) 1: two waves there). Not tuned on a GPU.
 pub const MAIN_TARGET_BLOCKS: u64 = 264;
 
 /// Most z-slices a group is split into: the scratch of the split path is
@@ -268,6 +286,7 @@ pub fn plan_backward_with(
         )));
     }
     let block = (traits.threads, 1, 1);
+    let main_block = (traits.main_threads, 1, 1);
     let key_tiles = shape.tokens.div_ceil(traits.main_keys as usize) as u64;
     let group = (shape.q_heads / shape.kv_heads.max(1)) as u32;
     let splits = match splits {
@@ -292,7 +311,7 @@ pub fn plan_backward_with(
                 shape.kv_heads as u32,
                 splits,
             ),
-            block,
+            block: main_block,
             shared_mem_bytes: traits.main_smem_bytes(),
         },
         dq: LaunchPlan {
@@ -364,19 +383,37 @@ mod tests {
             kv_heads: 2,
             head_dim: 128,
         };
-        let (t, p) = plan_backward(&shape).unwrap();
+        // The one-m-tile main kernel: 64-key blocks of 4 warps, 32-row
+        // query tiles at d 128.
+        let (t, p) = plan_backward_with_kernel(&shape, Some(MainKernel::OneMTile)).unwrap();
         assert_eq!(t.block_m, 32);
         // 6 blocks < 264: the group of 3 splits 3 ways.
         assert_eq!(p.main.grid, (3, 2, 3));
+        assert_eq!(p.main.block, (128, 1, 1));
         assert_eq!(p.group_splits, 3);
         assert_eq!(p.dkv_convert.grid, (65, 1, 1));
         assert_eq!(p.dkv_accum_len(&shape), 3 * 2 * 130 * 2 * 128);
-        let (_, p1) = plan_backward_with_splits(&shape, Some(1)).unwrap();
+        let (_, p1) = plan_backward_with(&shape, Some(1), Some(MainKernel::OneMTile)).unwrap();
         assert_eq!((p1.main.grid, p1.dkv_accum_len(&shape)), ((3, 2, 1), 0));
         assert!(plan_backward_with_splits(&shape, Some(2)).is_err());
         assert_eq!(p.main.shared_mem_bytes, 75_520);
+        assert_eq!(
+            t.kernel_name("main_det", Dtype::Bf16),
+            "tree_attn_bwd_main_det_bf16_d128"
+        );
+        // The default at d 128: the two-m-tile kernel, 128-key blocks of 8
+        // warps, 64-row query tiles; the other kernels keep 128 threads.
+        let (t, p) = plan_backward(&shape).unwrap();
+        assert_eq!(
+            (t.main_kernel, t.block_m, t.main_keys),
+            (MainKernel::TwoMTiles, 64, 128)
+        );
+        assert_eq!(p.main.grid, (2, 2, 3));
+        assert_eq!(p.main.block, (256, 1, 1));
+        assert_eq!(p.per_row.block, (128, 1, 1));
+        assert_eq!(p.main.shared_mem_bytes, 159_232);
         assert_eq!(p.dq.grid, (3, 6, 1));
-        assert_eq!(p.dq.shared_mem_bytes, 104_448);
+        assert_eq!(p.dq.shared_mem_bytes, 104_960);
         assert_eq!(p.per_row.grid, (195, 1, 1));
         assert_eq!(
             BwdTraits::for_head_dim(64).unwrap().main_smem_bytes(),
@@ -384,7 +421,7 @@ mod tests {
         );
         assert_eq!(
             t.kernel_name("main_det", Dtype::Bf16),
-            "tree_attn_bwd_main_det_bf16_d128"
+            "tree_attn_bwd_main2_det_bf16_d128"
         );
         assert!(matches!(
             BwdTraits::for_head_dim(96),

@@ -26,6 +26,9 @@ Needs: torch (with FlexAttention), safetensors, numpy; a release build of
 treeattn (`cargo build --release`). Example:
 
   python3 scripts/cpu-anchor.py --threads 2 --lengths 8192,16384 --reps 3
+
+At 16-32k SDPA with the dense mask takes minutes per call: `--no-dense`
+leaves it (and FlexAttention) out and times SDPA causal and treeattn only.
 """
 
 import argparse

@@ -27,7 +27,7 @@ use crate::common::calls;
 use half::{bf16, f16};
 use treeattn::backend::emu::{self, DqMode, EmuOptions, KernelElem, MainKernel};
 use treeattn::backend::launch::bwd::{plan_backward, BwdTraits};
-use treeattn::backend::{tolerance, AttnParams, AttnShape, Rope};
+use treeattn::backend::{tolerance, AttnGrads, AttnParams, AttnShape, Rope};
 use treeattn::gen::{self, Rng};
 use treeattn::mask::PackMask;
 use treeattn::Error;
@@ -54,6 +54,32 @@ fn params(c: &Case) -> AttnParams {
     AttnParams {
         rope: c.rope,
         ..AttnParams::new(c.shape.head_dim)
+    }
+}
+
+/// The emulator backward of inputs `x` of case `c` under `mask`, in `mode`
+/// (with whatever main kernel, group splits and schedule the caller set).
+fn emu_backward_of<T: KernelElem>(
+    x: &Inputs<T>,
+    c: &Case,
+    mask: PackMask<'_>,
+    mode: DqMode,
+) -> treeattn::Result<AttnGrads<T>> {
+    let p = params(c);
+    calls::emu_backward(
+        &x.q, &x.k, &x.v, &x.o, &x.lse, &x.d_o, c.shape, mask, &p, mode,
+    )
+}
+
+/// Two runs' dQ, dK and dV are the same bits (`what` names the runs).
+fn assert_same_bits(a: &AttnGrads<bf16>, b: &AttnGrads<bf16>, what: &str) {
+    let bits = |t: &[bf16]| t.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+    for (name, x, y) in [
+        ("dQ", &a.dq, &b.dq),
+        ("dK", &a.dk, &b.dk),
+        ("dV", &a.dv, &b.dv),
+    ] {
+        assert_eq!(bits(x), bits(y), "{what}: {name} differs between runs");
     }
 }
 
@@ -108,10 +134,7 @@ fn run_case<T: KernelElem>(
     let [qf, kf, vf, of, dof] = &x.f;
     let want = calls::cpu_backward(qf, kf, vf, of, &x.lse, dof, s, mask, &p).unwrap();
     let run_mask = PackMask::new(mask_kv_end, &c.pos).unwrap();
-    let got = calls::emu_backward(
-        &x.q, &x.k, &x.v, &x.o, &x.lse, &x.d_o, s, run_mask, &p, mode,
-    )
-    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let got = emu_backward_of(&x, c, run_mask, mode).unwrap_or_else(|e| panic!("{what}: {e}"));
     // Rows that see no key: dQ exactly 0.
     for h in 0..s.q_heads {
         for t in 0..s.tokens {
@@ -403,21 +426,8 @@ fn all_padding_gives_zero_gradients() {
         };
         let x = inputs::<bf16>(&mut rng, &c);
         let mask = PackMask::new(&c.kv_end, &c.pos).unwrap();
-        let g = calls::with_main_kernel(Some(kernel), || {
-            calls::emu_backward(
-                &x.q,
-                &x.k,
-                &x.v,
-                &x.o,
-                &x.lse,
-                &x.d_o,
-                c.shape,
-                mask,
-                &params(&c),
-                mode,
-            )
-        })
-        .unwrap();
+        let g =
+            calls::with_main_kernel(Some(kernel), || emu_backward_of(&x, &c, mask, mode)).unwrap();
         for (name, t) in [("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv)] {
             assert!(
                 t.iter().all(|e| e.to_f32() == 0.0),
@@ -441,40 +451,14 @@ fn deterministic_mode_is_bit_identical_across_runs() {
             let run = |opts: EmuOptions| {
                 calls::with_main_kernel(Some(kernel), || {
                     calls::with_options(opts, || {
-                        calls::emu_backward(
-                            &x.q,
-                            &x.k,
-                            &x.v,
-                            &x.o,
-                            &x.lse,
-                            &x.d_o,
-                            c.shape,
-                            mask,
-                            &params(&c),
-                            DqMode::Deterministic,
-                        )
+                        emu_backward_of(&x, &c, mask, DqMode::Deterministic)
                     })
                 })
                 .unwrap()
             };
             let all = EmuOptions::all();
             let (a, b) = (run(all[0]), run(all[3]));
-            let bits = |t: &[bf16]| t.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&a.dq),
-                bits(&b.dq),
-                "seed {seed}: d {head_dim}, {kernel:?}: dQ differs between runs"
-            );
-            assert_eq!(
-                bits(&a.dk),
-                bits(&b.dk),
-                "seed {seed}: d {head_dim}, {kernel:?}: dK differs between runs"
-            );
-            assert_eq!(
-                bits(&a.dv),
-                bits(&b.dv),
-                "seed {seed}: d {head_dim}, {kernel:?}: dV differs between runs"
-            );
+            assert_same_bits(&a, &b, &format!("seed {seed}: d {head_dim}, {kernel:?}"));
         }
     }
 }
@@ -519,38 +503,17 @@ fn gqa_group_splits_match_the_cpu_and_are_deterministic() {
                 calls::with_main_kernel(Some(kernel), || {
                     calls::with_group_splits(Some(splits), || {
                         calls::with_options(opts, || {
-                            calls::emu_backward(
-                                &x.q,
-                                &x.k,
-                                &x.v,
-                                &x.o,
-                                &x.lse,
-                                &x.d_o,
-                                c.shape,
-                                mask,
-                                &params(&c),
-                                DqMode::Deterministic,
-                            )
+                            emu_backward_of(&x, &c, mask, DqMode::Deterministic)
                         })
                     })
                 })
                 .unwrap()
             };
-            let bits = |t: &[bf16]| t.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
             let all = EmuOptions::all();
             for splits in [2u32, 8] {
                 let (a, b) = (run(splits, all[1]), run(splits, all[4]));
-                for (name, x, y) in [
-                    ("dQ", &a.dq, &b.dq),
-                    ("dK", &a.dk, &b.dk),
-                    ("dV", &a.dv, &b.dv),
-                ] {
-                    assert_eq!(
-                    bits(x),
-                    bits(y),
-                    "seed {seed}: d {head_dim}, {kernel:?}, {splits} splits: {name} differs between runs"
-                );
-                }
+                let what = format!("seed {seed}: d {head_dim}, {kernel:?}, {splits} splits");
+                assert_same_bits(&a, &b, &what);
             }
         }
     }

@@ -33,9 +33,11 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Most bytes of `dS` one chunk of query tiles keeps for its dQ items
-/// (every query head of the kv head): small enough to be read back from
-/// cache (BENCHMARKS.md §10 has the measurement). A query tile whose blocks
-/// alone exceed it is a chunk of its own.
+/// (every query head of the kv head), meant to be read back from L2/L3
+/// rather than memory. Budgets from 1 MiB to 1 GiB timed alike within this
+/// guest's run-to-run noise on the 8k compaction pack (no row in
+/// BENCHMARKS.md: nothing to tell apart). A query tile whose blocks alone
+/// exceed it is a chunk of its own.
 pub(crate) const DS_BUDGET: usize = 4 << 20;
 
 /// The backward of a validated call on `threads` threads, from the

@@ -6,8 +6,12 @@ use crate::common::calls;
 
 use ndarray::Array3;
 use proptest::prelude::*;
-use treeattn::backend::cpu::{block_counts, gather_counts, tile_counts, CpuFloat, TILE};
-use treeattn::backend::{AttnParams, AttnShape, Rope};
+use treeattn::backend::cpu::{
+    block_counts, gather_counts, tile_counts, Cpu, CpuElement, CpuFloat, TILE,
+};
+use treeattn::backend::{
+    AttentionBackend, AttnArgs, AttnParams, AttnShape, Grads, HostAttention, Rope, Saved,
+};
 use treeattn::mask::PackMask;
 use treeattn::ops;
 use treeattn::Error;
@@ -424,6 +428,131 @@ proptest! {
             prop_assert!(e < t, "{} relative error {:e} (l={}, {:?}, d={})", name, e, l, kind, d);
         }
     }
+}
+
+// ------------------------------------------------------ 16-bit inputs
+
+/// The CPU backend on `H` inputs (bf16 or f16), on `threads` threads, with
+/// every output poisoned with NaN first: its LSE is bit for bit the f32 call's
+/// on the widened inputs, its O that call's O rounded once to `H`; its
+/// gradients (from its own `H` output and an `H` dO) those of the f32
+/// backward on the widened O, LSE and dO, rounded once. Returns how many
+/// output values the rounding changed (the comparison is not between equal
+/// things by accident).
+fn check_half<H: CpuElement<Compute = f32>>(c: &Case, threads: usize) -> usize {
+    let to_h = |x: &[f64]| x.iter().map(|&v| H::from_f64(v)).collect::<Vec<H>>();
+    let wide = |x: &[H]| x.iter().map(|v| v.widen()).collect::<Vec<f32>>();
+    let narrow = |x: &[f32]| {
+        let mut out = vec![H::default(); x.len()];
+        assert!(
+            H::narrow_slice(x, &mut out),
+            "reference result overflows {}",
+            H::NAME
+        );
+        out
+    };
+    let bits = |x: &[H]| x.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<u64>>();
+    let (q, k, v, d_o) = (to_h(&c.q), to_h(&c.k), to_h(&c.v), to_h(&c.d_o));
+    let (qw, kw, vw, dow) = (wide(&q), wide(&k), wide(&v), wide(&d_o));
+    let (s, m, cpu) = (c.shape, c.mask.view(), Cpu::with_threads(threads));
+    let poison = H::from_f64(f64::NAN);
+
+    let args = AttnArgs::new(&q[..], &k[..], &v[..], s, m, c.params).unwrap();
+    let (mut o, mut lse) = (vec![poison; s.q_len()], vec![f32::NAN; s.lse_len()]);
+    cpu.forward(&args, &mut o[..], &mut lse[..]).unwrap();
+    let args32 = AttnArgs::new(&qw[..], &kw[..], &vw[..], s, m, c.params).unwrap();
+    let f32_fwd = cpu.forward_owned(&args32).unwrap();
+    let lse_bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    assert_eq!(lse_bits(&lse), lse_bits(&f32_fwd.lse), "lse");
+    assert_eq!(bits(&o), bits(&narrow(&f32_fwd.o)), "o");
+
+    let mut g: [Vec<H>; 3] = [s.q_len(), s.kv_len(), s.kv_len()].map(|n| vec![poison; n]);
+    let [dq, dk, dv] = &mut g;
+    let saved = Saved {
+        o: &o[..],
+        lse: &lse[..],
+    };
+    let grads = Grads {
+        dq: &mut dq[..],
+        dk: &mut dk[..],
+        dv: &mut dv[..],
+    };
+    cpu.backward(&args, saved, &d_o[..], grads).unwrap();
+    let ow = wide(&o);
+    let saved32 = Saved {
+        o: &ow[..],
+        lse: &lse[..],
+    };
+    let r = cpu.backward_owned(&args32, saved32, &dow).unwrap();
+    for (name, got, want) in [
+        ("dq", &g[0], &r.dq),
+        ("dk", &g[1], &r.dk),
+        ("dv", &g[2], &r.dv),
+    ] {
+        assert_eq!(bits(got), bits(&narrow(want)), "{name}");
+    }
+    let changed = |got: &[H], want: &[f32]| {
+        got.iter()
+            .zip(want)
+            .filter(|(a, b)| a.to_f64() != **b as f64)
+            .count()
+    };
+    changed(&o, &f32_fwd.o) + changed(&g[0], &r.dq) + changed(&g[1], &r.dk) + changed(&g[2], &r.dv)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// bf16 and f16 inputs are widened exactly and computed in f32: the
+    /// results are the f32 call's, bit for bit, up to the one rounding of
+    /// each stored value (no tolerance: any difference in what is computed
+    /// shows). Random trees, forests, padding, GQA, partial rotary, 1 to 3
+    /// threads.
+    #[test]
+    fn half_inputs_compute_what_f32_computes_on_them(
+        seed in any::<u64>(), kind in kind_strategy(), l in 1usize..200,
+        kv_heads in 1usize..3, group in 1usize..4, d in 1usize..=80, rope in any::<bool>(),
+        threads in 1usize..4,
+    ) {
+        let c = make_case(seed, kind, l, kv_heads, group, d, rope && d >= 2);
+        let changed = check_half::<half::bf16>(&c, threads) + check_half::<half::f16>(&c, threads);
+        // Negative control: f32 results of random inputs are almost never
+        // representable in 8 or 11 significand bits, so the rounding shows.
+        prop_assert!(changed > 0);
+    }
+}
+
+/// Results that do not fit the 16-bit output type are errors naming them:
+/// dV beyond f16's 65504 (a sum over 64 queries of dO = 30000), never a
+/// silent infinity; the same call in bf16, whose range is f32's, succeeds.
+#[test]
+fn an_f16_gradient_beyond_its_range_is_an_error() {
+    let l = 64;
+    let mask = Mask::causal(l);
+    let shape = AttnShape {
+        tokens: l,
+        q_heads: 1,
+        kv_heads: 1,
+        head_dim: 8,
+    };
+    let params = AttnParams::new(8);
+    let run = |x: f64, d_o: f64| {
+        let (q, kv) = (
+            vec![half::f16::from_f64(x); shape.q_len()],
+            vec![half::f16::from_f64(x); shape.kv_len()],
+        );
+        let args = AttnArgs::new(&q[..], &kv[..], &kv[..], shape, mask.view(), params).unwrap();
+        let cpu = Cpu::default();
+        let f = cpu.forward_owned(&args).unwrap();
+        let d_o = vec![half::f16::from_f64(d_o); shape.q_len()];
+        cpu.backward_owned(&args, f.saved(), &d_o).map(|_| ())
+    };
+    let r = run(0.5, 30_000.0);
+    assert!(
+        matches!(&r, Err(Error::NonFinite { what, index: 0 }) if what.starts_with("dv") && what.contains("f16")),
+        "{r:?}"
+    );
+    assert!(run(0.5, 1_000.0).is_ok());
 }
 
 // ------------------------------------------------------ caller buffers

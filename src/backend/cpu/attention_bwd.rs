@@ -26,7 +26,9 @@ use super::microkernel::{
 use super::operands::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace;
 use super::workspace::Staggered;
-use super::{check_result, run_parallel, BlockMasks, CpuFloat, KeyTileBounds, TileClass, TILE};
+use super::{
+    check_result, run_parallel, BlockMasks, CpuElement, CpuFloat, KeyTileBounds, TileClass, TILE,
+};
 use crate::backend::{BackwardCall, Grads, Host};
 use crate::Result;
 use std::ops::Range;
@@ -54,16 +56,16 @@ pub(crate) const DS_BUDGET: usize = 4 << 20;
 /// Rows whose LSE is `−inf` (no visible key) get `dQ = 0` and add nothing.
 /// Errors: a NaN or ±inf in the gradients (overflow of `T`, or non-finite
 /// inputs left unchecked).
-pub(crate) fn backward<T: CpuFloat>(
-    call: BackwardCall<'_, '_, '_, Host, T, T>,
+pub(crate) fn backward<T: CpuFloat, S: CpuElement<Compute = T>>(
+    call: BackwardCall<'_, '_, '_, Host, S, T>,
     threads: usize,
 ) -> Result<()> {
     backward_in_chunks(call, threads, DS_BUDGET)
 }
 
 /// [`backward`] with query chunks of at most `ds_budget` bytes of dS.
-fn backward_in_chunks<T: CpuFloat>(
-    call: BackwardCall<'_, '_, '_, Host, T, T>,
+fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
+    call: BackwardCall<'_, '_, '_, Host, S, T>,
     threads: usize,
     ds_budget: usize,
 ) -> Result<()> {
@@ -376,18 +378,18 @@ struct BwdCtx<'a, T> {
 }
 
 /// One item of the backward of a kv head and its query heads.
-enum BwdItem<'c, 'a, 'b, T> {
+enum BwdItem<'c, 'a, 'b, T, S> {
     Key(&'c QueryChunk, KeyItem<'a, T>),
-    Query(&'c QueryChunk, QueryItem<'a, 'b, T>),
-    Store(StoreItem<'a, 'b, T>),
+    Query(&'c QueryChunk, QueryItem<'a, 'b, S>),
+    Store(StoreItem<'a, 'b, T, S>),
 }
 
 /// The finished dK, dV accumulators of key tile `kt` and its rows (up to
 /// `TILE`, `head_dim` values each) of the caller's token-major dK, dV.
-struct StoreItem<'a, 'b, T> {
+struct StoreItem<'a, 'b, T, S> {
     kt: usize,
-    dk_rows: &'a mut [&'b mut [T]],
-    dv_rows: &'a mut [&'b mut [T]],
+    dk_rows: &'a mut [&'b mut [S]],
+    dv_rows: &'a mut [&'b mut [S]],
     dk: &'a mut [T],
     dv: &'a mut [T],
 }
@@ -401,12 +403,12 @@ struct KeyItem<'a, T> {
     ds: &'a mut [T],
 }
 
-struct QueryItem<'a, 'b, T> {
+struct QueryItem<'a, 'b, S> {
     h: usize,
     qt: usize,
     /// The tile's rows (up to `TILE`, `head_dim` values each) of the
     /// caller's token-major dQ.
-    dq: &'a mut [&'b mut [T]],
+    dq: &'a mut [&'b mut [S]],
 }
 
 /// Per thread: a key item's `[TILE, TILE]` scores, then P; a dQ item's
@@ -425,7 +427,10 @@ impl<T: CpuFloat> BwdScratch<T> {
 
 /// Stores key tile `item.kt`'s dK (times the softmax scale, rotated back)
 /// and dV; per dK, dV: `false` if it stored a non-finite value.
-fn store_key_tile<T: CpuFloat>(ctx: &BwdCtx<'_, T>, item: StoreItem<'_, '_, T>) -> [bool; 2] {
+fn store_key_tile<T: CpuFloat, S: CpuElement<Compute = T>>(
+    ctx: &BwdCtx<'_, T>,
+    item: StoreItem<'_, '_, T, S>,
+) -> [bool; 2] {
     let Layout { d, dp, .. } = ctx.lay;
     let StoreItem {
         kt,
@@ -502,18 +507,18 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
 
 simd_dispatch! {
     /// Runs one work item; `false` if it stored a non-finite value into dQ.
-    fn query_tile(ctx: &BwdCtx<'_, T>, chunk: &QueryChunk, ds: &[T], s: &mut BwdScratch<T>, item: QueryItem<'_, '_, T>) -> bool => query_tile_body
+    fn query_tile<S>(ctx: &BwdCtx<'_, T>, chunk: &QueryChunk, ds: &[T], s: &mut BwdScratch<T>, item: QueryItem<'_, '_, S>) -> bool => query_tile_body
 }
 
 /// dQ of one query tile of head `h`: `scale · Σ dS K` over the key tiles it
 /// visits, in key order, from the dS the key items stored.
 #[inline(always)]
-fn query_tile_body<T: CpuFloat, const FMA: bool>(
+fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
     ctx: &BwdCtx<'_, T>,
     chunk: &QueryChunk,
     ds: &[T],
     sc: &mut BwdScratch<T>,
-    item: QueryItem<'_, '_, T>,
+    item: QueryItem<'_, '_, S>,
 ) -> bool {
     let Layout { l, d, dp, .. } = ctx.lay;
     let QueryItem { h, qt, dq: dq_rows } = item;

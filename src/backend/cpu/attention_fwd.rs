@@ -7,7 +7,9 @@ use super::microkernel::{
 };
 use super::operands::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
 use super::workspace::Staggered;
-use super::{check_result, run_parallel, BlockMasks, CpuFloat, KeyTileBounds, TileClass, TILE};
+use super::{
+    check_result, run_parallel, BlockMasks, CpuElement, CpuFloat, KeyTileBounds, TileClass, TILE,
+};
 use crate::backend::{ForwardCall, Host};
 use crate::{Error, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,8 +21,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// products and softmax sums accumulate in `T`. Errors: a NaN or ±inf in
 /// the result (scores that overflow `T`, or non-finite inputs when they
 /// were not checked).
-pub(crate) fn forward<T: CpuFloat>(
-    call: ForwardCall<'_, '_, Host, T, T>,
+pub(crate) fn forward<T: CpuFloat, S: CpuElement<Compute = T>>(
+    call: ForwardCall<'_, '_, Host, S, T>,
     threads: usize,
 ) -> Result<()> {
     let (args, o, lse) = call.into_parts();
@@ -99,13 +101,13 @@ pub(crate) fn forward<T: CpuFloat>(
     Ok(())
 }
 
-struct FwdCtx<'a, T> {
+struct FwdCtx<'a, T, S> {
     lay: Layout,
     group: usize,
     scale: T,
     bounds: &'a KeyTileBounds,
     /// `[tokens, q_heads, head_dim]`, as given, and the rotary table for it.
-    q: &'a [T],
+    q: &'a [S],
     q_heads: usize,
     rope: Option<&'a RopeTable>,
     /// `[kv_heads, lpad / TILE, dp, TILE]`, rotated.
@@ -115,12 +117,12 @@ struct FwdCtx<'a, T> {
 }
 
 /// One (query head, query tile): its output rows and LSE entries.
-struct FwdItem<'a, 'b, T> {
+struct FwdItem<'a, 'b, T, S> {
     h: usize,
     qt: usize,
     /// The tile's rows (up to `TILE`, `head_dim` values each) of the
     /// caller's token-major `o`.
-    o: &'a mut [&'b mut [T]],
+    o: &'a mut [&'b mut [S]],
     /// Up to `TILE` entries of the `[q_heads, tokens]` LSE.
     lse: &'a mut [T],
 }
@@ -153,14 +155,14 @@ impl<T: CpuFloat> FwdScratch<T> {
 
 simd_dispatch! {
     /// Runs one work item; `false` if it stored a non-finite value into `o`.
-    fn query_tile(ctx: &FwdCtx<'_, T>, s: &mut FwdScratch<T>, item: FwdItem<'_, '_, T>) -> bool => query_tile_body
+    fn query_tile<S>(ctx: &FwdCtx<'_, T, S>, s: &mut FwdScratch<T>, item: FwdItem<'_, '_, T, S>) -> bool => query_tile_body
 }
 
 #[inline(always)]
-fn query_tile_body<T: CpuFloat, const FMA: bool>(
-    ctx: &FwdCtx<'_, T>,
+fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
+    ctx: &FwdCtx<'_, T, S>,
     sc: &mut FwdScratch<T>,
-    item: FwdItem<'_, '_, T>,
+    item: FwdItem<'_, '_, T, S>,
 ) -> bool {
     let Layout { l, lpad, d, dp, .. } = ctx.lay;
     let FwdItem {

@@ -1,6 +1,10 @@
-//! The element types of the CPU backend.
+//! The element types of the CPU backend: the types it computes in
+//! ([`CpuFloat`]: `f32`, `f64`) and the types it takes and returns
+//! ([`CpuElement`]: those two, and `bf16`, `f16` computed in `f32`).
 
 use crate::backend::Element;
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
 use std::fmt::{Debug, Display};
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
 
@@ -13,6 +17,7 @@ use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
 /// computed in `f64` whatever `Self` is.
 pub trait CpuFloat:
     Element
+    + CpuElement<Compute = Self>
     + Copy
     + Send
     + Sync
@@ -106,6 +111,87 @@ macro_rules! impl_cpu_float {
 
 impl_cpu_float!(f32, exp_f32, exp_f32_lanes);
 impl_cpu_float!(f64, f64::exp, exp_f64_lanes);
+
+/// An element type the CPU backend takes and returns: `f32` and `f64`,
+/// computed in themselves, and `bf16` and `f16`, computed in `f32`.
+///
+/// Inputs are widened exactly (every `bf16` and `f16` is an `f32`) when
+/// the backend copies them into its head-major operands, so a call on
+/// 16-bit inputs computes exactly what the `f32` call on the widened
+/// inputs computes; each result element is then rounded once to `Self`
+/// (to nearest, ties to even) as it is stored. Its LSE is an `f32`, as the
+/// GPU kernels' is.
+pub trait CpuElement: Element + Default {
+    /// The type dot products, softmax sums and the LSE are computed in.
+    type Compute: CpuFloat;
+    /// `self` as a [`Self::Compute`], exactly.
+    fn widen(self) -> Self::Compute;
+    /// `dst[i] = src[i]` widened, exactly; equal lengths.
+    fn widen_slice(src: &[Self], dst: &mut [Self::Compute]);
+    /// `dst[i] = src[i]` rounded to nearest; equal lengths. Returns whether
+    /// every stored value is finite, read from `src` (in cache) rather than
+    /// from the just-written `dst`: `src` finite and below the first
+    /// magnitude that rounds to infinity in `Self`.
+    fn narrow_slice(src: &[Self::Compute], dst: &mut [Self]) -> bool;
+}
+
+macro_rules! impl_cpu_element_same {
+    ($t:ty) => {
+        impl CpuElement for $t {
+            type Compute = $t;
+            #[inline(always)]
+            fn widen(self) -> Self {
+                self
+            }
+            #[inline(always)]
+            fn widen_slice(src: &[Self], dst: &mut [Self]) {
+                dst.copy_from_slice(src);
+            }
+            #[inline(always)]
+            fn narrow_slice(src: &[Self], dst: &mut [Self]) -> bool {
+                dst.copy_from_slice(src);
+                src.iter().fold(true, |ok, x| ok & x.is_finite())
+            }
+        }
+    };
+}
+
+impl_cpu_element_same!(f32);
+impl_cpu_element_same!(f64);
+
+macro_rules! impl_cpu_element_half {
+    ($t:ty, $overflow:expr) => {
+        impl CpuElement for $t {
+            type Compute = f32;
+            #[inline(always)]
+            fn widen(self) -> f32 {
+                self.to_f32()
+            }
+            #[inline(always)]
+            fn widen_slice(src: &[Self], dst: &mut [f32]) {
+                src.convert_to_f32_slice(dst);
+            }
+            #[inline(always)]
+            fn narrow_slice(src: &[f32], dst: &mut [Self]) -> bool {
+                dst.convert_from_f32_slice(src);
+                // `<` is false for NaN and ±inf too.
+                src.iter().fold(true, |ok, x| ok & (x.abs() < $overflow))
+            }
+        }
+    };
+}
+
+// The smallest magnitudes that round to infinity: half-way between the
+// largest finite value and the next power of two (ties go to the even
+// significand, infinity's).
+impl_cpu_element_half!(bf16, BF16_OVERFLOW);
+impl_cpu_element_half!(f16, F16_OVERFLOW);
+
+/// bf16's largest finite value is 0x7F7F (3.3895e38); 0x7F7F_8000 as `f32`
+/// is half-way to 2^128.
+const BF16_OVERFLOW: f32 = f32::from_bits(0x7F7F_8000);
+/// f16's largest finite value is 65504; 65520 is half-way to 2^16.
+const F16_OVERFLOW: f32 = 65_520.0;
 
 fn exp_f64_lanes(xs: &mut [f64; 8]) {
     xs.iter_mut().for_each(|x| *x = x.exp());
@@ -222,5 +308,49 @@ mod tests {
         assert_eq!(inf, [0.0; 8]);
         assert_eq!(exp_f32(-100.0), 0.0);
         assert_eq!(exp_f32(0.0), 1.0);
+    }
+
+    /// Narrowing rounds to nearest even and reports exactly the values that
+    /// do not survive it: the last finite values stay finite, the
+    /// half-way points round to infinity and are reported, as are NaN and
+    /// ±inf; widening is exact.
+    #[test]
+    fn narrowing_reports_exactly_what_overflows() {
+        let below = |x: f32| f32::from_bits(x.to_bits() - 1);
+        for (over, max) in [
+            (BF16_OVERFLOW, bf16::MAX.to_f32()),
+            (F16_OVERFLOW, f16::MAX.to_f32()),
+        ] {
+            let mut b = [bf16::ZERO; 1];
+            let mut h = [f16::ZERO; 1];
+            let narrow = |x: f32, b: &mut [bf16; 1], h: &mut [f16; 1]| {
+                if over == BF16_OVERFLOW {
+                    (bf16::narrow_slice(&[x], b), b[0].is_finite())
+                } else {
+                    (f16::narrow_slice(&[x], h), h[0].is_finite())
+                }
+            };
+            for x in [max, below(over), -below(over), 1.0, 0.0, -0.0] {
+                assert_eq!(narrow(x, &mut b, &mut h), (true, true), "{x}");
+            }
+            for x in [over, -over, f32::INFINITY, f32::NEG_INFINITY] {
+                assert_eq!(narrow(x, &mut b, &mut h), (false, false), "{x}");
+            }
+            assert!(!narrow(f32::NAN, &mut b, &mut h).0);
+        }
+        // Ties to even: 1 + 2^-8 lies half-way between bf16 1 and 1 + 2^-7.
+        let mut b = [bf16::ZERO; 2];
+        assert!(bf16::narrow_slice(
+            &[1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8)],
+            &mut b
+        ));
+        assert_eq!(b.map(bf16::to_f32), [1.0, 1.0 + 2f32.powi(-6)]);
+        let all: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        let mut wide = vec![0.0f32; all.len()];
+        bf16::widen_slice(&all, &mut wide);
+        for (x, w) in all.iter().zip(&wide) {
+            assert!(x.to_f64() == *w as f64 || x.is_nan() && w.is_nan());
+            assert_eq!(x.widen().to_bits(), w.to_bits());
+        }
     }
 }

@@ -409,17 +409,31 @@ fn madd<T: CpuFloat, const FMA: bool>(x: T, y: T, acc: T) -> T {
 /// [`isa`] chooses, and the portable `$body::<T, false>` elsewhere. The two
 /// SIMD copies are the same code (the same operations in the same order,
 /// fused multiply-adds in both) compiled for different registers, so they
-/// give the same bits.
+/// give the same bits. Written `fn $name<S>(..)`, the function is generic
+/// over the caller's element type too (`T` computing, `S: CpuElement<Compute
+/// = T>` stored) and runs `$body::<T, S, _>`.
 macro_rules! simd_dispatch {
     ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty => $body:ident) => {
-        $(#[$doc])*
-        fn $name<T: CpuFloat>($($arg: $ty),*) -> $ret {
+        $crate::backend::cpu::microkernel::simd_dispatch! {
+            @fn [$(#[$doc])*] $name [T: CpuFloat] [T] ($($arg: $ty),*) -> $ret => $body
+        }
+    };
+    ($(#[$doc:meta])* fn $name:ident<S>($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty => $body:ident) => {
+        $crate::backend::cpu::microkernel::simd_dispatch! {
+            @fn [$(#[$doc])*]
+            $name [T: CpuFloat, S: $crate::backend::cpu::CpuElement<Compute = T>] [T, S]
+            ($($arg: $ty),*) -> $ret => $body
+        }
+    };
+    (@fn [$($attr:tt)*] $name:ident [$($g:tt)*] [$($p:ident),*] ($($arg:ident: $ty:ty),*) -> $ret:ty => $body:ident) => {
+        $($attr)*
+        fn $name<$($g)*>($($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
             match $crate::backend::cpu::microkernel::isa() {
                 $crate::backend::cpu::Isa::Avx512 => {
                     #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
-                    unsafe fn avx512<T: CpuFloat>($($arg: $ty),*) -> $ret {
-                        $body::<T, true>($($arg),*)
+                    unsafe fn avx512<$($g)*>($($arg: $ty),*) -> $ret {
+                        $body::<$($p,)* true>($($arg),*)
                     }
                     // SAFETY: the running CPU supports AVX-512 F, VL, BW,
                     // DQ, AVX2 and FMA (checked at run time).
@@ -427,8 +441,8 @@ macro_rules! simd_dispatch {
                 }
                 $crate::backend::cpu::Isa::Avx2Fma => {
                     #[target_feature(enable = "avx2,fma")]
-                    unsafe fn avx2<T: CpuFloat>($($arg: $ty),*) -> $ret {
-                        $body::<T, true>($($arg),*)
+                    unsafe fn avx2<$($g)*>($($arg: $ty),*) -> $ret {
+                        $body::<$($p,)* true>($($arg),*)
                     }
                     // SAFETY: the running CPU supports AVX2 and FMA (checked
                     // at run time).
@@ -436,7 +450,7 @@ macro_rules! simd_dispatch {
                 }
                 $crate::backend::cpu::Isa::Portable => {}
             }
-            $body::<T, false>($($arg),*)
+            $body::<$($p,)* false>($($arg),*)
         }
     };
 }

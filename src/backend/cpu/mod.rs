@@ -125,7 +125,7 @@ pub use census::{
     block_counts, computed_entries, gather_counts, tile_counts, BlockCounts, GatherCounts,
     TileCounts, BLOCK_KEYS, BLOCK_QUERIES,
 };
-pub use float::CpuFloat;
+pub use float::{CpuElement, CpuFloat};
 pub use pool::{num_threads, set_default_threads};
 
 pub(crate) use bounds::{BlockMasks, KeyTileBounds};
@@ -173,13 +173,13 @@ impl Cpu {
     }
 }
 
-impl<T: CpuFloat> AttentionBackend<T> for Cpu {
+impl<S: CpuElement> AttentionBackend<S> for Cpu {
     type Memory = Host;
-    type Lse = T;
-    fn run_forward(&self, call: ForwardCall<'_, '_, Host, T, T>) -> Result<()> {
+    type Lse = S::Compute;
+    fn run_forward(&self, call: ForwardCall<'_, '_, Host, S, S::Compute>) -> Result<()> {
         attention_fwd::forward(call, self.threads())
     }
-    fn run_backward(&self, call: BackwardCall<'_, '_, '_, Host, T, T>) -> Result<()> {
+    fn run_backward(&self, call: BackwardCall<'_, '_, '_, Host, S, S::Compute>) -> Result<()> {
         attention_bwd::backward(call, self.threads())
     }
 }

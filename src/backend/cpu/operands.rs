@@ -23,8 +23,8 @@
 //! output into disjoint rows.
 
 use super::workspace::{self, Buf};
-use super::{run_parallel, CpuFloat, TILE};
-use crate::backend::Rope;
+use super::{run_parallel, CpuElement, CpuFloat, TILE};
+use crate::backend::{Element, Rope};
 use std::ops::Range;
 
 /// The head dim is padded to a multiple of this (the kernels' column block).
@@ -64,17 +64,17 @@ impl Layout {
     /// input asks for ([`Input::with_row_dots`]). Every element of the
     /// results is written, so the buffers come from the pool without a
     /// separate zero-fill pass.
-    pub(crate) fn copy_inputs<T: CpuFloat, const N: usize>(
+    pub(crate) fn copy_inputs<S: CpuElement, const N: usize>(
         &self,
-        inputs: [Input<'_, T>; N],
-    ) -> [Buf<T>; N] {
+        inputs: [Input<'_, S>; N],
+    ) -> [Buf<S::Compute>; N] {
         let per_head = self.lpad * self.dp;
         let mut bufs = inputs.each_ref().map(|x| {
             let copies = match x.form {
                 Form::Rows | Form::Columns => 1,
                 Form::Both => 2,
             };
-            workspace::take_stale(copies * x.copied.len() * per_head, T::ZERO)
+            workspace::take_stale(copies * x.copied.len() * per_head, S::Compute::ZERO)
         });
         // One work item per (input, head, piece of up to COPY_TILES tiles),
         // transposes (the slower kind) first: whole heads were 4 items per
@@ -82,7 +82,7 @@ impl Layout {
         let piece = COPY_TILES * TILE;
         let mut work = Vec::new();
         for (buf, x) in bufs.iter_mut().zip(inputs) {
-            let (rows, columns): (&mut [T], &mut [T]) = match x.form {
+            let (rows, columns): (&mut [S::Compute], &mut [S::Compute]) = match x.form {
                 Form::Rows => (buf, &mut []),
                 Form::Columns => (&mut [], buf),
                 Form::Both => buf.split_at_mut(x.copied.len() * per_head),
@@ -121,7 +121,7 @@ impl Layout {
         run_parallel(
             work,
             self.threads,
-            || vec![T::ZERO; TILE * self.dp],
+            || vec![S::Compute::ZERO; TILE * self.dp],
             |block, item| self.copy_head(block, item),
         );
         bufs
@@ -134,28 +134,28 @@ impl Layout {
     /// row starts in `x` (`None` for a zero row).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    fn padded_row<T: CpuFloat>(
+    fn padded_row<S: CpuElement>(
         &self,
-        x: &[T],
+        x: &[S],
         heads: usize,
         h: usize,
         t: usize,
         rope: Option<&RopeTable>,
         ignored: Option<&[bool]>,
-        row: &mut [T],
+        row: &mut [S::Compute],
     ) -> Option<usize> {
         let d = self.d;
         if t >= self.l || ignored.is_some_and(|z| z[t]) {
-            row.fill(T::ZERO);
+            row.fill(S::Compute::ZERO);
             return None;
         }
         let at = (t * heads + h) * d;
         let src = &x[at..at + d];
         match rope {
             Some(r) => r.rotate(t, src, &mut row[..d], false),
-            None => row[..d].copy_from_slice(src),
+            None => S::widen_slice(src, &mut row[..d]),
         }
-        row[d..].fill(T::ZERO);
+        row[d..].fill(S::Compute::ZERO);
         Some(at)
     }
 
@@ -163,14 +163,14 @@ impl Layout {
     /// `[TILE, dp]`, as [`Self::copy_inputs`] lays them out (rotated by
     /// `rope` if given, padding zero): for a work item that is the only
     /// reader of those rows, so that they need no head-major copy in memory.
-    pub(crate) fn copy_tile<T: CpuFloat>(
+    pub(crate) fn copy_tile<S: CpuElement>(
         &self,
-        x: &[T],
+        x: &[S],
         heads: usize,
         h: usize,
         t0: usize,
         rope: Option<&RopeTable>,
-        tile: &mut [T],
+        tile: &mut [S::Compute],
     ) {
         self.prefetch_tile_rows(x, heads, h, t0);
         for (j, row) in tile[..TILE * self.dp].chunks_exact_mut(self.dp).enumerate() {
@@ -205,7 +205,7 @@ impl Layout {
     /// go into the row-major copy (or `block` when only columns are wanted),
     /// then, while they are in cache, into the `TILE`-long runs of the
     /// transposed copy.
-    fn copy_head<T: CpuFloat>(&self, block: &mut [T], mut item: CopyItem<'_, '_, T>) {
+    fn copy_head<S: CpuElement>(&self, block: &mut [S::Compute], mut item: CopyItem<'_, '_, S>) {
         let Layout { d, dp, .. } = *self;
         for t0 in (item.t0..item.t1).step_by(TILE) {
             self.prefetch_tile_rows(item.x, item.heads, item.h, t0);
@@ -222,13 +222,13 @@ impl Layout {
                 if let Some((with, out)) = item.dots.as_mut() {
                     out[p0 + j] = match at {
                         Some(at) => {
-                            let mut acc = T::ZERO;
+                            let mut acc = S::Compute::ZERO;
                             for (&a, &b) in with[at..at + d].iter().zip(&item.x[at..at + d]) {
-                                acc += a * b;
+                                acc += a.widen() * b.widen();
                             }
                             acc
                         }
-                        None => T::ZERO,
+                        None => S::Compute::ZERO,
                     };
                 }
             }
@@ -240,8 +240,8 @@ impl Layout {
 }
 
 /// The rows of one [`Layout::copy_inputs`] work item.
-struct CopyItem<'a, 'b, T> {
-    x: &'a [T],
+struct CopyItem<'a, 'b, S: CpuElement> {
+    x: &'a [S],
     heads: usize,
     rope: Option<&'a RopeTable>,
     ignored: Option<&'a [bool]>,
@@ -250,11 +250,11 @@ struct CopyItem<'a, 'b, T> {
     t0: usize,
     t1: usize,
     /// The piece's rows `[t1 − t0, dp]` of the row-major copy.
-    rows: Option<&'b mut [T]>,
+    rows: Option<&'b mut [S::Compute]>,
     /// The piece's tiles `[(t1 − t0) / TILE, dp, TILE]` of the transposed copy.
-    columns: Option<&'b mut [T]>,
+    columns: Option<&'b mut [S::Compute]>,
     /// The other operand `[l, heads, d]` and the piece's `t1 − t0` dots.
-    dots: Option<(&'a [T], &'b mut [T])>,
+    dots: Option<(&'a [S], &'b mut [S::Compute])>,
 }
 
 /// Tiles per work item of [`Layout::copy_inputs`].
@@ -281,8 +281,8 @@ enum Form {
 }
 
 /// One input of [`Layout::copy_inputs`]: `x` is `[l, heads, d]`.
-pub(crate) struct Input<'a, T> {
-    x: &'a [T],
+pub(crate) struct Input<'a, S: CpuElement> {
+    x: &'a [S],
     heads: usize,
     /// The heads copied (all unless [`Input::heads`] narrows them).
     copied: Range<usize>,
@@ -290,19 +290,19 @@ pub(crate) struct Input<'a, T> {
     /// Rows copied as zeros ([`Input::ignoring`]).
     ignored: Option<&'a [bool]>,
     form: Form,
-    dots: Option<RowDots<'a, T>>,
+    dots: Option<RowDots<'a, S>>,
 }
 
 /// `out[(h − copied.start) · lpad + t] = Σ_c with[t, h, c] · x[t, h, c]`,
 /// summed in order of `c` (0 for the padding rows `t >= l`).
-struct RowDots<'a, T> {
-    with: &'a [T],
-    out: &'a mut [T],
+struct RowDots<'a, S: CpuElement> {
+    with: &'a [S],
+    out: &'a mut [S::Compute],
 }
 
-impl<'a, T> Input<'a, T> {
+impl<'a, S: CpuElement> Input<'a, S> {
     /// `[heads, lpad, dp]`, rotated by `rope` if given.
-    pub(crate) fn rows(x: &'a [T], heads: usize, rope: Option<&'a RopeTable>) -> Self {
+    pub(crate) fn rows(x: &'a [S], heads: usize, rope: Option<&'a RopeTable>) -> Self {
         Input {
             x,
             heads,
@@ -315,7 +315,7 @@ impl<'a, T> Input<'a, T> {
     }
 
     /// `[heads, lpad / TILE, dp, TILE]`, rotated by `rope` if given.
-    pub(crate) fn columns(x: &'a [T], heads: usize, rope: Option<&'a RopeTable>) -> Self {
+    pub(crate) fn columns(x: &'a [S], heads: usize, rope: Option<&'a RopeTable>) -> Self {
         Input {
             x,
             heads,
@@ -330,7 +330,7 @@ impl<'a, T> Input<'a, T> {
     /// `[heads, lpad, dp]` followed by `[heads, lpad / TILE, dp, TILE]` in one buffer
     /// (split it at `heads · lpad · dp`), rotated by `rope` if given: the
     /// source is read and rotated once for both.
-    pub(crate) fn rows_and_columns(x: &'a [T], heads: usize, rope: Option<&'a RopeTable>) -> Self {
+    pub(crate) fn rows_and_columns(x: &'a [S], heads: usize, rope: Option<&'a RopeTable>) -> Self {
         Input {
             x,
             heads,
@@ -368,7 +368,7 @@ impl<'a, T> Input<'a, T> {
     /// x[t, h, c]` for the copied heads `h` (the unrotated `x`; summed in
     /// order of `c`; 0 for the padding rows `t >= l`): `with` is
     /// `[l, heads, d]` like `x`, `out` is `[copied heads, lpad]`.
-    pub(crate) fn with_row_dots(self, with: &'a [T], out: &'a mut [T]) -> Self {
+    pub(crate) fn with_row_dots(self, with: &'a [S], out: &'a mut [S::Compute]) -> Self {
         Input {
             dots: Some(RowDots { with, out }),
             ..self
@@ -391,24 +391,24 @@ pub(crate) fn head_tile_rows<T>(out: &mut [T], heads: usize, d: usize) -> Vec<Ve
     rows
 }
 
-/// Stores one finished result row: `dst = src`, rotated back by `rope` (the
-/// transpose rotation, for gradients) at token `t` if given, in place in
-/// `src` first. Returns whether every stored value is finite, so the
-/// callers' result check rides on the store instead of a second pass over
-/// the output. The check reads `src` (in cache), never `dst`: reading back
-/// just-stored values stalls until their cache lines arrive.
+/// Stores one finished result row: `dst = src` (rounded to the output's
+/// element type), rotated back by `rope` (the transpose rotation, for
+/// gradients) at token `t` if given, in place in `src` first. Returns
+/// whether every stored value is finite, so the callers' result check rides
+/// on the store instead of a second pass over the output. The check reads
+/// `src` (in cache), never `dst`: reading back just-stored values stalls
+/// until their cache lines arrive ([`CpuElement::narrow_slice`]).
 #[inline(always)]
-pub(crate) fn store_row<T: CpuFloat>(
-    src: &mut [T],
-    dst: &mut [T],
+pub(crate) fn store_row<S: CpuElement>(
+    src: &mut [S::Compute],
+    dst: &mut [S],
     t: usize,
     rope: Option<&RopeTable>,
 ) -> bool {
     if let Some(r) = rope {
         r.rotate_in_place(t, src, true);
     }
-    dst.copy_from_slice(src);
-    src.iter().fold(true, |ok, x| ok & x.is_finite())
+    S::narrow_slice(src, dst)
 }
 
 /// Asks the CPU to fetch, for writing, the cache lines of `rows` (the output
@@ -515,21 +515,28 @@ impl RopeTable {
         (&self.cos[row * h..][..h], &self.sin[row * h..][..h])
     }
 
-    /// Rotates one head row of token `t` (Llama rotate-half, see [`Rope`]);
+    /// Rotates one head row of token `t` (Llama rotate-half, see [`Rope`]),
+    /// widened to the compute type (exactly: the arithmetic is in f64);
     /// `inverse` applies the transpose rotation (used on gradients). Lanes
     /// past `dims` are copied.
     #[inline]
-    pub(crate) fn rotate<T: CpuFloat>(&self, t: usize, src: &[T], dst: &mut [T], inverse: bool) {
+    pub(crate) fn rotate<S: CpuElement>(
+        &self,
+        t: usize,
+        src: &[S],
+        dst: &mut [S::Compute],
+        inverse: bool,
+    ) {
         let h = self.half;
         let (cos, sin) = self.angles(t);
         let sign = if inverse { -1.0 } else { 1.0 };
         for i in 0..h {
             let (a, b) = (src[i].to_f64(), src[i + h].to_f64());
             let (c, s) = (cos[i], sign * sin[i]);
-            dst[i] = T::from_f64(a * c - b * s);
-            dst[i + h] = T::from_f64(b * c + a * s);
+            dst[i] = S::Compute::from_f64(a * c - b * s);
+            dst[i + h] = S::Compute::from_f64(b * c + a * s);
         }
-        dst[2 * h..].copy_from_slice(&src[2 * h..]);
+        S::widen_slice(&src[2 * h..], &mut dst[2 * h..]);
     }
 
     /// [`Self::rotate`] of `row` in place (the same arithmetic): each pair

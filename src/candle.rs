@@ -7,7 +7,8 @@
 //! [`AttnParams`] (softmax scale, rotary at the pack's position ids), and
 //! returns O `[L, Hq, d]`. It is a [`CustomOp3`]: the forward runs the CPU
 //! backend ([`Cpu::default`], so [`crate::backend::cpu::set_default_threads`]
-//! applies) in f32 or f64, bf16 / f16 through f32; the LSE it computes is
+//! applies) in f32 or f64, and on bf16 / f16 tensors as they are (widened
+//! exactly, computed in f32, rounded once as stored); the LSE it computes is
 //! kept in the op, so the backward (candle's `backward()` reaches the op's
 //! `bwd`) runs the contract's backward without a second forward, and yields
 //! dQ, dK, dV. With the feature `candle-cuda`, CUDA tensors (bf16 / f16,
@@ -45,7 +46,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
-use crate::backend::cpu::{Cpu, CpuFloat};
+use crate::backend::cpu::{Cpu, CpuElement};
 use crate::backend::{AttnArgs, AttnOut, AttnParams, AttnShape, HostAttention};
 use crate::mask::PackMask;
 use crate::plan::MaskPlan;
@@ -173,39 +174,36 @@ fn host<'a, T>(data: &'a [T], l: &Layout, what: &str) -> candle_core::Result<&'a
 }
 
 impl TreeAttention {
-    fn args<'a, T: CpuFloat>(
+    fn args<'a, S: CpuElement>(
         &'a self,
-        q: &'a [T],
-        k: &'a [T],
-        v: &'a [T],
-    ) -> candle_core::Result<AttnArgs<'a, crate::backend::Host, T>> {
+        q: &'a [S],
+        k: &'a [S],
+        v: &'a [S],
+    ) -> candle_core::Result<AttnArgs<'a, crate::backend::Host, S>> {
         AttnArgs::new(q, k, v, self.shape, self.plan.mask(), self.params).map_err(err)
     }
 
-    fn forward<T: CpuFloat>(
+    /// O in the inputs' type, the LSE in the compute type (f32 for bf16 and
+    /// f16: the CPU backend takes them as they are).
+    fn forward<S: CpuElement>(
         &self,
-        q: &[T],
-        k: &[T],
-        v: &[T],
-    ) -> candle_core::Result<AttnOut<T, T>> {
+        q: &[S],
+        k: &[S],
+        v: &[S],
+    ) -> candle_core::Result<AttnOut<S, S::Compute>> {
         Cpu::default()
             .forward_owned(&self.args(q, k, v)?)
             .map_err(err)
     }
 
-    /// dQ, dK, dV in the compute type `T`, from host copies of the
+    /// dQ, dK, dV in the tensors' type `S`, from host copies of the
     /// tensors, with the kept LSE (or a recomputed one).
-    fn grads<T: CpuFloat + candle_core::WithDType>(
+    fn grads<S: CpuElement + candle_core::WithDType>(
         &self,
         t: [&Tensor; 5],
-        dtype: DType,
-        kept: Option<Vec<T>>,
-    ) -> candle_core::Result<[Vec<T>; 3]> {
-        let [q, k, v, o, d_o] = t.map(|x| {
-            x.to_dtype(dtype)
-                .and_then(|x| x.flatten_all())
-                .and_then(|x| x.to_vec1::<T>())
-        });
+        kept: Option<Vec<S::Compute>>,
+    ) -> candle_core::Result<[Vec<S>; 3]> {
+        let [q, k, v, o, d_o] = t.map(|x| x.flatten_all().and_then(|x| x.to_vec1::<S>()));
         let (q, k, v, o, d_o) = (q?, k?, v?, o?, d_o?);
         let args = self.args(&q, &k, &v)?;
         let lse = match kept {
@@ -236,8 +234,6 @@ impl CustomOp3 for TreeAttention {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let out_shape =
             Shape::from_dims(&[self.shape.tokens, self.shape.q_heads, self.shape.head_dim]);
-        let to_f32 = |s: &[half::bf16]| s.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
-        let to_f32h = |s: &[half::f16]| s.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
         let (storage, lse) = match (s1, s2, s3) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
                 let f = self.forward(host(q, l1, "q")?, host(k, l2, "k")?, host(v, l3, "v")?)?;
@@ -248,24 +244,12 @@ impl CustomOp3 for TreeAttention {
                 (CpuStorage::F64(f.o), Lse::F64(f.lse))
             }
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                let (q, k, v) = (
-                    to_f32(host(q, l1, "q")?),
-                    to_f32(host(k, l2, "k")?),
-                    to_f32(host(v, l3, "v")?),
-                );
-                let f = self.forward(&q, &k, &v)?;
-                let o = f.o.iter().map(|&x| half::bf16::from_f32(x)).collect();
-                (CpuStorage::BF16(o), Lse::F32(f.lse))
+                let f = self.forward(host(q, l1, "q")?, host(k, l2, "k")?, host(v, l3, "v")?)?;
+                (CpuStorage::BF16(f.o), Lse::F32(f.lse))
             }
             (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
-                let (q, k, v) = (
-                    to_f32h(host(q, l1, "q")?),
-                    to_f32h(host(k, l2, "k")?),
-                    to_f32h(host(v, l3, "v")?),
-                );
-                let f = self.forward(&q, &k, &v)?;
-                let o = f.o.iter().map(|&x| half::f16::from_f32(x)).collect();
-                (CpuStorage::F16(o), Lse::F32(f.lse))
+                let f = self.forward(host(q, l1, "q")?, host(k, l2, "k")?, host(v, l3, "v")?)?;
+                (CpuStorage::F16(f.o), Lse::F32(f.lse))
             }
             // f32, f64, bf16 and f16 are the CPU op's dtypes.
             _ => {
@@ -321,42 +305,32 @@ impl CustomOp3 for TreeAttention {
             (s.tokens, s.kv_heads, s.head_dim),
         );
         let dims = [q_dims, kv_dims, kv_dims];
-        let [dq, dk, dv] = if q.dtype() == DType::F64 {
-            let kept = match kept {
-                Some(Lse::F64(l)) => Some(l),
-                _ => None,
-            };
-            tensors(
-                self.grads::<f64>(t, DType::F64, kept)?,
-                dims,
-                dev,
-                q.dtype(),
-            )?
-        } else {
-            let kept = match kept {
-                Some(Lse::F32(l)) => Some(l),
-                _ => None,
-            };
-            tensors(
-                self.grads::<f32>(t, DType::F32, kept)?,
-                dims,
-                dev,
-                q.dtype(),
-            )?
+        let (f32_lse, f64_lse) = match kept {
+            Some(Lse::F32(l)) => (Some(l), None),
+            Some(Lse::F64(l)) => (None, Some(l)),
+            _ => (None, None),
+        };
+        let [dq, dk, dv] = match q.dtype() {
+            DType::F64 => tensors(self.grads::<f64>(t, f64_lse)?, dims, dev)?,
+            DType::F32 => tensors(self.grads::<f32>(t, f32_lse)?, dims, dev)?,
+            DType::BF16 => tensors(self.grads::<half::bf16>(t, f32_lse)?, dims, dev)?,
+            DType::F16 => tensors(self.grads::<half::f16>(t, f32_lse)?, dims, dev)?,
+            other => {
+                return Err(candle_core::Error::UnsupportedDTypeForOp(other, self.name()).bt())
+            }
         };
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
 
-/// Gradients as tensors of the inputs' shapes, device and dtype.
+/// Gradients as tensors of the inputs' shapes and device (and dtype: `T`).
 fn tensors<T: candle_core::WithDType>(
     g: [Vec<T>; 3],
     dims: [(usize, usize, usize); 3],
     dev: &candle_core::Device,
-    dtype: DType,
 ) -> candle_core::Result<[Tensor; 3]> {
     let [a, b, c] = g;
-    let t = |g: Vec<T>, d| Tensor::from_vec(g, d, dev)?.to_dtype(dtype);
+    let t = |g: Vec<T>, d| Tensor::from_vec(g, d, dev);
     Ok([t(a, dims[0])?, t(b, dims[1])?, t(c, dims[2])?])
 }
 

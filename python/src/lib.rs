@@ -27,7 +27,7 @@ use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use treeattn::backend::cpu::Cpu;
+use treeattn::backend::cpu::{Cpu, CpuElement};
 use treeattn::backend::{
     AttentionBackend, AttnArgs, AttnParams, AttnShape, Element, Grads, Host, Rope, Saved, SdccArgs,
     SdccBackend,
@@ -263,17 +263,14 @@ fn cpu(threads: usize) -> Cpu {
 /// Forward of element type `T` into the caller's `o` and `lse`.
 ///
 /// Safety: see [`slice`] for every address.
-unsafe fn forward_t<T: Element>(
+unsafe fn forward_t<T: CpuElement>(
     c: Call,
     p: Ptrs,
     plan: Option<&MaskPlan>,
     o: usize,
     lse: usize,
     threads: usize,
-) -> PyResult<()>
-where
-    Cpu: AttentionBackend<T, Memory = Host, Lse = T>,
-{
+) -> PyResult<()> {
     let s = c.shape;
     let mask = call_mask(plan, p, s.tokens)?;
     let args = AttnArgs::<Host, T>::new(
@@ -286,7 +283,7 @@ where
     )
     .map_err(to_py)?;
     let o = slice_mut::<T>("o", o, s.q_len())?;
-    let lse = slice_mut::<T>("lse", lse, s.lse_len())?;
+    let lse = slice_mut::<T::Compute>("lse", lse, s.lse_len())?;
     cpu(threads).forward(&args, o, lse).map_err(to_py)
 }
 
@@ -294,7 +291,7 @@ where
 ///
 /// Safety: see [`slice`] for every address.
 #[allow(clippy::too_many_arguments)]
-unsafe fn backward_t<T: Element>(
+unsafe fn backward_t<T: CpuElement>(
     c: Call,
     p: Ptrs,
     plan: Option<&MaskPlan>,
@@ -305,10 +302,7 @@ unsafe fn backward_t<T: Element>(
     dk: usize,
     dv: usize,
     threads: usize,
-) -> PyResult<()>
-where
-    Cpu: AttentionBackend<T, Memory = Host, Lse = T>,
-{
+) -> PyResult<()> {
     let s = c.shape;
     let mask = call_mask(plan, p, s.tokens)?;
     let args = AttnArgs::<Host, T>::new(
@@ -322,7 +316,7 @@ where
     .map_err(to_py)?;
     let saved = Saved {
         o: slice::<T>("o", o, s.q_len())?,
-        lse: slice::<T>("lse", lse, s.lse_len())?,
+        lse: slice::<T::Compute>("lse", lse, s.lse_len())?,
     };
     let d_o = slice::<T>("grad_out", d_o, s.q_len())?;
     let grads = Grads {
@@ -337,7 +331,7 @@ where
 
 fn dtype_error(dtype: &str) -> PyErr {
     PyValueError::new_err(format!(
-        "dtype {dtype:?}: the CPU backend computes in float32 or float64"
+        "dtype {dtype:?}: the CPU backend takes float32, float64, bfloat16 or float16"
     ))
 }
 
@@ -383,6 +377,8 @@ fn attention_forward(
             match dtype.as_str() {
                 "float32" => forward_t::<f32>(c, p, plan, o, lse, threads),
                 "float64" => forward_t::<f64>(c, p, plan, o, lse, threads),
+                "bfloat16" => forward_t::<treeattn::half::bf16>(c, p, plan, o, lse, threads),
+                "float16" => forward_t::<treeattn::half::f16>(c, p, plan, o, lse, threads),
                 other => Err(dtype_error(other)),
             }
         })
@@ -435,6 +431,12 @@ fn attention_backward(
             match dtype.as_str() {
                 "float32" => backward_t::<f32>(c, p, plan, o, lse, grad_out, dq, dk, dv, threads),
                 "float64" => backward_t::<f64>(c, p, plan, o, lse, grad_out, dq, dk, dv, threads),
+                "bfloat16" => backward_t::<treeattn::half::bf16>(
+                    c, p, plan, o, lse, grad_out, dq, dk, dv, threads,
+                ),
+                "float16" => backward_t::<treeattn::half::f16>(
+                    c, p, plan, o, lse, grad_out, dq, dk, dv, threads,
+                ),
                 other => Err(dtype_error(other)),
             }
         })

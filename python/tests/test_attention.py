@@ -117,25 +117,44 @@ def test_non_contiguous_inputs(gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_inputs_compute_in_f32(dtype, gen):
-    L = 40
+@pytest.mark.parametrize("rope", [False, True])
+def test_half_inputs_compute_in_f32(dtype, rope, gen):
+    """bf16 / f16 CPU tensors go to the crate as they are: O bit for bit the
+    float32 op on the widened inputs, rounded once; the LSE float32; the
+    gradients bit for bit the float32 backward on the widened O, LSE and
+    dO, rounded once (no tolerance: the crate widens exactly)."""
+    L = 70
     kv_end = random_forest(L, gen)
-    x = [torch.randn(L, 2, 16, generator=gen).to(dtype) for _ in range(3)]
+    pos = depths(kv_end) if rope else None
+    kw = dict(position_ids=pos, rope_base=10000.0) if rope else {}
+    x = [torch.randn(L, h, 16, generator=gen).to(dtype) for h in (4, 2, 2)]
     xs = [t.clone().requires_grad_() for t in x]
-    o = tt.tree_attention(*xs, kv_end)
+    o = tt.tree_attention(*xs, kv_end, **kw)
     assert o.dtype == dtype
-    o.float().sum().backward()
+    g = torch.randn(o.shape, generator=gen).to(dtype)
+    (o.float() * g.float()).sum().backward()
     assert all(t.grad.dtype == dtype for t in xs)
-    # Exactly the float32 computation on the same (rounded) inputs, cast back.
-    o32 = tt.tree_attention(*[t.float() for t in x], kv_end)
+    w = [t.float() for t in x]
+    o32 = tt.tree_attention(*w, kv_end, **kw)
     assert torch.equal(o, o32.to(dtype))
+    assert not torch.equal(o.float(), o32)  # the rounding is real
+    scale = 16 ** -0.5
+    rb = 10000.0 if rope else None
+    rd = 16 if rope else None
+    o_, lse = tt._attn_fwd(*x, kv_end, pos, scale, rb, rd, 0)
+    assert lse.dtype == torch.float32 and torch.equal(o_, o)
+    _, lse32 = tt._attn_fwd(*w, kv_end, pos, scale, rb, rd, 0)
+    assert torch.equal(lse, lse32)
+    ref = tt._attn_bwd(*w, kv_end, pos, o.float(), lse, g.float(), scale, rb, rd, 0)
+    for t, r in zip(xs, ref):
+        assert torch.equal(t.grad, r.to(dtype))
 
 
 def test_opcheck(gen):
     L = 12
     kv_end = random_forest(L, gen, 0.1)
     pos = depths(kv_end)
-    for dtype in (torch.float64, torch.float32):
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
         q = torch.randn(L, 4, 8, dtype=dtype, requires_grad=True)
         k = torch.randn(L, 2, 8, dtype=dtype, requires_grad=True)
         v = torch.randn(L, 2, 8, dtype=dtype, requires_grad=True)

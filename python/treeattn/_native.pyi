@@ -4,8 +4,10 @@ Checked against the built module by ``python -m mypy.stubtest
 treeattn._native`` (.ci/run) and by python/tests/test_stub.py. Tensors cross
 as raw data pointers (``tensor.data_ptr()``, ``int``) of contiguous tensors
 that :mod:`treeattn.torch` has validated; ``dtype`` is a torch dtype's name:
-``"float32"`` / ``"float64"`` on the CPU, ``"bfloat16"`` / ``"float16"`` for
-device attention, and those or ``"float32"`` for device SDCC.
+``"float32"`` / ``"float64"`` / ``"bfloat16"`` / ``"float16"`` for CPU
+attention (the LSE in float32 for the last two), ``"float32"`` /
+``"float64"`` for CPU SDCC, ``"bfloat16"`` / ``"float16"`` for device
+attention, and those or ``"float32"`` for device SDCC.
 """
 
 from typing import Any, Dict, List, Optional, Tuple, final

@@ -11,9 +11,11 @@ Both are ``torch.library`` custom ops (``treeattn::tree_attention_fwd``,
 (dynamo treats them as opaque calls).
 
 Precision: the CPU backend computes in float32 or float64. bfloat16 and
-float16 CPU inputs are cast to float32 before the op, computed in float32
-and the result cast back to the input dtype (gradients flow through the
-casts).
+float16 CPU tensors go to it as they are: widened exactly as the crate
+copies them, computed in float32, each result rounded once to the input
+dtype (the LSE is float32, as on CUDA) — bit for bit the float32 op on
+``q.float()``, ``k.float()``, ``v.float()`` rounded, without the float32
+copies.
 
 Devices: CPU tensors run the crate's CPU backend. CUDA tensors run the
 crate's CUDA kernels when the extension was built with the crate's
@@ -84,7 +86,12 @@ _INT = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
 def _dtype_name(t: Tensor) -> str:
-    return {torch.float32: "float32", torch.float64: "float64"}[t.dtype]
+    return {
+        torch.float32: "float32",
+        torch.float64: "float64",
+        torch.bfloat16: "bfloat16",
+        torch.float16: "float16",
+    }[t.dtype]
 
 
 def _ptr(t: Tensor) -> int:
@@ -172,7 +179,7 @@ def _attn_fwd(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     ke, pos, native = _call_mask(plan, kv_end, position_ids, L, host=False)
     o = torch.empty_like(q)
-    lse = torch.empty((hq, L), dtype=q.dtype)
+    lse = torch.empty((hq, L), dtype=_lse_dtype(q))
     _native.attention_forward(
         _dtype_name(q), _ptr(q), _ptr(k), _ptr(v), _ptr_opt(ke), _ptr_opt(pos), _ptr(o), _ptr(lse),
         L, hq, hkv, d, scale, rope_base, rope_dims, threads, native,
@@ -223,8 +230,8 @@ def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_di
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
-    """The LSE's dtype: the CUDA kernels keep it in float32 for bf16 / f16
-    inputs; the CPU backend in the compute dtype."""
+    """The LSE's dtype, the compute dtype: float32 for bf16 / f16 inputs (on
+    CPU and CUDA), else the inputs' dtype."""
     return torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
 
 
@@ -680,12 +687,8 @@ def tree_attention(
         return o
     if device.type not in ("cpu", "meta"):
         raise ValueError(f"q is on {device}: treeattn runs on CPU and CUDA tensors")
-    cdt = _COMPUTE[q.dtype]
-    o, _lse = _attn_fwd(
-        q.to(cdt), k.to(cdt), v.to(cdt), kv_end, position_ids,
-        scale, rope_base, rope_dims, _threads, plan,
-    )
-    return o.to(q.dtype)
+    o, _lse = _attn_fwd(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads, plan)
+    return o
 
 
 # --------------------------------------------------------------------------

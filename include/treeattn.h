@@ -316,7 +316,9 @@ int32_t treeattn_pack_f32(const struct TreeattnPack *pack,
 /**
  * Tree attention forward on host memory, on the CPU backend. `dtype`
  * `TREEATTN_F32` (`float`) or `TREEATTN_F64` (`double`) is the type of
- * q, k, v, o and lse. Writes `o` (like q) and `lse` (`[q_heads, tokens]`,
+ * q, k, v, o and lse; `TREEATTN_BF16` or `TREEATTN_F16` (16-bit words) the
+ * type of q, k, v and o, computed in f32 (each result rounded once), with
+ * a `float` lse. Writes `o` (like q) and `lse` (`[q_heads, tokens]`,
  * natural log; `-inf` for a row with no visible key). `kv_end` and
  * `position_ids` have `tokens` entries (a pack's arrays); `params` may be
  * null (defaults).
@@ -349,7 +351,8 @@ int32_t treeattn_attention_forward_mask(TreeattnDtype dtype,
 
 /**
  * Tree attention backward on host memory, `dtype` `TREEATTN_F32` or
- * `TREEATTN_F64` (every buffer of that type): from the forward's inputs
+ * `TREEATTN_F64` (every buffer of that type), or `TREEATTN_BF16` or
+ * `TREEATTN_F16` (every buffer but the `float` lse): from the forward's inputs
  * (same shape, mask and params), its `o` and `lse`, and the output
  * gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k),
  * with respect to the unrotated q and k.

@@ -25,7 +25,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use treeattn::backend::cpu::{self, Cpu, CpuFloat};
+use treeattn::backend::cpu::{self, Cpu, CpuElement, CpuFloat};
 use treeattn::backend::{
     AttentionBackend, AttnArgs, AttnParams, AttnShape, Element, Grads, Rope, Saved, SdccArgs,
     SdccBackend,
@@ -738,10 +738,15 @@ fn dtype_name(dtype: TreeattnDtype) -> Option<&'static str> {
     })
 }
 
-/// The element types of the host entries (the CPU backend's).
+/// The element types of the host SDCC entry (the CPU backend's compute
+/// types).
 const HOST_DTYPES: [TreeattnDtype; 2] = [TREEATTN_F32, TREEATTN_F64];
+/// The element types of the host attention entries: the CPU backend's
+/// compute types, and bf16 / f16 computed in f32.
+const HOST_ATTENTION_DTYPES: [TreeattnDtype; 4] =
+    [TREEATTN_F32, TREEATTN_F64, TREEATTN_BF16, TREEATTN_F16];
 
-unsafe fn forward<T: CpuFloat>(c: AttnCall, o: *mut c_void, lse: *mut c_void) -> R<()> {
+unsafe fn forward<T: CpuElement>(c: AttnCall, o: *mut c_void, lse: *mut c_void) -> R<()> {
     let inputs = Inputs::<T>::new(&c)?;
     let s = inputs.shape;
     if o.is_null() {
@@ -751,19 +756,19 @@ unsafe fn forward<T: CpuFloat>(c: AttnCall, o: *mut c_void, lse: *mut c_void) ->
         return Err(null("lse"));
     }
     let o = slice_mut("o", o.cast::<T>(), s.q_len())?;
-    let lse = slice_mut("lse", lse.cast::<T>(), s.lse_len())?;
+    let lse = slice_mut("lse", lse.cast::<T::Compute>(), s.lse_len())?;
     no_overlap(&[range("o", o), range("lse", lse)], &inputs.ranges())?;
     let args = inputs.args()?;
     Cpu::default().forward(&args, o, lse)?;
     Ok(())
 }
 
-unsafe fn backward<T: CpuFloat>(c: AttnCall, g: AttnGrads) -> R<()> {
+unsafe fn backward<T: CpuElement>(c: AttnCall, g: AttnGrads) -> R<()> {
     let inputs = Inputs::<T>::new(&c)?;
     let s = inputs.shape;
     g.check_null()?;
     let o = slice("o", g.o.cast::<T>(), s.q_len())?;
-    let lse = slice("lse", g.lse.cast::<T>(), s.lse_len())?;
+    let lse = slice("lse", g.lse.cast::<T::Compute>(), s.lse_len())?;
     let d_o = slice("d_o", g.d_o.cast::<T>(), s.q_len())?;
     let dq = slice_mut("dq", g.dq.cast::<T>(), s.q_len())?;
     let dk = slice_mut("dk", g.dk.cast::<T>(), s.kv_len())?;
@@ -778,7 +783,9 @@ unsafe fn backward<T: CpuFloat>(c: AttnCall, g: AttnGrads) -> R<()> {
 
 /// Tree attention forward on host memory, on the CPU backend. `dtype`
 /// `TREEATTN_F32` (`float`) or `TREEATTN_F64` (`double`) is the type of
-/// q, k, v, o and lse. Writes `o` (like q) and `lse` (`[q_heads, tokens]`,
+/// q, k, v, o and lse; `TREEATTN_BF16` or `TREEATTN_F16` (16-bit words) the
+/// type of q, k, v and o, computed in f32 (each result rounded once), with
+/// a `float` lse. Writes `o` (like q) and `lse` (`[q_heads, tokens]`,
 /// natural log; `-inf` for a row with no visible key). `kv_end` and
 /// `position_ids` have `tokens` entries (a pack's arrays); `params` may be
 /// null (defaults).
@@ -849,16 +856,19 @@ unsafe fn host_forward(
     lse: *mut c_void,
 ) -> i32 {
     guard(|| {
-        check_dtype(entry, dtype, &HOST_DTYPES)?;
+        check_dtype(entry, dtype, &HOST_ATTENTION_DTYPES)?;
         match dtype {
             TREEATTN_F32 => forward::<f32>(c, o, lse),
+            TREEATTN_BF16 => forward::<treeattn::half::bf16>(c, o, lse),
+            TREEATTN_F16 => forward::<treeattn::half::f16>(c, o, lse),
             _ => forward::<f64>(c, o, lse),
         }
     })
 }
 
 /// Tree attention backward on host memory, `dtype` `TREEATTN_F32` or
-/// `TREEATTN_F64` (every buffer of that type): from the forward's inputs
+/// `TREEATTN_F64` (every buffer of that type), or `TREEATTN_BF16` or
+/// `TREEATTN_F16` (every buffer but the `float` lse): from the forward's inputs
 /// (same shape, mask and params), its `o` and `lse`, and the output
 /// gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k),
 /// with respect to the unrotated q and k.
@@ -946,9 +956,11 @@ pub unsafe extern "C" fn treeattn_attention_backward_mask(
 
 unsafe fn host_backward(entry: &str, dtype: TreeattnDtype, c: AttnCall, g: AttnGrads) -> i32 {
     guard(|| {
-        check_dtype(entry, dtype, &HOST_DTYPES)?;
+        check_dtype(entry, dtype, &HOST_ATTENTION_DTYPES)?;
         match dtype {
             TREEATTN_F32 => backward::<f32>(c, g),
+            TREEATTN_BF16 => backward::<treeattn::half::bf16>(c, g),
+            TREEATTN_F16 => backward::<treeattn::half::f16>(c, g),
             _ => backward::<f64>(c, g),
         }
     })

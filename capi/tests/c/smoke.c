@@ -2,7 +2,7 @@
  * in `cargo test`). Packs the README's worked example, checks the pack's
  * arrays, runs attention forward / backward (f64 against the values the
  * Rust API computed, passed in a file; f32 and f64 against a dense reference
- * computed here in double), SDCC against a reference, and the error codes
+ * computed here in double; bf16 against the f32 call on the widened inputs), SDCC against a reference, and the error codes
  * and messages of bad input.
  *
  * usage: smoke EXPECTED_FILE   (o, dq, dk, dv of the f64 call, %.17g each) */
@@ -14,6 +14,22 @@
 #include "treeattn.h"
 
 #include "check.h"
+
+/* bf16 <-> float: the upper 16 bits, rounded to nearest even (finite
+ * inputs; NaN is not used here). */
+static uint16_t bf16_of(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return (uint16_t)(u >> 16);
+}
+
+static float float_of_bf16(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float x;
+  memcpy(&x, &u, 4);
+  return x;
+}
 
 /* A call that must fail with `code` and a message containing `needle`. */
 #define FAILS(call, code, needle)                                            \
@@ -258,6 +274,55 @@ int main(int argc, char **argv) {
   }
   CHECK(worst <= 1e-5, "f32 o vs reference %g", worst);
 
+  /* --- bf16 on the host: the f32 call on the widened inputs, rounded -- */
+  {
+    uint16_t *qb = malloc(nq * 2), *kb = malloc(nkv * 2), *vb = malloc(nkv * 2),
+             *dob = malloc(nq * 2), *ob = malloc(nq * 2), *dqb = malloc(nq * 2),
+             *dkb = malloc(nkv * 2), *dvb = malloc(nkv * 2);
+    float *qw = malloc(nq * sizeof(float)), *kw = malloc(nkv * sizeof(float)),
+          *vw = malloc(nkv * sizeof(float)), *dow = malloc(nq * sizeof(float)),
+          *ow = malloc(nq * sizeof(float)), *lseb = malloc(hq * L * sizeof(float)),
+          *lsew = malloc(hq * L * sizeof(float)), *dqw = malloc(nq * sizeof(float)),
+          *dkw = malloc(nkv * sizeof(float)), *dvw = malloc(nkv * sizeof(float));
+    for (size_t i = 0; i < nq; i++) {
+      qb[i] = bf16_of(qf[i]);
+      dob[i] = bf16_of((float)d_o[i]);
+      qw[i] = float_of_bf16(qb[i]);
+      dow[i] = float_of_bf16(dob[i]);
+    }
+    for (size_t i = 0; i < nkv; i++) {
+      kb[i] = bf16_of(kf[i]);
+      vb[i] = bf16_of(vf[i]);
+      kw[i] = float_of_bf16(kb[i]);
+      vw[i] = float_of_bf16(vb[i]);
+    }
+    OK(treeattn_attention_forward(TREEATTN_BF16, qb, kb, vb, shape, kv_end, pos, NULL, ob,
+                                  lseb));
+    OK(treeattn_attention_forward(TREEATTN_F32, qw, kw, vw, shape, kv_end, pos, NULL, ow,
+                                  lsew));
+    size_t bad = 0, rounded = 0;
+    for (size_t i = 0; i < nq; i++) {
+      bad += ob[i] != bf16_of(ow[i]);
+      rounded += float_of_bf16(ob[i]) != ow[i];
+    }
+    for (size_t i = 0; i < hq * L; i++) bad += memcmp(&lseb[i], &lsew[i], 4) != 0;
+    CHECK(bad == 0, "bf16 o, lse: %zu values differ from the f32 call's, rounded", bad);
+    CHECK(rounded > 0, "bf16 o: no value was rounded (the check above proves nothing)");
+    /* the backward from the bf16 o: the f32 backward from the widened o */
+    for (size_t i = 0; i < nq; i++) ow[i] = float_of_bf16(ob[i]);
+    OK(treeattn_attention_backward(TREEATTN_BF16, qb, kb, vb, shape, kv_end, pos, NULL, ob,
+                                   lseb, dob, dqb, dkb, dvb));
+    OK(treeattn_attention_backward(TREEATTN_F32, qw, kw, vw, shape, kv_end, pos, NULL, ow,
+                                   lsew, dow, dqw, dkw, dvw));
+    bad = 0;
+    for (size_t i = 0; i < nq; i++) bad += dqb[i] != bf16_of(dqw[i]);
+    for (size_t i = 0; i < nkv; i++) bad += (dkb[i] != bf16_of(dkw[i])) + (dvb[i] != bf16_of(dvw[i]));
+    CHECK(bad == 0, "bf16 dq, dk, dv: %zu values differ from the f32 call's, rounded", bad);
+    free(qb); free(kb); free(vb); free(dob); free(ob); free(dqb); free(dkb); free(dvb);
+    free(qw); free(kw); free(vw); free(dow); free(ow); free(lseb); free(lsew); free(dqw);
+    free(dkw); free(dvw);
+  }
+
   /* --- SDCC on the pack's pairs, against a reference ---------------- */
   const size_t vocab = 7, rows = 16;
   double *logits = malloc(rows * vocab * sizeof(double)),
@@ -335,11 +400,12 @@ int main(int argc, char **argv) {
                                  weights, 3, 0.0f, grad, &loss, NULL),
         TREEATTN_ERR_UNSUPPORTED, "temperature");
   /* a dtype the host entries do not take, and a value that is no dtype */
-  FAILS(treeattn_attention_forward(TREEATTN_BF16, q, k, v, shape, kv_end, pos, NULL, o, lse),
+  FAILS(treeattn_sdcc_forward_kl(TREEATTN_BF16, logits, rows, logits, rows, vocab, pairs,
+                                 weights, 3, 1.0f, grad, &loss, NULL),
         TREEATTN_ERR_UNSUPPORTED, "TREEATTN_BF16");
-  FAILS(treeattn_attention_backward(TREEATTN_F16, q, k, v, shape, kv_end, pos, NULL, o, lse,
+  FAILS(treeattn_attention_backward((TreeattnDtype)7, q, k, v, shape, kv_end, pos, NULL, o, lse,
                                     d_o, dq, dk, dv),
-        TREEATTN_ERR_UNSUPPORTED, "TREEATTN_F16");
+        TREEATTN_ERR_UNSUPPORTED, "7 (not a TreeattnDtype)");
   FAILS(treeattn_sdcc_forward_kl((TreeattnDtype)42, logits, rows, logits, rows, vocab, pairs,
                                  weights, 3, 1.0f, grad, &loss, NULL),
         TREEATTN_ERR_UNSUPPORTED, "42 (not a TreeattnDtype)");

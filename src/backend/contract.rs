@@ -18,8 +18,9 @@
 //! hands in its own tensors); [`HostAttention`] and [`HostSdcc`] add
 //! allocating conveniences for host backends.
 //!
-//! Element types: the CPU backend computes in `f32` or `f64` (LSE in the
-//! same type); the kernels (emulated or on a GPU) take `bf16` or `f16` with
+//! Element types: the CPU backend takes `f32` and `f64`, computed in
+//! themselves, and `bf16` and `f16`, computed in `f32` (the LSE in the
+//! compute type); the kernels (emulated or on a GPU) take `bf16` or `f16` with
 //! f32 accumulation and an `f32` LSE. Layouts are those of
 //! `flash_attn_varlen`: Q, O, dO, dQ `[tokens, q_heads, head_dim]`; K, V,
 //! dK, dV `[tokens, kv_heads, head_dim]`; LSE `[q_heads, tokens]`; logits

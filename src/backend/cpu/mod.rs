@@ -23,7 +23,8 @@
 //!
 //! The computation is tiled FlashAttention-style in [`TILE`]` × `[`TILE`]
 //! blocks and never holds an `L × L` matrix: memory is linear in `L` (the
-//! inputs are copied once into head-major, zero-padded layouts, plus a few
+//! inputs are copied once into head-major, zero-padded layouts of the
+//! compute type — `bf16` and `f16` inputs widened to `f32` there — plus a few
 //! tiles of scratch per thread, which also hold each work item's output
 //! rows until they are stored into the caller's token-major result; the
 //! forward's Q rows go straight into the scratch of the one item that reads
@@ -140,9 +141,10 @@ use crate::Result;
 pub const TILE: usize = 64;
 
 /// The CPU backend: tree attention and the SDCC forward KL on host memory,
-/// `f32` or `f64`, on [`Cpu::threads`] threads. It implements the crate's
-/// contract ([`AttentionBackend`], [`SdccBackend`]; LSE and gradients in
-/// the input type).
+/// on [`Cpu::threads`] threads. It implements the crate's contract
+/// ([`AttentionBackend`] for every [`CpuElement`]: `f32`, `f64`, and `bf16`,
+/// `f16` computed in `f32`; gradients in the input type, the LSE in the
+/// compute type; [`SdccBackend`] for `f32`, `f64`).
 ///
 /// ```
 /// use treeattn::backend::cpu::Cpu;

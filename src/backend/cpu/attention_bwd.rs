@@ -8,9 +8,10 @@
 //! - per (query head, query tile), dQ over the key tiles it sees:
 //!   `dQ += dS K` from that store, after the key items are done.
 //!
-//! The store holds the `dS` of a *chunk* of query tiles at a time (at most
-//! [`DS_BUDGET`] bytes, so it is read back from cache, not memory), key tiles
-//! accumulating dK, dV across chunks. The chunks depend on the mask alone and
+//! The store holds the `dS` of one *step* at a time — a chunk of query
+//! tiles for a slice of the kv head's query heads, at most [`DS_BUDGET`]
+//! bytes, so it is read back from cache, not memory — key tiles
+//! accumulating dK, dV across steps. The steps depend on the mask alone and
 //! every output block is summed by one item in a fixed order, so results are
 //! bit-identical whatever the thread count. One kv head (with its query
 //! heads) at a time: its inputs are copied, then its items run while the
@@ -34,12 +35,14 @@ use crate::Result;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Most bytes of `dS` one chunk of query tiles keeps for its dQ items
-/// (every query head of the kv head), meant to be read back from L2/L3
-/// rather than memory. Budgets from 1 MiB to 1 GiB timed alike within this
-/// guest's run-to-run noise on the 8k compaction pack (no row in
-/// BENCHMARKS.md: nothing to tell apart). A query tile whose blocks alone
-/// exceed it is a chunk of its own.
+/// Most bytes of `dS` one step keeps for its dQ items, meant to be read
+/// back from L2/L3 rather than memory. A step is a chunk of query tiles
+/// for a slice of the kv head's query heads: all of them when one query
+/// tile's blocks for all of them fit, else as many as fit (at least one).
+/// Budgets from 1 MiB to 1 GiB timed alike within this guest's run-to-run
+/// noise on the 8k compaction pack (no row in BENCHMARKS.md: nothing to
+/// tell apart). Only a query tile of one head whose blocks alone exceed it
+/// (more than 256 key tiles in f32: past 16k tokens) makes a larger step.
 pub(crate) const DS_BUDGET: usize = 4 << 20;
 
 /// The backward of a validated call on `threads` threads, from the
@@ -100,8 +103,15 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
     let (unseen, blind) = (mask.unseen_keys(), mask.blind_queries());
     let bounds = KeyTileBounds::new(mask.kv_end());
     let group = shape.group();
-    let block_bytes = group * TILE * TILE * std::mem::size_of::<T>();
-    let chunks = QueryChunks::new(&bounds, l, (ds_budget / block_bytes).max(1));
+    let block_bytes = TILE * TILE * std::mem::size_of::<T>();
+    let (slice, chunks) = plan_steps(&bounds, l, group, block_bytes, ds_budget);
+    let steps: Vec<(Range<usize>, &QueryChunk)> = (0..group)
+        .step_by(slice)
+        .flat_map(|a| {
+            let heads = a..(a + slice).min(group);
+            chunks.chunks.iter().map(move |c| (heads.clone(), c))
+        })
+        .collect();
     let bad = [(); 3].map(|_| AtomicBool::new(false));
     let flag = |i: usize, finite: bool| {
         if !finite {
@@ -117,7 +127,7 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
     // dK, dV of the kv head being done, `[lpad, dp]` each, summed over the
     // chunks; the dS of a chunk.
     let mut acc = workspace::take_stale(2 * lpad * dp, T::ZERO);
-    let mut ds = workspace::take_stale(2 * chunks.max_blocks * group * TILE * TILE, T::ZERO);
+    let mut ds = workspace::take_stale(2 * chunks.max_blocks * slice * TILE * TILE, T::ZERO);
     let scratch = || BwdScratch::new(lay.dp);
     // One kv head and its query heads at a time: their copies (5 arrays of
     // `lpad · dp` per head) stay in cache while both kinds of item read them,
@@ -147,7 +157,6 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
         let ctx = BwdCtx {
             lay,
             h0: heads.start,
-            group,
             scale: T::from_f64(params.softmax_scale),
             bounds: &bounds,
             rope: rope.as_ref(),
@@ -164,11 +173,12 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
         acc_v.fill(T::ZERO);
         let half = ds.len() / 2;
         let (store_a, store_b) = ds.split_at_mut(half);
-        // Step `c` runs the dK, dV items of chunk `c`, which leave their dS
-        // in one half of the store, beside the dQ items of chunk `c − 1`,
-        // which read the other half; the last step stores dK and dV. One
-        // parallel step per chunk, the longest items of both kinds first.
-        let n = chunks.chunks.len();
+        // Step `c` runs the dK, dV items of step `c` (a chunk of query
+        // tiles for a slice of the query heads), which leave their dS in
+        // one half of the store, beside the dQ items of step `c − 1`, which
+        // read the other half; the last step stores dK and dV. One parallel
+        // step per step, the longest items of both kinds first.
+        let n = steps.len();
         for c in 0..=n {
             let (write, read): (&mut [T], &[T]) = if c % 2 == 0 {
                 (&mut *store_a, &*store_b)
@@ -176,10 +186,13 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
                 (&mut *store_b, &*store_a)
             };
             let mut work = Vec::new();
-            if let Some(chunk) = chunks.chunks.get(c) {
-                // dK, dV of every key tile the chunk's query tiles see; each
-                // item leaves its blocks' dS in its part of the store.
-                let mut store = &mut write[..chunk.blocks() * group * TILE * TILE];
+            if let Some((heads, chunk)) = steps.get(c) {
+                // dK, dV of every key tile the chunk's query tiles see, over
+                // the slice's heads; each item leaves its blocks' dS in its
+                // part of the store.
+                let (heads, chunk) = (heads.clone(), *chunk);
+                let hs = heads.len();
+                let mut store = &mut write[..chunk.blocks() * hs * TILE * TILE];
                 for (kt, (dk, dv)) in acc_k
                     .chunks_mut(TILE * dp)
                     .zip(acc_v.chunks_mut(TILE * dp))
@@ -190,10 +203,17 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
                         continue;
                     }
                     let (ds, rest) =
-                        std::mem::take(&mut store).split_at_mut(blocks * group * TILE * TILE);
+                        std::mem::take(&mut store).split_at_mut(blocks * hs * TILE * TILE);
                     store = rest;
-                    let cost = 4 * blocks * group;
-                    work.push((cost, BwdItem::Key(chunk, KeyItem { kt, dk, dv, ds })));
+                    let cost = 4 * blocks * hs;
+                    let item = KeyItem {
+                        kt,
+                        heads: heads.clone(),
+                        dk,
+                        dv,
+                        ds,
+                    };
+                    work.push((cost, BwdItem::Key(chunk, item)));
                 }
             } else {
                 // The last step: dK, dV are complete.
@@ -213,16 +233,27 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
                     work.push((0, BwdItem::Store(item)));
                 }
             }
-            if let Some(chunk) = c.checked_sub(1).map(|p| &chunks.chunks[p]) {
-                // dQ of the previous chunk's query tiles, from its stored dS.
+            if let Some((slice, chunk)) = c.checked_sub(1).map(|p| &steps[p]) {
+                // dQ of the previous step's query tiles and heads, from its
+                // stored dS.
                 let rows = chunk.rows(l);
-                for (dq_head, h) in dq_group.iter_mut().zip(heads.clone()) {
+                let at = |local: usize| heads.start + local;
+                for (dq_head, h) in dq_group[slice.clone()]
+                    .iter_mut()
+                    .zip(slice.clone().map(at))
+                {
                     for (dq, qt) in dq_head[rows.clone()]
                         .chunks_mut(TILE)
                         .zip(chunk.tiles.clone())
                     {
                         let cost = chunk.key_tiles(qt) as usize;
-                        work.push((cost, BwdItem::Query(chunk, QueryItem { h, qt, dq })));
+                        let item = QueryItem {
+                            h,
+                            slice: slice.clone(),
+                            qt,
+                            dq,
+                        };
+                        work.push((cost, BwdItem::Query(chunk, item)));
                     }
                 }
             }
@@ -280,18 +311,44 @@ struct QueryChunk {
     key_tiles: Vec<u32>,
 }
 
+/// The steps of the backward of a kv head with `group` query heads, from
+/// the mask alone: query heads per step (the slice: all of them if one
+/// query tile's blocks for all fit `budget` bytes of dS, else as many as
+/// fit, at least one) and the chunks of query tiles each slice runs (at
+/// most `budget` bytes for the slice, at least one query tile).
+fn plan_steps(
+    bounds: &KeyTileBounds,
+    l: usize,
+    group: usize,
+    block_bytes: usize,
+    budget: usize,
+) -> (usize, QueryChunks) {
+    let per_query = blocks_per_query_tile(bounds, l);
+    let widest = per_query.iter().copied().max().unwrap_or(1).max(1);
+    let slice = (budget / (widest * block_bytes)).clamp(1, group);
+    let most = (budget / (slice * block_bytes)).max(1);
+    (slice, QueryChunks::new(bounds, l, &per_query, most))
+}
+
+/// Whether query tile `qt` visits key tile `kt` (a pack of `l` tokens).
+fn visited(bounds: &KeyTileBounds, l: usize, qt: usize, kt: usize) -> bool {
+    let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
+    bounds.classify(q0, q1, kt) != TileClass::Skip
+}
+
+/// Per query tile of a pack of `l` tokens, how many key tiles it visits.
+fn blocks_per_query_tile(bounds: &KeyTileBounds, l: usize) -> Vec<usize> {
+    (0..l.div_ceil(TILE))
+        .map(|qt| (0..=qt).filter(|&kt| visited(bounds, l, qt, kt)).count())
+        .collect()
+}
+
 impl QueryChunks {
     /// Chunks of at most `most` blocks (at least one query tile each), from
-    /// the mask alone.
-    fn new(bounds: &KeyTileBounds, l: usize, most: usize) -> Self {
-        let tiles = l.div_ceil(TILE);
-        let visited = |qt: usize, kt: usize| {
-            let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
-            bounds.classify(q0, q1, kt) != TileClass::Skip
-        };
-        let per_query: Vec<usize> = (0..tiles)
-            .map(|qt| (0..=qt).filter(|&kt| visited(qt, kt)).count())
-            .collect();
+    /// the mask alone; `per_query` is [`blocks_per_query_tile`].
+    fn new(bounds: &KeyTileBounds, l: usize, per_query: &[usize], most: usize) -> Self {
+        let tiles = per_query.len();
+        let visited = |qt: usize, kt: usize| visited(bounds, l, qt, kt);
         let mut chunks = Vec::new();
         let mut start = 0;
         while start < tiles {
@@ -343,13 +400,13 @@ impl QueryChunk {
         self.tiles.start * TILE..(self.tiles.end * TILE).min(l)
     }
 
-    /// Offset in the store (of a kv head with `group` query heads) of the dS
-    /// of query tile `qt`, local head `local`, key tile `kt`; `None` if the
-    /// block is not visited.
-    fn ds_offset(&self, group: usize, local: usize, qt: usize, kt: usize) -> Option<usize> {
+    /// Offset in the store (of a step over `heads` query heads) of the dS
+    /// of query tile `qt`, the step's `i`-th head, key tile `kt`; `None` if
+    /// the block is not visited.
+    fn ds_offset(&self, heads: usize, i: usize, qt: usize, kt: usize) -> Option<usize> {
         let tiles = self.query_tiles(kt);
         let rank = tiles.binary_search(&(qt as u32)).ok()?;
-        Some((self.starts[kt] * group + local * tiles.len() + rank) * TILE * TILE)
+        Some((self.starts[kt] * heads + i * tiles.len() + rank) * TILE * TILE)
     }
 }
 
@@ -358,7 +415,6 @@ impl QueryChunk {
 struct BwdCtx<'a, T> {
     lay: Layout,
     h0: usize,
-    group: usize,
     scale: T,
     bounds: &'a KeyTileBounds,
     /// Rotates dQ back to the unrotated inputs.
@@ -396,15 +452,19 @@ struct StoreItem<'a, 'b, T, S> {
 
 struct KeyItem<'a, T> {
     kt: usize,
+    /// The step's local query heads (within the kv head's group).
+    heads: Range<usize>,
     /// The tile's `[TILE, dp]` dK, dV accumulators.
     dk: &'a mut [T],
     dv: &'a mut [T],
-    /// The store of its blocks' dS: `[group, blocks, TILE, TILE]`.
+    /// The store of its blocks' dS: `[heads, blocks, TILE, TILE]`.
     ds: &'a mut [T],
 }
 
 struct QueryItem<'a, 'b, S> {
     h: usize,
+    /// The step's local query heads (`h − h0` among them).
+    slice: Range<usize>,
     qt: usize,
     /// The tile's rows (up to `TILE`, `head_dim` values each) of the
     /// caller's token-major dQ.
@@ -471,7 +531,13 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
     item: KeyItem<'_, T>,
 ) {
     let Layout { l, lpad, dp, .. } = ctx.lay;
-    let KeyItem { kt, dk, dv, ds } = item;
+    let KeyItem {
+        kt,
+        heads,
+        dk,
+        dv,
+        ds,
+    } = item;
     let k0 = kt * TILE;
     let (k_cols, v_cols) = (&ctx.kt[k0 * dp..], &ctx.vt[k0 * dp..]);
     let [s, _] = sc.tiles.parts();
@@ -481,7 +547,7 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
         (!full || k + NS > l).then(|| (k as u32, ctx.bounds.strip_ends(k)))
     };
     let mut stores = ds.chunks_exact_mut(TILE * TILE);
-    for local in 0..ctx.group {
+    for local in heads {
         let head = local * lpad;
         for &qt in chunk.query_tiles(kt) {
             let qt = qt as usize;
@@ -521,13 +587,18 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
     item: QueryItem<'_, '_, S>,
 ) -> bool {
     let Layout { l, d, dp, .. } = ctx.lay;
-    let QueryItem { h, qt, dq: dq_rows } = item;
+    let QueryItem {
+        h,
+        slice,
+        qt,
+        dq: dq_rows,
+    } = item;
     let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
     let local = h - ctx.h0;
     let [_, dq] = sc.tiles.parts();
     dq.fill(T::ZERO);
     for kt in 0..=qt {
-        let Some(at) = chunk.ds_offset(ctx.group, local, qt, kt) else {
+        let Some(at) = chunk.ds_offset(slice.len(), local - slice.start, qt, kt) else {
             continue;
         };
         let k0 = kt * TILE;
@@ -678,34 +749,76 @@ mod tests {
     }
 
     /// With dS kept for one query tile at a time (6 chunks), the gradients
-    /// equal those of one chunk: bit for bit without GQA (each sum keeps its
-    /// order), within rounding with a group of 2 (dK, dV then sum chunk by
-    /// chunk instead of head by head), on any thread count.
+    /// equal those of one chunk, bit for bit, on any thread count: without
+    /// GQA each sum keeps its order; with a group of 2, such a budget also
+    /// takes one query head per step, and dK, dV still sum head by head,
+    /// query tile by query tile. A budget that takes both heads in chunks
+    /// of query tiles sums chunk by chunk instead: within rounding.
     #[test]
     fn query_chunks_give_the_gradients_of_one_chunk() {
         let block = TILE * TILE * std::mem::size_of::<f64>();
-        let one_tile = |group: usize| group * block;
         let whole = chunked::<f64>(2, 2, usize::MAX, 1);
-        let tiny = chunked::<f64>(2, 2, one_tile(1), 1);
+        let tiny = chunked::<f64>(2, 2, block, 1);
         assert!(whole.iter().all(|x| x.is_finite()));
         assert!(whole == tiny, "no GQA: same bits");
-        assert!(chunked::<f64>(2, 2, one_tile(1), 3) == tiny, "3 threads");
+        assert!(chunked::<f64>(2, 2, block, 3) == tiny, "3 threads");
         let bounds = KeyTileBounds::new(&[347; 347]);
-        assert_eq!(QueryChunks::new(&bounds, 347, 1).chunks.len(), 6);
-        assert_eq!(QueryChunks::new(&bounds, 347, 7).chunks.len(), 4);
+        let per_query = blocks_per_query_tile(&bounds, 347);
+        assert_eq!(per_query, [1, 2, 3, 4, 5, 6]);
+        let chunks = |most| {
+            QueryChunks::new(&bounds, 347, &per_query, most)
+                .chunks
+                .len()
+        };
+        assert_eq!(chunks(1), 6);
+        assert_eq!(chunks(7), 4);
         let whole = chunked::<f64>(4, 2, usize::MAX, 2);
-        let tiny = chunked::<f64>(4, 2, one_tile(2), 2);
+        assert!(
+            chunked::<f64>(4, 2, block, 2) == whole,
+            "GQA, one head per step"
+        );
+        assert_eq!(plan_steps(&bounds, 347, 2, block, block).0, 1);
+        // 12 blocks: both heads, chunks of up to 6 blocks per head (4 chunks).
+        assert_eq!(plan_steps(&bounds, 347, 2, block, 12 * block).0, 2);
+        let both = chunked::<f64>(4, 2, 12 * block, 2);
         let worst = whole
             .iter()
-            .zip(&tiny)
+            .zip(&both)
             .map(|(a, b)| (a - b).abs() / (1.0 + a.abs()))
             .fold(0.0, f64::max);
         assert!(worst < 1e-13, "GQA: {worst}");
         assert!(worst > 0.0, "negative control: the sums did change order");
-        assert!(chunked::<f64>(4, 2, one_tile(2), 1) == tiny, "1 thread");
+        assert!(chunked::<f64>(4, 2, 12 * block, 1) == both, "1 thread");
         // f32, where the chunked order matters more: still the same bits
         // on 1 and 2 threads.
-        assert!(chunked::<f32>(4, 2, 3 * block / 2, 1) == chunked::<f32>(4, 2, 3 * block / 2, 2));
+        let f32_block = block / 2;
+        for budget in [f32_block, 3 * f32_block, 12 * f32_block] {
+            assert!(chunked::<f32>(4, 2, budget, 1) == chunked::<f32>(4, 2, budget, 2));
+        }
+    }
+
+    /// The store of one step stays within the budget unless one query tile
+    /// of one head alone exceeds it: causal packs in f32 with 8 query heads
+    /// per kv head, where a step of all 8 heads took 8 × 256 blocks of 16
+    /// KiB (32 MiB) at 16k tokens.
+    #[test]
+    fn steps_keep_ds_within_the_budget() {
+        let block = TILE * TILE * 4;
+        for (l, group, slice, bytes) in [
+            (2048, 8, 8, 4 << 20),   // 32 blocks per tile · 8 heads: 4 MiB
+            (4096, 8, 4, 4 << 20),   // 64 · 4
+            (16_384, 8, 1, 4 << 20), // 256 · 1
+            (16_384, 1, 1, 4 << 20), // no GQA: as before
+            (32_768, 8, 1, 8 << 20), // one tile of one head: 512 blocks
+        ] {
+            let bounds = KeyTileBounds::new(&vec![l as u32; l]);
+            let (s, chunks) = plan_steps(&bounds, l, group, block, DS_BUDGET);
+            assert_eq!(s, slice, "L {l}, group {group}");
+            assert_eq!(s * chunks.max_blocks * block, bytes, "L {l}, group {group}");
+            // Every query tile is in exactly one chunk, in order.
+            let tiles: Vec<usize> = chunks.chunks.iter().flat_map(|c| c.tiles.clone()).collect();
+            assert_eq!(tiles, (0..l / TILE).collect::<Vec<_>>());
+        }
     }
 
     /// Items store their gradient rows directly and only flag a bad value;

@@ -59,15 +59,17 @@
 //! columns: 5 arrays of `lpad · dp` per head, 12 MB for all 4 heads of the
 //! bench at 2.3k tokens, 3 MB for one) stay in cache between being written
 //! and being read: its inputs are copied, then two deterministic kinds of
-//! work item run, chunk of query tiles by chunk: one per key tile
-//! accumulates dK, dV over the chunk's query tiles that can see the key
+//! work item run, step by step (a step: a chunk of query tiles for a
+//! slice of the query heads): one per key tile
+//! accumulates dK, dV over the step's query tiles that can see the key
 //! tile (in the contiguous range from the tile's first key to its largest
 //! `kv_end`), computing each block's `S`, `dP`, `P` and `dS` once (with
 //! query rows and key columns, then multiplying by their transpose, so the
 //! copies need no transposed Q or dO) and leaving `dS` in a store of at
-//! most 4 MiB; then one per (query head, query tile) accumulates
+//! most 4 MiB (unless one query tile of one head needs more); then one per
+//! (query head, query tile) accumulates
 //! `dQ = scale · dS K` from that store. Every output element is accumulated
-//! by one item in a fixed order and the chunks depend on the mask alone
+//! by one item in a fixed order and the steps depend on the mask alone
 //! (the only atomics are the items' non-finite flags), so results do not
 //! depend on the thread count.
 //!
@@ -75,8 +77,9 @@
 //! started once per process and parked between calls (a call that finds
 //! them busy, from another thread, uses scoped threads): a forward call has
 //! two parallel steps (the K, V copies, the query tiles), a backward call
-//! per kv head one for its input copies (which also compute `D`), two per
-//! query chunk (dK, dV items, then dQ items) and one storing dK, dV. Each work item stores its finished rows (`O`; or `dK`,
+//! per kv head one for its input copies (which also compute `D`), one per
+//! step (its dK, dV items beside the previous step's dQ items) and a last
+//! one (the last step's dQ items, beside those storing dK, dV). Each work item stores its finished rows (`O`; or `dK`,
 //! `dV`; or `dQ`, rotated back when rotary is on) straight into the
 //! caller's token-major output, disjoint rows per item (prefetched for
 //! writing when the item starts). On x86-64 CPUs with

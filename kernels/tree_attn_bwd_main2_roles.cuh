@@ -47,9 +47,11 @@
 // current one (its buffer was last read before that barrier), so a tile
 // needs 2 barriers (det: landed, A) or 3 (atomic: + B), as the 4-warp
 // kernel. Warps w and w + 4 share an SM sub-partition (the usual mapping w %
-// 4): phase 1 and phase 2 give each sub-partition one warp of each role with
-// 64 HMMA each (role 0 also the exponentials, role 1 the dS arithmetic);
-// phase 3 runs role 1's dK beside role 0's dQ (atomic) or alone (det).
+// 4): phase 1 runs Sᵀ beside dPᵀ (64 HMMA each), then role 0's
+// exponentials while role 1 waits at barrier A; det: role 0's dV (64)
+// beside role 1's P loads, dS arithmetic and dK (64); atomic: dV beside the
+// dS arithmetic and stores, then dQ (64) beside dK (64). Per warp and tile
+// 128 HMMA (det), 128 / 192 (atomic: role 1 / role 0).
 //
 // Counted per warp and 64-row query tile from the code: role 0: Sᵀ 4 x 4 =
 // 16 LDSM / 64 HMMA, dV 16 / 64: 32 / 128; role 1: dPᵀ 16 / 64, Pᵀ 8, dK 16 /

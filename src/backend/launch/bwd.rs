@@ -87,8 +87,9 @@ pub enum MainKernel {
 
 impl MainKernel {
     /// The kernel a backward runs unless told otherwise:
-    /// [`Self::TwoMTiles`] (d 64 and d 128; [`Self::OneMTile`] stays
-    /// selectable until a GPU has timed both).
+    /// [`Self::TwoMTiles`] (d 64 and d 128; [`Self::OneMTile`] and, at d
+    /// 64, [`Self::TwoMTilesFourWarps`] stay selectable until a GPU has
+    /// timed them).
     pub fn default_for(head_dim: usize) -> MainKernel {
         let _ = head_dim;
         MainKernel::TwoMTiles

@@ -39,6 +39,7 @@ const HEADERS: &[&str] = &[
     "kernels/mask.cuh",
     "kernels/tile_load.cuh",
     "kernels/tree_attn_bwd_main2_d128.cuh",
+    "kernels/tree_attn_bwd_main2_roles.cuh",
     "kernels/emu/shim.h",
 ];
 

@@ -118,8 +118,9 @@ struct BwdDqTraits : TaTileTraits<E, D, 64, 64> {
     static_assert(Base::kBlockM == 16 * Base::kWarps && Base::kBlockM == 64 && Base::kBlockN == 64, "tile shape");
 };
 
-// Backward main kernel, two key m-tiles per warp (tree_attn_bwd.cu,
-// tree_attn_bwd_main2_*; the trade-off is written at the top of that file):
+// Backward main kernel, two key m-tiles per warp, 4 warps (tree_attn_bwd.cu,
+// tree_attn_bwd_main2w4_*_d64, no longer the d 64 default: Bwd2RoleTraits
+// below; the trade-off is written at the top of that file):
 // a key tile of 128 keys per block (two of the 64-key kv_end bounds tiles),
 // warp w owns keys 32w..32w+31 (two 16-key m-tiles), so every Q / dO
 // fragment an ldmatrix loads feeds 4 mma. Query tiles of kBlockM = 64 rows
@@ -182,4 +183,37 @@ struct Bwd2SplitTraits : TaTileTraits<E, D, 64, 128> {
     static_assert(kBlockM == 64 && kBlockM <= kThreads && kBlockN <= kThreads, "tile shape");
     static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
     static_assert(kSmemBytes == 159232, "shared memory: update the Rust plan and the docs");
+};
+
+// Backward main kernel for D = 64 with two key m-tiles per warp and the
+// products split by role (tree_attn_bwd_main2_roles.cuh,
+// tree_attn_bwd_main2_*_d64; the layout and its trade-off are at the top of
+// that file): 8 warps, a key tile of 128 keys (two 64-key bounds tiles),
+// query tiles of 64 rows. Warp w = (key group wk = w % 4: keys
+// 32wk..32wk+31, role = w / 4): role 0 holds K's A fragments and dV (32
+// keys x D), computes Sᵀ and P; role 1 holds V's A fragments and dK,
+// computes dPᵀ and dS; P (then dS, written over it) is staged in shared
+// memory. The same layout as Bwd2Traits: K, V | Q[2], dO[2] | P / dS |
+// lse2[2], D[2] | kv_end = 36,864 + 36,864 + 18,432 + 1,024 + 512 = 93,696.
+template <class E, int D>
+struct Bwd2RoleTraits : TaTileTraits<E, D, 64, 128> {
+    using Base = TaTileTraits<E, D, 64, 128>;
+    static constexpr int kBlockM = Base::kBlockM, kBlockN = Base::kBlockN, kRowStride = Base::kRowStride;
+    static constexpr int kWarps = 8;  // (shadows the base's 4)
+    static constexpr int kThreads = kWarps * 32;
+    static constexpr int kSubM = kBlockM;  // queries per Sᵀ pass: the whole tile
+    static constexpr int kBoundsTile = 64;
+    static constexpr int kDsStride = kBlockM + 8;
+    static constexpr int kKvElems = kBlockN * kRowStride;
+    static constexpr int kQElems = kBlockM * kRowStride;
+    static constexpr int kOffQ = 2 * kKvElems * 2;
+    static constexpr int kOffDs = kOffQ + 4 * kQElems * 2;  // P, then dS in place
+    static constexpr int kOffRowStats = kOffDs + kBlockN * kDsStride * 2;
+    static constexpr int kOffKvEnd = kOffRowStats + 4 * kBlockM * 4;
+    static constexpr int kSmemBytes = kOffKvEnd + kBlockN * 4;
+    static_assert(D == 64, "the role split layout is written for D = 64 (dK or dV of 32 keys x D per warp)");
+    static_assert(kBlockN == 32 * (kWarps / 2) && kBlockN == 2 * kBoundsTile, "32 keys per warp pair, 2 bounds tiles");
+    static_assert(kBlockM == 64 && kBlockM <= kThreads && kBlockN <= kThreads, "tile shape");
+    static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
+    static_assert(kSmemBytes == 93696, "shared memory: update the Rust plan and the docs");
 };

@@ -31,10 +31,13 @@
 //                       (row, head).
 //   tree_attn_bwd_main  dK, dV (and, in atomic mode, dQ through f32
 //                       atomic adds into the accumulator; main2: the
-//                       two-m-tile variants, d 64 below, d 128 in
-//                       tree_attn_bwd_main2_d128.cuh, the default for
-//                       both). One block per (key tile, kv head, group
-//                       split): grid (key tiles, kv_heads, group splits).
+//                       two-m-tile variants of 8 warps, the default for
+//                       both head dims, d 64 in
+//                       tree_attn_bwd_main2_roles.cuh, d 128 in
+//                       tree_attn_bwd_main2_d128.cuh; main2w4: the 4-warp
+//                       d 64 two-m-tile kernel below). One block per (key
+//                       tile, kv head, group split): grid (key tiles,
+//                       kv_heads, group splits).
 //   tree_attn_bwd_dq    deterministic mode only: dQ per (query tile, query
 //                       head), plain f32 stores into the accumulator.
 //   tree_attn_bwd_dq_convert   accumulator → dQ in the element type.
@@ -74,12 +77,14 @@
 //                          two adjacent columns on sm_90 (two scalar
 //                          atomic adds on sm_80).
 //
-// Two-m-tile main kernel (tree_attn_bwd_main2_{atomic,det}_*_d64,
-// Bwd2Traits; Rust `MainKernel::TwoMTiles`, the default — the one-m-tile
-// kernel above stays selectable, `MainKernel::OneMTile`, until a GPU has
-// timed both; the D = 128 two-m-tile kernel has a layout of its own, 8
-// warps with the dK, dV accumulators split over the head dim:
-// tree_attn_bwd_main2_d128.cuh). Why: with one 16-key m-tile per warp every Q / dO
+// 4-warp two-m-tile main kernel (tree_attn_bwd_main2w4_{atomic,det}_*_d64,
+// Bwd2Traits; Rust `MainKernel::TwoMTilesFourWarps`, the d 64 default until
+// the 8-warp kernel of tree_attn_bwd_main2_roles.cuh replaced it (3.56 /
+// 3.08 HMMA per LDSM against this kernel's 2.67 / 2.50, counted below);
+// it stays selectable, as the one-m-tile kernel above
+// (`MainKernel::OneMTile`), until a GPU has timed them. The D = 128
+// two-m-tile kernel: 8 warps with the dK, dV accumulators split over the
+// head dim, tree_attn_bwd_main2_d128.cuh). Why: with one 16-key m-tile per warp every Q / dO
 // B fragment feeds 2 mma, so the loop above does 1.6–2.0 HMMA per LDSM.
 // Here a block owns BN = 128 keys (two kv_end bounds tiles), warp w keys
 // 32w..32w+31 as two m-tiles, and every B fragment (Q, dO; ldmatrix or
@@ -131,7 +136,11 @@
 //   2 on H100 / H200 (227 KB); registers allow 2 either way.
 //   D = 128 would need 256 registers for dK, dV alone in this layout: its
 //   two-m-tile kernel splits them over the head dim across 8 warps, with P
-//   and dS staged in shared memory (tree_attn_bwd_main2_d128.cuh).
+//   and dS staged in shared memory (tree_attn_bwd_main2_d128.cuh). The d 64
+//   default now does the same with 8 warps split by product (one warp of a
+//   pair holds dV and K's A fragments, the other dK and V's: 64 + 32
+//   registers each instead of 128 + 0), which is what frees the registers
+//   to hold the A fragments (tree_attn_bwd_main2_roles.cuh).
 // Fragment layouts (PTX ISA, mma.m16n8k16; g = lane/4, c = lane%4):
 //   A 16x16: a[r] half h = A[g + 8(r&1)][2c + h + 8(r>>1)]
 //   B 16x8:  b[r] half h = B[2c + h + 8r][g]
@@ -627,8 +636,8 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
 }
 
 // ---- dK, dV (and atomic dQ) per 128-key tile, two key m-tiles per warp -------------
-// (tree_attn_bwd_main2_*: the layout and its trade-off are at the top of the
-// file.) kFault is a test-only knob, instantiated for the emulator only
+// (tree_attn_bwd_main2w4_*: the layout and its trade-off are at the top of
+// the file.) kFault is a test-only knob, instantiated for the emulator only
 // (negative controls, tests/it/emu_bwd.rs): 1 drops the barrier between the dSᵀ
 // stores and the dQ matmul, 2 swaps the two key m-tiles' K fragments in Sᵀ.
 template <class Tr, bool kAtomicDq, int kFault = 0>
@@ -1195,14 +1204,15 @@ __device__ __forceinline__ void tree_attn_bwd_dkv_convert_body(const TreeAttnBwd
 TA_ATTN_VARIANTS(TA_BWD_KERNELS)
 #undef TA_BWD_KERNELS
 
-// The two-m-tile main kernels for D = 64 (Bwd2Traits).
+// The 4-warp two-m-tile main kernels for D = 64 (Bwd2Traits; Rust
+// `MainKernel::TwoMTilesFourWarps`).
 #define TA_BWD2_KERNELS(SUFFIX, E)                                                                               \
     extern "C" __global__ void __launch_bounds__(Bwd2Traits<E, 64>::kThreads)                                   \
-        tree_attn_bwd_main2_atomic_##SUFFIX(const TreeAttnBwdParams p) {                                         \
+        tree_attn_bwd_main2w4_atomic_##SUFFIX(const TreeAttnBwdParams p) {                                       \
         tree_attn_bwd_main2_body<Bwd2Traits<E, 64>, true>(p);                                                    \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(Bwd2Traits<E, 64>::kThreads)                                   \
-        tree_attn_bwd_main2_det_##SUFFIX(const TreeAttnBwdParams p) {                                            \
+        tree_attn_bwd_main2w4_det_##SUFFIX(const TreeAttnBwdParams p) {                                          \
         tree_attn_bwd_main2_body<Bwd2Traits<E, 64>, false>(p);                                                   \
     }
 TA_BWD2_KERNELS(bf16_d64, ta_bf16)
@@ -1224,3 +1234,19 @@ TA_BWD2_KERNELS(f16_d64, ta_f16)
 TA_BWD2_D128_KERNELS(bf16_d128, ta_bf16)
 TA_BWD2_D128_KERNELS(f16_d128, ta_f16)
 #undef TA_BWD2_D128_KERNELS
+
+// The D = 64 two-m-tile main kernels: 8 warps, the products split by role
+// (tree_attn_bwd_main2_roles.cuh, Bwd2RoleTraits; Rust `MainKernel::TwoMTiles`).
+#include "tree_attn_bwd_main2_roles.cuh"
+#define TA_BWD2_ROLES_KERNELS(SUFFIX, E)                                                                         \
+    extern "C" __global__ void __launch_bounds__(Bwd2RoleTraits<E, 64>::kThreads)                               \
+        tree_attn_bwd_main2_atomic_##SUFFIX(const TreeAttnBwdParams p) {                                         \
+        tree_attn_bwd_main2_roles_body<Bwd2RoleTraits<E, 64>, true>(p);                                          \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(Bwd2RoleTraits<E, 64>::kThreads)                               \
+        tree_attn_bwd_main2_det_##SUFFIX(const TreeAttnBwdParams p) {                                            \
+        tree_attn_bwd_main2_roles_body<Bwd2RoleTraits<E, 64>, false>(p);                                         \
+    }
+TA_BWD2_ROLES_KERNELS(bf16_d64, ta_bf16)
+TA_BWD2_ROLES_KERNELS(f16_d64, ta_f16)
+#undef TA_BWD2_ROLES_KERNELS

@@ -12,7 +12,7 @@
 # (128 + 4 * 64) * (d + 8) * 2 + 4096 + 544 bytes at launch (59936 for d=64,
 # 109088 for d=128);
 # the backward main kernels 65792 / 75520 (the two-m-tile main2 kernels
-# 93696 for d64, 159232 for d128), the deterministic dQ kernels
+# 93696 for d64, 159232 for d128; main2w4, d64, 93696), the deterministic dQ kernels
 # 55808 / 104960 (src/backend/launch/bwd.rs), the SDCC kernels 400.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -20,12 +20,20 @@ int check_plan(const char* what, unsigned block_threads, size_t smem, int want_t
     return 0;
 }
 
-// The two-m-tile main kernel with a test-only fault (negative controls):
-// kFault 1 drops the barrier before its dQ matmul (atomic mode), 2 swaps
-// its two key m-tiles' K fragments in Sᵀ. Emulator only: not in the cubin.
+// The 4-warp D = 64 two-m-tile main kernel with a test-only fault (negative
+// controls): kFault 1 drops the barrier before its dQ matmul (atomic mode),
+// 2 swaps its two key m-tiles' K fragments in Sᵀ. Emulator only: not in the
+// cubin.
 template <class E, int kFault>
-void tree_attn_bwd_main2_fault(const TreeAttnBwdParams p) {
+void tree_attn_bwd_main2w4_fault(const TreeAttnBwdParams p) {
     tree_attn_bwd_main2_body<Bwd2Traits<E, 64>, true, kFault>(p);
+}
+// The same for the 8-warp D = 64 two-m-tile kernel
+// (tree_attn_bwd_main2_roles.cuh): 1 drops its barrier B, 2 swaps the key
+// m-tiles' K fragments in Sᵀ, 3 drops its barrier A.
+template <class E, int kFault>
+void tree_attn_bwd_main2_roles_fault(const TreeAttnBwdParams p) {
+    tree_attn_bwd_main2_roles_body<Bwd2RoleTraits<E, 64>, true, kFault>(p);
 }
 // The same for the D = 128 two-m-tile kernel (tree_attn_bwd_main2_d128.cuh):
 // 1 drops its barrier B, 2 swaps the key m-tiles' K fragments in Sᵀ, 3 drops
@@ -37,10 +45,11 @@ void tree_attn_bwd_main2_d128_fault(const TreeAttnBwdParams p) {
 
 }  // namespace
 
-// Traits of the two-m-tile backward main kernel (Bwd2Traits for D = 64,
-// Bwd2SplitTraits for D = 128): out = {block_m, block_n, threads,
+// Traits of a two-m-tile backward main kernel, `four_warps` 0: the 8-warp
+// default (Bwd2RoleTraits for D = 64, Bwd2SplitTraits for D = 128), 1: the
+// 4-warp D = 64 kernel (Bwd2Traits): out = {block_m, block_n, threads,
 // smem_bytes, sub_m}. Returns 0, or 1 for a head dim without that kernel.
-extern "C" int ta_emu_bwd2_traits(uint32_t head_dim, int32_t* out) noexcept {
+extern "C" int ta_emu_bwd2_traits(uint32_t head_dim, uint32_t four_warps, int32_t* out) noexcept {
     return ta_emu::guard_entry("ta_emu_bwd2_traits", nullptr, 0, [&]() -> int {
         auto fill = [&](auto t) {
             using M = decltype(t);
@@ -51,7 +60,8 @@ extern "C" int ta_emu_bwd2_traits(uint32_t head_dim, int32_t* out) noexcept {
             out[4] = M::kSubM;
             return 0;
         };
-        if (head_dim == 64) return fill(Bwd2Traits<ta_bf16, 64>{});
+        if (four_warps) return head_dim == 64 ? fill(Bwd2Traits<ta_bf16, 64>{}) : 1;
+        if (head_dim == 64) return fill(Bwd2RoleTraits<ta_bf16, 64>{});
         if (head_dim == 128) return fill(Bwd2SplitTraits<ta_bf16, 128>{});
         return 1;
     });
@@ -86,8 +96,10 @@ extern "C" int ta_emu_bwd_traits(uint32_t head_dim, int32_t* out) noexcept {
 // tree_attn_bwd_main_det, 3 = tree_attn_bwd_dq, 4 = tree_attn_bwd_dq_convert,
 // 5 = tree_attn_bwd_dkv_convert, 6 = tree_attn_bwd_main2_atomic, 7 =
 // tree_attn_bwd_main2_det (D = 64 and 128), 8 / 9 / 10 = tree_attn_bwd_main2_atomic
-// with test-only fault 1 / 2 / 3 (negative controls; 3: D = 128 only). grid_z is the main kernel's group splits (1
-// for the others).
+// with test-only fault 1 / 2 / 3 (negative controls), 11 / 12 =
+// tree_attn_bwd_main2w4_atomic / _det (D = 64 only), 13 / 14 =
+// tree_attn_bwd_main2w4_atomic with fault 1 / 2. grid_z is the main kernel's
+// group splits (1 for the others).
 // dtype: 0 = bf16, 1 = f16. *cp_async_bytes receives the bytes the launch
 // moved with cp.async.
 extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t stage, const TreeAttnBwdParams* p,
@@ -97,7 +109,7 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
                                     size_t err_len) noexcept {
     return ta_emu::guard_entry("ta_emu_tree_attn_bwd", err, err_len, [&]() -> int {
         const dim3 grid(grid_x, grid_y, grid_z), block(block_threads);
-        const bool main_stage = stage == 1 || stage == 2 || (stage >= 6 && stage <= 10);
+        const bool main_stage = stage == 1 || stage == 2 || (stage >= 6 && stage <= 14);
         if (p->group_splits == 0 || (main_stage ? grid_z != p->group_splits : grid_z != 1) ||
             (p->kv_heads != 0 && (p->q_heads / p->kv_heads) % p->group_splits != 0) ||
             (p->group_splits > 1 && p->dkv_accum == nullptr)) {
@@ -161,15 +173,28 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
         TA_ATTN_VARIANTS(TA_CASE)
 #undef TA_CASE
 #define TA_CASE2(SUFFIX, E)                                                                                    \
-        if (dtype == (E::kIsBf16 ? 0u : 1u) && head_dim == 64 && stage >= 6 && stage <= 9) {                    \
-            using M2 = Bwd2Traits<E, 64>;                                                                          \
+        if (dtype == (E::kIsBf16 ? 0u : 1u) && head_dim == 64 && stage >= 6 && stage <= 10) {                   \
+            using M2 = Bwd2RoleTraits<E, 64>;                                                                      \
             if (check_plan("tree_attn_bwd_main2", block_threads, smem, M2::kThreads, M2::kSmemBytes, err, err_len)) \
                 return 1;                                                                                          \
             switch (stage) {                                                                                       \
                 case 6: return launch(tree_attn_bwd_main2_atomic_##SUFFIX);                                        \
                 case 7: return launch(tree_attn_bwd_main2_det_##SUFFIX);                                           \
-                case 8: return launch(tree_attn_bwd_main2_fault<E, 1>);                                            \
-                default: return launch(tree_attn_bwd_main2_fault<E, 2>);                                           \
+                case 8: return launch(tree_attn_bwd_main2_roles_fault<E, 1>);                                      \
+                case 9: return launch(tree_attn_bwd_main2_roles_fault<E, 2>);                                      \
+                default: return launch(tree_attn_bwd_main2_roles_fault<E, 3>);                                     \
+            }                                                                                                      \
+        }                                                                                                          \
+        if (dtype == (E::kIsBf16 ? 0u : 1u) && head_dim == 64 && stage >= 11 && stage <= 14) {                  \
+            using M2 = Bwd2Traits<E, 64>;                                                                          \
+            if (check_plan("tree_attn_bwd_main2w4", block_threads, smem, M2::kThreads, M2::kSmemBytes, err,       \
+                           err_len))                                                                               \
+                return 1;                                                                                          \
+            switch (stage) {                                                                                       \
+                case 11: return launch(tree_attn_bwd_main2w4_atomic_##SUFFIX);                                     \
+                case 12: return launch(tree_attn_bwd_main2w4_det_##SUFFIX);                                        \
+                case 13: return launch(tree_attn_bwd_main2w4_fault<E, 1>);                                         \
+                default: return launch(tree_attn_bwd_main2w4_fault<E, 2>);                                         \
             }                                                                                                      \
         }
         TA_CASE2(bf16_d64, ta_bf16)

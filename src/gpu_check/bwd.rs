@@ -23,7 +23,9 @@
 //!    backward (DESIGN §7), visible pairs only. Every row (d 64 and d 128)
 //!    is timed again with the one-m-tile backward main kernel
 //!    (`MainKernel::OneMTile`), side by side with the two-m-tile default
-//!    (issue 26); part 1 checks every case with both kernels.
+//!    (issue 26), and every d 64 row with the 4-warp two-m-tile kernel
+//!    (`MainKernel::TwoMTilesFourWarps`, the d 64 default before the 8-warp
+//!    one); part 1 checks every case with each of them.
 //! 4. SDCC timing: the fused kernel against the unfused baseline of
 //!    kernels/sdcc_kl.cu (log-softmax of both sides into f32 buffers, then
 //!    an elementwise KL and the gradient), bf16 logits.
@@ -437,17 +439,44 @@ pub(super) fn check<D: Target>(
         DqMode::Atomic,
         false,
     ));
-    // The cases again with the one-m-tile main kernel (kept
-    // selectable until timed against the two-m-tile default; not dumped).
+    // The cases again with the one-m-tile main kernel and, at d 64, the
+    // 4-warp two-m-tile one (kept selectable until timed against the
+    // two-m-tile default; not dumped).
     let one = be.with_main_kernel(Some(MainKernel::OneMTile));
-    let runs: Vec<(bool, String, usize)> = (0..cases.len())
-        .map(|i| (false, cases[i].0.clone(), i))
-        .chain((0..cases.len()).map(|i| (true, format!("{} one-m-tile", cases[i].0), i)))
+    let four = be.with_main_kernel(Some(MainKernel::TwoMTilesFourWarps));
+    let runs: Vec<(Option<MainKernel>, String, usize)> = (0..cases.len())
+        .map(|i| (None, cases[i].0.clone(), i))
+        .chain((0..cases.len()).map(|i| {
+            (
+                Some(MainKernel::OneMTile),
+                format!("{} one-m-tile", cases[i].0),
+                i,
+            )
+        }))
+        .chain(
+            (0..cases.len())
+                .filter(|&i| cases[i].2.head_dim == 64)
+                .map(|i| {
+                    (
+                        Some(MainKernel::TwoMTilesFourWarps),
+                        format!("{} 4-warp", cases[i].0),
+                        i,
+                    )
+                }),
+        )
         .collect();
-    for (with_one, name, i) in &runs {
-        let be = if *with_one { &one } else { be };
+    for (kernel, name, i) in &runs {
+        let be = match kernel {
+            None => be,
+            Some(MainKernel::OneMTile) => &one,
+            Some(_) => &four,
+        };
         let (_, pack, sh, rp, mode, bf) = &cases[*i];
-        let dump = if *with_one { None } else { dump.as_deref_mut() };
+        let dump = if kernel.is_some() {
+            None
+        } else {
+            dump.as_deref_mut()
+        };
         let (r, t) = if *bf {
             (
                 check_backward::<D, half::bf16>(be, rng, pack, *sh, *rp, *mode, name, dump),
@@ -601,6 +630,17 @@ pub(super) fn timings<D: Target>(
                 time_runs(&one, &mut tree, DqMode::Atomic, reps)?,
                 time_runs(&one, &mut tree, DqMode::Deterministic, reps)?,
             );
+            // d 64: and with the 4-warp two-m-tile kernel (the d 64
+            // default before the 8-warp one).
+            let four_ms = if d == 64 {
+                let four = be.with_main_kernel(Some(MainKernel::TwoMTilesFourWarps));
+                Some((
+                    time_runs(&four, &mut tree, DqMode::Atomic, reps)?,
+                    time_runs(&four, &mut tree, DqMode::Deterministic, reps)?,
+                ))
+            } else {
+                None
+            };
             drop(tree);
             let lt = if r.base {
                 let branches = branch_lengths(pack);
@@ -653,6 +693,15 @@ pub(super) fn timings<D: Target>(
                 ms / a,
                 det_ms / b
             );
+            if let Some((a, b)) = four_ms {
+                let _ = writeln!(
+                    rep,
+                    "  \u{2514} 4-warp two-m-tile main kernel: ms atomic {a:.3}, ms det {b:.3} (time 8-warp / \
+                     4-warp: {:.2}x, {:.2}x; below 1: 8-warp faster)",
+                    ms / a,
+                    det_ms / b
+                );
+            }
             let id = tm.pack_id(timing::name_of_pack(name), pack);
             tm.records.push(TimingRecord {
                 name: name.clone(),

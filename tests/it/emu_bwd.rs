@@ -161,11 +161,19 @@ fn tol<T: KernelElem>() -> f64 {
 }
 
 /// The backward main kernels: for d 64 and d 128 both the two-m-tile
-/// kernel (the default; at d 128 the 8-warp head-dim split) and the
-/// one-m-tile one it replaces, kept selectable until a GPU has timed both.
+/// kernel (the default: 8 warps, at d 64 split by product, at d 128 over
+/// the head dim) and the one-m-tile one it replaces, and for d 64 the 4-warp
+/// two-m-tile kernel, all kept selectable until a GPU has timed them.
 fn main_kernels(head_dim: usize) -> Vec<MainKernel> {
-    let _ = head_dim;
-    vec![MainKernel::TwoMTiles, MainKernel::OneMTile]
+    if head_dim == 64 {
+        vec![
+            MainKernel::TwoMTiles,
+            MainKernel::TwoMTilesFourWarps,
+            MainKernel::OneMTile,
+        ]
+    } else {
+        vec![MainKernel::TwoMTiles, MainKernel::OneMTile]
+    }
 }
 
 /// Checks one case under the emulator schedule `opts` (the tests rotate
@@ -926,12 +934,18 @@ fn rust_launch_plan_matches_the_kernel_traits() {
         );
     }
     assert_eq!(emu::backward_kernel_traits(96), None);
-    // The two-m-tile main kernels: 128-key blocks; d 64 of 4 warps in
-    // 32-query sub-tiles, d 128 of 8 warps over the whole 64-query tile.
-    for (d, threads, smem, sub_m) in [(64usize, 128, 93_696, 32), (128, 256, 159_232, 64)] {
-        let t = BwdTraits::for_kernel(d, MainKernel::TwoMTiles).unwrap();
+    // The two-m-tile main kernels: 128-key blocks of 8 warps over the
+    // whole 64-query tile (d 64 and d 128), and d 64's 4-warp one in
+    // 32-query sub-tiles.
+    for (d, kernel, threads, smem, sub_m) in [
+        (64usize, MainKernel::TwoMTiles, 256, 93_696, 64),
+        (128, MainKernel::TwoMTiles, 256, 159_232, 64),
+        (64, MainKernel::TwoMTilesFourWarps, 128, 93_696, 32),
+    ] {
+        let t = BwdTraits::for_kernel(d, kernel).unwrap();
+        let four_warps = kernel == MainKernel::TwoMTilesFourWarps;
         assert_eq!(
-            emu::backward2_kernel_traits(d as u32),
+            emu::backward2_kernel_traits(d as u32, four_warps),
             Some([
                 t.block_m,
                 t.main_keys,
@@ -943,7 +957,12 @@ fn rust_launch_plan_matches_the_kernel_traits() {
         assert_eq!((t.main_threads, t.main_smem_bytes()), (threads, smem));
         assert_eq!(MainKernel::default_for(d), MainKernel::TwoMTiles);
     }
-    assert_eq!(emu::backward2_kernel_traits(96), None);
+    assert_eq!(emu::backward2_kernel_traits(96, false), None);
+    assert_eq!(emu::backward2_kernel_traits(128, true), None);
+    assert!(matches!(
+        BwdTraits::for_kernel(128, MainKernel::TwoMTilesFourWarps),
+        Err(Error::Unsupported(_))
+    ));
     // 300 tokens: 3 blocks of 128 keys (5 of the 64-key bounds tiles).
     let shape = AttnShape {
         tokens: 300,
@@ -960,11 +979,17 @@ fn rust_launch_plan_matches_the_kernel_traits() {
         t.kernel_name("main_atomic", treeattn::backend::emu::Dtype::Bf16),
         "tree_attn_bwd_main2_atomic_bf16_d64"
     );
+    assert_eq!(p.main.block, (256, 1, 1));
+    let t4 = BwdTraits::for_kernel(64, MainKernel::TwoMTilesFourWarps).unwrap();
+    assert_eq!(
+        t4.kernel_name("main_det", treeattn::backend::emu::Dtype::Bf16),
+        "tree_attn_bwd_main2w4_det_bf16_d64"
+    );
 }
 
 /// Negative controls of the two-m-tile main kernels (test-only faults the
 /// emulator build instantiates, `emu::with_negative_control`): without a
-/// barrier that publishes dSᵀ (d 64 and d 128: fault 1) or P (d 128: fault
+/// barrier that publishes dSᵀ (fault 1) or, in the 8-warp kernels, P (fault
 /// 3) in shared memory, and with the two key m-tiles' K fragments swapped in
 /// Sᵀ (fault 2), the gradients leave the tolerance (or come out
 /// non-finite: shared memory is poisoned with NaN) — so the tests above
@@ -972,14 +997,18 @@ fn rust_launch_plan_matches_the_kernel_traits() {
 /// schedule.
 #[test]
 fn two_m_tile_negative_controls_fail() {
-    two_m_tile_negative_controls(64, &[1]);
+    two_m_tile_negative_controls(64, MainKernel::TwoMTiles, &[1, 3]);
+}
+#[test]
+fn two_m_tile_four_warps_negative_controls_fail() {
+    two_m_tile_negative_controls(64, MainKernel::TwoMTilesFourWarps, &[1]);
 }
 #[test]
 fn two_m_tile_d128_negative_controls_fail() {
-    two_m_tile_negative_controls(128, &[1, 3]);
+    two_m_tile_negative_controls(128, MainKernel::TwoMTiles, &[1, 3]);
 }
 
-fn two_m_tile_negative_controls(head_dim: usize, barrier_faults: &[u32]) {
+fn two_m_tile_negative_controls(head_dim: usize, kernel: MainKernel, barrier_faults: &[u32]) {
     let (mut rng, seed) = common::seeded_rng();
     let p = loop {
         let p = gen::random_forest(&mut rng, 2, 20, 3, 3);
@@ -1007,7 +1036,7 @@ fn two_m_tile_negative_controls(head_dim: usize, barrier_faults: &[u32]) {
     // The largest relative error of dQ, dK, dV, or infinity for an Err.
     let worst = |fault: u32, opts: EmuOptions| -> f64 {
         let got = emu::with_negative_control(fault, || {
-            calls::with_main_kernel(Some(MainKernel::TwoMTiles), || {
+            calls::with_main_kernel(Some(kernel), || {
                 calls::with_options(opts, || {
                     calls::emu_backward(
                         &x.q,
@@ -1048,24 +1077,24 @@ fn two_m_tile_negative_controls(head_dim: usize, barrier_faults: &[u32]) {
         let ok = worst(0, *opts);
         assert!(
             ok <= tol,
-            "seed {seed}: d {head_dim}, no fault, schedule {i}: error {ok:.3e}"
+            "seed {seed}: d {head_dim} {kernel:?}, no fault, schedule {i}: error {ok:.3e}"
         );
     }
     // A missing barrier shows under the schedules that run a warp ahead of
     // the others (warp-serial), not necessarily under lockstep.
     for &fault in barrier_faults {
         let no_barrier: Vec<f64> = all.iter().map(|o| worst(fault, *o)).collect();
-        eprintln!("seed {seed}: d {head_dim}, fault {fault} (a barrier removed), per schedule: {no_barrier:?}");
+        eprintln!("seed {seed}: d {head_dim} {kernel:?}, fault {fault} (a barrier removed), per schedule: {no_barrier:?}");
         assert!(
             no_barrier.iter().any(|&e| e > 10.0 * tol),
-            "seed {seed}: d {head_dim}: a removed barrier (fault {fault}) went unnoticed: {no_barrier:?}"
+            "seed {seed}: d {head_dim} {kernel:?}: a removed barrier (fault {fault}) went unnoticed: {no_barrier:?}"
         );
     }
     let swapped = worst(2, all[0]);
-    eprintln!("seed {seed}: d {head_dim}, swapped m-tiles: {swapped:.2e}");
+    eprintln!("seed {seed}: d {head_dim} {kernel:?}, swapped m-tiles: {swapped:.2e}");
     assert!(
         swapped > 10.0 * tol,
-        "seed {seed}: d {head_dim}: a swapped m-tile went unnoticed: {swapped:.3e}"
+        "seed {seed}: d {head_dim} {kernel:?}: a swapped m-tile went unnoticed: {swapped:.3e}"
     );
 }
 

@@ -47,6 +47,9 @@ pub(crate) struct CudaBackward {
     /// `[variant]`: the two-m-tile main kernels (`main2_atomic`,
     /// `main2_det`) where they exist (d 64 and d 128).
     funcs2: Vec<Option<[CudaFunction; 2]>>,
+    /// `[variant]`: the 4-warp two-m-tile main kernels (`main2w4_atomic`,
+    /// `main2w4_det`) where they exist (d 64).
+    funcs2w4: Vec<Option<[CudaFunction; 2]>>,
 }
 
 impl CudaBackward {
@@ -59,6 +62,7 @@ impl CudaBackward {
             .map_err(cuda_err("loading the embedded backward kernels"))?;
         let mut funcs = Vec::new();
         let mut funcs2 = Vec::new();
+        let mut funcs2w4 = Vec::new();
         let load = |t: &BwdTraits, stage: &str, dtype| -> Result<CudaFunction> {
             let name = t.kernel_name(stage, dtype);
             let f = module
@@ -82,15 +86,18 @@ impl CudaBackward {
         };
         for &(dtype, d) in crate::backend::launch::ATTN_VARIANTS {
             let t = BwdTraits::for_head_dim(d as usize)?;
-            funcs2.push(
-                match BwdTraits::for_kernel(d as usize, MainKernel::TwoMTiles) {
+            for (kernel, into) in [
+                (MainKernel::TwoMTiles, &mut funcs2),
+                (MainKernel::TwoMTilesFourWarps, &mut funcs2w4),
+            ] {
+                into.push(match BwdTraits::for_kernel(d as usize, kernel) {
                     Ok(t2) => Some([
                         load(&t2, "main_atomic", dtype)?,
                         load(&t2, "main_det", dtype)?,
                     ]),
                     Err(_) => None,
-                },
-            );
+                });
+            }
             let mut by_stage = Vec::new();
             for stage in STAGES {
                 by_stage.push(load(&t, stage, dtype)?);
@@ -102,6 +109,7 @@ impl CudaBackward {
             _module: module,
             funcs,
             funcs2,
+            funcs2w4,
         })
     }
 
@@ -242,9 +250,14 @@ impl CudaBackward {
         let variant = crate::backend::launch::variant(T::DTYPE, traits.head_dim)?;
         let by_stage = &self.funcs[variant];
         for &(stage, plan) in &stages {
-            let f = match (traits.main_kernel, stage, &self.funcs2[variant]) {
-                (MainKernel::TwoMTiles, 1 | 2, Some(two)) => &two[stage - 1],
-                (MainKernel::TwoMTiles, 1 | 2, None) => {
+            let two = match traits.main_kernel {
+                MainKernel::TwoMTiles => Some(&self.funcs2[variant]),
+                MainKernel::TwoMTilesFourWarps => Some(&self.funcs2w4[variant]),
+                MainKernel::OneMTile => None,
+            };
+            let f = match (two, stage) {
+                (Some(Some(two)), 1 | 2) => &two[stage - 1],
+                (Some(None), 1 | 2) => {
                     return Err(Error::Unsupported(
                         "internal: no two-m-tile backward main kernel for this variant".into(),
                     ))
@@ -284,14 +297,20 @@ mod tests {
                     "{name} missing from the ptxas report"
                 );
             }
-            // The two-m-tile main kernels (d 64 and d 128).
-            let t2 = BwdTraits::for_kernel(d as usize, MainKernel::TwoMTiles).unwrap();
-            for stage in ["main_atomic", "main_det"] {
-                let name = t2.kernel_name(stage, dtype);
-                assert!(
-                    name.contains("main2") && PTXAS_REPORT.contains(&name),
-                    "{name} missing from the ptxas report"
-                );
+            // The two-m-tile main kernels (d 64 and d 128; the 4-warp one d
+            // 64 only).
+            for kernel in [MainKernel::TwoMTiles, MainKernel::TwoMTilesFourWarps] {
+                let Ok(t2) = BwdTraits::for_kernel(d as usize, kernel) else {
+                    assert!(kernel == MainKernel::TwoMTilesFourWarps && d != 64);
+                    continue;
+                };
+                for stage in ["main_atomic", "main_det"] {
+                    let name = t2.kernel_name(stage, dtype);
+                    assert!(
+                        name.contains("main2") && PTXAS_REPORT.contains(&name),
+                        "{name} missing from the ptxas report"
+                    );
+                }
             }
         }
         for name in ["sdcc_kl_bf16", "sdcc_kl_f16", "sdcc_kl_f32"] {

@@ -71,15 +71,20 @@ pub(super) fn backward<T: KernelElem>(
     };
     // Stage numbers of kernels/emu/bwd_entry.cpp: the two-m-tile main
     // kernel is 6 (atomic) / 7 (det), 8 / 9 / 10 with a negative control's
-    // fault.
-    let two = traits.main_kernel == MainKernel::TwoMTiles;
+    // fault; the 4-warp d 64 one 11 / 12, 13 / 14 with fault 1 / 2.
     let fault = NEGATIVE_CONTROL.with(|f| f.get());
-    let main_atomic = match (two, fault) {
-        (true, 0) => 6,
-        (true, f) => 7 + f,
-        (false, _) => 1,
+    let (main_atomic, main_det) = match (traits.main_kernel, fault) {
+        (MainKernel::TwoMTiles, 0) => (6, 7),
+        (MainKernel::TwoMTiles, f) => (7 + f, 7),
+        (MainKernel::TwoMTilesFourWarps, 0) => (11, 12),
+        (MainKernel::TwoMTilesFourWarps, f @ (1 | 2)) => (12 + f, 12),
+        (MainKernel::TwoMTilesFourWarps, f) => {
+            return Err(Error::Unsupported(format!(
+                "negative control {f}: the 4-warp two-m-tile kernel has faults 1 and 2 only"
+            )))
+        }
+        (MainKernel::OneMTile, _) => (1, 2),
     };
-    let main_det = if two { 7 } else { 2 };
     let mut stages: Vec<(u32, &str, LaunchPlan)> = match mode {
         DqMode::Atomic => vec![
             (0, "pre", plans.per_row),
@@ -122,7 +127,7 @@ pub(super) fn backward<T: KernelElem>(
         };
         emu_result(&traits.kernel_name(name, T::DTYPE), rc, &err)?;
         match stage {
-            1 | 2 | 6..=10 => stats.main_cp_async_bytes = bytes,
+            1 | 2 | 6..=14 => stats.main_cp_async_bytes = bytes,
             3 => stats.dq_cp_async_bytes = bytes,
             _ => {}
         }
@@ -154,13 +159,13 @@ thread_local! {
     static NEGATIVE_CONTROL: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
-/// Runs `f` with a test-only fault in the two-m-tile main kernel's atomic
+/// Runs `f` with a test-only fault in the two-m-tile main kernels' atomic
 /// mode on this thread (negative controls; emulator only, the GPU build has
 /// no such kernels): 1 drops the barrier between the dSᵀ stores and the
 /// matmuls that read dS from shared memory (d 64: dQ; d 128: dK's first
-/// half and dQ), 2 swaps the two key m-tiles' K fragments in Sᵀ, 3 (d 128
-/// only; an error at d 64) drops the barrier between the P stores and the
-/// warps that read P. 0: none.
+/// half and dQ), 2 swaps the two key m-tiles' K fragments in Sᵀ, 3 (the
+/// 8-warp kernels only; an error with the 4-warp d 64 one) drops the
+/// barrier between the P stores and the warps that read P. 0: none.
 #[doc(hidden)]
 pub fn with_negative_control<R>(fault: u32, f: impl FnOnce() -> R) -> R {
     assert!(fault <= 3, "negative control {fault}: 0, 1, 2 or 3");
@@ -190,12 +195,14 @@ pub fn backward_kernel_traits(head_dim: u32) -> Option<[u32; 7]> {
     (rc == 0).then(|| out.map(|x| x as u32))
 }
 
-/// The C++ traits of the two-m-tile backward main kernel for `head_dim`:
-/// `[block_m, block_n, threads, smem, sub_m]`; `None` when it does not exist
-/// (head dims other than 64 and 128).
-pub fn backward2_kernel_traits(head_dim: u32) -> Option<[u32; 5]> {
+/// The C++ traits of a two-m-tile backward main kernel for `head_dim`
+/// (`four_warps`: [`MainKernel::TwoMTilesFourWarps`], else
+/// [`MainKernel::TwoMTiles`]): `[block_m, block_n, threads, smem, sub_m]`;
+/// `None` when it does not exist (head dims other than 64 and 128; the
+/// 4-warp kernel: other than 64).
+pub fn backward2_kernel_traits(head_dim: u32, four_warps: bool) -> Option<[u32; 5]> {
     let mut out = [0i32; 5];
     // SAFETY: `out` has the 5 slots the function writes.
-    let rc = unsafe { ffi::ta_emu_bwd2_traits(head_dim, out.as_mut_ptr()) };
+    let rc = unsafe { ffi::ta_emu_bwd2_traits(head_dim, four_warps as u32, out.as_mut_ptr()) };
     (rc == 0).then(|| out.map(|x| x as u32))
 }

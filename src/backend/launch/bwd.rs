@@ -7,25 +7,28 @@
 //! |---|---|---|---|
 //! | `tree_attn_bwd_pre_*` | `ceil(tokens · q_heads / 4)` | 128 | 0 |
 //! | `tree_attn_bwd_main_{atomic,det}_*` ([`MainKernel::OneMTile`]) | `(key tiles of 64, kv_heads, group splits)` | 128 | 65,792 (d 64) / 75,520 (d 128) |
-//! | `tree_attn_bwd_main2_{atomic,det}_*` ([`MainKernel::TwoMTiles`], the default) | `(key tiles of 128, kv_heads, group splits)` | 128 (d 64) / 256 (d 128) | 93,696 / 159,232 |
+//! | `tree_attn_bwd_main2_{atomic,det}_*` ([`MainKernel::TwoMTiles`], the default) | `(key tiles of 128, kv_heads, group splits)` | 256 | 93,696 (d 64) / 159,232 (d 128) |
+//! | `tree_attn_bwd_main2w4_{atomic,det}_*_d64` ([`MainKernel::TwoMTilesFourWarps`], d 64 only) | `(key tiles of 128, kv_heads, group splits)` | 128 | 93,696 |
 //! | `tree_attn_bwd_dq_*` (deterministic only) | `(query tiles of 64, q_heads)` | 128 | 55,808 / 104,960 |
 //! | `tree_attn_bwd_dq_convert_*` | `ceil(tokens · q_heads / 4)` | 128 | 0 |
 //! | `tree_attn_bwd_dkv_convert_*` (group splits > 1 only) | `ceil(tokens · kv_heads / 4)` | 128 | 0 |
 //!
 //! Main kernels ([`MainKernel`]; tiling at the top of the .cu file and of
-//! `kernels/tree_attn_bwd_main2_d128.cuh`). [`MainKernel::TwoMTiles`], the
-//! default for both head dims, gives each warp two 16-key m-tiles so that
-//! every shared-memory fragment feeds more `mma`: d 64 in blocks of 4 warps
-//! (32 keys each, 64-row query tiles in 32-query sub-tiles), d 128 in
-//! blocks of 8 warps where warps w and w + 4 share keys 32w..32w+31 and
-//! split the dK, dV accumulators over the head dim (one computes Sᵀ and P,
-//! the other dPᵀ and dS; P and dS pass through shared memory). HMMA per
-//! `ldmatrix`, counted per query tile from the code: d 64 2.67 / 2.50, d
+//! `kernels/tree_attn_bwd_main2_d128.cuh`, `kernels/tree_attn_bwd_main2_roles.cuh`).
+//! [`MainKernel::TwoMTiles`], the default for both head dims, gives each
+//! warp two 16-key m-tiles so that every shared-memory fragment feeds more
+//! `mma`, in blocks of 8 warps where warps w and w + 4 share keys
+//! 32w..32w+31, one computing Sᵀ and P, the other dPᵀ and dS (P and dS
+//! pass through shared memory): at d 64 the first holds dV and the second
+//! dK, at d 128 both split dK and dV over the head dim. HMMA per
+//! `ldmatrix`, counted per query tile from the code: d 64 3.56 / 3.08, d
 //! 128 2.91 / 2.86 (det / atomic), against 2.00 / 1.90 and 1.89 / 1.79 for
-//! [`MainKernel::OneMTile`], which stays selectable until a GPU has timed
-//! both (BENCHMARKS.md §6). The main kernel's block
-//! ([`BwdTraits::main_threads`]) is 256 threads for the d 128 two-m-tile
-//! kernel, 128 otherwise.
+//! [`MainKernel::OneMTile`] and 2.67 / 2.50 for
+//! [`MainKernel::TwoMTilesFourWarps`] (d 64: 4 warps of 32 keys, each
+//! computing every product), which stay selectable until a GPU has timed
+//! them (BENCHMARKS.md §6). The main kernel's block
+//! ([`BwdTraits::main_threads`]) is 256 threads for the two-m-tile
+//! kernels, 128 otherwise.
 //!
 //! Group splits ([`group_splits`], the one place the rule lives). The main
 //! kernel's block sums dK, dV of its key tile over the `group = q_heads /
@@ -57,7 +60,7 @@ pub enum DqMode {
 }
 
 /// Which backward main kernel computes dK, dV (and dQ in atomic mode); the
-/// other kernels are shared. Both stay selectable until a GPU has timed
+/// other kernels are shared. All stay selectable until a GPU has timed
 /// them side by side (`treeattn gpu-check`, issue 26).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MainKernel {
@@ -67,18 +70,26 @@ pub enum MainKernel {
     OneMTile,
     /// `tree_attn_bwd_main2_{atomic,det}_*`: two 16-key m-tiles per warp,
     /// blocks of 128 keys, query tiles of 64, dQ by vector reductions. d
-    /// 64: 4 warps of 32 keys, query sub-tiles of 32 (every Q / dO fragment
-    /// feeds 4 mma). d 128: 8 warps, each pair of warps sharing 32 keys with
-    /// the dK, dV accumulators split over the head dim (64 columns each),
+    /// 128: 8 warps, each pair of warps sharing 32 keys with the dK, dV
+    /// accumulators split over the head dim (64 columns each),
     /// one computing Sᵀ and P, the other dPᵀ and dS, P and dS staged in
-    /// shared memory (kernels/tree_attn_bwd_main2_d128.cuh).
+    /// shared memory (kernels/tree_attn_bwd_main2_d128.cuh). d 64: the
+    /// same 8 warps, the pair split by product instead: one warp holds K's
+    /// A fragments and dV and computes Sᵀ and P, the other V's and dK and
+    /// computes dPᵀ and dS (kernels/tree_attn_bwd_main2_roles.cuh).
     TwoMTiles,
+    /// `tree_attn_bwd_main2w4_{atomic,det}_*_d64` (d 64 only; the default
+    /// for d 64 before the 8-warp kernel): two 16-key m-tiles per warp,
+    /// blocks of 128 keys and 4 warps, each warp computing every product
+    /// for its 32 keys over 32-query sub-tiles of the 64-query tiles.
+    TwoMTilesFourWarps,
 }
 
 impl MainKernel {
     /// The kernel a backward runs unless told otherwise:
-    /// [`Self::TwoMTiles`] (d 64 and d 128; [`Self::OneMTile`] stays
-    /// selectable until a GPU has timed both).
+    /// [`Self::TwoMTiles`] (d 64 and d 128; [`Self::OneMTile`] and, at d
+    /// 64, [`Self::TwoMTilesFourWarps`] stay selectable until a GPU has
+    /// timed them).
     pub fn default_for(head_dim: usize) -> MainKernel {
         let _ = head_dim;
         MainKernel::TwoMTiles
@@ -101,13 +112,13 @@ pub struct BwdTraits {
     pub block_n: u32,
     /// Which main kernel these traits describe.
     pub main_kernel: MainKernel,
-    /// Keys per block of the main kernel (64, or 128 for
-    /// [`MainKernel::TwoMTiles`]).
+    /// Keys per block of the main kernel (64, or 128 for the two-m-tile
+    /// kernels).
     pub main_keys: u32,
     /// Threads per block of the kernels other than the main one (128).
     pub threads: u32,
-    /// Threads per block of the main kernel (128; 256 for the d 128
-    /// two-m-tile kernel's 8 warps).
+    /// Threads per block of the main kernel (128; 256 for the 8 warps of
+    /// [`MainKernel::TwoMTiles`]).
     pub main_threads: u32,
     /// Query rows per block of the deterministic dQ kernel.
     pub dq_block_m: u32,
@@ -120,11 +131,17 @@ impl BwdTraits {
     pub fn for_head_dim(head_dim: usize) -> Result<Self> {
         Self::for_kernel(head_dim, MainKernel::OneMTile)
     }
-    /// The traits with main kernel `kernel` (both exist for every head dim
-    /// of the kernels).
+    /// The traits with main kernel `kernel` ([`MainKernel::OneMTile`] and
+    /// [`MainKernel::TwoMTiles`] exist for every head dim of the kernels,
+    /// [`MainKernel::TwoMTilesFourWarps`] for d 64 only).
     pub fn for_kernel(head_dim: usize, kernel: MainKernel) -> Result<Self> {
         let d = super::kernel_head_dim("the GPU attention backward kernels", head_dim)?;
-        let two = kernel == MainKernel::TwoMTiles;
+        if kernel == MainKernel::TwoMTilesFourWarps && d != 64 {
+            return Err(Error::Unsupported(format!(
+                "the 4-warp two-m-tile backward main kernel exists for head dim 64 only, not {d}"
+            )));
+        }
+        let two = kernel != MainKernel::OneMTile;
         Ok(BwdTraits {
             head_dim: d,
             block_m: if d == 64 || two { 64 } else { 32 },
@@ -132,7 +149,11 @@ impl BwdTraits {
             main_kernel: kernel,
             main_keys: if two { 128 } else { 64 },
             threads: 128,
-            main_threads: if two && d == 128 { 256 } else { 128 },
+            main_threads: if kernel == MainKernel::TwoMTiles {
+                256
+            } else {
+                128
+            },
             dq_block_m: 64,
         })
     }
@@ -140,7 +161,7 @@ impl BwdTraits {
         self.head_dim + 8
     }
     /// Shared memory of the main kernel: K, V, two buffers each of Q and dO,
-    /// dSᵀ (the d 128 two-m-tile kernel: P, then dS written over it), two
+    /// dSᵀ (the 8-warp two-m-tile kernels: P, then dS written over it), two
     /// buffers each of lse2 and D, the tile's kv_end.
     pub fn main_smem_bytes(&self) -> u32 {
         let rs = self.row_stride();
@@ -158,11 +179,14 @@ impl BwdTraits {
     /// Symbol of one of the backward kernels (`stage` is `"pre"`,
     /// `"main_atomic"`, `"main_det"`, `"dq"`, `"dq_convert"` or
     /// `"dkv_convert"`); the main stages name the traits' main kernel
-    /// (`main2_*` for [`MainKernel::TwoMTiles`]).
+    /// (`main2_*` for [`MainKernel::TwoMTiles`], `main2w4_*` for
+    /// [`MainKernel::TwoMTilesFourWarps`]).
     pub fn kernel_name(&self, stage: &str, dtype: Dtype) -> String {
         let stage = match (self.main_kernel, stage) {
             (MainKernel::TwoMTiles, "main_atomic") => "main2_atomic",
             (MainKernel::TwoMTiles, "main_det") => "main2_det",
+            (MainKernel::TwoMTilesFourWarps, "main_atomic") => "main2w4_atomic",
+            (MainKernel::TwoMTilesFourWarps, "main_det") => "main2w4_det",
             _ => stage,
         };
         format!("tree_attn_bwd_{stage}_{}_d{}", dtype.name(), self.head_dim)
@@ -172,8 +196,9 @@ impl BwdTraits {
 /// Blocks of the main kernel below which [`group_splits`] splits the GQA
 /// group over grid.z: two blocks per SM of an H100 / H200 (132 SMs; the
 /// one-m-tile kernel's 65,792 / 75,520 bytes of shared memory allow 3 per
-/// SM, the two-m-tile kernel's 93,696 (d 64) 2 and 159,232 (d 128, 8
-/// warps) 1: two waves there). Not tuned on a GPU.
+/// SM; the two-m-tile kernels' 8 warps 1 (d 64: 241 registers x 256
+/// threads; d 128: its 159,232 bytes), the d 64 4-warp one's 93,696 bytes
+/// 2: two waves there). Not tuned on a GPU.
 pub const MAIN_TARGET_BLOCKS: u64 = 264;
 
 /// Most z-slices a group is split into: the scratch of the split path is

@@ -118,7 +118,7 @@ impl ModelCost {
                 return Err(Error::Usage(format!("ModelCost.{name} must be positive")));
             }
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(Error::Usage(format!(
                 "ModelCost.kv_heads = {} does not divide heads = {}",
                 self.kv_heads, self.heads

@@ -869,7 +869,7 @@ mod tests {
         // Two entries for "a": serde would keep the last one silently.
         let head = r#"{"a":{"dtype":"I64","shape":[1],"data_offsets":[0,8]},"a":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}}"#;
         let mut head = head.as_bytes().to_vec();
-        while head.len() % 8 != 0 {
+        while !head.len().is_multiple_of(8) {
             head.push(b' ');
         }
         let mut bytes = (head.len() as u64).to_le_bytes().to_vec();

@@ -129,7 +129,8 @@ fn f32_gradients_equal_dense_softmax_attention() -> R<()> {
 }
 
 /// bf16 and f16 CPU tensors go to the CPU backend as they are: O is the
-/// f32 op's O on the widened tensors rounded once, bit for bit; the
+/// f32 op's O on the widened tensors rounded once, bit for bit (bf16 on
+/// the AVX-512 BF16 path: within the tolerance below); the
 /// gradients through candle's autograd are the f32 op's within the
 /// rounding of O (which enters D = rowsum(dO ∘ O)) and of each gradient:
 /// 2e-2 (bf16) and 5e-3 (f16) of the largest, the crate's tolerance table
@@ -159,12 +160,17 @@ fn half_tensors_run_as_they_are() -> R<()> {
         let (q32, k32, v32) = (wide(&q)?, wide(&k)?, wide(&v)?);
         let o32 = tree_attention(&q32, &k32, &v32, &mask, &params)?;
         let g32 = (&o32 * &w.to_dtype(DType::F32)?)?.sum_all()?.backward()?;
-        assert_eq!(
-            max_diff(
-                &o.to_dtype(DType::F32)?,
-                &o32.to_dtype(dtype)?.to_dtype(DType::F32)?
-            ),
-            0.0
+        let diff = max_diff(
+            &o.to_dtype(DType::F32)?,
+            &o32.to_dtype(dtype)?.to_dtype(DType::F32)?,
+        );
+        // On the AVX-512 BF16 path bf16 scores run on bf16 pairs (another
+        // summation order): O within the 16-bit tolerance of |O| <= 1.
+        let pairs = dtype == DType::BF16
+            && treeattn::backend::cpu::isa() == treeattn::backend::cpu::Isa::Avx512Bf16;
+        assert!(
+            diff <= if pairs { tol } else { 0.0 },
+            "{dtype:?} O differs by {diff:e}"
         );
         for (name, x, x32) in [("dq", &q, &q32), ("dk", &k, &k32), ("dv", &v, &v32)] {
             let (a, b) = (g.get(x).unwrap(), g32.get(x32).unwrap());

@@ -249,7 +249,7 @@ unsafe fn slice_mut<'a, T>(what: &str, p: *mut T, len: usize) -> R<&'a mut [T]> 
 }
 
 fn check_ptr(what: &str, addr: usize, len: usize, size: usize, align: usize) -> R<()> {
-    if addr % align != 0 {
+    if !addr.is_multiple_of(align) {
         return Err(Fail(
             TREEATTN_ERR_SHAPE,
             format!("`{what}` = {addr:#x} is not aligned to {align} bytes"),

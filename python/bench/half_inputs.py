@@ -13,8 +13,10 @@ same pack:
                 length (per *causal* pair: the speed of plain attention in
                 bf16 on this CPU).
 
-Before timing: native against cast, bit for bit for O and every gradient
-(the crate's contract for 16-bit inputs; the script stops otherwise).
+Before timing: native against cast, bit for bit for O (the crate's
+contract for 16-bit inputs; the script stops otherwise) — within 1e-2
+relative for bf16 on the ``avx512+bf16`` path, where the scores run on bf16
+pairs (``TREEATTN_ISA=avx512`` runs the f32 products instead, to compare).
 Timing: the methods interleaved within each repetition, median of --reps
 after the check (the warm-up). GFLOP/s by the median: 4·d FLOPs per pair
 per head forward, x3.5 forward+backward; pairs = visible pairs (causal:
@@ -51,7 +53,7 @@ def run_pack(bench, shape, length, a):
     H, d, dt = a.heads, a.head_dim, getattr(torch, a.dtype)
     kv_end = bench.make_pack(shape, length)
     L = kv_end.shape[0]
-    pairs = bench.visible_pairs(kv_end)
+    n_pairs = bench.visible_pairs(kv_end)
     causal_pairs = L * (L + 1) // 2
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(L, H, d, generator=g).to(dt) for _ in range(4))
@@ -79,7 +81,12 @@ def run_pack(bench, shape, length, a):
     # bit, but for the backward's D = rowsum(dO ∘ O), which the cast route
     # takes from the f32 O: there the two differ by that rounding.
     got, ref = methods["native"](), methods["cast"]()
-    assert torch.equal(got[0], ref[0]), "native O differs from the cast route's"
+    pairs = a.dtype == "bfloat16" and tt.cpu_isa() == "avx512+bf16"
+    o_err = float((got[0].float() - ref[0].float()).norm() / ref[0].float().norm())
+    if pairs:  # scores on bf16 pairs: within the 16-bit tolerance
+        assert o_err < 1e-2, f"native O differs from the cast route's by {o_err:.2e}"
+    else:
+        assert torch.equal(got[0], ref[0]), "native O differs from the cast route's"
     grad_diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got[1:], ref[1:]))
     methods["f32"]()
     methods["sdpa-causal"]()
@@ -89,15 +96,17 @@ def run_pack(bench, shape, length, a):
             t0 = time.perf_counter()
             f()
             times[m].append(time.perf_counter() - t0)
-    row = {"shape": shape, "tokens": L, "visible_pairs": pairs, "grad_max_diff_vs_cast": grad_diff, "methods": {}}
+    row = {"shape": shape, "tokens": L, "visible_pairs": n_pairs, "cpu_isa": tt.cpu_isa(),
+           "o_rel_err_vs_cast": o_err, "grad_max_diff_vs_cast": grad_diff, "methods": {}}
     flops = 3.5 * 4 * d * H
     for m, ts in times.items():
         med = statistics.median(ts)
-        n = causal_pairs if m == "sdpa-causal" else pairs
+        n = causal_pairs if m == "sdpa-causal" else n_pairs
         row["methods"][m] = {"ms": med * 1e3, "min_ms": min(ts) * 1e3, "gflops": flops * n / med / 1e9}
     causal = row["methods"]["sdpa-causal"]["gflops"]
-    print(f"\n{shape}: L = {L}, visible pairs {pairs} ({pairs / causal_pairs:.3f} of causal), "
-          f"{a.dtype}, H = {H}, d = {d}; grads native vs cast max |diff| {grad_diff:.3g}")
+    print(f"\n{shape}: L = {L}, visible pairs {n_pairs} ({n_pairs / causal_pairs:.3f} of causal), "
+          f"{a.dtype}, H = {H}, d = {d}, cpu path {tt.cpu_isa()}; native vs cast: O rel. err. "
+          f"{o_err:.2e}, grads max |diff| {grad_diff:.3g}")
     print(f"{'method':<12} {'fwd+bwd ms':>11} {'min ms':>9} {'GFLOP/s':>9} {'/ causal':>9}")
     for m, r in row["methods"].items():
         print(f"{m:<12} {r['ms']:>11.1f} {r['min_ms']:>9.1f} {r['gflops']:>9.2f} {r['gflops'] / causal:>9.2f}")

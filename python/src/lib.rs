@@ -536,6 +536,13 @@ fn cuda_built() -> bool {
     cfg!(feature = "cuda")
 }
 
+/// The CPU backend's code path in this process (`treeattn::backend::cpu::isa`):
+/// `"portable"`, `"avx2+fma"`, `"avx512"` or `"avx512+bf16"`.
+#[pyfunction]
+fn cpu_isa() -> &'static str {
+    treeattn::backend::cpu::isa().name()
+}
+
 /// Device entries: torch's CUDA tensors (bf16 / f16 attention; bf16, f16,
 /// f32 SDCC logits) on torch's current stream, through the crate's
 /// borrowed-pointer entries (`backend::cuda::host`): the kernels are
@@ -1207,6 +1214,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pack_cost, m)?)?;
     m.add_function(wrap_pyfunction!(paths, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_built, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_isa, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_sdcc_forward_kl, m)?)?;

@@ -122,7 +122,9 @@ def test_half_inputs_compute_in_f32(dtype, rope, gen):
     """bf16 / f16 CPU tensors go to the crate as they are: O bit for bit the
     float32 op on the widened inputs, rounded once; the LSE float32; the
     gradients bit for bit the float32 backward on the widened O, LSE and
-    dO, rounded once (no tolerance: the crate widens exactly)."""
+    dO, rounded once (no tolerance: the crate widens exactly). On the
+    avx512+bf16 path bf16 scores run on bf16 pairs: there, within the
+    16-bit tolerances (1e-2 O and LSE, 2e-2 gradients, relative)."""
     L = 70
     kv_end = random_forest(L, gen)
     pos = depths(kv_end) if rope else None
@@ -135,17 +137,24 @@ def test_half_inputs_compute_in_f32(dtype, rope, gen):
     (o.float() * g.float()).sum().backward()
     assert all(t.grad.dtype == dtype for t in xs)
     w = [t.float() for t in x]
-    o32 = tt.tree_attention(*w, kv_end, **kw)
-    assert torch.equal(o, o32.to(dtype))
-    assert not torch.equal(o.float(), o32)  # the rounding is real
-    scale = 16 ** -0.5
-    rb = 10000.0 if rope else None
-    rd = 16 if rope else None
+    scale, rb, rd = 16 ** -0.5, (10000.0 if rope else None), (16 if rope else None)
     o_, lse = tt._attn_fwd(*x, kv_end, pos, scale, rb, rd, 0)
     assert lse.dtype == torch.float32 and torch.equal(o_, o)
-    _, lse32 = tt._attn_fwd(*w, kv_end, pos, scale, rb, rd, 0)
-    assert torch.equal(lse, lse32)
+    o32, lse32 = tt._attn_fwd(*w, kv_end, pos, scale, rb, rd, 0)
+    assert not torch.equal(o.float(), o32)  # the rounding is real
     ref = tt._attn_bwd(*w, kv_end, pos, o.float(), lse, g.float(), scale, rb, rd, 0)
+    if dtype == torch.bfloat16 and tt.cpu_isa() == "avx512+bf16":
+        def rel(a, b):
+            a, b = a.float(), b.float()
+            keep = torch.isfinite(b)
+            return float((a[keep] - b[keep]).norm() / b[keep].norm())
+        assert rel(o, o32) < 1e-2 and rel(lse, lse32) < 1e-2
+        assert not torch.equal(o, o32.to(dtype))  # the pair products ran
+        for t, r in zip(xs, ref):
+            assert rel(t.grad, r) < 2e-2
+        return
+    assert torch.equal(o, o32.to(dtype))
+    assert torch.equal(lse, lse32)
     for t, r in zip(xs, ref):
         assert torch.equal(t.grad, r.to(dtype))
 

@@ -23,6 +23,7 @@ __all__ = [
     "paths",
     "block_census",
     "cuda_built",
+    "cpu_isa",
     "cuda_attention_forward",
     "cuda_attention_backward",
     "cuda_sdcc_forward_kl",
@@ -165,6 +166,7 @@ def block_census(kv_end: int, tokens: int, block: int) -> List[bytes]:
     """``(kv_num, kv_indices, full_num, full_indices)`` as int32 bytes."""
 
 def cuda_built() -> bool: ...
+def cpu_isa() -> str: ...
 def cuda_attention_forward(
     dtype: str,
     device: int,

@@ -15,7 +15,11 @@ float16 CPU tensors go to it as they are: widened exactly as the crate
 copies them, computed in float32, each result rounded once to the input
 dtype (the LSE is float32, as on CUDA) — bit for bit the float32 op on
 ``q.float()``, ``k.float()``, ``v.float()`` rounded, without the float32
-copies.
+copies; except that on CPUs with AVX-512 BF16 (:func:`cpu_isa` is
+``"avx512+bf16"``) bfloat16 scores ``Q Kᵀ`` and ``dO Vᵀ`` are computed on
+bfloat16 pairs (products exact, sums in float32 in another order; rotated
+q and k rounded to bfloat16 first, as on CUDA): within the 16-bit
+tolerances, 1e-2 / 2e-2.
 
 Devices: CPU tensors run the crate's CPU backend. CUDA tensors run the
 crate's CUDA kernels when the extension was built with the crate's
@@ -56,8 +60,8 @@ from torch import Tensor
 from . import _native
 
 __all__ = [
-    "tree_attention", "sdcc_forward_kl", "set_num_threads", "get_num_threads", "cuda_built", "TreeMask",
-    "count_mask_work",
+    "tree_attention", "sdcc_forward_kl", "set_num_threads", "get_num_threads", "cuda_built", "cpu_isa",
+    "TreeMask", "count_mask_work",
 ]
 
 _threads = 0  # 0: the crate's default (TREEATTN_THREADS or all cores)
@@ -319,6 +323,15 @@ _CUDA_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float
 def cuda_built() -> bool:
     """Whether this build of the extension has the crate's CUDA kernels."""
     return bool(_native.cuda_built())
+
+
+def cpu_isa() -> str:
+    """The CPU backend's code path in this process: ``"portable"``,
+    ``"avx2+fma"``, ``"avx512"`` or ``"avx512+bf16"`` (the best the CPU
+    has, lowered by ``TREEATTN_ISA``). On ``"avx512+bf16"``, bfloat16 inputs'
+    scores are computed on bfloat16 pairs (``vdpbf16ps``) rather than as the
+    float32 op on the widened inputs."""
+    return str(_native.cpu_isa())
 
 
 def _attn_setup(ctx, inputs, output):

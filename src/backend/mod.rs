@@ -75,7 +75,7 @@ impl AttnShape {
                 "attention shape {self:?} overflows usize"
             )));
         }
-        if self.q_heads % self.kv_heads != 0 {
+        if !self.q_heads.is_multiple_of(self.kv_heads) {
             return Err(Error::Shape(format!(
                 "q_heads = {} is not a multiple of kv_heads = {} (GQA needs kv heads dividing q heads)",
                 self.q_heads, self.kv_heads

@@ -407,7 +407,7 @@ impl SdccCase {
             .collect();
         // Teacher row (7 i + 3) mod pairs holds student row i, perturbed:
         // a permutation unless 7 divides `pairs` (then step 1 instead).
-        let step = if pairs % 7 == 0 { 1 } else { 7 };
+        let step = if pairs.is_multiple_of(7) { 1 } else { 7 };
         let slot = |i: usize| (step * i + 3) % pairs.max(1);
         let mut teacher = vec![0.0f32; pairs * vocab];
         for i in 0..pairs {

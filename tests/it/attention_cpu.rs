@@ -500,26 +500,34 @@ fn check_half<H: CpuElement<Compute = f32>>(c: &Case, threads: usize) -> usize {
     changed(&o, &f32_fwd.o) + changed(&g[0], &r.dq) + changed(&g[1], &r.dk) + changed(&g[2], &r.dv)
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(24))]
-
-    /// bf16 and f16 inputs are widened exactly and computed in f32: the
-    /// results are the f32 call's, bit for bit, up to the one rounding of
-    /// each stored value (no tolerance: any difference in what is computed
-    /// shows). Random trees, forests, padding, GQA, partial rotary, 1 to 3
-    /// threads.
-    #[test]
-    fn half_inputs_compute_what_f32_computes_on_them(
+/// bf16 and f16 inputs are widened exactly and computed in f32: the
+/// results are the f32 call's, bit for bit, up to the one rounding of each
+/// stored value (no tolerance: any difference in what is computed shows).
+/// Random trees, forests, padding, GQA, partial rotary, 1 to 3 threads. In
+/// a process of its own on the AVX-512 path at most: the AVX-512 BF16 path
+/// computes bf16 scores on bf16 pairs instead (`attention_isa`).
+#[test]
+fn half_inputs_compute_what_f32_computes_on_them() {
+    if !crate::common::own_process(
+        "attention_cpu::half_inputs_compute_what_f32_computes_on_them",
+        &[("TREEATTN_ISA", "avx512")],
+    ) {
+        return;
+    }
+    let changed = std::cell::Cell::new(0);
+    proptest!(ProptestConfig::with_cases(24), |(
         seed in any::<u64>(), kind in kind_strategy(), l in 1usize..200,
         kv_heads in 1usize..3, group in 1usize..4, d in 1usize..=80, rope in any::<bool>(),
         threads in 1usize..4,
-    ) {
+    )| {
         let c = make_case(seed, kind, l, kv_heads, group, d, rope && d >= 2);
-        let changed = check_half::<half::bf16>(&c, threads) + check_half::<half::f16>(&c, threads);
-        // Negative control: f32 results of random inputs are almost never
-        // representable in 8 or 11 significand bits, so the rounding shows.
-        prop_assert!(changed > 0);
-    }
+        let n = check_half::<half::bf16>(&c, threads) + check_half::<half::f16>(&c, threads);
+        changed.set(changed.get() + n);
+    });
+    // Negative control: f32 results of random inputs are almost never
+    // representable in 8 or 11 significand bits, so over all the cases the
+    // rounding shows (a tiny case, d = 1 over few keys, may round nothing).
+    assert!(changed.get() > 0);
 }
 
 /// Results that do not fit the 16-bit output type are errors naming them:

@@ -122,3 +122,94 @@ fn every_code_path_matches_the_portable_one() {
     run_all::<f32>(43, 1e-5);
     run_all::<f64>(44, 1e-12);
 }
+
+/// bf16 inputs on the AVX-512 BF16 path (S and dP by `vdpbf16ps` on bf16
+/// pairs) against the same inputs on the AVX-512 path (the f32 computation
+/// on the widened inputs, rounded once), relative Frobenius. Without rotary
+/// the scores differ only by f32 rounding in another order, which flips a
+/// few roundings of the bf16 results: measured 4e-6 to 1.6e-5 on O and
+/// 1.1e-5 to 5.8e-5 on the gradients, 1.7e-8 on the LSE (d 64 and 128);
+/// bounds 2e-4, 4e-4, 1e-6. With rotary the rotated q and k are rounded to
+/// bf16 before the products, as the GPU kernels round them: measured 3.1e-3
+/// to 3.5e-3, 1.6e-4 on the LSE, within the 16-bit kernels' table (1e-2 on
+/// O, 2e-2 on the gradients; 1e-3 on the LSE). Negative control: the paths
+/// differ (the pair products did run). Skipped, saying so, on CPUs without
+/// AVX-512 BF16.
+#[test]
+fn bf16_pair_products_match_the_f32_path() {
+    if !crate::common::own_process("attention_isa::bf16_pair_products_match_the_f32_path", &[]) {
+        return;
+    }
+    if best_isa() != Isa::Avx512Bf16 {
+        eprintln!("skipped: this CPU has no AVX-512 BF16");
+        return;
+    }
+    use half::bf16;
+    use treeattn::backend::cpu::Cpu;
+    use treeattn::backend::{AttnArgs, HostAttention};
+    let mut rng = Rng::new(45);
+    for (d, rope, group) in [
+        (64, false, 2),
+        (40, true, 1),
+        (128, false, 4),
+        (64, true, 2),
+    ] {
+        let mut b = MaskBuilder::new();
+        b.push_tree(&mut rng, 0, 24, 4, true);
+        b.push_fan(70, 3, 30);
+        b.push_fan(90, 4, 170);
+        b.push_padding(5);
+        let l = b.len();
+        let mask = b.mask().unwrap();
+        let shape = AttnShape {
+            tokens: l,
+            q_heads: 2 * group,
+            kv_heads: 2,
+            head_dim: d,
+        };
+        let mut params = AttnParams::new(d);
+        params.rope = rope.then_some(Rope {
+            base: 10_000.0,
+            dims: d,
+        });
+        let mut data = |n: usize| -> Vec<bf16> {
+            (0..n)
+                .map(|_| bf16::from_f64(2.0 * rng.signed_unit() as f64))
+                .collect()
+        };
+        let (q, k, v, d_o) = (
+            data(shape.q_len()),
+            data(shape.kv_len()),
+            data(shape.kv_len()),
+            data(shape.q_len()),
+        );
+        let run = |path: Isa| {
+            assert!(force_isa(path));
+            let cpu = Cpu::with_threads(2);
+            let args = AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, params).unwrap();
+            let f = cpu.forward_owned(&args).unwrap();
+            let g = cpu.backward_owned(&args, f.saved(), &d_o).unwrap();
+            let wide = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+            [wide(&f.o), f.lse, wide(&g.dq), wide(&g.dk), wide(&g.dv)]
+        };
+        let pairs = run(Isa::Avx512Bf16);
+        let exact = run(Isa::Avx512);
+        let names = ["o", "lse", "dq", "dk", "dv"];
+        let tol = if rope {
+            [1e-2, 1e-3, 2e-2, 2e-2, 2e-2]
+        } else {
+            [2e-4, 1e-6, 4e-4, 4e-4, 4e-4]
+        };
+        let mut differs = false;
+        for i in 0..5 {
+            let e = rel(&pairs[i], &exact[i]);
+            eprintln!("d={d} rope={rope} group={group} {}: {e:.2e}", names[i]);
+            assert!(e < tol[i], "{}: {e:e} (d={d}, rope={rope})", names[i]);
+            differs |= pairs[i] != exact[i];
+        }
+        assert!(
+            differs,
+            "negative control: the pair path gave the f32 path's bits (d={d})"
+        );
+    }
+}

@@ -387,7 +387,7 @@ fn unsupported_and_bad_inputs_are_errors() {
     ));
     // A tensor that does not start on a 16-byte boundary.
     let wide = vec![bf16::from_f32(0.5); 3 * 64 + 2];
-    let off = if (wide.as_ptr() as usize + 2) % 16 == 0 {
+    let off = if (wide.as_ptr() as usize + 2).is_multiple_of(16) {
         2
     } else {
         1

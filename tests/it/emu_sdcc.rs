@@ -382,9 +382,15 @@ fn vector_and_scalar_paths_agree() {
             &shifted_s[os..os + p.student.len()],
             &shifted_t[ot..ot + p.teacher.len()],
         );
-        assert!(ss.as_ptr() as usize % 16 != 0 && tt.as_ptr() as usize % 16 != 0);
+        assert!(
+            !(ss.as_ptr() as usize).is_multiple_of(16)
+                && !(tt.as_ptr() as usize).is_multiple_of(16)
+        );
         // (The system allocator aligns these to 16 bytes: the vector path.)
-        assert!(p.student.as_ptr() as usize % 16 == 0 && p.teacher.as_ptr() as usize % 16 == 0);
+        assert!(
+            (p.student.as_ptr() as usize).is_multiple_of(16)
+                && (p.teacher.as_ptr() as usize).is_multiple_of(16)
+        );
         let aligned =
             calls::emu_sdcc(&p.student, &p.teacher, vocab, &p.pairs, &p.weights, p.tau).unwrap();
         let scalar = calls::emu_sdcc(ss, tt, vocab, &p.pairs, &p.weights, p.tau).unwrap();

@@ -209,7 +209,7 @@ fn shuffles_and_ballot_follow_cuda_semantics() {
             let q = (0..4).map(|j| v[w + l / 4 * 4 + j]).max().unwrap() as f32;
             assert_eq!(f32::from_bits(o[6]), q, "{ctx}: quad max");
             let sparse = (0..32).fold(0u32, |b, j| {
-                b | (u32::from(w == 0 && (v[w + j] >> 3) % arg == 0) << j)
+                b | (u32::from(w == 0 && (v[w + j] >> 3).is_multiple_of(arg)) << j)
             });
             let ffs = if sparse == 0 {
                 0

@@ -21,10 +21,10 @@
 
 use super::lanes;
 use super::microkernel::{
-    accumulate, accumulate_t, live_strip_indices, live_strips, row_strips, scores, simd_dispatch,
-    strip, NS,
+    accumulate, accumulate_t, live_strip_indices, live_strips, row_strips, simd_dispatch, strip, NS,
 };
 use super::operands::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
+use super::pairs::{self, scores_or_pairs};
 use super::workspace;
 use super::workspace::Staggered;
 use super::{
@@ -154,6 +154,15 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
                 .with_row_dots(o, &mut delta),
         ]);
         let (kh, kt) = k2.split_at(k2.len() / 2);
+        // bf16 on AVX-512 BF16: S and dP on bf16 pairs (the `pairs` module).
+        let pair_copies = pairs::uses_pairs::<S>().then(|| {
+            [
+                pairs::pair_rows(&qh),
+                pairs::pair_rows(&doh),
+                pairs::pair_columns(kt, dp),
+                pairs::pair_columns(&vt, dp),
+            ]
+        });
         let ctx = BwdCtx {
             lay,
             h0: heads.start,
@@ -167,6 +176,9 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
             kt,
             vt: &vt,
             doh: &doh,
+            pairs: pair_copies
+                .as_ref()
+                .map(|[qh, doh, kt, vt]| BwdPairs { qh, doh, kt, vt }),
         };
         let (acc_k, acc_v) = acc.split_at_mut(lpad * dp);
         acc_k.fill(T::ZERO);
@@ -431,6 +443,19 @@ struct BwdCtx<'a, T> {
     kt: &'a [T],
     vt: &'a [T],
     doh: &'a [T],
+    /// Their bf16 pair copies when S and dP are computed on pairs.
+    pairs: Option<BwdPairs<'a>>,
+}
+
+/// bf16 pair copies of [`BwdCtx`]'s operands: pair rows of `qh`, `doh`
+/// (`[heads, lpad, dp / 2]`), pair columns of `kt`, `vt` (`[lpad / TILE,
+/// dp / 2, TILE]`).
+#[derive(Clone, Copy)]
+struct BwdPairs<'a> {
+    qh: &'a [u32],
+    doh: &'a [u32],
+    kt: &'a [u32],
+    vt: &'a [u32],
 }
 
 /// One item of the backward of a kv head and its query heads.
@@ -556,8 +581,16 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
             let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
             let q_rows = &ctx.qh[(head + q0) * dp..][..TILE * dp];
             let do_rows = &ctx.doh[(head + q0) * dp..][..TILE * dp];
-            scores::<T, FMA>(q_rows, k_cols, TILE, dp, s, blocks.live);
-            scores::<T, FMA>(do_rows, v_cols, TILE, dp, dpm, blocks.live);
+            let (dp2, at) = (dp / 2, (head + q0) * dp / 2);
+            let [s_pairs, dp_pairs] = match ctx.pairs {
+                Some(p) => [
+                    Some((&p.qh[at..][..TILE * dp2], &p.kt[k0 * dp2..])),
+                    Some((&p.doh[at..][..TILE * dp2], &p.vt[k0 * dp2..])),
+                ],
+                None => [None; 2],
+            };
+            scores_or_pairs::<T, FMA>(q_rows, k_cols, s_pairs, dp, s, blocks.live);
+            scores_or_pairs::<T, FMA>(do_rows, v_cols, dp_pairs, dp, dpm, blocks.live);
             let rows = DqRows {
                 q0,
                 lse: &ctx.lse[head + q0..head + q0 + TILE],

@@ -3,9 +3,10 @@
 use super::gather::{last_strip_ends, KeyGather};
 use super::lanes;
 use super::microkernel::{
-    accumulate, live_strip_indices, live_strips, row_strips, scores, simd_dispatch, strip, NS,
+    accumulate, live_strip_indices, live_strips, row_strips, simd_dispatch, strip, NS,
 };
 use super::operands::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
+use super::pairs::{self, scores_or_pairs};
 use super::workspace::Staggered;
 use super::{
     check_result, run_parallel, BlockMasks, CpuElement, CpuFloat, KeyTileBounds, TileClass, TILE,
@@ -40,6 +41,8 @@ pub(crate) fn forward<T: CpuFloat, S: CpuElement<Compute = T>>(
         Input::rows(v, shape.kv_heads, None),
     ]);
     let bounds = KeyTileBounds::new(mask.kv_end());
+    // bf16 on AVX-512 BF16: S = Q Kᵀ on bf16 pairs (the `pairs` module).
+    let kt_pairs = pairs::uses_pairs::<S>().then(|| pairs::pair_columns(&kt, lay.dp));
     let ctx = FwdCtx {
         lay,
         group: shape.group(),
@@ -49,6 +52,7 @@ pub(crate) fn forward<T: CpuFloat, S: CpuElement<Compute = T>>(
         q_heads: shape.q_heads,
         rope: rope.as_ref(),
         kt: &kt,
+        kt_pairs: kt_pairs.as_deref(),
         vh: &vh,
     };
 
@@ -112,6 +116,9 @@ struct FwdCtx<'a, T, S> {
     rope: Option<&'a RopeTable>,
     /// `[kv_heads, lpad / TILE, dp, TILE]`, rotated.
     kt: &'a [T],
+    /// Its bf16 pair columns `[kv_heads, lpad / TILE, dp / 2, TILE]`, when
+    /// the scores are computed on pairs.
+    kt_pairs: Option<&'a [u32]>,
     /// `[kv_heads, lpad, dp]`.
     vh: &'a [T],
 }
@@ -133,6 +140,10 @@ struct FwdScratch<T> {
     /// rotated and padded: `[TILE, dp]`; a chunk of gathered keys, their
     /// Kᵀ columns `[dp, TILE]` and V rows `[TILE, dp]`.
     tiles: Staggered<T, 5>,
+    /// With bf16 pairs, the query rows' and the gathered keys' pair copies
+    /// (`[TILE, dp / 2]`, `[dp / 2, TILE]`).
+    q_pairs: Vec<u32>,
+    kg_pairs: Vec<u32>,
     gather: KeyGather,
     /// Running row max and row sum of the online softmax.
     m: Vec<T>,
@@ -146,6 +157,8 @@ impl<T: CpuFloat> FwdScratch<T> {
                 [TILE * TILE, TILE * dp, TILE * dp, TILE * dp, TILE * dp],
                 T::ZERO,
             ),
+            q_pairs: vec![0; TILE * dp / 2],
+            kg_pairs: vec![0; TILE * dp / 2],
             gather: KeyGather::default(),
             m: vec![T::ZERO; TILE],
             sum: vec![T::ZERO; TILE],
@@ -180,6 +193,12 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
     ctx.lay
         .copy_tile(ctx.q, ctx.q_heads, h, q0, ctx.rope, q_rows);
     let q_rows = &*q_rows;
+    let dp2 = dp / 2;
+    let kt_pairs = ctx.kt_pairs.map(|p| &p[g * dp2 * lpad..][..dp2 * lpad]);
+    if kt_pairs.is_some() {
+        pairs::to_pair_rows(T::as_f32(q_rows).expect("f32 copies"), &mut sc.q_pairs);
+    }
+    let (q_pairs, kg_pairs) = (&sc.q_pairs[..], &mut sc.kg_pairs);
     let (m, sum) = (&mut sc.m, &mut sc.sum);
     m.fill(T::NEG_INFINITY);
     sum.fill(T::ZERO);
@@ -194,11 +213,15 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
             sc.gather.chunk_keys(c)
         } else {
             sc.gather.gather_rows(c, v_head, dp, vg);
-            sc.gather.gather_columns(c, kt_head, dp, kg)
+            match kt_pairs {
+                Some(kp) => sc.gather.gather_columns(c, kp, dp2, kg_pairs),
+                None => sc.gather.gather_columns(c, kt_head, dp, kg),
+            }
         };
         let blocks = KeyGather::chunk_blocks(bq, n);
         let ends = last_strip_ends(n);
-        scores::<T, FMA>(q_rows, kg, TILE, dp, s, blocks.live);
+        let pairs = kt_pairs.map(|_| (q_pairs, &kg_pairs[..]));
+        scores_or_pairs::<T, FMA>(q_rows, kg, pairs, dp, s, blocks.live);
         // Every row sees every key of the chunk: only lanes past its last
         // key are masked (first key taken as 0: the rows are past TILE).
         let masks = |_: usize, full: bool| (!full).then_some((0, &ends));
@@ -215,7 +238,8 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
         }
         let k0 = kt * TILE;
         let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
-        scores::<T, FMA>(q_rows, &kt_head[k0 * dp..], TILE, dp, s, blocks.live);
+        let pairs = kt_pairs.map(|kp| (q_pairs, &kp[k0 * dp2..]));
+        scores_or_pairs::<T, FMA>(q_rows, &kt_head[k0 * dp..], pairs, dp, s, blocks.live);
         // Keys past the pack's end have kv_end 0: masked.
         let masks = |c: usize, full: bool| {
             let k = k0 + c * NS;

@@ -61,6 +61,12 @@ pub trait CpuFloat:
     /// loop or a scalar remainder.
     fn exp_lanes(xs: &mut [Self; 8]);
 
+    /// `xs` as `f32`s when `Self` is `f32` (the bf16 pair products write
+    /// `f32` scores), else `None`.
+    fn as_f32_mut(xs: &mut [Self]) -> Option<&mut [f32]>;
+    /// `xs` as `f32`s when `Self` is `f32`, else `None`.
+    fn as_f32(xs: &[Self]) -> Option<&[f32]>;
+
     /// The larger of the two; `NaN`-free inputs assumed (callers check).
     #[inline(always)]
     fn max_of(self, other: Self) -> Self {
@@ -73,7 +79,7 @@ pub trait CpuFloat:
 }
 
 macro_rules! impl_cpu_float {
-    ($t:ty, $exp:path, $exp_lanes:path) => {
+    ($t:ty, $exp:path, $exp_lanes:path, $as_f32:expr) => {
         impl CpuFloat for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
@@ -105,12 +111,26 @@ macro_rules! impl_cpu_float {
             fn exp_lanes(xs: &mut [Self; 8]) {
                 $exp_lanes(xs)
             }
+            #[inline(always)]
+            fn as_f32_mut(xs: &mut [Self]) -> Option<&mut [f32]> {
+                $as_f32(xs)
+            }
+            #[inline(always)]
+            fn as_f32(xs: &[Self]) -> Option<&[f32]> {
+                $as_f32(xs)
+            }
         }
     };
 }
 
-impl_cpu_float!(f32, exp_f32, exp_f32_lanes);
-impl_cpu_float!(f64, f64::exp, exp_f64_lanes);
+impl_cpu_float!(f32, exp_f32, exp_f32_lanes, Some);
+impl_cpu_float!(f64, f64::exp, exp_f64_lanes, not_f32);
+
+/// [`CpuFloat::as_f32`] of a type that is not `f32`.
+#[inline(always)]
+fn not_f32<X, Y>(_: X) -> Option<Y> {
+    None
+}
 
 /// An element type the CPU backend takes and returns: `f32` and `f64`,
 /// computed in themselves, and `bf16` and `f16`, computed in `f32`.
@@ -124,6 +144,9 @@ impl_cpu_float!(f64, f64::exp, exp_f64_lanes);
 pub trait CpuElement: Element + Default {
     /// The type dot products, softmax sums and the LSE are computed in.
     type Compute: CpuFloat;
+    /// `bf16`: its score products run on bf16 pairs on the
+    /// [`Isa::Avx512Bf16`](super::Isa::Avx512Bf16) path.
+    const BF16: bool = false;
     /// `self` as a [`Self::Compute`], exactly.
     fn widen(self) -> Self::Compute;
     /// `dst[i] = src[i]` widened, exactly; equal lengths.
@@ -160,9 +183,10 @@ impl_cpu_element_same!(f32);
 impl_cpu_element_same!(f64);
 
 macro_rules! impl_cpu_element_half {
-    ($t:ty, $overflow:expr) => {
+    ($t:ty, $overflow:expr, $bf16:expr) => {
         impl CpuElement for $t {
             type Compute = f32;
+            const BF16: bool = $bf16;
             #[inline(always)]
             fn widen(self) -> f32 {
                 self.to_f32()
@@ -184,8 +208,8 @@ macro_rules! impl_cpu_element_half {
 // The smallest magnitudes that round to infinity: half-way between the
 // largest finite value and the next power of two (ties go to the even
 // significand, infinity's).
-impl_cpu_element_half!(bf16, BF16_OVERFLOW);
-impl_cpu_element_half!(f16, F16_OVERFLOW);
+impl_cpu_element_half!(bf16, BF16_OVERFLOW, true);
+impl_cpu_element_half!(f16, F16_OVERFLOW, false);
 
 /// bf16's largest finite value is 0x7F7F (3.3895e38); 0x7F7F_8000 as `f32`
 /// is half-way to 2^128.

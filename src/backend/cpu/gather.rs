@@ -170,7 +170,7 @@ impl KeyGather {
     /// Chunk `c`'s columns of a tile-major transposed head (`[lpad / TILE,
     /// dp, TILE]`) into `out` (`[dp, TILE]`), zero up to the end of its last
     /// strip. Returns its number of keys.
-    pub(crate) fn gather_columns<T: CpuFloat>(
+    pub(crate) fn gather_columns<T: Copy + Default>(
         &self,
         c: usize,
         head: &[T],
@@ -184,7 +184,7 @@ impl KeyGather {
                 let src = (r.key / TILE * dp + row) * TILE + r.key % TILE;
                 o[r.at..r.at + r.len].copy_from_slice(&head[src..src + r.len]);
             }
-            o[n..width].fill(T::ZERO);
+            o[n..width].fill(T::default());
         }
         n
     }

@@ -142,7 +142,7 @@ pub(crate) fn scores<T: CpuFloat, const FMA: bool>(
 /// way, so the same bits.
 #[inline(always)]
 fn wide_blocks() -> bool {
-    isa() == Isa::Avx512
+    matches!(isa(), Isa::Avx512 | Isa::Avx512Bf16)
 }
 
 /// [`scores`], with the wide register blocks when `wide`.
@@ -430,7 +430,7 @@ macro_rules! simd_dispatch {
         fn $name<$($g)*>($($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
             match $crate::backend::cpu::microkernel::isa() {
-                $crate::backend::cpu::Isa::Avx512 => {
+                $crate::backend::cpu::Isa::Avx512 | $crate::backend::cpu::Isa::Avx512Bf16 => {
                     #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
                     unsafe fn avx512<$($g)*>($($arg: $ty),*) -> $ret {
                         $body::<$($p,)* true>($($arg),*)
@@ -470,6 +470,7 @@ pub(crate) fn isa() -> Isa {
         1 => Isa::Portable,
         2 => Isa::Avx2Fma,
         3 => Isa::Avx512,
+        4 => Isa::Avx512Bf16,
         _ => {
             let chosen = isa_from_env(best_isa());
             // A racing first call decides the same way; a `force_isa` in
@@ -492,8 +493,9 @@ pub(crate) fn force_isa(isa: Isa) -> bool {
 
 /// What the environment asks for, within `best` (what the CPU has):
 /// `TREEATTN_PORTABLE=1` or `TREEATTN_ISA=portable` the portable copy,
-/// `TREEATTN_ISA=avx2` at most AVX2, `TREEATTN_ISA=avx512` at most AVX-512;
-/// otherwise the default, [`default_isa`].
+/// `TREEATTN_ISA=avx2` at most AVX2, `TREEATTN_ISA=avx512` at most AVX-512
+/// without the BF16 dot products, `TREEATTN_ISA=avx512+bf16` at most with
+/// them; otherwise the default, [`default_isa`].
 fn isa_from_env(best: Isa) -> Isa {
     if std::env::var("TREEATTN_PORTABLE").is_ok_and(|v| v.trim() == "1") {
         return Isa::Portable;
@@ -502,6 +504,7 @@ fn isa_from_env(best: Isa) -> Isa {
         Ok("portable") => Isa::Portable,
         Ok("avx2") | Ok("avx2+fma") => Isa::Avx2Fma,
         Ok("avx512") => Isa::Avx512,
+        Ok("avx512+bf16") | Ok("avx512bf16") => Isa::Avx512Bf16,
         _ => default_isa(best),
     };
     wanted.min(best)
@@ -522,7 +525,11 @@ pub(crate) fn best_isa() -> Isa {
         if !cpu_has_avx2_fma() {
             Isa::Portable
         } else if has!("avx512f") && has!("avx512vl") && has!("avx512bw") && has!("avx512dq") {
-            Isa::Avx512
+            if has!("avx512bf16") {
+                Isa::Avx512Bf16
+            } else {
+                Isa::Avx512
+            }
         } else {
             Isa::Avx2Fma
         }

@@ -88,7 +88,9 @@
 //! maxima and sums, one strip of 8 keys at a time) are written with AVX2
 //! intrinsics; with AVX-512 (F, VL, BW, DQ) a copy compiled for it, with
 //! wider register blocks on fully live tiles and the same bits as the AVX2
-//! copy; elsewhere, or
+//! copy (with AVX-512 BF16 too, [`Isa::Avx512Bf16`], `bf16` inputs' score
+//! products `Q Kᵀ`, `dO Vᵀ` run on bf16 pairs: the `pairs` module);
+//! elsewhere, or
 //! with `TREEATTN_PORTABLE=1` ([`isa`], [`uses_avx2_fma`]; `TREEATTN_ISA`
 //! chooses), the portable copy of the same code, whose softmax
 //! steps give the same bits and whose matmuls differ only by the rounding
@@ -105,10 +107,11 @@
 //! per-tile `kv_end` bounds and the tile and register-block classification;
 //! `gather` the key gathering; `microkernel` the register-blocked block
 //! products and `lanes` the row-softmax steps (portable and AVX2);
+//! `pairs` the bf16 pair copies and their `vdpbf16ps` score product;
 //! `operands` the head-major operand copies and the rotary table;
 //! `workspace` the buffer pool; `pool` the worker threads and
 //! [`num_threads`]; `census` the reports ([`tile_counts`] and friends);
-//! `checks` the input checks; `float` [`CpuFloat`].
+//! `checks` the input checks; `float` [`CpuFloat`], [`CpuElement`].
 
 mod attention_bwd;
 mod attention_fwd;
@@ -120,6 +123,7 @@ mod gather;
 mod lanes;
 mod microkernel;
 mod operands;
+mod pairs;
 mod pool;
 mod sdcc;
 mod workspace;
@@ -219,23 +223,31 @@ pub enum Isa {
     /// Compiled for AVX-512 F, VL, BW, DQ (with AVX2 and FMA): the same
     /// code as [`Isa::Avx2Fma`] with 16-lane registers, so the same bits.
     Avx512,
+    /// [`Isa::Avx512`], and on CPUs with AVX-512 BF16, `bf16` inputs' score
+    /// products `S = Q Kᵀ`, `dP = dO Vᵀ` by `vdpbf16ps` on bf16 pairs (32
+    /// products per instruction): the same bits as [`Isa::Avx512`] for
+    /// every other input type; for bf16, scores rounded in another order
+    /// (and rotated q, k rounded to bf16 before the products).
+    Avx512Bf16,
 }
 
 impl Isa {
-    /// `"portable"`, `"avx2+fma"` or `"avx512"`.
+    /// `"portable"`, `"avx2+fma"`, `"avx512"` or `"avx512+bf16"`.
     pub fn name(self) -> &'static str {
         match self {
             Isa::Portable => "portable",
             Isa::Avx2Fma => "avx2+fma",
             Isa::Avx512 => "avx512",
+            Isa::Avx512Bf16 => "avx512+bf16",
         }
     }
 }
 
 /// The code path the CPU backend's work items run, decided when the process
-/// first asks: the best the CPU has (AVX-512 F/VL/BW/DQ, else AVX2 + FMA,
-/// else portable), lowered by the environment: `TREEATTN_ISA=avx2`,
-/// `TREEATTN_ISA=portable` (or `TREEATTN_PORTABLE=1`).
+/// first asks: the best the CPU has (AVX-512 F/VL/BW/DQ with BF16, else
+/// without, else AVX2 + FMA, else portable), lowered by the environment:
+/// `TREEATTN_ISA=avx512`, `TREEATTN_ISA=avx2`, `TREEATTN_ISA=portable` (or
+/// `TREEATTN_PORTABLE=1`).
 pub fn isa() -> Isa {
     microkernel::isa()
 }

@@ -64,7 +64,7 @@ impl<T> Borrowed<T> {
                 "{what}: null device pointer for {len} elements"
             )));
         }
-        if addr % std::mem::align_of::<T>() as u64 != 0 {
+        if !addr.is_multiple_of(std::mem::align_of::<T>() as u64) {
             return Err(Error::Shape(format!(
                 "{what}: device pointer {addr:#x} is not aligned to {} bytes",
                 std::mem::align_of::<T>()

@@ -220,7 +220,7 @@ pub fn group_splits(key_tiles: u64, kv_heads: u64, group: u32) -> u32 {
     }
     let mut best = 1;
     for s in 2..=group.min(MAX_GROUP_SPLITS) {
-        if group % s == 0 {
+        if group.is_multiple_of(s) {
             best = s;
             if blocks * s as u64 >= MAIN_TARGET_BLOCKS {
                 break;
@@ -316,7 +316,7 @@ pub fn plan_backward_with(
     let group = (shape.q_heads / shape.kv_heads.max(1)) as u32;
     let splits = match splits {
         None => group_splits(key_tiles, shape.kv_heads as u64, group),
-        Some(s) if s >= 1 && group % s == 0 && s <= 65_535 => s,
+        Some(s) if s >= 1 && group.is_multiple_of(s) && s <= 65_535 => s,
         Some(s) => {
             return Err(Error::Unsupported(format!(
                 "{s} group splits do not divide the group of {group} query heads per kv head"

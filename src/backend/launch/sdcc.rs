@@ -156,7 +156,7 @@ pub(crate) fn status_error(status: &[u32], pairs: &[(u32, u32)], vocab: usize) -
 /// 16-byte aligned when the tensor does) and the student, teacher and
 /// gradient tensors 16-byte aligned (device allocations always are).
 pub(crate) fn vec8(vocab: usize, addrs: [u64; 3]) -> u32 {
-    u32::from(vocab % 8 == 0 && addrs.iter().all(|a| a % 16 == 0))
+    u32::from(vocab.is_multiple_of(8) && addrs.iter().all(|a| a % 16 == 0))
 }
 
 /// Mirror of `SdccParams` (kernels/sdcc_kl.cu). Pointers are device

@@ -111,7 +111,7 @@ pub fn placed<T: Copy + Default>(x: &[T], aligned: bool) -> (Vec<T>, usize) {
     let mut buf = vec![T::default(); x.len() + 16];
     let base = buf.as_ptr() as usize;
     let off = (0..16)
-        .find(|i| ((base + i * size) % 16 == 0) == aligned)
+        .find(|i| (base + i * size).is_multiple_of(16) == aligned)
         .expect("an offset with the asked alignment");
     buf[off..off + x.len()].copy_from_slice(x);
     (buf, off)

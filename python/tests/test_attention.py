@@ -149,7 +149,9 @@ def test_half_inputs_compute_in_f32(dtype, rope, gen):
             keep = torch.isfinite(b)
             return float((a[keep] - b[keep]).norm() / b[keep].norm())
         assert rel(o, o32) < 1e-2 and rel(lse, lse32) < 1e-2
-        assert not torch.equal(o, o32.to(dtype))  # the pair products ran
+        # The pair products ran: the float32 LSE shows their summation order
+        # (O, rounded to bf16, may hide it on a case this small).
+        assert not torch.equal(lse, lse32)
         for t, r in zip(xs, ref):
             assert rel(t.grad, r) < 2e-2
         return

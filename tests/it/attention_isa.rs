@@ -39,30 +39,36 @@ fn rel<T: CpuFloat>(got: &[T], want: &[T]) -> f64 {
     (num / den.max(1e-300)).sqrt()
 }
 
+/// A tree pack (partial tiles, gathered keys, padding), its shape with 2 kv
+/// heads of `group` query heads each at head dim `d`, and rotary if `rope`.
+fn case(rng: &mut Rng, d: usize, rope: bool, group: usize) -> (MaskBuilder, AttnShape, AttnParams) {
+    let mut b = MaskBuilder::new();
+    b.push_tree(rng, 0, 24, 4, true);
+    b.push_fan(70, 3, 30);
+    b.push_fan(90, 4, 170);
+    b.push_padding(5);
+    let shape = AttnShape {
+        tokens: b.len(),
+        q_heads: 2 * group,
+        kv_heads: 2,
+        head_dim: d,
+    };
+    let mut params = AttnParams::new(d);
+    params.rope = rope.then_some(Rope {
+        base: 10_000.0,
+        dims: d,
+    });
+    (b, shape, params)
+}
+
 /// Every output of one forward and backward, in order o, lse, dq, dk, dv.
 type Outputs<T> = [Vec<T>; 5];
 
 fn run_all<T: CpuFloat>(seed: u64, tol: f64) {
     let mut rng = Rng::new(seed);
     for (d, rope) in [(64, false), (40, true), (128, false)] {
-        let mut b = MaskBuilder::new();
-        b.push_tree(&mut rng, 0, 24, 4, true);
-        b.push_fan(70, 3, 30);
-        b.push_fan(90, 4, 170);
-        b.push_padding(5);
-        let l = b.len();
+        let (b, shape, params) = case(&mut rng, d, rope, 2);
         let mask = b.mask().unwrap();
-        let shape = AttnShape {
-            tokens: l,
-            q_heads: 4,
-            kv_heads: 2,
-            head_dim: d,
-        };
-        let mut params = AttnParams::new(d);
-        params.rope = rope.then_some(Rope {
-            base: 10_000.0,
-            dims: d,
-        });
         let mut data = |n: usize| -> Vec<T> {
             (0..n)
                 .map(|_| T::from_f64(rng.signed_unit() as f64))
@@ -154,24 +160,8 @@ fn bf16_pair_products_match_the_f32_path() {
         (128, false, 4),
         (64, true, 2),
     ] {
-        let mut b = MaskBuilder::new();
-        b.push_tree(&mut rng, 0, 24, 4, true);
-        b.push_fan(70, 3, 30);
-        b.push_fan(90, 4, 170);
-        b.push_padding(5);
-        let l = b.len();
+        let (b, shape, params) = case(&mut rng, d, rope, group);
         let mask = b.mask().unwrap();
-        let shape = AttnShape {
-            tokens: l,
-            q_heads: 2 * group,
-            kv_heads: 2,
-            head_dim: d,
-        };
-        let mut params = AttnParams::new(d);
-        params.rope = rope.then_some(Rope {
-            base: 10_000.0,
-            dims: d,
-        });
         let mut data = |n: usize| -> Vec<bf16> {
             (0..n)
                 .map(|_| bf16::from_f64(2.0 * rng.signed_unit() as f64))

@@ -123,8 +123,9 @@ def test_half_inputs_compute_in_f32(dtype, rope, gen):
     float32 op on the widened inputs, rounded once; the LSE float32; the
     gradients bit for bit the float32 backward on the widened O, LSE and
     dO, rounded once (no tolerance: the crate widens exactly). On the
-    avx512+bf16 path bf16 scores run on bf16 pairs: there, within the
-    16-bit tolerances (1e-2 O and LSE, 2e-2 gradients, relative)."""
+    avx512+bf16 path bf16's block products run on bf16 pairs, P and dS
+    rounded to bf16: there, within the 16-bit tolerances (1e-2 O and LSE,
+    2e-2 gradients, relative)."""
     L = 70
     kv_end = random_forest(L, gen)
     pos = depths(kv_end) if rope else None

@@ -16,10 +16,11 @@ copies them, computed in float32, each result rounded once to the input
 dtype (the LSE is float32, as on CUDA) — bit for bit the float32 op on
 ``q.float()``, ``k.float()``, ``v.float()`` rounded, without the float32
 copies; except that on CPUs with AVX-512 BF16 (:func:`cpu_isa` is
-``"avx512+bf16"``) bfloat16 scores ``Q Kᵀ`` and ``dO Vᵀ`` are computed on
-bfloat16 pairs (products exact, sums in float32 in another order; rotated
-q and k rounded to bfloat16 first, as on CUDA): within the 16-bit
-tolerances, 1e-2 / 2e-2.
+``"avx512+bf16"``) bfloat16's block products run on bfloat16 pairs
+(``vdpbf16ps``: products exact, sums in float32; rotated q and k, and the
+probabilities P and dS before ``P V``, ``Pᵀ dO``, ``dSᵀ Q``, ``dS K``,
+rounded to bfloat16 first, as on CUDA): 2e-3 to 4e-3 from the float32 op,
+within the 16-bit tolerances, 1e-2 / 2e-2.
 
 Devices: CPU tensors run the crate's CPU backend. CUDA tensors run the
 crate's CUDA kernels when the extension was built with the crate's
@@ -329,8 +330,9 @@ def cpu_isa() -> str:
     """The CPU backend's code path in this process: ``"portable"``,
     ``"avx2+fma"``, ``"avx512"`` or ``"avx512+bf16"`` (the best the CPU
     has, lowered by ``TREEATTN_ISA``). On ``"avx512+bf16"``, bfloat16 inputs'
-    scores are computed on bfloat16 pairs (``vdpbf16ps``) rather than as the
-    float32 op on the widened inputs."""
+    block products run on bfloat16 pairs (``vdpbf16ps``, P and dS rounded to
+    bfloat16 as on CUDA) rather than as the float32 op on the widened
+    inputs."""
     return str(_native.cpu_isa())
 
 

@@ -20,11 +20,9 @@
 //! back from memory by the passes (BENCHMARKS.md §2 has the measurement).
 
 use super::lanes;
-use super::microkernel::{
-    accumulate, accumulate_t, live_strip_indices, live_strips, row_strips, simd_dispatch, strip, NS,
-};
+use super::microkernel::{live_strip_indices, live_strips, row_strips, simd_dispatch, strip, NS};
 use super::operands::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
-use super::pairs::{self, scores_or_pairs};
+use super::pairs::{self, accumulate_or_pairs, accumulate_t_or_pairs, scores_or_pairs};
 use super::workspace;
 use super::workspace::Staggered;
 use super::{
@@ -154,13 +152,18 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
                 .with_row_dots(o, &mut delta),
         ]);
         let (kh, kt) = k2.split_at(k2.len() / 2);
-        // bf16 on AVX-512 BF16: S and dP on bf16 pairs (the `pairs` module).
+        // bf16 on AVX-512 BF16: S and dP on bf16 pairs of head-dim lanes,
+        // the other three products on P, dS rounded to bf16 and token pairs
+        // (the `pairs` module).
         let pair_copies = pairs::uses_pairs::<S>().then(|| {
             [
                 pairs::pair_rows(&qh),
                 pairs::pair_rows(&doh),
                 pairs::pair_columns(kt, dp),
                 pairs::pair_columns(&vt, dp),
+                pairs::token_pair_copy(&qh, dp),
+                pairs::token_pair_copy(&doh, dp),
+                pairs::token_pair_copy(kh, dp),
             ]
         });
         let ctx = BwdCtx {
@@ -178,7 +181,15 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
             doh: &doh,
             pairs: pair_copies
                 .as_ref()
-                .map(|[qh, doh, kt, vt]| BwdPairs { qh, doh, kt, vt }),
+                .map(|[qh, doh, kt, vt, q2, do2, k2]| BwdPairs {
+                    qh,
+                    doh,
+                    kt,
+                    vt,
+                    q2,
+                    do2,
+                    k2,
+                }),
         };
         let (acc_k, acc_v) = acc.split_at_mut(lpad * dp);
         acc_k.fill(T::ZERO);
@@ -449,13 +460,18 @@ struct BwdCtx<'a, T> {
 
 /// bf16 pair copies of [`BwdCtx`]'s operands: pair rows of `qh`, `doh`
 /// (`[heads, lpad, dp / 2]`), pair columns of `kt`, `vt` (`[lpad / TILE,
-/// dp / 2, TILE]`).
+/// dp / 2, TILE]`) for S and dP; token pairs ([`pairs::token_pairs`]) of
+/// `qh`, `doh` (`q2`, `do2`: `[heads, lpad / 2, dp]`) and `kh` (`k2`:
+/// `[lpad / 2, dp]`) for `dK += dSᵀ Q`, `dV += Pᵀ dO`, `dQ += dS K`.
 #[derive(Clone, Copy)]
 struct BwdPairs<'a> {
     qh: &'a [u32],
     doh: &'a [u32],
     kt: &'a [u32],
     vt: &'a [u32],
+    q2: &'a [u32],
+    do2: &'a [u32],
+    k2: &'a [u32],
 }
 
 /// One item of the backward of a kv head and its query heads.
@@ -497,15 +513,18 @@ struct QueryItem<'a, 'b, S> {
 }
 
 /// Per thread: a key item's `[TILE, TILE]` scores, then P; a dQ item's
-/// `[TILE, dp]` accumulator.
+/// `[TILE, dp]` accumulator; with bf16 pairs, a block of P or dS in bf16
+/// pairs (`[TILE * TILE / 2]`).
 struct BwdScratch<T> {
     tiles: Staggered<T, 2>,
+    block_pairs: Vec<u32>,
 }
 
 impl<T: CpuFloat> BwdScratch<T> {
     fn new(dp: usize) -> Self {
         BwdScratch {
             tiles: Staggered::new([TILE * TILE, TILE * dp], T::ZERO),
+            block_pairs: vec![0; TILE * TILE / 2],
         }
     }
 }
@@ -598,8 +617,14 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
                 scale: ctx.scale,
             };
             ds_block::<T, FMA>(rows, s, dpm, blocks, masks);
-            accumulate_t::<T, FMA>(s, do_rows, dp, dv, blocks.live);
-            accumulate_t::<T, FMA>(dpm, q_rows, dp, dk, blocks.live);
+            // With pairs, P and then dS in bf16 query pairs (one scratch),
+            // against dO's and Q's query pairs.
+            let at2 = (head + q0) / 2 * dp;
+            let bp = &mut sc.block_pairs;
+            let dv_pairs = ctx.pairs.map(|p| (&mut bp[..], &p.do2[at2..]));
+            accumulate_t_or_pairs::<T, FMA>(s, do_rows, dv_pairs, dp, dv, blocks.live);
+            let dk_pairs = ctx.pairs.map(|p| (&mut bp[..], &p.q2[at2..]));
+            accumulate_t_or_pairs::<T, FMA>(dpm, q_rows, dk_pairs, dp, dk, blocks.live);
         }
     }
 }
@@ -636,9 +661,13 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
         };
         let k0 = kt * TILE;
         let blocks = ctx.bounds.query_row_blocks(q0, q1, k0);
-        accumulate::<T, FMA>(
+        let pairs = ctx
+            .pairs
+            .map(|p| (&mut sc.block_pairs[..], &p.k2[k0 / 2 * dp..]));
+        accumulate_or_pairs::<T, FMA>(
             &ds[at..][..TILE * TILE],
             &ctx.kh[k0 * dp..],
+            pairs,
             dp,
             dq,
             blocks.live,

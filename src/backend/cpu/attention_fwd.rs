@@ -2,11 +2,9 @@
 
 use super::gather::{last_strip_ends, KeyGather};
 use super::lanes;
-use super::microkernel::{
-    accumulate, live_strip_indices, live_strips, row_strips, simd_dispatch, strip, NS,
-};
+use super::microkernel::{live_strip_indices, live_strips, row_strips, simd_dispatch, strip, NS};
 use super::operands::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
-use super::pairs::{self, scores_or_pairs};
+use super::pairs::{self, accumulate_or_pairs, scores_or_pairs};
 use super::workspace::Staggered;
 use super::{
     check_result, run_parallel, BlockMasks, CpuElement, CpuFloat, KeyTileBounds, TileClass, TILE,
@@ -43,6 +41,10 @@ pub(crate) fn forward<T: CpuFloat, S: CpuElement<Compute = T>>(
     let bounds = KeyTileBounds::new(mask.kv_end());
     // bf16 on AVX-512 BF16: S = Q Kᵀ on bf16 pairs (the `pairs` module).
     let kt_pairs = pairs::uses_pairs::<S>().then(|| pairs::pair_columns(&kt, lay.dp));
+    // ... and O += P V on P rounded to bf16 and V's key pairs.
+    let vh_pairs = kt_pairs
+        .is_some()
+        .then(|| pairs::token_pair_copy(&vh, lay.dp));
     let ctx = FwdCtx {
         lay,
         group: shape.group(),
@@ -54,6 +56,7 @@ pub(crate) fn forward<T: CpuFloat, S: CpuElement<Compute = T>>(
         kt: &kt,
         kt_pairs: kt_pairs.as_deref(),
         vh: &vh,
+        vh_pairs: vh_pairs.as_deref(),
     };
 
     let tiles = l.div_ceil(TILE);
@@ -121,6 +124,9 @@ struct FwdCtx<'a, T, S> {
     kt_pairs: Option<&'a [u32]>,
     /// `[kv_heads, lpad, dp]`.
     vh: &'a [T],
+    /// Its key pairs `[kv_heads, lpad / 2, dp]` ([`pairs::token_pairs`]),
+    /// with `kt_pairs`.
+    vh_pairs: Option<&'a [u32]>,
 }
 
 /// One (query head, query tile): its output rows and LSE entries.
@@ -141,9 +147,13 @@ struct FwdScratch<T> {
     /// Kᵀ columns `[dp, TILE]` and V rows `[TILE, dp]`.
     tiles: Staggered<T, 5>,
     /// With bf16 pairs, the query rows' and the gathered keys' pair copies
-    /// (`[TILE, dp / 2]`, `[dp / 2, TILE]`).
+    /// (`[TILE, dp / 2]`, `[dp / 2, TILE]`), the gathered V rows' key pairs
+    /// (`[TILE / 2, dp]`) and a block's probabilities in bf16
+    /// (`[TILE, TILE / 2]`).
     q_pairs: Vec<u32>,
     kg_pairs: Vec<u32>,
+    vg_pairs: Vec<u32>,
+    p_pairs: Vec<u32>,
     gather: KeyGather,
     /// Running row max and row sum of the online softmax.
     m: Vec<T>,
@@ -159,6 +169,8 @@ impl<T: CpuFloat> FwdScratch<T> {
             ),
             q_pairs: vec![0; TILE * dp / 2],
             kg_pairs: vec![0; TILE * dp / 2],
+            vg_pairs: vec![0; TILE * dp / 2],
+            p_pairs: vec![0; TILE * TILE / 2],
             gather: KeyGather::default(),
             m: vec![T::ZERO; TILE],
             sum: vec![T::ZERO; TILE],
@@ -195,10 +207,12 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
     let q_rows = &*q_rows;
     let dp2 = dp / 2;
     let kt_pairs = ctx.kt_pairs.map(|p| &p[g * dp2 * lpad..][..dp2 * lpad]);
+    let vh_pairs = ctx.vh_pairs.map(|p| &p[g * dp2 * lpad..][..dp2 * lpad]);
     if kt_pairs.is_some() {
         pairs::to_pair_rows(T::as_f32(q_rows).expect("f32 copies"), &mut sc.q_pairs);
     }
     let (q_pairs, kg_pairs) = (&sc.q_pairs[..], &mut sc.kg_pairs);
+    let (vg_pairs, p_pairs) = (&mut sc.vg_pairs, &mut sc.p_pairs);
     let (m, sum) = (&mut sc.m, &mut sc.sum);
     m.fill(T::NEG_INFINITY);
     sum.fill(T::ZERO);
@@ -214,7 +228,14 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
         } else {
             sc.gather.gather_rows(c, v_head, dp, vg);
             match kt_pairs {
-                Some(kp) => sc.gather.gather_columns(c, kp, dp2, kg_pairs),
+                Some(kp) => {
+                    // V's key pairs of the gathered rows (zero past the
+                    // chunk's keys, up to its last strip).
+                    let rows = sc.gather.chunk_keys(c).div_ceil(NS) * NS * dp;
+                    let vg = T::as_f32(&vg[..rows]).expect("f32 copies");
+                    pairs::token_pairs(vg, dp, vg_pairs);
+                    sc.gather.gather_columns(c, kp, dp2, kg_pairs)
+                }
                 None => sc.gather.gather_columns(c, kt_head, dp, kg),
             }
         };
@@ -227,7 +248,8 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
         let masks = |_: usize, full: bool| (!full).then_some((0, &ends));
         let rows = Rows { q0, bq, dp };
         softmax_block::<T, FMA>(ctx.scale, rows, s, blocks, masks, m, sum, o);
-        accumulate::<T, FMA>(s, vg, dp, o, blocks.live);
+        let pairs = vh_pairs.map(|_| (&mut p_pairs[..], &vg_pairs[..]));
+        accumulate_or_pairs::<T, FMA>(s, vg, pairs, dp, o, blocks.live);
     }
     sc.gather.keep(g);
 
@@ -247,7 +269,8 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
         };
         let rows = Rows { q0, bq, dp };
         softmax_block::<T, FMA>(ctx.scale, rows, s, blocks, masks, m, sum, o);
-        accumulate::<T, FMA>(s, &v_head[k0 * dp..], dp, o, blocks.live);
+        let pairs = vh_pairs.map(|vp| (&mut p_pairs[..], &vp[k0 / 2 * dp..]));
+        accumulate_or_pairs::<T, FMA>(s, &v_head[k0 * dp..], pairs, dp, o, blocks.live);
     }
 
     let mut finite = true;

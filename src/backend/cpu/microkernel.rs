@@ -332,7 +332,7 @@ fn register_block_w<T: CpuFloat, const FMA: bool, const W: usize>(
 /// The query row blocks of strip `cs` that `live` holds: bit `qb` stands for
 /// rows `qb·MR .. qb·MR + MR` of that strip's columns.
 #[inline(always)]
-fn strip_row_blocks(live: LiveBlocks, cs: usize) -> u32 {
+pub(crate) fn strip_row_blocks(live: LiveBlocks, cs: usize) -> u32 {
     let mut blocks = 0;
     for qb in 0..TILE / MR {
         blocks |= ((live >> (qb * STRIPS + cs)) as u32 & 1) << qb;

@@ -88,8 +88,9 @@
 //! maxima and sums, one strip of 8 keys at a time) are written with AVX2
 //! intrinsics; with AVX-512 (F, VL, BW, DQ) a copy compiled for it, with
 //! wider register blocks on fully live tiles and the same bits as the AVX2
-//! copy (with AVX-512 BF16 too, [`Isa::Avx512Bf16`], `bf16` inputs' score
-//! products `Q Kᵀ`, `dO Vᵀ` run on bf16 pairs: the `pairs` module);
+//! copy (with AVX-512 BF16 too, [`Isa::Avx512Bf16`], `bf16` inputs' block
+//! products run on bf16 pairs, P and dS rounded to bf16 as on the GPU: the
+//! `pairs` module);
 //! elsewhere, or
 //! with `TREEATTN_PORTABLE=1` ([`isa`], [`uses_avx2_fma`]; `TREEATTN_ISA`
 //! chooses), the portable copy of the same code, whose softmax
@@ -107,7 +108,7 @@
 //! per-tile `kv_end` bounds and the tile and register-block classification;
 //! `gather` the key gathering; `microkernel` the register-blocked block
 //! products and `lanes` the row-softmax steps (portable and AVX2);
-//! `pairs` the bf16 pair copies and their `vdpbf16ps` score product;
+//! `pairs` the bf16 pair copies and their `vdpbf16ps` block products;
 //! `operands` the head-major operand copies and the rotary table;
 //! `workspace` the buffer pool; `pool` the worker threads and
 //! [`num_threads`]; `census` the reports ([`tile_counts`] and friends);
@@ -223,11 +224,12 @@ pub enum Isa {
     /// Compiled for AVX-512 F, VL, BW, DQ (with AVX2 and FMA): the same
     /// code as [`Isa::Avx2Fma`] with 16-lane registers, so the same bits.
     Avx512,
-    /// [`Isa::Avx512`], and on CPUs with AVX-512 BF16, `bf16` inputs' score
-    /// products `S = Q Kᵀ`, `dP = dO Vᵀ` by `vdpbf16ps` on bf16 pairs (32
-    /// products per instruction): the same bits as [`Isa::Avx512`] for
-    /// every other input type; for bf16, scores rounded in another order
-    /// (and rotated q, k rounded to bf16 before the products).
+    /// [`Isa::Avx512`], and on CPUs with AVX-512 BF16, `bf16` inputs' five
+    /// block products by `vdpbf16ps` on bf16 pairs (32 products per
+    /// instruction): the same bits as [`Isa::Avx512`] for every other input
+    /// type; for bf16, scores summed in another order, rotated q, k rounded
+    /// to bf16 before the products, and P, dS rounded to bf16 before
+    /// `P V`, `Pᵀ dO`, `dSᵀ Q`, `dS K`, as the GPU kernels round them.
     Avx512Bf16,
 }
 

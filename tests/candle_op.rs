@@ -164,8 +164,9 @@ fn half_tensors_run_as_they_are() -> R<()> {
             &o.to_dtype(DType::F32)?,
             &o32.to_dtype(dtype)?.to_dtype(DType::F32)?,
         );
-        // On the AVX-512 BF16 path bf16 scores run on bf16 pairs (another
-        // summation order): O within the 16-bit tolerance of |O| <= 1.
+        // On the AVX-512 BF16 path bf16's block products run on bf16 pairs
+        // (another summation order, P rounded to bf16 before P V): O within
+        // the 16-bit tolerance of |O| <= 1.
         let pairs = dtype == DType::BF16
             && treeattn::backend::cpu::isa() == treeattn::backend::cpu::Isa::Avx512Bf16;
         assert!(

@@ -15,8 +15,9 @@ same pack:
 
 Before timing: native against cast, bit for bit for O (the crate's
 contract for 16-bit inputs; the script stops otherwise) — within 1e-2
-relative for bf16 on the ``avx512+bf16`` path, where the scores run on bf16
-pairs (``TREEATTN_ISA=avx512`` runs the f32 products instead, to compare).
+relative for bf16 on the ``avx512+bf16`` path, where the block products run
+on bf16 pairs with P and dS rounded to bf16 (``TREEATTN_ISA=avx512`` runs
+the f32 products instead, to compare).
 Timing: the methods interleaved within each repetition, median of --reps
 after the check (the warm-up). GFLOP/s by the median: 4·d FLOPs per pair
 per head forward, x3.5 forward+backward; pairs = visible pairs (causal:
@@ -83,7 +84,7 @@ def run_pack(bench, shape, length, a):
     got, ref = methods["native"](), methods["cast"]()
     pairs = a.dtype == "bfloat16" and tt.cpu_isa() == "avx512+bf16"
     o_err = float((got[0].float() - ref[0].float()).norm() / ref[0].float().norm())
-    if pairs:  # scores on bf16 pairs: within the 16-bit tolerance
+    if pairs:  # block products on bf16 pairs: within the 16-bit tolerance
         assert o_err < 1e-2, f"native O differs from the cast route's by {o_err:.2e}"
     else:
         assert torch.equal(got[0], ref[0]), "native O differs from the cast route's"

@@ -144,7 +144,7 @@ fn not_f32<X, Y>(_: X) -> Option<Y> {
 pub trait CpuElement: Element + Default {
     /// The type dot products, softmax sums and the LSE are computed in.
     type Compute: CpuFloat;
-    /// `bf16`: its score products run on bf16 pairs on the
+    /// `bf16`: its block products run on bf16 pairs on the
     /// [`Isa::Avx512Bf16`](super::Isa::Avx512Bf16) path.
     const BF16: bool = false;
     /// `self` as a [`Self::Compute`], exactly.

@@ -81,7 +81,7 @@ pub(crate) fn to_pair_columns(columns: &[f32], dp: usize, out: &mut [u32]) {
     }
 }
 
-/// Whether a call on `S` inputs runs its score products on bf16 pairs:
+/// Whether a call on `S` inputs runs its block products on bf16 pairs:
 /// `bf16` inputs on the [`Isa::Avx512Bf16`] path.
 pub(crate) fn uses_pairs<S: CpuElement>() -> bool {
     S::BF16 && super::microkernel::isa() == Isa::Avx512Bf16

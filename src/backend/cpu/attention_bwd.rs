@@ -22,7 +22,7 @@
 use super::lanes;
 use super::microkernel::{live_strip_indices, live_strips, row_strips, simd_dispatch, strip, NS};
 use super::operands::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
-use super::pairs::{self, accumulate_or_pairs, accumulate_t_or_pairs, scores_or_pairs};
+use super::pairs::{self, accumulate_or_pairs, scores_or_pairs, Sum};
 use super::workspace;
 use super::workspace::Staggered;
 use super::{
@@ -622,9 +622,9 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
             let at2 = (head + q0) / 2 * dp;
             let bp = &mut sc.block_pairs;
             let dv_pairs = ctx.pairs.map(|p| (&mut bp[..], &p.do2[at2..]));
-            accumulate_t_or_pairs::<T, FMA>(s, do_rows, dv_pairs, dp, dv, blocks.live);
+            accumulate_or_pairs::<T, FMA>(Sum::Queries, s, do_rows, dv_pairs, dp, dv, blocks.live);
             let dk_pairs = ctx.pairs.map(|p| (&mut bp[..], &p.q2[at2..]));
-            accumulate_t_or_pairs::<T, FMA>(dpm, q_rows, dk_pairs, dp, dk, blocks.live);
+            accumulate_or_pairs::<T, FMA>(Sum::Queries, dpm, q_rows, dk_pairs, dp, dk, blocks.live);
         }
     }
 }
@@ -665,6 +665,7 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
             .pairs
             .map(|p| (&mut sc.block_pairs[..], &p.k2[k0 / 2 * dp..]));
         accumulate_or_pairs::<T, FMA>(
+            Sum::Keys,
             &ds[at..][..TILE * TILE],
             &ctx.kh[k0 * dp..],
             pairs,

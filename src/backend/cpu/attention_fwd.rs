@@ -4,7 +4,7 @@ use super::gather::{last_strip_ends, KeyGather};
 use super::lanes;
 use super::microkernel::{live_strip_indices, live_strips, row_strips, simd_dispatch, strip, NS};
 use super::operands::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
-use super::pairs::{self, accumulate_or_pairs, scores_or_pairs};
+use super::pairs::{self, accumulate_or_pairs, scores_or_pairs, Sum};
 use super::workspace::Staggered;
 use super::{
     check_result, run_parallel, BlockMasks, CpuElement, CpuFloat, KeyTileBounds, TileClass, TILE,
@@ -249,7 +249,7 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
         let rows = Rows { q0, bq, dp };
         softmax_block::<T, FMA>(ctx.scale, rows, s, blocks, masks, m, sum, o);
         let pairs = vh_pairs.map(|_| (&mut p_pairs[..], &vg_pairs[..]));
-        accumulate_or_pairs::<T, FMA>(s, vg, pairs, dp, o, blocks.live);
+        accumulate_or_pairs::<T, FMA>(Sum::Keys, s, vg, pairs, dp, o, blocks.live);
     }
     sc.gather.keep(g);
 
@@ -270,7 +270,7 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
         let rows = Rows { q0, bq, dp };
         softmax_block::<T, FMA>(ctx.scale, rows, s, blocks, masks, m, sum, o);
         let pairs = vh_pairs.map(|vp| (&mut p_pairs[..], &vp[k0 / 2 * dp..]));
-        accumulate_or_pairs::<T, FMA>(s, &v_head[k0 * dp..], pairs, dp, o, blocks.live);
+        accumulate_or_pairs::<T, FMA>(Sum::Keys, s, &v_head[k0 * dp..], pairs, dp, o, blocks.live);
     }
 
     let mut finite = true;

@@ -128,34 +128,23 @@ pub(crate) fn scores_or_pairs<T: CpuFloat, const FMA: bool>(
     scores::<T, FMA>(a, bt, TILE, dp, out, live)
 }
 
-/// [`accumulate`] of a `TILE × TILE` block `a` (probabilities or dS) times
-/// `TILE` rows of `b` into `out`, or, when `pairs` gives a scratch for the
-/// block's bf16 pairs and the key pairs of `b`'s rows and `T` is `f32`, the
-/// block rounded to bf16 ([`block_pairs`]) times those by
-/// [`accumulate_pairs`].
-#[inline(always)]
-pub(crate) fn accumulate_or_pairs<T: CpuFloat, const FMA: bool>(
-    a: &[T],
-    b: &[T],
-    pairs: Option<(&mut [u32], &[u32])>,
-    dp: usize,
-    out: &mut [T],
-    live: LiveBlocks,
-) {
-    if let Some((ap, bp)) = pairs {
-        if let (Some(a), Some(out)) = (T::as_f32(a), T::as_f32_mut(out)) {
-            block_pairs(a, live, ap);
-            return accumulate_pairs(ap, bp, dp, out, live);
-        }
-    }
-    accumulate::<T, FMA>(a, b, dp, out, live)
+/// The index a probability product sums over: keys (`O += P V`,
+/// `dQ += dS K`) or queries (`dV += Pᵀ dO`, `dK += dSᵀ Q`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sum {
+    Keys,
+    Queries,
 }
 
-/// [`accumulate_t`] of a block `a` times `TILE` rows of `b`, or its pair
-/// form as [`accumulate_or_pairs`] gives it ([`block_pairs_t`],
-/// [`accumulate_t_pairs`], `b`'s query pairs).
+/// A `TILE × TILE` block `a` (probabilities or dS) times `TILE` rows of
+/// `b`, summed over `sum`, into `out`: [`accumulate`] or [`accumulate_t`];
+/// or, when `pairs` gives a scratch for the block's bf16 pairs and the token
+/// pairs of `b`'s rows (key or query pairs, as `sum` says) and `T` is
+/// `f32`, the block rounded to bf16 ([`block_pairs`], [`block_pairs_t`])
+/// times those ([`accumulate_pairs`], [`accumulate_t_pairs`]).
 #[inline(always)]
-pub(crate) fn accumulate_t_or_pairs<T: CpuFloat, const FMA: bool>(
+pub(crate) fn accumulate_or_pairs<T: CpuFloat, const FMA: bool>(
+    sum: Sum,
     a: &[T],
     b: &[T],
     pairs: Option<(&mut [u32], &[u32])>,
@@ -165,11 +154,20 @@ pub(crate) fn accumulate_t_or_pairs<T: CpuFloat, const FMA: bool>(
 ) {
     if let Some((ap, bp)) = pairs {
         if let (Some(a), Some(out)) = (T::as_f32(a), T::as_f32_mut(out)) {
-            block_pairs_t(a, live, ap);
-            return accumulate_t_pairs(ap, bp, dp, out, live);
+            if sum == Sum::Keys {
+                block_pairs(a, live, ap);
+                accumulate_pairs(ap, bp, dp, out, live);
+            } else {
+                block_pairs_t(a, live, ap);
+                accumulate_t_pairs(ap, bp, dp, out, live);
+            }
+            return;
         }
     }
-    accumulate_t::<T, FMA>(a, b, dp, out, live)
+    match sum {
+        Sum::Keys => accumulate::<T, FMA>(a, b, dp, out, live),
+        Sum::Queries => accumulate_t::<T, FMA>(a, b, dp, out, live),
+    }
 }
 
 /// `out[r·TILE + j] = Σ_p a[r·dp2 + p] · bt[p·ld + j]` over bf16 pairs, for

@@ -10,8 +10,10 @@
 //! attention` (a few minutes on 2 cores; filter with e.g. `-- compaction`).
 //!
 //! The `long` groups time one compaction tree of ~8k and ~16k tokens
-//! against the causal mask of its length (`cargo bench --bench attention --
-//! long`).
+//! against the causal mask of its length, 8 heads, f32, and the tree on
+//! bf16 inputs (`trie-bf16`: all block products on bf16 pairs where the
+//! CPU has AVX-512 BF16; `TREEATTN_ISA=avx512` runs the f32 products on
+//! the same inputs, to compare): `cargo bench --bench attention -- long`.
 //!
 //! Like `treeattn bench`, each case writes into output buffers allocated
 //! once outside the timed loop ([`Case::run_into`]), as a training loop or
@@ -22,11 +24,13 @@
 
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use treeattn::backend::cpu::Cpu;
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
+use treeattn::backend::cpu::{Cpu, CpuElement, CpuFloat};
 use treeattn::backend::{AttentionBackend, AttnArgs, AttnParams, AttnShape, Grads, Saved};
 use treeattn::bench::{Case, Method, Pass, Size, Workload, SHAPES};
 use treeattn::gen::{self, CompactionParams};
+use treeattn::half::bf16;
 use treeattn::mask::PackMask;
 use treeattn::rng::Rng;
 use treeattn::tree::Tree;
@@ -95,63 +99,85 @@ fn long(c: &mut Criterion) {
         };
         let mut rng = Rng::new(7);
         let mut random = |n: usize| (0..n).map(|_| rng.signed_unit()).collect::<Vec<f32>>();
-        let (q, k, v, d_o) = (
+        let inputs = [
             random(shape.q_len()),
             random(shape.kv_len()),
             random(shape.kv_len()),
             random(shape.q_len()),
-        );
-        let causal = vec![l as u32; l];
-        let masks = [
-            ("trie", pack.mask().expect("a valid pack")),
-            (
-                "causal",
-                PackMask::new(&causal, &pack.position_ids).expect("causal"),
-            ),
         ];
+        let bf16_inputs = inputs
+            .each_ref()
+            .map(|x| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+        let causal = vec![l as u32; l];
+        let trie = pack.mask().expect("a valid pack");
+        let causal = PackMask::new(&causal, &pack.position_ids).expect("causal");
         for pass in [Pass::Forward, Pass::ForwardBackward] {
             let mut g = c.benchmark_group(format!("long/compaction-{l}/{}", pass.name()));
             g.sample_size(10)
                 .warm_up_time(Duration::from_millis(500))
                 .measurement_time(Duration::from_secs(3));
-            for (name, mask) in masks {
-                let per_pair = 4.0 * d as f64 * heads as f64;
-                let bwd = if pass == Pass::ForwardBackward {
-                    3.5
-                } else {
-                    1.0
-                };
-                g.throughput(Throughput::Elements(
-                    (mask.visible_pairs() as f64 * per_pair * bwd) as u64,
-                ));
-                let args = AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, AttnParams::new(d))
-                    .expect("valid arguments");
-                let (mut o, mut lse) = (vec![0.0; shape.q_len()], vec![0.0; shape.lse_len()]);
-                let mut grads =
-                    [shape.q_len(), shape.kv_len(), shape.kv_len()].map(|n| vec![0.0; n]);
-                let cpu = Cpu::default();
-                g.bench_function(name, |b| {
-                    b.iter(|| {
-                        cpu.forward(&args, &mut o[..], &mut lse[..])
-                            .expect("forward");
-                        if pass == Pass::ForwardBackward {
-                            let [dq, dk, dv] = &mut grads;
-                            let saved = Saved {
-                                o: &o[..],
-                                lse: &lse[..],
-                            };
-                            let g = Grads {
-                                dq: &mut dq[..],
-                                dk: &mut dk[..],
-                                dv: &mut dv[..],
-                            };
-                            cpu.backward(&args, saved, &d_o[..], g).expect("backward");
-                        }
-                    })
-                });
-            }
+            let long = Long { shape, pass };
+            long.time(&mut g, "trie", &inputs, trie);
+            long.time(&mut g, "causal", &inputs, causal);
+            long.time(&mut g, "trie-bf16", &bf16_inputs, trie);
             g.finish();
         }
+    }
+}
+
+/// One pass of the `long` groups on one pack.
+struct Long {
+    shape: AttnShape,
+    pass: Pass,
+}
+
+impl Long {
+    /// Times `pass` on inputs `[q, k, v, dO]` of element type `S` under
+    /// `mask`, into outputs allocated once.
+    fn time<S: CpuElement>(
+        &self,
+        g: &mut BenchmarkGroup<'_, WallTime>,
+        name: &str,
+        [q, k, v, d_o]: &[Vec<S>; 4],
+        mask: PackMask<'_>,
+    ) {
+        let (shape, pass) = (self.shape, self.pass);
+        let per_pair = 4.0 * shape.head_dim as f64 * shape.q_heads as f64;
+        let bwd = if pass == Pass::ForwardBackward {
+            3.5
+        } else {
+            1.0
+        };
+        g.throughput(Throughput::Elements(
+            (mask.visible_pairs() as f64 * per_pair * bwd) as u64,
+        ));
+        let params = AttnParams::new(shape.head_dim);
+        let args =
+            AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, params).expect("valid arguments");
+        let mut o = vec![S::default(); shape.q_len()];
+        let mut lse = vec![<S::Compute as CpuFloat>::ZERO; shape.lse_len()];
+        let mut grads =
+            [shape.q_len(), shape.kv_len(), shape.kv_len()].map(|n| vec![S::default(); n]);
+        let cpu = Cpu::default();
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                cpu.forward(&args, &mut o[..], &mut lse[..])
+                    .expect("forward");
+                if pass == Pass::ForwardBackward {
+                    let [dq, dk, dv] = &mut grads;
+                    let saved = Saved {
+                        o: &o[..],
+                        lse: &lse[..],
+                    };
+                    let g = Grads {
+                        dq: &mut dq[..],
+                        dk: &mut dk[..],
+                        dv: &mut dv[..],
+                    };
+                    cpu.backward(&args, saved, &d_o[..], g).expect("backward");
+                }
+            })
+        });
     }
 }
 

@@ -142,8 +142,8 @@ fn every_code_path_matches_the_portable_one() {
 /// rounded P, 1.7e-8 (1.6e-4 with rotary). Bounds: the 16-bit kernels'
 /// table, 1e-2 on O, 2e-2 on the gradients, 1e-3 on the LSE (1e-6
 /// without rotary; a wrong pair index or a skipped run of keys gives errors
-/// of order 1). Negative control: the paths differ (the pair products did
-/// run). Skipped, saying so, on CPUs without AVX-512 BF16.
+/// of order 1). The pair path gives the same bits on 1, 2 and 3 threads.
+/// Negative control: the paths differ (the pair products did run). Skipped, saying so, on CPUs without AVX-512 BF16.
 #[test]
 fn bf16_pair_products_match_the_f32_path() {
     if !crate::common::own_process("attention_isa::bf16_pair_products_match_the_f32_path", &[]) {
@@ -176,18 +176,29 @@ fn bf16_pair_products_match_the_f32_path() {
             data(shape.kv_len()),
             data(shape.q_len()),
         );
-        let run = |path: Isa| {
+        let run = |path: Isa, threads: usize| {
             assert!(force_isa(path));
-            let cpu = Cpu::with_threads(2);
+            let cpu = Cpu::with_threads(threads);
             let args = AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, params).unwrap();
             let f = cpu.forward_owned(&args).unwrap();
             let g = cpu.backward_owned(&args, f.saved(), &d_o).unwrap();
             let wide = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
             [wide(&f.o), f.lse, wide(&g.dq), wide(&g.dk), wide(&g.dv)]
         };
-        let pairs = run(Isa::Avx512Bf16);
-        let exact = run(Isa::Avx512);
+        let pairs = run(Isa::Avx512Bf16, 2);
+        let exact = run(Isa::Avx512, 2);
         let names = ["o", "lse", "dq", "dk", "dv"];
+        // As on the f32 path, the thread count does not change a bit.
+        let bits = |x: &[Vec<f32>; 5]| {
+            x.each_ref()
+                .map(|v| v.iter().map(|y| y.to_bits()).collect::<Vec<_>>())
+        };
+        for threads in [1, 3] {
+            assert!(
+                bits(&run(Isa::Avx512Bf16, threads)) == bits(&pairs),
+                "the pair path on {threads} threads differs from 2 (d={d}, rope={rope})"
+            );
+        }
         let lse_tol = if rope { 1e-3 } else { 1e-6 };
         let tol = [1e-2, lse_tol, 2e-2, 2e-2, 2e-2];
         let mut differs = false;

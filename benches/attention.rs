@@ -96,6 +96,7 @@ fn long(c: &mut Criterion) {
             q_heads: heads,
             kv_heads: heads,
             head_dim: d,
+            v_head_dim: d,
         };
         let mut rng = Rng::new(7);
         let mut random = |n: usize| (0..n).map(|_| rng.signed_unit()).collect::<Vec<f32>>();
@@ -173,6 +174,7 @@ impl Long {
                         dq: &mut dq[..],
                         dk: &mut dk[..],
                         dv: &mut dv[..],
+                        dsinks: None,
                     };
                     cpu.backward(&args, saved, &d_o[..], g).expect("backward");
                 }

@@ -100,6 +100,7 @@ pub fn tree_attention_plan(
         q_heads,
         kv_heads,
         head_dim,
+        v_head_dim: head_dim,
     };
     for (what, t, want) in [
         ("k", k, (tokens, kv_heads, head_dim)),

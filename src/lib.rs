@@ -37,7 +37,7 @@
 //! assert_eq!(pack.tokens, [1, 2, 3, 9, 3, 4]);
 //! assert_eq!(pack.kv_end, [6, 3, 3, 6, 6, 6]);
 //!
-//! let shape = AttnShape { tokens: pack.len(), q_heads: 2, kv_heads: 1, head_dim: 8 };
+//! let shape = AttnShape { tokens: pack.len(), q_heads: 2, kv_heads: 1, head_dim: 8, v_head_dim: 8 };
 //! let x = |n: usize| (0..n).map(|i| (i as f64 * 0.1).cos()).collect::<Vec<f64>>();
 //! let (q, kv) = (x(shape.q_len()), x(shape.kv_len()));
 //! let args = AttnArgs::new(&q[..], &kv[..], &kv[..], shape, pack.mask()?, AttnParams::new(8))?;

@@ -131,6 +131,100 @@ impl<'a> PackMask<'a> {
             .collect()
     }
 
+    /// Whether the key ranges nest, as a tree's subtrees do: for keys
+    /// `j < k` that are not padding, `[k, kv_end[k])` lies inside
+    /// `[j, kv_end[j])` or after it. Every pack, varlen batch and causal
+    /// mask does; a valid interval mask need not (crossing ranges are a
+    /// mask of no tree, refused by [`Self::window_starts`]). `O(L)`.
+    pub fn is_tree(&self) -> bool {
+        self.crossing_key().is_none()
+    }
+
+    /// The first key whose range crosses an enclosing one (see
+    /// [`Self::is_tree`]), with that enclosing key.
+    fn crossing_key(&self) -> Option<(usize, usize)> {
+        let mut open: Vec<usize> = Vec::new();
+        for (k, &e) in self.kv_end.iter().enumerate() {
+            while open.last().is_some_and(|&j| self.kv_end[j] as usize <= k) {
+                open.pop();
+            }
+            if e as usize > k {
+                if let Some(&j) = open.last() {
+                    if e > self.kv_end[j] {
+                        return Some((k, j));
+                    }
+                }
+                open.push(k);
+            }
+        }
+        None
+    }
+
+    /// Per query row, the first key of its sliding window of `window` tree
+    /// levels: query `q` sees key `k` under the window iff
+    ///
+    /// ```text
+    /// starts[q] <= k <= q < kv_end[k]
+    /// ```
+    ///
+    /// On a tree the keys `q` sees are its ancestors and itself, at depths
+    /// `0, 1, …, depth(q)` in increasing row order, where `depth(q) = #{k <
+    /// q : kv_end[k] > q}`; the window keeps those with `depth(q) −
+    /// depth(k) < window`, which is every visible key from the ancestor at
+    /// depth `depth(q) + 1 − window` on (the root when that is negative):
+    /// `starts[q]` is that ancestor's row, or `q` when no ancestor is kept
+    /// (`window == 1`). On a chain (causal) `starts[q] = max(0, q + 1 −
+    /// window)`: transformers' sliding window `q − k < window`; on a pack
+    /// the depth is the position id. One stack walk, `O(L)`.
+    ///
+    /// Errors: `window == 0`, or crossing key ranges ([`Self::is_tree`]:
+    /// the depth of a row is not defined), [`Error::Pack`] naming the keys.
+    pub fn window_starts(&self, window: u32) -> Result<Vec<u32>> {
+        if window == 0 {
+            return Err(Error::Unsupported("window = 0: must be >= 1".into()));
+        }
+        if let Some((k, j)) = self.crossing_key() {
+            return Err(Error::Pack(format!(
+                "a sliding window needs a tree-shaped mask, but the range of key {k} (kv_end {}) crosses that of key {j} (kv_end {}): the rows have no tree depth",
+                self.kv_end[k], self.kv_end[j]
+            )));
+        }
+        let w = window as usize;
+        let mut path: Vec<u32> = Vec::new();
+        let mut starts = Vec::with_capacity(self.len());
+        for (t, &e) in self.kv_end.iter().enumerate() {
+            while path
+                .last()
+                .is_some_and(|&j| self.kv_end[j as usize] as usize <= t)
+            {
+                path.pop();
+            }
+            // `path` holds t's ancestors, at depths 0 .. depth(t); t itself
+            // (unless a padding key) is next, at depth(t) = path.len().
+            let first_kept = (path.len() + 1).saturating_sub(w);
+            starts.push(path.get(first_kept).copied().unwrap_or(t as u32));
+            if e as usize > t {
+                path.push(t as u32);
+            }
+        }
+        Ok(starts)
+    }
+
+    /// [`Self::blind_queries`] under a sliding window with
+    /// [`Self::window_starts`] `starts`: a query also sees no key when its
+    /// window holds no visible one (a padding row's window of one level).
+    pub fn blind_queries_in(&self, starts: Option<&[u32]>) -> Vec<bool> {
+        let mut blind = self.blind_queries();
+        if let Some(starts) = starts {
+            for (q, b) in blind.iter_mut().enumerate() {
+                // Below q, starts[q] is a visible ancestor; at q, q itself
+                // is visible unless it is a padding key.
+                *b |= starts[q] as usize == q && self.kv_end[q] as usize <= q;
+            }
+        }
+        blind
+    }
+
     /// A 64-bit FNV-1a fingerprint of `kv_end` and `position_ids`. Ops store
     /// it with saved forward state so that a backward call with a pack from
     /// another batch is rejected instead of silently computing garbage.
@@ -396,6 +490,66 @@ mod tests {
         assert!(PackMask::new(&[2, 1], &[0, 1]).is_ok());
         assert!(PackMask::new(&[3, 2], &[0, 1]).is_err());
         assert!(PackMask::new(&[2, 2], &[0]).is_err());
+    }
+
+    /// `window_starts` against its definition on random forests with
+    /// padding keys: `q` sees `k` under a window of `w` levels iff `k` is
+    /// visible and `depth(q) − depth(k) < w`, depth counted pair by pair
+    /// (`#{j < t : kv_end[j] > t}`); on a chain it is `q − k < w`.
+    #[test]
+    fn window_starts_follow_the_depth_definition() {
+        let mut rng = crate::gen::Rng::new(3);
+        for case in 0..40 {
+            let p = crate::gen::random_forest(&mut rng, 1 + case % 3, 20 + case * 3, 2, 7);
+            let mut kv_end = p.kv_end.clone();
+            for (k, e) in kv_end.iter_mut().enumerate() {
+                if *e as usize == k + 1 && (k * 7 + case) % 5 == 0 {
+                    *e = k as u32; // a padding key
+                }
+            }
+            let pos = vec![0; kv_end.len()];
+            let m = PackMask::new(&kv_end, &pos).unwrap();
+            assert!(m.is_tree());
+            let l = kv_end.len();
+            let depth: Vec<usize> = (0..l)
+                .map(|t| (0..t).filter(|&j| kv_end[j] as usize > t).count())
+                .collect();
+            for w in [1u32, 2, 5, 40] {
+                let starts = m.window_starts(w).unwrap();
+                for q in 0..l {
+                    for k in 0..=q {
+                        let want = m.visible(q, k) && depth[q] - depth[k] < w as usize;
+                        let got = starts[q] as usize <= k && m.visible(q, k);
+                        assert_eq!(got, want, "case {case}, window {w}, q {q}, k {k}");
+                    }
+                }
+                let blind = m.blind_queries_in(Some(&starts));
+                for (q, &b) in blind.iter().enumerate() {
+                    let sees = (0..=q).any(|k| starts[q] as usize <= k && m.visible(q, k));
+                    assert_eq!(b, !sees, "case {case}, window {w}, row {q}");
+                }
+            }
+        }
+        let chain = PackMask::new(&[9; 9], &[0; 9]).unwrap();
+        assert_eq!(chain.window_starts(3).unwrap(), [0, 0, 0, 1, 2, 3, 4, 5, 6]);
+        assert_eq!(
+            chain.window_starts(1).unwrap(),
+            (0..9).collect::<Vec<u32>>()
+        );
+    }
+
+    #[test]
+    fn crossing_ranges_are_no_tree() {
+        let m = PackMask::new(&[3, 4, 4, 4], &[0; 4]).unwrap();
+        assert!(!m.is_tree());
+        match m.window_starts(2) {
+            Err(Error::Pack(msg)) => {
+                assert!(msg.contains("key 1") && msg.contains("key 0"), "{msg}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // Padding keys and a forest of chains are trees.
+        assert!(PackMask::new(&[2, 1, 4, 4], &[0; 4]).unwrap().is_tree());
     }
 
     #[test]

@@ -130,6 +130,7 @@ impl ModelConfig {
             q_heads: self.q_heads,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
+            v_head_dim: self.head_dim,
         }
     }
 
@@ -792,6 +793,7 @@ impl<T: CpuFloat, A: AttentionBackend<T, Memory = Host, Lse = T>> Model<T, A> {
                     dq: Vec::new(),
                     dk: Vec::new(),
                     dv: Vec::new(),
+                    dsinks: None,
                 }
             } else {
                 let args = AttnArgs::new(

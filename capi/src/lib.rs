@@ -536,6 +536,7 @@ fn shape_of(s: TreeattnShape) -> R<AttnShape> {
         q_heads: s.q_heads,
         kv_heads: s.kv_heads,
         head_dim: s.head_dim,
+        v_head_dim: s.head_dim,
     };
     shape.validate()?;
     Ok(shape)
@@ -777,7 +778,17 @@ unsafe fn backward<T: CpuElement>(c: AttnCall, g: AttnGrads) -> R<()> {
     ins.extend([range("o", o), range("lse", lse), range("d_o", d_o)]);
     no_overlap(&[range("dq", dq), range("dk", dk), range("dv", dv)], &ins)?;
     let args = inputs.args()?;
-    Cpu::default().backward(&args, Saved { o, lse }, d_o, Grads { dq, dk, dv })?;
+    Cpu::default().backward(
+        &args,
+        Saved { o, lse },
+        d_o,
+        Grads {
+            dq,
+            dk,
+            dv,
+            dsinks: None,
+        },
+    )?;
     Ok(())
 }
 

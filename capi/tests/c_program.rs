@@ -56,6 +56,7 @@ fn expected() -> String {
         q_heads: 4,
         kv_heads: 2,
         head_dim: 16,
+        v_head_dim: 16,
     };
     let wave = |n: usize, f: fn(f64) -> f64, a: f64| (0..n).map(|i| f(i as f64 * a)).collect();
     let q: Vec<f64> = wave(shape.q_len(), f64::sin, 0.37);

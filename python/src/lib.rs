@@ -172,6 +172,7 @@ fn attn_call(
             q_heads,
             kv_heads,
             head_dim,
+            v_head_dim: head_dim,
         },
         params,
     }
@@ -323,6 +324,7 @@ unsafe fn backward_t<T: CpuElement>(
         dq: slice_mut::<T>("dq", dq, s.q_len())?,
         dk: slice_mut::<T>("dk", dk, s.kv_len())?,
         dv: slice_mut::<T>("dv", dv, s.kv_len())?,
+        dsinks: None,
     };
     cpu(threads)
         .backward(&args, saved, d_o, grads)

@@ -34,7 +34,7 @@
 //! // Two branches sharing a one-token trunk: key 0 is seen by all rows.
 //! let (kv_end, pos) = ([3u32, 2, 3], [0u32, 1, 1]);
 //! let mask = PackMask::new(&kv_end, &pos)?;
-//! let shape = AttnShape { tokens: 3, q_heads: 2, kv_heads: 1, head_dim: 4 };
+//! let shape = AttnShape { tokens: 3, q_heads: 2, kv_heads: 1, head_dim: 4, v_head_dim: 4 };
 //! let q = vec![0.5f64; shape.q_len()];
 //! let kv = vec![0.25f64; shape.kv_len()];
 //! let args = AttnArgs::new(&q[..], &kv[..], &kv[..], shape, mask, AttnParams::new(4))?;
@@ -146,6 +146,8 @@ pub trait Memory: 'static {
     fn mask_tokens(mask: &Self::Mask<'_>) -> usize;
     /// [`PackMask::fingerprint`] of a mask.
     fn mask_fingerprint(mask: &Self::Mask<'_>) -> u64;
+    /// [`PackMask::is_tree`] of a mask (a sliding window needs it).
+    fn mask_is_tree(mask: &Self::Mask<'_>) -> bool;
     /// The first index whose element satisfies `bad`, where this memory can
     /// be read from the host without a stream; `None` otherwise (device
     /// memory is scanned by its backend).
@@ -165,6 +167,9 @@ impl Memory for Host {
     }
     fn mask_fingerprint(mask: &PackMask<'_>) -> u64 {
         mask.fingerprint()
+    }
+    fn mask_is_tree(mask: &PackMask<'_>) -> bool {
+        mask.is_tree()
     }
     fn find<T: Element>(x: &&[T], bad: impl Fn(f64) -> bool) -> Option<usize> {
         x.iter().position(|e| bad(e.to_f64()))
@@ -194,7 +199,10 @@ fn check_finite<M: Memory, T: Element>(what: &str, x: &M::Ref<'_, T>) -> Result<
 
 const Q_HOW: &str = "tokens · q_heads · head_dim, like q";
 const KV_HOW: &str = "tokens · kv_heads · head_dim, like k";
+const O_HOW: &str = "tokens · q_heads · v_head_dim, like o";
+const V_HOW: &str = "tokens · kv_heads · v_head_dim, like v";
 const LSE_HOW: &str = "q_heads · tokens";
+const SINKS_HOW: &str = "one logit per query head";
 
 /// The inputs of one attention call, validated when built (see
 /// [`AttnArgs::new`]); shared by the forward and backward of that call.
@@ -202,6 +210,7 @@ pub struct AttnArgs<'a, M: Memory, T: Element> {
     q: M::Ref<'a, T>,
     k: M::Ref<'a, T>,
     v: M::Ref<'a, T>,
+    sinks: Option<M::Ref<'a, T>>,
     shape: AttnShape,
     mask: M::Mask<'a>,
     params: AttnParams,
@@ -216,17 +225,18 @@ impl<M: Memory, T: Element> Copy for AttnArgs<'_, M, T> {}
 
 impl<'a, M: Memory, T: Element> AttnArgs<'a, M, T> {
     /// Checks one attention call's inputs: `q` `[tokens, q_heads,
-    /// head_dim]`, `k` and `v` `[tokens, kv_heads, head_dim]`, a mask of
-    /// `tokens` tokens.
+    /// head_dim]`, `k` `[tokens, kv_heads, head_dim]`, `v` `[tokens,
+    /// kv_heads, v_head_dim]`, a mask of `tokens` tokens.
     ///
     /// Errors: a zero-sized shape, `q_heads` not a multiple of `kv_heads`,
-    /// `head_dim` over [`super::MAX_HEAD_DIM`], element counts overflowing
+    /// a head dim over [`super::MAX_HEAD_DIM`], element counts overflowing
     /// `usize` ([`Error::Shape`]); a mask of another length
     /// ([`Error::Pack`]); a tensor of the wrong length ([`Error::Shape`],
-    /// naming it); bad softmax scale or rotary settings
-    /// ([`Error::Unsupported`]); with `params.check_finite` on host memory,
-    /// a NaN or ±inf in q, k or v ([`Error::NonFinite`], naming it and the
-    /// index).
+    /// naming it); bad softmax scale, rotary, window or softcap settings
+    /// ([`Error::Unsupported`]); a window on a mask that is not a tree
+    /// ([`Error::Pack`], [`PackMask::window_starts`]); with
+    /// `params.check_finite` on host memory, a NaN or ±inf in q, k or v
+    /// ([`Error::NonFinite`], naming it and the index).
     pub fn new(
         q: M::Ref<'a, T>,
         k: M::Ref<'a, T>,
@@ -246,7 +256,17 @@ impl<'a, M: Memory, T: Element> AttnArgs<'a, M, T> {
         }
         check_len("q", q.len(), shape.q_len(), "tokens · q_heads · head_dim")?;
         check_len("k", k.len(), shape.kv_len(), "tokens · kv_heads · head_dim")?;
-        check_len("v", v.len(), shape.kv_len(), "tokens · kv_heads · head_dim")?;
+        check_len(
+            "v",
+            v.len(),
+            shape.v_len(),
+            "tokens · kv_heads · v_head_dim",
+        )?;
+        if params.window.is_some() && !M::mask_is_tree(&mask) {
+            return Err(Error::Pack(
+                "a sliding window needs a tree-shaped mask (nested key ranges): this kv_end has crossing ranges, so its rows have no tree depth".into(),
+            ));
+        }
         if params.check_finite {
             check_finite::<M, T>("q", &q)?;
             check_finite::<M, T>("k", &k)?;
@@ -256,10 +276,33 @@ impl<'a, M: Memory, T: Element> AttnArgs<'a, M, T> {
             q,
             k,
             v,
+            sinks: None,
             shape,
             mask,
             params,
         })
+    }
+
+    /// The same call with attention sinks (gpt-oss): one learnable logit
+    /// `σ_h` per query head that joins each row's softmax denominator and
+    /// carries no value,
+    ///
+    /// ```text
+    /// O_q = Σ_k e^{s_k} v_k / (Σ_k e^{s_k} + e^{σ_h})    LSE_q = ln(Σ_k e^{s_k} + e^{σ_h})
+    /// ```
+    ///
+    /// (a row with no visible key gets `O = 0`, `LSE = σ_h`); the backward
+    /// also writes `∂/∂σ_h = −Σ_q e^{σ_h − LSE_q} · D_q` into
+    /// [`Grads::dsinks`] when given. Errors: `sinks` not `[q_heads]`
+    /// ([`Error::Shape`]); with `params.check_finite` on host memory, a NaN
+    /// or ±inf in it ([`Error::NonFinite`]).
+    pub fn with_sinks(mut self, sinks: M::Ref<'a, T>) -> Result<Self> {
+        check_len("sinks", sinks.len(), self.shape.q_heads, SINKS_HOW)?;
+        if self.params.check_finite {
+            check_finite::<M, T>("sinks", &sinks)?;
+        }
+        self.sinks = Some(sinks);
+        Ok(self)
     }
     /// Queries, `[tokens, q_heads, head_dim]`.
     pub fn q(&self) -> M::Ref<'a, T> {
@@ -269,9 +312,13 @@ impl<'a, M: Memory, T: Element> AttnArgs<'a, M, T> {
     pub fn k(&self) -> M::Ref<'a, T> {
         self.k
     }
-    /// Values, `[tokens, kv_heads, head_dim]`.
+    /// Values, `[tokens, kv_heads, v_head_dim]`.
     pub fn v(&self) -> M::Ref<'a, T> {
         self.v
+    }
+    /// Attention sinks, `[q_heads]` ([`Self::with_sinks`]).
+    pub fn sinks(&self) -> Option<M::Ref<'a, T>> {
+        self.sinks
     }
     /// Sizes of the call.
     pub fn shape(&self) -> AttnShape {
@@ -299,6 +346,7 @@ impl<'a, T: Element> AttnArgs<'a, Host, T> {
             q: self.q,
             k: self.k,
             v: self.v,
+            sinks: self.sinks,
             shape: self.shape,
             mask: self.mask,
             params: self.params,
@@ -306,8 +354,9 @@ impl<'a, T: Element> AttnArgs<'a, Host, T> {
     }
 }
 
-/// A forward call: validated inputs and the caller's outputs `o` (like q)
-/// and `lse` (`[q_heads, tokens]`), checked against them.
+/// A forward call: validated inputs and the caller's outputs `o`
+/// (`[tokens, q_heads, v_head_dim]`) and `lse` (`[q_heads, tokens]`),
+/// checked against them.
 pub struct ForwardCall<'i, 'o, M: Memory, T: Element, L: Element> {
     args: AttnArgs<'i, M, T>,
     o: M::Mut<'o, T>,
@@ -318,7 +367,7 @@ impl<'i, 'o, M: Memory, T: Element, L: Element> ForwardCall<'i, 'o, M, T, L> {
     /// Errors: `o` or `lse` of the wrong length ([`Error::Shape`]).
     pub fn new(args: AttnArgs<'i, M, T>, o: M::Mut<'o, T>, lse: M::Mut<'o, L>) -> Result<Self> {
         let s = args.shape;
-        check_len("o", o.len(), s.q_len(), Q_HOW)?;
+        check_len("o", o.len(), s.o_len(), O_HOW)?;
         check_len("lse", lse.len(), s.lse_len(), LSE_HOW)?;
         Ok(ForwardCall { args, o, lse })
     }
@@ -334,7 +383,7 @@ impl<'i, 'o, M: Memory, T: Element, L: Element> ForwardCall<'i, 'o, M, T, L> {
 
 /// What the forward of a call saved for its backward: `O` and `LSE`.
 pub struct Saved<'i, M: Memory, T: Element, L: Element> {
-    /// `[tokens, q_heads, head_dim]`.
+    /// `[tokens, q_heads, v_head_dim]`.
     pub o: M::Ref<'i, T>,
     /// `[q_heads, tokens]`, natural log; `−inf` for a row with no visible key.
     pub lse: M::Ref<'i, L>,
@@ -363,6 +412,21 @@ pub struct Grads<'o, M: Memory, T: Element> {
     pub dk: M::Mut<'o, T>,
     /// Like v (summed over the query heads of each kv head).
     pub dv: M::Mut<'o, T>,
+    /// `[q_heads]`: the gradient of the attention sinks, for a call with
+    /// sinks ([`AttnArgs::with_sinks`]); `None` skips it.
+    pub dsinks: Option<M::Mut<'o, T>>,
+}
+
+impl<'o, M: Memory, T: Element> Grads<'o, M, T> {
+    /// dQ, dK, dV, and no sink gradient.
+    pub fn new(dq: M::Mut<'o, T>, dk: M::Mut<'o, T>, dv: M::Mut<'o, T>) -> Self {
+        Grads {
+            dq,
+            dk,
+            dv,
+            dsinks: None,
+        }
+    }
 }
 
 /// A backward call: the forward's validated inputs (borrowed for `'i`),
@@ -376,10 +440,11 @@ pub struct BackwardCall<'i, 's, 'o, M: Memory, T: Element, L: Element> {
 }
 
 impl<'i, 's, 'o, M: Memory, T: Element, L: Element> BackwardCall<'i, 's, 'o, M, T, L> {
-    /// Errors: `o`, `d_o`, `lse`, `dq`, `dk`, `dv` of the wrong length
-    /// ([`Error::Shape`]); a NaN or `+inf` in `lse` on host memory
-    /// ([`Error::NonFinite`]; `−inf` marks a row with no visible key); with
-    /// `params.check_finite` on host memory, a NaN or ±inf in `o` or `d_o`.
+    /// Errors: `o`, `d_o`, `lse`, `dq`, `dk`, `dv`, `dsinks` of the wrong
+    /// length, or `dsinks` for a call without sinks ([`Error::Shape`]); a
+    /// NaN or `+inf` in `lse` on host memory ([`Error::NonFinite`]; `−inf`
+    /// marks a row with no visible key); with `params.check_finite` on host
+    /// memory, a NaN or ±inf in `o` or `d_o`.
     pub fn new(
         args: AttnArgs<'i, M, T>,
         saved: Saved<'s, M, T, L>,
@@ -387,12 +452,20 @@ impl<'i, 's, 'o, M: Memory, T: Element, L: Element> BackwardCall<'i, 's, 'o, M, 
         grads: Grads<'o, M, T>,
     ) -> Result<Self> {
         let s = args.shape;
-        check_len("o", saved.o.len(), s.q_len(), Q_HOW)?;
-        check_len("d_o", d_o.len(), s.q_len(), Q_HOW)?;
+        check_len("o", saved.o.len(), s.o_len(), O_HOW)?;
+        check_len("d_o", d_o.len(), s.o_len(), O_HOW)?;
         check_len("lse", saved.lse.len(), s.lse_len(), LSE_HOW)?;
         check_len("dq", grads.dq.len(), s.q_len(), Q_HOW)?;
         check_len("dk", grads.dk.len(), s.kv_len(), KV_HOW)?;
-        check_len("dv", grads.dv.len(), s.kv_len(), KV_HOW)?;
+        check_len("dv", grads.dv.len(), s.v_len(), V_HOW)?;
+        if let Some(ds) = &grads.dsinks {
+            if args.sinks.is_none() {
+                return Err(Error::Shape(
+                    "dsinks given for a call without attention sinks".into(),
+                ));
+            }
+            check_len("dsinks", ds.len(), s.q_heads, SINKS_HOW)?;
+        }
         if let Some(index) = M::find(&saved.lse, |x| x.is_nan() || x == f64::INFINITY) {
             return Err(Error::NonFinite {
                 what: "lse (NaN or +inf; −inf marks a row with no visible key)".into(),
@@ -440,9 +513,21 @@ impl<'i, 's, 'o, M: Memory, T: Element, L: Element> BackwardCall<'i, 's, 'o, M, 
 /// ```
 ///
 /// where `rot` is the rotary embedding at the pack's position ids when
-/// `params.rope` is set (dQ, dK are taken back through it). A query row
-/// with no visible key (only with padding keys, `kv_end[k] == k`) gets
-/// `O = 0`, `LSE = −inf`, `dQ = 0` and adds nothing to dK, dV — never a NaN.
+/// `params.rope` is set (dQ, dK are taken back through it). The variants
+/// of [`AttnParams`] and [`AttnArgs::with_sinks`] change this as follows:
+///
+/// ```text
+/// window W:   only keys with starts[q] <= k  (PackMask::window_starts: depth(q) − depth(k) < W)
+/// softcap c:  s_k = c · tanh(scale · rot(q)·rot(k_k) / c);   dS ← dS ∘ (1 − (s/c)²)
+/// sinks σ:    LSE_q = ln(Σ_k exp(s_k) + exp(σ_h)),  P = exp(s − LSE);  dσ_h = −Σ_q exp(σ_h − LSE_q) D_q
+/// ```
+///
+/// and V, O have `v_head_dim` columns (multi-head latent attention when it
+/// differs from `head_dim`). A query row with no visible key (only with
+/// padding keys, `kv_end[k] == k`, or a window of one level on a padding
+/// row) gets `O = 0`, `LSE = −inf` (`σ_h` with sinks), `dQ = 0` and adds
+/// nothing to dK, dV — never a NaN. A backend that does not run a variant
+/// returns [`Error::Unsupported`] naming it, never another result.
 /// What rows that enter no visible pair hold (K, V of keys no query sees,
 /// Q, dO of queries that see no key) is ignored, NaN and inf included
 /// (DESIGN §5): every backend gives the result it gives with zeros there.
@@ -500,7 +585,7 @@ pub trait AttentionBackend<T: Element> {
 /// Owned result of a forward on host memory ([`HostAttention::forward_owned`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct AttnOut<T, L> {
-    /// `[tokens, q_heads, head_dim]`.
+    /// `[tokens, q_heads, v_head_dim]`.
     pub o: Vec<T>,
     /// `[q_heads, tokens]`, natural log; `−inf` for a row with no visible key.
     pub lse: Vec<L>,
@@ -525,8 +610,10 @@ pub struct AttnGrads<T> {
     pub dq: Vec<T>,
     /// Like k: `[tokens, kv_heads, head_dim]`.
     pub dk: Vec<T>,
-    /// Like v: `[tokens, kv_heads, head_dim]`.
+    /// Like v: `[tokens, kv_heads, v_head_dim]`.
     pub dv: Vec<T>,
+    /// `[q_heads]`, for a call with attention sinks.
+    pub dsinks: Option<Vec<T>>,
 }
 
 /// Allocating forms of [`AttentionBackend`] for backends on host memory.
@@ -536,7 +623,7 @@ pub trait HostAttention<T: Element>: AttentionBackend<T, Memory = Host> {
     /// [`AttentionBackend::forward`] into fresh vectors.
     fn forward_owned(&self, args: &AttnArgs<'_, Host, T>) -> Result<AttnOut<T, Self::Lse>> {
         let s = args.shape();
-        let mut o = vec![T::from_f64(f64::NAN); s.q_len()];
+        let mut o = vec![T::from_f64(f64::NAN); s.o_len()];
         let mut lse = vec![Self::Lse::from_f64(f64::NAN); s.lse_len()];
         self.forward(args, &mut o[..], &mut lse[..])?;
         Ok(AttnOut { o, lse })
@@ -556,12 +643,14 @@ pub trait HostAttention<T: Element>: AttentionBackend<T, Memory = Host> {
         let mut g = AttnGrads {
             dq: vec![nan; s.q_len()],
             dk: vec![nan; s.kv_len()],
-            dv: vec![nan; s.kv_len()],
+            dv: vec![nan; s.v_len()],
+            dsinks: args.sinks().map(|_| vec![nan; s.q_heads]),
         };
         let grads = Grads {
             dq: &mut g.dq[..],
             dk: &mut g.dk[..],
             dv: &mut g.dv[..],
+            dsinks: g.dsinks.as_deref_mut(),
         };
         self.backward(args, saved.reborrow(), d_o, grads)?;
         Ok(g)

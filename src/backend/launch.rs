@@ -305,6 +305,36 @@ pub fn plan_kv_tile_bounds(num_tiles: usize) -> LaunchPlan {
 /// loads of q, k, v, d_o; the stores of o, dq, dk, dv).
 pub const VECTOR_ALIGN: u64 = 16;
 
+/// `Err(Unsupported)` naming what the kernels do not compute: a value
+/// head dim unlike the query/key head dim (multi-head latent attention), a
+/// sliding window, a logit softcap or attention sinks. Checked before
+/// anything runs, so a variant is an error, never another result; the CPU
+/// backend computes all of them (and torch users have `backend="flex"`).
+pub(crate) fn check_plain_call(
+    kernels: &str,
+    shape: &AttnShape,
+    params: &AttnParams,
+    sinks: bool,
+) -> Result<()> {
+    let what = if !shape.square() {
+        format!(
+            "a value head dim ({}) unlike the query/key head dim ({})",
+            shape.v_head_dim, shape.head_dim
+        )
+    } else if let Some(w) = params.window {
+        format!("a sliding window ({w})")
+    } else if let Some(c) = params.softcap {
+        format!("a logit softcap ({c})")
+    } else if sinks {
+        "attention sinks".to_string()
+    } else {
+        return Ok(());
+    };
+    Err(Error::Unsupported(format!(
+        "the {kernels} do not compute {what}: run it on the CPU backend, or with FlexAttention (treeattn.torch.tree_attention(..., backend=\"flex\"))"
+    )))
+}
+
 /// The one alignment check of the attention kernels (forward and backward,
 /// CUDA and emulator), run before any launch: `Err(Error::Shape)` naming
 /// the first of `tensors` (name, address) that does not start on a
@@ -405,6 +435,7 @@ mod tests {
             q_heads: 6,
             kv_heads: 2,
             head_dim: 128,
+            v_head_dim: 128,
         };
         let (t, plan) = plan_forward(&shape).unwrap();
         assert_eq!(plan.grid, (2, 6, 1));
@@ -483,6 +514,7 @@ mod tests {
             q_heads: 1,
             kv_heads: 1,
             head_dim: 96,
+            v_head_dim: 96,
         };
         assert!(matches!(plan_forward(&shape), Err(Error::Unsupported(_))));
         let many_heads = AttnShape {

@@ -269,6 +269,7 @@ pub fn dense_attention_backward(
         dq: vec![0.0f32; shape.q_len()],
         dk: vec![0.0f32; shape.kv_len()],
         dv: vec![0.0f32; shape.kv_len()],
+        dsinks: None,
     };
     if l == 0 {
         return Ok(grads);
@@ -595,6 +596,7 @@ mod tests {
             q_heads: 1,
             kv_heads: 1,
             head_dim: 8,
+            v_head_dim: 8,
         };
         let mut rng = Rng::new(3);
         let (q, k, v) = (
@@ -636,6 +638,7 @@ mod tests {
             q_heads: 1,
             kv_heads: 1,
             head_dim: 1,
+            v_head_dim: 1,
         };
         let kv_big = vec![l as u32; l];
         let (pos_big, x_big) = (vec![0u32; l], vec![0.0f32; l]);

@@ -181,6 +181,7 @@ pub fn time_pack(
         q_heads: opts.heads,
         kv_heads: opts.kv_heads,
         head_dim: opts.head_dim,
+        v_head_dim: opts.head_dim,
     };
     shape.validate()?;
     let mut rng = Rng::new(0x7ee_a77e);
@@ -219,6 +220,7 @@ pub fn time_pack(
                 dq: &mut dq[..],
                 dk: &mut dk[..],
                 dv: &mut dv[..],
+                dsinks: None,
             };
             cpu.backward(&args, saved, &d_o[..], grads)?;
         }

@@ -23,6 +23,7 @@ pub(crate) fn shape_of(pack: &Pack, q_heads: usize, kv_heads: usize, head_dim: u
         q_heads,
         kv_heads,
         head_dim,
+        v_head_dim: head_dim,
     }
 }
 

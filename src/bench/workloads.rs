@@ -336,6 +336,7 @@ impl Case {
                 q_heads: self.heads,
                 kv_heads: self.heads,
                 head_dim: self.head_dim,
+                v_head_dim: self.head_dim,
             };
             let mask = pack.mask()?;
             if self.method == Method::DenseMask {
@@ -361,6 +362,7 @@ impl Case {
                     dq: &mut dq[..],
                     dk: &mut dk[..],
                     dv: &mut dv[..],
+                    dsinks: None,
                 };
                 Cpu::default().backward(&args, saved, &x.d_o[..], grads)?;
             }

@@ -370,6 +370,7 @@ pub(super) fn check<D: Target>(
         q_heads,
         kv_heads,
         head_dim,
+        v_head_dim: head_dim,
     };
     let rope = |dims| {
         Some(Rope {
@@ -555,6 +556,7 @@ pub(super) fn timings<D: Target>(
         q_heads,
         kv_heads,
         head_dim,
+        v_head_dim: head_dim,
     };
     let clock = if D::REAL_TIMING {
         "CUDA events"

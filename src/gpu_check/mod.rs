@@ -443,6 +443,7 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
         q_heads,
         kv_heads,
         head_dim,
+        v_head_dim: head_dim,
     };
     {
         let mut p = MaskBuilder::new();
@@ -658,6 +659,7 @@ mod tests {
                 q_heads: 4,
                 kv_heads: 2,
                 head_dim: 64,
+                v_head_dim: 64,
             };
             let q: Vec<half::f16> = (0..shape.q_len())
                 .map(|_| half::f16::from_f32(rng.signed_unit() * 2.0))

@@ -204,6 +204,7 @@ mod emu_target {
                 dq: &mut dq[..],
                 dk: &mut dk[..],
                 dv: &mut dv[..],
+                dsinks: None,
             };
             AttentionBackend::<T>::backward(
                 &self.emu.with_dq_mode(mode),
@@ -329,7 +330,17 @@ mod cuda_target {
             dv: &mut CudaSlice<T>,
         ) -> Result<()> {
             let args = AttnArgs::<Device, T>::new(q, k, v, shape, pack, *params)?;
-            let call = BackwardCall::new(args, Saved { o, lse }, d_o, Grads { dq, dk, dv })?;
+            let call = BackwardCall::new(
+                args,
+                Saved { o, lse },
+                d_o,
+                Grads {
+                    dq,
+                    dk,
+                    dv,
+                    dsinks: None,
+                },
+            )?;
             self.be.backward_with_mode(call, mode)
         }
         fn sdcc<T: SdccElem + DevElem>(

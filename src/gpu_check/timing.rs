@@ -393,6 +393,7 @@ impl TimingSet {
             q_heads,
             kv_heads,
             head_dim,
+            v_head_dim: head_dim,
         };
         let row = |label: String, pack, rope, base| Row {
             label,
@@ -581,6 +582,7 @@ pub(super) fn profile<D: Target>(
         q_heads: hq,
         kv_heads: hq / 4,
         head_dim: 128,
+        v_head_dim: 128,
     };
     let pack = random_trees(rng, n);
     let mut run = super::bwd::Run::<D, half::bf16>::new(be, rng, &pack, sh, None)?;
@@ -622,6 +624,7 @@ mod tests {
             q_heads: 4,
             kv_heads: 2,
             head_dim: 64,
+            v_head_dim: 64,
         };
         let (inputs, host) = timing_inputs::<EmuTarget, half::bf16>(&be, &mut rng, shape).unwrap();
         let (o_err, lse_err, n) =

@@ -171,6 +171,7 @@ fn shape_of<T>(
         q_heads,
         kv_heads,
         head_dim,
+        v_head_dim: head_dim,
     };
     shape.validate()?;
     Ok(shape)

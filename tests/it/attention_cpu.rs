@@ -178,6 +178,8 @@ struct Dense {
     dq: Vec<f64>,
     dk: Vec<f64>,
     dv: Vec<f64>,
+    /// `[q_heads]`, zeros without sinks.
+    dsinks: Vec<f64>,
 }
 
 fn dot(a: &[f64], b: &[f64]) -> f64 {
@@ -185,13 +187,19 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 }
 
 /// Straight O(L²) attention forward and backward, one query row at a time,
-/// applying the mask rule `k <= q < kv_end[k]` literally.
+/// applying the mask rule `k <= q < kv_end[k]` literally — and the
+/// variants as their definitions say: a window keeps the keys with
+/// `depth(q) − depth(k) < W`, depth = the number of keys whose range holds
+/// the row (`#{j < t : kv_end[j] > t}`, counted here pair by pair); a
+/// softcap makes the scaled score `c · tanh(s / c)`; sinks add `exp(σ_h)`
+/// to each row's sum (no value); V and O have `v_head_dim` columns.
 #[allow(clippy::too_many_arguments)]
 fn dense(
     q: &[f64],
     k: &[f64],
     v: &[f64],
     d_o: &[f64],
+    sinks: Option<&[f64]>,
     shape: AttnShape,
     m: &Mask,
     params: &AttnParams,
@@ -201,49 +209,81 @@ fn dense(
         q_heads: hq,
         kv_heads: hkv,
         head_dim: d,
+        v_head_dim: dv_,
     } = shape;
     let group = hq / hkv;
     let qr = rope_ref(q, hq, d, &m.pos, params.rope, false);
     let kr = rope_ref(k, hkv, d, &m.pos, params.rope, false);
-    let (mut o, mut lse) = (vec![0.0; l * hq * d], vec![f64::NEG_INFINITY; hq * l]);
+    let depth: Vec<usize> = (0..l)
+        .map(|t| (0..t).filter(|&j| m.kv_end[j] as usize > t).count())
+        .collect();
+    let (mut o, mut lse) = (vec![0.0; l * hq * dv_], vec![f64::NEG_INFINITY; hq * l]);
     let (mut dqr, mut dkr, mut dv) = (
         vec![0.0; l * hq * d],
         vec![0.0; l * hkv * d],
-        vec![0.0; l * hkv * d],
+        vec![0.0; l * hkv * dv_],
     );
+    let mut dsinks = vec![0.0; hq];
     let qrow = |t: usize, h: usize| (t * hq + h) * d..(t * hq + h + 1) * d;
     let krow = |t: usize, g: usize| (t * hkv + g) * d..(t * hkv + g + 1) * d;
+    let orow = |t: usize, h: usize| (t * hq + h) * dv_..(t * hq + h + 1) * dv_;
+    let vrow = |t: usize, g: usize| (t * hkv + g) * dv_..(t * hkv + g + 1) * dv_;
     for h in 0..hq {
         let g = h / group;
+        let sink = sinks.map(|s| s[h]);
         for i in 0..l {
-            let keys: Vec<usize> = (0..=i).filter(|&j| i < m.kv_end[j] as usize).collect();
+            let keys: Vec<usize> = (0..=i)
+                .filter(|&j| i < m.kv_end[j] as usize)
+                .filter(|&j| {
+                    params
+                        .window
+                        .is_none_or(|w| depth[i] - depth[j] < w as usize)
+                })
+                .collect();
             if keys.is_empty() {
+                // O = 0; with a sink the LSE is the sink's (D = 0: no gradient).
+                if let Some(sg) = sink {
+                    lse[h * l + i] = sg;
+                }
                 continue;
             }
             let s: Vec<f64> = keys
                 .iter()
                 .map(|&j| params.softmax_scale * dot(&qr[qrow(i, h)], &kr[krow(j, g)]))
+                .map(|s| params.softcap.map_or(s, |c| c * (s / c).tanh()))
                 .collect();
-            let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let z: f64 = s.iter().map(|x| (x - mx).exp()).sum();
+            let mx = s
+                .iter()
+                .cloned()
+                .chain(sink)
+                .fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = s.iter().cloned().chain(sink).map(|x| (x - mx).exp()).sum();
             let row_lse = mx + z.ln();
             lse[h * l + i] = row_lse;
             let p: Vec<f64> = s.iter().map(|x| (x - row_lse).exp()).collect();
             for (&j, &pj) in keys.iter().zip(&p) {
-                for c in 0..d {
-                    o[qrow(i, h).start + c] += pj * v[krow(j, g).start + c];
+                for c in 0..dv_ {
+                    o[orow(i, h).start + c] += pj * v[vrow(j, g).start + c];
                 }
             }
-            let dd = dot(&d_o[qrow(i, h)], &o[qrow(i, h)]);
-            for (&j, &pj) in keys.iter().zip(&p) {
-                let dp = dot(&d_o[qrow(i, h)], &v[krow(j, g)]);
-                let ds = pj * (dp - dd);
+            let dd = dot(&d_o[orow(i, h)], &o[orow(i, h)]);
+            if let Some(sg) = sink {
+                dsinks[h] -= (sg - row_lse).exp() * dd;
+            }
+            for ((&j, &pj), &sj) in keys.iter().zip(&p).zip(&s) {
+                let dp = dot(&d_o[orow(i, h)], &v[vrow(j, g)]);
+                let mut ds = pj * (dp - dd);
+                if let Some(c) = params.softcap {
+                    ds *= 1.0 - (sj / c) * (sj / c);
+                }
                 for c in 0..d {
                     dqr[qrow(i, h).start + c] +=
                         params.softmax_scale * ds * kr[krow(j, g).start + c];
                     dkr[krow(j, g).start + c] +=
                         params.softmax_scale * ds * qr[qrow(i, h).start + c];
-                    dv[krow(j, g).start + c] += pj * d_o[qrow(i, h).start + c];
+                }
+                for c in 0..dv_ {
+                    dv[vrow(j, g).start + c] += pj * d_o[orow(i, h).start + c];
                 }
             }
         }
@@ -254,6 +294,7 @@ fn dense(
         dq: rope_ref(&dqr, hq, d, &m.pos, params.rope, true),
         dk: rope_ref(&dkr, hkv, d, &m.pos, params.rope, true),
         dv,
+        dsinks,
     }
 }
 
@@ -307,6 +348,7 @@ fn make_case(
         q_heads: kv_heads * group,
         kv_heads,
         head_dim: d,
+        v_head_dim: d,
     };
     let mut params = AttnParams::new(d);
     if rope {
@@ -348,6 +390,7 @@ fn check_case<T: CpuFloat>(c: &Case) -> [f64; 5] {
         &to_f64(&k),
         &to_f64(&v),
         &to_f64(&d_o),
+        None,
         c.shape,
         &c.mask,
         &c.params,
@@ -430,6 +473,364 @@ proptest! {
     }
 }
 
+// ------------------------------------------------------ variants
+
+/// What a case adds to plain attention: a sliding window, a softcap,
+/// attention sinks, a value head dim unlike the query/key one.
+#[derive(Clone, Copy, Debug, Default)]
+struct Variant {
+    window: Option<u32>,
+    softcap: Option<f64>,
+    sinks: bool,
+    v_head_dim: Option<usize>,
+}
+
+/// A case of `make_case`'s kind with `var` applied; sinks are drawn with a
+/// spread (±3) that puts them above and below the rows' scores.
+struct VarCase {
+    c: Case,
+    sinks: Option<Vec<f64>>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn make_variant_case(
+    seed: u64,
+    kind: MaskKind,
+    l: usize,
+    kv_heads: usize,
+    group: usize,
+    d: usize,
+    rope: bool,
+    var: Variant,
+) -> VarCase {
+    let mut c = make_case(seed, kind, l, kv_heads, group, d, rope);
+    let mut rng = Rng(seed ^ 0x5eed);
+    let dv = var.v_head_dim.unwrap_or(d);
+    c.shape.v_head_dim = dv;
+    c.v = rng.values(c.shape.v_len(), 1.0);
+    c.d_o = rng.values(c.shape.o_len(), 1.0);
+    c.params.window = var.window;
+    c.params.softcap = var.softcap;
+    let sinks = var.sinks.then(|| rng.values(c.shape.q_heads, 3.0));
+    VarCase { c, sinks }
+}
+
+/// The CPU backend in `T` on a variant case against the dense reference
+/// (on the inputs rounded to `T`): relative errors of (O, LSE, dQ, dK, dV,
+/// dsinks), outputs poisoned first.
+fn check_variant<T: CpuFloat>(vc: &VarCase) -> [f64; 6] {
+    let c = &vc.c;
+    let (q, k, v, d_o) = (
+        to_t::<T>(&c.q),
+        to_t::<T>(&c.k),
+        to_t::<T>(&c.v),
+        to_t::<T>(&c.d_o),
+    );
+    let sinks = vc.sinks.as_deref().map(to_t::<T>);
+    let reference = dense(
+        &to_f64(&q),
+        &to_f64(&k),
+        &to_f64(&v),
+        &to_f64(&d_o),
+        sinks.as_deref().map(to_f64).as_deref(),
+        c.shape,
+        &c.mask,
+        &c.params,
+    );
+    let mut args = AttnArgs::new(&q[..], &k[..], &v[..], c.shape, c.mask.view(), c.params).unwrap();
+    if let Some(s) = &sinks {
+        args = args.with_sinks(&s[..]).unwrap();
+    }
+    let cpu = Cpu::default();
+    let fwd = cpu.forward_owned(&args).unwrap();
+    let g = cpu.backward_owned(&args, fwd.saved(), &d_o).unwrap();
+    let mut lse_ref = Vec::new();
+    let mut lse_got = Vec::new();
+    for (a, &b) in fwd.lse.iter().zip(&reference.lse) {
+        if b == f64::NEG_INFINITY {
+            assert_eq!(
+                a.to_f64(),
+                f64::NEG_INFINITY,
+                "LSE of a row with no visible key"
+            );
+        } else {
+            lse_ref.push(b);
+            lse_got.push(*a);
+        }
+    }
+    let dsinks = match (&g.dsinks, sinks.is_some()) {
+        (Some(ds), true) => rel_err(ds, &reference.dsinks),
+        (None, false) => 0.0,
+        other => panic!("dsinks {other:?}"),
+    };
+    [
+        rel_err(&fwd.o, &reference.o),
+        rel_err(&lse_got, &lse_ref),
+        rel_err(&g.dq, &reference.dq),
+        rel_err(&g.dk, &reference.dk),
+        rel_err(&g.dv, &reference.dv),
+        dsinks,
+    ]
+}
+
+fn variant_strategy() -> impl Strategy<Value = Variant> {
+    (
+        prop_oneof![Just(None), (1u32..24).prop_map(Some)],
+        prop_oneof![Just(None), (0.3f64..8.0).prop_map(Some)],
+        any::<bool>(),
+        prop_oneof![Just(None), (1usize..=80).prop_map(Some)],
+    )
+        .prop_map(|(window, softcap, sinks, v_head_dim)| Variant {
+            window,
+            softcap,
+            sinks,
+            v_head_dim,
+        })
+}
+
+const VARIANT_OUTPUTS: [&str; 6] = ["o", "lse", "dq", "dk", "dv", "dsinks"];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Windows (1 to 23 levels, on trees deeper than that), softcaps (0.3
+    /// to 8: scaled scores spread over ~±3, so a cap of 1 bends most of
+    /// them), sinks and value head dims, alone and together, with GQA,
+    /// rotary and padding, in f64: the same bound as plain attention
+    /// (summation order only); a window one level off, a softcap on the
+    /// unscaled score or a sink with a value give O(1e-2) or more (the
+    /// negative controls below).
+    #[test]
+    fn variants_f64_match_dense_reference(
+        seed in any::<u64>(), kind in kind_strategy(), l in 1usize..160,
+        kv_heads in 1usize..3, group in 1usize..4, d in 1usize..=72, rope in any::<bool>(),
+        var in variant_strategy(),
+    ) {
+        let vc = make_variant_case(seed, kind, l, kv_heads, group, d, rope && d >= 2, var);
+        let err = check_variant::<f64>(&vc);
+        for (name, e) in VARIANT_OUTPUTS.iter().zip(err) {
+            prop_assert!(e < 1e-12, "{} relative error {:e} (l={}, {:?}, d={}, {:?})", name, e, l, kind, d, var);
+        }
+    }
+
+    /// The same in f32: plain attention's bounds, with the softcap's tanh
+    /// (an absolute error within 1.5e-7 before the cap's factor, from the
+    /// backend's f32 exp) inside them.
+    #[test]
+    fn variants_f32_match_dense_reference(
+        seed in any::<u64>(), kind in kind_strategy(), l in 1usize..160,
+        kv_heads in 1usize..3, group in 1usize..4, d in 1usize..=72, rope in any::<bool>(),
+        var in variant_strategy(),
+    ) {
+        let vc = make_variant_case(seed, kind, l, kv_heads, group, d, rope && d >= 2, var);
+        let err = check_variant::<f32>(&vc);
+        let tol = [1e-5, 1e-5, 2e-5, 2e-5, 1e-5, 2e-5];
+        for ((name, e), t) in VARIANT_OUTPUTS.iter().zip(err).zip(tol) {
+            prop_assert!(e < t, "{} relative error {:e} (l={}, {:?}, d={}, {:?})", name, e, l, kind, d, var);
+        }
+    }
+}
+
+/// A deep tree (depths past 40) with every variant on: the backend against
+/// the dense reference, and the reference under each wrong reading of a
+/// variant — a window one level wider or narrower, the softcap applied
+/// before the scale (`scale · c · tanh(q·k / c)`), a sink that carries a
+/// value (a row of ones) — which must be far outside the tolerance, or the
+/// tests above could not tell them apart.
+#[test]
+fn variant_negative_controls_differ() {
+    let var = Variant {
+        window: Some(6),
+        softcap: Some(1.5),
+        sinks: true,
+        v_head_dim: Some(20),
+    };
+    let vc = make_variant_case(11, MaskKind::Tree, 150, 2, 2, 24, true, var);
+    let c = &vc.c;
+    let err = check_variant::<f64>(&vc);
+    assert!(err.iter().all(|&e| e < 1e-12), "{err:?}");
+    let depth = (0..150)
+        .map(|t| (0..t).filter(|&j| c.mask.kv_end[j] as usize > t).count())
+        .max()
+        .unwrap();
+    assert!(depth > 40, "the tree is {depth} levels deep");
+    let sinks = vc.sinks.as_deref();
+    let reference =
+        |params: &AttnParams| dense(&c.q, &c.k, &c.v, &c.d_o, sinks, c.shape, &c.mask, params);
+    let truth = reference(&c.params);
+    let far = |what: &str, wrong: &Dense| {
+        let e = [
+            rel_err(&truth.o, &wrong.o),
+            rel_err(&truth.dq, &wrong.dq),
+            rel_err(&truth.dk, &wrong.dk),
+        ];
+        assert!(e.iter().all(|&e| e > 1e-3), "{what}: {e:?}");
+    };
+    for w in [5, 7] {
+        let mut p = c.params;
+        p.window = Some(w);
+        far(&format!("window {w}"), &reference(&p));
+    }
+    let mut p = c.params;
+    p.softcap = Some(1.5 * p.softmax_scale);
+    far("softcap before the scale", &reference(&p));
+    // A sink with a value of ones adds exp(σ − LSE) to every O lane.
+    let mut with_value = reference(&c.params);
+    let (l, hq, dv) = (c.shape.tokens, c.shape.q_heads, c.shape.v_head_dim);
+    for t in 0..l {
+        for h in 0..hq {
+            let p_sink = (sinks.unwrap()[h] - truth.lse[h * l + t]).exp();
+            for x in &mut with_value.o[(t * hq + h) * dv..][..dv] {
+                *x += p_sink;
+            }
+        }
+    }
+    assert!(rel_err(&truth.o, &with_value.o) > 1e-2);
+}
+
+/// Every variant at once gives the same bits on any thread count, and takes
+/// bf16 inputs (the f32 call on their widened values, rounded once; on the
+/// AVX-512 BF16 path, products on bf16 pairs: within bf16's roundings).
+/// The code paths against each other: `attention_isa`.
+#[test]
+fn variants_take_half_inputs_and_any_thread_count() {
+    let var = Variant {
+        window: Some(9),
+        softcap: Some(2.0),
+        sinks: true,
+        v_head_dim: None,
+    };
+    let vc = make_variant_case(5, MaskKind::Padded, 230, 2, 3, 40, true, var);
+    let c = &vc.c;
+    let (q, k, v, d_o) = (
+        to_t::<f32>(&c.q),
+        to_t::<f32>(&c.k),
+        to_t::<f32>(&c.v),
+        to_t::<f32>(&c.d_o),
+    );
+    let sinks = to_t::<f32>(vc.sinks.as_deref().unwrap());
+    let run = |threads: usize| {
+        let args = AttnArgs::new(&q[..], &k[..], &v[..], c.shape, c.mask.view(), c.params)
+            .unwrap()
+            .with_sinks(&sinks[..])
+            .unwrap();
+        let cpu = Cpu::with_threads(threads);
+        let f = cpu.forward_owned(&args).unwrap();
+        let g = cpu.backward_owned(&args, f.saved(), &d_o).unwrap();
+        (f, g)
+    };
+    let one = run(1);
+    for threads in [2, 3] {
+        assert!(run(threads) == one, "{threads} threads");
+    }
+    // bf16: the f32 call on the widened inputs, rounded once.
+    let to_h = |x: &[f64]| {
+        x.iter()
+            .map(|&v| treeattn::half::bf16::from_f64(v))
+            .collect::<Vec<_>>()
+    };
+    let (qh, kh, vh, sh) = (
+        to_h(&c.q),
+        to_h(&c.k),
+        to_h(&c.v),
+        to_h(vc.sinks.as_deref().unwrap()),
+    );
+    let args = AttnArgs::new(&qh[..], &kh[..], &vh[..], c.shape, c.mask.view(), c.params)
+        .unwrap()
+        .with_sinks(&sh[..])
+        .unwrap();
+    let fh = Cpu::default().forward_owned(&args).unwrap();
+    let wide = |x: &[treeattn::half::bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+    let (qw, kw, vw, sw) = (wide(&qh), wide(&kh), wide(&vh), wide(&sh));
+    let args32 = AttnArgs::new(&qw[..], &kw[..], &vw[..], c.shape, c.mask.view(), c.params)
+        .unwrap()
+        .with_sinks(&sw[..])
+        .unwrap();
+    let f32_fwd = Cpu::default().forward_owned(&args32).unwrap();
+    let o_err = rel_err(
+        &fh.o.iter().map(|x| x.to_f32()).collect::<Vec<_>>(),
+        &to_f64(&f32_fwd.o),
+    );
+    // One bf16 rounding of O (2^-9 relative) at most, unless the bf16 path
+    // computes the products on pairs (AVX-512 BF16: then a few roundings).
+    assert!(o_err < 1.5e-2, "bf16 o {o_err:e}");
+    let lse_err = rel_err(&fh.lse, &to_f64(&f32_fwd.lse));
+    assert!(lse_err < 5e-3, "bf16 lse {lse_err:e}");
+}
+
+/// A window on a mask whose key ranges cross (a valid interval mask of no
+/// tree) is refused when the call is built; without a window it runs.
+#[test]
+fn a_window_needs_a_tree() {
+    // Key 0 sees rows 0..3, key 1 rows 1..4: the ranges cross.
+    let (kv_end, pos) = ([3u32, 4, 4, 4], [0u32, 1, 2, 3]);
+    let m = PackMask::new(&kv_end, &pos).unwrap();
+    assert!(!m.is_tree());
+    let shape = AttnShape::new(4, 1, 1, 4);
+    let x = vec![0.5f64; shape.q_len()];
+    let mut params = AttnParams::new(4);
+    assert!(AttnArgs::<treeattn::backend::Host, f64>::new(
+        &x[..],
+        &x[..],
+        &x[..],
+        shape,
+        m,
+        params
+    )
+    .is_ok());
+    params.window = Some(2);
+    match AttnArgs::<treeattn::backend::Host, f64>::new(&x[..], &x[..], &x[..], shape, m, params) {
+        Err(Error::Pack(msg)) => assert!(msg.contains("tree-shaped"), "{msg}"),
+        Err(other) => panic!("{other}"),
+        Ok(_) => panic!("a window on crossing ranges was accepted"),
+    }
+    params.window = Some(0);
+    assert!(matches!(
+        AttnArgs::<treeattn::backend::Host, f64>::new(&x[..], &x[..], &x[..], shape, m, params),
+        Err(Error::Unsupported(_))
+    ));
+    let mut p = AttnParams::new(4);
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        p.softcap = Some(bad);
+        assert!(
+            matches!(
+                AttnArgs::<treeattn::backend::Host, f64>::new(&x[..], &x[..], &x[..], shape, m, p),
+                Err(Error::Unsupported(_))
+            ),
+            "softcap {bad}"
+        );
+    }
+}
+
+/// Sinks of the wrong length, dsinks without sinks: shape errors.
+#[test]
+fn sinks_are_checked() {
+    let kv_end = [3u32, 3, 3];
+    let pos = [0u32, 1, 2];
+    let m = PackMask::new(&kv_end, &pos).unwrap();
+    let shape = AttnShape::new(3, 2, 1, 4);
+    let (q, kv) = (vec![0.5f64; shape.q_len()], vec![0.25f64; shape.kv_len()]);
+    let args = AttnArgs::new(&q[..], &kv[..], &kv[..], shape, m, AttnParams::new(4)).unwrap();
+    assert!(matches!(args.with_sinks(&[0.0][..]), Err(Error::Shape(_))));
+    let f = Cpu::default().forward_owned(&args).unwrap();
+    let (mut dq, mut dk, mut dv, mut ds) = (
+        vec![0.0; q.len()],
+        vec![0.0; kv.len()],
+        vec![0.0; kv.len()],
+        vec![0.0; 2],
+    );
+    let grads = Grads {
+        dq: &mut dq[..],
+        dk: &mut dk[..],
+        dv: &mut dv[..],
+        dsinks: Some(&mut ds[..]),
+    };
+    match Cpu::default().backward(&args, f.saved(), &q[..], grads) {
+        Err(Error::Shape(msg)) => assert!(msg.contains("without attention sinks"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+}
+
 // ------------------------------------------------------ 16-bit inputs
 
 /// The CPU backend on `H` inputs (bf16 or f16), on `threads` threads, with
@@ -476,6 +877,7 @@ fn check_half<H: CpuElement<Compute = f32>>(c: &Case, threads: usize) -> usize {
         dq: &mut dq[..],
         dk: &mut dk[..],
         dv: &mut dv[..],
+        dsinks: None,
     };
     cpu.backward(&args, saved, &d_o[..], grads).unwrap();
     let ow = wide(&o);
@@ -542,6 +944,7 @@ fn an_f16_gradient_beyond_its_range_is_an_error() {
         q_heads: 1,
         kv_heads: 1,
         head_dim: 8,
+        v_head_dim: 8,
     };
     let params = AttnParams::new(8);
     let run = |x: f64, d_o: f64| {
@@ -910,7 +1313,7 @@ fn causal_mask_gives_a_different_answer_on_a_branched_tree() {
         "tree and causal masks agree after the junction (max |ΔO| = {diff})"
     );
     // And the tree answer is the right one.
-    let reference = dense(&c.q, &c.k, &c.v, &c.d_o, c.shape, &tree, &c.params);
+    let reference = dense(&c.q, &c.k, &c.v, &c.d_o, None, c.shape, &tree, &c.params);
     assert!(rel_err(&o_tree, &reference.o) < 1e-12);
 }
 
@@ -1168,6 +1571,7 @@ fn small() -> (AttnShape, AttnParams, Mask, Vec<f64>, Vec<f64>) {
         q_heads: 4,
         kv_heads: 2,
         head_dim: 8,
+        v_head_dim: 8,
     };
     let mut rng = Rng(5);
     let (q, kv) = (
@@ -1335,6 +1739,7 @@ fn ops_front_matches_the_core_and_accepts_strided_views() {
         q_heads: hq,
         kv_heads: hkv,
         head_dim: d,
+        ..
     } = c.shape;
     let (q, k, v, d_o) = (
         arr((l, hq, d), &c.q),

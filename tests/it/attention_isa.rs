@@ -1,7 +1,8 @@
 //! The CPU backend's code paths side by side in one process: each path the
 //! machine supports ([`best_isa`] and below) is forced in turn with
 //! [`force_isa`] and runs the same f32 and f64 forward and backward on tree
-//! masks (partial tiles, gathered keys, padding, GQA, rotary). The test runs
+//! masks (partial tiles, gathered keys, padding, GQA, rotary; and a sliding
+//! window, a softcap and sinks together). The test runs
 //! in a process of its own ([`own_process`](crate::common::own_process)),
 //! since the switch is process-wide.
 //!
@@ -16,8 +17,6 @@
 //!   those of `attention_portable` (each path against the f64 backend),
 //!   relative Frobenius 1e-5 on O and LSE and 2e-5 on the gradients in f32,
 //!   1e-12 in f64.
-
-use crate::common::calls;
 
 use treeattn::backend::cpu::{best_isa, force_isa, isa, CpuFloat, Isa};
 use treeattn::backend::{AttnParams, AttnShape, Rope};
@@ -52,6 +51,7 @@ fn case(rng: &mut Rng, d: usize, rope: bool, group: usize) -> (MaskBuilder, Attn
         q_heads: 2 * group,
         kv_heads: 2,
         head_dim: d,
+        v_head_dim: d,
     };
     let mut params = AttnParams::new(d);
     params.rope = rope.then_some(Rope {
@@ -61,14 +61,29 @@ fn case(rng: &mut Rng, d: usize, rope: bool, group: usize) -> (MaskBuilder, Attn
     (b, shape, params)
 }
 
-/// Every output of one forward and backward, in order o, lse, dq, dk, dv.
-type Outputs<T> = [Vec<T>; 5];
+/// Every output of one forward and backward, in order o, lse, dq, dk, dv,
+/// dsinks (empty without sinks).
+type Outputs<T> = [Vec<T>; 6];
 
 fn run_all<T: CpuFloat>(seed: u64, tol: f64) {
+    use treeattn::backend::cpu::Cpu;
+    use treeattn::backend::{AttnArgs, HostAttention};
     let mut rng = Rng::new(seed);
-    for (d, rope) in [(64, false), (40, true), (128, false)] {
-        let (b, shape, params) = case(&mut rng, d, rope, 2);
+    for (d, rope, variants) in [
+        (64, false, false),
+        (40, true, false),
+        (128, false, false),
+        (48, true, true),
+    ] {
+        let (b, shape, mut params) = case(&mut rng, d, rope, 2);
         let mask = b.mask().unwrap();
+        if variants {
+            params.window = Some(7);
+            params.softcap = Some(2.5);
+        }
+        let sinks: Vec<T> = (0..shape.q_heads)
+            .map(|h| T::from_f64(h as f64 - 1.5))
+            .collect();
         let mut data = |n: usize| -> Vec<T> {
             (0..n)
                 .map(|_| T::from_f64(rng.signed_unit() as f64))
@@ -88,12 +103,18 @@ fn run_all<T: CpuFloat>(seed: u64, tol: f64) {
             }
             assert!(force_isa(path));
             assert_eq!(isa(), path);
-            let f = calls::cpu_forward(&q, &k, &v, shape, mask, &params).unwrap();
-            let g =
-                calls::cpu_backward(&q, &k, &v, &f.o, &f.lse, &d_o, shape, mask, &params).unwrap();
-            results.push((path, [f.o, f.lse, g.dq, g.dk, g.dv]));
+            let mut args = AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, params).unwrap();
+            if variants {
+                args = args.with_sinks(&sinks[..]).unwrap();
+            }
+            let f = Cpu::default().forward_owned(&args).unwrap();
+            let g = Cpu::default()
+                .backward_owned(&args, f.saved(), &d_o)
+                .unwrap();
+            let ds = g.dsinks.unwrap_or_default();
+            results.push((path, [f.o, f.lse, g.dq, g.dk, g.dv, ds]));
         }
-        let names = ["o", "lse", "dq", "dk", "dv"];
+        let names = ["o", "lse", "dq", "dk", "dv", "dsinks"];
         let (_, portable) = &results[0];
         for (path, out) in &results[1..] {
             for (i, name) in names.iter().enumerate() {

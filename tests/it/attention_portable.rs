@@ -64,6 +64,7 @@ fn portable_path_matches_the_dense_reference_and_the_f64_backend() {
             q_heads: 4,
             kv_heads: 2,
             head_dim: d,
+            v_head_dim: d,
         };
         let mut params = AttnParams::new(d);
         params.rope = rope.then_some(Rope {

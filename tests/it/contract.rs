@@ -24,6 +24,7 @@ fn shape(head_dim: usize) -> AttnShape {
         q_heads: 2,
         kv_heads: 1,
         head_dim,
+        v_head_dim: head_dim,
     }
 }
 
@@ -117,6 +118,7 @@ fn head_dims_past_the_limit_and_overflowing_shapes_are_refused() {
         q_heads: 1,
         kv_heads: 1,
         head_dim: MAX_HEAD_DIM + 1,
+        v_head_dim: MAX_HEAD_DIM + 1,
     };
     let x = vec![0.0f32; s.q_len()];
     let e = AttnArgs::<Host, f32>::new(&x, &x, &x, s, mask, AttnParams::new(s.head_dim));
@@ -130,6 +132,7 @@ fn head_dims_past_the_limit_and_overflowing_shapes_are_refused() {
         q_heads: 4,
         kv_heads: 1,
         head_dim: 64,
+        v_head_dim: 64,
     };
     assert!(matches!(huge.validate(), Err(Error::Shape(m)) if m.contains("overflows")));
 }
@@ -167,6 +170,7 @@ fn outputs_and_saved_state_are_checked_against_the_call() {
             dq: &mut dq[..],
             dk: &mut dk[..dk_len],
             dv: &mut dv[..],
+            dsinks: None,
         };
         cpu.backward(&args.reborrow(), saved, &d_o[..], grads)
     };
@@ -225,6 +229,7 @@ fn one_generic_caller_drives_the_cpu_backend_and_the_emulator() {
         q_heads: 4,
         kv_heads: 2,
         head_dim: 64,
+        v_head_dim: 64,
     };
     let (mut rng, seed) = common::seeded_rng();
     let (q, qf) = common::random_tensor::<bf16, f64>(&mut rng, s.q_len(), 1.0);
@@ -263,6 +268,7 @@ fn a_non_finite_result_is_an_error_on_every_host_backend() {
         q_heads: 1,
         kv_heads: 1,
         head_dim: 64,
+        v_head_dim: 64,
     };
     let p = AttnParams::new(64);
     let x = vec![bf16::from_f32(0.25); s.q_len()];

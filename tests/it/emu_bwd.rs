@@ -240,6 +240,7 @@ fn random_case(rng: &mut Rng, head_dim: usize, rope: bool) -> Case {
             q_heads,
             kv_heads,
             head_dim,
+            v_head_dim: head_dim,
         },
         kv_end: p.kv_end,
         pos: p.position_ids,
@@ -299,6 +300,7 @@ fn tile_classes_and_edge_lengths() {
                 q_heads: 2,
                 kv_heads: 1,
                 head_dim: d,
+                v_head_dim: d,
             },
             kv_end: vec![tokens as u32; tokens],
             pos: (0..tokens as u32).collect(),
@@ -323,6 +325,7 @@ fn tile_classes_and_edge_lengths() {
             q_heads: 4,
             kv_heads: 2,
             head_dim: 128,
+            v_head_dim: 128,
         },
         kv_end,
         pos: vec![0; tokens],
@@ -357,6 +360,7 @@ fn long_pack_many_query_tiles_per_key_tile() {
             q_heads: 4,
             kv_heads: 1,
             head_dim: 128,
+            v_head_dim: 128,
         },
         kv_end,
         pos,
@@ -401,6 +405,7 @@ fn grpo_fan_walk_skips_more_than_32_key_tiles() {
                 q_heads: 1,
                 kv_heads: 1,
                 head_dim,
+                v_head_dim: head_dim,
             },
             kv_end: kv_end.clone(),
             pos: pos.clone(),
@@ -427,6 +432,7 @@ fn all_padding_gives_zero_gradients() {
                 q_heads: 2,
                 kv_heads: 1,
                 head_dim,
+                v_head_dim: head_dim,
             },
             kv_end: (0..70).collect(),
             pos: vec![0; 70],
@@ -492,6 +498,7 @@ fn gqa_group_splits_match_the_cpu_and_are_deterministic() {
                 q_heads: 8,
                 kv_heads: 1,
                 head_dim,
+                v_head_dim: head_dim,
             },
             kv_end: p.kv_end,
             pos: p.position_ids,
@@ -548,6 +555,7 @@ fn wrong_mask_or_missing_rotary(head_dim: usize) {
             q_heads: 2,
             kv_heads: 1,
             head_dim,
+            v_head_dim: head_dim,
         },
         kv_end: p.kv_end,
         pos: p.position_ids,
@@ -779,6 +787,7 @@ fn tile_walks_load_only_visible_tiles() {
                 q_heads: 4,
                 kv_heads: 2,
                 head_dim,
+                v_head_dim: head_dim,
             },
             pos: vec![0; tokens],
             kv_end,
@@ -862,6 +871,7 @@ fn bad_inputs_are_errors() {
         q_heads: 1,
         kv_heads: 1,
         head_dim: 64,
+        v_head_dim: 64,
     };
     let x = vec![bf16::from_f32(0.5); 3 * 64];
     let lse = vec![1.0f32; 3];
@@ -969,6 +979,7 @@ fn rust_launch_plan_matches_the_kernel_traits() {
         q_heads: 2,
         kv_heads: 2,
         head_dim: 64,
+        v_head_dim: 64,
     };
     let (t, p) = plan_backward(&shape).unwrap();
     assert_eq!(
@@ -1022,6 +1033,7 @@ fn two_m_tile_negative_controls(head_dim: usize, kernel: MainKernel, barrier_fau
             q_heads: 2,
             kv_heads: 1,
             head_dim,
+            v_head_dim: head_dim,
         },
         kv_end: p.kv_end,
         pos: p.position_ids,
@@ -1113,6 +1125,7 @@ fn misaligned_views_are_errors_naming_the_tensor() {
         q_heads: 1,
         kv_heads: 1,
         head_dim: 64,
+        v_head_dim: 64,
     };
     let x = vec![bf16::from_f32(0.25); 3 * 64];
     let lse = vec![1.0f32; 3];
@@ -1151,6 +1164,7 @@ fn misaligned_views_are_errors_naming_the_tensor() {
                     dq: &mut gq[gqo..gqo + n],
                     dk: &mut gk[gko..gko + n],
                     dv: &mut gv[gvo..gvo + n],
+                    dsinks: None,
                 },
             );
             match (bad, r) {
@@ -1198,6 +1212,7 @@ fn non_finite_values_in_padding_rows(d: usize) {
         q_heads: hq,
         kv_heads: hk,
         head_dim: d,
+        v_head_dim: d,
     };
     let p = AttnParams::new(d);
     let (q, qw): (Vec<bf16>, Vec<f32>) = common::random_tensor(&mut rng, l * hq * d, 1.0);

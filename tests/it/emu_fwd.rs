@@ -148,6 +148,7 @@ fn random_case(rng: &mut Rng, head_dim: usize) -> Case {
             q_heads,
             kv_heads,
             head_dim,
+            v_head_dim: head_dim,
         },
         kv_end: p.kv_end,
         pos: p.position_ids,
@@ -186,6 +187,7 @@ fn rollout_packs<T: KernelElem>(head_dim: usize) {
                 q_heads: kv_heads * 2,
                 kv_heads,
                 head_dim,
+                v_head_dim: head_dim,
             },
             kv_end: pack.kv_end.clone(),
             pos: pack.position_ids.clone(),
@@ -244,6 +246,7 @@ fn tile_classes_and_edge_lengths() {
                 q_heads: 2,
                 kv_heads: 1,
                 head_dim: 64,
+                v_head_dim: 64,
             },
             kv_end,
             pos,
@@ -267,6 +270,7 @@ fn tile_classes_and_edge_lengths() {
             q_heads: 4,
             kv_heads: 2,
             head_dim: 128,
+            v_head_dim: 128,
         },
         kv_end,
         pos: vec![0; tokens],
@@ -287,6 +291,7 @@ fn all_padding_gives_zero_and_minus_infinity() {
             q_heads: 2,
             kv_heads: 2,
             head_dim: 64,
+            v_head_dim: 64,
         },
         kv_end,
         pos: vec![0; 70],
@@ -310,6 +315,7 @@ fn causal_mask_on_a_tree_fails_the_tolerance() {
                 q_heads: 2,
                 kv_heads: 1,
                 head_dim: 64,
+                v_head_dim: 64,
             },
             kv_end: p.kv_end,
             pos: p.position_ids,
@@ -334,6 +340,7 @@ fn empty_pack_is_a_no_op() {
             q_heads: 2,
             kv_heads: 1,
             head_dim: 128,
+            v_head_dim: 128,
         },
         PackMask::new(&[], &[]).unwrap(),
         &AttnParams::new(128),
@@ -352,6 +359,7 @@ fn unsupported_and_bad_inputs_are_errors() {
         q_heads: 1,
         kv_heads: 1,
         head_dim: 64,
+        v_head_dim: 64,
     };
     let x = vec![bf16::from_f32(0.5); 3 * 64];
     let p = AttnParams::new(64);
@@ -505,6 +513,7 @@ fn skipped_key_tiles_are_never_loaded() {
                 q_heads: 3,
                 kv_heads: 1,
                 head_dim,
+                v_head_dim: head_dim,
             },
             kv_end: p.kv_end,
             pos: p.position_ids,
@@ -576,6 +585,7 @@ fn misaligned_views_are_errors_naming_the_tensor() {
         q_heads: 1,
         kv_heads: 1,
         head_dim: 64,
+        v_head_dim: 64,
     };
     let x = vec![bf16::from_f32(0.25); 3 * 64];
     for rope in [

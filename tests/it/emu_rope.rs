@@ -181,6 +181,7 @@ fn attention_case<T: KernelElem>(
         q_heads: 4,
         kv_heads: 2,
         head_dim: d,
+        v_head_dim: d,
     };
     let what = format!(
         "seed {seed}: {:?} {shape:?} rope dims {dims} {mode:?} {opts:?}",

@@ -218,6 +218,7 @@ fn check_attention(seed: u64, q_heads: usize, group: usize, head_dim: usize, rop
                     q_heads,
                     kv_heads,
                     head_dim,
+                    v_head_dim: head_dim,
                 },
             })
             .collect();

@@ -19,6 +19,7 @@
 //! `lpad · dp` per head: 12 MB at 2.3k tokens, 4 heads, d = 64) would be read
 //! back from memory by the passes (BENCHMARKS.md §2 has the measurement).
 
+use super::attention_fwd::Softcap;
 use super::lanes;
 use super::microkernel::{live_strip_indices, live_strips, row_strips, simd_dispatch, strip, NS};
 use super::operands::{head_tile_rows, prefetch_for_write, store_row, Input, Layout, RopeTable};
@@ -54,6 +55,11 @@ pub(crate) const DS_BUDGET: usize = 4 << 20;
 ///
 /// With GQA, dK and dV of a kv head sum over its query heads. With
 /// `params.rope`, dQ and dK are with respect to the unrotated q and k.
+/// With `params.softcap` c, P comes from the softcapped scores and dS is
+/// multiplied by `1 − tanh²`; with `params.window`, each row's keys start
+/// at its window's first key; with sinks (in the LSE already), `dsinks[h]
+/// = −Σ_q exp(σ_h − LSE_hq) · D_hq` when asked for. The call is square
+/// (`super::value_dim` pads the others).
 /// Rows whose LSE is `−inf` (no visible key) get `dQ = 0` and add nothing.
 /// Errors: a NaN or ±inf in the gradients (overflow of `T`, or non-finite
 /// inputs left unchecked).
@@ -74,7 +80,12 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
     let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
     let params = args.params();
     let (o, lse) = (saved.o, saved.lse);
-    let Grads { dq, dk, dv } = grads;
+    let Grads {
+        dq,
+        dk,
+        dv,
+        dsinks,
+    } = grads;
     let l = shape.tokens;
     if l == 0 {
         return Ok(());
@@ -98,8 +109,14 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
     // Rows that enter no visible pair are read as zeros, whatever they hold
     // (DESIGN §5): K, V of keys no query sees, Q, dO of queries that see no
     // key — otherwise a NaN there reaches dK, dQ through 0 · NaN.
-    let (unseen, blind) = (mask.unseen_keys(), mask.blind_queries());
-    let bounds = KeyTileBounds::new(mask.kv_end());
+    let starts = params.window.map(|w| mask.window_starts(w)).transpose()?;
+    let (unseen, blind) = (mask.unseen_keys(), mask.blind_queries_in(starts.as_deref()));
+    let mut bounds = KeyTileBounds::new(mask.kv_end());
+    if let Some(starts) = starts {
+        bounds = bounds.with_window(starts);
+    }
+    let sinks: Option<Vec<T>> = args.sinks().map(|s| s.iter().map(|x| x.widen()).collect());
+    let mut dsinks_acc = vec![T::ZERO; hq];
     let group = shape.group();
     let block_bytes = TILE * TILE * std::mem::size_of::<T>();
     let (slice, chunks) = plan_steps(&bounds, l, group, block_bytes, ds_budget);
@@ -151,6 +168,17 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
                 .ignoring(&blind)
                 .with_row_dots(o, &mut delta),
         ]);
+        if let Some(sinks) = &sinks {
+            // ∂/∂σ_h = −Σ_q exp(σ_h − LSE_hq) · D_hq, in row order (D is 0
+            // on rows that see no key: their dO copy is zero).
+            for (j, h) in heads.clone().enumerate() {
+                let rows = lse[h * l..(h + 1) * l]
+                    .iter()
+                    .zip(&delta[j * lpad..j * lpad + l]);
+                dsinks_acc[h] =
+                    rows.fold(T::ZERO, |acc, (&lse, &d)| acc - (sinks[h] - lse).exp() * d);
+            }
+        }
         let (kh, kt) = k2.split_at(k2.len() / 2);
         // bf16 on AVX-512 BF16: S and dP on bf16 pairs of head-dim lanes,
         // the other three products on P, dS rounded to bf16 and token pairs
@@ -170,6 +198,9 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
             lay,
             h0: heads.start,
             scale: T::from_f64(params.softmax_scale),
+            softcap: params
+                .softcap
+                .map(|c| Softcap::new(params.softmax_scale, c)),
             bounds: &bounds,
             rope: rope.as_ref(),
             delta: &delta,
@@ -299,6 +330,18 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
         }
     }
 
+    if let Some(out) = dsinks {
+        if !S::narrow_slice(&dsinks_acc, out) {
+            let index = out
+                .iter()
+                .position(|x| !x.to_f64().is_finite())
+                .unwrap_or(0);
+            return Err(crate::Error::NonFinite {
+                what: "dsinks".into(),
+                index,
+            });
+        }
+    }
     // The first non-finite index of the first bad gradient, as scans of dq,
     // dk, dv in that order report it.
     let [dq_bad, dk_bad, dv_bad] = bad.map(AtomicBool::into_inner);
@@ -439,6 +482,8 @@ struct BwdCtx<'a, T> {
     lay: Layout,
     h0: usize,
     scale: T,
+    /// The logit softcap, if any.
+    softcap: Option<Softcap<T>>,
     bounds: &'a KeyTileBounds,
     /// Rotates dQ back to the unrotated inputs.
     rope: Option<&'a RopeTable>,
@@ -615,6 +660,8 @@ fn key_tile_body<T: CpuFloat, const FMA: bool>(
                 lse: &ctx.lse[head + q0..head + q0 + TILE],
                 delta: &ctx.delta[head + q0..head + q0 + TILE],
                 scale: ctx.scale,
+                softcap: ctx.softcap,
+                starts: ctx.bounds.window_starts(q0),
             };
             ds_block::<T, FMA>(rows, s, dpm, blocks, masks);
             // With pairs, P and then dS in bf16 query pairs (one scratch),
@@ -685,17 +732,21 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
 }
 
 /// What the dS step needs of the item's query rows from `q0`: their LSE
-/// (+inf: no visible key, or a padding row) and `D`.
+/// (+inf: no visible key, or a padding row), `D`, the scale and softcap,
+/// and with a sliding window the first key of each row's window.
 #[derive(Clone, Copy)]
 struct DqRows<'a, T> {
     q0: usize,
     lse: &'a [T],
     delta: &'a [T],
     scale: T,
+    softcap: Option<Softcap<T>>,
+    starts: Option<&'a [u32]>,
 }
 
 /// `dS = P ∘ (dP − D)` of the `blocks.live` register blocks, with
-/// `P = exp(scale · s − LSE)` (0 where masked) from the raw scores `s` and
+/// `P = exp(scale · s − LSE)` (0 where masked; with a softcap `c`, `P =
+/// exp(c · tanh(scale · s / c) − LSE)` and dS times `1 − tanh²`) from the raw scores `s` and
 /// `dP` in `dpm`: dS into `dpm`, `P` in place of `s`. `masks(c, full)` gives strip
 /// `c`'s first key and `kv_end`s when it must be masked for a row whose
 /// block `full` says it holds only visible entries, `None` when it needs no
@@ -707,6 +758,8 @@ fn ds_block<'e, T: CpuFloat, const FMA: bool>(
         lse,
         delta,
         scale,
+        softcap,
+        starts,
     }: DqRows<'_, T>,
     s: &mut [T],
     dpm: &mut [T],
@@ -731,9 +784,19 @@ fn ds_block<'e, T: CpuFloat, const FMA: bool>(
         }
         let full = row_strips(blocks.full, i);
         let q = (q0 + i) as u32;
+        let lo = starts.map_or(0, |st| st[i]);
         let (mut unused_max, mut unused_visible) = ([T::NEG_INFINITY; NS], [0; NS]);
+        let mut tanh = [T::ZERO; NS];
         for c in live_strip_indices(strips) {
             let (x, dx) = (strip(srow, c), strip(dprow, c));
+            // Softcapped scores are already scaled.
+            let scale = match softcap {
+                Some(Softcap { a, c }) => {
+                    lanes::softcap::<T, FMA>(x, a, c, &mut tanh);
+                    T::ONE
+                }
+                None => scale,
+            };
             match masks(c, full >> c & 1 == 1) {
                 // A fully visible block: no mask.
                 None => lanes::scale_offset::<T, FMA>(x, scale, m),
@@ -742,6 +805,7 @@ fn ds_block<'e, T: CpuFloat, const FMA: bool>(
                     first,
                     ends,
                     q,
+                    lo,
                     scale,
                     m,
                     &mut unused_max,
@@ -749,6 +813,12 @@ fn ds_block<'e, T: CpuFloat, const FMA: bool>(
                 ),
             }
             lanes::exp_ds::<T, FMA>(x, dx, dd);
+            if softcap.is_some() {
+                // d(c · tanh(u)) / du = 1 − tanh².
+                for (dx, &t) in dx.iter_mut().zip(&tanh) {
+                    *dx *= T::ONE - t * t;
+                }
+            }
         }
     }
 }
@@ -783,6 +853,7 @@ mod tests {
             q_heads: hq,
             kv_heads: hkv,
             head_dim: d,
+            v_head_dim: d,
         };
         let mut params = AttnParams::new(d);
         params.rope = Some(crate::backend::Rope {
@@ -806,7 +877,18 @@ mod tests {
             o: &fwd.o[..],
             lse: &fwd.lse[..],
         };
-        let call = BackwardCall::new(args, saved, &d_o[..], Grads { dq, dk, dv }).unwrap();
+        let call = BackwardCall::new(
+            args,
+            saved,
+            &d_o[..],
+            Grads {
+                dq,
+                dk,
+                dv,
+                dsinks: None,
+            },
+        )
+        .unwrap();
         backward_in_chunks(call, threads, budget).unwrap();
         out
     }
@@ -916,6 +998,7 @@ mod tests {
                 dq: &mut dq[..],
                 dk: &mut dk[..],
                 dv: &mut dv[..],
+                dsinks: None,
             };
             let saved = Saved {
                 o: &fwd.o[..],

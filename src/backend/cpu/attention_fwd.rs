@@ -16,10 +16,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// The forward of a validated call on `threads` threads: `O = softmax(scale
 /// · Q Kᵀ masked) V` and `LSE = ln Σ exp(scale · Q Kᵀ masked)` per query
 /// row and head (see the [module docs](super)). With `params.rope`, Q and K
-/// are rotated by the pack's position ids before the dot products. Dot
-/// products and softmax sums accumulate in `T`. Errors: a NaN or ±inf in
-/// the result (scores that overflow `T`, or non-finite inputs when they
-/// were not checked).
+/// are rotated by the pack's position ids before the dot products; with
+/// `params.softcap` c the scaled scores become `c · tanh(s / c)`; with
+/// `params.window` each row's keys start at its window's first key; with
+/// sinks, each row's sum gains `exp(σ_h)` (O and LSE take it in). Dot
+/// products and softmax sums accumulate in `T`. The call's shape is square
+/// (`v_head_dim == head_dim`: `super::value_dim` pads the others). Errors:
+/// a NaN or ±inf in the result (scores that overflow `T`, or non-finite
+/// inputs when they were not checked).
 pub(crate) fn forward<T: CpuFloat, S: CpuElement<Compute = T>>(
     call: ForwardCall<'_, '_, Host, S, T>,
     threads: usize,
@@ -38,7 +42,11 @@ pub(crate) fn forward<T: CpuFloat, S: CpuElement<Compute = T>>(
         Input::columns(k, shape.kv_heads, rope.as_ref()),
         Input::rows(v, shape.kv_heads, None),
     ]);
-    let bounds = KeyTileBounds::new(mask.kv_end());
+    let mut bounds = KeyTileBounds::new(mask.kv_end());
+    if let Some(w) = params.window {
+        bounds = bounds.with_window(mask.window_starts(w)?);
+    }
+    let sinks: Option<Vec<T>> = args.sinks().map(|s| s.iter().map(|x| x.widen()).collect());
     // bf16 on AVX-512 BF16: S = Q Kᵀ on bf16 pairs (the `pairs` module).
     let kt_pairs = pairs::uses_pairs::<S>().then(|| pairs::pair_columns(&kt, lay.dp));
     // ... and O += P V on P rounded to bf16 and V's key pairs.
@@ -57,6 +65,10 @@ pub(crate) fn forward<T: CpuFloat, S: CpuElement<Compute = T>>(
         kt_pairs: kt_pairs.as_deref(),
         vh: &vh,
         vh_pairs: vh_pairs.as_deref(),
+        softcap: params
+            .softcap
+            .map(|c| Softcap::new(params.softmax_scale, c)),
+        sinks: sinks.as_deref(),
     };
 
     let tiles = l.div_ceil(TILE);
@@ -127,6 +139,27 @@ struct FwdCtx<'a, T, S> {
     /// Its key pairs `[kv_heads, lpad / 2, dp]` ([`pairs::token_pairs`]),
     /// with `kt_pairs`.
     vh_pairs: Option<&'a [u32]>,
+    /// The logit softcap, if any.
+    softcap: Option<Softcap<T>>,
+    /// One sink logit per query head, if any.
+    sinks: Option<&'a [T]>,
+}
+
+/// The logit softcap `c` of a call with softmax scale `scale`: raw scores
+/// `x` become `c · tanh(a · x)` with `a = scale / c`, already scaled.
+#[derive(Clone, Copy)]
+pub(super) struct Softcap<T> {
+    pub a: T,
+    pub c: T,
+}
+
+impl<T: CpuFloat> Softcap<T> {
+    pub(super) fn new(scale: f64, c: f64) -> Self {
+        Softcap {
+            a: T::from_f64(scale / c),
+            c: T::from_f64(c),
+        }
+    }
 }
 
 /// One (query head, query tile): its output rows and LSE entries.
@@ -246,8 +279,14 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
         // Every row sees every key of the chunk: only lanes past its last
         // key are masked (first key taken as 0: the rows are past TILE).
         let masks = |_: usize, full: bool| (!full).then_some((0, &ends));
-        let rows = Rows { q0, bq, dp };
-        softmax_block::<T, FMA>(ctx.scale, rows, s, blocks, masks, m, sum, o);
+        // Gathered keys are in every row's window (uniform_keys): none to mask.
+        let rows = Rows {
+            q0,
+            bq,
+            dp,
+            starts: None,
+        };
+        softmax_block::<T, FMA>(ctx.scale, ctx.softcap, rows, s, blocks, masks, m, sum, o);
         let pairs = vh_pairs.map(|_| (&mut p_pairs[..], &vg_pairs[..]));
         accumulate_or_pairs::<T, FMA>(Sum::Keys, s, vg, pairs, dp, o, blocks.live);
     }
@@ -267,25 +306,41 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
             let k = k0 + c * NS;
             (!full || k + NS > l).then(|| (k as u32, ctx.bounds.strip_ends(k)))
         };
-        let rows = Rows { q0, bq, dp };
-        softmax_block::<T, FMA>(ctx.scale, rows, s, blocks, masks, m, sum, o);
+        let rows = Rows {
+            q0,
+            bq,
+            dp,
+            starts: ctx.bounds.window_starts(q0),
+        };
+        softmax_block::<T, FMA>(ctx.scale, ctx.softcap, rows, s, blocks, masks, m, sum, o);
         let pairs = vh_pairs.map(|vp| (&mut p_pairs[..], &vp[k0 / 2 * dp..]));
         accumulate_or_pairs::<T, FMA>(Sum::Keys, s, &v_head[k0 * dp..], pairs, dp, o, blocks.live);
     }
 
+    let sink = ctx.sinks.map(|s| s[h]);
     let mut finite = true;
     for (i, dst) in o_rows.iter_mut().enumerate() {
         let row = &mut o[i * dp..][..d];
         if sum[i] > T::ZERO {
-            let inv = T::ONE / sum[i];
+            let (inv, row_lse) = match sink {
+                None => (T::ONE / sum[i], m[i] + sum[i].ln()),
+                Some(sg) => {
+                    // The sink joins the sum: relative to the larger of
+                    // the two references, so that neither term overflows.
+                    let top = m[i].max_of(sg);
+                    let alpha = (m[i] - top).exp();
+                    let total = sum[i] * alpha + (sg - top).exp();
+                    (alpha / total, top + total.ln())
+                }
+            };
             for y in row.iter_mut() {
                 *y *= inv;
             }
-            lse[i] = m[i] + sum[i].ln();
+            lse[i] = row_lse;
         } else if sum[i] == T::ZERO {
-            // No visible key.
+            // No visible key: the sink alone (or nothing) in the sum.
             row.fill(T::ZERO);
-            lse[i] = T::NEG_INFINITY;
+            lse[i] = sink.unwrap_or(T::NEG_INFINITY);
         } else {
             // Poisoned by non-finite scores (a NaN sum, or marked above):
             // +inf makes the caller's scan report it.
@@ -296,12 +351,14 @@ fn query_tile_body<T: CpuFloat, S: CpuElement<Compute = T>, const FMA: bool>(
     finite
 }
 
-/// The item's query rows `q0..q0 + bq` (`dp` values per accumulator row).
+/// The item's query rows `q0..q0 + bq` (`dp` values per accumulator row),
+/// and with a sliding window the first key of each one's window.
 #[derive(Clone, Copy)]
-struct Rows {
+struct Rows<'s> {
     q0: usize,
     bq: usize,
     dp: usize,
+    starts: Option<&'s [u32]>,
 }
 
 /// How far a row's scores may exceed its running reference `m` before the
@@ -319,7 +376,8 @@ const RESCALE_MARGIN: f64 = 8.0;
 
 /// One step of the online softmax over a block of `TILE` keys: the raw
 /// scores `s` of the `blocks.live` register blocks become probabilities
-/// `exp(scale · s − m)` in place (0 where masked), with the running row
+/// `exp(scale · s − m)` in place (0 where masked; `scale · s` softcapped
+/// first with `cap`; a row's keys before its window start masked too), with the running row
 /// references `m` (moved up, and the sums `sum` and accumulator rows `o`
 /// rescaled, only when a score exceeds them by more than
 /// [`RESCALE_MARGIN`]). `masks(c, full)` gives strip `c`'s first key and `kv_end`s when
@@ -329,7 +387,8 @@ const RESCALE_MARGIN: f64 = 8.0;
 #[inline(always)]
 fn softmax_block<'e, T: CpuFloat, const FMA: bool>(
     scale: T,
-    Rows { q0, bq, dp }: Rows,
+    cap: Option<Softcap<T>>,
+    Rows { q0, bq, dp, starts }: Rows<'_>,
     s: &mut [T],
     blocks: BlockMasks,
     masks: impl Fn(usize, bool) -> Option<(u32, &'e [u32; NS])>,
@@ -351,10 +410,20 @@ fn softmax_block<'e, T: CpuFloat, const FMA: bool>(
         // reduced once per row: no scalar remainders on short runs.
         let full = row_strips(blocks.full, i);
         let q = (q0 + i) as u32;
+        let lo = starts.map_or(0, |st| st[i]);
         let mut visible = [0u32; NS];
         let mut lane_max = [T::NEG_INFINITY; NS];
+        let mut tanh = [T::ZERO; NS];
         for c in live_strip_indices(strips) {
             let x = strip(row, c);
+            // Softcapped scores are already scaled.
+            let scale = match cap {
+                Some(Softcap { a, c }) => {
+                    lanes::softcap::<T, FMA>(x, a, c, &mut tanh);
+                    T::ONE
+                }
+                None => scale,
+            };
             match masks(c, full >> c & 1 == 1) {
                 None => {
                     // A fully visible block: no mask.
@@ -366,6 +435,7 @@ fn softmax_block<'e, T: CpuFloat, const FMA: bool>(
                     first,
                     ends,
                     q,
+                    lo,
                     scale,
                     T::ZERO,
                     &mut lane_max,

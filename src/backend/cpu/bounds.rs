@@ -2,6 +2,13 @@
 //! classification built on them (DESIGN §5): which (query tile, key tile)
 //! pairs are skipped, computed without a mask or masked, and inside a
 //! partial tile which register blocks are.
+//!
+//! With a sliding window the visible keys of query `q` are also bounded
+//! below, by `starts[q]` ([`crate::mask::PackMask::window_starts`]): query
+//! `q` sees key `k` iff `starts[q] <= k <= q < kv_end[k]`. The per-query-tile
+//! and per-register-block min / max of `starts` then tighten the rules: a
+//! block whose keys all precede every row's start is skipped, and only a
+//! block whose keys are at or after every row's start can be unmasked.
 
 use super::microkernel::{self, LiveBlocks};
 use super::{TileClass, TILE};
@@ -26,6 +33,44 @@ pub(crate) struct KeyTileBounds {
     strip_max: Vec<u32>,
     /// `kv_end` padded with 0 (seen by no query) to whole tiles.
     padded_ends: Vec<u32>,
+    /// With a sliding window: the first key of each query's window and its
+    /// bounds per query tile and register block.
+    window: Option<WindowBounds>,
+}
+
+/// Per query row, the first key of its sliding window (`starts`), and the
+/// min and max of it over each query tile (`TILE` rows) and each register
+/// block of rows ([`microkernel::MR`]).
+struct WindowBounds {
+    starts: Vec<u32>,
+    tile_min: Vec<u32>,
+    tile_max: Vec<u32>,
+    block_min: Vec<u32>,
+    block_max: Vec<u32>,
+}
+
+impl WindowBounds {
+    fn new(starts: Vec<u32>) -> Self {
+        let mins = |n: usize| -> Vec<u32> {
+            starts
+                .chunks(n)
+                .map(|c| c.iter().copied().min().unwrap_or(0))
+                .collect()
+        };
+        let maxes = |n: usize| -> Vec<u32> {
+            starts
+                .chunks(n)
+                .map(|c| c.iter().copied().max().unwrap_or(0))
+                .collect()
+        };
+        WindowBounds {
+            tile_min: mins(TILE),
+            tile_max: maxes(TILE),
+            block_min: mins(microkernel::MR),
+            block_max: maxes(microkernel::MR),
+            starts,
+        }
+    }
 }
 
 impl KeyTileBounds {
@@ -51,7 +96,37 @@ impl KeyTileBounds {
             padded_ends: (0..kv_end.len().div_ceil(TILE) * TILE)
                 .map(|k| kv_end.get(k).copied().unwrap_or(0))
                 .collect(),
+            window: None,
         }
+    }
+
+    /// The same bounds under a sliding window whose first key per query
+    /// row is `starts` (one per token,
+    /// [`crate::mask::PackMask::window_starts`]).
+    pub(crate) fn with_window(mut self, starts: Vec<u32>) -> Self {
+        debug_assert_eq!(starts.len(), self.len);
+        self.window = Some(WindowBounds::new(starts));
+        self
+    }
+
+    /// The first key of the windows of the query rows from `q0` (a slice
+    /// of the rest of the pack), with a sliding window.
+    #[inline]
+    pub(crate) fn window_starts(&self, q0: usize) -> Option<&[u32]> {
+        self.window.as_ref().map(|w| &w.starts[q0.min(self.len)..])
+    }
+
+    /// The smallest and largest window start over the query tile from `q0`
+    /// (a multiple of `TILE`), with a sliding window.
+    #[inline]
+    fn tile_starts(&self, q0: usize) -> Option<(usize, usize)> {
+        debug_assert_eq!(q0 % TILE, 0);
+        self.window.as_ref().map(|w| {
+            (
+                w.tile_min[q0 / TILE] as usize,
+                w.tile_max[q0 / TILE] as usize,
+            )
+        })
     }
 
     /// `kv_end` of keys `k..k + NS` (`k` a multiple of `NS` within the
@@ -98,9 +173,14 @@ impl KeyTileBounds {
                 }
                 let qb = (qa + MR).min(q1) - 1;
                 let bit = microkernel::block_bit(rb * MR, cs);
-                if ka <= qb && hi_end > qa {
+                // Window starts of the block's rows (none: every key from 0).
+                let (lo_start, hi_start) = match &self.window {
+                    Some(w) => (w.block_min[qa / MR] as usize, w.block_max[qa / MR] as usize),
+                    None => (0, 0),
+                };
+                if ka <= qb && hi_end > qa && kb >= lo_start {
                     m.live |= bit;
-                    if kb <= qa && lo_end > qb {
+                    if kb <= qa && lo_end > qb && ka >= hi_start {
                         m.full |= bit;
                     }
                 }
@@ -121,35 +201,72 @@ impl KeyTileBounds {
 
     /// The keys of key tile `kt`, which lies wholly before `q0`, seen by the
     /// queries `[q0, q1)` (bit `j` = key `kt · TILE + j`), if each of them is
-    /// seen by all of these queries (`kv_end >= q1`) or by none (`kv_end <=
-    /// q0`); `None` if some key is seen by some of them only.
+    /// seen by all of these queries (`kv_end >= q1`, and with a window at or
+    /// after every row's start) or by none (`kv_end <= q0`, or before every
+    /// row's start); `None` if some key is seen by some of them only.
     pub(crate) fn uniform_keys(&self, q0: usize, q1: usize, kt: usize) -> Option<u64> {
         use microkernel::{NS, STRIPS};
         debug_assert!((kt + 1) * TILE <= q0);
+        let (lo_start, hi_start) = self.tile_starts(q0).unwrap_or((0, 0));
+        // With a window, the smallest start over rows q0 ..= q0 + i: a key
+        // that rows [q0, e) could see is in none of their windows iff it
+        // precedes the smallest of their starts.
+        let first_starts = self.window.as_ref().map(|w| {
+            let mut least = u32::MAX;
+            let rows = &w.starts[q0..q1];
+            rows.iter()
+                .map(|&st| {
+                    least = least.min(st);
+                    least as usize
+                })
+                .collect::<Vec<usize>>()
+        });
         let mut seen = 0u64;
         for cs in 0..STRIPS {
             let s = kt * STRIPS + cs;
-            if self.strip_min[s] as usize >= q1 {
+            let ka = s * NS;
+            if ka + NS <= lo_start || self.strip_max[s] as usize <= q0 {
+                // Before every row's window, or past every key's range.
+                continue;
+            }
+            if self.strip_min[s] as usize >= q1 && ka >= hi_start {
                 seen |= ((1 << NS) - 1) << (cs * NS);
-            } else if self.strip_max[s] as usize > q0 {
-                for (j, &end) in self.strip_ends(s * NS).iter().enumerate() {
-                    if end as usize >= q1 {
-                        seen |= 1 << (cs * NS + j);
-                    } else if end as usize > q0 {
-                        return None;
-                    }
+                continue;
+            }
+            for (j, &end) in self.strip_ends(ka).iter().enumerate() {
+                let (key, end) = (ka + j, end as usize);
+                if end <= q0 {
+                    continue;
+                }
+                // The rows that could see the key are [q0, min(end, q1)).
+                let last = end.min(q1) - 1 - q0;
+                if first_starts.as_ref().is_some_and(|f| key < f[last]) {
+                    continue;
+                }
+                if end >= q1 && key >= hi_start {
+                    seen |= 1 << (cs * NS + j);
+                } else {
+                    return None;
                 }
             }
         }
         Some(seen)
     }
 
-    /// Class of the block of queries `[q0, q1)` against key tile `kt`.
+    /// Class of the block of queries `[q0, q1)` (a query tile: `q0` a
+    /// multiple of `TILE`) against key tile `kt`.
     #[inline]
     pub(crate) fn classify(&self, q0: usize, q1: usize, kt: usize) -> TileClass {
         let k0 = kt * TILE;
         let k1 = (k0 + TILE).min(self.len);
-        crate::mask::classify_tile(q0, q1, k0, k1, self.min_end[kt], self.max_end[kt])
+        let class = crate::mask::classify_tile(q0, q1, k0, k1, self.min_end[kt], self.max_end[kt]);
+        match self.tile_starts(q0) {
+            // Every key before every row's window.
+            Some((lo, _)) if k1 <= lo => TileClass::Skip,
+            // Some key before some row's window.
+            Some((_, hi)) if class == TileClass::Full && k0 < hi => TileClass::Partial,
+            _ => class,
+        }
     }
 
     /// One past the last query tile that can see key tile `kt`.
@@ -232,48 +349,83 @@ mod tests {
     /// Every register block the kernels skip holds no visible entry, and
     /// every block they compute without a mask holds only visible ones,
     /// checked entry by entry (the blocks of query rows and key columns that
-    /// every pass computes). The census must find skipped and unmasked
-    /// blocks inside partial tiles, or the test would prove nothing.
+    /// every pass computes) — and every tile they skip, resp. compute
+    /// without a mask, likewise; with no window and with sliding windows of
+    /// 1, 3 and 17 levels (`seen` then also needs `starts[q] <= k`). The
+    /// census must find skipped and unmasked blocks inside partial tiles, or
+    /// the test would prove nothing.
     #[test]
     fn register_block_masks_are_sound() {
         use microkernel::{MR, NS, STRIPS};
-        let (mut dead, mut full) = (0, 0);
-        for seed in 0..6u64 {
-            let l = [200, 257, 64 * 5 + 3][seed as usize % 3];
-            let kv_end = random_kv_end(seed, l);
-            let b = KeyTileBounds::new(&kv_end);
-            let seen = |q: usize, k: usize| k <= q && q < kv_end[k] as usize;
-            let tiles = l.div_ceil(TILE);
-            for qt in 0..tiles {
-                let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
-                for kt in 0..=qt {
-                    let k0 = kt * TILE;
-                    let k1 = (k0 + TILE).min(l);
-                    let m = b.query_row_blocks(q0, q1, k0);
-                    assert_eq!(m.full & !m.live, 0, "full blocks are live");
-                    for rb in 0..TILE / MR {
-                        for cs in 0..STRIPS {
-                            let bit = microkernel::block_bit(rb * MR, cs);
-                            // Query rows rb, key strip cs.
-                            let qs = (q0 + rb * MR..q0 + (rb + 1) * MR).filter(|&q| q < q1);
-                            let ks = (k0 + cs * NS..k0 + (cs + 1) * NS).filter(|&k| k < k1);
-                            let pairs: Vec<bool> = qs
-                                .flat_map(|q| ks.clone().map(move |k| (q, k)))
-                                .map(|(q, k)| seen(q, k))
-                                .collect();
-                            if m.live & bit == 0 {
-                                assert!(!pairs.contains(&true), "skipped a visible entry");
-                                dead += !pairs.is_empty() as usize;
+        for window in [None, Some(1), Some(3), Some(17)] {
+            let (mut dead, mut full, mut skipped) = (0, 0, 0);
+            for seed in 0..6u64 {
+                let l = [200, 257, 64 * 5 + 3][seed as usize % 3];
+                let kv_end = random_kv_end(seed, l);
+                let pos = vec![0u32; l];
+                let mask = crate::mask::PackMask::new(&kv_end, &pos).unwrap();
+                let starts = window.map(|w| mask.window_starts(w).unwrap());
+                let mut b = KeyTileBounds::new(&kv_end);
+                if let Some(st) = &starts {
+                    b = b.with_window(st.clone());
+                }
+                let seen = |q: usize, k: usize| {
+                    starts.as_ref().is_none_or(|st| st[q] as usize <= k)
+                        && k <= q
+                        && q < kv_end[k] as usize
+                };
+                let tiles = l.div_ceil(TILE);
+                for qt in 0..tiles {
+                    let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
+                    for kt in 0..=qt {
+                        let k0 = kt * TILE;
+                        let k1 = (k0 + TILE).min(l);
+                        let tile: Vec<bool> = (q0..q1)
+                            .flat_map(|q| (k0..k1).map(move |k| (q, k)))
+                            .map(|(q, k)| seen(q, k))
+                            .collect();
+                        match b.classify(q0, q1, kt) {
+                            TileClass::Skip => {
+                                assert!(!tile.contains(&true), "skipped a visible tile");
+                                skipped += 1;
                             }
-                            if m.full & bit != 0 {
-                                assert!(pairs.iter().all(|&v| v), "unmasked a hidden entry");
-                                full += 1;
+                            TileClass::Full => {
+                                assert!(tile.iter().all(|&v| v), "a hidden pair in a full tile")
+                            }
+                            TileClass::Partial => {}
+                        }
+                        let m = b.query_row_blocks(q0, q1, k0);
+                        assert_eq!(m.full & !m.live, 0, "full blocks are live");
+                        for rb in 0..TILE / MR {
+                            for cs in 0..STRIPS {
+                                let bit = microkernel::block_bit(rb * MR, cs);
+                                // Query rows rb, key strip cs.
+                                let qs = (q0 + rb * MR..q0 + (rb + 1) * MR).filter(|&q| q < q1);
+                                let ks = (k0 + cs * NS..k0 + (cs + 1) * NS).filter(|&k| k < k1);
+                                let pairs: Vec<bool> = qs
+                                    .flat_map(|q| ks.clone().map(move |k| (q, k)))
+                                    .map(|(q, k)| seen(q, k))
+                                    .collect();
+                                if m.live & bit == 0 {
+                                    assert!(!pairs.contains(&true), "skipped a visible entry");
+                                    dead += !pairs.is_empty() as usize;
+                                }
+                                if m.full & bit != 0 {
+                                    assert!(pairs.iter().all(|&v| v), "unmasked a hidden entry");
+                                    full += 1;
+                                }
                             }
                         }
                     }
                 }
             }
+            assert!(
+                // (A window of 1 to 3 levels leaves few all-visible blocks.)
+                dead > 100
+                    && (full > 100 || window.is_some_and(|w| w <= 3))
+                    && (window.is_none() || skipped > 0),
+                "window {window:?}: {dead} blocks skipped, {full} unmasked, {skipped} tiles skipped"
+            );
         }
-        assert!(dead > 100 && full > 100, "{dead} skipped, {full} unmasked");
     }
 }

@@ -60,6 +60,12 @@ pub trait CpuFloat:
     /// compiles to 8-lane vector code (one AVX register of `f32`) without a
     /// loop or a scalar remainder.
     fn exp_lanes(xs: &mut [Self; 8]);
+    /// `x ← tanh(x)` for every lane (the logit softcap). `f64` calls
+    /// `f64::tanh`; `f32` computes `sign(x) · (1 − e) / (1 + e)` with `e =
+    /// exp(−2|x|)` from [`Self::exp_lanes`]'s polynomial: an absolute error
+    /// within `1.5e-7` (it is `e`'s rounding), branch-free, and the same
+    /// operations as the AVX2 body in `lanes`.
+    fn tanh_lanes(xs: &mut [Self; 8]);
 
     /// `xs` as `f32`s when `Self` is `f32` (the bf16 pair products write
     /// `f32` scores), else `None`.
@@ -79,7 +85,7 @@ pub trait CpuFloat:
 }
 
 macro_rules! impl_cpu_float {
-    ($t:ty, $exp:path, $exp_lanes:path, $as_f32:expr) => {
+    ($t:ty, $exp:path, $exp_lanes:path, $tanh_lanes:path, $as_f32:expr) => {
         impl CpuFloat for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
@@ -112,6 +118,10 @@ macro_rules! impl_cpu_float {
                 $exp_lanes(xs)
             }
             #[inline(always)]
+            fn tanh_lanes(xs: &mut [Self; 8]) {
+                $tanh_lanes(xs)
+            }
+            #[inline(always)]
             fn as_f32_mut(xs: &mut [Self]) -> Option<&mut [f32]> {
                 $as_f32(xs)
             }
@@ -123,8 +133,8 @@ macro_rules! impl_cpu_float {
     };
 }
 
-impl_cpu_float!(f32, exp_f32, exp_f32_lanes, Some);
-impl_cpu_float!(f64, f64::exp, exp_f64_lanes, not_f32);
+impl_cpu_float!(f32, exp_f32, exp_f32_lanes, tanh_f32_lanes, Some);
+impl_cpu_float!(f64, f64::exp, exp_f64_lanes, tanh_f64_lanes, not_f32);
 
 /// [`CpuFloat::as_f32`] of a type that is not `f32`.
 #[inline(always)]
@@ -219,6 +229,21 @@ const F16_OVERFLOW: f32 = 65_520.0;
 
 fn exp_f64_lanes(xs: &mut [f64; 8]) {
     xs.iter_mut().for_each(|x| *x = x.exp());
+}
+
+fn tanh_f64_lanes(xs: &mut [f64; 8]) {
+    xs.iter_mut().for_each(|x| *x = x.tanh());
+}
+
+/// [`CpuFloat::tanh_lanes`] for `f32`: `sign(x) · (1 − e) / (1 + e)`, `e =
+/// exp(−2|x|)`; `lanes::avx2::softcap` performs the same operations.
+#[inline(always)]
+fn tanh_f32_lanes(xs: &mut [f32; 8]) {
+    let mut e: [f32; 8] = std::array::from_fn(|j| xs[j].abs() * -2.0);
+    exp_f32_lanes(&mut e);
+    for (x, e) in xs.iter_mut().zip(e) {
+        *x = ((1.0 - e) / (1.0 + e)).copysign(*x);
+    }
 }
 
 /// `e^x` for `f32` without branches or calls, so that loops over it

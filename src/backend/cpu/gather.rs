@@ -285,6 +285,48 @@ mod tests {
         assert!(some[0] > 0 && some[1] > 0, "{some:?}");
     }
 
+    /// With a sliding window, a key is seen by every row only if it is in
+    /// every row's window too; `uniform_keys` against the pair-by-pair
+    /// definition (`starts[q] <= k < q < kv_end[k]` for every or for no
+    /// row), on a star whose children are long enough for windows to cut
+    /// the prefix.
+    #[test]
+    fn uniform_keys_with_a_window_match_brute_force() {
+        let kv_end = star(155, &[530, 301, 7, 600]);
+        let l = kv_end.len();
+        let pos = vec![0; l];
+        let mask = crate::mask::PackMask::new(&kv_end, &pos).unwrap();
+        let mut some = [0; 2];
+        for w in [40u32, 200, 500] {
+            let starts = mask.window_starts(w).unwrap();
+            let bounds = KeyTileBounds::new(&kv_end).with_window(starts.clone());
+            for qt in 1..l.div_ceil(TILE) {
+                let (q0, q1) = (qt * TILE, ((qt + 1) * TILE).min(l));
+                for kt in 0..qt {
+                    let mut want = Some(0u64);
+                    for j in 0..TILE {
+                        let k = kt * TILE + j;
+                        let rows = (q0..q1)
+                            .filter(|&q| starts[q] as usize <= k && q < kv_end[k] as usize)
+                            .count();
+                        if rows == q1 - q0 {
+                            want = want.map(|x| x | 1 << j);
+                        } else if rows > 0 {
+                            want = None;
+                        }
+                    }
+                    assert_eq!(
+                        bounds.uniform_keys(q0, q1, kt),
+                        want,
+                        "w {w} qt {qt} kt {kt}"
+                    );
+                    some[want.is_some() as usize] += 1;
+                }
+            }
+        }
+        assert!(some[0] > 0 && some[1] > 0, "{some:?}");
+    }
+
     #[test]
     fn a_plan_gathers_the_split_tiles_in_fewer_chunks() {
         // Prefix 155 = 2 tiles + 27 keys; the second child starts at 685

@@ -69,7 +69,8 @@ pub(crate) fn scale_max<T: CpuFloat, const SIMD: bool>(
 
 /// One strip of query `q`'s scores against keys `first..first + NS` with
 /// their `kv_end` values `ends`: `x ← scale · x − offset` where the key is
-/// visible (`k <= q < kv_end[k]`), `−inf` where it is not;
+/// visible (`lo <= k <= q < kv_end[k]`; `lo` is the first key of the
+/// query's sliding window, 0 without one), `−inf` where it is not;
 /// `max ← max(max, x)` and `visible += 1` on visible lanes.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -78,6 +79,7 @@ pub(crate) fn mask_max<T: CpuFloat, const SIMD: bool>(
     first: u32,
     ends: &[u32; NS],
     q: u32,
+    lo: u32,
     scale: T,
     offset: T,
     max: &mut [T; NS],
@@ -88,11 +90,12 @@ pub(crate) fn mask_max<T: CpuFloat, const SIMD: bool>(
         if let (Some(x32), Some(m32)) = (f32_lanes(x), f32_lanes(max)) {
             let (scale, offset) = (to_f32(scale), to_f32(offset));
             // SAFETY: SIMD copies run only where AVX2 and FMA were detected.
-            return unsafe { avx2::mask_max(x32, first, ends, q, scale, offset, m32, visible) };
+            return unsafe { avx2::mask_max(x32, first, ends, q, lo, scale, offset, m32, visible) };
         }
     }
     for j in 0..NS {
-        let seen = first + j as u32 <= q && q < ends[j];
+        let k = first + j as u32;
+        let seen = lo <= k && k <= q && q < ends[j];
         visible[j] += seen as u32;
         x[j] = if seen {
             x[j] * scale - offset
@@ -100,6 +103,27 @@ pub(crate) fn mask_max<T: CpuFloat, const SIMD: bool>(
             T::NEG_INFINITY
         };
         max[j] = max[j].max_of(x[j]);
+    }
+}
+
+/// The logit softcap on one strip of raw scores: `t ← tanh(a · x)` and
+/// `x ← c · t`, with `a = scale / c` (so that `x` becomes `c · tanh(scale ·
+/// x / c)`); `t` is kept for the backward's `1 − t²`.
+#[inline(always)]
+pub(crate) fn softcap<T: CpuFloat, const SIMD: bool>(x: &mut [T; NS], a: T, c: T, t: &mut [T; NS]) {
+    #[cfg(target_arch = "x86_64")]
+    if SIMD {
+        if let (Some(x32), Some(t32)) = (f32_lanes(x), f32_lanes(t)) {
+            // SAFETY: SIMD copies run only where AVX2 and FMA were detected.
+            return unsafe { avx2::softcap(x32, to_f32(a), to_f32(c), t32) };
+        }
+    }
+    for (t, &x) in t.iter_mut().zip(x.iter()) {
+        *t = x * a;
+    }
+    T::tanh_lanes(t);
+    for (x, &t) in x.iter_mut().zip(t.iter()) {
+        *x = c * t;
     }
 }
 
@@ -284,17 +308,18 @@ mod avx2 {
         first: u32,
         ends: &[u32; NS],
         q: u32,
+        lo: u32,
         scale: f32,
         offset: f32,
         max: &mut [f32; NS],
         visible: &mut [u32; NS],
     ) {
-        // Key k is seen by q when k <= q < kv_end[k]: k in [0, q + 1) and
-        // q in [0, kv_end[k]) ⇔ kv_end[k] > q.
+        // Key k is seen by q when lo <= k <= q < kv_end[k]: k in [lo, q + 1)
+        // and q in [0, kv_end[k]) ⇔ kv_end[k] > q.
         let qv = _mm256_set1_epi32(q as i32);
         let keys = in_range(
             first,
-            _mm256_setzero_si256(),
+            _mm256_set1_epi32(lo as i32),
             _mm256_set1_epi32((q + 1) as i32),
         );
         let ends = _mm256_loadu_si256(ends.as_ptr().cast());
@@ -316,6 +341,25 @@ mod avx2 {
         // seen lanes are −1: subtracting counts them.
         let count = _mm256_sub_epi32(count, seen);
         _mm256_storeu_si256(visible.as_mut_ptr().cast(), count);
+    }
+
+    /// `super::softcap` on 8 lanes, with `super::super::float`'s
+    /// `tanh_f32_lanes`: the same operations in the same order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn softcap(x: &mut [f32; NS], a: f32, c: f32, t: &mut [f32; NS]) {
+        let sign = _mm256_set1_ps(-0.0);
+        let y = _mm256_mul_ps(load(x), _mm256_set1_ps(a));
+        let e = exp(_mm256_mul_ps(
+            _mm256_andnot_ps(sign, y),
+            _mm256_set1_ps(-2.0),
+        ));
+        let one = _mm256_set1_ps(1.0);
+        let th = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+        // copysign(th, y): th >= 0, so OR in y's sign bit.
+        let th = _mm256_or_ps(th, _mm256_and_ps(sign, y));
+        store(t, th);
+        store(x, _mm256_mul_ps(_mm256_set1_ps(c), th));
     }
 
     #[inline]
@@ -429,7 +473,7 @@ mod tests {
                 let x = strip(&mut rng);
                 let y = strip(&mut rng);
                 let ends: [u32; NS] = std::array::from_fn(|j| (case * 7 + j as u32 * 13) % 40);
-                let (first, q) = (case % 29, case % 37);
+                let (first, q, lo) = (case % 29, case % 37, case % 31);
                 let (scale, m) = (0.125f32 + (case % 5) as f32, y[3].max(-50.0));
                 // SAFETY: AVX2 and FMA were detected above.
                 let (a, b) = unsafe {
@@ -446,7 +490,13 @@ mod tests {
                         }
                         let out = [
                             run(&|x, acc, _| both!(scale_max, x, scale, acc)),
-                            run(&|x, acc, n| both!(mask_max, x, first, &ends, q, scale, m, acc, n)),
+                            run(&|x, acc, n| {
+                                both!(mask_max, x, first, &ends, q, 0, scale, m, acc, n)
+                            }),
+                            run(&|x, acc, n| {
+                                both!(mask_max, x, first, &ends, q, lo, scale, m, acc, n)
+                            }),
+                            run(&|x, acc, _| both!(softcap, x, scale / 7.0, 7.0, acc)),
                             run(&|x, _, _| both!(scale_offset, x, scale, m)),
                             run(&|x, acc, _| both!(exp_sum, x, m, acc)),
                             run(&|x, acc, _| both!(exp_ds, x, acc, m)),
@@ -471,11 +521,33 @@ mod tests {
         // Keys 10..18 against query 14: keys <= 14 with kv_end > 14.
         let ends = [20, 14, 15, 30, 16, 14, 40, 50];
         let (mut y, mut max, mut visible) = (x, [f64::NEG_INFINITY; NS], [0; NS]);
-        mask_max::<f64, true>(&mut y, 10, &ends, 14, 2.0, 1.0, &mut max, &mut visible);
+        mask_max::<f64, true>(&mut y, 10, &ends, 14, 0, 2.0, 1.0, &mut max, &mut visible);
         let ninf = f64::NEG_INFINITY;
         assert_eq!(y, [0.0, ninf, 3.0, ninf, -1.0, ninf, ninf, ninf]);
         assert_eq!(visible, [1, 0, 1, 1, 1, 0, 0, 0]);
         assert_eq!(max, y);
+        // A sliding window from key 12: keys 10 and 11 are masked too.
+        let (mut w, mut wmax, mut wvisible) = (x, [f64::NEG_INFINITY; NS], [0; NS]);
+        mask_max::<f64, true>(
+            &mut w,
+            10,
+            &ends,
+            14,
+            12,
+            2.0,
+            1.0,
+            &mut wmax,
+            &mut wvisible,
+        );
+        assert_eq!(w, [ninf, ninf, 3.0, ninf, -1.0, ninf, ninf, ninf]);
+        assert_eq!(wvisible, [0, 0, 1, 1, 1, 0, 0, 0]);
+        // The softcap: c · tanh(a · x), and tanh kept.
+        let (mut c, mut t) = (x, [0.0; NS]);
+        softcap::<f64, true>(&mut c, 0.5, 3.0, &mut t);
+        for j in 0..NS {
+            assert_eq!(t[j], (0.5 * x[j]).tanh());
+            assert_eq!(c[j], 3.0 * t[j]);
+        }
         assert_eq!(reduce_max::<f64, true>(y), 3.0);
         assert_eq!(
             reduce_sum::<f64, true>([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]),

@@ -127,6 +127,7 @@ mod operands;
 mod pairs;
 mod pool;
 mod sdcc;
+mod value_dim;
 mod workspace;
 
 pub use crate::mask::TileClass;
@@ -187,10 +188,18 @@ impl<S: CpuElement> AttentionBackend<S> for Cpu {
     type Memory = Host;
     type Lse = S::Compute;
     fn run_forward(&self, call: ForwardCall<'_, '_, Host, S, S::Compute>) -> Result<()> {
-        attention_fwd::forward(call, self.threads())
+        if call.args().shape().square() {
+            attention_fwd::forward(call, self.threads())
+        } else {
+            value_dim::forward(call, self.threads())
+        }
     }
     fn run_backward(&self, call: BackwardCall<'_, '_, '_, Host, S, S::Compute>) -> Result<()> {
-        attention_bwd::backward(call, self.threads())
+        if call.args().shape().square() {
+            attention_bwd::backward(call, self.threads())
+        } else {
+            value_dim::backward(call, self.threads())
+        }
     }
 }
 
@@ -282,6 +291,7 @@ pub(crate) fn all_visible_case(
         q_heads,
         kv_heads,
         head_dim,
+        v_head_dim: head_dim,
     };
     (shape, vec![l as u32; l], (0..l as u32).collect())
 }
@@ -326,6 +336,7 @@ mod tests {
             q_heads: 4,
             kv_heads: 2,
             head_dim: 40,
+            v_head_dim: 40,
         };
         let mut params = AttnParams::new(40);
         params.rope = Some(super::super::Rope {

@@ -135,7 +135,7 @@ impl CudaBackward {
         let (q, k, v, shape, pack) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
         let params = args.params();
         let (o, lse) = (saved.o, saved.lse);
-        let Grads { dq, dk, dv } = grads;
+        let Grads { dq, dk, dv, .. } = grads;
         let (traits, plans) = plan_backward_with_kernel(&shape, kernel)?;
         let s = &self.stream;
         if params.check_finite {

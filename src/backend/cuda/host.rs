@@ -20,7 +20,7 @@
 //! // Per call, on the host's current stream:
 //! let be = unsafe { host::on_raw_stream(&kernels, raw_stream) }?;
 //! let pack = be.upload_pack(treeattn::mask::PackMask::new(&kv_end, &pos)?)?;
-//! let shape = treeattn::backend::AttnShape { tokens: kv_end.len(), q_heads: 8, kv_heads: 8, head_dim: 128 };
+//! let shape = treeattn::backend::AttnShape { tokens: kv_end.len(), q_heads: 8, kv_heads: 8, head_dim: 128, v_head_dim: 128 };
 //! let call = host::RawAttention { q, k, v, shape, params: treeattn::backend::AttnParams::new(128) };
 //! unsafe { be.forward_raw::<half::bf16>(&pack, call, o, lse) }?;
 //! # Ok(()) }
@@ -231,6 +231,7 @@ impl CudaBackend {
                 dq: &mut *dq.0,
                 dk: &mut *dk.0,
                 dv: &mut *dv.0,
+                dsinks: None,
             },
         )
     }

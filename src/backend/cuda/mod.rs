@@ -97,6 +97,9 @@ impl Memory for Device {
     fn mask_fingerprint(mask: &&DevicePack) -> u64 {
         mask.fingerprint
     }
+    fn mask_is_tree(mask: &&DevicePack) -> bool {
+        mask.is_tree
+    }
     /// Device memory is not read from the host here: the backend scans it
     /// on its stream when `params.check_finite` asks.
     fn find<T: Element>(_: &&CudaSlice<T>, _: impl Fn(f64) -> bool) -> Option<usize> {
@@ -382,6 +385,7 @@ impl CudaBackend {
             num_tiles: tiles,
             fingerprint: mask.fingerprint(),
             visible_pairs: mask.visible_pairs(),
+            is_tree: mask.is_tree(),
             kv_end,
             position_ids,
             max_position: launch::rope::max_position(mask.position_ids()),
@@ -476,6 +480,8 @@ impl<T: KernelElem + DeviceRepr> AttentionBackend<T> for CudaBackend {
     fn run_forward(&self, call: ForwardCall<'_, '_, Device, T, f32>) -> Result<()> {
         let (args, o, lse) = call.into_parts();
         let s = &self.stream;
+        let sinks = args.sinks().is_some();
+        launch::check_plain_call("CUDA kernels", &args.shape(), args.params(), sinks)?;
         // Before any launch (rotary included): a misaligned view would
         // fault and take the CUDA context down.
         launch::check_vector_alignment(
@@ -518,6 +524,8 @@ pub struct DevicePack {
     num_tiles: usize,
     fingerprint: u64,
     visible_pairs: u64,
+    /// [`PackMask::is_tree`] of the uploaded pack.
+    is_tree: bool,
     kv_end: CudaSlice<u32>,
     position_ids: CudaSlice<u32>,
     /// The largest position id and its first token (from the host mask at

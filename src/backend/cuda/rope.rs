@@ -290,6 +290,13 @@ impl CudaBackend {
     ) -> Result<()> {
         let (args, saved, d_o, grads) = call.into_parts();
         let s = self.stream();
+        let sinks = args.sinks().is_some();
+        crate::backend::launch::check_plain_call(
+            "CUDA kernels",
+            &args.shape(),
+            args.params(),
+            sinks,
+        )?;
         // Before any launch (rotary included), as the forward does.
         crate::backend::launch::check_vector_alignment(
             "backward kernels",
@@ -309,7 +316,7 @@ impl CudaBackend {
             return self.bwd.run(call, mode, self.main_kernel);
         };
         let (args, saved, d_o, grads) = call.into_parts();
-        let Grads { dq, dk, dv } = grads;
+        let Grads { dq, dk, dv, .. } = grads;
         let shape = args.shape();
         plan_backward_with_kernel(&shape, self.main_kernel)?;
         let s = self.stream();
@@ -330,6 +337,7 @@ impl CudaBackend {
             dq: &mut *dq,
             dk: &mut *dk,
             dv,
+            dsinks: None,
         };
         self.bwd.run(
             BackwardCall::new(plain, saved, d_o, grads)?,

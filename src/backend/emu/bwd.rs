@@ -21,7 +21,7 @@ pub(super) fn backward<T: KernelElem>(
     let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
     let params = args.params();
     let (o, lse) = (saved.o, saved.lse);
-    let Grads { dq, dk, dv } = grads;
+    let Grads { dq, dk, dv, .. } = grads;
     let mode = emu.dq_mode;
     let (traits, plans) = plan_backward_with(&shape, emu.group_splits, emu.main_kernel)?;
     if shape.tokens == 0 {

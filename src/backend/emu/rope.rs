@@ -283,7 +283,7 @@ pub(super) fn backward<T: KernelElem>(
     call: BackwardCall<'_, '_, '_, Host, T, f32>,
 ) -> Result<()> {
     let (args, saved, d_o, grads) = call.into_parts();
-    let Grads { dq, dk, dv } = grads;
+    let Grads { dq, dk, dv, .. } = grads;
     let shape = args.shape();
     plan_backward(&shape)?;
     if shape.tokens == 0 {
@@ -306,6 +306,7 @@ pub(super) fn backward<T: KernelElem>(
             dq: &mut *dq,
             dk: &mut *dk,
             dv,
+            dsinks: None,
         },
     )?;
     super::bwd::backward(emu, call)?;

@@ -407,6 +407,7 @@ mod tests {
             q_heads: 6,
             kv_heads: 2,
             head_dim: 128,
+            v_head_dim: 128,
         };
         // The one-m-tile main kernel: 64-key blocks of 4 warps, 32-row
         // query tiles at d 128.

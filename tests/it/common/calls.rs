@@ -90,7 +90,17 @@ pub fn cpu_backward_into<T: CpuFloat>(
     dv: &mut [T],
 ) -> Result<()> {
     let args = AttnArgs::new(q, k, v, shape, mask, *params)?;
-    Cpu::default().backward(&args, Saved { o, lse }, d_o, Grads { dq, dk, dv })
+    Cpu::default().backward(
+        &args,
+        Saved { o, lse },
+        d_o,
+        Grads {
+            dq,
+            dk,
+            dv,
+            dsinks: None,
+        },
+    )
 }
 
 pub fn cpu_sdcc<T: CpuFloat>(

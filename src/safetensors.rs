@@ -12,6 +12,8 @@
 //! Files are written atomically: to a temporary file in the same directory,
 //! synced, then renamed over the target ([`write_file`], [`StagedFiles`] for
 //! several files that appear together or not at all).
+//! The bytes depend on the tensors and metadata alone (metadata in key
+//! order), so the same pack gives the same file on every run.
 //!
 //! Pack files ([`pack_tensors`]) hold, for a pack of `L` tokens and `T` loss
 //! entries:
@@ -179,7 +181,9 @@ fn st_err(e: safetensors::SafeTensorError) -> Error {
 }
 
 /// Serializes named tensors and string metadata (tensors are laid out by
-/// the `safetensors` crate: by dtype alignment, then name).
+/// the `safetensors` crate: by dtype alignment, then name; the metadata
+/// comes first in the header, in key order): the same arguments give the
+/// same bytes.
 pub fn serialize(
     tensors: &[(String, Tensor)],
     metadata: &BTreeMap<String, String>,
@@ -200,13 +204,35 @@ pub fn serialize(
             )));
         }
     }
-    let info = (!metadata.is_empty()).then(|| {
-        metadata
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect::<std::collections::HashMap<_, _>>()
-    });
-    safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), info).map_err(st_err)
+    let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), None)
+        .map_err(st_err)?;
+    Ok(with_metadata(&bytes, metadata))
+}
+
+/// `bytes` (a safetensors file without metadata) with `metadata` as the
+/// header's first entry, in key order. The `safetensors` crate takes
+/// metadata as a `HashMap` and writes it in that map's random order, which
+/// gave the same pack a different file on every run.
+fn with_metadata(bytes: &[u8], metadata: &BTreeMap<String, String>) -> Vec<u8> {
+    if metadata.is_empty() {
+        return bytes.to_vec();
+    }
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8-byte header size")) as usize;
+    let tensors = std::str::from_utf8(&bytes[8..8 + n])
+        .expect("the header the crate wrote is UTF-8")
+        .trim_end();
+    // `{}` or `{"name":{...},...}`: the entries after the brace.
+    let rest = &tensors[1..];
+    let sep = if rest == "}" { "" } else { "," };
+    let meta = serde_json::to_string(metadata).expect("a map of strings");
+    let mut head = format!("{{\"__metadata__\":{meta}{sep}{rest}").into_bytes();
+    // The data starts 8-aligned, as the format asks.
+    head.resize(head.len().next_multiple_of(8), b' ');
+    let mut out = Vec::with_capacity(8 + head.len() + bytes.len() - 8 - n);
+    out.extend((head.len() as u64).to_le_bytes());
+    out.extend(head);
+    out.extend(&bytes[8 + n..]);
+    out
 }
 
 /// A parsed safetensors file.
@@ -913,6 +939,38 @@ mod tests {
         assert_eq!(std::fs::read(&b).unwrap(), b"two");
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_same_tensors_give_the_same_bytes() {
+        // Every HashMap has its own random order: nine keys in one map
+        // came out in a different order almost every time.
+        let (t, _) = golden_tensors();
+        let meta: BTreeMap<String, String> = (0..9)
+            .map(|i| (format!("key{i}"), format!("value {i}")))
+            .collect();
+        let first = serialize(&t, &meta).unwrap();
+        for _ in 0..8 {
+            assert_eq!(serialize(&t, &meta).unwrap(), first);
+        }
+        let n = u64::from_le_bytes(first[..8].try_into().unwrap()) as usize;
+        assert_eq!(n % 8, 0, "the data stays 8-aligned");
+        let head = std::str::from_utf8(&first[8..8 + n]).unwrap();
+        let want: String = meta
+            .iter()
+            .map(|(k, v)| format!("\"{k}\":\"{v}\""))
+            .collect::<Vec<_>>()
+            .join(",");
+        assert!(
+            head.starts_with(&format!("{{\"__metadata__\":{{{want}}},")),
+            "{head}"
+        );
+        let back = deserialize(&first).unwrap();
+        assert_eq!(back.metadata, meta);
+        assert_eq!(back.tensors.len(), t.len());
+        // Metadata alone, without tensors, is a valid file too.
+        let empty = serialize(&[], &meta).unwrap();
+        assert_eq!(deserialize(&empty).unwrap().metadata, meta);
     }
 
     #[test]

@@ -11,7 +11,8 @@
 //!
 //! Files are written atomically: to a temporary file in the same directory,
 //! synced, then renamed over the target ([`write_file`], [`StagedFiles`] for
-//! several files that appear together or not at all).
+//! several files that appear together or not at all; [`crate::staged`] has
+//! the rules: links followed, special files refused, a failed set undone).
 //! The bytes depend on the tensors and metadata alone (metadata in key
 //! order), so the same pack gives the same file on every run.
 //!
@@ -45,6 +46,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::pack::{LossEntry, Pack, RolloutFields, SdccPair};
+pub use crate::staged::StagedFiles;
 
 /// The `format` value in a pack file's metadata.
 pub const PACK_FORMAT: &str = "treeattn-pack-v2";
@@ -297,84 +299,6 @@ pub fn deserialize(bytes: &[u8]) -> Result<SafeTensors> {
         );
     }
     Ok(SafeTensors { tensors, metadata })
-}
-
-/// Files written to temporary names next to their targets, renamed into
-/// place together by [`StagedFiles::commit`]. Dropped uncommitted (an error,
-/// a panic), it removes every temporary file; a failed commit also removes
-/// the targets it had already renamed. A killed process leaves at most
-/// `.NAME.tmp-PID-*` files, never a truncated target.
-#[derive(Debug, Default)]
-pub struct StagedFiles {
-    /// (temporary, target)
-    staged: Vec<(std::path::PathBuf, std::path::PathBuf)>,
-}
-
-impl StagedFiles {
-    /// No file staged yet.
-    pub fn new() -> StagedFiles {
-        StagedFiles::default()
-    }
-
-    /// Writes `bytes` to a temporary file beside `target` and syncs it.
-    pub fn stage(&mut self, target: &Path, bytes: &[u8]) -> Result<()> {
-        use std::io::Write;
-        let name = target
-            .file_name()
-            .ok_or_else(|| Error::Io(format!("{}: not a file path", target.display())))?;
-        let tmp = target.with_file_name(format!(
-            ".{}.tmp-{}-{}",
-            name.to_string_lossy(),
-            std::process::id(),
-            self.staged.len()
-        ));
-        let io = |e: std::io::Error| Error::Io(format!("{}: {e}", tmp.display()));
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-            .map_err(io)?;
-        self.staged.push((tmp.clone(), target.to_path_buf()));
-        f.write_all(bytes).map_err(io)?;
-        f.sync_all().map_err(io)?;
-        Ok(())
-    }
-
-    /// Renames every staged file over its target.
-    pub fn commit(mut self) -> Result<()> {
-        let staged = std::mem::take(&mut self.staged);
-        for (k, (tmp, target)) in staged.iter().enumerate() {
-            if let Err(e) = std::fs::rename(tmp, target) {
-                for (_, done) in &staged[..k] {
-                    let _ = std::fs::remove_file(done);
-                }
-                for (t, _) in &staged[k..] {
-                    let _ = std::fs::remove_file(t);
-                }
-                return Err(Error::Io(format!("{}: {e}", target.display())));
-            }
-        }
-        if let Some(dir) = staged.first().and_then(|(_, t)| t.parent()) {
-            // Make the renames durable where the platform allows it.
-            let dir = if dir.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                dir
-            };
-            if let Ok(d) = std::fs::File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
-        Ok(())
-    }
-}
-
-impl Drop for StagedFiles {
-    fn drop(&mut self) {
-        for (tmp, _) in &self.staged {
-            let _ = std::fs::remove_file(tmp);
-        }
-    }
 }
 
 /// Writes a safetensors file atomically (temporary file, then rename).
@@ -915,30 +839,6 @@ mod tests {
         let mut p = tree.trie_pack();
         p.loss[0].weight = -2.0;
         assert!(pack_tensors(&p, None, &[0]).is_err());
-    }
-
-    #[test]
-    fn staged_files_appear_together_or_not_at_all() {
-        let dir = std::env::temp_dir().join(format!("treeattn-staged-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let (a, b) = (dir.join("a.bin"), dir.join("b.bin"));
-        {
-            let mut s = StagedFiles::new();
-            s.stage(&a, b"one").unwrap();
-            s.stage(&b, b"two").unwrap();
-            // Dropped without commit: nothing is left, not even temporaries.
-        }
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
-        let mut s = StagedFiles::new();
-        s.stage(&a, b"one").unwrap();
-        s.stage(&b, b"two").unwrap();
-        assert!(!a.exists());
-        s.commit().unwrap();
-        assert_eq!(std::fs::read(&a).unwrap(), b"one");
-        assert_eq!(std::fs::read(&b).unwrap(), b"two");
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

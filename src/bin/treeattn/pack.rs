@@ -11,7 +11,7 @@ use treeattn::pack::{batch, Layout};
 use treeattn::safetensors::{pack_tensors, read_metadata, rollout_tensors, serialize, PACK_FORMAT};
 use treeattn::{Error, Result};
 
-use crate::args::{emit, number, plural};
+use crate::args::{emit, nonempty, number, plural};
 use crate::output;
 
 /// Write the exact pack(s) of a JSONL file as safetensors.
@@ -39,7 +39,7 @@ is not a treeattn pack is refused before anything is written, as is a PACK
 that is FILE itself. A link at an output name is followed (the file it
 leads to is replaced); a directory, FIFO or device there is refused.
 Temporary files .NAME.tmp-PID-N that a killed run left are removed. The
-same input gives byte-identical files.
+same input gives byte-identical files. An empty FILE is an error.
 Tensors (L tokens, T loss entries):
   tokens, position_ids, kv_end            [L] int64
   loss_rows, loss_labels, loss_call,
@@ -141,9 +141,7 @@ pub fn run(a: PackArgs) -> Result<()> {
                 ));
             }
         })?;
-    if rollouts.is_empty() {
-        return Err(Error::Io(format!("{input}: no rollouts")));
-    }
+    let rollouts = nonempty(&input, rollouts)?;
     progress.say(&format!(
         "read {}; packing ({} layout{})",
         plural(rollouts.len(), "rollout"),

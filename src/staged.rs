@@ -466,10 +466,17 @@ mod tests {
         std::fs::remove_file(&s.writes[2].tmp).unwrap();
         let e = s.commit().unwrap_err().to_string();
         assert!(e.contains(&c.display().to_string()), "{e}");
-        assert!(!e.contains(".tmp-"), "names the target, not the temporary: {e}");
+        assert!(
+            !e.contains(".tmp-"),
+            "names the target, not the temporary: {e}"
+        );
         assert_eq!(std::fs::read(&a).unwrap(), b"old a");
         assert_eq!(std::fs::read(&stale).unwrap(), b"old stale");
-        assert_eq!(names(&dir), ["a", "stale"], "no new, temporary or backup file");
+        assert_eq!(
+            names(&dir),
+            ["a", "stale"],
+            "no new, temporary or backup file"
+        );
         // The same set without the failure: in place, the stale file gone.
         let mut s = StagedFiles::new();
         s.stage(&a, b"new a").unwrap();
@@ -478,6 +485,26 @@ mod tests {
         s.commit().unwrap();
         assert_eq!(std::fs::read(&a).unwrap(), b"new a");
         assert_eq!(names(&dir), ["a", "c"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_failed_removal_puts_back_what_came_before() {
+        let dir = scratch("undo-removal");
+        let (a, one, two) = (dir.join("a"), dir.join("one"), dir.join("two"));
+        std::fs::write(&a, b"old a").unwrap();
+        std::fs::write(&one, b"old one").unwrap();
+        // a is replaced and `one` removed before the removal of `two` (not
+        // there) fails.
+        let mut s = StagedFiles::new();
+        s.stage(&a, b"new a").unwrap();
+        s.remove(&one);
+        s.remove(&two);
+        let e = s.commit().unwrap_err().to_string();
+        assert!(e.contains(&two.display().to_string()), "{e}");
+        assert_eq!(std::fs::read(&a).unwrap(), b"old a");
+        assert_eq!(std::fs::read(&one).unwrap(), b"old one");
+        assert_eq!(names(&dir), ["a", "one"]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -547,10 +574,7 @@ mod tests {
             c.id()
         };
         let me = std::process::id();
-        let leftovers = [
-            format!(".out.tmp-{gone}-0"),
-            format!(".out.bak-{gone}-7"),
-        ];
+        let leftovers = [format!(".out.tmp-{gone}-0"), format!(".out.bak-{gone}-7")];
         let kept = [
             format!(".out.tmp-{me}-999999"), // this process's own
             format!(".other.tmp-{gone}-0"),  // another target's

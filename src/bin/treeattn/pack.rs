@@ -38,8 +38,9 @@ writes several) are removed in the same step; a file with such a name that
 is not a treeattn pack is refused before anything is written, as is a PACK
 that is FILE itself. A link at an output name is followed (the file it
 leads to is replaced); a directory, FIFO or device there is refused.
-Temporary files .NAME.tmp-PID-N that a killed run left are removed. The
-same input gives byte-identical files. An empty FILE is an error.
+Temporary files .NAME.tmp-PID-N beside an output name whose run was killed
+are removed (on Linux, where /proc tells). The same input gives
+byte-identical files. An empty FILE is an error.
 Tensors (L tokens, T loss entries):
   tokens, position_ids, kv_end            [L] int64
   loss_rows, loss_labels, loss_call,

@@ -184,7 +184,7 @@ fn load(opts: &DemoOptions) -> Result<(String, Vec<Rollout>)> {
     let name = path.display().to_string();
     let rollouts = crate::rollout::read_jsonl_file(path)?;
     if rollouts.is_empty() {
-        return Err(Error::Io(format!("{name}: no rollouts in the file")));
+        return Err(crate::rollout::no_rollouts_error(path));
     }
     Ok((name, rollouts))
 }

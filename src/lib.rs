@@ -69,6 +69,7 @@ pub mod rl;
 pub mod rng;
 pub mod rollout;
 pub mod safetensors;
+pub mod staged;
 pub mod tree;
 
 pub use error::{Error, Result};

@@ -627,6 +627,23 @@ pub fn read_jsonl_file_progress(
     })
 }
 
+/// The error for a rollout file with no rollout in it (empty, or blank
+/// lines only), naming it: the commands that read a file (`inspect`,
+/// `pack`, `demo --input`) refuse one rather than report or write nothing.
+pub fn no_rollouts_error(path: &std::path::Path) -> Error {
+    let what = match std::fs::metadata(path) {
+        Ok(m) if m.len() == 0 => "the file is empty",
+        _ => "the file has only blank lines",
+    };
+    Error::Json {
+        line: 1,
+        msg: format!(
+            "{}: no rollouts ({what}; one JSON object per line expected)",
+            path.display()
+        ),
+    }
+}
+
 /// Parses rollouts from a JSON Lines string (same rules as [`read_jsonl`]).
 pub fn parse_jsonl(text: &str) -> Result<Vec<Rollout>> {
     read_jsonl(text.as_bytes())

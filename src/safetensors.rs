@@ -11,7 +11,10 @@
 //!
 //! Files are written atomically: to a temporary file in the same directory,
 //! synced, then renamed over the target ([`write_file`], [`StagedFiles`] for
-//! several files that appear together or not at all).
+//! several files that appear together or not at all; [`crate::staged`] has
+//! the rules: links followed, special files refused, a failed set undone).
+//! The bytes depend on the tensors and metadata alone (metadata in key
+//! order), so the same pack gives the same file on every run.
 //!
 //! Pack files ([`pack_tensors`]) hold, for a pack of `L` tokens and `T` loss
 //! entries:
@@ -43,6 +46,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::pack::{LossEntry, Pack, RolloutFields, SdccPair};
+pub use crate::staged::StagedFiles;
 
 /// The `format` value in a pack file's metadata.
 pub const PACK_FORMAT: &str = "treeattn-pack-v2";
@@ -179,7 +183,9 @@ fn st_err(e: safetensors::SafeTensorError) -> Error {
 }
 
 /// Serializes named tensors and string metadata (tensors are laid out by
-/// the `safetensors` crate: by dtype alignment, then name).
+/// the `safetensors` crate: by dtype alignment, then name; the metadata
+/// comes first in the header, in key order): the same arguments give the
+/// same bytes.
 pub fn serialize(
     tensors: &[(String, Tensor)],
     metadata: &BTreeMap<String, String>,
@@ -200,13 +206,35 @@ pub fn serialize(
             )));
         }
     }
-    let info = (!metadata.is_empty()).then(|| {
-        metadata
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect::<std::collections::HashMap<_, _>>()
-    });
-    safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), info).map_err(st_err)
+    let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), None)
+        .map_err(st_err)?;
+    Ok(with_metadata(&bytes, metadata))
+}
+
+/// `bytes` (a safetensors file without metadata) with `metadata` as the
+/// header's first entry, in key order. The `safetensors` crate takes
+/// metadata as a `HashMap` and writes it in that map's random order, which
+/// gave the same pack a different file on every run.
+fn with_metadata(bytes: &[u8], metadata: &BTreeMap<String, String>) -> Vec<u8> {
+    if metadata.is_empty() {
+        return bytes.to_vec();
+    }
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8-byte header size")) as usize;
+    let tensors = std::str::from_utf8(&bytes[8..8 + n])
+        .expect("the header the crate wrote is UTF-8")
+        .trim_end();
+    // `{}` or `{"name":{...},...}`: the entries after the brace.
+    let rest = &tensors[1..];
+    let sep = if rest == "}" { "" } else { "," };
+    let meta = serde_json::to_string(metadata).expect("a map of strings");
+    let mut head = format!("{{\"__metadata__\":{meta}{sep}{rest}").into_bytes();
+    // The data starts 8-aligned, as the format asks.
+    head.resize(head.len().next_multiple_of(8), b' ');
+    let mut out = Vec::with_capacity(8 + head.len() + bytes.len() - 8 - n);
+    out.extend((head.len() as u64).to_le_bytes());
+    out.extend(head);
+    out.extend(&bytes[8 + n..]);
+    out
 }
 
 /// A parsed safetensors file.
@@ -271,84 +299,6 @@ pub fn deserialize(bytes: &[u8]) -> Result<SafeTensors> {
         );
     }
     Ok(SafeTensors { tensors, metadata })
-}
-
-/// Files written to temporary names next to their targets, renamed into
-/// place together by [`StagedFiles::commit`]. Dropped uncommitted (an error,
-/// a panic), it removes every temporary file; a failed commit also removes
-/// the targets it had already renamed. A killed process leaves at most
-/// `.NAME.tmp-PID-*` files, never a truncated target.
-#[derive(Debug, Default)]
-pub struct StagedFiles {
-    /// (temporary, target)
-    staged: Vec<(std::path::PathBuf, std::path::PathBuf)>,
-}
-
-impl StagedFiles {
-    /// No file staged yet.
-    pub fn new() -> StagedFiles {
-        StagedFiles::default()
-    }
-
-    /// Writes `bytes` to a temporary file beside `target` and syncs it.
-    pub fn stage(&mut self, target: &Path, bytes: &[u8]) -> Result<()> {
-        use std::io::Write;
-        let name = target
-            .file_name()
-            .ok_or_else(|| Error::Io(format!("{}: not a file path", target.display())))?;
-        let tmp = target.with_file_name(format!(
-            ".{}.tmp-{}-{}",
-            name.to_string_lossy(),
-            std::process::id(),
-            self.staged.len()
-        ));
-        let io = |e: std::io::Error| Error::Io(format!("{}: {e}", tmp.display()));
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-            .map_err(io)?;
-        self.staged.push((tmp.clone(), target.to_path_buf()));
-        f.write_all(bytes).map_err(io)?;
-        f.sync_all().map_err(io)?;
-        Ok(())
-    }
-
-    /// Renames every staged file over its target.
-    pub fn commit(mut self) -> Result<()> {
-        let staged = std::mem::take(&mut self.staged);
-        for (k, (tmp, target)) in staged.iter().enumerate() {
-            if let Err(e) = std::fs::rename(tmp, target) {
-                for (_, done) in &staged[..k] {
-                    let _ = std::fs::remove_file(done);
-                }
-                for (t, _) in &staged[k..] {
-                    let _ = std::fs::remove_file(t);
-                }
-                return Err(Error::Io(format!("{}: {e}", target.display())));
-            }
-        }
-        if let Some(dir) = staged.first().and_then(|(_, t)| t.parent()) {
-            // Make the renames durable where the platform allows it.
-            let dir = if dir.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                dir
-            };
-            if let Ok(d) = std::fs::File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
-        Ok(())
-    }
-}
-
-impl Drop for StagedFiles {
-    fn drop(&mut self) {
-        for (tmp, _) in &self.staged {
-            let _ = std::fs::remove_file(tmp);
-        }
-    }
 }
 
 /// Writes a safetensors file atomically (temporary file, then rename).
@@ -892,27 +842,35 @@ mod tests {
     }
 
     #[test]
-    fn staged_files_appear_together_or_not_at_all() {
-        let dir = std::env::temp_dir().join(format!("treeattn-staged-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let (a, b) = (dir.join("a.bin"), dir.join("b.bin"));
-        {
-            let mut s = StagedFiles::new();
-            s.stage(&a, b"one").unwrap();
-            s.stage(&b, b"two").unwrap();
-            // Dropped without commit: nothing is left, not even temporaries.
+    fn the_same_tensors_give_the_same_bytes() {
+        // Every HashMap has its own random order: nine keys in one map
+        // came out in a different order almost every time.
+        let (t, _) = golden_tensors();
+        let meta: BTreeMap<String, String> = (0..9)
+            .map(|i| (format!("key{i}"), format!("value {i}")))
+            .collect();
+        let first = serialize(&t, &meta).unwrap();
+        for _ in 0..8 {
+            assert_eq!(serialize(&t, &meta).unwrap(), first);
         }
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
-        let mut s = StagedFiles::new();
-        s.stage(&a, b"one").unwrap();
-        s.stage(&b, b"two").unwrap();
-        assert!(!a.exists());
-        s.commit().unwrap();
-        assert_eq!(std::fs::read(&a).unwrap(), b"one");
-        assert_eq!(std::fs::read(&b).unwrap(), b"two");
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
-        std::fs::remove_dir_all(&dir).unwrap();
+        let n = u64::from_le_bytes(first[..8].try_into().unwrap()) as usize;
+        assert_eq!(n % 8, 0, "the data stays 8-aligned");
+        let head = std::str::from_utf8(&first[8..8 + n]).unwrap();
+        let want: String = meta
+            .iter()
+            .map(|(k, v)| format!("\"{k}\":\"{v}\""))
+            .collect::<Vec<_>>()
+            .join(",");
+        assert!(
+            head.starts_with(&format!("{{\"__metadata__\":{{{want}}},")),
+            "{head}"
+        );
+        let back = deserialize(&first).unwrap();
+        assert_eq!(back.metadata, meta);
+        assert_eq!(back.tensors.len(), t.len());
+        // Metadata alone, without tensors, is a valid file too.
+        let empty = serialize(&[], &meta).unwrap();
+        assert_eq!(deserialize(&empty).unwrap().metadata, meta);
     }
 
     #[test]

@@ -25,6 +25,7 @@ mod equivalence;
 mod fuzz_inputs;
 mod gpu_check_emu;
 mod model;
+mod output_files;
 mod pack_golden;
 mod pack_props;
 mod rollout_errors;

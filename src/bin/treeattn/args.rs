@@ -1,6 +1,8 @@
 //! Shared helpers of the subcommands: number parsers for clap, reading a
 //! rollout file, writing to stdout through a closed pipe, plurals.
 
+use std::path::Path;
+
 use treeattn::{Error, Result};
 
 /// A non-negative integer; `_` may group digits (`1_000_000`).
@@ -18,9 +20,21 @@ pub fn positive(s: &str) -> std::result::Result<usize, String> {
     }
 }
 
-/// Reads and validates a JSONL rollout file.
+/// Reads and validates a JSONL rollout file; one without a rollout is an
+/// error naming it.
 pub fn read_rollouts(path: &str) -> Result<Vec<treeattn::rollout::Rollout>> {
-    treeattn::rollout::read_jsonl_file(std::path::Path::new(path))
+    nonempty(path, treeattn::rollout::read_jsonl_file(Path::new(path))?)
+}
+
+/// `rollouts` read from `path`, refused when there are none.
+pub fn nonempty(
+    path: &str,
+    rollouts: Vec<treeattn::rollout::Rollout>,
+) -> Result<Vec<treeattn::rollout::Rollout>> {
+    if rollouts.is_empty() {
+        return Err(treeattn::rollout::no_rollouts_error(Path::new(path)));
+    }
+    Ok(rollouts)
 }
 
 /// `1 rollout`, `2 rollouts`.

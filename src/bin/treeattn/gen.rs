@@ -4,10 +4,10 @@ use std::io::Write;
 
 use clap::Args;
 use treeattn::gen::{generate, with_rewards, Shape};
-use treeattn::safetensors::StagedFiles;
 use treeattn::{Error, Result};
 
 use crate::args::{closed_pipe, number, plural};
+use crate::output;
 
 /// Generate rollouts (golden, compaction, stack-pop, fold, memex, grpo, plain).
 #[derive(Args, Debug)]
@@ -18,7 +18,8 @@ as in `treeattn gen ... | head`, ends the output quietly).
 Shapes: golden (the worked example of DESIGN.md §4), compaction, stack-pop, fold,
 memex, grpo (a group of 16 rollouts sharing a prompt), plain (no edits).
 Ids are SHAPE-SEED (grpo: grpo-SEED-00 .. -15; golden: golden); a file must
-not repeat an id. A file is written atomically (a temporary file, renamed).
+not repeat an id. A file is written atomically (a temporary file, renamed;
+a link at FILE is followed and a directory, FIFO or device refused).
 With --rewards every rollout also gets a \"reward\" (0 or 1, drawn from the
 seed) and grpo rollouts the \"group\" grpo-SEED: input for treeattn.rl.")]
 pub struct GenArgs {
@@ -79,9 +80,9 @@ pub fn run(a: GenArgs) -> Result<()> {
         Some(path) => {
             let mut bytes = Vec::new();
             treeattn::rollout::write_jsonl(&mut bytes, &rollouts)?;
-            let mut staged = StagedFiles::new();
+            let mut staged = output::staged();
             staged.stage(std::path::Path::new(path), &bytes)?;
-            staged.commit()?;
+            output::commit(staged)?;
             eprintln!("wrote {} to {path}", plural(rollouts.len(), "rollout"));
             Ok(())
         }

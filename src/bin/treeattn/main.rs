@@ -8,6 +8,7 @@ mod demo;
 mod gen;
 mod gpu_check;
 mod inspect;
+mod output;
 mod pack;
 
 use clap::{Parser, Subcommand};

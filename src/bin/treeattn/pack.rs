@@ -8,12 +8,11 @@ use std::time::Instant;
 use clap::{Args, ValueEnum};
 use treeattn::cost::ModelCost;
 use treeattn::pack::{batch, Layout};
-use treeattn::safetensors::{
-    pack_tensors, read_metadata, rollout_tensors, serialize, StagedFiles, PACK_FORMAT,
-};
+use treeattn::safetensors::{pack_tensors, read_metadata, rollout_tensors, serialize, PACK_FORMAT};
 use treeattn::{Error, Result};
 
-use crate::args::{emit, number, plural};
+use crate::args::{emit, nonempty, number, plural};
+use crate::output;
 
 /// Write the exact pack(s) of a JSONL file as safetensors.
 #[derive(Args, Debug)]
@@ -30,11 +29,19 @@ Output: one safetensors file per pack. With one pack it is PACK.safetensors
 itself; with several, pack i goes to PACK-00000.safetensors, PACK-00001...
 (the index inserted before the extension). The files are written to
 temporary names and renamed into place only when every pack has been
-written: on any error nothing is left behind. Pack files of an earlier run
-at the same PACK that this run does not overwrite (PACK-00007 when this run
-writes 5 packs) are removed after the new ones are in place; a file with such
-a name that is not a treeattn pack is refused before anything is written, as
-is a PACK that is FILE itself. Tensors (L tokens, T loss entries):
+written, all or nothing: on any error the files of an earlier run are left
+as they were and no temporary file is left; SIGINT, SIGTERM or SIGHUP removes
+the temporary files too (once the renames have begun, after they finish).
+Pack files of an earlier run at the same PACK that this run does not
+overwrite (PACK-00007 when this run writes 5 packs, PACK itself when it
+writes several) are removed in the same step; a file with such a name that
+is not a treeattn pack is refused before anything is written, as is a PACK
+that is FILE itself. A link at an output name is followed (the file it
+leads to is replaced); a directory, FIFO or device there is refused.
+Temporary files .NAME.tmp-PID-N beside an output name whose run was killed
+are removed (on Linux, where /proc tells). The same input gives
+byte-identical files. An empty FILE is an error.
+Tensors (L tokens, T loss entries):
   tokens, position_ids, kv_end            [L] int64
   loss_rows, loss_labels, loss_call,
   loss_offset, loss_rollout, loss_segment [T] int64
@@ -135,9 +142,7 @@ pub fn run(a: PackArgs) -> Result<()> {
                 ));
             }
         })?;
-    if rollouts.is_empty() {
-        return Err(Error::Io(format!("{input}: no rollouts")));
-    }
+    let rollouts = nonempty(&input, rollouts)?;
     progress.say(&format!(
         "read {}; packing ({} layout{})",
         plural(rollouts.len(), "rollout"),
@@ -160,7 +165,7 @@ pub fn run(a: PackArgs) -> Result<()> {
         refuse_input_as_output(Path::new(&input), p)?;
     }
     let stale = stale_packs(&a.out, &paths)?;
-    let mut staged = StagedFiles::new();
+    let mut staged = output::staged();
     let mut lines = String::new();
     for (i, b) in batches.iter().enumerate() {
         progress.say(&format!("writing pack {} of {n}", i + 1));
@@ -209,9 +214,11 @@ pub fn run(a: PackArgs) -> Result<()> {
             ))
         ));
     }
-    staged.commit()?;
     for s in &stale {
-        std::fs::remove_file(s).map_err(|e| Error::Io(format!("{}: {e}", s.display())))?;
+        staged.remove(s);
+    }
+    output::commit(staged)?;
+    for s in &stale {
         eprintln!("removed {} (a pack of an earlier run)", s.display());
     }
     progress.say("done");

@@ -210,16 +210,30 @@ impl<'a> PackMask<'a> {
         Ok(starts)
     }
 
-    /// [`Self::blind_queries`] under a sliding window with
-    /// [`Self::window_starts`] `starts`: a query also sees no key when its
-    /// window holds no visible one (a padding row's window of one level).
+    /// [`Self::blind_queries`] with a first visible key per query row
+    /// (`starts`: a sliding window's [`Self::window_starts`], or explicit
+    /// key starts): a query sees no key when its last visible key precedes
+    /// its start (a padding row's window of one level, say). On a tree
+    /// the last visible key of row `q` is `q` itself, or, for a padding
+    /// row, its parent: one stack walk, `O(L)`.
     pub fn blind_queries_in(&self, starts: Option<&[u32]>) -> Vec<bool> {
-        let mut blind = self.blind_queries();
-        if let Some(starts) = starts {
-            for (q, b) in blind.iter_mut().enumerate() {
-                // Below q, starts[q] is a visible ancestor; at q, q itself
-                // is visible unless it is a padding key.
-                *b |= starts[q] as usize == q && self.kv_end[q] as usize <= q;
+        let Some(starts) = starts else {
+            return self.blind_queries();
+        };
+        let mut path: Vec<usize> = Vec::new();
+        let mut blind = Vec::with_capacity(self.len());
+        for (t, &e) in self.kv_end.iter().enumerate() {
+            while path.last().is_some_and(|&j| self.kv_end[j] as usize <= t) {
+                path.pop();
+            }
+            let last = if e as usize > t {
+                Some(t)
+            } else {
+                path.last().copied()
+            };
+            blind.push(last.is_none_or(|k| k < starts[t] as usize));
+            if e as usize > t {
+                path.push(t);
             }
         }
         blind
@@ -440,18 +454,33 @@ pub struct BlockCensus {
 impl BlockCensus {
     /// The census of `mask` for blocks of `block` (positive).
     pub fn new(mask: &PackMask<'_>, block: usize) -> Result<BlockCensus> {
+        Self::windowed(mask, block, None)
+    }
+
+    /// The census of `mask` under a sliding window of `window` tree levels
+    /// ([`PackMask::window_starts`]): a key block wholly before every
+    /// row's window start is skipped, and only one at or after every row's
+    /// start can be full. Errors: as [`PackMask::window_starts`].
+    pub fn windowed(mask: &PackMask<'_>, block: usize, window: Option<u32>) -> Result<BlockCensus> {
         let tiles = TileMap::new(mask, block, block)?;
         let l = mask.len();
         let kv = mask.kv_end();
         let n = tiles.k_tiles();
+        let starts = window.map(|w| mask.window_starts(w)).transpose()?;
         let (mut full, mut partial) = (vec![Vec::new(); n], vec![Vec::new(); n]);
         for i in 0..n {
             let (q0, q1) = (i * block, ((i + 1) * block).min(l));
+            // The smallest and largest window start of the block's rows.
+            let (lo, hi) = starts.as_ref().map_or((0, 0), |st| {
+                let rows = &st[q0..q1];
+                let lo = rows.iter().copied().min().unwrap_or(0) as usize;
+                (lo, rows.iter().copied().max().unwrap_or(0) as usize)
+            });
             for j in 0..i {
-                if tiles.key_max()[j] as usize <= q0 {
+                if tiles.key_max()[j] as usize <= q0 || (j + 1) * block <= lo {
                     continue;
                 }
-                if tiles.key_min()[j] as usize >= q1 && q1 - q0 == block {
+                if tiles.key_min()[j] as usize >= q1 && q1 - q0 == block && j * block >= hi {
                     full[i].push(j as u32);
                 } else {
                     partial[i].push(j as u32);
@@ -636,6 +665,38 @@ mod tests {
                 }
                 assert!(c.full[i].windows(2).all(|w| w[0] < w[1]));
                 assert!(c.partial[i].windows(2).all(|w| w[0] < w[1]));
+            }
+            // Under a window the census is sound (a full block has only
+            // visible pairs, an unlisted one none), and skips blocks.
+            for w in [1u32, 2, 5] {
+                let starts = m.window_starts(w).unwrap();
+                let c = BlockCensus::windowed(&m, block, Some(w)).unwrap();
+                for i in 0..c.blocks() {
+                    for j in 0..c.blocks() {
+                        let (mut any, mut all) = (false, true);
+                        for q in i * block..(i + 1) * block {
+                            for k in j * block..(j + 1) * block {
+                                let v =
+                                    q < l && k < l && starts[q] as usize <= k && m.visible(q, k);
+                                any |= v;
+                                all &= v;
+                            }
+                        }
+                        let (f, p) = (
+                            c.full[i].contains(&(j as u32)),
+                            c.partial[i].contains(&(j as u32)),
+                        );
+                        assert!(!(f && p), "case {case} window {w}");
+                        assert!(
+                            !f || all,
+                            "case {case} window {w}: a hidden pair in a full block"
+                        );
+                        assert!(
+                            f || p || !any,
+                            "case {case} window {w}: a visible pair skipped"
+                        );
+                    }
+                }
             }
         }
     }

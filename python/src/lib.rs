@@ -151,6 +151,16 @@ struct Call {
     params: AttnParams,
 }
 
+/// The variants of a call beyond the scale and rotary (see
+/// `treeattn::backend::AttnParams`), as the wrapper gives them.
+#[derive(Clone, Copy, Default)]
+struct Variants {
+    v_head_dim: Option<usize>,
+    window: Option<u32>,
+    softcap: Option<f64>,
+}
+
+#[allow(clippy::too_many_arguments)]
 fn attn_call(
     tokens: usize,
     q_heads: usize,
@@ -159,6 +169,7 @@ fn attn_call(
     scale: f64,
     rope_base: Option<f64>,
     rope_dims: Option<usize>,
+    var: Variants,
 ) -> Call {
     let mut params = AttnParams::new(head_dim);
     params.softmax_scale = scale;
@@ -166,13 +177,15 @@ fn attn_call(
         base,
         dims: rope_dims.unwrap_or(head_dim),
     });
+    params.window = var.window;
+    params.softcap = var.softcap;
     Call {
         shape: AttnShape {
             tokens,
             q_heads,
             kv_heads,
             head_dim,
-            v_head_dim: head_dim,
+            v_head_dim: var.v_head_dim.unwrap_or(head_dim),
         },
         params,
     }
@@ -187,6 +200,11 @@ struct Ptrs {
     v: usize,
     kv_end: usize,
     pos: usize,
+    /// Attention sinks `[q_heads]` of q's dtype; 0 for none.
+    sinks: usize,
+    /// Explicit first visible key per query row, `[tokens]` int32 read as
+    /// u32; 0 for none.
+    key_starts: usize,
 }
 
 /// `treeattn._native.MaskPlan`: a pack's mask validated once
@@ -261,6 +279,40 @@ fn cpu(threads: usize) -> Cpu {
     }
 }
 
+/// The validated arguments of a host call: q, k, v, the mask (the plan's
+/// or the buffers'), the sinks if given.
+///
+/// Safety: see [`slice`] for every address.
+unsafe fn host_args<'a, T: CpuElement>(
+    c: Call,
+    p: Ptrs,
+    plan: Option<&'a MaskPlan>,
+) -> PyResult<AttnArgs<'a, Host, T>> {
+    let s = c.shape;
+    let mask = call_mask(plan, p, s.tokens)?;
+    let args = AttnArgs::<Host, T>::new(
+        slice("q", p.q, s.q_len())?,
+        slice("k", p.k, s.kv_len())?,
+        slice("v", p.v, s.v_len())?,
+        s,
+        mask,
+        c.params,
+    )
+    .map_err(to_py)?;
+    let args = match p.sinks {
+        0 => args,
+        at => args
+            .with_sinks(slice("sinks", at, s.q_heads)?)
+            .map_err(to_py)?,
+    };
+    match p.key_starts {
+        0 => Ok(args),
+        at => args
+            .with_key_starts(slice("kv_start", at, s.tokens)?)
+            .map_err(to_py),
+    }
+}
+
 /// Forward of element type `T` into the caller's `o` and `lse`.
 ///
 /// Safety: see [`slice`] for every address.
@@ -273,17 +325,8 @@ unsafe fn forward_t<T: CpuElement>(
     threads: usize,
 ) -> PyResult<()> {
     let s = c.shape;
-    let mask = call_mask(plan, p, s.tokens)?;
-    let args = AttnArgs::<Host, T>::new(
-        slice("q", p.q, s.q_len())?,
-        slice("k", p.k, s.kv_len())?,
-        slice("v", p.v, s.kv_len())?,
-        s,
-        mask,
-        c.params,
-    )
-    .map_err(to_py)?;
-    let o = slice_mut::<T>("o", o, s.q_len())?;
+    let args = host_args::<T>(c, p, plan)?;
+    let o = slice_mut::<T>("o", o, s.o_len())?;
     let lse = slice_mut::<T::Compute>("lse", lse, s.lse_len())?;
     cpu(threads).forward(&args, o, lse).map_err(to_py)
 }
@@ -302,29 +345,24 @@ unsafe fn backward_t<T: CpuElement>(
     dq: usize,
     dk: usize,
     dv: usize,
+    dsinks: usize,
     threads: usize,
 ) -> PyResult<()> {
     let s = c.shape;
-    let mask = call_mask(plan, p, s.tokens)?;
-    let args = AttnArgs::<Host, T>::new(
-        slice("q", p.q, s.q_len())?,
-        slice("k", p.k, s.kv_len())?,
-        slice("v", p.v, s.kv_len())?,
-        s,
-        mask,
-        c.params,
-    )
-    .map_err(to_py)?;
+    let args = host_args::<T>(c, p, plan)?;
     let saved = Saved {
-        o: slice::<T>("o", o, s.q_len())?,
+        o: slice::<T>("o", o, s.o_len())?,
         lse: slice::<T::Compute>("lse", lse, s.lse_len())?,
     };
-    let d_o = slice::<T>("grad_out", d_o, s.q_len())?;
+    let d_o = slice::<T>("grad_out", d_o, s.o_len())?;
     let grads = Grads {
         dq: slice_mut::<T>("dq", dq, s.q_len())?,
         dk: slice_mut::<T>("dk", dk, s.kv_len())?,
-        dv: slice_mut::<T>("dv", dv, s.kv_len())?,
-        dsinks: None,
+        dv: slice_mut::<T>("dv", dv, s.v_len())?,
+        dsinks: match dsinks {
+            0 => None,
+            at => Some(slice_mut::<T>("dsinks", at, s.q_heads)?),
+        },
     };
     cpu(threads)
         .backward(&args, saved, d_o, grads)
@@ -339,7 +377,7 @@ fn dtype_error(dtype: &str) -> PyErr {
 
 /// Tree attention forward on contiguous CPU buffers (see `treeattn.torch`).
 #[pyfunction]
-#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0, plan=None))]
+#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0, plan=None, v_head_dim=None, window=None, softcap=None, sinks=0, kv_start=0))]
 #[allow(clippy::too_many_arguments)]
 fn attention_forward(
     py: Python<'_>,
@@ -360,9 +398,19 @@ fn attention_forward(
     rope_dims: Option<usize>,
     threads: usize,
     plan: Option<&PyMaskPlan>,
+    v_head_dim: Option<usize>,
+    window: Option<u32>,
+    softcap: Option<f64>,
+    sinks: usize,
+    kv_start: usize,
 ) -> PyResult<()> {
+    let var = Variants {
+        v_head_dim,
+        window,
+        softcap,
+    };
     let c = attn_call(
-        tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims,
+        tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims, var,
     );
     let p = Ptrs {
         q,
@@ -370,6 +418,8 @@ fn attention_forward(
         v,
         kv_end,
         pos: position_ids,
+        sinks,
+        key_starts: kv_start,
     };
     let dtype = dtype.to_string();
     let plan = plan.map(|pl| pl.0.clone());
@@ -389,7 +439,7 @@ fn attention_forward(
 
 /// Tree attention backward on contiguous CPU buffers (see `treeattn.torch`).
 #[pyfunction]
-#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0, plan=None))]
+#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0, plan=None, v_head_dim=None, window=None, softcap=None, sinks=0, dsinks=0, kv_start=0))]
 #[allow(clippy::too_many_arguments)]
 fn attention_backward(
     py: Python<'_>,
@@ -414,9 +464,20 @@ fn attention_backward(
     rope_dims: Option<usize>,
     threads: usize,
     plan: Option<&PyMaskPlan>,
+    v_head_dim: Option<usize>,
+    window: Option<u32>,
+    softcap: Option<f64>,
+    sinks: usize,
+    dsinks: usize,
+    kv_start: usize,
 ) -> PyResult<()> {
+    let var = Variants {
+        v_head_dim,
+        window,
+        softcap,
+    };
     let c = attn_call(
-        tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims,
+        tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims, var,
     );
     let p = Ptrs {
         q,
@@ -424,20 +485,28 @@ fn attention_backward(
         v,
         kv_end,
         pos: position_ids,
+        sinks,
+        key_starts: kv_start,
     };
+    let g = (o, lse, grad_out, dq, dk, dv, dsinks);
     let dtype = dtype.to_string();
     let plan = plan.map(|pl| pl.0.clone());
     py.detach(move || {
         let plan = plan.as_deref();
+        let (o, lse, grad_out, dq, dk, dv, dsinks) = g;
         guarded(|| unsafe {
             match dtype.as_str() {
-                "float32" => backward_t::<f32>(c, p, plan, o, lse, grad_out, dq, dk, dv, threads),
-                "float64" => backward_t::<f64>(c, p, plan, o, lse, grad_out, dq, dk, dv, threads),
+                "float32" => {
+                    backward_t::<f32>(c, p, plan, o, lse, grad_out, dq, dk, dv, dsinks, threads)
+                }
+                "float64" => {
+                    backward_t::<f64>(c, p, plan, o, lse, grad_out, dq, dk, dv, dsinks, threads)
+                }
                 "bfloat16" => backward_t::<treeattn::half::bf16>(
-                    c, p, plan, o, lse, grad_out, dq, dk, dv, threads,
+                    c, p, plan, o, lse, grad_out, dq, dk, dv, dsinks, threads,
                 ),
                 "float16" => backward_t::<treeattn::half::f16>(
-                    c, p, plan, o, lse, grad_out, dq, dk, dv, threads,
+                    c, p, plan, o, lse, grad_out, dq, dk, dv, dsinks, threads,
                 ),
                 other => Err(dtype_error(other)),
             }
@@ -682,7 +751,7 @@ fn no_cuda_build(what: &str) -> PyErr {
 /// tokens]`, kv_end and position_ids host int32 buffers; enqueued on
 /// `stream` (torch's current stream of `device`).
 #[pyfunction]
-#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None))]
+#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None, v_head_dim=None, window=None, softcap=None))]
 #[allow(clippy::too_many_arguments, unused_variables)]
 fn cuda_attention_forward(
     py: Python<'_>,
@@ -704,11 +773,21 @@ fn cuda_attention_forward(
     rope_base: Option<f64>,
     rope_dims: Option<usize>,
     plan: Option<&PyMaskPlan>,
+    v_head_dim: Option<usize>,
+    window: Option<u32>,
+    softcap: Option<f64>,
 ) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     {
+        // The kernels refuse every variant by name (no sinks reach here:
+        // the wrapper refuses them on CUDA tensors).
+        let var = Variants {
+            v_head_dim,
+            window,
+            softcap,
+        };
         let c = attn_call(
-            tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims,
+            tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims, var,
         );
         let p = Ptrs {
             q,
@@ -716,6 +795,8 @@ fn cuda_attention_forward(
             v,
             kv_end,
             pos: position_ids,
+            sinks: 0,
+            key_starts: 0,
         };
         let dtype = dtype.to_string();
         let plan = plan.map(|pl| pl.0.clone());
@@ -741,7 +822,7 @@ fn cuda_attention_forward(
 /// Tree attention backward on CUDA tensors (see `cuda_attention_forward`):
 /// o, grad_out, dq, dk, dv in q's dtype, lse f32.
 #[pyfunction]
-#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None))]
+#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None, v_head_dim=None, window=None, softcap=None))]
 #[allow(clippy::too_many_arguments, unused_variables)]
 fn cuda_attention_backward(
     py: Python<'_>,
@@ -767,11 +848,21 @@ fn cuda_attention_backward(
     rope_base: Option<f64>,
     rope_dims: Option<usize>,
     plan: Option<&PyMaskPlan>,
+    v_head_dim: Option<usize>,
+    window: Option<u32>,
+    softcap: Option<f64>,
 ) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     {
+        // The kernels refuse every variant by name (no sinks reach here:
+        // the wrapper refuses them on CUDA tensors).
+        let var = Variants {
+            v_head_dim,
+            window,
+            softcap,
+        };
         let c = attn_call(
-            tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims,
+            tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims, var,
         );
         let p = Ptrs {
             q,
@@ -779,6 +870,8 @@ fn cuda_attention_backward(
             v,
             kv_end,
             pos: position_ids,
+            sinks: 0,
+            key_starts: 0,
         };
         let dtype = dtype.to_string();
         let plan = plan.map(|pl| pl.0.clone());
@@ -1161,6 +1254,31 @@ fn paths<'py>(py: Python<'py>, kv_end: &[u8]) -> PyResult<Bound<'py, PyDict>> {
     Ok(d)
 }
 
+/// The first visible key of each query row under a sliding window of
+/// `window` tree levels (`treeattn::mask::PackMask::window_starts`) for
+/// `kv_end` at address `kv_end` (`tokens` int32 values read as u32,
+/// contiguous, CPU), as int32 little-endian bytes.
+#[pyfunction]
+fn window_starts<'py>(
+    py: Python<'py>,
+    kv_end: usize,
+    tokens: usize,
+    window: u32,
+) -> PyResult<Bound<'py, PyBytes>> {
+    // Safety: the wrapper passes a live contiguous int32 CPU tensor of
+    // `tokens` elements that it does not write meanwhile.
+    let kv: &[u32] = unsafe { slice("kv_end", kv_end, tokens)? };
+    let out = py.detach(|| {
+        guarded(|| {
+            let pos = vec![0u32; kv.len()];
+            let mask = PackMask::new(kv, &pos).map_err(to_py)?;
+            let starts = mask.window_starts(window).map_err(to_py)?;
+            Ok(starts.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())
+        })
+    })?;
+    Ok(PyBytes::new(py, &out))
+}
+
 /// FlexAttention's block view of a tree mask (`treeattn::mask::BlockCensus`)
 /// for `kv_end` at address `kv_end` (`tokens` int32 values read as u32,
 /// contiguous, CPU) and square blocks of `block`. Returns, as int32
@@ -1168,11 +1286,13 @@ fn paths<'py>(py: Python<'py>, kv_end: &[u8]) -> PyResult<Bound<'py, PyDict>> {
 /// full_indices [n, n])` with `n = ceil(tokens / block)`; each row's indices
 /// ascending, then zeros.
 #[pyfunction]
+#[pyo3(signature = (kv_end, tokens, block, window=None))]
 fn block_census<'py>(
     py: Python<'py>,
     kv_end: usize,
     tokens: usize,
     block: usize,
+    window: Option<u32>,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     // Safety: the wrapper passes a live contiguous int32 CPU tensor of
     // `tokens` elements that it does not write meanwhile.
@@ -1181,7 +1301,7 @@ fn block_census<'py>(
         guarded(|| {
             let pos = vec![0u32; kv.len()];
             let mask = PackMask::new(kv, &pos).map_err(to_py)?;
-            let c = BlockCensus::new(&mask, block).map_err(to_py)?;
+            let c = BlockCensus::windowed(&mask, block, window).map_err(to_py)?;
             let n = c.blocks();
             let table = |lists: &[Vec<u32>]| {
                 let mut num = Vec::with_capacity(n * 4);
@@ -1207,6 +1327,7 @@ fn block_census<'py>(
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(window_starts, m)?)?;
     m.add_function(wrap_pyfunction!(attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(sdcc_forward_kl, m)?)?;
     m.add_function(wrap_pyfunction!(pack, m)?)?;

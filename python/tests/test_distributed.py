@@ -172,33 +172,46 @@ def _op_packs():
     return {"golden": golden, "fan": fan, "compaction": comp, "forest": forest, "short": short}
 
 
-def _check_op(rank, group, P, name, pack, hq, hkv, d, rope, chunk=None):
+def _check_op(rank, group, P, name, pack, hq, hkv, d, rope, chunk=None, var=None):
+    """The sharded op against the whole-pack op on this rank's rows; with
+    ``var``: a sliding window, a softcap, sinks (their gradient summed over
+    the group's ranks) and a value head dim ``dv``."""
+    var = var or {}
+    dv = var.get("dv", d)
     L = len(pack)
     g = torch.Generator().manual_seed(L * 31 + hq)
     q = torch.randn(L, hq, d, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(L, hkv, d, generator=g, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(L, hkv, d, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(L, hq, d, generator=g, dtype=torch.float64)
+    v = torch.randn(L, hkv, dv, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(L, hq, dv, generator=g, dtype=torch.float64)
+    sinks = torch.randn(hq, generator=g, dtype=torch.float64, requires_grad=True) if var.get("sinks") else None
     kw = dict(rope_base=10000.0) if rope else {}
-    o = tt.tree_attention(q, k, v, pack.kv_end, position_ids=pack.position_ids if rope else None, **kw)
+    vk = dict(window=var.get("window"), softcap=var.get("softcap"))
+    o = tt.tree_attention(q, k, v, pack.kv_end, position_ids=pack.position_ids if rope else None, sinks=sinks,
+                          **kw, **vk)
     (o * w).sum().backward()
 
     s = D.shard(pack, group)
     a, b = s.start, s.end
     rows = slice(a, b) if not s.padded else slice(0, 1)
     ql, kl, vl = (t.detach()[rows].clone().requires_grad_() for t in (q, k, v))
-    ol = D.tree_attention(ql, kl, vl, s, chunk=chunk, **kw)
+    sl = None if sinks is None else sinks.detach().clone().requires_grad_()
+    ol = D.tree_attention(ql, kl, vl, s, chunk=chunk, sinks=sl, **kw, **vk)
     (ol * w[rows]).sum().backward()
+    if sl is not None:
+        # Every rank holds its rows' share of the sinks' gradient.
+        dist.all_reduce(sl.grad, group=group)
+        assert rel_err(sl.grad, sinks.grad) <= 1e-12, (name, P, rank, "dsinks")
     if s.padded:
         assert P > L and len(s) == 0, (name, P, s.bounds)
         return
-    what = f"{name} P={P} rank={rank} rows [{a}, {b}) rope={rope} chunk={chunk}"
+    what = f"{name} P={P} rank={rank} rows [{a}, {b}) rope={rope} chunk={chunk} {var}"
     errs = [rel_err(ol, o[a:b]), rel_err(ql.grad, q.grad[a:b]), rel_err(kl.grad, k.grad[a:b]),
             rel_err(vl.grad, v.grad[a:b])]
     assert max(errs) <= 1e-12, (what, "O, dQ, dK, dV relative errors", errs)
     FIGURES["op"] = max(FIGURES.get("op", 0.0), *errs)
     # Exactly the gathered rows were received, K and V, f64.
-    row_bytes = 2 * hkv * d * 8
+    row_bytes = hkv * (d + dv) * 8
     assert s.stats.bytes_received == s.gathered.numel() * row_bytes, what
     assert s.stats.allgather_bytes == (L - (b - a)) * row_bytes, what
 
@@ -216,6 +229,12 @@ def _op_worker(rank):
         _check_op(rank, groups[P], P, "fan", fan, 4, 4, 16, rope=True, chunk=3)
         _check_op(rank, groups[P], P, "compaction", packs["compaction"], 2, 1, 8, rope=True, chunk=3)
         _check_op(rank, groups[P], P, "forest", packs["forest"], 2, 2, 8, rope=False, chunk=5)
+        # The attention variants: a window cutting the gathered ancestors,
+        # a softcap, sinks, a value head dim unlike q's.
+        variants = dict(window=3, softcap=2.0, sinks=True, dv=6)
+        _check_op(rank, groups[P], P, "compaction", packs["compaction"], 4, 2, 8, rope=True, chunk=3, var=variants)
+        _check_op(rank, groups[P], P, "fan", fan, 2, 1, 8, rope=False, chunk=4, var=dict(window=9))
+        _check_op(rank, groups[P], P, "forest", packs["forest"], 2, 2, 8, rope=False, var=dict(window=1, sinks=True))
 
     # The GRPO prompt (30 rows, the first of the pack) spans several ranks at
     # P = 4, and a later rank's queries see it: its rows were gathered.

@@ -22,6 +22,7 @@ __all__ = [
     "pack_cost",
     "paths",
     "block_census",
+    "window_starts",
     "cuda_built",
     "cpu_isa",
     "cuda_attention_forward",
@@ -84,6 +85,11 @@ def attention_forward(
     rope_dims: Optional[int] = None,
     threads: int = 0,
     plan: Optional[MaskPlan] = None,
+    v_head_dim: Optional[int] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: int = 0,
+    kv_start: int = 0,
 ) -> None: ...
 def attention_backward(
     dtype: str,
@@ -107,6 +113,12 @@ def attention_backward(
     rope_dims: Optional[int] = None,
     threads: int = 0,
     plan: Optional[MaskPlan] = None,
+    v_head_dim: Optional[int] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: int = 0,
+    dsinks: int = 0,
+    kv_start: int = 0,
 ) -> None: ...
 def sdcc_forward_kl(
     dtype: str,
@@ -162,7 +174,10 @@ def pack_cost(
 def paths(kv_end: bytes) -> Dict[str, bytes]:
     """The path structure of ``kv_end`` (int64 bytes) as int64 bytes per field."""
 
-def block_census(kv_end: int, tokens: int, block: int) -> List[bytes]:
+def window_starts(kv_end: int, tokens: int, window: int) -> bytes:
+    """The first visible key per row under a sliding window, as int32 bytes."""
+
+def block_census(kv_end: int, tokens: int, block: int, window: Optional[int] = None) -> List[bytes]:
     """``(kv_num, kv_indices, full_num, full_indices)`` as int32 bytes."""
 
 def cuda_built() -> bool: ...
@@ -186,6 +201,9 @@ def cuda_attention_forward(
     rope_base: Optional[float] = None,
     rope_dims: Optional[int] = None,
     plan: Optional[MaskPlan] = None,
+    v_head_dim: Optional[int] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> None: ...
 def cuda_attention_backward(
     dtype: str,
@@ -210,6 +228,9 @@ def cuda_attention_backward(
     rope_base: Optional[float] = None,
     rope_dims: Optional[int] = None,
     plan: Optional[MaskPlan] = None,
+    v_head_dim: Optional[int] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> None: ...
 def cuda_sdcc_forward_kl(
     dtype: str,

@@ -732,66 +732,92 @@ class _ContextParallelAttention(torch.autograd.Function):
     probabilities of a part are exp(S − LSE) of the whole row), then dK / dV
     of the gathered rows back to their owners. One autograd node, so that
     its backward — and its collective — runs on every rank whenever the
-    output is part of the loss, even with nothing gathered."""
+    output is part of the loss, even with nothing gathered.
+
+    The variants: a softcap is per score, so every part applies it; a
+    sliding window keeps each row's window of the whole pack — its first
+    visible key (``window_starts`` of the global ``kv_end``) becomes the
+    parts' explicit key starts, re-indexed into each part; sinks join the
+    merged sum once (``LSE ← logaddexp(LSE, σ)``, O rescaled), and their
+    gradient is ``−Σ exp(σ − LSE) · D`` over this rank's rows."""
 
     @staticmethod
-    def forward(ctx, q, k, v, s, scale, rope_base, group, chunk):  # noqa: D401
+    def forward(ctx, q, k, v, sinks, s, scale, rope_base, group, chunk, window, softcap):  # noqa: D401
         n, hkv, d = k.shape
-        kv = torch.cat([k.reshape(n, hkv * d), v.reshape(n, hkv * d)], 1)
+        dv = v.shape[2]
+        kv = torch.cat([k.reshape(n, hkv * d), v.reshape(n, hkv * dv)], 1)
         cdt = q.dtype if q.device.type == "cuda" else _tt._COMPUTE[q.dtype]
         dev = q.device
         got = _exchange(s, kv[:0] if s.padded else kv, group, backward=False)
         G = got.shape[0]
         qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
         gk = got[:, : hkv * d].reshape(G, hkv, d).to(cdt)
-        gv = got[:, hkv * d:].reshape(G, hkv, d).to(cdt)
+        gv = got[:, hkv * d:].reshape(G, hkv, dv).to(cdt)
         rope = rope_base is not None
         if s.padded:  # the padding row sees itself only
             ke0 = torch.ones(1, dtype=torch.int64)
             pos0 = torch.zeros(1, dtype=torch.int64)
+            own_starts = torch.zeros(1, dtype=torch.int64) if window is not None else None
         else:
             ke0 = s.kv_end[s.start:s.end].clamp(max=s.end) - s.start
             pos0 = s.pack_position_ids[s.start:s.end]
+            # Each own row's window of the whole pack, as the first key it
+            # sees (global row index).
+            own_starts = _shard_window_starts(s, window)[s.start:s.end] if window is not None else None
         # Own rows among themselves.
-        calls = [(0, 0, ke0.to(dev), pos0.to(dev) if rope else None)]
+        starts0 = None if own_starts is None else (own_starts - s.start).clamp(min=0)
+        calls = [(0, 0, ke0.to(dev), pos0.to(dev) if rope else None, starts0)]
         # Own queries × each chunk of gathered keys: [chunk keys, own rows
         # as padding keys]; chunk key g is seen by the own rows before its
-        # kv_end.
+        # kv_end (and, with a window, by those whose first key is at most it).
         for a in range(0, G, chunk):
             b = min(G, a + chunk)
             c = b - a
             rows = s.gathered[a:b]
             ke = torch.cat([c + (s.kv_end[rows] - s.start).clamp(0, n), c + torch.arange(n)])
             pos = torch.cat([s.pack_position_ids[rows], pos0]) if rope else None
-            calls.append((a, b, ke.to(dev), pos.to(dev) if rope else None))
-        parts, saved = [], []
-        for a, b, ke, pos in calls:
+            st = None
+            if own_starts is not None:
+                st = torch.cat([torch.zeros(c, dtype=torch.int64), torch.searchsorted(rows, own_starts)])
+            calls.append((a, b, ke.to(dev), pos.to(dev) if rope else None, st))
+        parts = []
+        for a, b, ke, pos, st in calls:
             c = b - a
             if c == 0:
-                o, lse = _tt._attn_fwd(qc, kc, vc, ke, pos, scale, rope_base, None, _tt._threads)
+                o, lse = _tt._attn_fwd(qc, kc, vc, ke, pos, scale, rope_base, None, _tt._threads, 0, None,
+                                       softcap, None, st)
             else:
                 qq = torch.cat([qc.new_zeros((c,) + tuple(qc.shape[1:])), qc], 0)
                 o, lse = _tt._attn_fwd(qq, torch.cat([gk[a:b], kc]), torch.cat([gv[a:b], vc]), ke, pos,
-                                       scale, rope_base, None, _tt._threads)
+                                       scale, rope_base, None, _tt._threads, 0, None, softcap, None, st)
                 o, lse = o[c:], lse[:, c:]
             parts.append((o, lse))
         o, lse = _merge(parts)
-        ctx.save_for_backward(qc, kc, vc, gk, gv, o, lse)
+        sc = None
+        if sinks is not None:
+            # The sink joins each row's sum once, after the parts merged.
+            sc = sinks.detach().to(lse.dtype)
+            total = torch.logaddexp(lse, sc[:, None])
+            o = o * torch.exp(lse - total).t()[:, :, None].to(o.dtype)
+            lse = total
+        ctx.save_for_backward(qc, kc, vc, gk, gv, o, lse, sc)
         ctx.calls = calls
-        ctx.s, ctx.params, ctx.dtype = s, (scale, rope_base, group), q.dtype
+        ctx.s, ctx.params, ctx.dtype = s, (scale, rope_base, group, softcap), q.dtype
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_o):
-        qc, kc, vc, gk, gv, o, lse = ctx.saved_tensors
-        s, (scale, rope_base, group) = ctx.s, ctx.params
+        qc, kc, vc, gk, gv, o, lse, sc = ctx.saved_tensors
+        s, (scale, rope_base, group, softcap) = ctx.s, ctx.params
         n, hkv, d = kc.shape
+        dv_ = vc.shape[2]
         g = grad_o.to(o.dtype).contiguous()
         dq = torch.zeros_like(qc)
         dk = torch.zeros_like(kc)
         dv = torch.zeros_like(vc)
         dgk, dgv = torch.zeros_like(gk), torch.zeros_like(gv)
-        for a, b, ke, pos in ctx.calls:
+        for a, b, ke, pos, st in ctx.calls:
             c = b - a
             if c == 0:
                 q_, k_, v_ = qc, kc, vc
@@ -804,21 +830,39 @@ class _ContextParallelAttention(torch.autograd.Function):
                 o_ = torch.cat([o.new_zeros((c,) + tuple(o.shape[1:])), o], 0)
                 l_ = torch.cat([lse.new_zeros((lse.shape[0], c)), lse], 1)
                 g_ = torch.cat([g.new_zeros((c,) + tuple(g.shape[1:])), g], 0)
-            dq_, dk_, dv_ = _tt._attn_bwd(q_, k_, v_, ke, pos, o_, l_, g_, scale, rope_base, None, _tt._threads)
+            dq_, dk_, dv_p, _ = _tt._attn_bwd(q_, k_, v_, ke, pos, o_, l_, g_, scale, rope_base, None,
+                                              _tt._threads, 0, None, softcap, None, st)
             dq += dq_[c:]
             if c == 0:
                 dk += dk_
-                dv += dv_
+                dv += dv_p
             else:  # the own rows were padding keys here: no gradient for them
                 dgk[a:b] += dk_[:c]
-                dgv[a:b] += dv_[:c]
+                dgv[a:b] += dv_p[:c]
         G = gk.shape[0]
-        dgot = torch.cat([dgk.reshape(G, hkv * d), dgv.reshape(G, hkv * d)], 1)
+        dgot = torch.cat([dgk.reshape(G, hkv * d), dgv.reshape(G, hkv * dv_)], 1)
         back = _exchange(s, dgot, group, backward=True)
         dk = dk + back[:, : hkv * d].reshape(n, hkv, d)
-        dv = dv + back[:, hkv * d:].reshape(n, hkv, d)
+        dv = dv + back[:, hkv * d:].reshape(n, hkv, dv_)
+        dsinks = None
+        if sc is not None:
+            # ∂/∂σ_h = −Σ_q exp(σ_h − LSE_hq) · D_hq over this rank's rows.
+            D = (g * o).sum(-1).t()  # [H, n]
+            dsinks = -(torch.exp(sc[:, None] - lse) * D).sum(1)
+            dsinks = dsinks.to(ctx.sinks_dtype)
         t = ctx.dtype
-        return dq.to(t), dk.to(t), dv.to(t), None, None, None, None, None
+        return dq.to(t), dk.to(t), dv.to(t), dsinks, None, None, None, None, None, None, None
+
+
+def _shard_window_starts(s: Shard, window: int) -> Tensor:
+    """The first visible key of every row of the pack under a sliding
+    window (global row indices, int64), from the shard's global
+    ``kv_end``; cached on the shard per window."""
+    cache = s.__dict__.setdefault("_window_starts", {})
+    if window not in cache:
+        ke32 = s.kv_end.to(torch.int32).contiguous()
+        cache[window] = _tt._window_starts(ke32, window)
+    return cache[window]
 
 
 def _verify(s: Shard, group: Any) -> None:
@@ -870,11 +914,17 @@ def tree_attention(
     rope_base: Optional[float] = None,
     group: Optional[Any] = None,
     chunk: Optional[int] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Context-parallel tree attention, differentiable: ``q`` ``[L_local,
-    Hq, d]``, ``k``, ``v`` ``[L_local, Hkv, d]`` of this rank's rows →
-    ``O`` ``[L_local, Hq, d]``, equal to the rows ``[start, end)`` of
-    :func:`treeattn.torch.tree_attention` on the whole pack.
+    Hq, d]``, ``k`` ``[L_local, Hkv, d]``, ``v`` ``[L_local, Hkv, dv]`` of
+    this rank's rows → ``O`` ``[L_local, Hq, dv]``, equal to the rows
+    ``[start, end)`` of :func:`treeattn.torch.tree_attention` on the whole
+    pack — with its ``window``, ``softcap`` and ``sinks`` too (sinks get
+    this rank's share of their gradient; a window keeps each row's window
+    of the whole pack).
 
     How: this rank's queries see its own keys and the keys ``k < start``
     with ``kv_end[k] > start`` (``shard.gathered``, G rows). Those K / V
@@ -907,8 +957,8 @@ def tree_attention(
                 f"tree_attention: {name} has {t.shape[0]} rows, the shard (rank {shard.rank}) holds "
                 f"{n} rows [{shard.start}, {shard.end})" + (" (and runs one padding row)" if shard.padded else "")
             )
-    if k.shape != v.shape:
-        raise ValueError(f"tree_attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"tree_attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ in rows or heads")
     if position_ids is not None and not torch.equal(position_ids.to(torch.int64).cpu(), shard.position_ids.to(torch.int64)):
         raise ValueError("tree_attention: position_ids are not the shard's (a shard of another pack?)")
     if q.dtype != k.dtype or v.dtype != k.dtype:
@@ -925,6 +975,17 @@ def tree_attention(
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[2])
     if not (math.isfinite(scale) and scale > 0.0):
         raise ValueError(f"tree_attention: scale = {scale} must be finite and > 0")
+    _tt._check_window(window)
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+            math.isfinite(softcap) and softcap > 0
+        ):
+            raise ValueError(f"tree_attention: softcap = {softcap!r} must be None or a finite float > 0")
+        softcap = float(softcap)
+    if sinks is not None and (
+        not isinstance(sinks, Tensor) or sinks.shape != (q.shape[1],) or not sinks.dtype.is_floating_point
+    ):
+        raise ValueError(f"tree_attention: sinks must be a float tensor [Hq] = [{q.shape[1]}]")
     # Local checks above raise on this rank alone; from here on every rank
     # of the group takes part in the same collectives.
     group = shard.group if group is None else group
@@ -933,7 +994,7 @@ def tree_attention(
         chunk = max(128, len(shard) // 4)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise ValueError(f"tree_attention: chunk must be a positive int, got {chunk!r}")
-    return _ContextParallelAttention.apply(q, k, v, shard, scale, rope_base, group, chunk)
+    return _ContextParallelAttention.apply(q, k, v, sinks, shard, scale, rope_base, group, chunk, window, softcap)
 
 
 def sdcc_kl(logits: Tensor, shard: Shard, *, tau: float = 1.0, group: Optional[Any] = None) -> Tuple[Tensor, Tensor]:

@@ -72,7 +72,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .torch import TreeMask, tree_attention
+from .torch import TreeMask, _depths, tree_attention
 
 __all__ = [
     "register", "attention", "target_logprobs", "pack_loss", "default_chunk",
@@ -112,15 +112,7 @@ def tree_depths(kv_end: Tensor) -> Tensor:
     """``[L]`` int64 on ``kv_end``'s device: each row's depth in the tree of
     ``kv_end``, the number of its ancestors ``#{k < t : kv_end[k] > t}``
     (O(L): each key adds 1 on its subtree's range ``(k, kv_end[k])``)."""
-    n = kv_end.shape[0]
-    end = kv_end.to(torch.int64)
-    k = torch.arange(n, device=end.device)
-    inner = end > k + 1
-    diff = torch.zeros(n + 1, dtype=torch.int64, device=end.device)
-    ones = torch.ones_like(k[inner])
-    diff.index_add_(0, (k + 1)[inner], ones)
-    diff.index_add_(0, end[inner], -ones)
-    return diff.cumsum(0)[:n]
+    return _depths(kv_end)
 
 
 def _check_positions(position_ids: Optional[Tensor], kv_end: Tensor) -> None:
@@ -162,6 +154,54 @@ def _check_positions(position_ids: Optional[Tensor], kv_end: Tensor) -> None:
     _checked = (weakref.ref(kv_end), weakref.ref(position_ids), kv_end._version, position_ids._version)
 
 
+# Keyword arguments transformers hands an attention function that do not
+# change what it computes: the model call's own bookkeeping. Anything else
+# with a value (not None) is either computed here (kv_end, treeattn_shard,
+# position_ids, sliding_window, softcap, s_aux) or refused by name.
+_INERT_KWARGS = frozenset({
+    "use_cache", "output_attentions", "output_hidden_states", "return_dict", "cache_position",
+    "past_key_values", "past_key_value", "layer_idx", "is_causal", "position_embeddings",
+})
+_HANDLED_KWARGS = frozenset({"kv_end", "treeattn_shard", "position_ids", "sliding_window", "softcap", "s_aux"})
+
+
+def _variants(module: Any, kwargs: Dict[str, Any]) -> Tuple[Optional[int], Optional[float], Optional[Tensor]]:
+    """The attention variants a transformers layer asks for — ``(window,
+    softcap, sinks)`` from ``sliding_window``, ``softcap`` and ``s_aux`` —
+    after refusing any keyword that would change the math and that treeattn
+    does not compute (Llama 4's chunked attention, a non-causal layer, a
+    packed-varlen layout), naming it."""
+    unknown = sorted(
+        k for k, v in kwargs.items()
+        if v is not None and k not in _INERT_KWARGS and k not in _HANDLED_KWARGS
+    )
+    if unknown:
+        raise ValueError(
+            f"treeattn attention got keyword argument(s) {unknown} from {type(module).__name__}: they would change "
+            "what attention computes and treeattn does not compute them; they are refused rather than ignored "
+            "(the attention variants treeattn computes: sliding_window, softcap, s_aux)"
+        )
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise ValueError(
+            f"{type(module).__name__} is not causal (is_causal=False): treeattn attention is causal along the tree"
+        )
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        if isinstance(window, Tensor):
+            window = int(window)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"sliding_window = {window!r}: expected an int >= 1")
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        softcap = float(softcap)
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap = {softcap!r}: expected a finite float > 0")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and not isinstance(sinks, Tensor):
+        raise ValueError(f"s_aux must be a tensor of one logit per query head, got {type(sinks).__name__}")
+    return window, softcap, sinks
+
+
 def attention(
     module: Any,
     query: Tensor,
@@ -173,15 +213,24 @@ def attention(
     **kwargs: Any,
 ):
     """transformers attention function: ``query`` ``[B, Hq, L, d]``,
-    ``key`` / ``value`` ``[B, Hkv, L, d]`` (already rotated by the model);
-    returns ``([B, L, Hq, d], None)``. Needs ``kv_end`` (``[L]`` or
+    ``key`` ``[B, Hkv, L, d]``, ``value`` ``[B, Hkv, L, dv]`` (already
+    rotated by the model; ``dv`` may differ: multi-head latent attention);
+    returns ``([B, L, Hq, dv], None)``. Needs ``kv_end`` (``[L]`` or
     ``[1, L]`` for one pack, ``[B, L]`` for a :func:`treeattn.collate`
     batch, run as one forest) among the model call's keyword arguments — or
     ``treeattn_shard`` (a :class:`treeattn.distributed.Shard`; then ``L`` is
-    the shard's rows and the call is context-parallel)."""
+    the shard's rows and the call is context-parallel).
+
+    The layer's attention variants are computed on the tree, never dropped:
+    ``sliding_window`` (Mistral, Gemma 2/3, Cohere2, Starcoder2, gpt-oss,
+    Qwen2 with ``use_sliding_window``: a window of tree levels, which on a
+    chain is transformers' ``q − k < W``), ``softcap`` (Gemma 2's
+    ``attn_logit_softcapping``) and ``s_aux`` (gpt-oss's sinks); any other
+    keyword that would change the math is a ``ValueError`` naming it."""
+    window, softcap, sinks = _variants(module, kwargs)
     shard = kwargs.get("treeattn_shard")
     if shard is not None:
-        return _shard_attention(query, key, value, attention_mask, scaling, dropout, shard)
+        return _shard_attention(query, key, value, attention_mask, scaling, dropout, shard, window, softcap, sinks)
     kv_end = kwargs.get("kv_end")
     if kv_end is None:
         raise ValueError(
@@ -228,7 +277,7 @@ def attention(
         mask = given
     else:
         mask = _mask_plan(flat, q.device)
-    o = tree_attention(q, k, v, mask, scale=scaling)
+    o = tree_attention(q, k, v, mask, scale=scaling, window=window, softcap=softcap, sinks=sinks)
     return o.reshape(B, L, o.shape[1], o.shape[2]), None
 
 
@@ -278,7 +327,8 @@ def _forest(kv_end: Tensor, position_ids: Optional[Tensor]) -> Tuple[Tensor, Opt
     return flat, pos
 
 
-def _shard_attention(query, key, value, attention_mask, scaling, dropout, shard):
+def _shard_attention(query, key, value, attention_mask, scaling, dropout, shard, window=None, softcap=None,
+                     sinks=None):
     """The context-parallel branch of :func:`attention`
     (:func:`treeattn.distributed.tree_attention` on this rank's rows)."""
     from .distributed import tree_attention as cp_attention
@@ -294,7 +344,7 @@ def _shard_attention(query, key, value, attention_mask, scaling, dropout, shard)
             "treeattn attention got a mask from transformers: register the mask function too (treeattn.hf.register())"
         )
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    return cp_attention(q, k, v, shard, scale=scaling)[None], None
+    return cp_attention(q, k, v, shard, scale=scaling, window=window, softcap=softcap, sinks=sinks)[None], None
 
 
 def shard_logprobs(model: Any, shard: Any) -> Tensor:

@@ -178,24 +178,32 @@ def _attn_fwd(
     rope_dims: Optional[int],
     threads: int,
     plan: int = 0,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
+    kv_start: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     L, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv, dv = k.shape[1], v.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    sinks = None if sinks is None else sinks.to(q.dtype).contiguous()
     ke, pos, native = _call_mask(plan, kv_end, position_ids, L, host=False)
-    o = torch.empty_like(q)
+    ks = _key_starts(kv_start, L)
+    o = q.new_empty((L, hq, dv))
     lse = torch.empty((hq, L), dtype=_lse_dtype(q))
     _native.attention_forward(
         _dtype_name(q), _ptr(q), _ptr(k), _ptr(v), _ptr_opt(ke), _ptr_opt(pos), _ptr(o), _ptr(lse),
         L, hq, hkv, d, scale, rope_base, rope_dims, threads, native,
+        v_head_dim=dv, window=window, softcap=softcap, sinks=_ptr_opt(sinks), kv_start=_ptr_opt(ks),
     )
     return o, lse
 
 
 @_attn_fwd.register_fake
-def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, plan=0):
+def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, plan=0, window=None, softcap=None,
+      sinks=None, kv_start=None):
     L, hq, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((hq, L), dtype=_lse_dtype(q))
+    return q.new_empty((L, hq, v.shape[2])), q.new_empty((hq, L), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("treeattn::tree_attention_bwd", mutates_args=(), device_types="cpu")
@@ -213,25 +221,36 @@ def _attn_bwd(
     rope_dims: Optional[int],
     threads: int,
     plan: int = 0,
-) -> Tuple[Tensor, Tensor, Tensor]:
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
+    kv_start: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     L, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv, dv_ = k.shape[1], v.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o, lse, grad_out = o.contiguous(), lse.contiguous(), grad_out.to(q.dtype).contiguous()
+    sinks = None if sinks is None else sinks.to(q.dtype).contiguous()
     ke, pos, native = _call_mask(plan, kv_end, position_ids, L, host=False)
+    ks = _key_starts(kv_start, L)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # The sinks' gradient in q's dtype ([0] without sinks: custom ops return tensors).
+    dsinks = q.new_empty((hq if sinks is not None else 0,))
     _native.attention_backward(
         _dtype_name(q), _ptr(q), _ptr(k), _ptr(v), _ptr_opt(ke), _ptr_opt(pos), _ptr(o), _ptr(lse),
         _ptr(grad_out), _ptr(dq), _ptr(dk), _ptr(dv),
         L, hq, hkv, d, scale, rope_base, rope_dims, threads, native,
+        v_head_dim=dv_, window=window, softcap=softcap, sinks=_ptr_opt(sinks),
+        dsinks=_ptr(dsinks) if sinks is not None else 0, kv_start=_ptr_opt(ks),
     )
-    return dq, dk, dv
+    return dq, dk, dv, dsinks
 
 
 @_attn_bwd.register_fake
-def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_dims, threads, plan=0):
+def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_dims, threads, plan=0, window=None,
+      softcap=None, sinks=None, kv_start=None):
     f = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
-    return f(q), f(k), f(v)
+    return f(q), f(k), f(v), q.new_empty((q.shape[1] if sinks is not None else 0,))
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -283,26 +302,50 @@ def _ptr_opt(t: Optional[Tensor]) -> int:
     return 0 if t is None else _ptr(t)
 
 
+def _key_starts(kv_start: Optional[Tensor], L: int) -> Optional[Tensor]:
+    """Explicit key starts as an int32 host buffer (read as u32), checked:
+    ``[L]`` integers in ``0 ..= L``."""
+    if kv_start is None:
+        return None
+    ks = kv_start.to("cpu", torch.int64)
+    if ks.shape != (L,) or bool(((ks < 0) | (ks > L)).any()):
+        raise ValueError(f"kv_start must be [L] = [{L}] integers in 0..={L}")
+    return ks.to(torch.int32).contiguous()
+
+
+def _no_cuda_sinks(sinks: Optional[Tensor], kv_start: Optional[Tensor] = None) -> None:
+    if sinks is not None or kv_start is not None:
+        raise ValueError(
+            "the CUDA kernels do not compute attention sinks or explicit key starts: use backend=\"flex\" "
+            "(or \"auto\") on CUDA, or CPU tensors"
+        )
+
+
 @_attn_fwd.register_kernel("cuda")
-def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, plan=0):
+def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, plan=0, window=None, softcap=None,
+      sinks=None, kv_start=None):
+    _no_cuda_sinks(sinks, kv_start)
     L, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv, dv = k.shape[1], v.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     ke, pos, native = _call_mask(plan, kv_end, position_ids, L, host=True)
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    o = q.new_empty((L, hq, dv))
     lse = torch.empty((hq, L), dtype=torch.float32, device=q.device)
     _native.cuda_attention_forward(
         _CUDA_NAMES.get(q.dtype, str(q.dtype)), q.get_device(), _stream(q),
         _ptr(q), _ptr(k), _ptr(v), _ptr_opt(ke), _ptr_opt(pos), _ptr(o), _ptr(lse),
         L, hq, hkv, d, scale, rope_base, rope_dims, native,
+        v_head_dim=dv, window=window, softcap=softcap,
     )
     return o, lse
 
 
 @_attn_bwd.register_kernel("cuda")
-def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_dims, threads, plan=0):
+def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_dims, threads, plan=0, window=None,
+      softcap=None, sinks=None, kv_start=None):
+    _no_cuda_sinks(sinks, kv_start)
     L, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv, dv_ = k.shape[1], v.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o, lse = o.contiguous(), lse.to(torch.float32).contiguous()
     grad_out = grad_out.to(q.dtype).contiguous()
@@ -314,8 +357,9 @@ def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_di
         _ptr(q), _ptr(k), _ptr(v), _ptr_opt(ke), _ptr_opt(pos), _ptr(o), _ptr(lse), _ptr(grad_out),
         _ptr(dq), _ptr(dk), _ptr(dv),
         L, hq, hkv, d, scale, rope_base, rope_dims, native,
+        v_head_dim=dv_, window=window, softcap=softcap,
     )
-    return dq, dk, dv
+    return dq, dk, dv, q.new_empty((0,))
 
 
 _CUDA_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -338,24 +382,26 @@ def cpu_isa() -> str:
 
 def _attn_setup(ctx, inputs, output):
     q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, *rest = inputs
-    plan = rest[0] if rest else 0
+    plan, window, softcap, sinks, kv_start = (list(rest) + [0, None, None, None, None][len(rest):])[:5]
     o, lse = output
-    ctx.save_for_backward(q, k, v, kv_end, position_ids, o, lse)
-    ctx.params = (scale, rope_base, rope_dims, threads, plan)
+    ctx.save_for_backward(q, k, v, kv_end, position_ids, o, lse, sinks, kv_start)
+    ctx.params = (scale, rope_base, rope_dims, threads, plan, window, softcap)
     # The plan stays alive until the backward has used it.
     ctx.plan_ref = _PLANS.get(plan) if plan else None
     ctx.mark_non_differentiable(lse)
 
 
 def _attn_backward(ctx, grad_o, grad_lse):
-    q, k, v, kv_end, position_ids, o, lse = ctx.saved_tensors
-    scale, rope_base, rope_dims, threads, plan = ctx.params
+    q, k, v, kv_end, position_ids, o, lse, sinks, kv_start = ctx.saved_tensors
+    scale, rope_base, rope_dims, threads, plan, window, softcap = ctx.params
     if grad_o is None:
         grad_o = torch.zeros_like(o)
-    dq, dk, dv = _attn_bwd(
-        q, k, v, kv_end, position_ids, o, lse, grad_o, scale, rope_base, rope_dims, threads, plan
+    dq, dk, dv, dsinks = _attn_bwd(
+        q, k, v, kv_end, position_ids, o, lse, grad_o, scale, rope_base, rope_dims, threads, plan,
+        window, softcap, sinks, kv_start,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None
+    dsinks = None if sinks is None else dsinks.to(sinks.dtype)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, None
 
 
 _attn_fwd.register_autograd(_attn_backward, setup_context=_attn_setup)
@@ -435,7 +481,7 @@ class TreeMask:
         dev = torch.device(device) if device is not None else kv_end.device
         self.kv_end = kv_end.to(dev, torch.int64)
         self.position_ids = None if position_ids is None else position_ids.to(dev, torch.int64)
-        self._block_masks: Dict[int, Any] = {}
+        self._block_masks: Dict[Tuple[int, Optional[int]], Any] = {}
 
     def __len__(self) -> int:
         return int(self.kv_end.shape[0])
@@ -446,18 +492,41 @@ class TreeMask:
         i = torch.arange(L, device=self.kv_end.device)
         return (i[None, :] <= i[:, None]) & (i[:, None] < self.kv_end[None, :])
 
-    def block_census(self, block_size: int = 128) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    def window_starts(self, window: int) -> Tensor:
+        """``[L]`` int64: the first visible key of each row under a sliding
+        window of ``window`` tree levels (query ``q`` then sees key ``k``
+        iff ``starts[q] <= k <= q < kv_end[k]``; the crate's
+        ``PackMask::window_starts``)."""
+        if window is None:
+            raise ValueError("window_starts: window must be an int >= 1")
+        return _window_starts(self._ke32, window)
+
+    def depths(self) -> Tensor:
+        """``[L]`` int64 on the mask's device: each row's depth in the tree,
+        the number of keys whose range holds it, ``#{k < t : kv_end[k] >
+        t}`` (its ancestors; a pack's position id). A sliding window of
+        ``W`` levels keeps the keys with ``depth(q) − depth(k) < W``."""
+        return _depths(self.kv_end)
+
+    def block_census(
+        self, block_size: int = 128, window: Optional[int] = None
+    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(kv_num_blocks [n], kv_indices [n, n], full_kv_num_blocks [n],
         full_kv_indices [n, n])`` int32 for square blocks of ``block_size``:
         per query block, the key blocks with some but not all pairs visible
         (partial) and with all (full), ascending, then zeros — exactly what
         ``create_block_mask`` finds (a block cut short by the pack's end is
-        padded with masked pairs, so never full)."""
+        padded with masked pairs, so never full). With a sliding ``window``
+        of tree levels, the blocks wholly outside every row's window are
+        left out and only blocks inside every row's window are full; a
+        partial block may then hold no visible pair (the census is sound,
+        not exact)."""
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        _check_window(window)
         L = len(self)
         n = -(-L // block_size)
-        raw = _native.block_census(_ptr(self._ke32), L, block_size)
+        raw = _native.block_census(_ptr(self._ke32), L, block_size, window)
 
         def t(b: bytes, shape):
             if not b:
@@ -466,29 +535,41 @@ class TreeMask:
 
         return t(raw[0], (n,)), t(raw[1], (n, n)), t(raw[2], (n,)), t(raw[3], (n, n))
 
-    def block_mask(self, block_size: int = 128) -> Any:
+    def block_mask(self, block_size: int = 128, window: Optional[int] = None) -> Any:
         """A FlexAttention ``BlockMask`` of this mask (batch and heads
         broadcast), built from :meth:`block_census` with a ``mask_mod`` that
-        reads ``kv_end`` for the partial blocks; cached per block size."""
-        if block_size in self._block_masks:
-            return self._block_masks[block_size]
+        reads ``kv_end`` (and with a sliding ``window`` of tree levels, the
+        rows' depths: ``depth(q) − depth(k) < window``) for the partial
+        blocks; cached per block size and window."""
+        _check_window(window)
+        key = (block_size, window)
+        if key in self._block_masks:
+            return self._block_masks[key]
         from torch.nn.attention.flex_attention import BlockMask
 
         L = len(self)
         dev = self.kv_end.device
-        num, idx, fnum, fidx = (x.to(dev)[None, None] for x in self.block_census(block_size))
+        num, idx, fnum, fidx = (x.to(dev)[None, None] for x in self.block_census(block_size, window))
         n = num.shape[-1]
         # kv_end padded to whole blocks with 0 (no query sees a padded key):
         # FlexAttention may evaluate mask_mod past L in the last block.
         ke = torch.zeros(n * block_size, dtype=torch.int64, device=dev)
         ke[:L] = self.kv_end
+        if window is None:
 
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx) & (q_idx < ke[kv_idx])
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (kv_idx <= q_idx) & (q_idx < ke[kv_idx])
+
+        else:
+            depth = torch.zeros(n * block_size, dtype=torch.int64, device=dev)
+            depth[:L] = self.depths()
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (kv_idx <= q_idx) & (q_idx < ke[kv_idx]) & (depth[q_idx] - depth[kv_idx] < window)
 
         bm = BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=block_size, mask_mod=mask_mod,
                                       seq_lengths=(L, L))
-        self._block_masks[block_size] = bm
+        self._block_masks[key] = bm
         return bm
 
     def flashmask(self) -> Tensor:
@@ -555,22 +636,78 @@ def _rotate(x: Tensor, pos: Tensor, base: float, dims: int) -> Tensor:
     return torch.cat([(xr * cos + rot * sin).to(x.dtype), rest], -1)
 
 
+def _depths(kv_end: Tensor) -> Tensor:
+    """``[L]`` int64 on ``kv_end``'s device: each row's depth, the number of
+    its ancestors ``#{k < t : kv_end[k] > t}`` (O(L): each key adds 1 on its
+    subtree's range ``(k, kv_end[k])``)."""
+    n = kv_end.shape[0]
+    end = kv_end.to(torch.int64)
+    k = torch.arange(n, device=end.device)
+    inner = end > k + 1
+    diff = torch.zeros(n + 1, dtype=torch.int64, device=end.device)
+    ones = torch.ones_like(k[inner])
+    diff.index_add_(0, (k + 1)[inner], ones)
+    diff.index_add_(0, end[inner], -ones)
+    return diff.cumsum(0)[:n]
+
+
+def _window_starts(ke32: Tensor, window: int) -> Tensor:
+    """``[L]`` int64: each row's first visible key under a sliding window
+    (the crate's ``PackMask::window_starts``) of the int32 host ``kv_end``
+    ``ke32``."""
+    _check_window(window)
+    L = int(ke32.numel())
+    if L == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    raw = _native.window_starts(_ptr(ke32), L, window)
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64)
+
+
+def _check_window(window: Any) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window = {window!r} must be None or an int >= 1 (tree levels)")
+
+
 _flex_compiled: Dict[str, Any] = {}
 
 
-def _flex(q: Tensor, k: Tensor, v: Tensor, mask: TreeMask, scale: float, block_size: int) -> Tensor:
-    """FlexAttention (compiled) with the mask's BlockMask; q ``[L, Hq, d]``."""
+def _flex(q: Tensor, k: Tensor, v: Tensor, mask: TreeMask, scale: float, block_size: int,
+          window: Optional[int] = None, softcap: Optional[float] = None,
+          sinks: Optional[Tensor] = None) -> Tensor:
+    """FlexAttention (compiled) with the mask's BlockMask; q ``[L, Hq, d]``.
+    A softcap is its ``score_mod`` (``c · tanh(s / c)`` of the scaled
+    score); sinks join each row's sum through the LSE FlexAttention
+    returns: ``O · exp(LSE − logaddexp(LSE, σ_h))``."""
     from torch.nn.attention.flex_attention import flex_attention
 
     key = q.device.type
     if key not in _flex_compiled:
         _flex_compiled[key] = torch.compile(flex_attention, dynamic=False)
     hq, hkv = q.shape[1], k.shape[1]
-    o = _flex_compiled[key](
+    score_mod = None
+    if softcap is not None:
+        cap = float(softcap)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+
+    if sinks is not None and q.device.type == "cpu":
+        raise ValueError(
+            "backend=\"flex\" with sinks needs FlexAttention's LSE, which torch does not return on CPU "
+            "(torch.compile of flex_attention on CPU: inference without return_lse); the crate's CPU backend "
+            "(backend=\"treeattn\") computes sinks"
+        )
+    out = _flex_compiled[key](
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        block_mask=mask.block_mask(block_size), scale=scale, enable_gqa=hq != hkv,
+        score_mod=score_mod, block_mask=mask.block_mask(block_size, window), scale=scale,
+        enable_gqa=hq != hkv, return_lse=sinks is not None,
     )
-    return o[0].transpose(0, 1)
+    if sinks is None:
+        return out[0].transpose(0, 1)
+    o, lse = out[0][0], out[1][0]  # [Hq, L, dv], [Hq, L]
+    total = torch.logaddexp(lse.float(), sinks.float()[:, None])
+    o = o * torch.exp(lse.float() - total)[..., None].to(o.dtype)
+    return o.transpose(0, 1)
 
 
 def tree_attention(
@@ -585,29 +722,51 @@ def tree_attention(
     rope_dims: Optional[int] = None,
     backend: str = "treeattn",
     block_size: int = 128,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Exact attention on a packed tree: query ``q`` sees key ``k`` iff
     ``k <= q < kv_end[k]``.
 
-    ``q``: ``[L, Hq, d]``; ``k``, ``v``: ``[L, Hkv, d]`` with ``Hkv`` dividing
-    ``Hq`` (GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``);
-    ``kv_end``: ``[L]`` integers with ``k <= kv_end[k] <= L``
+    ``q``: ``[L, Hq, d]``; ``k``: ``[L, Hkv, d]``, ``v``: ``[L, Hkv, dv]``
+    with ``Hkv`` dividing ``Hq`` (GQA: query head ``h`` reads kv head ``h //
+    (Hq // Hkv)``; ``dv`` may differ from ``d``: multi-head latent
+    attention); ``kv_end``: ``[L]`` integers with ``k <= kv_end[k] <= L``
     (``kv_end[k] == k`` is a padding key no query sees). ``scale``: softmax
     scale, default ``1/sqrt(d)``. With ``rope_base``, q and k are rotated
     inside the op at ``position_ids`` (required then), Llama rotate-half
     convention, ``θ_i = rope_base^(−2i/rope_dims)`` over the first
     ``rope_dims`` lanes (default ``d``); gradients are with respect to the
-    unrotated q and k. Returns O ``[L, Hq, d]`` in q's dtype; a query row
+    unrotated q and k. Returns O ``[L, Hq, dv]`` in q's dtype; a query row
     with no visible key gets O = 0 (and zero gradients), never NaN.
+
+    The attention variants of the models people train (each exact on the
+    tree, forward and backward):
+
+    - ``window`` (int >= 1): a sliding window of tree levels — key ``k`` is
+      visible to ``q`` only if also ``depth(q) − depth(k) < window``, depth
+      = the row's number of ancestors (:meth:`TreeMask.depths`, a pack's
+      position id). On a chain it is transformers' ``sliding_window``
+      (``q − k < window``); on a tree the distance is along the query's own
+      branch, not in the pack's row order.
+    - ``softcap`` (float > 0): ``s ← softcap · tanh(s / softcap)`` on the
+      scaled score, before the mask and softmax (Gemma 2).
+    - ``sinks`` (``[Hq]`` tensor, learnable: it gets a gradient): one logit
+      per query head added to each row's softmax denominator with no value
+      (gpt-oss): ``O = Σ e^{s_k} v_k / (Σ e^{s_k} + e^{sink})``.
 
     ``kv_end`` may be a :class:`TreeMask` (validated once; its position ids
     are used when ``position_ids`` is not given). ``backend``:
     ``"treeattn"`` (the crate's CPU backend or CUDA kernels), ``"flex"``
     (FlexAttention, compiled, with :meth:`TreeMask.block_mask` of
-    ``block_size``; rotary applied in torch first; on CPU torch has no
-    FlexAttention backward), or ``"auto"``: the crate's kernels where they
-    run (CPU; CUDA when built with them, bfloat16 / float16, head dim 64 or
-    128), else FlexAttention.
+    ``block_size``; rotary applied in torch first; the softcap as its
+    ``score_mod``, sinks through its LSE; on CPU torch has no FlexAttention
+    backward), or ``"auto"``: the crate's kernels where they run (CPU; CUDA
+    when built with them, bfloat16 / float16, head dim 64 or 128, no
+    window, softcap, sinks or other value head dim), else FlexAttention. The
+    CUDA kernels refuse the variants with a ``ValueError`` naming
+    ``backend="flex"``; the CPU backend computes them all.
     """
     if backend not in ("treeattn", "flex", "auto"):
         raise ValueError(f'backend {backend!r}: expected "treeattn", "flex" or "auto"')
@@ -628,11 +787,16 @@ def tree_attention(
     if position_ids is not None and not isinstance(position_ids, Tensor):
         raise ValueError(f"position_ids must be a torch.Tensor or None, got {type(position_ids).__name__}")
     if q.dim() != 3:
-        raise ValueError(f"q must be [L, Hq, d], got shape {tuple(q.shape)}")
+        raise ValueError(
+            f"q must be [L, Hq, d], got shape {tuple(q.shape)} (from transformers' [B, H, L, d], "
+            "take q[0].transpose(0, 1))"
+        )
     if k.dim() != 3:
         raise ValueError(f"k must be [L, Hkv, d], got shape {tuple(k.shape)}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if v.dim() != 3 or v.shape[:2] != k.shape[:2] or v.shape[2] == 0:
+        raise ValueError(
+            f"v must be [L, Hkv, dv] with k's L and Hkv {tuple(k.shape[:2])}, got {tuple(v.shape)}"
+        )
     L, hq, d = q.shape
     if L == 0 or hq == 0 or d == 0:
         raise ValueError(f"q must be non-empty, got shape {tuple(q.shape)}")
@@ -674,13 +838,29 @@ def tree_attention(
     scale = float(scale)
     if not (math.isfinite(scale) and scale > 0.0):
         raise ValueError(f"scale = {scale} must be finite and > 0")
+    _check_window(window)
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+            math.isfinite(softcap) and softcap > 0
+        ):
+            raise ValueError(f"softcap = {softcap!r} must be None or a finite float > 0")
+        softcap = float(softcap)
+    if sinks is not None:
+        if not isinstance(sinks, Tensor):
+            raise ValueError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+        if sinks.dim() != 1 or sinks.shape[0] != hq:
+            raise ValueError(f"sinks must be [Hq] = [{hq}] (one logit per query head), got shape {tuple(sinks.shape)}")
+        if not sinks.dtype.is_floating_point:
+            raise ValueError(f"sinks has dtype {sinks.dtype}: expected a float dtype")
     device = q.device
-    for name, t in (("k", k), ("v", v), ("kv_end", kv_end), ("position_ids", position_ids)):
+    for name, t in (("k", k), ("v", v), ("kv_end", kv_end), ("position_ids", position_ids), ("sinks", sinks)):
         if t is not None:
             _check_device(name, t, device)
+    plain = window is None and softcap is None and sinks is None and v.shape[2] == d
     if backend == "auto":
         ours = device.type == "cpu" or (
-            device.type == "cuda" and cuda_built() and q.dtype in (torch.bfloat16, torch.float16) and d in (64, 128)
+            device.type == "cuda" and cuda_built() and q.dtype in (torch.bfloat16, torch.float16)
+            and d in (64, 128) and plain
         )
         backend = "treeattn" if ours else "flex"
     if backend == "flex":
@@ -689,7 +869,7 @@ def tree_attention(
         if rope_base is not None:
             q = _rotate(q, position_ids, rope_base, rope_dims)
             k = _rotate(k, position_ids, rope_base, rope_dims)
-        return _flex(q, k, v, mask, scale, block_size)
+        return _flex(q, k, v, mask, scale, block_size, window, softcap, sinks)
     if device.type == "cuda":
         if not cuda_built():
             _no_cuda("tree_attention")
@@ -698,11 +878,18 @@ def tree_attention(
                 f"q has dtype {q.dtype} on {device}: the CUDA kernels take bfloat16 or float16 "
                 "(cast q, k, v, e.g. q.to(torch.bfloat16); nothing is cast silently)"
             )
+        if not plain:
+            raise ValueError(
+                "the CUDA kernels compute plain softmax attention: a window, softcap, sinks or a value head "
+                f"dim ({v.shape[2]}) unlike q's ({d}) runs with backend=\"flex\" (or \"auto\") on CUDA"
+            )
         o, _lse = _attn_fwd(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads, plan)
         return o
     if device.type not in ("cpu", "meta"):
         raise ValueError(f"q is on {device}: treeattn runs on CPU and CUDA tensors")
-    o, _lse = _attn_fwd(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads, plan)
+    o, _lse = _attn_fwd(
+        q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads, plan, window, softcap, sinks
+    )
     return o
 
 

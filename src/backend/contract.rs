@@ -211,6 +211,7 @@ pub struct AttnArgs<'a, M: Memory, T: Element> {
     k: M::Ref<'a, T>,
     v: M::Ref<'a, T>,
     sinks: Option<M::Ref<'a, T>>,
+    key_starts: Option<&'a [u32]>,
     shape: AttnShape,
     mask: M::Mask<'a>,
     params: AttnParams,
@@ -277,10 +278,42 @@ impl<'a, M: Memory, T: Element> AttnArgs<'a, M, T> {
             k,
             v,
             sinks: None,
+            key_starts: None,
             shape,
             mask,
             params,
         })
+    }
+
+    /// The same call with an explicit first visible key per query row
+    /// (host memory, `tokens` entries): query `q` sees key `k` iff
+    /// `starts[q] <= k <= q < kv_end[k]`. A sliding window is this with the
+    /// starts of [`PackMask::window_starts`]; explicit starts serve a call
+    /// on part of a pack whose rows keep their window from the whole pack
+    /// (context parallelism's gathered keys). Errors: `starts` not one per
+    /// token ([`Error::Shape`]); a call with a window too
+    /// ([`Error::Unsupported`]: one or the other); a mask that is not a
+    /// tree ([`Error::Pack`]).
+    pub fn with_key_starts(mut self, starts: &'a [u32]) -> Result<Self> {
+        check_len(
+            "key starts",
+            starts.len(),
+            self.shape.tokens,
+            "one per token",
+        )?;
+        if self.params.window.is_some() {
+            return Err(Error::Unsupported(
+                "key starts and a sliding window together: give one (a window is its own key starts)"
+                    .into(),
+            ));
+        }
+        if !M::mask_is_tree(&self.mask) {
+            return Err(Error::Pack(
+                "key starts need a tree-shaped mask (nested key ranges): this kv_end has crossing ranges".into(),
+            ));
+        }
+        self.key_starts = Some(starts);
+        Ok(self)
     }
 
     /// The same call with attention sinks (gpt-oss): one learnable logit
@@ -320,6 +353,10 @@ impl<'a, M: Memory, T: Element> AttnArgs<'a, M, T> {
     pub fn sinks(&self) -> Option<M::Ref<'a, T>> {
         self.sinks
     }
+    /// Explicit first visible key per query row ([`Self::with_key_starts`]).
+    pub fn key_starts(&self) -> Option<&'a [u32]> {
+        self.key_starts
+    }
     /// Sizes of the call.
     pub fn shape(&self) -> AttnShape {
         self.shape
@@ -347,6 +384,7 @@ impl<'a, T: Element> AttnArgs<'a, Host, T> {
             k: self.k,
             v: self.v,
             sinks: self.sinks,
+            key_starts: self.key_starts,
             shape: self.shape,
             mask: self.mask,
             params: self.params,

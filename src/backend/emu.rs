@@ -168,12 +168,7 @@ impl<T: KernelElem> AttentionBackend<T> for Emu {
     fn run_forward(&self, call: ForwardCall<'_, '_, Host, T, f32>) -> Result<()> {
         let (args, o, lse) = call.into_parts();
         let kernels = "emulated kernels";
-        launch::check_plain_call(
-            kernels,
-            &args.shape(),
-            args.params(),
-            args.sinks().is_some(),
-        )?;
+        launch::check_plain_call(kernels, &args)?;
         // As on the GPU (device allocations are 256-byte aligned, views
         // need not be): checked before anything runs, rotary included.
         launch::check_vector_alignment(
@@ -195,12 +190,7 @@ impl<T: KernelElem> AttentionBackend<T> for Emu {
     fn run_backward(&self, call: BackwardCall<'_, '_, '_, Host, T, f32>) -> Result<()> {
         let (args, saved, d_o, grads) = call.into_parts();
         let kernels = "emulated kernels";
-        launch::check_plain_call(
-            kernels,
-            &args.shape(),
-            args.params(),
-            args.sinks().is_some(),
-        )?;
+        launch::check_plain_call(kernels, &args)?;
         launch::check_vector_alignment(
             "backward kernels",
             args.shape().tokens,

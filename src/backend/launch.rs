@@ -310,12 +310,11 @@ pub const VECTOR_ALIGN: u64 = 16;
 /// sliding window, a logit softcap or attention sinks. Checked before
 /// anything runs, so a variant is an error, never another result; the CPU
 /// backend computes all of them (and torch users have `backend="flex"`).
-pub(crate) fn check_plain_call(
+pub(crate) fn check_plain_call<M: crate::backend::Memory, T: crate::backend::Element>(
     kernels: &str,
-    shape: &AttnShape,
-    params: &AttnParams,
-    sinks: bool,
+    args: &crate::backend::AttnArgs<'_, M, T>,
 ) -> Result<()> {
+    let (shape, params) = (args.shape(), args.params());
     let what = if !shape.square() {
         format!(
             "a value head dim ({}) unlike the query/key head dim ({})",
@@ -325,8 +324,10 @@ pub(crate) fn check_plain_call(
         format!("a sliding window ({w})")
     } else if let Some(c) = params.softcap {
         format!("a logit softcap ({c})")
-    } else if sinks {
+    } else if args.sinks().is_some() {
         "attention sinks".to_string()
+    } else if args.key_starts().is_some() {
+        "explicit key starts".to_string()
     } else {
         return Ok(());
     };

@@ -200,6 +200,7 @@ fn dense(
     v: &[f64],
     d_o: &[f64],
     sinks: Option<&[f64]>,
+    key_starts: Option<&[u32]>,
     shape: AttnShape,
     m: &Mask,
     params: &AttnParams,
@@ -239,6 +240,7 @@ fn dense(
                         .window
                         .is_none_or(|w| depth[i] - depth[j] < w as usize)
                 })
+                .filter(|&j| key_starts.is_none_or(|st| st[i] as usize <= j))
                 .collect();
             if keys.is_empty() {
                 // O = 0; with a sink the LSE is the sink's (D = 0: no gradient).
@@ -391,6 +393,7 @@ fn check_case<T: CpuFloat>(c: &Case) -> [f64; 5] {
         &to_f64(&v),
         &to_f64(&d_o),
         None,
+        None,
         c.shape,
         &c.mask,
         &c.params,
@@ -490,6 +493,8 @@ struct Variant {
 struct VarCase {
     c: Case,
     sinks: Option<Vec<f64>>,
+    /// Explicit first visible keys (`AttnArgs::with_key_starts`).
+    key_starts: Option<Vec<u32>>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -512,7 +517,11 @@ fn make_variant_case(
     c.params.window = var.window;
     c.params.softcap = var.softcap;
     let sinks = var.sinks.then(|| rng.values(c.shape.q_heads, 3.0));
-    VarCase { c, sinks }
+    VarCase {
+        c,
+        sinks,
+        key_starts: None,
+    }
 }
 
 /// The CPU backend in `T` on a variant case against the dense reference
@@ -533,6 +542,7 @@ fn check_variant<T: CpuFloat>(vc: &VarCase) -> [f64; 6] {
         &to_f64(&v),
         &to_f64(&d_o),
         sinks.as_deref().map(to_f64).as_deref(),
+        vc.key_starts.as_deref(),
         c.shape,
         &c.mask,
         &c.params,
@@ -540,6 +550,9 @@ fn check_variant<T: CpuFloat>(vc: &VarCase) -> [f64; 6] {
     let mut args = AttnArgs::new(&q[..], &k[..], &v[..], c.shape, c.mask.view(), c.params).unwrap();
     if let Some(s) = &sinks {
         args = args.with_sinks(&s[..]).unwrap();
+    }
+    if let Some(st) = &vc.key_starts {
+        args = args.with_key_starts(st).unwrap();
     }
     let cpu = Cpu::default();
     let fwd = cpu.forward_owned(&args).unwrap();
@@ -655,8 +668,11 @@ fn variant_negative_controls_differ() {
         .unwrap();
     assert!(depth > 40, "the tree is {depth} levels deep");
     let sinks = vc.sinks.as_deref();
-    let reference =
-        |params: &AttnParams| dense(&c.q, &c.k, &c.v, &c.d_o, sinks, c.shape, &c.mask, params);
+    let reference = |params: &AttnParams| {
+        dense(
+            &c.q, &c.k, &c.v, &c.d_o, sinks, None, c.shape, &c.mask, params,
+        )
+    };
     let truth = reference(&c.params);
     let far = |what: &str, wrong: &Dense| {
         let e = [
@@ -756,6 +772,61 @@ fn variants_take_half_inputs_and_any_thread_count() {
     assert!(o_err < 1.5e-2, "bf16 o {o_err:e}");
     let lse_err = rel_err(&fh.lse, &to_f64(&f32_fwd.lse));
     assert!(lse_err < 5e-3, "bf16 lse {lse_err:e}");
+}
+
+/// Explicit key starts (any first key per row, not only a window's) against
+/// the dense reference, with the other variants; and a window's own starts
+/// given explicitly compute the window's result bit for bit.
+#[test]
+fn explicit_key_starts_bound_each_row() {
+    for (seed, kind) in [
+        (1u64, MaskKind::Tree),
+        (2, MaskKind::Padded),
+        (3, MaskKind::Forest),
+        (4, MaskKind::Causal),
+    ] {
+        let var = Variant {
+            softcap: Some(2.0),
+            sinks: seed % 2 == 0,
+            ..Variant::default()
+        };
+        let mut vc = make_variant_case(seed, kind, 140, 2, 2, 24, seed == 3, var);
+        let mut rng = Rng(seed);
+        vc.key_starts = Some((0..140).map(|q| rng.range(0, q + 2) as u32).collect());
+        let err = check_variant::<f64>(&vc);
+        assert!(err.iter().all(|&e| e < 1e-12), "{kind:?}: {err:?}");
+        let err = check_variant::<f32>(&vc);
+        assert!(err.iter().all(|&e| e < 2e-5), "{kind:?}: {err:?}");
+    }
+    let vc = make_variant_case(9, MaskKind::Tree, 200, 1, 2, 16, false, Variant::default());
+    let c = &vc.c;
+    let mut windowed = c.params;
+    windowed.window = Some(5);
+    let starts = c.mask.view().window_starts(5).unwrap();
+    let run = |params: AttnParams, starts: Option<&[u32]>| {
+        let mut args =
+            AttnArgs::new(&c.q[..], &c.k[..], &c.v[..], c.shape, c.mask.view(), params).unwrap();
+        if let Some(st) = starts {
+            args = args.with_key_starts(st).unwrap();
+        }
+        let f = Cpu::default().forward_owned(&args).unwrap();
+        let g = Cpu::default()
+            .backward_owned(&args, f.saved(), &c.d_o)
+            .unwrap();
+        (f, g)
+    };
+    assert!(run(windowed, None) == run(c.params, Some(&starts)));
+    let both = AttnArgs::<treeattn::backend::Host, f64>::new(
+        &c.q[..],
+        &c.k[..],
+        &c.v[..],
+        c.shape,
+        c.mask.view(),
+        windowed,
+    )
+    .unwrap()
+    .with_key_starts(&starts);
+    assert!(matches!(both, Err(Error::Unsupported(_))));
 }
 
 /// A window on a mask whose key ranges cross (a valid interval mask of no
@@ -1313,7 +1384,9 @@ fn causal_mask_gives_a_different_answer_on_a_branched_tree() {
         "tree and causal masks agree after the junction (max |ΔO| = {diff})"
     );
     // And the tree answer is the right one.
-    let reference = dense(&c.q, &c.k, &c.v, &c.d_o, None, c.shape, &tree, &c.params);
+    let reference = dense(
+        &c.q, &c.k, &c.v, &c.d_o, None, None, c.shape, &tree, &c.params,
+    );
     assert!(rel_err(&o_tree, &reference.o) < 1e-12);
 }
 

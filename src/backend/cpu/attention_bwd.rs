@@ -80,12 +80,7 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
     let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
     let params = args.params();
     let (o, lse) = (saved.o, saved.lse);
-    let Grads {
-        dq,
-        dk,
-        dv,
-        dsinks,
-    } = grads;
+    let Grads { dq, dk, dv, dsinks } = grads;
     let l = shape.tokens;
     if l == 0 {
         return Ok(());
@@ -109,7 +104,7 @@ fn backward_in_chunks<T: CpuFloat, S: CpuElement<Compute = T>>(
     // Rows that enter no visible pair are read as zeros, whatever they hold
     // (DESIGN §5): K, V of keys no query sees, Q, dO of queries that see no
     // key — otherwise a NaN there reaches dK, dQ through 0 · NaN.
-    let starts = params.window.map(|w| mask.window_starts(w)).transpose()?;
+    let starts = super::key_starts(&args)?;
     let (unseen, blind) = (mask.unseen_keys(), mask.blind_queries_in(starts.as_deref()));
     let mut bounds = KeyTileBounds::new(mask.kv_end());
     if let Some(starts) = starts {

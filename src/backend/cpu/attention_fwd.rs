@@ -43,8 +43,8 @@ pub(crate) fn forward<T: CpuFloat, S: CpuElement<Compute = T>>(
         Input::rows(v, shape.kv_heads, None),
     ]);
     let mut bounds = KeyTileBounds::new(mask.kv_end());
-    if let Some(w) = params.window {
-        bounds = bounds.with_window(mask.window_starts(w)?);
+    if let Some(starts) = super::key_starts(&args)? {
+        bounds = bounds.with_window(starts);
     }
     let sinks: Option<Vec<T>> = args.sinks().map(|s| s.iter().map(|x| x.widen()).collect());
     // bf16 on AVX-512 BF16: S = Q Kᵀ on bf16 pairs (the `pairs` module).

@@ -145,6 +145,17 @@ pub(crate) use pool::run_parallel;
 use super::{AttentionBackend, BackwardCall, ForwardCall, Host, SdccBackend, SdccCall, SdccLoss};
 use crate::Result;
 
+/// The first visible key of each query row, when the call bounds them: a
+/// sliding window's ([`crate::mask::PackMask::window_starts`]) or the
+/// call's explicit key starts.
+fn key_starts<S: CpuElement>(args: &super::AttnArgs<'_, Host, S>) -> Result<Option<Vec<u32>>> {
+    Ok(match (args.params().window, args.key_starts()) {
+        (Some(w), _) => Some(args.mask().window_starts(w)?),
+        (None, Some(starts)) => Some(starts.to_vec()),
+        (None, None) => None,
+    })
+}
+
 /// Side of the square (query tile × key tile) blocks the CPU backend
 /// computes and classifies.
 pub const TILE: usize = 64;

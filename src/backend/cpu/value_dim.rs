@@ -90,8 +90,8 @@ fn square(s: &AttnShape, d: usize) -> AttnShape {
     }
 }
 
-/// The square call on the padded copies, with the call's mask, sinks and
-/// parameters (the inputs were checked for finiteness already).
+/// The square call on the padded copies, with the call's mask, sinks, key
+/// starts and parameters (the inputs were checked for finiteness already).
 fn square_args<'a, S: CpuElement>(
     args: AttnArgs<'a, Host, S>,
     q: &'a [S],
@@ -101,9 +101,12 @@ fn square_args<'a, S: CpuElement>(
 ) -> Result<AttnArgs<'a, Host, S>> {
     let mut params = *args.params();
     params.check_finite = false;
-    let inner = AttnArgs::new(q, k, v, wide, args.mask(), params)?;
-    match args.sinks() {
-        Some(sinks) => inner.with_sinks(sinks),
+    let mut inner = AttnArgs::new(q, k, v, wide, args.mask(), params)?;
+    if let Some(sinks) = args.sinks() {
+        inner = inner.with_sinks(sinks)?;
+    }
+    match args.key_starts() {
+        Some(starts) => inner.with_key_starts(starts),
         None => Ok(inner),
     }
 }

@@ -480,8 +480,7 @@ impl<T: KernelElem + DeviceRepr> AttentionBackend<T> for CudaBackend {
     fn run_forward(&self, call: ForwardCall<'_, '_, Device, T, f32>) -> Result<()> {
         let (args, o, lse) = call.into_parts();
         let s = &self.stream;
-        let sinks = args.sinks().is_some();
-        launch::check_plain_call("CUDA kernels", &args.shape(), args.params(), sinks)?;
+        launch::check_plain_call("CUDA kernels", &args)?;
         // Before any launch (rotary included): a misaligned view would
         // fault and take the CUDA context down.
         launch::check_vector_alignment(

@@ -290,13 +290,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let (args, saved, d_o, grads) = call.into_parts();
         let s = self.stream();
-        let sinks = args.sinks().is_some();
-        crate::backend::launch::check_plain_call(
-            "CUDA kernels",
-            &args.shape(),
-            args.params(),
-            sinks,
-        )?;
+        crate::backend::launch::check_plain_call("CUDA kernels", &args)?;
         // Before any launch (rotary included), as the forward does.
         crate::backend::launch::check_vector_alignment(
             "backward kernels",

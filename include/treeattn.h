@@ -163,9 +163,14 @@ typedef struct TreeattnShape {
    */
   size_t kv_heads;
   /**
-   * Head dimension.
+   * Head dimension of q and k.
    */
   size_t head_dim;
+  /**
+   * Head dimension of v and o (multi-head latent attention: DeepSeek-V3
+   * takes 192-dim q, k and 128-dim v); `0` means `head_dim`.
+   */
+  size_t v_head_dim;
 } TreeattnShape;
 
 /**
@@ -190,6 +195,23 @@ typedef struct TreeattnParams {
    * Non-zero: scan the inputs for NaN / ±inf first.
    */
   int32_t check_finite;
+  /**
+   * Sliding window of `window` tree levels (key `k` visible to query
+   * `q` only if `depth(q) − depth(k) < window`; on a chain, `q − k <
+   * window`); `0` turns it off. Needs a tree-shaped mask.
+   */
+  uint32_t window;
+  /**
+   * Logit softcap `c`: scores `c · tanh(s / c)` after the scale; `0`
+   * turns it off.
+   */
+  double softcap;
+  /**
+   * Attention sinks (gpt-oss): `q_heads` logits of q's element type
+   * joining each row's softmax denominator with no value; null: none.
+   * Their gradient goes to the backward entries' `dsinks`.
+   */
+  const void *sinks;
 } TreeattnParams;
 
 /**
@@ -318,10 +340,13 @@ int32_t treeattn_pack_f32(const struct TreeattnPack *pack,
  * `TREEATTN_F32` (`float`) or `TREEATTN_F64` (`double`) is the type of
  * q, k, v, o and lse; `TREEATTN_BF16` or `TREEATTN_F16` (16-bit words) the
  * type of q, k, v and o, computed in f32 (each result rounded once), with
- * a `float` lse. Writes `o` (like q) and `lse` (`[q_heads, tokens]`,
- * natural log; `-inf` for a row with no visible key). `kv_end` and
- * `position_ids` have `tokens` entries (a pack's arrays); `params` may be
- * null (defaults).
+ * a `float` lse. q is `[tokens, q_heads, head_dim]`, k `[tokens,
+ * kv_heads, head_dim]`, v `[tokens, kv_heads, v_head_dim]`. Writes `o`
+ * (`[tokens, q_heads, v_head_dim]`) and `lse` (`[q_heads, tokens]`,
+ * natural log; `-inf` for a row with no visible key, the sink's logit
+ * with sinks). `kv_end` and `position_ids` have `tokens` entries (a pack's
+ * arrays); `params` may be null (defaults): its `window`, `softcap` and
+ * `sinks` select the attention variants (all computed on the CPU).
  */
 int32_t treeattn_attention_forward(TreeattnDtype dtype,
                                    const void *q,
@@ -354,8 +379,10 @@ int32_t treeattn_attention_forward_mask(TreeattnDtype dtype,
  * `TREEATTN_F64` (every buffer of that type), or `TREEATTN_BF16` or
  * `TREEATTN_F16` (every buffer but the `float` lse): from the forward's inputs
  * (same shape, mask and params), its `o` and `lse`, and the output
- * gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k),
- * with respect to the unrotated q and k.
+ * gradient `d_o` (like o), writes `dq` (like q), `dk` (like k), `dv`
+ * (like v), with respect to the unrotated q and k, and with sinks in
+ * `params` the sinks' gradient into `dsinks` (`q_heads` values of q's
+ * type) unless it is null (which it must be without sinks).
  */
 int32_t treeattn_attention_backward(TreeattnDtype dtype,
                                     const void *q,
@@ -370,7 +397,8 @@ int32_t treeattn_attention_backward(TreeattnDtype dtype,
                                     const void *d_o,
                                     void *dq,
                                     void *dk,
-                                    void *dv);
+                                    void *dv,
+                                    void *dsinks);
 
 /**
  * [`treeattn_attention_backward`] with the pack's plan `mask` in place of
@@ -388,7 +416,8 @@ int32_t treeattn_attention_backward_mask(TreeattnDtype dtype,
                                          const void *d_o,
                                          void *dq,
                                          void *dk,
-                                         void *dv);
+                                         void *dv,
+                                         void *dsinks);
 
 /**
  * Builds the plan of a pack's mask ([`TreeattnMask`]) from its `kv_end`
@@ -486,7 +515,10 @@ int32_t treeattn_cuda_attention_forward_mask(TreeattnDtype dtype,
  * shape, pack and params), its `o` and `lse` (`float`) and the output
  * gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k), with
  * respect to the unrotated q and k. Scratch (`4 · tokens · q_heads ·
- * (head_dim + 1)` bytes) is allocated and freed on `stream`.
+ * (head_dim + 1)` bytes) is allocated and freed on `stream`. The kernels
+ * compute plain attention: a window, softcap, sinks (and so a non-null
+ * `dsinks`) or a `v_head_dim` unlike `head_dim` is
+ * `TREEATTN_ERR_UNSUPPORTED` (the host entries compute them).
  */
 int32_t treeattn_cuda_attention_backward(TreeattnDtype dtype,
                                          int32_t device,
@@ -503,7 +535,8 @@ int32_t treeattn_cuda_attention_backward(TreeattnDtype dtype,
                                          const void *d_o,
                                          void *dq,
                                          void *dk,
-                                         void *dv);
+                                         void *dv,
+                                         void *dsinks);
 
 /**
  * [`treeattn_cuda_attention_backward`] with the pack's plan `mask` in
@@ -524,7 +557,8 @@ int32_t treeattn_cuda_attention_backward_mask(TreeattnDtype dtype,
                                               const void *d_o,
                                               void *dq,
                                               void *dk,
-                                              void *dv);
+                                              void *dv,
+                                              void *dsinks);
 
 /**
  * The fused SDCC forward KL on device logits. `dtype` `TREEATTN_BF16`,

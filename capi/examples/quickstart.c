@@ -56,7 +56,7 @@ int main(void) {
   printf("\n");
 
   /* q [L, 4, 16], k and v [L, 2, 16], row-major; o like q, lse [4, L]. */
-  TreeattnShape shape = {L, 4, 2, 16};
+  TreeattnShape shape = {L, 4, 2, 16, 0};
   size_t nq = L * 4 * 16, nkv = L * 2 * 16;
   float *q = malloc(nq * sizeof(float)), *o = malloc(nq * sizeof(float));
   float *d_o = malloc(nq * sizeof(float)), *dq = malloc(nq * sizeof(float));
@@ -68,17 +68,19 @@ int main(void) {
   for (size_t i = 0; i < nkv; i++) k[i] = sinf(0.53f * (float)i), v[i] = sinf(0.71f * (float)i);
   /* Rotary embedding at the pack's position ids (Llama's rotate-half). */
   TreeattnParams params = {/* softmax_scale: 0 = 1/sqrt(d) */ 0.0, /* rope_dims */ 16,
-                           /* rope_base */ 10000.0, /* check_finite */ 1};
+                           /* rope_base */ 10000.0, /* check_finite */ 1,
+                           /* window: 0 = none */ 0, /* softcap: 0 = none */ 0.0,
+                           /* sinks */ NULL};
   TRY(treeattn_attention_forward(TREEATTN_F32, q, k, v, shape, kv_end, pos, &params, o, lse));
   TRY(treeattn_attention_backward(TREEATTN_F32, q, k, v, shape, kv_end, pos, &params, o, lse,
-                                  d_o, dq, dk, dv));
+                                  d_o, dq, dk, dv, NULL));
   double so = 0.0, sg = 0.0;
   for (size_t i = 0; i < nq; i++) so += o[i], sg += fabs(dq[i]);
   for (size_t i = 0; i < nkv; i++) sg += fabs(dk[i]) + fabs(dv[i]);
   printf("sum(O) = %.6f, sum|dQ|+|dK|+|dV| = %.6f\n", so, sg);
 
   /* Bad input is an error code and a message, never a crash. */
-  TreeattnShape ragged = {L, 3, 2, 16};
+  TreeattnShape ragged = {L, 3, 2, 16, 0};
   int32_t st = treeattn_attention_forward(TREEATTN_F32, q, k, v, ragged, kv_end, pos, NULL, o, lse);
   printf("3 query heads over 2 kv heads: %s (%s)\n", treeattn_status_name(st), treeattn_last_error());
 

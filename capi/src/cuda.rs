@@ -79,6 +79,12 @@ unsafe fn with_device_call(
     use treeattn::mask::PackMask;
     let shape = shape_of(c.shape)?;
     let params = params_of(c.params, &shape)?;
+    if !crate::sinks_of(c.params).is_null() {
+        return Err(crate::Fail(
+            crate::TREEATTN_ERR_UNSUPPORTED,
+            "the CUDA kernels do not compute attention sinks (params.sinks): use the host entries".into(),
+        ));
+    }
     for (what, p) in [("q", c.q), ("k", c.k), ("v", c.v)] {
         if p.is_null() {
             return Err(null(what));
@@ -137,6 +143,12 @@ where
     T: treeattn::backend::launch::KernelElem + treeattn::backend::cuda::cudarc::driver::DeviceRepr,
 {
     g.check_null()?;
+    if !g.dsinks.is_null() {
+        return Err(crate::Fail(
+            crate::TREEATTN_ERR_UNSUPPORTED,
+            "the CUDA kernels do not compute attention sinks (dsinks must be null)".into(),
+        ));
+    }
     with_device_call(device, stream, &c, |be, pack, call| {
         be.backward_raw::<T>(
             pack,
@@ -269,7 +281,10 @@ unsafe fn device_forward(
 /// shape, pack and params), its `o` and `lse` (`float`) and the output
 /// gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k), with
 /// respect to the unrotated q and k. Scratch (`4 · tokens · q_heads ·
-/// (head_dim + 1)` bytes) is allocated and freed on `stream`.
+/// (head_dim + 1)` bytes) is allocated and freed on `stream`. The kernels
+/// compute plain attention: a window, softcap, sinks (and so a non-null
+/// `dsinks`) or a `v_head_dim` unlike `head_dim` is
+/// `TREEATTN_ERR_UNSUPPORTED` (the host entries compute them).
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn treeattn_cuda_attention_backward(
@@ -289,6 +304,7 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward(
     dq: *mut c_void,
     dk: *mut c_void,
     dv: *mut c_void,
+    dsinks: *mut c_void,
 ) -> i32 {
     let c = AttnCall {
         q,
@@ -307,6 +323,7 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward(
         dq,
         dk,
         dv,
+        dsinks,
     };
     device_backward(
         "treeattn_cuda_attention_backward",
@@ -339,6 +356,7 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward_mask(
     dq: *mut c_void,
     dk: *mut c_void,
     dv: *mut c_void,
+    dsinks: *mut c_void,
 ) -> i32 {
     if mask.is_null() {
         return guard(|| Err(crate::null("mask")));
@@ -360,6 +378,7 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward_mask(
         dq,
         dk,
         dv,
+        dsinks,
     };
     device_backward(
         "treeattn_cuda_attention_backward_mask",

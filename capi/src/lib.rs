@@ -130,8 +130,11 @@ pub struct TreeattnShape {
     pub q_heads: usize,
     /// Key / value heads.
     pub kv_heads: usize,
-    /// Head dimension.
+    /// Head dimension of q and k.
     pub head_dim: usize,
+    /// Head dimension of v and o (multi-head latent attention: DeepSeek-V3
+    /// takes 192-dim q, k and 128-dim v); `0` means `head_dim`.
+    pub v_head_dim: usize,
 }
 
 /// Parameters of an attention call; a null pointer means the defaults
@@ -148,6 +151,17 @@ pub struct TreeattnParams {
     pub rope_base: f64,
     /// Non-zero: scan the inputs for NaN / ±inf first.
     pub check_finite: i32,
+    /// Sliding window of `window` tree levels (key `k` visible to query
+    /// `q` only if `depth(q) − depth(k) < window`; on a chain, `q − k <
+    /// window`); `0` turns it off. Needs a tree-shaped mask.
+    pub window: u32,
+    /// Logit softcap `c`: scores `c · tanh(s / c)` after the scale; `0`
+    /// turns it off.
+    pub softcap: f64,
+    /// Attention sinks (gpt-oss): `q_heads` logits of q's element type
+    /// joining each row's softmax denominator with no value; null: none.
+    /// Their gradient goes to the backward entries' `dsinks`.
+    pub sinks: *const c_void,
 }
 
 /// Result of an SDCC call.
@@ -536,7 +550,11 @@ fn shape_of(s: TreeattnShape) -> R<AttnShape> {
         q_heads: s.q_heads,
         kv_heads: s.kv_heads,
         head_dim: s.head_dim,
-        v_head_dim: s.head_dim,
+        v_head_dim: if s.v_head_dim == 0 {
+            s.head_dim
+        } else {
+            s.v_head_dim
+        },
     };
     shape.validate()?;
     Ok(shape)
@@ -555,9 +573,16 @@ unsafe fn params_of(p: *const TreeattnParams, shape: &AttnShape) -> R<AttnParams
             });
         }
         params.check_finite = p.check_finite != 0;
+        params.window = (p.window != 0).then_some(p.window);
+        params.softcap = (p.softcap != 0.0).then_some(p.softcap);
     }
     params.validate(shape)?;
     Ok(params)
+}
+
+/// The sinks pointer of a call's params (null params or pointer: none).
+unsafe fn sinks_of(p: *const TreeattnParams) -> *const c_void {
+    p.as_ref().map_or(std::ptr::null(), |p| p.sinks)
 }
 
 /// The inputs shared by forward and backward, as host slices.
@@ -567,6 +592,8 @@ struct Inputs<'a, T> {
     v: &'a [T],
     kv_end: &'a [u32],
     pos: &'a [u32],
+    /// Attention sinks, `[q_heads]`.
+    sinks: Option<&'a [T]>,
     /// The call's mask plan, when it came with one (then `kv_end` and
     /// `pos` are the plan's).
     plan: Option<&'a MaskPlan>,
@@ -617,6 +644,8 @@ struct AttnGrads {
     dq: *mut c_void,
     dk: *mut c_void,
     dv: *mut c_void,
+    /// The sinks' gradient (`[q_heads]`, q's type); null: not asked for.
+    dsinks: *mut c_void,
 }
 
 impl AttnGrads {
@@ -652,6 +681,7 @@ impl<'a, T> Inputs<'a, T> {
         } = *c;
         // Validated (sizes > 0, no overflow) before any length is used.
         let shape = shape_of(shape)?;
+        let params_ptr = params;
         let params = params_of(params, &shape)?;
         let nonnull = |what, p: *const u8| if p.is_null() { Err(null(what)) } else { Ok(()) };
         nonnull("q", q as _)?;
@@ -669,25 +699,35 @@ impl<'a, T> Inputs<'a, T> {
                 )
             }
         };
+        let sinks = sinks_of(params_ptr);
         Ok(Inputs {
             q: slice("q", q.cast::<T>(), shape.q_len())?,
             k: slice("k", k.cast::<T>(), shape.kv_len())?,
-            v: slice("v", v.cast::<T>(), shape.kv_len())?,
+            v: slice("v", v.cast::<T>(), shape.v_len())?,
             kv_end,
             pos,
+            sinks: if sinks.is_null() {
+                None
+            } else {
+                Some(slice("sinks", sinks.cast::<T>(), shape.q_heads)?)
+            },
             plan,
             shape,
             params,
         })
     }
     fn ranges(&self) -> Vec<(&'static str, usize, usize)> {
-        vec![
+        let mut r = vec![
             range("q", self.q),
             range("k", self.k),
             range("v", self.v),
             range("kv_end", self.kv_end),
             range("position_ids", self.pos),
-        ]
+        ];
+        if let Some(sinks) = self.sinks {
+            r.push(range("sinks", sinks));
+        }
+        r
     }
     fn args(&self) -> R<AttnArgs<'a, treeattn::backend::Host, T>>
     where
@@ -697,14 +737,11 @@ impl<'a, T> Inputs<'a, T> {
             Some(plan) => plan.mask(),
             None => PackMask::new(self.kv_end, self.pos)?,
         };
-        Ok(AttnArgs::new(
-            self.q,
-            self.k,
-            self.v,
-            self.shape,
-            mask,
-            self.params,
-        )?)
+        let args = AttnArgs::new(self.q, self.k, self.v, self.shape, mask, self.params)?;
+        Ok(match self.sinks {
+            Some(sinks) => args.with_sinks(sinks)?,
+            None => args,
+        })
     }
 }
 
@@ -756,7 +793,7 @@ unsafe fn forward<T: CpuElement>(c: AttnCall, o: *mut c_void, lse: *mut c_void) 
     if lse.is_null() {
         return Err(null("lse"));
     }
-    let o = slice_mut("o", o.cast::<T>(), s.q_len())?;
+    let o = slice_mut("o", o.cast::<T>(), s.o_len())?;
     let lse = slice_mut("lse", lse.cast::<T::Compute>(), s.lse_len())?;
     no_overlap(&[range("o", o), range("lse", lse)], &inputs.ranges())?;
     let args = inputs.args()?;
@@ -768,27 +805,32 @@ unsafe fn backward<T: CpuElement>(c: AttnCall, g: AttnGrads) -> R<()> {
     let inputs = Inputs::<T>::new(&c)?;
     let s = inputs.shape;
     g.check_null()?;
-    let o = slice("o", g.o.cast::<T>(), s.q_len())?;
+    let o = slice("o", g.o.cast::<T>(), s.o_len())?;
     let lse = slice("lse", g.lse.cast::<T::Compute>(), s.lse_len())?;
-    let d_o = slice("d_o", g.d_o.cast::<T>(), s.q_len())?;
+    let d_o = slice("d_o", g.d_o.cast::<T>(), s.o_len())?;
     let dq = slice_mut("dq", g.dq.cast::<T>(), s.q_len())?;
     let dk = slice_mut("dk", g.dk.cast::<T>(), s.kv_len())?;
-    let dv = slice_mut("dv", g.dv.cast::<T>(), s.kv_len())?;
+    let dv = slice_mut("dv", g.dv.cast::<T>(), s.v_len())?;
+    let dsinks = if g.dsinks.is_null() {
+        None
+    } else {
+        Some(slice_mut("dsinks", g.dsinks.cast::<T>(), s.q_heads)?)
+    };
     let mut ins = inputs.ranges();
     ins.extend([range("o", o), range("lse", lse), range("d_o", d_o)]);
-    no_overlap(&[range("dq", dq), range("dk", dk), range("dv", dv)], &ins)?;
+    let mut outs = vec![range("dq", dq), range("dk", dk), range("dv", dv)];
+    if let Some(ds) = &dsinks {
+        outs.push(range("dsinks", ds));
+    }
+    no_overlap(&outs, &ins)?;
     let args = inputs.args()?;
-    Cpu::default().backward(
-        &args,
-        Saved { o, lse },
-        d_o,
-        Grads {
-            dq,
-            dk,
-            dv,
-            dsinks: None,
-        },
-    )?;
+    let grads = Grads {
+        dq,
+        dk,
+        dv,
+        dsinks,
+    };
+    Cpu::default().backward(&args, Saved { o, lse }, d_o, grads)?;
     Ok(())
 }
 
@@ -796,10 +838,13 @@ unsafe fn backward<T: CpuElement>(c: AttnCall, g: AttnGrads) -> R<()> {
 /// `TREEATTN_F32` (`float`) or `TREEATTN_F64` (`double`) is the type of
 /// q, k, v, o and lse; `TREEATTN_BF16` or `TREEATTN_F16` (16-bit words) the
 /// type of q, k, v and o, computed in f32 (each result rounded once), with
-/// a `float` lse. Writes `o` (like q) and `lse` (`[q_heads, tokens]`,
-/// natural log; `-inf` for a row with no visible key). `kv_end` and
-/// `position_ids` have `tokens` entries (a pack's arrays); `params` may be
-/// null (defaults).
+/// a `float` lse. q is `[tokens, q_heads, head_dim]`, k `[tokens,
+/// kv_heads, head_dim]`, v `[tokens, kv_heads, v_head_dim]`. Writes `o`
+/// (`[tokens, q_heads, v_head_dim]`) and `lse` (`[q_heads, tokens]`,
+/// natural log; `-inf` for a row with no visible key, the sink's logit
+/// with sinks). `kv_end` and `position_ids` have `tokens` entries (a pack's
+/// arrays); `params` may be null (defaults): its `window`, `softcap` and
+/// `sinks` select the attention variants (all computed on the CPU).
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn treeattn_attention_forward(
@@ -881,8 +926,10 @@ unsafe fn host_forward(
 /// `TREEATTN_F64` (every buffer of that type), or `TREEATTN_BF16` or
 /// `TREEATTN_F16` (every buffer but the `float` lse): from the forward's inputs
 /// (same shape, mask and params), its `o` and `lse`, and the output
-/// gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k),
-/// with respect to the unrotated q and k.
+/// gradient `d_o` (like o), writes `dq` (like q), `dk` (like k), `dv`
+/// (like v), with respect to the unrotated q and k, and with sinks in
+/// `params` the sinks' gradient into `dsinks` (`q_heads` values of q's
+/// type) unless it is null (which it must be without sinks).
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn treeattn_attention_backward(
@@ -900,6 +947,7 @@ pub unsafe extern "C" fn treeattn_attention_backward(
     dq: *mut c_void,
     dk: *mut c_void,
     dv: *mut c_void,
+    dsinks: *mut c_void,
 ) -> i32 {
     let c = AttnCall {
         q,
@@ -918,6 +966,7 @@ pub unsafe extern "C" fn treeattn_attention_backward(
         dq,
         dk,
         dv,
+        dsinks,
     };
     host_backward("treeattn_attention_backward", dtype, c, g)
 }
@@ -940,6 +989,7 @@ pub unsafe extern "C" fn treeattn_attention_backward_mask(
     dq: *mut c_void,
     dk: *mut c_void,
     dv: *mut c_void,
+    dsinks: *mut c_void,
 ) -> i32 {
     if mask.is_null() {
         return guard(|| Err(null("mask")));
@@ -961,6 +1011,7 @@ pub unsafe extern "C" fn treeattn_attention_backward_mask(
         dq,
         dk,
         dv,
+        dsinks,
     };
     host_backward("treeattn_attention_backward_mask", dtype, c, g)
 }

@@ -38,7 +38,8 @@ fn library_dir() -> PathBuf {
         .unwrap_or_else(|| panic!("{name} not found next to {}", exe.display()))
 }
 
-/// O, dQ, dK, dV of the C program's f64 call, computed with the Rust API.
+/// O, dQ, dK, dV of the C program's f64 call, then O, dQ, dK, dV, dsinks
+/// of its call with the attention variants, computed with the Rust API.
 fn expected() -> String {
     let rollout = Rollout::new(
         "r17",
@@ -69,7 +70,28 @@ fn expected() -> String {
     let g = Cpu::default()
         .backward_owned(&args, fwd.saved(), &d_o)
         .unwrap();
-    [&fwd.o, &g.dq, &g.dk, &g.dv]
+    // The same pack with the attention variants: a window of 2 tree
+    // levels, a softcap of 3, sinks and a value head dim of 8.
+    let vshape = AttnShape {
+        v_head_dim: 8,
+        ..shape
+    };
+    let mut params = AttnParams::new(16);
+    params.window = Some(2);
+    params.softcap = Some(3.0);
+    let vv: Vec<f64> = wave(vshape.v_len(), f64::sin, 0.71);
+    let vdo: Vec<f64> = wave(vshape.o_len(), f64::cos, 0.29);
+    let sinks: Vec<f64> = (0..4).map(|h| h as f64 - 1.5).collect();
+    let vargs = AttnArgs::new(&q[..], &k[..], &vv[..], vshape, mask, params)
+        .unwrap()
+        .with_sinks(&sinks[..])
+        .unwrap();
+    let vfwd = Cpu::default().forward_owned(&vargs).unwrap();
+    let vg = Cpu::default()
+        .backward_owned(&vargs, vfwd.saved(), &vdo)
+        .unwrap();
+    let dsinks = vg.dsinks.unwrap();
+    [&fwd.o, &g.dq, &g.dk, &g.dv, &vfwd.o, &vg.dq, &vg.dk, &vg.dv, &dsinks]
         .iter()
         .flat_map(|a| a.iter())
         .map(|x| format!("{x:.17e}\n"))

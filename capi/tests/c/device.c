@@ -164,7 +164,7 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
   const char *name = f16 ? "f16" : "bf16";
   const TreeattnDtype dtype = f16 ? TREEATTN_F16 : TREEATTN_BF16;
   const double o_bound = f16 ? 2e-3 : 1e-2, g_bound = f16 ? 5e-3 : 2e-2;
-  TreeattnShape shape = {L, 4, 2, 64};
+  TreeattnShape shape = {L, 4, 2, 64, 0};
   size_t nq = L * 4 * 64, nk = L * 2 * 64, nl = 4 * L;
   uint16_t *q16 = malloc(nq * 2), *k16 = malloc(nk * 2), *v16 = malloc(nk * 2),
            *do16 = malloc(nq * 2), *o16 = malloc(nq * 2), *g16 = malloc(nq * 2);
@@ -245,12 +245,12 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
   /* Backward from the device's own O and LSE; the reference from the
    * CPU's (both within the forward bounds of each other). */
   OK(treeattn_attention_backward(TREEATTN_F32, q, k, v, shape, kv_end, pos, NULL, o, lse,
-                                 dout, dq, dk, dv));
+                                 dout, dq, dk, dv, NULL));
   memset(g16, 0xFF, nq * 2);
   CUdeviceptr gq = upload(g16, nq * 2), gk = upload(g16, nk * 2), gv = upload(g16, nk * 2);
   OK(treeattn_cuda_attention_backward(dtype, 0, stream, (void *)dq_, (void *)dk_, (void *)dv_,
                                       shape, kv_end, pos, NULL, (void *)d_o, (const float *)d_lse,
-                                      (void *)ddo, (void *)gq, (void *)gk, (void *)gv));
+                                      (void *)ddo, (void *)gq, (void *)gk, (void *)gv, NULL));
   CU(cu.stream_sync(stream));
   struct {
     const char *what;
@@ -311,7 +311,7 @@ int main(int argc, char **argv) {
   size_t L, n;
   OK(treeattn_pack_u32(pack, TREEATTN_PACK_KV_END, &kv_end, &L));
   OK(treeattn_pack_u32(pack, TREEATTN_PACK_POSITION_IDS, &pos, &n));
-  TreeattnShape shape = {L, 4, 2, 64};
+  TreeattnShape shape = {L, 4, 2, 64, 0};
   {
     /* A dtype an entry does not take: TREEATTN_ERR_UNSUPPORTED naming it, in
      * every build, before any CUDA work (the pointers are never read). */
@@ -377,7 +377,7 @@ int main(int argc, char **argv) {
   {
     char dummy[16];
     float dummy_lse[4];
-    TreeattnShape empty = {0, 4, 2, 64};
+    TreeattnShape empty = {0, 4, 2, 64, 0};
     int32_t st = treeattn_cuda_attention_forward(TREEATTN_BF16, 0, stream, dummy, dummy, dummy,
                                                  empty, kv_end, pos, NULL, dummy, dummy_lse);
     if (st == TREEATTN_ERR_UNSUPPORTED) {

@@ -169,7 +169,7 @@ int main(int argc, char **argv) {
 
   /* --- attention on the pack: f64 and f32 ---------------------------- */
   const size_t hq = 4, hkv = 2, d = 16;
-  TreeattnShape shape = {L, hq, hkv, d};
+  TreeattnShape shape = {L, hq, hkv, d, 0};
   size_t nq = L * hq * d, nkv = L * hkv * d;
   double *q = malloc(nq * sizeof(double)), *k = malloc(nkv * sizeof(double)),
          *v = malloc(nkv * sizeof(double)), *d_o = malloc(nq * sizeof(double));
@@ -186,7 +186,7 @@ int main(int argc, char **argv) {
          *dv = malloc(nkv * sizeof(double));
   OK(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, o, lse));
   OK(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, o, lse,
-                                 d_o, dq, dk, dv));
+                                 d_o, dq, dk, dv, NULL));
 
   /* against the Rust API's result */
   FILE *fp = fopen(argv[1], "r");
@@ -210,6 +210,52 @@ int main(int argc, char **argv) {
      * count, which only reorders nothing here; allow rounding anyway. */
     CHECK(worst <= 1e-12, "%s differs from the Rust API's by %g", names[a], worst);
   }
+
+  /* the attention variants: a window of 2 tree levels, a softcap of 3,
+   * sinks (with their gradient) and a value head dim of 8 */
+  {
+    const size_t dv_ = 8;
+    TreeattnShape vshape = {L, hq, hkv, d, dv_};
+    size_t no = L * hq * dv_, nv = L * hkv * dv_;
+    double *vv = malloc(nv * sizeof(double)), *vdo = malloc(no * sizeof(double));
+    for (size_t i = 0; i < nv; i++) vv[i] = sin((double)i * 0.71);
+    for (size_t i = 0; i < no; i++) vdo[i] = cos((double)i * 0.29);
+    double sinks[4] = {-1.5, -0.5, 0.5, 1.5};
+    TreeattnParams var = {0.0, 0, 0.0, 0, 2, 3.0, sinks};
+    double *vo = malloc(no * sizeof(double)), *vlse = malloc(hq * L * sizeof(double));
+    double *vdq = malloc(nq * sizeof(double)), *vdk = malloc(nkv * sizeof(double)),
+           *vdv = malloc(nv * sizeof(double)), dsinks[4];
+    OK(treeattn_attention_forward(TREEATTN_F64, q, k, vv, vshape, kv_end, pos, &var, vo, vlse));
+    OK(treeattn_attention_backward(TREEATTN_F64, q, k, vv, vshape, kv_end, pos, &var, vo, vlse,
+                                   vdo, vdq, vdk, vdv, dsinks));
+    double *varrays[] = {vo, vdq, vdk, vdv, dsinks};
+    size_t vlens[] = {no, nq, nkv, nv, 4};
+    const char *vnames[] = {"variant o", "variant dq", "variant dk", "variant dv", "dsinks"};
+    for (int a = 0; a < 5; a++) {
+      double worst = 0.0;
+      for (size_t i = 0; i < vlens[a]; i++) {
+        double want;
+        if (fscanf(fp, "%lf", &want) != 1) {
+          CHECK(0, "expected file too short at %s[%zu]", vnames[a], i);
+          return 1;
+        }
+        double x = fabs(varrays[a][i] - want);
+        if (!(x <= worst)) worst = x;
+      }
+      CHECK(worst <= 1e-12, "%s differs from the Rust API's by %g", vnames[a], worst);
+    }
+    /* sinks without asking for their gradient; dsinks without sinks: refused */
+    OK(treeattn_attention_backward(TREEATTN_F64, q, k, vv, vshape, kv_end, pos, &var, vo, vlse,
+                                   vdo, vdq, vdk, vdv, NULL));
+    FAILS(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, o, lse,
+                                      d_o, dq, dk, dv, dsinks),
+          TREEATTN_ERR_SHAPE, "without attention sinks");
+    TreeattnParams zero_window = {0.0, 0, 0.0, 0, 0, -1.0, NULL};
+    FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &zero_window, o,
+                                     lse),
+          TREEATTN_ERR_UNSUPPORTED, "softcap");
+    free(vv), free(vdo), free(vo), free(vlse), free(vdq), free(vdk), free(vdv);
+  }
   fclose(fp);
 
   /* against the dense reference */
@@ -231,14 +277,14 @@ int main(int argc, char **argv) {
     for (int layer = 0; layer < 2; layer++) {
       OK(treeattn_attention_forward_mask(TREEATTN_F64, q, k, v, shape, mask, NULL, o2, lse2));
       OK(treeattn_attention_backward_mask(TREEATTN_F64, q, k, v, shape, mask, NULL, o2, lse2,
-                                          d_o, dq2, dk2, dv2));
+                                          d_o, dq2, dk2, dv2, NULL));
       CHECK(memcmp(o, o2, nq * sizeof(double)) == 0, "o through the plan differs");
       CHECK(memcmp(lse, lse2, hq * L * sizeof(double)) == 0, "lse through the plan differs");
       CHECK(memcmp(dq, dq2, nq * sizeof(double)) == 0, "dq through the plan differs");
       CHECK(memcmp(dk, dk2, nkv * sizeof(double)) == 0, "dk through the plan differs");
       CHECK(memcmp(dv, dv2, nkv * sizeof(double)) == 0, "dv through the plan differs");
     }
-    TreeattnShape shorter = {L - 1, hq, hkv, d};
+    TreeattnShape shorter = {L - 1, hq, hkv, d, 0};
     FAILS(treeattn_attention_forward_mask(TREEATTN_F64, q, k, v, shorter, mask, NULL, o2, lse2),
           TREEATTN_ERR_SHAPE, "plan of a pack of 16 tokens");
     FAILS(treeattn_attention_forward_mask(TREEATTN_F64, q, k, v, shape, NULL, NULL, o2, lse2),
@@ -311,9 +357,9 @@ int main(int argc, char **argv) {
     /* the backward from the bf16 o: the f32 backward from the widened o */
     for (size_t i = 0; i < nq; i++) ow[i] = float_of_bf16(ob[i]);
     OK(treeattn_attention_backward(TREEATTN_BF16, qb, kb, vb, shape, kv_end, pos, NULL, ob,
-                                   lseb, dob, dqb, dkb, dvb));
+                                   lseb, dob, dqb, dkb, dvb, NULL));
     OK(treeattn_attention_backward(TREEATTN_F32, qw, kw, vw, shape, kv_end, pos, NULL, ow,
-                                   lsew, dow, dqw, dkw, dvw));
+                                   lsew, dow, dqw, dkw, dvw, NULL));
     bad = 0;
     for (size_t i = 0; i < nq; i++) bad += dqb[i] != bf16_of(dqw[i]);
     for (size_t i = 0; i < nkv; i++) bad += (dkb[i] != bf16_of(dkw[i])) + (dvb[i] != bf16_of(dvw[i]));
@@ -357,7 +403,7 @@ int main(int argc, char **argv) {
         TREEATTN_ERR_NULL, "`q`");
   FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, NULL, lse),
         TREEATTN_ERR_NULL, "`o`");
-  TreeattnShape bad_heads = {L, 3, 2, d};
+  TreeattnShape bad_heads = {L, 3, 2, d, 0};
   FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, bad_heads, kv_end, pos, NULL, o, lse),
         TREEATTN_ERR_SHAPE, "kv_heads");
   uint32_t bad_kv_end[16];
@@ -367,16 +413,16 @@ int main(int argc, char **argv) {
         TREEATTN_ERR_PACK, "kv_end");
   FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, q, lse),
         TREEATTN_ERR_SHAPE, "overlaps");
-  TreeattnParams rope = {0.0, 3, 10000.0, 0};
+  TreeattnParams rope = {0.0, 3, 10000.0, 0, 0, 0.0, NULL};
   FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &rope, o, lse),
         TREEATTN_ERR_UNSUPPORTED, "rotary");
-  TreeattnParams finite = {0.0, 0, 0.0, 1};
+  TreeattnParams finite = {0.0, 0, 0.0, 1, 0, 0.0, NULL};
   q[5] = NAN;
   FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &finite, o, lse),
         TREEATTN_ERR_NON_FINITE, "q");
   q[5] = 0.0;
   FAILS(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, o, lse,
-                                    d_o, dq, dk, NULL),
+                                    d_o, dq, dk, NULL, NULL),
         TREEATTN_ERR_NULL, "`dv`");
   TreeattnPack *bad = (TreeattnPack *)&failures;
   const size_t empty_comp_off[] = {0, 2, 3, 5, 5}; /* call 3 completes nothing */
@@ -404,7 +450,7 @@ int main(int argc, char **argv) {
                                  weights, 3, 1.0f, grad, &loss, NULL),
         TREEATTN_ERR_UNSUPPORTED, "TREEATTN_BF16");
   FAILS(treeattn_attention_backward((TreeattnDtype)7, q, k, v, shape, kv_end, pos, NULL, o, lse,
-                                    d_o, dq, dk, dv),
+                                    d_o, dq, dk, dv, NULL),
         TREEATTN_ERR_UNSUPPORTED, "7 (not a TreeattnDtype)");
   FAILS(treeattn_sdcc_forward_kl((TreeattnDtype)42, logits, rows, logits, rows, vocab, pairs,
                                  weights, 3, 1.0f, grad, &loss, NULL),

@@ -24,7 +24,7 @@ def call(q, k, v, kv_end, **kw):
 CASES = [
     (dict(q=torch.randn(L, HQ)), {}, "q must be [L, Hq, d]"),
     (dict(k=torch.randn(L, HKV * D)), {}, "k must be [L, Hkv, d]"),
-    (dict(v=torch.randn(L, HKV, D + 1)), {}, "v must have k's shape"),
+    (dict(v=torch.randn(L, HKV + 1, D)), {}, "v must be [L, Hkv, dv]"),
     (dict(k=torch.randn(L + 1, HKV, D), v=torch.randn(L + 1, HKV, D)), {}, "k has 7 tokens"),
     (dict(k=torch.randn(L, HKV, D * 2), v=torch.randn(L, HKV, D * 2)), {}, "head dim"),
     (dict(k=torch.randn(L, 3, D), v=torch.randn(L, 3, D)), {}, "kv heads"),

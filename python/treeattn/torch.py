@@ -479,12 +479,46 @@ class TreeMask:
         self._plan_id = next(_PLAN_IDS)
         _PLANS[self._plan_id] = self
         dev = torch.device(device) if device is not None else kv_end.device
-        self.kv_end = kv_end.to(dev, torch.int64)
-        self.position_ids = None if position_ids is None else position_ids.to(dev, torch.int64)
+        # Copies of their own (never the caller's tensors), whose versions
+        # are checked at every use: the plan cannot silently disagree with
+        # what the mask shows.
+        self._kv_end = kv_end.to(dev, torch.int64, copy=True)
+        self._position_ids = None if position_ids is None else position_ids.to(dev, torch.int64, copy=True)
+        self._versions = self._current_versions()
         self._block_masks: Dict[Tuple[int, Optional[int]], Any] = {}
 
+    def _current_versions(self) -> Tuple[int, int]:
+        pos = self._position_ids
+        return self._kv_end._version, (-1 if pos is None else pos._version)
+
+    def _fresh(self) -> None:
+        if self._current_versions() != self._versions:
+            raise ValueError(
+                "this TreeMask's kv_end or position_ids was modified in place after the mask was built: "
+                "its validated plan would no longer match them; build a new TreeMask for the new mask"
+            )
+
+    @property
+    def kv_end(self) -> Tensor:
+        """``[L]`` int64: the mask's own copy of ``kv_end`` (the tensor
+        given is copied; an in-place change of this one makes every later
+        use of the mask raise ``ValueError``)."""
+        self._fresh()
+        return self._kv_end
+
+    @property
+    def position_ids(self) -> Optional[Tensor]:
+        """``[L]`` int64 or ``None``: the mask's own copy of the position
+        ids (as :attr:`kv_end`)."""
+        self._fresh()
+        return self._position_ids
+
     def __len__(self) -> int:
-        return int(self.kv_end.shape[0])
+        return int(self._kv_end.shape[0])
+
+    def __repr__(self) -> str:
+        pos = "with" if self._position_ids is not None else "without"
+        return f"TreeMask(L={len(self)}, {pos} position_ids, device={self._kv_end.device})"
 
     def dense(self) -> Tensor:
         """The ``[L, L]`` boolean mask (``O(L²)``: for checks and small packs)."""

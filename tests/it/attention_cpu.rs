@@ -829,6 +829,92 @@ fn explicit_key_starts_bound_each_row() {
     assert!(matches!(both, Err(Error::Unsupported(_))));
 }
 
+/// DESIGN §5's policy on every path, small packs included: what rows that
+/// enter no visible pair hold (K, V of keys no query sees; Q, dO of query
+/// rows that see no key — with a window of one level, a padding row's too)
+/// changes no bit of any result, f32 and f64, with and without the
+/// variants. `kv_end = [2, 2, 2, 3]` with V[3] = NaN used to fail with "non-finite
+/// value in o at index 0": the padding key shares a register block with
+/// seen keys, and `0 · NaN` poisoned their rows. Negative control: a NaN in
+/// a seen key's V is an error.
+#[test]
+fn non_finite_values_in_rows_no_pair_uses_change_nothing() {
+    fn run<T: CpuFloat>(kv_end: &[u32], window: Option<u32>, plant: bool) -> Vec<Vec<u64>> {
+        let l = kv_end.len();
+        let pos = vec![0u32; l];
+        let mask = PackMask::new(kv_end, &pos).unwrap();
+        let shape = AttnShape::new(l, 2, 1, 8);
+        let mut params = AttnParams::new(8);
+        params.window = window;
+        let mut rng = Rng(l as u64);
+        let mut data = |n| to_t::<T>(&rng.values(n, 1.0));
+        let (mut q, mut k, mut v, mut d_o) = (
+            data(shape.q_len()),
+            data(shape.kv_len()),
+            data(shape.kv_len()),
+            data(shape.q_len()),
+        );
+        if plant {
+            let starts = window.map(|w| mask.window_starts(w).unwrap());
+            let blind = mask.blind_queries_in(starts.as_deref());
+            let bad = T::from_f64(f64::NAN);
+            for (t, &u) in mask.unseen_keys().iter().enumerate() {
+                if u {
+                    k[t * 8..][..8].fill(T::from_f64(f64::INFINITY));
+                    v[t * 8..][..8].fill(bad);
+                }
+            }
+            for (t, &b) in blind.iter().enumerate() {
+                if b {
+                    q[t * 16..][..16].fill(bad);
+                    d_o[t * 16..][..16].fill(T::from_f64(f64::NEG_INFINITY));
+                }
+            }
+        }
+        let args = AttnArgs::new(&q[..], &k[..], &v[..], shape, mask, params).unwrap();
+        let f = Cpu::default().forward_owned(&args).unwrap();
+        let g = Cpu::default()
+            .backward_owned(&args, f.saved(), &d_o)
+            .unwrap();
+        [f.o, f.lse, g.dq, g.dk, g.dv]
+            .iter()
+            .map(|x| x.iter().map(|e| e.to_f64().to_bits()).collect())
+            .collect()
+    }
+    let cases: [&[u32]; 4] = [
+        &[2, 2, 2, 3],
+        &[4, 1, 4, 4, 4],
+        &[3, 3, 3, 3, 6, 5, 6, 7],
+        &[9, 9, 9, 3, 9, 9, 9, 9, 9],
+    ];
+    for kv_end in cases {
+        for window in [None, Some(1), Some(2)] {
+            assert_eq!(
+                run::<f32>(kv_end, window, false),
+                run::<f32>(kv_end, window, true),
+                "{kv_end:?} {window:?}"
+            );
+            assert_eq!(
+                run::<f64>(kv_end, window, false),
+                run::<f64>(kv_end, window, true),
+                "{kv_end:?} {window:?}"
+            );
+        }
+    }
+    // Control: NaN in a seen key's V.
+    let (kv_end, pos) = ([2u32, 2, 2, 3], [0u32; 4]);
+    let mask = PackMask::new(&kv_end, &pos).unwrap();
+    let shape = AttnShape::new(4, 1, 1, 4);
+    let mut v = vec![0.5f32; 16];
+    v[0] = f32::NAN;
+    let x = vec![0.5f32; 16];
+    let args = AttnArgs::new(&x[..], &x[..], &v[..], shape, mask, AttnParams::new(4)).unwrap();
+    assert!(matches!(
+        Cpu::default().forward_owned(&args),
+        Err(Error::NonFinite { .. })
+    ));
+}
+
 /// A window on a mask whose key ranges cross (a valid interval mask of no
 /// tree) is refused when the call is built; without a window it runs.
 #[test]

@@ -37,10 +37,13 @@ pub(crate) fn forward<T: CpuFloat, S: CpuElement<Compute = T>>(
     }
     let lay = Layout::new(l, shape.head_dim, threads);
     let rope = params.rope.map(|r| RopeTable::new(r, mask.position_ids()));
-    // Q is copied per query tile by the one item that reads it.
+    // Q is copied per query tile by the one item that reads it. V rows of
+    // keys no query sees are read as zeros (DESIGN §5): their P is 0, but
+    // 0 · NaN in `P V` would still poison the rows of their register block.
+    let unseen = mask.unseen_keys();
     let [kt, vh] = lay.copy_inputs([
         Input::columns(k, shape.kv_heads, rope.as_ref()),
-        Input::rows(v, shape.kv_heads, None),
+        Input::rows(v, shape.kv_heads, None).ignoring(&unseen),
     ]);
     let mut bounds = KeyTileBounds::new(mask.kv_end());
     if let Some(starts) = super::key_starts(&args)? {

@@ -2,10 +2,13 @@
 //! thin adapter over the backend contract ([`crate::backend`]) that candle's
 //! autograd differentiates.
 //!
-//! [`tree_attention`] takes q `[L, Hq, d]`, k and v `[L, Hkv, d]` (the
-//! contract's layout, `Hkv` dividing `Hq`), the pack's [`PackMask`] and the
-//! [`AttnParams`] (softmax scale, rotary at the pack's position ids), and
-//! returns O `[L, Hq, d]`. It is a [`CustomOp3`]: the forward runs the CPU
+//! [`tree_attention`] takes q `[L, Hq, d]`, k `[L, Hkv, d]` and v `[L, Hkv,
+//! dv]` (the contract's layout, `Hkv` dividing `Hq`; `dv` may differ from
+//! `d`: multi-head latent attention), the pack's [`PackMask`] and the
+//! [`AttnParams`] (softmax scale, rotary at the pack's position ids, a
+//! sliding window of tree levels, a logit softcap), and returns O `[L, Hq,
+//! dv]`; [`tree_attention_with_sinks`] adds learnable attention sinks
+//! `[Hq]` (gpt-oss; CPU tensors), whose gradient candle's backward returns. It is a [`CustomOp3`]: the forward runs the CPU
 //! backend ([`Cpu::default`], so [`crate::backend::cpu::set_default_threads`]
 //! applies) in f32 or f64, and on bf16 / f16 tensors as they are (widened
 //! exactly, computed in f32, rounded once as stored); the LSE it computes is
@@ -54,7 +57,7 @@ use crate::plan::MaskPlan;
 /// Tree attention on a pack as a differentiable candle op; see the module
 /// docs. Errors (as `candle_core::Error`, the message of the crate's
 /// [`crate::Error`]): q, k, v not 3-D or not `[L, Hq, d]`, `[L, Hkv, d]`,
-/// `[L, Hkv, d]` with `L` the mask's tokens, different dtypes, a dtype
+/// `[L, Hkv, dv]` with `L` the mask's tokens, different dtypes, a dtype
 /// other than f32 / f64 / bf16 / f16, tensors not on the CPU, and every
 /// error of [`AttnArgs::new`].
 pub fn tree_attention(
@@ -92,56 +95,102 @@ pub fn tree_attention_plan(
     plan: &Arc<MaskPlan>,
     params: &AttnParams,
 ) -> candle_core::Result<Tensor> {
-    let mask = plan.mask();
-    let (tokens, q_heads, head_dim) = q.dims3()?;
-    let (_, kv_heads, _) = k.dims3()?;
-    let shape = AttnShape {
-        tokens,
-        q_heads,
-        kv_heads,
-        head_dim,
-        v_head_dim: head_dim,
-    };
-    for (what, t, want) in [
-        ("k", k, (tokens, kv_heads, head_dim)),
-        ("v", v, (tokens, kv_heads, head_dim)),
-    ] {
-        if t.dims3()? != want {
-            return Err(err(crate::Error::Shape(format!(
-                "{what} is {:?}, expected [{}, {}, {}] (like q: [tokens, kv_heads, head_dim])",
-                t.dims(),
-                want.0,
-                want.1,
-                want.2
-            ))));
-        }
-    }
-    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
-        return Err(err(crate::Error::Unsupported(format!(
-            "q, k, v dtypes {:?}, {:?}, {:?} differ",
-            q.dtype(),
-            k.dtype(),
-            v.dtype()
-        ))));
-    }
-    // Sizes and parameters are checked here, before candle runs the op (a
-    // PackMask is valid by construction).
-    shape.validate().map_err(err)?;
-    params.validate(&shape).map_err(err)?;
-    if mask.len() != tokens {
-        return Err(err(crate::Error::Pack(format!(
-            "the mask has {} tokens but q has {tokens}",
-            mask.len()
-        ))));
-    }
-    let op = TreeAttention {
-        plan: plan.clone(),
-        shape,
-        params: *params,
-        lse: Mutex::new(None),
-    };
+    let op = TreeAttention::new(q, k, v, plan, params, Inputs::Separate)?;
     q.contiguous()?
         .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+/// [`tree_attention_plan`] with attention sinks `[Hq]` (one logit per query
+/// head joining each row's softmax denominator, with no value: gpt-oss),
+/// of q's dtype, differentiable: candle's backward returns their gradient
+/// with dQ, dK, dV. CPU tensors (the CUDA kernels do not compute sinks).
+/// (k and v go to the op as one flat tensor, candle's three-input op
+/// holding q, K‖V and the sinks; candle's autograd splits the gradient
+/// back.)
+pub fn tree_attention_with_sinks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    sinks: &Tensor,
+    plan: &Arc<MaskPlan>,
+    params: &AttnParams,
+) -> candle_core::Result<Tensor> {
+    let k_len = k.elem_count();
+    let op = TreeAttention::new(q, k, v, plan, params, Inputs::Packed { k_len })?;
+    if sinks.dims() != [op.shape.q_heads] || sinks.dtype() != q.dtype() {
+        return Err(err(crate::Error::Shape(format!(
+            "sinks are {:?} {:?}, expected [{}] of q's dtype {:?} (one logit per query head)",
+            sinks.dims(),
+            sinks.dtype(),
+            op.shape.q_heads,
+            q.dtype()
+        ))));
+    }
+    let kv = Tensor::cat(&[k.flatten_all()?, v.flatten_all()?], 0)?;
+    q.contiguous()?.apply_op3(&kv, &sinks.contiguous()?, op)
+}
+
+impl TreeAttention {
+    /// The op for q, k, v on `plan`, checked: shapes, dtypes, parameters.
+    fn new(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        plan: &Arc<MaskPlan>,
+        params: &AttnParams,
+        inputs: Inputs,
+    ) -> candle_core::Result<Self> {
+        let mask = plan.mask();
+        let (tokens, q_heads, head_dim) = q.dims3()?;
+        let (_, kv_heads, _) = k.dims3()?;
+        let v_head_dim = v.dims().get(2).copied().unwrap_or(0);
+        let shape = AttnShape {
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim,
+            v_head_dim,
+        };
+        for (what, t, want) in [
+            ("k", k, (tokens, kv_heads, head_dim)),
+            ("v", v, (tokens, kv_heads, v_head_dim)),
+        ] {
+            if t.dims3()? != want {
+                return Err(err(crate::Error::Shape(format!(
+                    "{what} is {:?}, expected [{}, {}, {}] (like q: [tokens, kv_heads, head_dim])",
+                    t.dims(),
+                    want.0,
+                    want.1,
+                    want.2
+                ))));
+            }
+        }
+        if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+            return Err(err(crate::Error::Unsupported(format!(
+                "q, k, v dtypes {:?}, {:?}, {:?} differ",
+                q.dtype(),
+                k.dtype(),
+                v.dtype()
+            ))));
+        }
+        // Sizes and parameters are checked here, before candle runs the op (a
+        // PackMask is valid by construction).
+        shape.validate().map_err(err)?;
+        params.validate(&shape).map_err(err)?;
+        if mask.len() != tokens {
+            return Err(err(crate::Error::Pack(format!(
+                "the mask has {} tokens but q has {tokens}",
+                mask.len()
+            ))));
+        }
+        Ok(TreeAttention {
+            plan: plan.clone(),
+            shape,
+            params: *params,
+            inputs,
+            lse: Mutex::new(None),
+        })
+    }
 }
 
 fn err(e: crate::Error) -> candle_core::Error {
@@ -157,12 +206,24 @@ enum Lse {
     Device(cudarc::driver::CudaSlice<f32>),
 }
 
+/// What the op's three candle inputs hold.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Inputs {
+    /// q, k, v.
+    Separate,
+    /// q, k and v flattened one after the other (`k_len` elements of k),
+    /// and the sinks.
+    Packed { k_len: usize },
+}
+
 /// The op: the pack's plan (shared; candle keeps the op until the
-/// backward), the sizes, the parameters and the forward's LSE.
+/// backward), the sizes, the parameters, what its inputs hold and the
+/// forward's LSE.
 struct TreeAttention {
     plan: Arc<MaskPlan>,
     shape: AttnShape,
     params: AttnParams,
+    inputs: Inputs,
     lse: Mutex<Option<Lse>>,
 }
 
@@ -175,13 +236,24 @@ fn host<'a, T>(data: &'a [T], l: &Layout, what: &str) -> candle_core::Result<&'a
 }
 
 impl TreeAttention {
+    /// The contract's arguments from the op's three inputs (`b`, `c`: k
+    /// and v, or K‖V and the sinks).
     fn args<'a, S: CpuElement>(
         &'a self,
         q: &'a [S],
-        k: &'a [S],
-        v: &'a [S],
+        b: &'a [S],
+        c: &'a [S],
     ) -> candle_core::Result<AttnArgs<'a, crate::backend::Host, S>> {
-        AttnArgs::new(q, k, v, self.shape, self.plan.mask(), self.params).map_err(err)
+        let (k, v, sinks) = match self.inputs {
+            Inputs::Separate => (b, c, None),
+            Inputs::Packed { k_len } => (&b[..k_len], &b[k_len..], Some(c)),
+        };
+        let args =
+            AttnArgs::new(q, k, v, self.shape, self.plan.mask(), self.params).map_err(err)?;
+        match sinks {
+            Some(sinks) => args.with_sinks(sinks).map_err(err),
+            None => Ok(args),
+        }
     }
 
     /// O in the inputs' type, the LSE in the compute type (f32 for bf16 and
@@ -189,33 +261,58 @@ impl TreeAttention {
     fn forward<S: CpuElement>(
         &self,
         q: &[S],
-        k: &[S],
-        v: &[S],
+        b: &[S],
+        c: &[S],
     ) -> candle_core::Result<AttnOut<S, S::Compute>> {
         Cpu::default()
-            .forward_owned(&self.args(q, k, v)?)
+            .forward_owned(&self.args(q, b, c)?)
             .map_err(err)
     }
 
-    /// dQ, dK, dV in the tensors' type `S`, from host copies of the
+    /// The gradients of the op's three inputs in the tensors' type `S`
+    /// (dQ, dK, dV; or dQ, dK‖dV, dsinks), from host copies of the
     /// tensors, with the kept LSE (or a recomputed one).
     fn grads<S: CpuElement + candle_core::WithDType>(
         &self,
         t: [&Tensor; 5],
         kept: Option<Vec<S::Compute>>,
     ) -> candle_core::Result<[Vec<S>; 3]> {
-        let [q, k, v, o, d_o] = t.map(|x| x.flatten_all().and_then(|x| x.to_vec1::<S>()));
-        let (q, k, v, o, d_o) = (q?, k?, v?, o?, d_o?);
-        let args = self.args(&q, &k, &v)?;
+        let [q, b, c, o, d_o] = t.map(|x| x.flatten_all().and_then(|x| x.to_vec1::<S>()));
+        let (q, b, c, o, d_o) = (q?, b?, c?, o?, d_o?);
+        let args = self.args(&q, &b, &c)?;
         let lse = match kept {
             Some(lse) => lse,
-            None => self.forward(&q, &k, &v)?.lse,
+            None => self.forward(&q, &b, &c)?.lse,
         };
         let fwd = AttnOut { o, lse };
         let g = Cpu::default()
             .backward_owned(&args, fwd.saved(), &d_o)
             .map_err(err)?;
-        Ok([g.dq, g.dk, g.dv])
+        Ok(match self.inputs {
+            Inputs::Separate => [g.dq, g.dk, g.dv],
+            Inputs::Packed { .. } => {
+                let mut dkv = g.dk;
+                dkv.extend(g.dv);
+                [g.dq, dkv, g.dsinks.unwrap_or_default()]
+            }
+        })
+    }
+
+    /// The shapes of the op's three inputs.
+    fn input_dims(&self) -> [Vec<usize>; 3] {
+        let s = self.shape;
+        match self.inputs {
+            Inputs::Separate => [
+                vec![s.tokens, s.q_heads, s.head_dim],
+                vec![s.tokens, s.kv_heads, s.head_dim],
+                vec![s.tokens, s.kv_heads, s.v_head_dim],
+            ],
+            Inputs::Packed { .. } => [
+                vec![s.tokens, s.q_heads, s.head_dim],
+                vec![s.kv_len() + s.v_len()],
+                vec![s.q_heads],
+            ],
+        }
     }
 }
 
@@ -234,7 +331,7 @@ impl CustomOp3 for TreeAttention {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let out_shape =
-            Shape::from_dims(&[self.shape.tokens, self.shape.q_heads, self.shape.head_dim]);
+            Shape::from_dims(&[self.shape.tokens, self.shape.q_heads, self.shape.v_head_dim]);
         let (storage, lse) = match (s1, s2, s3) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
                 let f = self.forward(host(q, l1, "q")?, host(k, l2, "k")?, host(v, l3, "v")?)?;
@@ -271,8 +368,13 @@ impl CustomOp3 for TreeAttention {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        if self.inputs != Inputs::Separate {
+            candle_core::bail!(
+                "tree_attention_with_sinks: the CUDA kernels do not compute attention sinks (CPU tensors do)"
+            )
+        }
         let out_shape =
-            Shape::from_dims(&[self.shape.tokens, self.shape.q_heads, self.shape.head_dim]);
+            Shape::from_dims(&[self.shape.tokens, self.shape.q_heads, self.shape.v_head_dim]);
         let (o, lse) = match s1.dtype() {
             DType::BF16 => device::forward::<half::bf16>(self, [(s1, l1), (s2, l2), (s3, l3)])?,
             DType::F16 => device::forward::<half::f16>(self, [(s1, l1), (s2, l2), (s3, l3)])?,
@@ -300,12 +402,8 @@ impl CustomOp3 for TreeAttention {
             return Ok((Some(dq), Some(dk), Some(dv)));
         }
         let t = [q, k, v, res, grad_res];
-        let (s, dev) = (self.shape, q.device());
-        let (q_dims, kv_dims) = (
-            (s.tokens, s.q_heads, s.head_dim),
-            (s.tokens, s.kv_heads, s.head_dim),
-        );
-        let dims = [q_dims, kv_dims, kv_dims];
+        let dev = q.device();
+        let dims = self.input_dims();
         let (f32_lse, f64_lse) = match kept {
             Some(Lse::F32(l)) => (Some(l), None),
             Some(Lse::F64(l)) => (None, Some(l)),
@@ -327,12 +425,13 @@ impl CustomOp3 for TreeAttention {
 /// Gradients as tensors of the inputs' shapes and device (and dtype: `T`).
 fn tensors<T: candle_core::WithDType>(
     g: [Vec<T>; 3],
-    dims: [(usize, usize, usize); 3],
+    dims: [Vec<usize>; 3],
     dev: &candle_core::Device,
 ) -> candle_core::Result<[Tensor; 3]> {
     let [a, b, c] = g;
-    let t = |g: Vec<T>, d| Tensor::from_vec(g, d, dev);
-    Ok([t(a, dims[0])?, t(b, dims[1])?, t(c, dims[2])?])
+    let [da, db, dc] = dims;
+    let t = |g: Vec<T>, d: Vec<usize>| Tensor::from_vec(g, d, dev);
+    Ok([t(a, da)?, t(b, db)?, t(c, dc)?])
 }
 
 /// The op on CUDA tensors: the crate's kernels on candle's device stream,
@@ -419,7 +518,7 @@ mod device {
         let s = op.shape;
         let [q, k, v] = [("q", 0), ("k", 1), ("v", 2)]
             .map(|(what, i)| address::<T>(inputs[i].0, inputs[i].1, &stream, what));
-        let mut o = alloc::<T>(&dev, s.q_len())?;
+        let mut o = alloc::<T>(&dev, s.o_len())?;
         let mut lse = alloc::<f32>(&dev, s.lse_len())?;
         let call = RawAttention {
             q: q?,
@@ -499,7 +598,7 @@ mod device {
         }
         let mut dq = alloc::<T>(&dev, s.q_len())?;
         let mut dk = alloc::<T>(&dev, s.kv_len())?;
-        let mut dv = alloc::<T>(&dev, s.kv_len())?;
+        let mut dv = alloc::<T>(&dev, s.v_len())?;
         let call = RawAttention {
             q: ptrs[0],
             k: ptrs[1],
@@ -522,9 +621,10 @@ mod device {
         drop(guards);
         // The kernels read the LSE on the stream: free it there, after them.
         drop(lse);
-        let (qd, kvd) = (
+        let (qd, kvd, vd) = (
             (s.tokens, s.q_heads, s.head_dim),
             (s.tokens, s.kv_heads, s.head_dim),
+            (s.tokens, s.kv_heads, s.v_head_dim),
         );
         let wrap = |g: CudaSlice<T>, dims: (usize, usize, usize)| {
             Tensor::from_storage(
@@ -534,6 +634,6 @@ mod device {
                 false,
             )
         };
-        Ok([wrap(dq, qd), wrap(dk, kvd), wrap(dv, kvd)])
+        Ok([wrap(dq, qd), wrap(dk, kvd), wrap(dv, vd)])
     }
 }

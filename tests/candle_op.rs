@@ -118,6 +118,139 @@ fn gradients_match_dense(dtype: DType, tol: f64) -> R<()> {
     Ok(())
 }
 
+/// The attention variants in candle ops with a dense mask, from their
+/// definitions: a window of `w` tree levels (`depth(q) − depth(k) < w`,
+/// depth = the number of keys whose range holds the row), a softcap `c`
+/// (`c · tanh(s / c)` of the scaled score), sinks (`exp(σ_h)` in each row's
+/// denominator), and v of its own head dim.
+#[allow(clippy::too_many_arguments)]
+fn dense_variant(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    sinks: Option<&Tensor>,
+    kv_end: &[u32],
+    scale: f64,
+    window: Option<u32>,
+    softcap: Option<f64>,
+) -> R<Tensor> {
+    let (l, hq, _) = q.dims3()?;
+    let group = hq / k.dim(1)?;
+    let depth: Vec<usize> = (0..l)
+        .map(|t| (0..t).filter(|&j| kv_end[j] as usize > t).count())
+        .collect();
+    let visible = dense_mask(kv_end);
+    let ones: Vec<f64> = (0..l * l)
+        .map(|i| {
+            let (qq, kk) = (i / l, i % l);
+            // Visible keys are ancestors (or the row): their depth is at most the row's.
+            if visible[i] && window.is_none_or(|w| depth[qq] - depth[kk] < w as usize) {
+                1.0
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(ones, (l, l), &Device::Cpu)?.to_dtype(q.dtype())?;
+    let mut heads = Vec::with_capacity(hq);
+    for h in 0..hq {
+        let qh = q.i((.., h, ..))?.contiguous()?;
+        let kh = k.i((.., h / group, ..))?.contiguous()?;
+        let vh = v.i((.., h / group, ..))?.contiguous()?;
+        let mut s = (qh.matmul(&kh.t()?)? * scale)?;
+        if let Some(c) = softcap {
+            s = ((s / c)?.tanh()? * c)?;
+        }
+        let m = s.max_keepdim(1)?.detach();
+        let e = (s.broadcast_sub(&m)?.exp()? * &mask)?;
+        let mut den = e.sum_keepdim(1)?;
+        if let Some(sk) = sinks {
+            // exp(σ_h − m) joins every row's sum.
+            let sh = sk.i(h)?.broadcast_as((l, 1))?;
+            den = (den + sh.broadcast_sub(&m)?.exp()?)?;
+        }
+        let p = e.broadcast_div(&den)?;
+        heads.push(p.matmul(&vh)?);
+    }
+    Tensor::stack(&heads, 1)
+}
+
+/// A sliding window, a softcap, sinks (with their gradient) and a value
+/// head dim unlike q's through the op, f64, against `dense_variant` and
+/// candle's autograd.
+#[test]
+fn variants_match_their_dense_definitions() -> R<()> {
+    use treeattn::candle::{tree_attention_plan, tree_attention_with_sinks};
+    use treeattn::plan::MaskPlan;
+    let tree = Tree::build(&[golden(), stack_pop()], true).unwrap();
+    let pack = tree.trie_pack();
+    let plan = std::sync::Arc::new(MaskPlan::new(&pack.kv_end, &pack.position_ids).unwrap());
+    let (l, hq, hkv, d, dv) = (pack.len(), 4, 2, 8, 6);
+    let mut rng = Rng::new(11);
+    let f = DType::F64;
+    let q = Var::from_tensor(&(random(&mut rng, &[l, hq, d], f)? * 2.0)?)?;
+    let k = Var::from_tensor(&(random(&mut rng, &[l, hkv, d], f)? * 2.0)?)?;
+    let v = Var::from_tensor(&random(&mut rng, &[l, hkv, dv], f)?)?;
+    let sinks = Var::from_tensor(&(random(&mut rng, &[hq], f)? * 2.0)?)?;
+    let w = random(&mut rng, &[l, hq, dv], f)?;
+    let mut params = AttnParams::new(d);
+    params.window = Some(3);
+    params.softcap = Some(1.5);
+    let o = tree_attention_with_sinks(&q, &k, &v, &sinks, &plan, &params)?;
+    assert_eq!(o.dims(), &[l, hq, dv]);
+    let g = (&o * &w)?.sum_all()?.backward()?;
+    let o_ref = dense_variant(
+        &q,
+        &k,
+        &v,
+        Some(&sinks),
+        &pack.kv_end,
+        params.softmax_scale,
+        Some(3),
+        Some(1.5),
+    )?;
+    let g_ref = (&o_ref * &w)?.sum_all()?.backward()?;
+    assert!(max_diff(&o, &o_ref) <= 1e-12, "O");
+    for (name, x) in [("dq", &q), ("dk", &k), ("dv", &v), ("dsinks", &sinks)] {
+        let (a, b) = (g.get(x).unwrap(), g_ref.get(x).unwrap());
+        assert_eq!(a.dims(), x.dims(), "{name}");
+        assert!(
+            max_diff(a, b) <= 1e-11,
+            "{name} differs by {:e}",
+            max_diff(a, b)
+        );
+    }
+    // Without sinks, the three-input op takes the window and softcap too.
+    let o2 = tree_attention_plan(&q, &k, &v, &plan, &params)?;
+    let o2_ref = dense_variant(
+        &q,
+        &k,
+        &v,
+        None,
+        &pack.kv_end,
+        params.softmax_scale,
+        Some(3),
+        Some(1.5),
+    )?;
+    assert!(max_diff(&o2, &o2_ref) <= 1e-12, "O without sinks");
+    // Negative control: a window one level wider is another answer.
+    let wider = dense_variant(
+        &q,
+        &k,
+        &v,
+        None,
+        &pack.kv_end,
+        params.softmax_scale,
+        Some(4),
+        Some(1.5),
+    )?;
+    assert!(max_diff(&o2, &wider) > 1e-3);
+    // Sinks of the wrong length: an error.
+    let bad = Tensor::zeros(3, f, &Device::Cpu)?;
+    assert!(tree_attention_with_sinks(&q, &k, &v, &bad, &plan, &params).is_err());
+    Ok(())
+}
+
 #[test]
 fn f64_gradients_equal_dense_softmax_attention() -> R<()> {
     gradients_match_dense(DType::F64, 1e-9)

@@ -169,10 +169,10 @@ impl CudaBackend {
             (
                 Borrowed::<T>::new(s, "q", a.q, sh.q_len())?,
                 Borrowed::<T>::new(s, "k", a.k, sh.kv_len())?,
-                Borrowed::<T>::new(s, "v", a.v, sh.kv_len())?,
+                Borrowed::<T>::new(s, "v", a.v, sh.v_len())?,
             )
         };
-        let mut o = unsafe { Borrowed::<T>::new(s, "o", o, sh.q_len())? };
+        let mut o = unsafe { Borrowed::<T>::new(s, "o", o, sh.o_len())? };
         let mut lse = unsafe { Borrowed::<f32>::new(s, "lse", lse, sh.lse_len())? };
         let args = AttnArgs::new(&*q.0, &*k.0, &*v.0, sh, pack, a.params)?;
         self.forward(&args, &mut *o.0, &mut *lse.0)
@@ -206,17 +206,17 @@ impl CudaBackend {
             (
                 Borrowed::<T>::new(s, "q", a.q, sh.q_len())?,
                 Borrowed::<T>::new(s, "k", a.k, sh.kv_len())?,
-                Borrowed::<T>::new(s, "v", a.v, sh.kv_len())?,
-                Borrowed::<T>::new(s, "o", o, sh.q_len())?,
+                Borrowed::<T>::new(s, "v", a.v, sh.v_len())?,
+                Borrowed::<T>::new(s, "o", o, sh.o_len())?,
                 Borrowed::<f32>::new(s, "lse", lse, sh.lse_len())?,
-                Borrowed::<T>::new(s, "d_o", d_o, sh.q_len())?,
+                Borrowed::<T>::new(s, "d_o", d_o, sh.o_len())?,
             )
         };
         let (mut dq, mut dk, mut dv) = unsafe {
             (
                 Borrowed::<T>::new(s, "dq", dq, sh.q_len())?,
                 Borrowed::<T>::new(s, "dk", dk, sh.kv_len())?,
-                Borrowed::<T>::new(s, "dv", dv, sh.kv_len())?,
+                Borrowed::<T>::new(s, "dv", dv, sh.v_len())?,
             )
         };
         let args = AttnArgs::new(&*q.0, &*k.0, &*v.0, sh, pack, a.params)?;

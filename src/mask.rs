@@ -676,8 +676,8 @@ mod tests {
                         let (mut any, mut all) = (false, true);
                         for q in i * block..(i + 1) * block {
                             for k in j * block..(j + 1) * block {
-                                let v =
-                                    q < l && k < l && starts[q] as usize <= k && m.visible(q, k);
+                                let in_window = starts.get(q).is_some_and(|&st| st as usize <= k);
+                                let v = q < l && k < l && in_window && m.visible(q, k);
                                 any |= v;
                                 all &= v;
                             }

@@ -905,9 +905,9 @@ fn non_finite_values_in_rows_no_pair_uses_change_nothing() {
     let (kv_end, pos) = ([2u32, 2, 2, 3], [0u32; 4]);
     let mask = PackMask::new(&kv_end, &pos).unwrap();
     let shape = AttnShape::new(4, 1, 1, 4);
-    let mut v = vec![0.5f32; 16];
+    let mut v = [0.5f32; 16];
     v[0] = f32::NAN;
-    let x = vec![0.5f32; 16];
+    let x = [0.5f32; 16];
     let args = AttnArgs::new(&x[..], &x[..], &v[..], shape, mask, AttnParams::new(4)).unwrap();
     assert!(matches!(
         Cpu::default().forward_owned(&args),

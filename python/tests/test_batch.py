@@ -81,6 +81,9 @@ def test_collate_errors():
         treeattn.collate([])
     with pytest.raises(ValueError, match="list of packs"):
         treeattn.collate(p)
+    for bad in (-1, 2**40, 1.5, True):
+        with pytest.raises(ValueError, match="pad_token_id must be a token id"):
+            treeattn.collate([p], pad_token_id=bad)
     with pytest.raises(ValueError, match="pad_to_multiple_of"):
         treeattn.collate([p], pad_to_multiple_of=0)
     bad = dict(p.tensors())

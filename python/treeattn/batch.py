@@ -61,8 +61,10 @@ def collate(
         raise ValueError(f"collate takes a list of packs, got {type(packs).__name__}")
     if not packs:
         raise ValueError("collate: no packs (a batch needs at least one)")
-    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
-        raise ValueError(f"pad_token_id must be an int, got {pad_token_id!r}")
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id <= 0xFFFFFFFF:
+        raise ValueError(
+            f"pad_token_id must be a token id, an int in 0..2^32-1 as the packs' tokens are, got {pad_token_id!r}"
+        )
     if pad_to_multiple_of is not None and (
         isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of <= 0
     ):

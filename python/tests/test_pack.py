@@ -141,6 +141,11 @@ def test_bad_arguments():
         treeattn.pack(GOLDEN, layout="dense")
     with pytest.raises(ValueError, match="budget"):
         treeattn.pack(GOLDEN, budget=0)
+    # Documented as ValueError, not OverflowError / TypeError from below.
+    with pytest.raises(ValueError, match="budget"):
+        treeattn.pack(GOLDEN, budget=10**30)
+    with pytest.raises(ValueError, match="share_prefixes"):
+        treeattn.pack(GOLDEN, share_prefixes="no")
     with pytest.raises(ValueError, match="budget|exceeds|token"):
         treeattn.pack(GOLDEN, budget=5)
     with pytest.raises(ValueError, match="rollouts"):

@@ -177,11 +177,13 @@ def pack(
     """
     if layout not in ("trie", "replicated"):
         raise ValueError(f'layout {layout!r}: expected "trie" or "replicated"')
+    if not isinstance(share_prefixes, bool):
+        raise ValueError(f"share_prefixes must be True or False, got {share_prefixes!r}")
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, int):
             raise ValueError(f"budget must be a positive int or None, got {budget!r}")
-        if budget <= 0:
-            raise ValueError(f"budget must be positive, got {budget}")
+        if not 0 < budget <= 0xFFFFFFFF:
+            raise ValueError(f"budget must be in 1..=2^32-1 tokens (a pack indexes its rows in u32), got {budget}")
     if isinstance(rollouts, (str, os.PathLike)):
         source, value = "file", os.fspath(rollouts)
     elif isinstance(rollouts, (list, tuple)):

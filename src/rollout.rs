@@ -20,6 +20,23 @@
 //! {"id": "r17", "reward": 1.0, "group": "prompt-3", "calls": [...]}
 //! ```
 //!
+//! Three more serve GAE: `"rewards"`, per-token rewards, one list per call
+//! with one finite number (inside the f32 range) per completion token, added
+//! to the scalar reward (which sits at the rollout's last token; see
+//! [`crate::rl`]); `"truncated": true`, the rollout was cut off (a length
+//! limit) rather than finished, so its last value bootstraps; and, on a
+//! call, `"summary": true`, the call writes a summary that a compaction
+//! carries into the next context (CompactionRL's segments: a summary call
+//! is a segment of its own; the calls alone cannot tell a summary call from
+//! an ordinary call before an eviction, DESIGN §9). Each may be absent or
+//! `null`:
+//!
+//! ```json
+//! {"id": "r18", "reward": 1.0, "truncated": true, "rewards": [[0.0, -0.1], [0.5]],
+//!  "calls": [{"context": [1], "completion": [2, 3]},
+//!            {"context": [1, 2, 3, 4], "completion": [5], "summary": true}]}
+//! ```
+//!
 //! A valid rollout has a non-empty id (in JSON a string; a number is accepted
 //! and kept as its decimal text), at least one call, and in every call a
 //! non-empty `context` (the first completion token needs a predicting row), a
@@ -94,6 +111,11 @@ pub struct Rollout {
     calls: Vec<Call>,
     reward: Option<f32>,
     group: Option<String>,
+    /// Per call, per completion token.
+    token_rewards: Option<Vec<Vec<f32>>>,
+    truncated: bool,
+    /// Per call: does it write a summary (CompactionRL)?
+    summary: Vec<bool>,
 }
 
 impl Rollout {
@@ -169,11 +191,15 @@ impl Rollout {
                 ));
             }
         }
+        let summary = vec![false; calls.len()];
         Ok(Rollout {
             id,
             calls,
             reward: None,
             group: None,
+            token_rewards: None,
+            truncated: false,
+            summary,
         })
     }
 
@@ -199,9 +225,91 @@ impl Rollout {
         self
     }
 
+    /// The rollout with per-token rewards: `rewards[c][j]` for completion
+    /// token `j` of call `c` (RL; see [`crate::rl`]). One list per call and
+    /// one finite reward per completion token, else an [`Error::Rollout`]
+    /// naming the call and the field `rewards`.
+    pub fn with_token_rewards(mut self, rewards: Vec<Vec<f32>>) -> Result<Rollout> {
+        let err = |call: Option<usize>, msg: String| Error::Rollout {
+            rollout: self.id.clone(),
+            call,
+            field: "rewards",
+            msg,
+        };
+        if rewards.len() != self.calls.len() {
+            return Err(err(
+                None,
+                format!(
+                    "{} reward lists for {} calls (one list per call)",
+                    rewards.len(),
+                    self.calls.len()
+                ),
+            ));
+        }
+        for (c, (r, call)) in rewards.iter().zip(&self.calls).enumerate() {
+            if r.len() != call.completion.len() {
+                return Err(err(
+                    Some(c),
+                    format!(
+                        "{} rewards for {} completion tokens",
+                        r.len(),
+                        call.completion.len()
+                    ),
+                ));
+            }
+            if let Some(j) = r.iter().position(|x| !x.is_finite()) {
+                return Err(err(
+                    Some(c),
+                    format!("reward {} at offset {j} is not finite", r[j]),
+                ));
+            }
+        }
+        self.token_rewards = Some(rewards);
+        Ok(self)
+    }
+
+    /// The rollout marked as truncated (cut off by a length limit rather
+    /// than finished: its last value bootstraps in GAE) or not.
+    pub fn with_truncated(mut self, truncated: bool) -> Rollout {
+        self.truncated = truncated;
+        self
+    }
+
+    /// The rollout with call `call` marked as a summary call (it writes the
+    /// summary a compaction carries on; CompactionRL makes it a segment of
+    /// its own). A call index out of range is an [`Error::Rollout`].
+    pub fn with_summary(mut self, call: usize) -> Result<Rollout> {
+        if call >= self.calls.len() {
+            return Err(Error::Rollout {
+                rollout: self.id.clone(),
+                call: Some(call),
+                field: "summary",
+                msg: format!("no call {call} in a rollout of {}", self.calls.len()),
+            });
+        }
+        self.summary[call] = true;
+        Ok(self)
+    }
+
     /// The rollout's reward, if the input had one.
     pub fn reward(&self) -> Option<f32> {
         self.reward
+    }
+
+    /// The per-token rewards (one list per call, one reward per completion
+    /// token), if the input had them.
+    pub fn token_rewards(&self) -> Option<&[Vec<f32>]> {
+        self.token_rewards.as_deref()
+    }
+
+    /// Whether the rollout was cut off rather than finished.
+    pub fn truncated(&self) -> bool {
+        self.truncated
+    }
+
+    /// Whether call `c` is marked as a summary call (false out of range).
+    pub fn is_summary(&self, c: usize) -> bool {
+        self.summary.get(c).copied().unwrap_or(false)
     }
 
     /// The rollout's GRPO group, if the input had one.
@@ -240,7 +348,8 @@ impl Rollout {
         let calls: Vec<Value> = self
             .calls
             .iter()
-            .map(|c| {
+            .enumerate()
+            .map(|(i, c)| {
                 let mut m = serde_json::Map::new();
                 m.insert("context".into(), Value::from(c.context.clone()));
                 m.insert("completion".into(), Value::from(c.completion.clone()));
@@ -251,6 +360,9 @@ impl Rollout {
                         "logprobs".into(),
                         Value::from(lp.iter().map(|&x| x as f64).collect::<Vec<_>>()),
                     );
+                }
+                if self.summary[i] {
+                    m.insert("summary".into(), Value::Bool(true));
                 }
                 Value::Object(m)
             })
@@ -264,6 +376,16 @@ impl Rollout {
         }
         if let Some(g) = &self.group {
             obj.insert("group".into(), Value::from(g.clone()));
+        }
+        if let Some(rw) = &self.token_rewards {
+            let lists: Vec<Value> = rw
+                .iter()
+                .map(|r| Value::from(r.iter().map(|&x| x as f64).collect::<Vec<_>>()))
+                .collect();
+            obj.insert("rewards".into(), Value::Array(lists));
+        }
+        if self.truncated {
+            obj.insert("truncated".into(), Value::Bool(true));
         }
         obj.insert("calls".into(), Value::Array(calls));
         Value::Object(obj).to_string()
@@ -418,6 +540,64 @@ fn parse_line(text: &str, line: usize) -> Result<Rollout> {
             ))
         }
     };
+    // One finite f32 from a JSON number, or an error naming the field.
+    let number = |x: &Value, call: Option<usize>, field: &'static str, what: String| {
+        let f = x
+            .as_f64()
+            .ok_or_else(|| rerr(call, field, format!("{what} = {x} is not a number")))?;
+        let v = f as f32;
+        if v.is_finite() {
+            Ok(v)
+        } else {
+            Err(rerr(
+                call,
+                field,
+                format!("{what} = {x} is outside the f32 range"),
+            ))
+        }
+    };
+    let token_rewards = match obj.get("rewards") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(lists)) => Some(
+            lists
+                .iter()
+                .enumerate()
+                .map(|(c, l)| match l {
+                    Value::Array(a) => a
+                        .iter()
+                        .enumerate()
+                        .map(|(j, x)| number(x, Some(c), "rewards", format!("entry {j}")))
+                        .collect::<Result<Vec<f32>>>(),
+                    other => Err(rerr(
+                        Some(c),
+                        "rewards",
+                        format!(
+                            "must be a list of numbers (one per completion token), got {other}"
+                        ),
+                    )),
+                })
+                .collect::<Result<Vec<Vec<f32>>>>()?,
+        ),
+        Some(other) => {
+            return Err(rerr(
+                None,
+                "rewards",
+                format!("must be a list of per-call lists of numbers, or null, got {other}"),
+            ))
+        }
+    };
+    let truncated = match obj.get("truncated") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(rerr(
+                None,
+                "truncated",
+                format!("must be true, false or null, got {other}"),
+            ))
+        }
+    };
+    let mut summary_calls = Vec::new();
     let calls_v = match obj.get("calls") {
         Some(Value::Array(a)) => a,
         Some(_) => {
@@ -493,6 +673,17 @@ fn parse_line(text: &str, line: usize) -> Result<Rollout> {
                 ))
             }
         };
+        match co.get("summary") {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+            Some(Value::Bool(true)) => summary_calls.push(c),
+            Some(other) => {
+                return Err(rerr(
+                    Some(c),
+                    "summary",
+                    format!("must be true, false or null, got {other}"),
+                ))
+            }
+        }
         calls.push(Call {
             context,
             completion,
@@ -500,10 +691,17 @@ fn parse_line(text: &str, line: usize) -> Result<Rollout> {
         });
     }
     let with_fields = |r: Rollout| -> Result<Rollout> {
-        let r = match reward {
+        let mut r = match reward {
             Some(x) => r.with_reward(x)?,
             None => r,
         };
+        if let Some(rw) = token_rewards {
+            r = r.with_token_rewards(rw)?;
+        }
+        for &c in &summary_calls {
+            r = r.with_summary(c)?;
+        }
+        let r = r.with_truncated(truncated);
         Ok(match group {
             Some(g) => r.with_group(g),
             None => r,
@@ -677,6 +875,96 @@ mod tests {
         write_jsonl(&mut buf, std::slice::from_ref(&r)).unwrap();
         let back = read_jsonl(&buf[..]).unwrap();
         assert_eq!(back, vec![r]);
+    }
+
+    #[test]
+    fn token_rewards_truncation_and_summary_are_read_checked_and_written_back() {
+        let line = r#"{"id": "t", "reward": 1.0, "truncated": true, "rewards": [[0.5, -0.25], [2]],
+            "calls": [{"context": [1], "completion": [2, 3]},
+                      {"context": [1, 2, 3, 4], "completion": [5], "summary": true}]}"#
+            .replace('\n', " ");
+        let rs = parse_jsonl(&line).unwrap();
+        let r = &rs[0];
+        assert_eq!(
+            r.token_rewards().unwrap(),
+            &[vec![0.5, -0.25], vec![2.0]][..]
+        );
+        assert!(r.truncated() && !r.is_summary(0) && r.is_summary(1) && !r.is_summary(2));
+        let back = parse_jsonl(&r.to_json()).unwrap();
+        assert_eq!(&back, &rs);
+        // Absent, null and false are the same.
+        let plain = r#"{"id": "p", "rewards": null, "truncated": false, "calls": [{"context": [1], "completion": [2], "summary": null}]}"#;
+        let p = &parse_jsonl(plain).unwrap()[0];
+        assert!(p.token_rewards().is_none() && !p.truncated() && !p.is_summary(0));
+        let json = p.to_json();
+        assert!(
+            !json.contains("rewards") && !json.contains("truncated") && !json.contains("summary")
+        );
+
+        let call = r#""calls": [{"context": [1], "completion": [2, 3]}]"#;
+        for (bad, field, call_index) in [
+            (
+                format!(r#"{{"id": "b", "rewards": [[1]], {call}}}"#),
+                "rewards",
+                Some(0),
+            ),
+            (
+                format!(r#"{{"id": "b", "rewards": [[1, 2], [3]], {call}}}"#),
+                "rewards",
+                None,
+            ),
+            (
+                format!(r#"{{"id": "b", "rewards": [1, 2], {call}}}"#),
+                "rewards",
+                Some(0),
+            ),
+            (
+                format!(r#"{{"id": "b", "rewards": [[1, "x"]], {call}}}"#),
+                "rewards",
+                Some(0),
+            ),
+            (
+                format!(r#"{{"id": "b", "rewards": [[1, 1e300]], {call}}}"#),
+                "rewards",
+                Some(0),
+            ),
+            (
+                format!(r#"{{"id": "b", "rewards": 1, {call}}}"#),
+                "rewards",
+                None,
+            ),
+            (
+                format!(r#"{{"id": "b", "truncated": 1, {call}}}"#),
+                "truncated",
+                None,
+            ),
+            (
+                r#"{"id": "b", "calls": [{"context": [1], "completion": [2], "summary": "yes"}]}"#
+                    .to_string(),
+                "summary",
+                Some(0),
+            ),
+        ] {
+            match parse_jsonl(&bad) {
+                Err(Error::Rollout {
+                    rollout,
+                    call,
+                    field: f,
+                    msg,
+                }) => {
+                    assert_eq!(
+                        (rollout.as_str(), f, call),
+                        ("b", field, call_index),
+                        "{bad}: {msg}"
+                    );
+                    assert!(msg.starts_with("line 1: "), "{msg}");
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+        let r = Rollout::new("x", vec![Call::new(vec![1], vec![2])]).unwrap();
+        assert!(r.clone().with_token_rewards(vec![vec![f32::NAN]]).is_err());
+        assert!(r.clone().with_summary(1).is_err());
     }
 
     #[test]

@@ -37,7 +37,9 @@ use treeattn::mask::{BlockCensus, PackMask};
 use treeattn::pack::{batch, Layout};
 use treeattn::paths::Paths;
 use treeattn::plan::MaskPlan;
-use treeattn::rl::{grpo_advantages, Gae, GaeMode, GrpoScale, Lambda, Targets};
+use treeattn::rl::{
+    grpo_advantages, summary_segments, Gae, GaeMode, GrpoScale, GrpoStd, Lambda, Rewards, Targets,
+};
 use treeattn::rollout::{parse_jsonl, read_jsonl_file, Rollout};
 use treeattn::safetensors::{pack_tensors, rollout_tensors, Dtype};
 use treeattn::tree::RolloutStats;
@@ -1000,6 +1002,13 @@ struct PackOut {
     logprobs: Vec<f32>,
     rollout_indices: Vec<u32>,
     groups: Vec<String>,
+    /// Per loss entry: the input's per-token reward, NaN where its rollout
+    /// has no `"rewards"`.
+    token_rewards: Vec<f32>,
+    /// Per loss entry: is its call marked `"summary"`?
+    summary: Vec<bool>,
+    /// Per rollout of the pack: is it marked `"truncated"`?
+    truncated: Vec<bool>,
 }
 
 fn pack_rollouts(
@@ -1036,11 +1045,33 @@ fn pack_rollouts(
             .iter()
             .map(|e| e.logprob.unwrap_or(f32::NAN))
             .collect();
+        // The RL fields the pack files do not hold, read from the input.
+        let loss = &b.pack.loss;
+        let token_rewards = loss
+            .iter()
+            .map(|e| {
+                rollouts[e.rollout as usize]
+                    .token_rewards()
+                    .map_or(f32::NAN, |r| r[e.call as usize][e.offset as usize])
+            })
+            .collect();
+        let summary = loss
+            .iter()
+            .map(|e| rollouts[e.rollout as usize].is_summary(e.call as usize))
+            .collect();
+        let truncated = b
+            .rollouts
+            .iter()
+            .map(|&r| rollouts[r as usize].truncated())
+            .collect();
         out.push(PackOut {
             tensors,
             logprobs,
             rollout_indices: b.rollouts.clone(),
             groups: b.fields.groups.clone(),
+            token_rewards,
+            summary,
+            truncated,
         });
     }
     let stats = rollouts
@@ -1053,9 +1084,12 @@ fn pack_rollouts(
 /// Packs rollouts given as JSON Lines text (`source = "text"`) or a file
 /// path (`source = "file"`), as `treeattn pack` does. Returns a list of
 /// dicts: `tensors` (name → (dtype, little-endian bytes)), `loss_logprobs`
-/// (float32 bytes, NaN where none), `rollout_indices`, `rollout_ids`,
-/// `groups` (GRPO group names, first appearance first), `stats` (one dict
-/// per rollout of the pack).
+/// (float32 bytes, NaN where none), `loss_reward` (float32 bytes, the
+/// per-token reward, NaN where none), `loss_summary` (one bool per loss
+/// entry: its call is a summary call), `rollout_truncated` (one bool per
+/// rollout of the pack), `rollout_indices`, `rollout_ids`, `groups` (GRPO
+/// group names, first appearance first), `stats` (one dict per rollout of
+/// the pack).
 #[pyfunction]
 #[pyo3(signature = (source, value, layout="trie", share_prefixes=true, budget=None))]
 fn pack<'py>(
@@ -1097,6 +1131,14 @@ fn pack<'py>(
         d.set_item("tensors", tensors)?;
         let lp: Vec<u8> = p.logprobs.iter().flat_map(|x| x.to_le_bytes()).collect();
         d.set_item("loss_logprobs", PyBytes::new(py, &lp))?;
+        let rw: Vec<u8> = p
+            .token_rewards
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        d.set_item("loss_reward", PyBytes::new(py, &rw))?;
+        d.set_item("loss_summary", p.summary.clone())?;
+        d.set_item("rollout_truncated", p.truncated.clone())?;
         d.set_item("rollout_indices", p.rollout_indices.clone())?;
         let pack_ids: Vec<&str> = p
             .rollout_indices
@@ -1116,26 +1158,40 @@ fn pack<'py>(
 }
 
 /// GAE over a pack's targets (`treeattn::rl::Gae::compute`): `rollout`,
-/// `segment`, `values`, `rewards` one per target in generation order;
-/// `lam` a number, or `None` with `alpha` for the adaptive λ. Returns
-/// `(advantages, returns)` as float64 little-endian bytes.
+/// `segment`, `values`, `outcome` (the rollout's scalar reward `R`) one per
+/// target in generation order; `token` the per-token rewards and
+/// `bootstrap` the value after each rollout's last target (per target,
+/// `None` for zeros); `lam` a number, or `None` with `alpha` for the
+/// adaptive λ; `critic_lam` the returns' λ (`critic_adaptive` for the
+/// adaptive one; neither: `lam`'s). Returns `(advantages, returns)` as
+/// float64 little-endian bytes.
 #[pyfunction]
-#[pyo3(signature = (rollout, segment, values, rewards, gamma, lam, alpha, mode))]
+#[pyo3(signature = (rollout, segment, values, outcome, token, bootstrap, gamma, lam, alpha, critic_lam, critic_adaptive, mode))]
 #[allow(clippy::too_many_arguments)]
 fn gae<'py>(
     py: Python<'py>,
     rollout: Vec<u32>,
     segment: Vec<u32>,
     values: Vec<f64>,
-    rewards: Vec<f64>,
+    outcome: Vec<f64>,
+    token: Option<Vec<f64>>,
+    bootstrap: Option<Vec<f64>>,
     gamma: f64,
     lam: Option<f64>,
     alpha: f64,
+    critic_lam: Option<f64>,
+    critic_adaptive: bool,
     mode: &str,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+    let critic_lambda = if critic_adaptive {
+        Some(Lambda::Adaptive { alpha })
+    } else {
+        critic_lam.map(Lambda::Fixed)
+    };
     let g = Gae {
         gamma,
         lambda: lam.map_or(Lambda::Adaptive { alpha }, Lambda::Fixed),
+        critic_lambda,
         mode: GaeMode::parse(mode).map_err(to_py)?,
     };
     let out = py.detach(|| {
@@ -1144,7 +1200,12 @@ fn gae<'py>(
                 rollout: &rollout,
                 segment: &segment,
             };
-            g.compute(t, &values, &rewards).map_err(to_py)
+            let rewards = Rewards {
+                outcome: &outcome,
+                token: token.as_deref(),
+                bootstrap: bootstrap.as_deref(),
+            };
+            g.compute(t, &values, rewards).map_err(to_py)
         })
     })?;
     let bytes = |v: &[f64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
@@ -1154,12 +1215,33 @@ fn gae<'py>(
     ))
 }
 
-/// GRPO advantages per rollout (`treeattn::rl::grpo_advantages`): one
-/// reward and group key per rollout; `eps = None` for the unscaled form.
+/// CompactionRL's segments (`treeattn::rl::summary_segments`): the
+/// junction `segment` of each target, its `call` and whether that call is
+/// a summary call; one per target in generation order.
 #[pyfunction]
-#[pyo3(signature = (rewards, groups, eps))]
-fn grpo(rewards: Vec<f64>, groups: Vec<u32>, eps: Option<f64>) -> PyResult<Vec<f64>> {
-    let scale = eps.map_or(GrpoScale::None, |eps| GrpoScale::Std { eps });
+fn summary_segments_of(
+    rollout: Vec<u32>,
+    segment: Vec<u32>,
+    call: Vec<u32>,
+    summary: Vec<bool>,
+) -> PyResult<Vec<u32>> {
+    guarded(|| {
+        let t = Targets {
+            rollout: &rollout,
+            segment: &segment,
+        };
+        summary_segments(t, &call, &summary).map_err(to_py)
+    })
+}
+
+/// GRPO advantages per rollout (`treeattn::rl::grpo_advantages`): one
+/// reward and group key per rollout; `eps = None` for the unscaled form,
+/// `std` "sample", "population" or "batch".
+#[pyfunction]
+#[pyo3(signature = (rewards, groups, eps, std="sample"))]
+fn grpo(rewards: Vec<f64>, groups: Vec<u32>, eps: Option<f64>, std: &str) -> PyResult<Vec<f64>> {
+    let std = GrpoStd::parse(std).map_err(to_py)?;
+    let scale = eps.map_or(GrpoScale::None, |eps| GrpoScale::Std { eps, std });
     guarded(|| grpo_advantages(&rewards, &groups, scale).map_err(to_py))
 }
 
@@ -1334,6 +1416,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gae, m)?)?;
     m.add_function(wrap_pyfunction!(block_census, m)?)?;
     m.add_function(wrap_pyfunction!(grpo, m)?)?;
+    m.add_function(wrap_pyfunction!(summary_segments_of, m)?)?;
     m.add_function(wrap_pyfunction!(pack_cost, m)?)?;
     m.add_function(wrap_pyfunction!(paths, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_built, m)?)?;

@@ -92,6 +92,13 @@ class Pack:
     into ``groups``, the GRPO group names in order of first appearance; −1
     where a rollout has no ``"group"``).
 
+    RL fields of the input that the pack files do not hold (``None`` for a
+    pack built otherwise, e.g. read from a file): ``loss_reward`` ``[T]``
+    float32 (the input's per-token ``"rewards"``, NaN where a rollout has
+    none), ``loss_summary`` ``[T]`` bool (the target's call is marked
+    ``"summary": true``), ``rollout_truncated`` ``[R]`` bool (the rollout
+    is marked ``"truncated": true``). :mod:`treeattn.rl` reads them.
+
     Also: ``layout``, ``rollout_indices`` and ``rollout_ids`` (the rollouts
     in this pack, input order), ``stats`` (one dict per rollout of the pack:
     ``calls``, ``junctions`` (K), ``branches``, ``targets``, ``present``,
@@ -119,6 +126,9 @@ class Pack:
     rollout_ids: List[str] = field(default_factory=list)
     groups: List[str] = field(default_factory=list)
     stats: List[Dict[str, Any]] = field(default_factory=list)
+    loss_reward: Optional[Any] = None
+    loss_summary: Optional[Any] = None
+    rollout_truncated: Optional[Any] = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -163,8 +173,10 @@ def pack(
     """Packs rollouts exactly as ``treeattn pack`` does.
 
     ``rollouts``: a path to a JSON Lines file, or a list of dicts shaped like
-    its lines, ``{"id": ..., "reward": float?, "group": str?, "calls":
-    [{"context": [...], "completion": [...], "logprobs": [...]?}]}``. ``layout``: ``"trie"`` (deduplicated
+    its lines, ``{"id": ..., "reward": float?, "group": str?, "rewards":
+    [[float, ...], ...]?, "truncated": bool?, "calls": [{"context": [...],
+    "completion": [...], "logprobs": [...]?, "summary": bool?}]}``
+    (:mod:`treeattn.rl` says what the RL fields mean). ``layout``: ``"trie"`` (deduplicated
     pre-order trie) or ``"replicated"`` (each branch its own chain).
     ``share_prefixes`` (default ``True``): rollouts in a pack share identical
     prefixes (trie layout; a GRPO group's prompt is stored once); ``False``
@@ -210,6 +222,8 @@ def pack(
         raise ValueError(
             f"rollouts must be a JSONL path or a list of dicts, got {type(rollouts).__name__}"
         )
+    import torch
+
     out = []
     for p in _native.pack(source, value, layout, share_prefixes, budget):
         t = {name: _tensor(dt, data) for name, (dt, data) in p["tensors"].items()}
@@ -235,6 +249,9 @@ def pack(
                 rollout_ids=list(p["rollout_ids"]),
                 groups=list(p["groups"]),
                 stats=list(p["stats"]),
+                loss_reward=_tensor("float32", p["loss_reward"]),
+                loss_summary=torch.tensor(p["loss_summary"], dtype=torch.bool),
+                rollout_truncated=torch.tensor(p["rollout_truncated"], dtype=torch.bool),
             )
         )
     return out

@@ -148,15 +148,31 @@ def gae(
     rollout: List[int],
     segment: List[int],
     values: List[float],
-    rewards: List[float],
+    outcome: List[float],
+    token: Optional[List[float]],
+    bootstrap: Optional[List[float]],
     gamma: float,
     lam: Optional[float],
     alpha: float,
+    critic_lam: Optional[float],
+    critic_adaptive: bool,
     mode: str,
 ) -> Tuple[bytes, bytes]:
-    """Returns ``(advantages, returns)`` as float64 little-endian bytes."""
+    """Returns ``(advantages, returns)`` as float64 little-endian bytes:
+    ``outcome`` the rollouts' scalar reward per target, ``token`` the
+    per-token rewards, ``bootstrap`` the value after each rollout's last
+    target (per target; ``None``: zeros)."""
 
-def grpo(rewards: List[float], groups: List[int], eps: Optional[float]) -> List[float]: ...
+def summary_segments_of(
+    rollout: List[int], segment: List[int], call: List[int], summary: List[bool]
+) -> List[int]:
+    """CompactionRL's segments: the junction segments with every summary
+    call a segment of its own, one per target."""
+
+def grpo(rewards: List[float], groups: List[int], eps: Optional[float], std: str = "sample") -> List[float]:
+    """GRPO advantages per rollout; ``eps=None``: unscaled; ``std``
+    ``"sample"``, ``"population"`` or ``"batch"``."""
+
 def pack_cost(
     kv_end: bytes,
     logit_rows: int,

@@ -82,7 +82,8 @@ unsafe fn with_device_call(
     if !crate::sinks_of(c.params).is_null() {
         return Err(crate::Fail(
             crate::TREEATTN_ERR_UNSUPPORTED,
-            "the CUDA kernels do not compute attention sinks (params.sinks): use the host entries".into(),
+            "the CUDA kernels do not compute attention sinks (params.sinks): use the host entries"
+                .into(),
         ));
     }
     for (what, p) in [("q", c.q), ("k", c.k), ("v", c.v)] {

@@ -824,12 +824,7 @@ unsafe fn backward<T: CpuElement>(c: AttnCall, g: AttnGrads) -> R<()> {
     }
     no_overlap(&outs, &ins)?;
     let args = inputs.args()?;
-    let grads = Grads {
-        dq,
-        dk,
-        dv,
-        dsinks,
-    };
+    let grads = Grads { dq, dk, dv, dsinks };
     Cpu::default().backward(&args, Saved { o, lse }, d_o, grads)?;
     Ok(())
 }

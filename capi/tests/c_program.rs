@@ -91,11 +91,13 @@ fn expected() -> String {
         .backward_owned(&vargs, vfwd.saved(), &vdo)
         .unwrap();
     let dsinks = vg.dsinks.unwrap();
-    [&fwd.o, &g.dq, &g.dk, &g.dv, &vfwd.o, &vg.dq, &vg.dk, &vg.dv, &dsinks]
-        .iter()
-        .flat_map(|a| a.iter())
-        .map(|x| format!("{x:.17e}\n"))
-        .collect()
+    [
+        &fwd.o, &g.dq, &g.dk, &g.dv, &vfwd.o, &vg.dq, &vg.dk, &vg.dv, &dsinks,
+    ]
+    .iter()
+    .flat_map(|a| a.iter())
+    .map(|x| format!("{x:.17e}\n"))
+    .collect()
 }
 
 /// Compiles `tests/c/{source}` against the header and the shared library

@@ -158,9 +158,18 @@ def _check_positions(position_ids: Optional[Tensor], kv_end: Tensor) -> None:
 # change what it computes: the model call's own bookkeeping. Anything else
 # with a value (not None) is either computed here (kv_end, treeattn_shard,
 # position_ids, sliding_window, softcap, s_aux) or refused by name.
+# ``output_router_logits`` and ``num_items_in_batch`` are fields of
+# transformers' ``TransformersKwargs`` (utils/generic.py, 5.24): the MoE
+# families' causal LMs (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss, …) pass
+# ``output_router_logits`` (False by default) down every layer, and the
+# Trainer passes ``num_items_in_batch`` to the model call for the loss; no
+# attention function of transformers reads either (integrations/
+# sdpa_attention.py, flash_attention.py, flex_attention.py and the eager
+# functions).
 _INERT_KWARGS = frozenset({
     "use_cache", "output_attentions", "output_hidden_states", "return_dict", "cache_position",
     "past_key_values", "past_key_value", "layer_idx", "is_causal", "position_embeddings",
+    "output_router_logits", "num_items_in_batch",
 })
 _HANDLED_KWARGS = frozenset({"kv_end", "treeattn_shard", "position_ids", "sliding_window", "softcap", "s_aux"})
 
@@ -202,6 +211,72 @@ def _variants(module: Any, kwargs: Dict[str, Any]) -> Tuple[Optional[int], Optio
     return window, softcap, sinks
 
 
+# Modeling modules (transformers 5.24) whose model forward builds a sliding
+# window mask for every layer whenever ``config.sliding_window`` is set
+# (``create_sliding_window_causal_mask``; phimoe: PhimoeModel.forward, doge:
+# DogeModel.forward) while the attention layer passes no ``sliding_window``
+# to the attention function: the window lives only in the mask, which
+# treeattn's mask function does not build.
+_WINDOW_IN_MASK_ONLY = frozenset({
+    "transformers.models.phimoe.modeling_phimoe",
+    "transformers.models.doge.modeling_doge",
+})
+
+
+# Modeling modules (transformers 5.24) whose decoder embeds the positions
+# ``0 … L−1`` of the packed order itself (``position_ids =
+# torch.arange(seq_length) + cache_length`` in ``*Decoder.forward``) and
+# ignores the caller's ``position_ids``, which still reach the attention
+# layers (so the depth check passes): on a tree pack every row after the
+# first root's path would be embedded at the wrong position. The BART
+# family's decoders, used as causal LMs (``BartForCausalLM`` …).
+_POSITIONS_FROM_PACKED_ORDER = frozenset(
+    f"transformers.models.{m}.modeling_{m}"
+    for m in ("bart", "mbart", "blenderbot", "blenderbot_small", "marian", "pegasus", "plbart")
+)
+
+
+def _mask_only_pattern(module: Any, window: Optional[int]) -> Optional[Tuple[str, Optional[int]]]:
+    """``(what, size)`` of a restriction that transformers would apply to
+    this layer through the mask it builds (a sliding window, chunked
+    attention) and that the layer does not hand the attention function as
+    a keyword, so treeattn would not see it; None when there is none.
+
+    A layer's mask follows ``config.layer_types[layer_idx]``
+    (``masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING``):
+    ``"sliding_attention"`` masks ``q − k >= config.sliding_window`` (a layer
+    that does not pass ``sliding_window`` — Qwen2-MoE with
+    ``use_sliding_window`` in transformers 5.24 — would be attended in
+    full), ``"chunked_attention"`` masks keys outside the query's chunk of
+    ``config.attention_chunk_size`` positions (Llama 4), which treeattn does
+    not compute."""
+    if window is not None:
+        return None
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    kind = None
+    if isinstance(types, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types):
+        kind = types[idx]
+    if kind == "sliding_attention":
+        return "a sliding window", getattr(config, "sliding_window", None)
+    if kind == "chunked_attention":
+        return "chunks", getattr(config, "attention_chunk_size", None)
+    if type(module).__module__ in _WINDOW_IN_MASK_ONLY and getattr(config, "sliding_window", None) is not None:
+        return "a sliding window", config.sliding_window
+    return None
+
+
+def _refuse_mask_only(module: Any, what: str, size: Optional[int], deepest: Optional[int]) -> None:
+    where = "" if deepest is None else f", and this pack has rows at depth {deepest}"
+    raise ValueError(
+        f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) restricts attention to {what} of "
+        f"{size} positions only through the mask transformers builds, not through a keyword argument of the "
+        f"attention function{where}: treeattn builds no such mask and would attend across the whole path, so "
+        "it refuses rather than give wrong numbers"
+    )
+
+
 def attention(
     module: Any,
     query: Tensor,
@@ -228,13 +303,26 @@ def attention(
     ``attn_logit_softcapping``) and ``s_aux`` (gpt-oss's sinks); any other
     keyword that would change the math is a ``ValueError`` naming it."""
     window, softcap, sinks = _variants(module, kwargs)
+    if type(module).__module__ in _POSITIONS_FROM_PACKED_ORDER:
+        raise ValueError(
+            f"{type(module).__name__}: this decoder embeds the positions 0 … L−1 of the packed order itself and "
+            "ignores position_ids, so on a tree pack the rows of every branch after the first would get wrong "
+            "positions; treeattn refuses it rather than give wrong numbers"
+        )
+    pattern = _mask_only_pattern(module, window)
     shard = kwargs.get("treeattn_shard")
     if shard is not None:
+        if pattern is not None:
+            # No depth test here: every rank must take the same decision.
+            _refuse_mask_only(module, *pattern, None)
         return _shard_attention(query, key, value, attention_mask, scaling, dropout, shard, window, softcap, sinks)
     kv_end = kwargs.get("kv_end")
     if kv_end is None:
         raise ValueError(
-            'attn_implementation "treeattn" needs the pack\'s mask: call the model with kv_end=pack.kv_end'
+            'attn_implementation "treeattn" needs the pack\'s mask: call the model with kv_end=pack.kv_end '
+            f"(if the model was called with it, {type(module).__name__} did not hand the model call's keyword "
+            "arguments to its attention function — its decoder layer drops them, as Nemotron's and StableLM's "
+            "do in transformers 5.24 — and cannot run on a tree pack)"
         )
     given: Optional[TreeMask] = None
     if isinstance(kv_end, TreeMask):
@@ -245,13 +333,17 @@ def attention(
         raise ValueError(f"treeattn attention takes query [B, H, L, d], got shape {tuple(query.shape)}")
     if key.shape[2] != query.shape[2]:
         raise ValueError(
-            f"treeattn attention needs as many keys as queries (no KV cache): query {tuple(query.shape)}, key {tuple(key.shape)}"
+            f"treeattn attention needs as many keys as queries, one per packed token: query {tuple(query.shape)}, "
+            f"key {tuple(key.shape)} from {type(module).__name__} (a KV cache, or keys that are not the tokens "
+            "themselves — e.g. DeepSeek-V4's compressed key blocks — cannot be placed on the tree)"
         )
     if dropout:
         raise ValueError(f"treeattn attention has no dropout (got dropout={dropout}); set attention_dropout=0")
     if attention_mask is not None:
         raise ValueError(
-            "treeattn attention got a mask from transformers: register the mask function too (treeattn.hf.register())"
+            f"treeattn attention got a mask from transformers in {type(module).__name__}: register the mask "
+            "function too (treeattn.hf.register()); with it registered, transformers builds no mask, so the "
+            "layer made this one itself (e.g. Doge's learned dynamic mask) and treeattn cannot apply it"
         )
     B, L = int(query.shape[0]), int(query.shape[2])
     if given is not None and B != 1:
@@ -266,6 +358,12 @@ def attention(
     flat, flat_pos = _forest(kv_end, position_ids)
     if _CHECK_POSITIONS:
         _check_positions(flat_pos, flat)
+    if pattern is not None:
+        # The restriction changes nothing while every row is shallower than
+        # its size (then the layer's transformers mask is plain causal).
+        deepest = int(tree_depths(flat).max()) if flat.numel() else 0
+        if pattern[1] is None or deepest >= pattern[1]:
+            _refuse_mask_only(module, *pattern, deepest)
     # The B packs as one forest of B·L rows: row (b, t) is b·L + t.
     q = query.transpose(1, 2).reshape(B * L, query.shape[1], query.shape[3])
     k = key.transpose(1, 2).reshape(B * L, key.shape[1], key.shape[3])

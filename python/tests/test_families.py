@@ -601,8 +601,9 @@ def test_table_covers_every_causal_lm_family():
     """The table has exactly transformers' causal-LM model types: a family
     added or removed by an upgrade is named here."""
     ours, theirs = set(FAMILIES), set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    assert not theirs - ours, f"transformers {transformers.__version__} families not in the table: {sorted(theirs - ours)}"
-    assert not ours - theirs, f"table families unknown to transformers {transformers.__version__}: {sorted(ours - theirs)}"
+    version = transformers.__version__
+    assert not theirs - ours, f"transformers {version} families not in the table: {sorted(theirs - ours)}"
+    assert not ours - theirs, f"table families unknown to transformers {version}: {sorted(ours - theirs)}"
     counts = {}
     for spec in FAMILIES.values():
         counts[type(spec).__name__] = counts.get(type(spec).__name__, 0) + 1
@@ -683,7 +684,9 @@ def test_unclear_error(mt, data):
         treeattn.hf.target_logprobs(model, pack)
 
 
-_REFUSED_WHY = {PACKED_ORDER: "refused: the decoder embeds positions 0 … L−1 of the packed order, ignoring position_ids"}
+_REFUSED_WHY = {
+    PACKED_ORDER: "refused: the decoder embeds positions 0 … L−1 of the packed order, ignoring position_ids",
+}
 
 
 def limits_table() -> str:

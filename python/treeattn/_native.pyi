@@ -23,6 +23,7 @@ __all__ = [
     "paths",
     "block_census",
     "window_starts",
+    "summary_segments_of",
     "cuda_built",
     "cpu_isa",
     "cuda_attention_forward",

@@ -163,9 +163,11 @@ def test_negative_controls_causal_attention_and_swapped_masks_differ():
     rotated["position_ids"] = batch["position_ids"].roll(1, 0)
     out = model(input_ids=batch["input_ids"], position_ids=rotated["position_ids"], kv_end=rotated["kv_end"])
     assert (treeattn.hf.target_logprobs(model, batch, out.logits) - want).abs().max() > 1e-3
-    # The batch run with causal attention (sdpa) differs.
+    # The batch run with causal attention (sdpa) differs (which is why the
+    # scoring functions refuse logits of a model not on "treeattn").
     model.set_attn_implementation("sdpa")
     out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    model.set_attn_implementation("treeattn")
     assert (treeattn.hf.target_logprobs(model, batch, out.logits) - want).abs().max() > 1e-3
 
 

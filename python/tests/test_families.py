@@ -109,7 +109,7 @@ class OutOfScope:
 
 W, S, K, V, FS = "window", "softcap", "sinks", "value_dim", "final_softcap"
 
-NOT_INTERFACE = r"does not use treeattn attention"
+NOT_INTERFACE = r"does not route its attention through transformers' attention interface"
 RECURRENT = r"runs a recurrence that treeattn cannot run on a tree pack"
 MASK_ONLY = r"only through the mask transformers builds"
 PACKED_ORDER = r"embeds the positions 0 … L−1 of the packed order"

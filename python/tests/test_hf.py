@@ -110,8 +110,12 @@ def test_negative_control_default_attention_with_positions_differs(setup):
     for impl in ("sdpa", "eager"):
         model.set_attn_implementation(impl)
         logits = model(input_ids=pack.tokens[None], position_ids=pack.position_ids[None]).logits[0]
-        lp = treeattn.hf.target_logprobs(model, pack, logits)
+        lp = torch.log_softmax(logits[pack.loss_rows], -1).gather(-1, pack.loss_labels[:, None])[:, 0]
         assert (lp - ref).abs().max() > 1e-3, impl
+        # ... which is why the scoring functions refuse such logits.
+        with pytest.raises(ValueError, match="does not use treeattn"):
+            treeattn.hf.target_logprobs(model, pack, logits)
+    model.set_attn_implementation("treeattn")
 
 
 def test_pack_loss_with_sdcc(setup):

@@ -26,6 +26,11 @@ VOCAB = 97  # differs from every other size here, so a [*, V] tensor is recognis
 TOL = 1e-12
 
 
+def hidden(model, pack):
+    """(h, W, b, post) as the chunked head sees them inside one packed forward."""
+    return treeattn.hf._score(model, treeattn.hf._Scored(pack), lambda *a: a)
+
+
 def llama(hidden=16, tie=False, seed=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -117,7 +122,7 @@ def test_tied_embeddings_get_the_head_gradient(pack):
     assert_same_grads(g, g_full)
     # The head's share is there: without it the gradient differs.
     model.zero_grad()
-    h, w, _, _ = treeattn.hf._hidden(model, pack)
+    h, w, _, _ = hidden(model, pack)
     (torch.log_softmax(h[pack.loss_rows] @ w.detach().t(), -1)
      .gather(1, pack.loss_labels[:, None]).sum()).backward()
     assert rel_err(emb.grad, g_full["model.embed_tokens.weight"]) > 1e-3
@@ -147,7 +152,7 @@ def test_final_logit_softcapping(pack):
     assert rel_err(lp, lp_f) <= TOL and rel_err(ent, ent_f) <= TOL
     assert_same_grads(grads(model, lp.sum() - ent.sum()), g_full)
     # The cap matters at this size (negative control): without it, other numbers.
-    h, w, _, _ = treeattn.hf._hidden(model, pack)
+    h, w, _, _ = hidden(model, pack)
     uncapped = torch.log_softmax(h[pack.loss_rows] @ w.t(), -1).gather(1, pack.loss_labels[:, None])[:, 0]
     assert rel_err(uncapped, lp_f) > 1e-3
 

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -75,7 +75,7 @@ from torch import Tensor
 from .torch import TreeMask, _depths, tree_attention
 
 __all__ = [
-    "register", "attention", "target_logprobs", "pack_loss", "default_chunk",
+    "register", "attention", "target_logprobs", "pack_loss", "values", "default_chunk",
     "require_treeattn", "tree_depths", "shard_logprobs", "NAME",
 ]
 
@@ -95,6 +95,11 @@ _checked: Optional[Tuple[Any, Any, int, int]] = None
 # tensor). A new tensor, an in-place change (its version moves) or another
 # device builds a new one.
 _plan: Optional[Tuple[Any, int, Any, TreeMask]] = None
+# Calls of :func:`attention` so far: the scoring functions check that a
+# forward reached it (a model whose attention bypasses transformers'
+# attention interface would otherwise score the pack with plain causal
+# attention, silently).
+_attention_calls = 0
 
 
 def _mask_plan(kv_end: Tensor, device: torch.device) -> TreeMask:
@@ -302,6 +307,8 @@ def attention(
     chain is transformers' ``q − k < W``), ``softcap`` (Gemma 2's
     ``attn_logit_softcapping``) and ``s_aux`` (gpt-oss's sinks); any other
     keyword that would change the math is a ``ValueError`` naming it."""
+    global _attention_calls
+    _attention_calls += 1
     window, softcap, sinks = _variants(module, kwargs)
     if type(module).__module__ in _POSITIONS_FROM_PACKED_ORDER:
         raise ValueError(
@@ -487,13 +494,64 @@ def _no_mask(*args: Any, attention_mask: Optional[Tensor] = None, **kwargs: Any)
     return None
 
 
+def _guard_call(model: Any, kwargs: Dict[str, Any]) -> None:
+    """What a model call with a pack's mask must not be: a model whose
+    attention is not ``"treeattn"`` (sdpa, eager, flash would ignore
+    ``kv_end`` and attend causally across the pack), or a call with
+    ``labels`` (transformers shifts labels by row position, which is wrong
+    at every branch of a pack)."""
+    bad = [(p, impl) for p, impl in _attn_implementations(model.config) if impl != NAME]
+    # A model without attention layers (Mamba) runs the pack through
+    # treeattn.hybrid, whatever its attention implementation says.
+    if bad and _has_attention_layers(model):
+        where = ", ".join(f"{p}._attn_implementation = {impl!r}" for p, impl in bad)
+        raise ValueError(
+            f"{type(model).__name__} was called with a tree pack's mask (kv_end / treeattn_shard) but {where}: "
+            "that attention would ignore kv_end and attend causally across the whole pack; "
+            'call model.set_attn_implementation("treeattn") first'
+        )
+    if kwargs.get("labels") is not None:
+        raise ValueError(
+            f"{type(model).__name__} was called with labels= and a tree pack's mask: transformers shifts labels "
+            "by row position (row t predicts row t + 1), which is wrong at every branch of a pack, whose "
+            "targets are (logit row, label) pairs; use treeattn.hf.pack_loss(model, pack) or "
+            "treeattn.hf.target_logprobs(model, pack)"
+        )
+
+
+def _install_call_guard() -> None:
+    """Every transformers model call that carries ``kv_end`` or
+    ``treeattn_shard`` goes through :func:`_guard_call` first (a
+    ``PreTrainedModel.__call__`` override, installed once; other calls are
+    untouched)."""
+    from transformers import PreTrainedModel
+
+    if getattr(PreTrainedModel, "_treeattn_call_guard", False):
+        return
+    call = PreTrainedModel.__call__
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("kv_end") is not None or kwargs.get("treeattn_shard") is not None:
+            _guard_call(self, kwargs)
+        return call(self, *args, **kwargs)
+
+    PreTrainedModel.__call__ = __call__
+    PreTrainedModel._treeattn_call_guard = True
+
+
 def register(*, check_positions: bool = True) -> None:
     """Registers ``"treeattn"`` with transformers' ``AttentionInterface`` and
     ``AttentionMaskInterface`` (idempotent), and makes the recurrent layers
     of hybrid models run along the pack's paths when called with ``kv_end``
     (:func:`treeattn.hybrid.register`). ``check_positions=False`` turns off
     the check that the position ids are the tree's depths (for callers whose
-    positions are offset on purpose)."""
+    positions are offset on purpose).
+
+    From then on, a transformers model called with ``kv_end`` (or a
+    context-parallel ``treeattn_shard``) whose attention is not
+    ``"treeattn"`` — sdpa, eager, flash would ignore the mask — or with
+    ``labels=`` (shifted by row position: wrong on a tree) raises
+    ``ValueError`` naming the fix, instead of returning plausible numbers."""
     global _CHECK_POSITIONS, _checked
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -502,6 +560,7 @@ def register(*, check_positions: bool = True) -> None:
     _checked = None
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, _no_mask)
+    _install_call_guard()
     # Recurrent layers (Gated DeltaNet, Mamba-2) along the pack's paths;
     # other recurrent families refuse kv_end (treeattn.hybrid).
     from . import hybrid
@@ -533,9 +592,17 @@ def require_treeattn(model: Any) -> None:
     """ValueError unless the model's config and every sub-config use the
     ``"treeattn"`` attention implementation (with another one, transformers
     ignores ``kv_end`` and the log-probs are silently wrong)."""
-    bad = [(p, impl) for p, impl in _attn_implementations(_inner(model).config) if impl != NAME]
-    if bad:
+    inner = _inner(model)
+    bad = [(p, impl) for p, impl in _attn_implementations(inner.config) if impl != NAME]
+    # A model without attention layers (Mamba) runs the pack through
+    # treeattn.hybrid, whatever its attention implementation says.
+    if bad and _has_attention_layers(inner):
         where = ", ".join(f"{p}._attn_implementation = {impl!r}" for p, impl in bad)
+        if not getattr(inner, "_supports_attention_backend", True):
+            raise ValueError(
+                f"{type(inner).__name__} does not route its attention through transformers' attention interface "
+                f"({where}; its family takes no custom attention implementation): treeattn cannot run it on a tree pack"
+            )
         raise ValueError(
             f"the model does not use treeattn attention ({where}): call treeattn.hf.register() and "
             'model.set_attn_implementation("treeattn") (or from_pretrained(..., attn_implementation="treeattn"))'
@@ -578,9 +645,58 @@ class _Scored:
         self.batch, self.length = int(self.tokens.shape[0]), int(self.tokens.shape[1])
 
 
+def _check_tokens(model: Any, batch: _Scored) -> None:
+    """ValueError naming the first row whose token id is outside the
+    model's input vocabulary (before the forward: the embedding would raise
+    a bare IndexError)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    tokens = batch.tokens
+    if not isinstance(vocab, int) or tokens.numel() == 0:
+        return
+    bad = (tokens < 0) | (tokens >= vocab)
+    if bool(bad.any()):
+        flat = int(bad.reshape(-1).nonzero()[0, 0])
+        b, t = divmod(flat, batch.length)
+        where = f"row {t}" if batch.batch == 1 else f"pack {b}, row {t}"
+        raise ValueError(
+            f"token id {int(tokens.reshape(-1)[flat])} at {where} is outside the model's vocabulary 0..{vocab - 1}"
+        )
+
+
+def _has_attention_layers(model: Any) -> bool:
+    """Whether the model has attention layers (modules named ``*Attention``;
+    a pure recurrent model — Mamba — has none), cached per model."""
+    if not hasattr(model, "modules"):
+        return True  # not an nn.Module: assume it has
+    has = model.__dict__.get("_treeattn_has_attention")
+    if has is None:
+        has = any(type(m).__name__.endswith("Attention") for m in model.modules())
+        model.__dict__["_treeattn_has_attention"] = has
+    return has
+
+
+def _check_attention_ran(model: Any, calls_before: int) -> None:
+    """ValueError when a forward with ``kv_end`` never reached treeattn's
+    attention although the model has attention layers: their attention does
+    not go through transformers' attention interface (GIT's text attention,
+    chosen when the model was built), so they attended causally over the
+    whole pack."""
+    if _attention_calls == calls_before and _has_attention_layers(model):
+        raise ValueError(
+            f"{type(model).__name__}'s forward never called treeattn's attention although the model has attention "
+            "layers: they do not go through transformers' attention interface (the implementation is fixed when "
+            "the model is built, or the family does not support set_attn_implementation), so they attended "
+            "causally across the whole pack; this model cannot run on a tree pack"
+        )
+
+
 def _forward(model: Any, batch: _Scored, **kwargs: Any) -> Tensor:
     require_treeattn(model)
+    inner = _inner(model)
+    _check_tokens(inner, batch)
     device = next(model.parameters()).device
+    before = _attention_calls
     out = model(
         input_ids=batch.tokens.to(device),
         position_ids=batch.position_ids.to(device),
@@ -588,6 +704,7 @@ def _forward(model: Any, batch: _Scored, **kwargs: Any) -> Tensor:
         use_cache=False,
         **kwargs,
     )
+    _check_attention_ran(inner, before)
     return out.logits
 
 
@@ -619,19 +736,73 @@ def _acc_dtype(dt: torch.dtype) -> torch.dtype:
     return torch.float32 if dt in (torch.bfloat16, torch.float16) else dt
 
 
-def _head_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], post: Tuple[float, Optional[float]]) -> Tuple[Tensor, Optional[Tensor]]:
+class _Post(NamedTuple):
+    """What happens to the output embedding's ``u = h·Wᵀ + b`` before the
+    log-softmax: ``z = c·tanh(s·u / c) / T`` (without a cap ``z = s·u /
+    T``): the model's logit scale ``s`` (Cohere's ``logit_scale``, Granite's
+    ``1 / logits_scaling``), its final logit softcap ``c`` (Gemma 2/3), and
+    the sampling temperature ``T`` (``inv_temp = 1 / T``) the scoring
+    functions take."""
+
+    scale: float
+    cap: Optional[float]
+    inv_temp: float = 1.0
+
+    def factor(self) -> float:
+        """``∂z/∂u`` without the cap's ``1 − tanh²``."""
+        return self.scale * self.inv_temp
+
+
+def _head_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], post: _Post) -> Tuple[Tensor, Optional[Tensor]]:
     """u = h·Wᵀ + b in the weight's dtype, then in the accumulation dtype;
-    ``post`` = (s, c): z = s·u, then with a softcap c: z = c·tanh(s·u / c).
-    Returns (z, tanh(s·u/c) or None). ∂z/∂u = s·(1 − tanh²)."""
-    scale, cap = post
+    z = s·u, with a softcap c: z = c·tanh(s·u / c); then z / T (:class:`_Post`).
+    Returns (z, tanh(s·u/c) or None). ∂z/∂u = s·(1 − tanh²) / T."""
     u = torch.nn.functional.linear(h, weight, bias)
     z = u.to(_acc_dtype(u.dtype))
-    if scale != 1.0:
-        z = z.mul_(scale)
-    if cap is None:
-        return z, None
-    t = torch.tanh(z / cap)
-    return t * cap, t
+    if post.scale != 1.0:
+        z = z.mul_(post.scale)
+    t = None
+    if post.cap is not None:
+        t = torch.tanh(z / post.cap)
+        z = t * post.cap
+    if post.inv_temp != 1.0:
+        z = z.mul_(post.inv_temp)
+    return z, t
+
+
+def _chain_post(g: Tensor, t: Optional[Tensor], post: _Post) -> Tensor:
+    """``g ← g · ∂z/∂u`` in place (``∂/∂z`` into ``∂/∂u``)."""
+    if t is not None:
+        g.mul_(1.0 - t * t)
+    if post.factor() != 1.0:
+        g.mul_(post.factor())
+    return g
+
+
+def _slice_head(weight: Tensor, bias: Optional[Tensor], v0: int, v1: int) -> Tuple[Tensor, Optional[Tensor]]:
+    return weight[v0:v1], (None if bias is None else bias[v0:v1])
+
+
+def _dw_by_vocab(h: Tensor, weight: Tensor, chunk: int, grad: Callable[[int, int, int, int], Tensor]) -> Tensor:
+    """∂W = Σ_rows gᵀ·h for a 16-bit weight, one slice of the vocabulary
+    at a time: each slice's rows are summed in the accumulation dtype over
+    row chunks (``grad(i, j, v0, v1)`` gives ``∂/∂u`` of rows ``i:j`` at
+    vocabulary entries ``v0:v1``, ``[j − i, v1 − v0]``) and rounded to the
+    weight's dtype once. Extra memory: one ``[slice, H]`` accumulator and
+    one ``[chunk, slice]`` block, whatever V — no float32 ``[V, H]``."""
+    V, H = weight.shape
+    adt = _acc_dtype(weight.dtype)
+    dw = torch.empty_like(weight)
+    vs = max(1, min(V, CHUNK_ELEMENTS // max(1, H)))
+    n = h.shape[0]
+    for v0 in range(0, V, vs):
+        v1 = min(V, v0 + vs)
+        acc = torch.zeros((v1 - v0, H), dtype=adt, device=weight.device)
+        for i in range(0, n, chunk):
+            j = min(n, i + chunk)
+            acc.addmm_(grad(i, j, v0, v1).t(), h[i:j].to(adt))
+        dw[v0:v1] = acc
+    return dw
 
 
 class _HeadLogprob(torch.autograd.Function):
@@ -641,8 +812,10 @@ class _HeadLogprob(torch.autograd.Function):
     per-row logsumexp / entropy; each chunk's logits are recomputed.
 
     Backward, per row: ∂lp/∂z = onehot(y) − p; ∂H/∂z = −p ∘ (log p + H);
-    with ``post`` = (s, c), ∂z/∂u = s·(1 − tanh²(s·u/c)) (s without a cap);
-    then ∂h = g·W, ∂W = gᵀ·h, ∂b = Σ g."""
+    with ``post`` (:class:`_Post`), ∂z/∂u = s·(1 − tanh²(s·u/c)) / T;
+    then ∂h = g·W, ∂W = gᵀ·h, ∂b = Σ g. ∂W of a 16-bit weight is summed per
+    vocabulary slice in float32 and rounded once (:func:`_dw_by_vocab`), so
+    the extra memory stays a few blocks besides the gradient itself."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, labels, chunk, post, want_entropy):
@@ -682,46 +855,56 @@ class _HeadLogprob(torch.autograd.Function):
         n = h.shape[0]
         adt = lse.dtype
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        # A 16-bit weight's ∂W is summed by vocabulary slice (_dw_by_vocab);
+        # a float32 / float64 one's in place, over the row chunks.
+        w_in_rows = need_w and weight.dtype == adt
         dh = torch.zeros_like(h) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=adt, device=weight.device) if need_w else None
+        dw = torch.zeros(weight.shape, dtype=adt, device=weight.device) if w_in_rows else None
         db = torch.zeros(bias.shape, dtype=adt, device=bias.device) if (need_b and bias is not None) else None
         if g_ent is not None and not ctx.want_entropy:
             g_ent = None
         if (g_lp is None and g_ent is None) or n == 0:
-            return dh, (dw.to(weight.dtype) if dw is not None else None), (db.to(bias.dtype) if db is not None else None), None, None, None, None
-        for i in range(0, n, chunk):
-            j = min(n, i + chunk)
-            with torch.no_grad():
-                z, t = _head_logits(h[i:j], weight, bias, post)
-                logp = z.sub_(lse[i:j, None])
-                gl = g_lp[i:j, None].to(adt) if g_lp is not None else None
-                # g = ∂/∂z of Σ gl·lp + ge·H, written over logp's buffer:
-                #   −p·(gl + ge·(log p + H)), then + gl at the label.
-                if g_ent is None:
-                    g = logp.exp_().mul_(-gl)
-                else:
-                    p = logp.exp()
-                    g = logp.add_(ent[i:j, None]).mul_(g_ent[i:j, None].to(adt))
-                    if gl is not None:
-                        g.add_(gl)
-                    g.mul_(p).neg_()
-                    del p
+            dw = torch.zeros_like(weight) if need_w else None
+            return dh, dw, (db.to(bias.dtype) if db is not None else None), None, None, None, None
+
+        def grad(i: int, j: int, v0: int, v1: int) -> Tensor:
+            """∂/∂u of rows i:j at vocabulary entries v0:v1."""
+            w_, b_ = _slice_head(weight, bias, v0, v1)
+            z, t = _head_logits(h[i:j], w_, b_, post)
+            logp = z.sub_(lse[i:j, None])
+            gl = g_lp[i:j, None].to(adt) if g_lp is not None else None
+            # g = ∂/∂z of Σ gl·lp + ge·H, written over logp's buffer:
+            #   −p·(gl + ge·(log p + H)), then + gl at the label.
+            if g_ent is None:
+                g = logp.exp_().mul_(-gl)
+            else:
+                p = logp.exp()
+                g = logp.add_(ent[i:j, None]).mul_(g_ent[i:j, None].to(adt))
                 if gl is not None:
-                    g.scatter_add_(1, labels[i:j, None], gl)
-                del logp, z
-                if t is not None:
-                    g.mul_(1.0 - t * t)
-                    del t
-                if post[0] != 1.0:
-                    g.mul_(post[0])
-                gw = g.to(weight.dtype)
+                    g.add_(gl)
+                g.mul_(p).neg_()
+                del p
+            if gl is not None:
+                # + gl at each row's label, where it falls in v0:v1.
+                y = labels[i:j, None] - v0
+                hit = (y >= 0) & (y < v1 - v0)
+                g.scatter_add_(1, y.clamp(0, v1 - v0 - 1), torch.where(hit, gl, torch.zeros_like(gl)))
+            return _chain_post(g, t, post)
+
+        V = weight.shape[0]
+        with torch.no_grad():
+            for i in range(0, n, chunk):
+                j = min(n, i + chunk)
+                g = grad(i, j, 0, V)
                 if need_h:
-                    dh[i:j] = gw @ weight
-                if need_w:
+                    dh[i:j] = g.to(weight.dtype) @ weight
+                if dw is not None:
                     dw.addmm_(g.t(), h[i:j].to(adt))
                 if db is not None:
                     db.add_(g.sum(0))
-                del g, gw
+                del g
+            if need_w and not w_in_rows:
+                dw = _dw_by_vocab(h, weight, chunk, grad)
         return (
             dh,
             dw.to(weight.dtype) if dw is not None else None,
@@ -744,20 +927,24 @@ class _HeadSdcc(torch.autograd.Function):
         w = w.to(adt)
         wsum = w.sum()
         kl = torch.empty(P, dtype=adt, device=hs.device)
+        lse_a = torch.empty(P, dtype=adt, device=hs.device)
+        lse_b = torch.empty(P, dtype=adt, device=hs.device)
         for i in range(0, P, chunk):
             j = min(P, i + chunk)
             za, _ = _head_logits(hs[i:j], weight, bias, post)
             zb, _ = _head_logits(ht[i:j], weight, bias, post)
-            la = torch.log_softmax(za.div_(tau), -1)
-            del za
-            lb = torch.log_softmax(zb.div_(tau), -1)
-            del zb
+            za.div_(tau)
+            zb.div_(tau)
+            lse_a[i:j] = torch.logsumexp(za, -1)
+            lse_b[i:j] = torch.logsumexp(zb, -1)
+            la = za.sub_(lse_a[i:j, None])
+            lb = zb.sub_(lse_b[i:j, None])
             pb = lb.exp()
             # p_b = 0 (underflow) adds 0: lb − la is finite for head logits.
             kl[i:j] = torch.bmm(pb[:, None, :], lb.sub_(la)[:, :, None])[:, 0, 0]
-            del la, lb, pb
+            del la, lb, pb, za, zb
         loss = (w * kl).sum() / wsum if float(wsum) > 0 else torch.zeros((), dtype=adt, device=hs.device)
-        ctx.save_for_backward(hs, ht, weight, bias, w)
+        ctx.save_for_backward(hs, ht, weight, bias, w, lse_a, lse_b)
         ctx.tau, ctx.chunk, ctx.post, ctx.wsum = tau, chunk, post, wsum
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(kl)
@@ -765,37 +952,44 @@ class _HeadSdcc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_kl):
-        hs, ht, weight, bias, w = ctx.saved_tensors
+        hs, ht, weight, bias, w, lse_a, lse_b = ctx.saved_tensors
         tau, chunk, post, wsum = ctx.tau, ctx.chunk, ctx.post, ctx.wsum
         P = hs.shape[0]
         adt = w.dtype
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        w_in_rows = need_w and weight.dtype == adt
         dh = torch.zeros_like(hs) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=adt, device=weight.device) if need_w else None
+        dw = torch.zeros(weight.shape, dtype=adt, device=weight.device) if w_in_rows else None
         db = torch.zeros(bias.shape, dtype=adt, device=bias.device) if (need_b and bias is not None) else None
-        if g_loss is not None and P > 0 and float(wsum) > 0:
-            scale = w * (g_loss.to(adt) / (wsum * tau))  # [P]
+        if g_loss is None or P == 0 or not float(wsum) > 0:
+            dw = torch.zeros_like(weight) if need_w else None
+            return dh, None, dw, (db.to(bias.dtype) if db is not None else None), None, None, None, None
+        scale = w * (g_loss.to(adt) / (wsum * tau))  # [P]
+
+        def grad(i: int, j: int, v0: int, v1: int) -> Tensor:
+            """∂/∂u (student) of pairs i:j at vocabulary entries v0:v1."""
+            w_, b_ = _slice_head(weight, bias, v0, v1)
+            za, ta = _head_logits(hs[i:j], w_, b_, post)
+            zb, _ = _head_logits(ht[i:j], w_, b_, post)
+            g = za.div_(tau).sub_(lse_a[i:j, None]).exp_()
+            g.sub_(zb.div_(tau).sub_(lse_b[i:j, None]).exp_()).mul_(scale[i:j, None])
+            del za, zb
+            return _chain_post(g, ta, post)
+
+        V = weight.shape[0]
+        with torch.no_grad():
             for i in range(0, P, chunk):
                 j = min(P, i + chunk)
-                with torch.no_grad():
-                    za, ta = _head_logits(hs[i:j], weight, bias, post)
-                    zb, _ = _head_logits(ht[i:j], weight, bias, post)
-                    g = torch.softmax(za.div_(tau), -1)
-                    del za
-                    g.sub_(torch.softmax(zb.div_(tau), -1)).mul_(scale[i:j, None])
-                    del zb
-                    if ta is not None:
-                        g.mul_(1.0 - ta * ta)
-                        del ta
-                    if post[0] != 1.0:
-                        g.mul_(post[0])
-                    if need_h:
-                        dh[i:j] = g.to(weight.dtype) @ weight
-                    if need_w:
-                        dw.addmm_(g.t(), hs[i:j].to(adt))
-                    if db is not None:
-                        db.add_(g.sum(0))
-                    del g
+                g = grad(i, j, 0, V)
+                if need_h:
+                    dh[i:j] = g.to(weight.dtype) @ weight
+                if dw is not None:
+                    dw.addmm_(g.t(), hs[i:j].to(adt))
+                if db is not None:
+                    db.add_(g.sum(0))
+                del g
+            if need_w and not w_in_rows:
+                dw = _dw_by_vocab(hs, weight, chunk, grad)
         return (
             dh, None,
             dw.to(weight.dtype) if dw is not None else None,
@@ -814,14 +1008,15 @@ def _text_config(model: Any) -> Any:
     return cfg
 
 
-def _head(model: Any) -> Tuple[Any, Tensor, Optional[Tensor], Tuple[float, Optional[float]]]:
+def _head(model: Any) -> Tuple[Any, Tensor, Optional[Tensor], _Post]:
     """The output embedding module, its weight [V, H], bias [V] or None, and
-    what the model does to its output, ``post`` = (s, c): a logit scale s
-    (Cohere's ``config.logit_scale`` multiplies, Granite's
+    what the model does to its output, a :class:`_Post` (s, c): a logit
+    scale s (Cohere's ``config.logit_scale`` multiplies, Granite's
     ``config.logits_scaling`` divides; 1 otherwise) and the final logit
     softcapping c (``config.final_logit_softcapping``, Gemma 2/3; None
-    otherwise). :func:`_hidden` checks the result against the model's own
-    logits on one row."""
+    otherwise). :func:`_score` checks the result against the model's own
+    logits on one row. Under FSDP / ZeRO-3 the weight read here is a shard:
+    read it again inside the forward."""
     model = _inner(model)
     if not hasattr(model, "get_output_embeddings"):
         raise ValueError(f"model ({type(model).__name__}) has no get_output_embeddings(): pass a causal LM")
@@ -850,63 +1045,113 @@ def _head(model: Any) -> Tuple[Any, Tensor, Optional[Tensor], Tuple[float, Optio
         cap = float(cap)
         if not (math.isfinite(cap) and cap > 0):
             raise ValueError(f"config.final_logit_softcapping = {cap} must be finite and > 0")
-    return emb, weight, bias, (scale, cap)
+    return emb, weight, bias, _Post(scale, cap)
 
 
-def _hidden(model: Any, pack: Any) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[float]]:
-    """One packed forward of ``model``; returns the final hidden states
-    ``[B·L, H]`` the output embedding would see, and the head (W, b, post).
+def _install_scoring(model: Any) -> None:
+    """Wraps ``model.forward`` (once; the instance's, not the class's) so
+    that a call with ``treeattn_scoring=f`` runs ``f(forward, args,
+    kwargs)`` in its place — inside the model's own forward, where FSDP2,
+    FSDP1 and ZeRO-3 have gathered the parameters (the output embedding's
+    weight is a shard outside it) and where DDP, activation checkpointing
+    and autocast see a normal forward; every other call is the model's."""
+    if getattr(model, "_treeattn_scoring", False):
+        return
+    orig = model.forward
+
+    def forward(*args: Any, treeattn_scoring: Optional[Callable] = None, **kwargs: Any) -> Any:
+        if treeattn_scoring is None:
+            return orig(*args, **kwargs)
+        return treeattn_scoring(orig, args, kwargs)
+
+    model.forward = forward
+    model._treeattn_scoring = True
+
+
+def _score(model: Any, pack: _Scored, fn: Callable[[Tensor, Tensor, Optional[Tensor], _Post], Any]) -> Any:
+    """One packed forward of ``model`` in which ``fn(h, W, b, post)`` runs
+    inside the model's own forward (:func:`_install_scoring`): ``h``
+    ``[B·L, H]``, the final hidden states the output embedding would see;
+    ``W``, ``b`` its weight and bias as the forward has them (gathered under
+    FSDP / ZeRO-3); ``post`` what the model does to its output (:func:`_head`).
+    Returns what ``fn`` returns (tensors: the wrappers' backward hooks —
+    FSDP's re-gather of the weight — attach to them).
 
     The output embedding is handed the last row only (a forward pre-hook),
     so the model computes a ``[1, V]`` logits block; that block is compared
     with z = s·(h·Wᵀ + b) (softcapped) on the same row (see :func:`_head`),
     so a model that changes its logits after the output embedding in another
     way is refused, not silently mis-scored."""
-    if not isinstance(pack, _Scored):
-        pack = _Scored(pack)
-    emb, weight, bias, post = _head(model)
-    seen = []
-
-    def keep_last_row(module, args):
-        x = args[0]
-        seen.append(x)
-        return (x[..., -1:, :],) + tuple(args[1:])
-
-    handle = emb.register_forward_pre_hook(keep_last_row)
-    try:
-        out = _forward(model, pack)
-    finally:
-        handle.remove()
-    if len(seen) != 1:
-        raise ValueError(
-            f"the output embedding of {type(model).__name__} ran {len(seen)} times in one forward: "
-            "the chunked log-probs need one head call; pass logits= instead"
-        )
-    h = seen[0]
+    require_treeattn(model)
+    inner = _inner(model)
+    _check_tokens(inner, pack)
+    emb, weight, _bias, post = _head(inner)
+    _check_labels(pack.loss_labels, weight.shape[0])
+    _install_scoring(inner)
     B, L = pack.batch, pack.length
-    if h.dim() != 3 or tuple(h.shape) != (B, L, weight.shape[1]):
-        raise ValueError(
-            f"the output embedding's input has shape {tuple(h.shape)}, expected [B, L, H] = "
-            f"[{B}, {L}, {weight.shape[1]}] (the model slices its hidden states before the head?)"
-        )
-    # The probe below is the last row of the last pack: h's last row too.
-    h = h.reshape(B * L, h.shape[2])
-    with torch.no_grad():
-        theirs = out.reshape(-1, out.shape[-1])[-1]
-        mine, _ = _head_logits(h[-1:].detach(), weight, bias, post)
-        mine = mine[0]
-        adt = mine.dtype
-        tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(theirs.dtype, 2e-2)
-        diff = float((mine - theirs.to(adt)).abs().max()) if mine.numel() else 0.0
-        size = 1.0 + (float(theirs.to(adt).abs().max()) if theirs.numel() else 0.0)
-        if theirs.shape != mine.shape or not diff <= tol * size:
-            scale, cap = post
+
+    def inside(orig: Callable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        seen = []
+
+        def keep_last_row(module, a):
+            x = a[0]
+            seen.append(x)
+            return (x[..., -1:, :],) + tuple(a[1:])
+
+        handle = emb.register_forward_pre_hook(keep_last_row)
+        before = _attention_calls
+        try:
+            out = orig(*args, **kwargs)
+        finally:
+            handle.remove()
+        _check_attention_ran(inner, before)
+        weight, bias = emb.weight, getattr(emb, "bias", None)
+        if not isinstance(bias, Tensor):
+            bias = None
+        if type(weight).__name__ == "DTensor" or weight.shape[0] * weight.shape[1] != weight.numel():
             raise ValueError(
-                f"{type(model).__name__} changes its logits after the output embedding beyond "
-                f"z = {scale:g}·(h·Wᵀ + b){f' softcapped at {cap:g}' if cap is not None else ''} "
-                f"(max |Δ| {diff:.3g} on the probe row): the chunked log-probs would be wrong; pass logits= instead"
+                "the output embedding's weight is still sharded inside the model's forward (a DTensor): it is "
+                "its own FSDP unit; the chunked log-probs run in the root module's forward, so wrap the output "
+                "embedding with the root (fully_shard the decoder layers, then the model)"
             )
-    return h, weight, bias, post
+        if len(seen) != 1:
+            raise ValueError(
+                f"the output embedding of {type(inner).__name__} ran {len(seen)} times in one forward: "
+                "the chunked log-probs need one head call; pass logits= instead"
+            )
+        h = seen[0]
+        if h.dim() != 3 or tuple(h.shape) != (B, L, weight.shape[1]):
+            raise ValueError(
+                f"the output embedding's input has shape {tuple(h.shape)}, expected [B, L, H] = "
+                f"[{B}, {L}, {weight.shape[1]}] (the model slices its hidden states before the head?)"
+            )
+        # The probe below is the last row of the last pack: h's last row too.
+        h = h.reshape(B * L, h.shape[2])
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        with torch.no_grad():
+            theirs = logits.reshape(-1, logits.shape[-1])[-1]
+            mine, _ = _head_logits(h[-1:].detach(), weight, bias, post)
+            mine = mine[0]
+            adt = mine.dtype
+            tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(theirs.dtype, 2e-2)
+            diff = float((mine - theirs.to(adt)).abs().max()) if mine.numel() else 0.0
+            size = 1.0 + (float(theirs.to(adt).abs().max()) if theirs.numel() else 0.0)
+            if theirs.shape != mine.shape or not diff <= tol * size:
+                raise ValueError(
+                    f"{type(inner).__name__} changes its logits after the output embedding beyond "
+                    f"z = {post.scale:g}·(h·Wᵀ + b){f' softcapped at {post.cap:g}' if post.cap is not None else ''} "
+                    f"(max |Δ| {diff:.3g} on the probe row): the chunked log-probs would be wrong; pass logits= instead"
+                )
+        return fn(h, weight, bias, post)
+
+    device = next(model.parameters()).device
+    return model(
+        input_ids=pack.tokens.to(device),
+        position_ids=pack.position_ids.to(device),
+        kv_end=pack.kv_end.to(device),
+        use_cache=False,
+        treeattn_scoring=inside,
+    )
 
 
 def _check_chunk(chunk: Optional[int], vocab: int) -> int:
@@ -925,11 +1170,18 @@ def _check_labels(labels: Tensor, vocab: int) -> None:
         )
 
 
-def _chunked_logprobs(h: Tensor, weight: Tensor, bias: Optional[Tensor], post: Tuple[float, Optional[float]],
+def _check_temperature(temperature: Any) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature = {temperature!r} must be a finite number > 0 (the rollout's sampling temperature)")
+    return float(temperature)
+
+
+def _chunked_logprobs(h: Tensor, weight: Tensor, bias: Optional[Tensor], post: _Post,
                       pack: _Scored, chunk: int, entropy: bool) -> Tuple[Tensor, Tensor]:
     rows = pack.loss_rows.to(h.device)
     labels = pack.loss_labels.to(h.device, torch.int64)
-    _check_labels(labels, weight.shape[0])
     return _HeadLogprob.apply(h[rows], weight, bias, labels, chunk, post, entropy)
 
 
@@ -940,6 +1192,7 @@ def target_logprobs(
     *,
     chunk: Optional[int] = None,
     entropy: bool = False,
+    temperature: float = 1.0,
 ):
     """Log-probability of every loss entry of ``pack`` (``[T]``, in the
     pack's loss order): ``lp_i = z_{r_i}[y_i] − logsumexp(z_{r_i})`` with
@@ -967,18 +1220,53 @@ def target_logprobs(
 
     ``entropy=True`` also returns ``H_i = −Σ_v p_v log p_v`` at each loss
     row, from the same chunks: the result is then ``(logprobs, entropy)``.
+
+    ``temperature`` ``T``: the log-probs (and entropy) of ``softmax(z /
+    T)``, the distribution the rollout engine sampled from at temperature
+    ``T`` (verl, TRL and slime divide the logits by it); after the model's
+    own final softcap.
+
+    The head runs inside the model's own forward (a wrapper of its
+    ``forward``, installed once), so the model may be wrapped by FSDP2
+    (``fully_shard``), FSDP1, ZeRO-3 or DDP, with activation checkpointing:
+    the output embedding's weight is used where the wrapper has gathered
+    it. The gradient of a 16-bit weight is summed per vocabulary slice in
+    float32 and rounded once: the extra memory stays a few blocks besides
+    the weight's own gradient.
+
+    Checked before the forward: token ids and labels inside the model's
+    vocabulary (naming the row); after it: that the forward reached
+    treeattn's attention. ``logits`` must be this pack's: ``[L, V]`` (or
+    ``[B, L, V]``) of a model on ``"treeattn"``.
     """
+    temperature = _check_temperature(temperature)
     pack = _Scored(pack)
     if logits is not None:
+        require_treeattn(model)
+        B, L = pack.batch, pack.length
+        if not isinstance(logits, Tensor) or logits.dim() not in (2, 3) or logits.shape[:-1] not in (
+            (B * L,), (B, L)
+        ) or (logits.dim() == 2 and B != 1):
+            raise ValueError(
+                f"logits of shape {tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__} "
+                f"for a pack of {B} × {L} rows: pass this pack's logits, [L, V] (or [B, L, V] for a batch), from "
+                "a forward of the model on \"treeattn\" with this pack's kv_end"
+            )
+        _check_labels(pack.loss_labels, logits.shape[-1])
         rows = pack.loss_rows.to(logits.device)
         labels = pack.loss_labels.to(logits.device, torch.int64)
-        lp = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[rows], dim=-1)
+        z = logits.reshape(-1, logits.shape[-1])[rows]
+        lp = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)
         out = lp.gather(-1, labels[:, None])[:, 0]
         if entropy:
             return out, -(lp.exp() * lp).sum(-1)
         return out
-    h, weight, bias, post = _hidden(model, pack)
-    lp, ent = _chunked_logprobs(h, weight, bias, post, pack, _check_chunk(chunk, weight.shape[0]), entropy)
+
+    def head(h: Tensor, weight: Tensor, bias: Optional[Tensor], post: _Post) -> Tuple[Tensor, Tensor]:
+        post = post._replace(inv_temp=1.0 / temperature)
+        return _chunked_logprobs(h, weight, bias, post, pack, _check_chunk(chunk, weight.shape[0]), entropy)
+
+    lp, ent = _score(model, pack, head)
     return (lp, ent) if entropy else lp
 
 
@@ -1004,8 +1292,10 @@ def pack_loss(
     tau: float = 1.0,
     *,
     normalizer: Any = None,
+    sdcc_normalizer: Any = None,
     chunk: Optional[int] = None,
     entropy: bool = False,
+    temperature: float = 1.0,
 ) -> Dict[str, Tensor]:
     """The training loss of one pack (or of a :func:`treeattn.collate`
     batch: the same sums over every pack's entries), from one packed forward
@@ -1016,41 +1306,85 @@ def pack_loss(
     for a token mean over a whole batch (CompactionRL), pass the batch's
     ``Σ w`` over all packs and ranks, so per-pack losses add up to it);
 
-    ``loss = nll + sdcc_lambda · sdcc``, ``sdcc = Σ_j KL_j / P``: the forward
-    KL(teacher ‖ student) at the pack's ``P`` SDCC pairs, ``KL_j = Σ_v
-    p_t(v)(log p_t(v) − log p_s(v))``, ``p = softmax(z / tau)`` of the
+    ``loss = nll + sdcc_lambda · sdcc``, ``sdcc = Σ_j KL_j / N_s``: the
+    forward KL(teacher ‖ student) at the pack's ``P`` SDCC pairs, ``KL_j =
+    Σ_v p_t(v)(log p_t(v) − log p_s(v))``, ``p = softmax(z / tau)`` of the
     student / teacher rows' logits, the teacher stop-gradient, computed in
-    the logits' dtype (τ is not rounded to float32). The paper ramps λ from
-    0 to 0.1 over the first 20% of steps — the ramp is the caller's.
+    the logits' dtype (τ is not rounded to float32); ``N_s`` =
+    ``sdcc_normalizer``, default this pack's ``P`` — for micro-batches,
+    pass the batch's pairs over all packs and ranks, so that the per-pack
+    terms add up to the batch's mean (with the default, each micro-batch
+    would be its own mean). The paper ramps λ from 0 to 0.1 over the first
+    20% of steps — the ramp is the caller's.
+
+    ``temperature`` ``T``: the NLL's log-probs are those of ``softmax(z /
+    T)`` (:func:`target_logprobs`); SDCC keeps its own ``tau``.
 
     Returns ``{"loss", "nll", "sdcc", "logprobs"}`` (+ ``"entropy"`` ``[T]``
-    with ``entropy=True``).
+    with ``entropy=True``). The head runs inside the model's forward, as in
+    :func:`target_logprobs` (FSDP2, FSDP1, ZeRO-3, DDP, checkpointing).
     """
     _check_normalizer(normalizer)
+    _check_normalizer(sdcc_normalizer, "sdcc_normalizer")
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (math.isfinite(tau) and tau > 0):
         raise ValueError(f"tau = {tau!r} must be finite and > 0")
+    if isinstance(sdcc_lambda, bool) or not isinstance(sdcc_lambda, (int, float)) or not (
+        math.isfinite(sdcc_lambda) and sdcc_lambda >= 0
+    ):
+        raise ValueError(f"sdcc_lambda = {sdcc_lambda!r} must be a finite number >= 0")
+    temperature = _check_temperature(temperature)
     pack = _Scored(pack)
     if sdcc_lambda and pack.sdcc_student_rows is None:
         raise ValueError(
             "sdcc_lambda > 0 needs trie-layout packs (the replicated layout has no SDCC pairs; "
             "a batch has them only when every pack does)"
         )
-    h, weight, bias, post = _hidden(model, pack)
-    chunk = _check_chunk(chunk, weight.shape[0])
-    lp, ent = _chunked_logprobs(h, weight, bias, post, pack, chunk, entropy)
+
+    def head(h: Tensor, weight: Tensor, bias: Optional[Tensor], post: _Post) -> Tuple[Tensor, ...]:
+        c = _check_chunk(chunk, weight.shape[0])
+        lp, ent = _chunked_logprobs(h, weight, bias, post._replace(inv_temp=1.0 / temperature), pack, c, entropy)
+        sdcc = torch.zeros((), dtype=lp.dtype, device=lp.device)
+        if sdcc_lambda and pack.sdcc_student_rows.numel() > 0:
+            s = pack.sdcc_student_rows.to(h.device)
+            t = pack.sdcc_teacher_rows.to(h.device)
+            ones = torch.ones(s.shape[0], dtype=lp.dtype, device=h.device)
+            sdcc, _kl = _HeadSdcc.apply(h[s], h[t].detach(), weight, bias, ones, float(tau), c, post)
+            if sdcc_normalizer is not None:
+                n = sdcc_normalizer.to(lp.device, lp.dtype) if isinstance(sdcc_normalizer, Tensor) else float(
+                    sdcc_normalizer
+                )
+                sdcc = sdcc * (s.shape[0] / n)
+        return lp, ent, sdcc
+
+    lp, ent, sdcc = _score(model, pack, head)
     w = pack.loss_weights.to(lp.device, lp.dtype)
     if normalizer is None:
         norm = w.sum().clamp_min(torch.finfo(lp.dtype).tiny)
     else:
         norm = normalizer.to(lp.device, lp.dtype) if isinstance(normalizer, Tensor) else float(normalizer)
     nll = -(w * lp).sum() / norm
-    sdcc = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    if sdcc_lambda and pack.sdcc_student_rows.numel() > 0:
-        s = pack.sdcc_student_rows.to(h.device)
-        t = pack.sdcc_teacher_rows.to(h.device)
-        ones = torch.ones(s.shape[0], dtype=lp.dtype, device=h.device)
-        sdcc, _kl = _HeadSdcc.apply(h[s], h[t].detach(), weight, bias, ones, float(tau), chunk, post)
     out = {"loss": nll + sdcc_lambda * sdcc, "nll": nll, "sdcc": sdcc, "logprobs": lp}
     if entropy:
         out["entropy"] = ent
     return out
+
+
+def values(critic: Any, pack: Any) -> Tensor:
+    """The critic's value at every loss entry's row (``[T]``, the pack's
+    loss order): ``V_i = critic(pack)[r_i]`` with ``r_i = loss_rows[i]``,
+    each under its target's own live prefix — what :func:`treeattn.rl.gae`
+    takes. ``critic``: a value model whose output ``logits`` hold one value
+    per row (``[B, L, 1]``: a ``*ForTokenClassification`` with
+    ``num_labels=1``, verl's critic, or any model returning that), on
+    ``attn_implementation="treeattn"`` — a critic left on ``"sdpa"`` would
+    ignore ``kv_end`` and read every value off plain causal attention, so
+    it is refused. ``pack`` may be a :func:`treeattn.collate` batch."""
+    pack = _Scored(pack)
+    out = _forward(critic, pack)
+    B, L = pack.batch, pack.length
+    if not isinstance(out, Tensor) or out.dim() != 3 or tuple(out.shape) != (B, L, 1):
+        raise ValueError(
+            f"the critic returned logits of shape {tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__}, "
+            f"expected [B, L, 1] = [{B}, {L}, 1]: one value per row (a *ForTokenClassification with num_labels=1)"
+        )
+    return out.reshape(B * L)[pack.loss_rows.to(out.device)]

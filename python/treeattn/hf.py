@@ -382,7 +382,10 @@ def attention(
         mask = given
     else:
         mask = _mask_plan(flat, q.device)
-    o = tree_attention(q, k, v, mask, scale=scaling, window=window, softcap=softcap, sinks=sinks)
+    # "auto": the crate's CPU backend, its CUDA kernels where they run the
+    # call (bf16 / f16, head dim 64 or 128, plain attention), else
+    # FlexAttention (a GPU model with a window, softcap, sinks, MLA).
+    o = tree_attention(q, k, v, mask, scale=scaling, window=window, softcap=softcap, sinks=sinks, backend="auto")
     return o.reshape(B, L, o.shape[1], o.shape[2]), None
 
 

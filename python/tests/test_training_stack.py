@@ -354,3 +354,25 @@ def test_a_forward_that_bypasses_the_attention_interface_is_refused(monkeypatch)
     with pytest.raises(ValueError, match="never called treeattn's attention"):
         treeattn.hf.target_logprobs(model, pack)
     assert math.isfinite(0.0)
+
+
+def test_bfloat16_autocast():
+    """Under CPU bf16 autocast (q, k come out of rotary in float32, v in
+    bfloat16): attention runs in the autocast dtype as SDPA does, the head's
+    backward recomputes under the forward's autocast state; the loss and the
+    head's gradient are the float32 run's within bfloat16's rounding."""
+    treeattn.hf.register()
+    _whole, (pack,) = packs_of(1)
+
+    def run(autocast):
+        model = tiny_llama().float()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = treeattn.hf.pack_loss(model, pack, sdcc_lambda=0.1)["loss"]
+        loss.backward()
+        return float(loss), model.lm_head.weight.grad
+
+    loss16, g16 = run(True)
+    loss32, g32 = run(False)
+    assert abs(loss16 - loss32) <= 1e-2 * abs(loss32)
+    assert g16.dtype == torch.float32
+    assert float((g16 - g32).norm() / g32.norm()) <= 3e-2

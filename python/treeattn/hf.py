@@ -773,6 +773,20 @@ def _head_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], post: _Post)
     return z, t
 
 
+def _amp_state(device_type: str) -> Tuple[str, bool, Optional[torch.dtype]]:
+    """The autocast state of ``device_type`` at a forward, for its backward
+    to recompute the head under the same casts (as activation checkpointing
+    does)."""
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return device_type, False, None
+    return device_type, True, torch.get_autocast_dtype(device_type)
+
+
+def _amp(state: Tuple[str, bool, Optional[torch.dtype]]) -> Any:
+    device_type, enabled, dtype = state
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+
+
 def _chain_post(g: Tensor, t: Optional[Tensor], post: _Post) -> Tensor:
     """``g ← g · ∂z/∂u`` in place (``∂/∂z`` into ``∂/∂u``)."""
     if t is not None:
@@ -848,6 +862,7 @@ class _HeadLogprob(torch.autograd.Function):
             del z, zm, _t
         ctx.save_for_backward(h, weight, bias, labels, lse, ent)
         ctx.chunk, ctx.post, ctx.want_entropy = chunk, post, want_entropy
+        ctx.amp = _amp_state(h.device.type)
         ctx.set_materialize_grads(False)
         return lp, ent
 
@@ -895,12 +910,12 @@ class _HeadLogprob(torch.autograd.Function):
             return _chain_post(g, t, post)
 
         V = weight.shape[0]
-        with torch.no_grad():
+        with torch.no_grad(), _amp(ctx.amp):
             for i in range(0, n, chunk):
                 j = min(n, i + chunk)
                 g = grad(i, j, 0, V)
                 if need_h:
-                    dh[i:j] = g.to(weight.dtype) @ weight
+                    dh[i:j] = (g.to(weight.dtype) @ weight).to(dh.dtype)
                 if dw is not None:
                     dw.addmm_(g.t(), h[i:j].to(adt))
                 if db is not None:
@@ -949,6 +964,7 @@ class _HeadSdcc(torch.autograd.Function):
         loss = (w * kl).sum() / wsum if float(wsum) > 0 else torch.zeros((), dtype=adt, device=hs.device)
         ctx.save_for_backward(hs, ht, weight, bias, w, lse_a, lse_b)
         ctx.tau, ctx.chunk, ctx.post, ctx.wsum = tau, chunk, post, wsum
+        ctx.amp = _amp_state(hs.device.type)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(kl)
         return loss, kl
@@ -980,12 +996,12 @@ class _HeadSdcc(torch.autograd.Function):
             return _chain_post(g, ta, post)
 
         V = weight.shape[0]
-        with torch.no_grad():
+        with torch.no_grad(), _amp(ctx.amp):
             for i in range(0, P, chunk):
                 j = min(P, i + chunk)
                 g = grad(i, j, 0, V)
                 if need_h:
-                    dh[i:j] = g.to(weight.dtype) @ weight
+                    dh[i:j] = (g.to(weight.dtype) @ weight).to(dh.dtype)
                 if dw is not None:
                     dw.addmm_(g.t(), hs[i:j].to(adt))
                 if db is not None:

@@ -820,6 +820,11 @@ def tree_attention(
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if position_ids is not None and not isinstance(position_ids, Tensor):
         raise ValueError(f"position_ids must be a torch.Tensor or None, got {type(position_ids).__name__}")
+    # Under autocast, attention runs in the autocast dtype, as SDPA does
+    # (a model's q, k come out of rotary in float32 while v is bfloat16).
+    if q.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(q.device.type):
+        amp = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(amp) if t.is_floating_point() else t for t in (q, k, v))
     if q.dim() != 3:
         raise ValueError(
             f"q must be [L, Hq, d], got shape {tuple(q.shape)} (from transformers' [B, H, L, d], "

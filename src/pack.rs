@@ -468,6 +468,34 @@ pub struct RolloutFields {
     pub group: Vec<i64>,
     /// The group names, in order of first appearance among the rollouts.
     pub groups: Vec<String>,
+    /// [`calls_fingerprint`] of the rollout, as the bits of an `i64`.
+    pub fingerprint: Vec<i64>,
+}
+
+/// A 64-bit fingerprint of a rollout's calls (their token ids only: not its
+/// id, reward, group or log-probs), the same on every machine and run:
+/// FNV-1a (64-bit) over the little-endian bytes of the `u32` words
+/// `n_calls`, then per call `len(context)`, `context…`, `len(completion)`,
+/// `completion…`. Two packs that hold a rollout of the same id tell by it
+/// whether they hold the same rollout (`treeattn.rl.grpo_advantages`).
+pub fn calls_fingerprint(r: &Rollout) -> u64 {
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut word = |w: u32| {
+        for b in w.to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(PRIME);
+        }
+    };
+    // Lengths above u32::MAX cannot occur: a call's tokens are indexed in u32.
+    word(r.calls().len() as u32);
+    for c in r.calls() {
+        word(c.context.len() as u32);
+        c.context.iter().for_each(|&t| word(t));
+        word(c.completion.len() as u32);
+        c.completion.iter().for_each(|&t| word(t));
+    }
+    h
 }
 
 impl RolloutFields {
@@ -480,11 +508,13 @@ impl RolloutFields {
             reward: Vec::with_capacity(members.len()),
             group: Vec::with_capacity(members.len()),
             groups: Vec::new(),
+            fingerprint: Vec::with_capacity(members.len()),
         };
         let mut index: HashMap<&str, i64> = HashMap::new();
         for &m in members {
             let r = &rollouts[m as usize];
             f.reward.push(r.reward().unwrap_or(f32::NAN));
+            f.fingerprint.push(calls_fingerprint(r) as i64);
             f.group.push(match r.group() {
                 Some(g) => *index.entry(g).or_insert_with(|| {
                     f.groups.push(g.to_string());
@@ -504,7 +534,8 @@ pub struct Batch {
     pub pack: Pack,
     /// Input indices of the rollouts in this pack, increasing.
     pub rollouts: Vec<u32>,
-    /// Reward and GRPO group of each rollout of `rollouts`, in that order.
+    /// Reward, GRPO group and calls' fingerprint of each rollout of
+    /// `rollouts`, in that order.
     pub fields: RolloutFields,
     /// SDCC pairs in this pack's rows (trie layout only; `None` for the
     /// replicated layout, whose student rows are not defined here).
@@ -821,6 +852,47 @@ mod tests {
                     "case {case}, share {share}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn fingerprint_is_the_documented_fnv1a_of_the_calls_alone() {
+        // FNV-1a 64 of the u32 words [1, 2, 7, 8, 1, 9], written out.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for w in [1u32, 2, 7, 8, 1, 9] {
+            for b in w.to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+            }
+        }
+        let r = |id: &str, calls: Vec<Call>| Rollout::new(id, calls).unwrap();
+        let a = r("a", vec![Call::new(vec![7, 8], vec![9])]);
+        assert_eq!(calls_fingerprint(&a), h);
+        // Not the id, reward or group: the same calls, the same fingerprint.
+        let b = r("b", vec![Call::new(vec![7, 8], vec![9])])
+            .with_reward(1.0)
+            .unwrap()
+            .with_group("g");
+        assert_eq!(calls_fingerprint(&b), h);
+        // The split between context and completion, and between calls, counts.
+        for other in [
+            vec![Call::new(vec![7], vec![8, 9])],
+            vec![Call::new(vec![7, 8], vec![9, 0])],
+            vec![
+                Call::new(vec![7, 8], vec![9]),
+                Call::new(vec![7, 8, 9], vec![1]),
+            ],
+        ] {
+            assert_ne!(calls_fingerprint(&r("a", other)), h);
+        }
+        // batch() carries it per rollout of each pack, in the pack's order.
+        let rs = vec![a.clone(), r("c", vec![Call::new(vec![5], vec![6])]), b];
+        for bt in batch(&rs, 3, true, Layout::Trie).unwrap() {
+            let want: Vec<i64> = bt
+                .rollouts
+                .iter()
+                .map(|&i| calls_fingerprint(&rs[i as usize]) as i64)
+                .collect();
+            assert_eq!(bt.fields.fingerprint, want);
         }
     }
 }

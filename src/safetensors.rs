@@ -41,6 +41,7 @@
 //! |---|---|---|---|
 //! | `rollout_reward` | `[R]` | F32 | the rollout's reward, NaN where it has none |
 //! | `rollout_group` | `[R]` | I64 | index of its GRPO group in the metadata's `groups` (a JSON array of names), −1 where it has none |
+//! | `rollout_fingerprint` | `[R]` | I64 | [`crate::pack::calls_fingerprint`] of its calls (files of earlier versions lack it) |
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -446,9 +447,9 @@ pub fn pack_tensors(
     Ok(t)
 }
 
-/// The rollout tensors of a pack file, `rollout_reward` and `rollout_group`
-/// (see the module docs); the group names go into the metadata as
-/// `groups`.
+/// The rollout tensors of a pack file, `rollout_reward`, `rollout_group`
+/// and `rollout_fingerprint` (see the module docs); the group names go into
+/// the metadata as `groups`.
 pub fn rollout_tensors(fields: &RolloutFields) -> Vec<(String, Tensor)> {
     vec![
         (
@@ -456,6 +457,10 @@ pub fn rollout_tensors(fields: &RolloutFields) -> Vec<(String, Tensor)> {
             Tensor::from_f32(&fields.reward),
         ),
         ("rollout_group".to_string(), Tensor::from_i64(&fields.group)),
+        (
+            "rollout_fingerprint".to_string(),
+            Tensor::from_i64(&fields.fingerprint),
+        ),
     ]
 }
 

@@ -645,6 +645,14 @@ fn gen_rewards_then_pack_writes_the_rl_fields() {
     assert_eq!(group[0], -1);
     assert!(group[1..].iter().all(|&g| g == 0));
     assert_eq!(st.metadata["groups"], r#"["grpo-3"]"#);
+    // Each rollout's calls' fingerprint, which tells rollouts of one id in
+    // two files apart (treeattn.rl.grpo_advantages).
+    let fp = st.get("rollout_fingerprint").unwrap().to_i64().unwrap();
+    let want: Vec<i64> = rs
+        .iter()
+        .map(|r| treeattn::pack::calls_fingerprint(r) as i64)
+        .collect();
+    assert_eq!(fp, want);
     // Segments: the compaction rollout (input index 0) spans several.
     let seg = st.get("loss_segment").unwrap().to_i64().unwrap();
     let roll = st.get("loss_rollout").unwrap().to_i64().unwrap();

@@ -2,6 +2,7 @@
 in packs; GAE, GRPO and whitening against plain loops over the unpacked
 calls (float64), with verl's conventions checked by hand."""
 
+import dataclasses
 import json
 import math
 import random
@@ -393,6 +394,92 @@ def test_bad_arguments_are_value_errors():
 
 
 # --------------------------------------------------------------------------
+# rollout identity across packs
+
+
+def fnv1a_of_calls(rollout):
+    """treeattn::pack::calls_fingerprint in Python: FNV-1a 64 over the u32
+    words n_calls, then per call len(context), context, len(completion),
+    completion; as an int64."""
+    words = [len(rollout["calls"])]
+    for c in rollout["calls"]:
+        words += [len(c["context"]), *c["context"], len(c["completion"]), *c["completion"]]
+    h = 0xCBF29CE484222325
+    for b in struct.pack(f"<{len(words)}I", *words):
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+def group_file(ids, rewards, first_token):
+    """A GRPO group "q" as one input file would hold it: its own calls."""
+    return [{"id": i, "reward": r, "group": "q",
+             "calls": [{"context": [first_token, 2], "completion": [3 + k]}]}
+            for k, (i, r) in enumerate(zip(ids, rewards))]
+
+
+def test_rollout_fingerprint_is_the_calls_hash_everywhere():
+    rs = sample_rollouts(seed=5)
+    want = {r["id"]: fnv1a_of_calls(r) for r in rs}
+    assert len(set(want.values())) == len(rs)
+    for kw in ({}, {"budget": 1000}, {"share_prefixes": False, "budget": 1500}, {"layout": "replicated"}):
+        for p in treeattn.pack(rs, **kw):
+            assert p.rollout_fingerprint.dtype == torch.int64
+            assert p.rollout_fingerprint.tolist() == [want[i] for i in p.rollout_ids], kw
+    # Calls alone: not the id, reward or group.
+    (a,) = treeattn.pack([dict(GOLDEN[0], id="other", reward=3.0, group="z")])
+    (b,) = treeattn.pack(GOLDEN)
+    assert a.rollout_fingerprint.tolist() == b.rollout_fingerprint.tolist() == [fnv1a_of_calls(GOLDEN[0])]
+
+
+def test_grpo_refuses_one_id_on_two_rollouts_across_packs():
+    """Two files packed apart reuse ids r0, r1 (same group, same rewards)
+    for other rollouts: without the fingerprint GRPO merged them into one
+    group of 4 instead of 6. It is refused, naming the id and the packs."""
+    (a,) = treeattn.pack(group_file(["r0", "r1", "r2"], [1.0, 0.0, 1.0], 1))
+    (b,) = treeattn.pack(group_file(["r0", "r1", "r3"], [1.0, 0.0, 0.5], 9))
+    with pytest.raises(ValueError, match=r"'r0' names two different rollouts.*packs\[0\].*packs\[1\]"):
+        treeattn.rl.grpo_advantages([a, b])
+    # The negative control: without fingerprints (a pack file of an earlier
+    # version) the reuse cannot be seen and the group is scored as 4.
+    old = [dataclasses.replace(p, rollout_fingerprint=None) for p in (a, b)]
+    merged = per_rollout(old, "sample")
+    assert len(merged) == 4
+    want4 = grpo_reference([1.0, 0.0, 1.0, 0.5], ["q"] * 4, "sample")
+    assert [merged[i] for i in ("r0", "r1", "r2", "r3")] == pytest.approx([want4[i] for i in range(4)], abs=1e-12)
+    # Renamed apart, the six are one group of six.
+    (b2,) = treeattn.pack(group_file(["s0", "s1", "r3"], [1.0, 0.0, 0.5], 9))
+    six = per_rollout([a, b2], "sample")
+    want6 = grpo_reference([1.0, 0.0, 1.0, 1.0, 0.0, 0.5], ["q"] * 6, "sample")
+    assert [six[i] for i in ("r0", "r1", "r2", "s0", "s1", "r3")] == pytest.approx(
+        [want6[i] for i in range(6)], abs=1e-12)
+    # Different calls are refused also when the group or reward differ too.
+    (c,) = treeattn.pack(group_file(["r0"], [0.25], 9))
+    with pytest.raises(ValueError, match="'r0' names two different rollouts"):
+        treeattn.rl.grpo_advantages([a, c])
+    # A fingerprint tensor of the wrong shape or dtype.
+    for bad in (a.rollout_fingerprint[:2], a.rollout_fingerprint.to(torch.float64), [1, 2, 3]):
+        with pytest.raises(ValueError, match=r"packs\[0\].rollout_fingerprint"):
+            treeattn.rl.grpo_advantages(dataclasses.replace(a, rollout_fingerprint=bad))
+
+
+def test_grpo_counts_the_same_rollout_given_twice_once():
+    rs = [r for r in sample_rollouts(seed=7) if r["id"].startswith("grpo")]
+    packs = treeattn.pack(rs, share_prefixes=True, budget=300)
+    assert len(packs) > 1
+    want = per_rollout(packs, "sample")
+    # The same rollouts again, packed apart (other budget, layout): each
+    # is the same rollout (same id, calls, group, reward) and counts once.
+    again = treeattn.pack(rs[::-1], layout="replicated", budget=250)
+    got = per_rollout(packs + again, "sample")
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-12, abs=1e-12), k
+    # A fingerprint-less copy of a pack matches its rollouts too.
+    got = per_rollout(packs + [dataclasses.replace(packs[0], rollout_fingerprint=None)], "sample")
+    assert all(got[k] == pytest.approx(want[k], rel=1e-12, abs=1e-12) for k in want)
+
+
+# --------------------------------------------------------------------------
 # whitening
 
 
@@ -531,3 +618,63 @@ def test_grpo_and_whiten_distributed_equal_one_process():
     assert max(abs(alone[k] - want["sample"][k]) for k in alone) > 1e-3
     alone_w = treeattn.rl.whiten(advs[::2])
     assert (alone_w[0] - want_w[0]).abs().max() > 1e-3
+
+
+def _identity_rank(rank, port, held, out):
+    """Rank `rank` of 2 holds the rollouts `held[phase][rank]` in each
+    phase; reports per phase {id: advantage} or the ValueError's text."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        res = []
+        for phase in held:
+            packs = treeattn.pack(phase[rank])
+            try:
+                a = treeattn.rl.grpo_advantages(packs, dtype=torch.float64, distributed=True)
+                res.append({p.rollout_ids[k]: float(x[p.loss_rollout_local() == k][0])
+                            for p, x in zip(packs, a) for k in range(len(p.rollout_ids))})
+            except ValueError as e:
+                res.append(str(e))
+        out.put((rank, res))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_grpo_rollout_identity_across_ranks():
+    """distributed=True: the same rollout on both ranks (as under context
+    parallelism) counts once; one id on two different rollouts of two ranks
+    is refused on every rank, naming the id and the ranks."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    a = group_file(["r0", "r1", "r2"], [1.0, 0.0, 1.0], 1)
+    other = group_file(["r0", "r3"], [1.0, 0.5], 9)  # r0: same id, group and reward, other calls
+    held = [
+        [a, [a[0], other[1]]],  # r0 on both ranks, the same rollout
+        [a, other],             # r0 on both ranks, two rollouts
+    ]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_identity_rank, args=(r, port, held, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    want = per_rollout(treeattn.pack(a + [other[1]]), "sample")
+    for rank in (0, 1):
+        same, clash = got[rank]
+        assert isinstance(same, dict), same
+        for k, x in same.items():
+            assert x == pytest.approx(want[k], rel=1e-12, abs=1e-12), (rank, k)
+        assert isinstance(clash, str) and "'r0' names two different rollouts" in clash, clash
+        assert "rank 0 packs[0]" in clash and "rank 1 packs[0]" in clash, clash

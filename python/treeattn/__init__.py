@@ -67,6 +67,7 @@ PACK_TENSORS = (
     "sdcc_teacher_rows",
     "rollout_reward",
     "rollout_group",
+    "rollout_fingerprint",
 )
 
 
@@ -90,7 +91,13 @@ class Pack:
     ``rollout_indices``): ``rollout_reward`` ``[R]`` float32 (the input's
     ``"reward"``, NaN where absent) and ``rollout_group`` ``[R]`` int64 (index
     into ``groups``, the GRPO group names in order of first appearance; −1
-    where a rollout has no ``"group"``).
+    where a rollout has no ``"group"``) and ``rollout_fingerprint`` ``[R]``
+    int64 (a 64-bit hash of the rollout's calls' token ids, FNV-1a as
+    ``treeattn::pack::calls_fingerprint`` defines it: the same rollout
+    packed anywhere has the same value; ``None`` for a pack built without
+    it, e.g. from a pack file of an earlier version, where
+    :func:`treeattn.rl.grpo_advantages` cannot tell two rollouts of one id
+    apart).
 
     RL fields of the input that the pack files do not hold (``None`` for a
     pack built otherwise, e.g. read from a file): ``loss_reward`` ``[T]``
@@ -129,6 +136,7 @@ class Pack:
     loss_reward: Optional[Any] = None
     loss_summary: Optional[Any] = None
     rollout_truncated: Optional[Any] = None
+    rollout_fingerprint: Optional[Any] = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -252,6 +260,7 @@ def pack(
                 loss_reward=_tensor("float32", p["loss_reward"]),
                 loss_summary=torch.tensor(p["loss_summary"], dtype=torch.bool),
                 rollout_truncated=torch.tensor(p["rollout_truncated"], dtype=torch.bool),
+                rollout_fingerprint=t["rollout_fingerprint"],
             )
         )
     return out

@@ -243,11 +243,17 @@ def gae(
     return tuple(x.to(values.device, values.dtype) for x in out)  # type: ignore[return-value]
 
 
-def _rollout_records(packs: Sequence[Any]) -> List[Tuple[str, Optional[str], float]]:
-    """(rollout id, group name or None, return) of every rollout of the
-    packs: the return is ``R + Σ_t ρ_t`` (NaN where a rollout has neither)."""
+Record = Tuple[str, Optional[str], float, Optional[int], str]
+
+
+def _rollout_records(packs: Sequence[Any]) -> List[Record]:
+    """(rollout id, group name or None, return, fingerprint or None, where)
+    of every rollout of the packs: the return is ``R + Σ_t ρ_t`` (NaN where
+    a rollout has neither); the fingerprint is ``rollout_fingerprint``'s
+    (``None`` for a pack without it); ``where`` names the pack
+    (``packs[i]``)."""
     out = []
-    for p in packs:
+    for j, p in enumerate(packs):
         reward = p.rollout_reward.to(torch.float64).clone()
         lr = getattr(p, "loss_reward", None)
         if lr is not None and lr.numel():
@@ -258,10 +264,48 @@ def _rollout_records(packs: Sequence[Any]) -> List[Tuple[str, Optional[str], flo
             has = torch.zeros(reward.shape[0], dtype=torch.bool)
             has[local[ok]] = True
             reward = torch.where(has, torch.nan_to_num(reward, nan=0.0) + tok, reward)
+        fps: List[Optional[int]] = [None] * len(p.rollout_ids)
+        fp = getattr(p, "rollout_fingerprint", None)
+        if fp is not None:
+            if not isinstance(fp, Tensor) or fp.shape != (len(p.rollout_ids),) or fp.dtype != torch.int64:
+                raise ValueError(
+                    f"packs[{j}].rollout_fingerprint must be an int64 tensor [{len(p.rollout_ids)}] "
+                    f"(one per rollout) or None, got "
+                    f"{tuple(fp.shape) if isinstance(fp, Tensor) else type(fp).__name__}"
+                    f"{' ' + str(fp.dtype) if isinstance(fp, Tensor) else ''}"
+                )
+            fps = [int(x) for x in fp.tolist()]
         for i, rid in enumerate(p.rollout_ids):
             g = int(p.rollout_group[i])
-            out.append((rid, p.groups[g] if g >= 0 else None, float(reward[i])))
+            out.append((rid, p.groups[g] if g >= 0 else None, float(reward[i]), fps[i], f"packs[{j}]"))
     return out
+
+
+def _merge_records(everyone: Sequence[Record]) -> Dict[str, Tuple[Optional[str], float, Optional[int], str]]:
+    """One entry per rollout id: the same rollout given twice (same calls,
+    group and reward) counts once; one id on two different rollouts is a
+    ``ValueError`` naming it. A record without a fingerprint matches any
+    calls (only group and reward are compared)."""
+    by_id: Dict[str, Tuple[Optional[str], float, Optional[int], str]] = {}
+    for rid, g, r, fp, where in everyone:
+        if rid not in by_id:
+            by_id[rid] = (g, r, fp, where)
+            continue
+        g0, r0, fp0, where0 = by_id[rid]
+        if fp is not None and fp0 is not None and fp != fp0:
+            raise ValueError(
+                f"rollout id {rid!r} names two different rollouts (their calls differ: "
+                f"rollout_fingerprint {fp0} in {where0}, {fp} in {where}): "
+                "give every rollout of the batch its own id"
+            )
+        if g0 != g or not _same(r0, r):
+            raise ValueError(
+                f"rollout {rid!r} appears twice with different group or reward: "
+                f"{(g0, r0)} in {where0} and {(g, r)} in {where}"
+            )
+        if fp0 is None:
+            by_id[rid] = (g, r, fp, where)
+    return by_id
 
 
 def grpo_advantages(
@@ -303,16 +347,25 @@ def grpo_advantages(
 
     ``packs``: one pack (returns a ``[T]`` tensor) or a list of packs
     (returns one ``[T_i]`` tensor per pack); groups are matched by name
-    across the packs, so a group may span packs. ``distributed=True``: the
+    across the packs, so a group may span packs. Rollouts are matched by
+    id: the same rollout in two packs (same id, calls, group and reward,
+    e.g. one pack split over context-parallel ranks) counts once, and one id
+    on two different rollouts (their ``rollout_fingerprint`` differs:
+    separately packed files that reuse ids) is refused — it would merge
+    them into one. A pack without ``rollout_fingerprint`` (``None``: built
+    from a pack file of an earlier version) cannot tell: its rollouts are
+    matched by id, group and reward alone. ``distributed=True``: the
     statistics are over the rollouts of every rank of ``process_group``
     (default: the world), gathered with ``all_gather_object`` (one
-    ``(id, group, return)`` record per rollout; a rollout held by several
-    ranks, as under context parallelism, counts once). Every rank of the
-    group must call it. ``dtype``: a float dtype of the result.
+    ``(id, group, return, fingerprint)`` record per rollout; the same
+    rollout held by several ranks counts once). Every rank of the group
+    must call it. ``dtype``: a float dtype of the result.
 
     Raises ``ValueError`` for a rollout without a reward or a group (naming
-    it), a rollout id seen twice with different reward or group, a bad
-    ``scale``, ``std``, ``eps`` or ``dtype``.
+    it), a rollout id seen twice with different calls, reward or group
+    (naming it and the packs, and with ``distributed`` the ranks), a bad
+    ``scale``, ``std``, ``eps`` or ``dtype``, a ``rollout_fingerprint`` that
+    is not ``[R]`` int64.
     """
     single = not isinstance(packs, (list, tuple))
     plist = [packs] if single else list(packs)
@@ -330,19 +383,12 @@ def grpo_advantages(
 
         gathered: List[Any] = [None] * dist.get_world_size(process_group)
         dist.all_gather_object(gathered, records, group=process_group)
-        everyone = [r for part in gathered for r in part]
+        everyone = [(*r[:4], f"rank {k} {r[4]}") for k, part in enumerate(gathered) for r in part]
     else:
         everyone = records
-    by_id: Dict[str, Tuple[Optional[str], float]] = {}
-    for rid, g, r in everyone:
-        if rid in by_id and (by_id[rid][0] != g or not _same(by_id[rid][1], r)):
-            raise ValueError(
-                f"rollout {rid!r} appears twice with different group or reward: "
-                f"{by_id[rid]} and {(g, r)}"
-            )
-        by_id[rid] = (g, r)
-    no_group = [rid for rid, (g, _) in by_id.items() if g is None]
-    no_reward = [rid for rid, (_, r) in by_id.items() if r != r]
+    by_id = _merge_records(everyone)
+    no_group = [rid for rid, (g, *_) in by_id.items() if g is None]
+    no_reward = [rid for rid, (_, r, *_) in by_id.items() if r != r]
     for what, ids, field in (("group", no_group, '"group"'), ("reward", no_reward, '"reward"')):
         if ids:
             raise ValueError(

@@ -259,6 +259,61 @@ pub(crate) fn fingerprint(kv_end: &[u32], position_ids: &[u32]) -> u64 {
     h ^ (kv_end.len() as u64)
 }
 
+/// The `kv_end` of a pre-order layout whose position ids are depths (every
+/// pack this crate writes, TRL's tree rows, and Hugging Face's
+/// padding-free packed batches, where each sequence restarts at 0): row
+/// `j`'s parent is the last row before it one level up, so
+///
+/// ```text
+/// kv_end[k] = the first j > k with position_ids[j] <= position_ids[k], else L
+/// ```
+///
+/// One stack walk, `O(L)`. A padding-free batch of sequences is a forest of
+/// chains (`kv_end` = end of own sequence); a plain `0 … L−1` is causal.
+///
+/// Errors ([`Error::Pack`], naming the row): a first row that is not a root
+/// (`position_ids[0] != 0`), a position that rises by more than 1 from one
+/// row to the next (no tree has it in pre-order: a row's parent must be the
+/// row before it or earlier), more than `u32::MAX` rows.
+pub fn kv_end_from_positions(position_ids: &[u32]) -> Result<Vec<u32>> {
+    let l = position_ids.len();
+    if l > u32::MAX as usize {
+        return Err(Error::Pack(format!("{l} position ids exceed u32 indexing")));
+    }
+    let mut kv_end = vec![l as u32; l];
+    // Rows whose subtree is still open, depths strictly increasing.
+    let mut open: Vec<u32> = Vec::new();
+    for (j, &p) in position_ids.iter().enumerate() {
+        let limit = if j == 0 {
+            0
+        } else {
+            position_ids[j - 1] as u64 + 1
+        };
+        if p as u64 > limit {
+            return Err(Error::Pack(if j == 0 {
+                format!(
+                    "position_ids[0] = {p}: the first row must be a root (depth 0) in a pre-order layout whose position ids are depths"
+                )
+            } else {
+                format!(
+                    "position_ids[{j}] = {p} after position_ids[{}] = {}: a depth rises by at most 1 from one row to the next in a pre-order layout (a row's parent is an earlier row one level up)",
+                    j - 1,
+                    position_ids[j - 1]
+                )
+            }));
+        }
+        while let Some(&k) = open.last() {
+            if position_ids[k as usize] < p {
+                break;
+            }
+            kv_end[k as usize] = j as u32;
+            open.pop();
+        }
+        open.push(j as u32);
+    }
+    Ok(kv_end)
+}
+
 /// The dense boolean mask `[L, L]`, row-major `[q][k]`: entry `q * L + k` is
 /// `k <= q < kv_end[k]`. For frameworks that take a 4D attention mask
 /// (broadcast it over batch and heads); `O(L²)` memory, so for interop and
@@ -579,6 +634,72 @@ mod tests {
         }
         // Padding keys and a forest of chains are trees.
         assert!(PackMask::new(&[2, 1, 4, 4], &[0; 4]).unwrap().is_tree());
+    }
+
+    #[test]
+    fn kv_end_from_positions_of_the_worked_example_chains_and_causal() {
+        // DESIGN §4's golden pack: depths in, its kv_end out.
+        let pos = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5, 6, 7];
+        let kv = [
+            16, 16, 10, 10, 10, 10, 10, 10, 10, 10, 16, 16, 16, 16, 16, 16,
+        ];
+        assert_eq!(kv_end_from_positions(&pos).unwrap(), kv);
+        // Hugging Face padding-free packing (positions restart at 0): a
+        // forest of chains, kv_end = end of own sequence.
+        assert_eq!(
+            kv_end_from_positions(&[0, 1, 2, 0, 1, 0, 0, 1, 2, 3]).unwrap(),
+            [3, 3, 3, 5, 5, 6, 10, 10, 10, 10]
+        );
+        assert_eq!(kv_end_from_positions(&[0, 1, 2, 3]).unwrap(), [4; 4]);
+        assert_eq!(kv_end_from_positions(&[0, 0, 0]).unwrap(), [1, 2, 3]);
+        assert!(kv_end_from_positions(&[]).unwrap().is_empty());
+    }
+
+    #[test]
+    fn kv_end_from_positions_refuses_what_is_no_pre_order_naming_the_row() {
+        match kv_end_from_positions(&[1, 2]) {
+            Err(Error::Pack(msg)) => assert!(msg.contains("position_ids[0] = 1"), "{msg}"),
+            other => panic!("{other:?}"),
+        }
+        match kv_end_from_positions(&[0, 1, 2, 0, 2]) {
+            Err(Error::Pack(msg)) => assert!(
+                msg.contains("position_ids[4] = 2 after position_ids[3] = 0"),
+                "{msg}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // An offset sequence (a second chunk of a long sequence) is refused
+        // rather than read as a tree it is not.
+        assert!(kv_end_from_positions(&[5, 6, 7]).is_err());
+        assert!(kv_end_from_positions(&[0, u32::MAX]).is_err());
+    }
+
+    #[test]
+    fn kv_end_from_positions_inverts_the_depths_of_random_forests() {
+        use crate::gen::Rng;
+        let mut rng = Rng::new(0x9051);
+        for case in 0..300 {
+            let l = 1 + rng.range(0, 80);
+            // A random pre-order forest (no padding keys): each row closes
+            // a random number of open subtrees, then opens its own.
+            let (mut kv, mut open) = (vec![l as u32; l], Vec::new());
+            for t in 0..l {
+                for _ in 0..rng.range(0, open.len()) {
+                    kv[open.pop().expect("counted")] = t as u32;
+                }
+                open.push(t);
+            }
+            let depth: Vec<u32> = (0..l)
+                .map(|t| (0..t).filter(|&k| kv[k] as usize > t).count() as u32)
+                .collect();
+            assert_eq!(kv_end_from_positions(&depth).unwrap(), kv, "case {case}");
+            // The rule as written: the first later row no deeper, else L.
+            for (k, &e) in kv_end_from_positions(&depth).unwrap().iter().enumerate() {
+                let first = (k + 1..l).find(|&j| depth[j] <= depth[k]).unwrap_or(l);
+                assert_eq!(e as usize, first, "case {case} key {k}");
+            }
+            assert!(PackMask::new(&kv, &depth).unwrap().is_tree());
+        }
     }
 
     #[test]

@@ -1336,6 +1336,45 @@ fn paths<'py>(py: Python<'py>, kv_end: &[u8]) -> PyResult<Bound<'py, PyDict>> {
     Ok(d)
 }
 
+/// The `kv_end` of a pre-order layout whose position ids are depths
+/// (`treeattn::mask::kv_end_from_positions`): `position_ids` as int64
+/// little-endian bytes in, `kv_end` as int64 little-endian bytes out.
+/// A position outside `0..=u32::MAX` is a `ValueError`, a layout that is
+/// no pre-order (a first row not at 0, a rise by more than 1) a
+/// `PackError`, each naming the row.
+#[pyfunction]
+fn kv_end_from_positions<'py>(
+    py: Python<'py>,
+    position_ids: &[u8],
+) -> PyResult<Bound<'py, PyBytes>> {
+    if position_ids.len() % 8 != 0 {
+        return Err(PyValueError::new_err(format!(
+            "position_ids: {} bytes is not a whole number of int64 values",
+            position_ids.len()
+        )));
+    }
+    let mut pos = Vec::with_capacity(position_ids.len() / 8);
+    for (j, b) in position_ids.chunks_exact(8).enumerate() {
+        let v = i64::from_le_bytes(b.try_into().expect("8 bytes"));
+        let v = u32::try_from(v).map_err(|_| {
+            PyValueError::new_err(format!(
+                "position_ids[{j}] = {v} is outside 0..=u32::MAX (a position id is a depth)"
+            ))
+        })?;
+        pos.push(v);
+    }
+    let out = py.detach(|| {
+        guarded(|| {
+            let kv = treeattn::mask::kv_end_from_positions(&pos).map_err(to_py)?;
+            Ok(kv
+                .iter()
+                .flat_map(|&x| (x as i64).to_le_bytes())
+                .collect::<Vec<u8>>())
+        })
+    })?;
+    Ok(PyBytes::new(py, &out))
+}
+
 /// The first visible key of each query row under a sliding window of
 /// `window` tree levels (`treeattn::mask::PackMask::window_starts`) for
 /// `kv_end` at address `kv_end` (`tokens` int32 values read as u32,
@@ -1419,6 +1458,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(summary_segments_of, m)?)?;
     m.add_function(wrap_pyfunction!(pack_cost, m)?)?;
     m.add_function(wrap_pyfunction!(paths, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_end_from_positions, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_built, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_isa, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attention_forward, m)?)?;

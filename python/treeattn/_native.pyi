@@ -21,6 +21,7 @@ __all__ = [
     "grpo",
     "pack_cost",
     "paths",
+    "kv_end_from_positions",
     "block_census",
     "window_starts",
     "summary_segments_of",
@@ -190,6 +191,11 @@ def pack_cost(
 
 def paths(kv_end: bytes) -> Dict[str, bytes]:
     """The path structure of ``kv_end`` (int64 bytes) as int64 bytes per field."""
+
+def kv_end_from_positions(position_ids: bytes) -> bytes:
+    """``kv_end`` (int64 little-endian bytes) of a pre-order layout whose
+    position ids (int64 little-endian bytes) are depths:
+    ``treeattn::mask::kv_end_from_positions``."""
 
 def window_starts(kv_end: int, tokens: int, window: int) -> bytes:
     """The first visible key per row under a sliding window, as int32 bytes."""

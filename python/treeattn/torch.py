@@ -487,6 +487,39 @@ class TreeMask:
         self._versions = self._current_versions()
         self._block_masks: Dict[Tuple[int, Optional[int]], Any] = {}
 
+    @classmethod
+    def from_positions(cls, position_ids: Tensor, *, device: Any = None) -> "TreeMask":
+        """The mask of a pre-order layout whose position ids are depths —
+        a treeattn pack, TRL's tree rows, Hugging Face's padding-free packed
+        batches (positions restarting at 0: a forest of chains) — with
+        ``kv_end[k]`` = the first row ``j > k`` with ``position_ids[j] <=
+        position_ids[k]``, else ``L`` (the crate's
+        ``mask::kv_end_from_positions``, one stack walk, ``O(L)``).
+
+        ``position_ids``: ``[L]`` or ``[1, L]`` integers (one layout; the
+        mask keeps them as its position ids). ``ValueError`` naming the row
+        unless the first row is at 0 and no position rises by more than 1
+        from one row to the next (offset positions — a second chunk of a
+        long sequence — are refused, not read as some other tree)."""
+        if not isinstance(position_ids, Tensor) or position_ids.dtype not in _INT:
+            raise ValueError(
+                "position_ids must be an integer torch.Tensor, got "
+                f"{type(position_ids).__name__ if not isinstance(position_ids, Tensor) else position_ids.dtype}"
+            )
+        if position_ids.dim() == 2 and position_ids.shape[0] == 1:
+            position_ids = position_ids[0]
+        if position_ids.dim() != 1:
+            raise ValueError(
+                f"position_ids must be [L] or [1, L] (one layout), got shape {tuple(position_ids.shape)}"
+            )
+        host = _host(position_ids).to(torch.int64).contiguous()
+        if host.numel():
+            raw = _native.kv_end_from_positions(host.numpy().tobytes())
+            kv_end = torch.frombuffer(bytearray(raw), dtype=torch.int64).to(position_ids.device)
+        else:
+            kv_end = torch.zeros(0, dtype=torch.int64, device=position_ids.device)
+        return cls(kv_end, position_ids, device=device)
+
     def _current_versions(self) -> Tuple[int, int]:
         pos = self._position_ids
         return self._kv_end._version, (-1 if pos is None else pos._version)

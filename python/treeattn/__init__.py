@@ -3,6 +3,9 @@
 Python bindings of the Rust crate ``treeattn`` (PyO3, abi3). Everything here
 is a thin adapter over the crate's one contract:
 
+- :func:`from_chat` turns chat-log rollouts (messages, tools, sampled
+  text or the engine's token ids) into the token rollouts :func:`pack`
+  takes, reporting re-tokenized calls and the junctions a template makes;
 - :func:`pack` packs rollouts (a JSONL path or a list of dicts shaped like its
   lines) exactly as ``treeattn pack`` does and returns :class:`Pack` objects
   holding torch tensors named like the pack file's tensors; :func:`collate`
@@ -42,9 +45,11 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 from . import _native
 from ._native import PackError, RolloutError, ShapeError, TreeattnError, UnsupportedError
 from .batch import Collator, collate
+from .chat import ChatReport, ChatRollouts, from_chat
 
 __all__ = [
     "pack", "Pack", "collate", "Collator", "ModelCost", "cost", "paths", "Paths", "__version__",
+    "from_chat", "ChatRollouts", "ChatReport",
     "TreeattnError", "RolloutError", "PackError", "ShapeError", "UnsupportedError",
 ]
 __version__ = _native.__version__

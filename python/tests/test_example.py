@@ -40,3 +40,25 @@ def test_ppo_step_example():
     for _, loss, vloss, clip in steps:
         assert abs(float(loss)) < 10 and 0 <= float(vloss) < 100 and 0 <= float(clip) <= 1, out
     assert re.search(r"GRPO: 16 rollouts in 1 pack\(s\).*policy loss \S+", out), out
+
+
+def test_chat_grpo_example():
+    """python/examples/chat_grpo.py: chat logs (a Qwen3-style template that
+    drops earlier reasoning) through from_chat, a pack and a GRPO step; the
+    packed log-probs equal each call alone, the step moves the targets the
+    way their advantages say, and the final transcript alone drifts."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "python" / "examples" / "chat_grpo.py"), "--dtype", "float64"],
+        check=True, capture_output=True, text=True, timeout=600,
+    ).stdout
+    assert re.search(r"from_chat: 4 rollouts, 16 calls \(15 tokenized here, 1 from engine ids\)", out), out
+    per = re.findall(r"paris-\d: 4 calls, 1 junction\(s\), 1 made by the template; (\d+) tokens in the calls "
+                     r"-> (\d+) in its trie", out)
+    assert len(per) == 4 and all(int(b) < int(a) for a, b in per), out
+    exact = float(re.search(r"packed vs each call alone: (\S+)", out).group(1))
+    assert exact <= 1e-9, out
+    up, down = (float(x) for x in re.search(r"advantage > 0 (\S+), < 0 (\S+)", out).groups())
+    assert up > 0 > down, out
+    mean, worst, n, unscored = re.search(
+        r"Naive-Compressed +mean (\S+) +max (\S+) nats over (\d+) targets \((\d+) targets not scored", out).groups()
+    assert float(worst) > 1e-2 and float(mean) > 0 and int(n) > 0 and int(unscored) > 0, out

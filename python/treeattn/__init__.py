@@ -230,6 +230,9 @@ def pack(
                 ) from None
             except TypeError as e:
                 raise ValueError(f"rollouts[{i}] is not JSON-serialisable: {e}") from None
+            except RecursionError:
+                # The crate reads at most 128 levels of JSON anyway.
+                raise ValueError(f"rollouts[{i}] (id {r.get('id')!r:.100}) is nested too deeply to be JSON") from None
         source, value = "text", "\n".join(lines)
     else:
         raise ValueError(

@@ -254,6 +254,7 @@ def _rollout_records(packs: Sequence[Any]) -> List[Record]:
     (``packs[i]``)."""
     out = []
     for j, p in enumerate(packs):
+        _check_rollout_fields(j, p)
         reward = p.rollout_reward.to(torch.float64).clone()
         lr = getattr(p, "loss_reward", None)
         if lr is not None and lr.numel():
@@ -279,6 +280,47 @@ def _rollout_records(packs: Sequence[Any]) -> List[Record]:
             g = int(p.rollout_group[i])
             out.append((rid, p.groups[g] if g >= 0 else None, float(reward[i]), fps[i], f"packs[{j}]"))
     return out
+
+
+def _check_rollout_fields(j: int, p: Any) -> None:
+    """ValueError naming ``packs[j]`` unless it holds the per-rollout
+    fields GRPO reads, consistent with each other (a pack of
+    :func:`treeattn.pack`, or one built or edited by hand)."""
+    fields = ("rollout_ids", "groups", "rollout_reward", "rollout_group", "loss_rollout", "rollout_indices")
+    missing = [f for f in fields if not hasattr(p, f)]
+    if missing:
+        raise ValueError(f"packs[{j}] must be a treeattn.Pack, got {type(p).__name__} (no {', '.join(missing)})")
+    ids, groups = p.rollout_ids, p.groups
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, str) for i in ids):
+        raise ValueError(f"packs[{j}].rollout_ids must be a list of strings, got {ids!r:.200}")
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, str) for g in groups):
+        raise ValueError(f"packs[{j}].groups must be a list of strings, got {groups!r:.200}")
+    R = len(ids)
+    if not isinstance(p.rollout_indices, (list, tuple)) or len(p.rollout_indices) != R:
+        raise ValueError(f"packs[{j}] has {R} rollout_ids but rollout_indices {p.rollout_indices!r:.200}")
+    for name, want in (("rollout_reward", "float"), ("rollout_group", "int")):
+        t = getattr(p, name)
+        if (
+            not isinstance(t, Tensor) or t.shape != (R,)
+            or t.dtype.is_floating_point != (want == "float") or t.dtype == torch.bool or t.is_complex()
+        ):
+            raise ValueError(
+                f"packs[{j}].{name} must be a 1-D {want} tensor with one entry per rollout [{R}], got "
+                f"{(tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t).__name__}"
+            )
+    g = p.rollout_group
+    if R and (int(g.min()) < -1 or int(g.max()) >= len(groups)):
+        raise ValueError(
+            f"packs[{j}].rollout_group holds {int(g.min())}..{int(g.max())}: expected -1 (no group) or "
+            f"an index into its {len(groups)} groups"
+        )
+    lr = getattr(p, "loss_reward", None)
+    T = p.loss_rollout.shape[0] if isinstance(p.loss_rollout, Tensor) else -1
+    if lr is not None and (not isinstance(lr, Tensor) or lr.shape != (T,) or not lr.dtype.is_floating_point):
+        raise ValueError(
+            f"packs[{j}].loss_reward must be None or a float tensor with one entry per target [{T}], got "
+            f"{(tuple(lr.shape), lr.dtype) if isinstance(lr, Tensor) else type(lr).__name__}"
+        )
 
 
 def _merge_records(everyone: Sequence[Record]) -> Dict[str, Tuple[Optional[str], float, Optional[int], str]]:

@@ -438,6 +438,21 @@ int32_t treeattn_mask_create(const uint32_t *kv_end,
 void treeattn_mask_destroy(struct TreeattnMask *mask);
 
 /**
+ * Writes the `kv_end` of a pre-order layout whose position ids are depths
+ * (a treeattn pack, TRL's tree rows, a padding-free batch of sequences
+ * whose positions restart at 0) into `kv_end` (`tokens` entries, host
+ * memory): `kv_end[k]` is the first `j > k` with `position_ids[j] <=
+ * position_ids[k]`, else `tokens` (`treeattn::mask::kv_end_from_positions`,
+ * `O(tokens)`). Errors: `TREEATTN_ERR_PACK` for a first position that is
+ * not 0 or a position that rises by more than 1 from one row to the next
+ * (the message names the row; `kv_end` is then unspecified),
+ * `TREEATTN_ERR_NULL`, `TREEATTN_ERR_SHAPE` for overlapping buffers.
+ */
+int32_t treeattn_kv_end_from_positions(const uint32_t *position_ids,
+                                       size_t tokens,
+                                       uint32_t *kv_end);
+
+/**
  * The fused SDCC forward KL on host memory. `dtype` `TREEATTN_F32` or
  * `TREEATTN_F64` is the type of the logits and the gradient: student
  * logits `[student_rows, vocab]`, teacher logits `[teacher_rows, vocab]`,

@@ -1066,6 +1066,31 @@ pub unsafe extern "C" fn treeattn_mask_destroy(mask: *mut TreeattnMask) {
     }
 }
 
+/// Writes the `kv_end` of a pre-order layout whose position ids are depths
+/// (a treeattn pack, TRL's tree rows, a padding-free batch of sequences
+/// whose positions restart at 0) into `kv_end` (`tokens` entries, host
+/// memory): `kv_end[k]` is the first `j > k` with `position_ids[j] <=
+/// position_ids[k]`, else `tokens` (`treeattn::mask::kv_end_from_positions`,
+/// `O(tokens)`). Errors: `TREEATTN_ERR_PACK` for a first position that is
+/// not 0 or a position that rises by more than 1 from one row to the next
+/// (the message names the row; `kv_end` is then unspecified),
+/// `TREEATTN_ERR_NULL`, `TREEATTN_ERR_SHAPE` for overlapping buffers.
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_kv_end_from_positions(
+    position_ids: *const u32,
+    tokens: usize,
+    kv_end: *mut u32,
+) -> i32 {
+    guard(|| {
+        let pos = slice("position_ids", position_ids, tokens)?;
+        let out = slice_mut("kv_end", kv_end, tokens)?;
+        no_overlap(&[range("kv_end", out)], &[range("position_ids", pos)])?;
+        let ends = treeattn::mask::kv_end_from_positions(pos)?;
+        out.copy_from_slice(&ends);
+        Ok(())
+    })
+}
+
 /// The arguments of an SDCC call as C gives them, host or device logits
 /// (`pairs`, `weights`, `loss` and `per_pair` are host memory either way).
 struct SdccCall {

@@ -167,6 +167,22 @@ int main(int argc, char **argv) {
   OK(treeattn_pack_u32(pack, TREEATTN_PACK_KV_END, &kv_end, &n));
   OK(treeattn_pack_u32(pack, TREEATTN_PACK_POSITION_IDS, &pos, &n));
 
+  /* the pack's kv_end back from its depth position ids */
+  {
+    uint32_t ends[16];
+    OK(treeattn_kv_end_from_positions(pos, L, ends));
+    CHECK(memcmp(ends, want_kv_end, sizeof ends) == 0, "kv_end from the position ids");
+    const uint32_t flat[5] = {0, 1, 2, 0, 1}; /* two sequences, padding-free */
+    uint32_t chains[5];
+    OK(treeattn_kv_end_from_positions(flat, 5, chains));
+    CHECK(chains[0] == 3 && chains[2] == 3 && chains[3] == 5 && chains[4] == 5, "chains");
+    const uint32_t jump[3] = {0, 1, 3};
+    FAILS(treeattn_kv_end_from_positions(jump, 3, chains), TREEATTN_ERR_PACK,
+          "position_ids[2] = 3 after position_ids[1] = 1");
+    FAILS(treeattn_kv_end_from_positions(NULL, 3, chains), TREEATTN_ERR_NULL, "`position_ids`");
+    OK(treeattn_kv_end_from_positions(NULL, 0, NULL));
+  }
+
   /* --- attention on the pack: f64 and f32 ---------------------------- */
   const size_t hq = 4, hkv = 2, d = 16;
   TreeattnShape shape = {L, hq, hkv, d, 0};

@@ -1,6 +1,7 @@
 """PPO and GRPO steps on packs of compressed rollouts, with a tiny random
-Llama policy and a tiny Llama critic (value head), treeattn's attention in
-Hugging Face transformers.
+Llama policy and a tiny Llama critic (``LlamaForTokenClassification`` with
+one label: a value per row, read by ``treeattn.hf.values``), treeattn's
+attention in Hugging Face transformers.
 
 The rollouts (data/rl_sample.jsonl, written by `treeattn gen compaction
 fold grpo --rewards --seed 2`) carry a reward each and, for the GRPO group,
@@ -33,7 +34,7 @@ import pathlib
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
 import treeattn
 import treeattn.hf
@@ -42,26 +43,12 @@ import treeattn.rl as rl
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-class Critic(torch.nn.Module):
-    """A Llama body and a scalar value head: V at every packed row."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.body = LlamaModel(cfg)
-        self.head = torch.nn.Linear(cfg.hidden_size, 1)
-
-    def forward(self, pack):
-        h = self.body(input_ids=pack.tokens[None], position_ids=pack.position_ids[None],
-                      kv_end=pack.kv_end, use_cache=False).last_hidden_state[0]
-        return self.head(h[pack.loss_rows]).squeeze(-1)  # V_t at each target's loss row
-
-
 def ppo_step(policy, critic, packs, adv, ret, normalizer, epochs=2):
     """Two epochs of PPO over the packs; returns the last epoch's mean stats."""
     opt = torch.optim.AdamW(list(policy.parameters()) + list(critic.parameters()), lr=3e-3)
     with torch.no_grad():
         old_lp = [treeattn.hf.target_logprobs(policy, p) for p in packs]
-        old_v = [critic(p) for p in packs]
+        old_v = [treeattn.hf.values(critic, p) for p in packs]
     for epoch in range(epochs):
         opt.zero_grad()
         total = vtotal = clip = 0.0
@@ -69,7 +56,7 @@ def ppo_step(policy, critic, packs, adv, ret, normalizer, epochs=2):
             lp = treeattn.hf.target_logprobs(policy, p)
             loss, st = rl.policy_loss(lp, old_lp[i], adv[i], weights=p.loss_weights,
                                       clip_low=0.2, clip_high=0.28, normalizer=normalizer)
-            vloss, _ = rl.value_loss(critic(p), old_v[i], ret[i], clip=0.2,
+            vloss, _ = rl.value_loss(treeattn.hf.values(critic, p), old_v[i], ret[i], clip=0.2,
                                      weights=p.loss_weights, normalizer=normalizer)
             (loss + 0.5 * vloss).backward()
             share = float(p.loss_weights.sum()) / normalizer
@@ -99,14 +86,18 @@ def main():
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                       attention_dropout=0.0)
-    cfg._attn_implementation = "treeattn"
     torch.manual_seed(0)
-    policy, critic = LlamaForCausalLM(cfg), Critic(cfg)
-    policy.set_attn_implementation("treeattn")
+    policy = LlamaForCausalLM(cfg)
+    # The critic: a value per row (num_labels=1), no dropout on it.
+    ccfg = LlamaConfig(**{k: v for k, v in cfg.to_dict().items() if k not in ("id2label", "label2id")},
+                       num_labels=1, classifier_dropout=0.0)
+    critic = LlamaForTokenClassification(ccfg)
+    for m in (policy, critic):
+        m.set_attn_implementation("treeattn")
 
     # 1. Advantages, both modes, from the same values.
     with torch.no_grad():
-        values = [critic(p) for p in packs]
+        values = [treeattn.hf.values(critic, p) for p in packs]  # V_t under each target's live prefix
     gae = {m: [rl.gae(p, v, gamma=1.0, lam="adaptive", mode=m) for p, v in zip(packs, values)]
            for m in ("compaction", "exact")}
     multi = single = 0.0

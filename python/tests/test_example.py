@@ -42,6 +42,23 @@ def test_ppo_step_example():
     assert re.search(r"GRPO: 16 rollouts in 1 pack\(s\).*policy loss \S+", out), out
 
 
+def test_fsdp2_grpo_example():
+    """python/examples/fsdp2_grpo.py: a GRPO step under FSDP2 on 2 gloo
+    processes equals the single-process step (loss, every gradient), and the
+    step lowers the loss."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "python" / "examples" / "fsdp2_grpo.py"), "--dtype", "float64"],
+        check=True, capture_output=True, text=True, timeout=600,
+    ).stdout
+    m = re.search(r"step loss (\S+), one process (\S+), largest relative gradient difference (\S+)", out)
+    assert m, out
+    loss, ref, worst = (float(x) for x in m.groups())
+    assert abs(loss - ref) <= 1e-12 * max(abs(ref), 1e-12), out
+    assert worst <= 1e-10, out
+    after = float(re.search(r"after one step: loss (\S+)", out).group(1))
+    assert after < loss, out
+
+
 def test_chat_grpo_example():
     """python/examples/chat_grpo.py: chat logs (a Qwen3-style template that
     drops earlier reasoning) through from_chat, a pack and a GRPO step; the

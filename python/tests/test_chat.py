@@ -204,6 +204,8 @@ def test_errors_name_the_rollout_and_call():
     fails(with_call(0, prompt_token_ids=[1, -1]), r"call 0: prompt_token_ids\[1\] = -1 is not in")
     fails(with_call(0, prompt_token_ids=[1, 2.0]), r"call 0: prompt_token_ids\[1\] = 2.0 is not an int")
     fails(with_call(0, prompt_token_ids=[True]), r"call 0: prompt_token_ids\[0\] = True is not an int")
+    fails(with_call(1, completion_token_ids=[3], logprobs=[0.5]), r"call 1: logprobs\[0\] = 0.5 is not a log-prob")
+    fails(with_call(1, completion_token_ids=[3], logprobs=[float("nan")]), r"call 1: logprobs\[0\] = nan")
     fails(with_call(1, completion=None), r"rollout 'r0', call 1: \"completion\" must be")
     fails(with_call(1, completion=""), r"rollout 'r0', call 1: the completion is empty")
     fails(with_call(1, messages=None), r"rollout 'r0', call 1: a call needs \"messages\"")
@@ -225,6 +227,19 @@ def test_errors_name_the_rollout_and_call():
     assert r["calls"][0]["context"][-1] == r1.convert_tokens_to_ids("<think>")
     with pytest.raises(ValueError, match=r"rollout 'r0': the id is used by an earlier record"):
         treeattn.from_chat([conversation(), conversation()], tok)
+
+
+def test_tools_of_the_record_are_the_calls_default():
+    tok = tokenizer()
+    rec = conversation()
+    for c in rec["calls"]:
+        del c["tools"]
+    bare = treeattn.from_chat([rec], tok)
+    rec["tools"] = TOOLS
+    out = treeattn.from_chat([rec], tok)
+    ref = treeattn.from_chat([conversation()], tok)
+    assert [c["context"] for c in out[0]["calls"]] == [c["context"] for c in ref[0]["calls"]]
+    assert len(bare[0]["calls"][0]["context"]) < len(out[0]["calls"][0]["context"])  # no tools: no system turn
 
 
 def test_template_kwargs_and_a_template_of_the_callers_own():

@@ -14,6 +14,7 @@ log-probs. :func:`from_chat` turns such records into the calls format
 A record::
 
     {"id": "r0", "reward": 1.0?, "group": "q7"?, "rewards": [[...], ...]?, "truncated": bool?,
+     "tools": [...]?,     # the default of the calls' "tools"
      "calls": [{"messages": [...], "tools": [...]?,
                 "completion": "<sampled text>" | {"role": "assistant", ...},
                 "prompt_token_ids": [...]?, "completion_token_ids": [...]?,
@@ -167,8 +168,8 @@ def _logprobs(where: str, lp: Any, n: int, made_here: bool) -> List[float]:
         raise ValueError(f"{where}: logprobs has {len(lp)} entries for {n} completion tokens{why}")
     out = []
     for j, x in enumerate(lp):
-        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)):
-            raise ValueError(f"{where}: logprobs[{j}] = {x!r} is not a finite number")
+        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)) or x > 0:
+            raise ValueError(f"{where}: logprobs[{j}] = {x!r} is not a log-probability (a finite number <= 0)")
         out.append(float(x))
     return out
 
@@ -286,7 +287,7 @@ def from_chat(
             messages = call.get("messages")
             if messages is not None and (not isinstance(messages, list) or not messages):
                 raise ValueError(f"{where}: \"messages\" must be a non-empty list of messages")
-            tools = call.get("tools")
+            tools = call.get("tools", rec.get("tools"))
             made = False
             # Context.
             if call.get("prompt_token_ids") is not None:

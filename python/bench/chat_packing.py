@@ -64,8 +64,8 @@ def words(rng, n):
 
 
 def tool_call(rng):
-    return {"type": "function", "function": {"name": "search", "arguments": {"city": rng.choice(["paris", "rome", "oslo"]),
-                                                                             "day": rng.choice(["today", "tomorrow"])}}}
+    args = {"city": rng.choice(["paris", "rome", "oslo"]), "day": rng.choice(["today", "tomorrow"])}
+    return {"type": "function", "function": {"name": "search", "arguments": args}}
 
 
 def chat_grpo_logs(rng, group, turns, think, tool_words, prompt_words):
@@ -213,8 +213,9 @@ def main():
     rows = [compare(name, rs) for name, rs in sets.items()]
 
     print()
-    print("| rollouts | calls | tokens in the calls | packer | tokens | segments | K/V rows attention takes per layer | "
-          "visible pairs | attention's saved tensors, GiB (Qwen3-8B, 36 layers) | pack, s |")
+    print("| rollouts | calls | tokens in the calls | packer | tokens | segments | "
+          "K/V rows attention takes per layer | visible pairs | "
+          "attention's saved tensors, GiB (Qwen3-8B, 36 layers) | pack, s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         for who, label in (("trl", "TRL TreeRow (gathered)"), ("ours", "treeattn (in place)")):

@@ -219,7 +219,8 @@ def main():
     model.set_attn_implementation("treeattn")
     with torch.no_grad():
         exact = treeattn.hf.target_logprobs(model, pack).double()
-    print(f"max |Δ log-prob| packed vs each call alone: {float((exact - per_call_logprobs(model, rollouts, pack)).abs().max()):.2e}")
+    worst = float((exact - per_call_logprobs(model, rollouts, pack)).abs().max())
+    print(f"max |Δ log-prob| packed vs each call alone: {worst:.2e}")
 
     # 4. One GRPO step: group-normalised rewards, PPO clip, token-mean.
     adv = rl.grpo_advantages(pack, dtype=model.dtype)

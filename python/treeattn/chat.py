@@ -313,7 +313,9 @@ def from_chat(
                             "which the call lacks"
                         )
                     if comp.get("role", "assistant") != "assistant":
-                        raise ValueError(f"{where}: a message completion has role \"assistant\", got {comp.get('role')!r}")
+                        raise ValueError(
+                            f"{where}: a message completion has role \"assistant\", got {comp.get('role')!r}"
+                        )
                     msg = dict(comp, role="assistant")
                     prompt_text = render(where, messages, tools, True, False)
                     full = render(where, list(messages) + [msg], tools, False, False)

@@ -46,7 +46,7 @@
 //! let (mut dq, mut dk, mut dv) =
 //!     (vec![0.0; shape.q_len()], vec![0.0; shape.kv_len()], vec![0.0; shape.kv_len()]);
 //! let saved = Saved { o: &o[..], lse: &lse[..] };
-//! let grads = Grads { dq: &mut dq[..], dk: &mut dk[..], dv: &mut dv[..] };
+//! let grads = Grads::new(&mut dq[..], &mut dk[..], &mut dv[..]);
 //! Cpu::default().backward(&args, saved, &d_o[..], grads)?;
 //! // Every value equal: the output row is the value, whatever the weights.
 //! assert!(o.iter().all(|&x| (x - 0.25).abs() < 1e-15));

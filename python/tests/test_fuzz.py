@@ -360,7 +360,7 @@ def _mutate_rollouts(rng, rs):
         r["reward"] = rng.choice([1e39, -1e39, 3e38, 2**200, "1", True])
 
 
-N_ROLLOUT_LISTS = 500
+N_ROLLOUT_LISTS = 1500
 
 
 def test_fuzz_rollout_lists():
@@ -404,7 +404,7 @@ def test_fuzz_rollout_lists():
             assert ok, f"{what}: refused a valid input: {res}"
             check_packs(rs, res, budget, layout)
             accepted += 1
-    assert accepted > N_ROLLOUT_LISTS // 5 and refused > N_ROLLOUT_LISTS // 3, (accepted, refused)
+    assert accepted > N_ROLLOUT_LISTS // 8 and refused > N_ROLLOUT_LISTS // 3, (accepted, refused)
 
 
 N_ROLLOUT_FILES = 120
@@ -426,9 +426,11 @@ def test_fuzz_rollout_files(tmp_path):
         except (ValueError, TypeError, RecursionError):
             continue
         data = bytearray(text.encode("utf-8", "surrogatepass"))
-        mutated = rng.random() < 0.5 and data
+        mutated = bool(data) and rng.random() < 0.5
         if mutated:
             for _ in range(rng.randint(1, 4)):
+                if not data:
+                    break
                 j = rng.randrange(len(data))
                 op = rng.randrange(4)
                 if op == 0:
@@ -474,7 +476,7 @@ def test_pack_arguments_fuzz():
         for share in (True, rng.choice(values)):
             for budget in (None, 64, *rng.sample(values, 6)):
                 n += 1
-                ok, res = outcome(f"pack(layout={layout!r}, share={share!r}, budget={budget!r})",
+                ok, res = outcome(f"pack(layout={shown(layout)}, share={shown(share)}, budget={shown(budget)})",
                                   lambda: treeattn.pack(rs, layout=layout, share_prefixes=share, budget=budget))
                 if ok:
                     assert layout in ("trie", "replicated") and share in (True, False)
@@ -579,6 +581,7 @@ def attn_mutation(rng, g, args, kw, log):
     if not all(isinstance(args[n], torch.Tensor) and args[n].dim() == 3 for n in "qkv") or not (
         isinstance(args["kv_end"], torch.Tensor) and args["kv_end"].shape == args["q"].shape[:1]
         and args["kv_end"].device.type == "cpu"
+        and args["kv_end"].dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
     ):
         return "skip"
     L, hq, d = args["q"].shape
@@ -629,7 +632,7 @@ def attn_mutation(rng, g, args, kw, log):
         bad = rng.choice([j - 1, -1, L + 1, 2**31, 2**32 + args["kv_end"][j].item(), -(2**63)])
         if j == 0 and bad == -1 and L == 0:
             return "skip"
-        args["kv_end"] = args["kv_end"].clone()
+        args["kv_end"] = args["kv_end"].to(torch.int64)  # a copy that holds the value
         args["kv_end"][j] = bad
         return "error"
     if kind == 6:  # kv_end's integer dtype and layout
@@ -748,6 +751,9 @@ def test_fuzz_tree_attention():
             done.append(e)
             if e == "skip":
                 continue
+            if e == "error":  # a later change could undo it
+                expect = "error"
+                break
             if "error" in (e, expect):
                 expect = "error"
             elif "finite" in (e, expect):
@@ -990,7 +996,7 @@ PACK_TAMPER = [
     ("loss_rollout", lambda p: p.loss_rollout + 1000),
 ]
 
-N_GRPO = 150
+N_GRPO = 300
 
 
 def test_fuzz_grpo_advantages():
@@ -1019,9 +1025,9 @@ def test_fuzz_grpo_advantages():
             elif kind == 1:
                 key = rng.choice(["scale", "std", "eps", "dtype"])
                 kw[key] = rng.choice({
-                    "scale": ["STD", None, 1], "std": ["group", None, 0],
-                    "eps": [-1.0, float("nan"), float("inf"), "x"],
-                    "dtype": [torch.int64, "float32", None, torch.bool],
+                    "scale": ["STD", None, 1, DEEP], "std": ["group", None, 0, DEEP],
+                    "eps": [-1.0, float("nan"), float("inf"), "x", DEEP],
+                    "dtype": [torch.int64, "float32", None, torch.bool, DEEP],
                 }[key])
             elif kind == 2:
                 given = rng.choice([None, 3, {"a": 1}, "pack", [None], [3], [{}]])
@@ -1030,7 +1036,7 @@ def test_fuzz_grpo_advantages():
                 given = given + treeattn.pack([other])
         if expect == "skip":
             continue
-        what = f"case {case}: grpo_advantages({shown(rs)}, {kw}) expected {expect}"
+        what = f"case {case}: grpo_advantages({shown(rs)}, {shown(kw)}) expected {expect}"
         ok, res = outcome(what, lambda: rl.grpo_advantages(given, **kw))
         if expect == "error":
             assert not ok, f"{what}: accepted"
@@ -1055,11 +1061,11 @@ def bad_vector(rng, n):
         torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.complex64),
         torch.full((max(n, 1),), float("nan")) if n else torch.zeros(1),
         torch.full((max(n, 1),), float("-inf")) if n else torch.zeros(2),
-        [0.0] * n, None if n else "x", 3.0,
+        [0.0] * n, "x", 3.0,
     ])
 
 
-N_RL = 300
+N_RL = 600
 
 
 def test_fuzz_rl_losses_and_gae():

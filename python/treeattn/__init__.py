@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -201,12 +202,12 @@ def pack(
     unreadable file raises ``OSError``.
     """
     if layout not in ("trie", "replicated"):
-        raise ValueError(f'layout {layout!r}: expected "trie" or "replicated"')
+        raise ValueError(f'layout {reprlib.repr(layout)}: expected "trie" or "replicated"')
     if not isinstance(share_prefixes, bool):
-        raise ValueError(f"share_prefixes must be True or False, got {share_prefixes!r}")
+        raise ValueError(f"share_prefixes must be True or False, got {reprlib.repr(share_prefixes)}")
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, int):
-            raise ValueError(f"budget must be a positive int or None, got {budget!r}")
+            raise ValueError(f"budget must be a positive int or None, got {reprlib.repr(budget)}")
         if not 0 < budget <= 0xFFFFFFFF:
             raise ValueError(f"budget must be in 1..=2^32-1 tokens (a pack indexes its rows in u32), got {budget}")
     if isinstance(rollouts, (str, os.PathLike)):
@@ -224,7 +225,7 @@ def pack(
             except ValueError:
                 # JSON has no NaN / infinity: say where, as the file reader would.
                 raise ValueError(
-                    f"rollouts[{i}] (id {r.get('id')!r}) holds a NaN or infinity: "
+                    f"rollouts[{i}] (id {reprlib.repr(r.get('id'))}) holds a NaN or infinity: "
                     "token ids are integers, logprobs must be finite and <= 0, "
                     "and a reward must be finite"
                 ) from None
@@ -232,7 +233,9 @@ def pack(
                 raise ValueError(f"rollouts[{i}] is not JSON-serialisable: {e}") from None
             except RecursionError:
                 # The crate reads at most 128 levels of JSON anyway.
-                raise ValueError(f"rollouts[{i}] (id {r.get('id')!r:.100}) is nested too deeply to be JSON") from None
+                raise ValueError(
+                    f"rollouts[{i}] (id {reprlib.repr(r.get('id'))}) is nested too deeply to be JSON"
+                ) from None
         source, value = "text", "\n".join(lines)
     else:
         raise ValueError(

@@ -27,6 +27,7 @@ a rollout without a reward.
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -292,12 +293,12 @@ def _check_rollout_fields(j: int, p: Any) -> None:
         raise ValueError(f"packs[{j}] must be a treeattn.Pack, got {type(p).__name__} (no {', '.join(missing)})")
     ids, groups = p.rollout_ids, p.groups
     if not isinstance(ids, (list, tuple)) or not all(isinstance(i, str) for i in ids):
-        raise ValueError(f"packs[{j}].rollout_ids must be a list of strings, got {ids!r:.200}")
+        raise ValueError(f"packs[{j}].rollout_ids must be a list of strings, got {reprlib.repr(ids)}")
     if not isinstance(groups, (list, tuple)) or not all(isinstance(g, str) for g in groups):
-        raise ValueError(f"packs[{j}].groups must be a list of strings, got {groups!r:.200}")
+        raise ValueError(f"packs[{j}].groups must be a list of strings, got {reprlib.repr(groups)}")
     R = len(ids)
     if not isinstance(p.rollout_indices, (list, tuple)) or len(p.rollout_indices) != R:
-        raise ValueError(f"packs[{j}] has {R} rollout_ids but rollout_indices {p.rollout_indices!r:.200}")
+        raise ValueError(f"packs[{j}] has {R} rollout_ids but rollout_indices {reprlib.repr(p.rollout_indices)}")
     for name, want in (("rollout_reward", "float"), ("rollout_group", "int")):
         t = getattr(p, name)
         if (
@@ -412,13 +413,13 @@ def grpo_advantages(
     single = not isinstance(packs, (list, tuple))
     plist = [packs] if single else list(packs)
     if scale not in ("std", "none"):
-        raise ValueError(f'scale {scale!r}: expected "std" or "none"')
+        raise ValueError(f'scale {reprlib.repr(scale)}: expected "std" or "none"')
     if std not in ("sample", "population", "batch"):
-        raise ValueError(f'std {std!r}: expected "sample", "population" or "batch"')
+        raise ValueError(f'std {reprlib.repr(std)}: expected "sample", "population" or "batch"')
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point torch dtype (advantages are fractions), got {dtype!r}")
+        raise ValueError(f"dtype must be a floating-point torch dtype (advantages are fractions), got {reprlib.repr(dtype)}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps = {eps!r}: must be finite and non-negative")
+        raise ValueError(f"eps = {reprlib.repr(eps)}: must be finite and non-negative")
     records = _rollout_records(plist)
     if distributed:
         import torch.distributed as dist

@@ -1208,6 +1208,24 @@ def test_fuzz_rl_losses_and_gae():
     assert errors > N_RL // 5 and valid > N_RL // 5, (errors, valid)
 
 
+def test_limits_page_gives_these_counts():
+    """docs/limits.md's table of fuzzed cases says how many this file runs."""
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "limits.md").read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in doc.splitlines() if line.startswith("| `")}
+    for surface, n in [
+        ("`treeattn.pack(list)`", N_ROLLOUT_LISTS),
+        ("`treeattn.pack(path)`", N_ROLLOUT_FILES + 10),
+        ("`tree_attention`", N_ATTENTION),
+        ("`sdcc_forward_kl`", N_SDCC),
+        ("`grpo_advantages`", N_GRPO),
+        ("`gae`, `whiten`, `policy_loss`, `value_loss`, `end_rows`", N_RL),
+    ]:
+        assert surface in rows, surface
+        assert rows[surface].endswith(f"| {n:,} |"), (surface, n, rows[surface][-20:])
+
+
 # --------------------------------------------------------------------------
 # Issues the fuzzing found in files this change does not edit
 # (python/treeattn/torch.py; python/treeattn/rl.py outside grpo_advantages):

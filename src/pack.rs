@@ -470,6 +470,46 @@ pub struct RolloutFields {
     pub groups: Vec<String>,
     /// [`calls_fingerprint`] of the rollout, as the bits of an `i64`.
     pub fingerprint: Vec<i64>,
+    /// Whether the rollout was cut off ([`Rollout::truncated`]: its last
+    /// value bootstraps in GAE).
+    pub truncated: Vec<bool>,
+}
+
+/// What a pack holds of its input for RL per loss entry, in the order of
+/// [`Pack::loss`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossFields {
+    /// The target's per-token reward from the input's `"rewards"`
+    /// ([`Rollout::token_rewards`]), NaN where its rollout has none.
+    pub reward: Vec<f32>,
+    /// Whether the target's call is marked `"summary"`
+    /// ([`Rollout::is_summary`]).
+    pub summary: Vec<bool>,
+}
+
+impl LossFields {
+    /// The fields of each entry of `loss`, whose `rollout` indexes
+    /// `rollouts`.
+    ///
+    /// # Panics
+    /// If an entry's rollout, call or offset is not one of `rollouts` (a
+    /// pack built from these rollouts never has such an entry).
+    pub fn of(rollouts: &[Rollout], loss: &[LossEntry]) -> LossFields {
+        LossFields {
+            reward: loss
+                .iter()
+                .map(|e| {
+                    rollouts[e.rollout as usize]
+                        .token_rewards()
+                        .map_or(f32::NAN, |r| r[e.call as usize][e.offset as usize])
+                })
+                .collect(),
+            summary: loss
+                .iter()
+                .map(|e| rollouts[e.rollout as usize].is_summary(e.call as usize))
+                .collect(),
+        }
+    }
 }
 
 /// A 64-bit fingerprint of a rollout's calls (their token ids only: not its
@@ -509,12 +549,14 @@ impl RolloutFields {
             group: Vec::with_capacity(members.len()),
             groups: Vec::new(),
             fingerprint: Vec::with_capacity(members.len()),
+            truncated: Vec::with_capacity(members.len()),
         };
         let mut index: HashMap<&str, i64> = HashMap::new();
         for &m in members {
             let r = &rollouts[m as usize];
             f.reward.push(r.reward().unwrap_or(f32::NAN));
             f.fingerprint.push(calls_fingerprint(r) as i64);
+            f.truncated.push(r.truncated());
             f.group.push(match r.group() {
                 Some(g) => *index.entry(g).or_insert_with(|| {
                     f.groups.push(g.to_string());
@@ -534,9 +576,11 @@ pub struct Batch {
     pub pack: Pack,
     /// Input indices of the rollouts in this pack, increasing.
     pub rollouts: Vec<u32>,
-    /// Reward, GRPO group and calls' fingerprint of each rollout of
-    /// `rollouts`, in that order.
+    /// Reward, GRPO group, calls' fingerprint and truncation of each
+    /// rollout of `rollouts`, in that order.
     pub fields: RolloutFields,
+    /// Per-token reward and summary flag of each loss entry of `pack`.
+    pub loss_fields: LossFields,
     /// SDCC pairs in this pack's rows (trie layout only; `None` for the
     /// replicated layout, whose student rows are not defined here).
     pub sdcc: Option<Vec<SdccPair>>,
@@ -755,9 +799,11 @@ pub fn batch(
             let pack = tree.pack(layout);
             let sdcc = (layout == Layout::Trie).then(|| tree.sdcc_pairs());
             let fields = RolloutFields::of(rollouts, &b.members);
+            let loss_fields = LossFields::of(rollouts, &pack.loss);
             Ok(Batch {
                 pack,
                 fields,
+                loss_fields,
                 rollouts: b.members,
                 sdcc,
             })

@@ -33,6 +33,8 @@
 //! | `loss_segment` | `[T]` | I64 | the call's segment in its rollout (0 from the first call, +1 at each junction) |
 //! | `loss_logprobs` | `[T]` | F32 | rollout log-probs (only when every entry has one) |
 //! | `sdcc_student_rows`, `sdcc_teacher_rows` | `[P]` | I64 | SDCC pairs (trie layout only) |
+//! | `loss_reward` | `[T]` | F32 | the input's per-token reward (`"rewards"`), NaN where its rollout has none ([`loss_field_tensors`]) |
+//! | `loss_summary` | `[T]` | BOOL | the target's call is marked `"summary": true` ([`loss_field_tensors`]) |
 //!
 //! and, for the `R` rollouts of the pack ([`rollout_tensors`], in the order
 //! of the metadata's `rollout_indices`):
@@ -42,11 +44,16 @@
 //! | `rollout_reward` | `[R]` | F32 | the rollout's reward, NaN where it has none |
 //! | `rollout_group` | `[R]` | I64 | index of its GRPO group in the metadata's `groups` (a JSON array of names), −1 where it has none |
 //! | `rollout_fingerprint` | `[R]` | I64 | [`crate::pack::calls_fingerprint`] of its calls (files of earlier versions lack it) |
+//! | `rollout_truncated` | `[R]` | BOOL | the rollout is marked `"truncated": true` (its last value bootstraps) |
+//!
+//! `loss_reward`, `loss_summary` and `rollout_truncated` are absent from
+//! files of earlier versions (which held no per-token rewards, summary
+//! marks or truncation); a reader must not take their absence for "none".
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use crate::pack::{LossEntry, Pack, RolloutFields, SdccPair};
+use crate::pack::{LossEntry, LossFields, Pack, RolloutFields, SdccPair};
 pub use crate::staged::StagedFiles;
 
 /// The `format` value in a pack file's metadata.
@@ -68,12 +75,15 @@ pub enum Dtype {
     F32,
     /// `F64`.
     F64,
+    /// `BOOL`: one byte, 0 or 1.
+    Bool,
 }
 
 impl Dtype {
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
+            Dtype::Bool => 1,
             Dtype::I32 | Dtype::F32 => 4,
             Dtype::I64 | Dtype::F64 => 8,
         }
@@ -86,6 +96,7 @@ impl Dtype {
             Dtype::I32 => "I32",
             Dtype::F32 => "F32",
             Dtype::F64 => "F64",
+            Dtype::Bool => "BOOL",
         }
     }
 }
@@ -118,6 +129,32 @@ impl Tensor {
             shape: vec![values.len()],
             data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
         }
+    }
+
+    /// A 1-D bool tensor.
+    pub fn from_bool(values: &[bool]) -> Tensor {
+        Tensor {
+            dtype: Dtype::Bool,
+            shape: vec![values.len()],
+            data: values.iter().map(|&v| u8::from(v)).collect(),
+        }
+    }
+
+    /// The values of a BOOL tensor (a byte other than 0 or 1 is an error
+    /// naming its index).
+    pub fn to_bool(&self) -> Result<Vec<bool>> {
+        self.expect(Dtype::Bool)?;
+        self.data
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| match b {
+                0 => Ok(false),
+                1 => Ok(true),
+                _ => Err(Error::Pack(format!(
+                    "BOOL entry {i} is the byte {b}, not 0 or 1"
+                ))),
+            })
+            .collect()
     }
 
     /// The values of an I64 tensor.
@@ -163,6 +200,7 @@ impl safetensors::View for &Tensor {
             Dtype::I32 => safetensors::Dtype::I32,
             Dtype::F32 => safetensors::Dtype::F32,
             Dtype::F64 => safetensors::Dtype::F64,
+            Dtype::Bool => safetensors::Dtype::BOOL,
         }
     }
 
@@ -259,7 +297,7 @@ impl SafeTensors {
 /// Parses a safetensors buffer: the `safetensors` crate checks the header
 /// size, the JSON, the offsets (contiguous, covering the data exactly) and
 /// the shapes against the byte counts; on top of it a header key may not
-/// repeat and only I64, I32, F32 and F64 tensors are taken.
+/// repeat and only I64, I32, F32, F64 and BOOL tensors are taken.
 pub fn deserialize(bytes: &[u8]) -> Result<SafeTensors> {
     let bad = |m: String| Error::Pack(format!("safetensors: {m}"));
     let st = safetensors::SafeTensors::deserialize(bytes).map_err(st_err)?;
@@ -288,6 +326,7 @@ pub fn deserialize(bytes: &[u8]) -> Result<SafeTensors> {
             safetensors::Dtype::I32 => Dtype::I32,
             safetensors::Dtype::F32 => Dtype::F32,
             safetensors::Dtype::F64 => Dtype::F64,
+            safetensors::Dtype::BOOL => Dtype::Bool,
             other => return Err(bad(format!("tensor {name:?}: unsupported dtype {other}"))),
         };
         tensors.insert(
@@ -447,9 +486,9 @@ pub fn pack_tensors(
     Ok(t)
 }
 
-/// The rollout tensors of a pack file, `rollout_reward`, `rollout_group`
-/// and `rollout_fingerprint` (see the module docs); the group names go into
-/// the metadata as `groups`.
+/// The rollout tensors of a pack file, `rollout_reward`, `rollout_group`,
+/// `rollout_fingerprint` and `rollout_truncated` (see the module docs); the
+/// group names go into the metadata as `groups`.
 pub fn rollout_tensors(fields: &RolloutFields) -> Vec<(String, Tensor)> {
     vec![
         (
@@ -460,6 +499,23 @@ pub fn rollout_tensors(fields: &RolloutFields) -> Vec<(String, Tensor)> {
         (
             "rollout_fingerprint".to_string(),
             Tensor::from_i64(&fields.fingerprint),
+        ),
+        (
+            "rollout_truncated".to_string(),
+            Tensor::from_bool(&fields.truncated),
+        ),
+    ]
+}
+
+/// The per-target RL tensors of a pack file, `loss_reward` and
+/// `loss_summary` (see the module docs), in the order of the pack's loss
+/// entries.
+pub fn loss_field_tensors(fields: &LossFields) -> Vec<(String, Tensor)> {
+    vec![
+        ("loss_reward".to_string(), Tensor::from_f32(&fields.reward)),
+        (
+            "loss_summary".to_string(),
+            Tensor::from_bool(&fields.summary),
         ),
     ]
 }
@@ -530,6 +586,32 @@ pub fn pack_from_tensors(st: &SafeTensors, call_base: &[u64]) -> Result<Pack> {
         Some(_) => Some(one_d("loss_logprobs", Dtype::F32)?.to_f32()?),
         None => None,
     };
+    // The per-target RL tensors (absent in files of earlier versions):
+    // rewards finite or NaN (none), summary marks 0 or 1.
+    let rewards = match st.tensors.get("loss_reward") {
+        Some(_) => Some(one_d("loss_reward", Dtype::F32)?.to_f32()?),
+        None => None,
+    };
+    if let Some((i, x)) = rewards
+        .iter()
+        .flatten()
+        .enumerate()
+        .find(|(_, x)| x.is_infinite())
+    {
+        return Err(Error::Pack(format!(
+            "loss_reward[{i}] = {x} is not a reward (finite, or NaN for none)"
+        )));
+    }
+    let summary =
+        match st.tensors.get("loss_summary") {
+            Some(_) => Some(one_d("loss_summary", Dtype::Bool)?.to_bool().map_err(
+                |e| match e {
+                    Error::Pack(m) => Error::Pack(format!("loss_summary: {m}")),
+                    e => e,
+                },
+            )?),
+            None => None,
+        };
     let t = rows.len();
     for (name, n) in [
         ("loss_labels", labels.len()),
@@ -539,6 +621,8 @@ pub fn pack_from_tensors(st: &SafeTensors, call_base: &[u64]) -> Result<Pack> {
         ("loss_segment", segments.len()),
         ("loss_weights", weights.len()),
         ("loss_logprobs", logprobs.as_ref().map_or(t, Vec::len)),
+        ("loss_reward", rewards.as_ref().map_or(t, Vec::len)),
+        ("loss_summary", summary.as_ref().map_or(t, Vec::len)),
     ] {
         if n != t {
             return Err(Error::Pack(format!(
@@ -741,6 +825,98 @@ mod tests {
 
     fn set(t: &mut [(String, Tensor)], name: &str, v: Tensor) {
         t.iter_mut().find(|(n, _)| n == name).unwrap().1 = v;
+    }
+
+    #[test]
+    fn rl_fields_are_written_per_target_and_per_rollout_and_checked() {
+        use crate::pack::{batch, Layout};
+        let text = concat!(
+            r#"{"id":"a","reward":1.5,"truncated":true,"rewards":[[0.25,-1],[2]],"calls":["#,
+            r#"{"context":[1,2],"completion":[3,4]},"#,
+            r#"{"context":[1,2,3,4,9],"completion":[5],"summary":true}]}"#,
+            "\n",
+            r#"{"id":"b","calls":[{"context":[1,2],"completion":[7]}]}"#,
+        );
+        let rs = crate::rollout::parse_jsonl(text).unwrap();
+        let b = batch(&rs, usize::MAX, false, Layout::Trie)
+            .unwrap()
+            .remove(0);
+        assert_eq!(b.fields.truncated, [true, false]);
+        // Per target, in the pack's loss order: rollout a's three targets
+        // carry its rewards and marks; b has no per-token rewards (NaN).
+        let mut got: Vec<(u32, u32, u32, String, bool)> = b
+            .pack
+            .loss
+            .iter()
+            .zip(b.loss_fields.reward.iter().zip(&b.loss_fields.summary))
+            .map(|(e, (r, &s))| (e.rollout, e.call, e.offset, format!("{r}"), s))
+            .collect();
+        got.sort();
+        let want = [
+            (0, 0, 0, "0.25".to_string(), false),
+            (0, 0, 1, "-1".to_string(), false),
+            (0, 1, 0, "2".to_string(), true),
+            (1, 0, 0, "NaN".to_string(), false),
+        ];
+        assert_eq!(got, want);
+        // Written and read back bit for bit.
+        let mut t = loss_field_tensors(&b.loss_fields);
+        t.extend(rollout_tensors(&b.fields));
+        let st = deserialize(&serialize(&t, &BTreeMap::new()).unwrap()).unwrap();
+        assert_eq!(
+            st.get("loss_summary").unwrap().to_bool().unwrap(),
+            b.loss_fields.summary
+        );
+        assert_eq!(
+            st.get("rollout_truncated").unwrap().to_bool().unwrap(),
+            [true, false]
+        );
+        let r = st.get("loss_reward").unwrap().to_f32().unwrap();
+        assert!(r
+            .iter()
+            .zip(&b.loss_fields.reward)
+            .all(|(x, y)| x.to_bits() == y.to_bits()));
+        // The reader checks them where a pack carries them (6 targets).
+        let add =
+            |t: &mut Vec<(String, Tensor)>, name: &str, v: Tensor| t.push((name.to_string(), v));
+        let ok = |t: &mut Vec<(String, Tensor)>| {
+            add(
+                t,
+                "loss_reward",
+                Tensor::from_f32(&[0.0, f32::NAN, 1.0, 2.0, -3.0, 0.5]),
+            );
+            add(
+                t,
+                "loss_summary",
+                Tensor::from_bool(&[false, false, true, false, false, true]),
+            );
+        };
+        let (mut t, base) = golden_tensors();
+        ok(&mut t);
+        let st = deserialize(&serialize(&t, &BTreeMap::new()).unwrap()).unwrap();
+        assert!(pack_from_tensors(&st, &base).is_ok());
+        rejects("loss_reward[4] = inf", |t| {
+            ok(t);
+            set(
+                t,
+                "loss_reward",
+                Tensor::from_f32(&[0.0, 0.0, 0.0, 0.0, f32::INFINITY, 0.0]),
+            );
+        });
+        rejects("loss_reward", |t| {
+            ok(t);
+            set(t, "loss_reward", Tensor::from_f32(&[0.0; 5]));
+        });
+        rejects("loss_summary: BOOL entry 3 is the byte 2", |t| {
+            ok(t);
+            let mut v = Tensor::from_bool(&[false; 6]);
+            v.data[3] = 2;
+            set(t, "loss_summary", v);
+        });
+        rejects("\"loss_summary\" has dtype I64, expected BOOL", |t| {
+            ok(t);
+            set(t, "loss_summary", Tensor::from_i64(&[0; 6]));
+        });
     }
 
     #[test]

@@ -41,7 +41,7 @@ use treeattn::rl::{
     grpo_advantages, summary_segments, Gae, GaeMode, GrpoScale, GrpoStd, Lambda, Rewards, Targets,
 };
 use treeattn::rollout::{parse_jsonl, read_jsonl_file, Rollout};
-use treeattn::safetensors::{pack_tensors, rollout_tensors, Dtype};
+use treeattn::safetensors::{loss_field_tensors, pack_tensors, rollout_tensors, Dtype};
 use treeattn::tree::RolloutStats;
 use treeattn::Error;
 
@@ -976,6 +976,7 @@ fn dtype_name(d: Dtype) -> &'static str {
         Dtype::I32 => "int32",
         Dtype::F32 => "float32",
         Dtype::F64 => "float64",
+        Dtype::Bool => "bool",
     }
 }
 
@@ -1002,13 +1003,6 @@ struct PackOut {
     logprobs: Vec<f32>,
     rollout_indices: Vec<u32>,
     groups: Vec<String>,
-    /// Per loss entry: the input's per-token reward, NaN where its rollout
-    /// has no `"rewards"`.
-    token_rewards: Vec<f32>,
-    /// Per loss entry: is its call marked `"summary"`?
-    summary: Vec<bool>,
-    /// Per rollout of the pack: is it marked `"truncated"`?
-    truncated: Vec<bool>,
 }
 
 fn pack_rollouts(
@@ -1034,6 +1028,7 @@ fn pack_rollouts(
         let tensors = pack_tensors(&b.pack, b.sdcc.as_deref(), &call_base)?
             .into_iter()
             .chain(rollout_tensors(&b.fields))
+            .chain(loss_field_tensors(&b.loss_fields))
             .filter(|(name, _)| name != "loss_logprobs")
             .map(|(name, t)| (name, dtype_name(t.dtype), t.data))
             .collect();
@@ -1045,33 +1040,11 @@ fn pack_rollouts(
             .iter()
             .map(|e| e.logprob.unwrap_or(f32::NAN))
             .collect();
-        // The RL fields the pack files do not hold, read from the input.
-        let loss = &b.pack.loss;
-        let token_rewards = loss
-            .iter()
-            .map(|e| {
-                rollouts[e.rollout as usize]
-                    .token_rewards()
-                    .map_or(f32::NAN, |r| r[e.call as usize][e.offset as usize])
-            })
-            .collect();
-        let summary = loss
-            .iter()
-            .map(|e| rollouts[e.rollout as usize].is_summary(e.call as usize))
-            .collect();
-        let truncated = b
-            .rollouts
-            .iter()
-            .map(|&r| rollouts[r as usize].truncated())
-            .collect();
         out.push(PackOut {
             tensors,
             logprobs,
             rollout_indices: b.rollouts.clone(),
             groups: b.fields.groups.clone(),
-            token_rewards,
-            summary,
-            truncated,
         });
     }
     let stats = rollouts
@@ -1084,10 +1057,7 @@ fn pack_rollouts(
 /// Packs rollouts given as JSON Lines text (`source = "text"`) or a file
 /// path (`source = "file"`), as `treeattn pack` does. Returns a list of
 /// dicts: `tensors` (name → (dtype, little-endian bytes)), `loss_logprobs`
-/// (float32 bytes, NaN where none), `loss_reward` (float32 bytes, the
-/// per-token reward, NaN where none), `loss_summary` (one bool per loss
-/// entry: its call is a summary call), `rollout_truncated` (one bool per
-/// rollout of the pack), `rollout_indices`, `rollout_ids`, `groups` (GRPO
+/// (float32 bytes, NaN where none), `rollout_indices`, `rollout_ids`, `groups` (GRPO
 /// group names, first appearance first), `stats` (one dict per rollout of
 /// the pack).
 #[pyfunction]
@@ -1131,14 +1101,6 @@ fn pack<'py>(
         d.set_item("tensors", tensors)?;
         let lp: Vec<u8> = p.logprobs.iter().flat_map(|x| x.to_le_bytes()).collect();
         d.set_item("loss_logprobs", PyBytes::new(py, &lp))?;
-        let rw: Vec<u8> = p
-            .token_rewards
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
-        d.set_item("loss_reward", PyBytes::new(py, &rw))?;
-        d.set_item("loss_summary", p.summary.clone())?;
-        d.set_item("rollout_truncated", p.truncated.clone())?;
         d.set_item("rollout_indices", p.rollout_indices.clone())?;
         let pack_ids: Vec<&str> = p
             .rollout_indices

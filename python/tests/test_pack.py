@@ -28,7 +28,10 @@ def test_worked_example():
     assert pairs == [(10, 7), (11, 8), (13, 5)]
     for name in treeattn.PACK_TENSORS:
         t = getattr(p, name)
-        assert t.dtype == (torch.float32 if name in ("loss_weights", "loss_logprobs", "rollout_reward") else torch.int64), name
+        floats = ("loss_weights", "loss_logprobs", "rollout_reward", "loss_reward")
+        bools = ("loss_summary", "rollout_truncated")
+        want = torch.float32 if name in floats else torch.bool if name in bools else torch.int64
+        assert t.dtype == want, name
     (st,) = p.stats
     assert (st["junctions"], st["branches"], st["targets"], st["diverging"]) == (1, 2, 6, 3)
     assert (st["trie_tokens"], st["branch_tokens"]) == (16, 18)
@@ -102,6 +105,7 @@ def test_same_tensors_as_cli(tmp_path):
     assert len(files) == len(ours) > 1
     for f, p in zip(files, ours):
         theirs = load_file(str(f))
+        assert {"loss_reward", "loss_summary", "rollout_truncated", "rollout_fingerprint"} <= set(theirs)
         for name, t in theirs.items():
             # rollout_reward holds NaN where a rollout has no reward.
             mine = getattr(p, name)

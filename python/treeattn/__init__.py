@@ -74,6 +74,9 @@ PACK_TENSORS = (
     "rollout_reward",
     "rollout_group",
     "rollout_fingerprint",
+    "loss_reward",
+    "loss_summary",
+    "rollout_truncated",
 )
 
 
@@ -105,8 +108,8 @@ class Pack:
     :func:`treeattn.rl.grpo_advantages` cannot tell two rollouts of one id
     apart).
 
-    RL fields of the input that the pack files do not hold (``None`` for a
-    pack built otherwise, e.g. read from a file): ``loss_reward`` ``[T]``
+    The input's other RL fields (``None`` for a pack built without them,
+    e.g. from a pack file of an earlier version): ``loss_reward`` ``[T]``
     float32 (the input's per-token ``"rewards"``, NaN where a rollout has
     none), ``loss_summary`` ``[T]`` bool (the target's call is marked
     ``"summary": true``), ``rollout_truncated`` ``[R]`` bool (the rollout
@@ -171,7 +174,7 @@ def _tensor(dtype: str, data: bytes):
     import torch
 
     dt = {"int64": torch.int64, "float32": torch.float32, "int32": torch.int32,
-          "float64": torch.float64}[dtype]
+          "float64": torch.float64, "bool": torch.bool}[dtype]
     if len(data) == 0:
         return torch.empty(0, dtype=dt)
     # frombuffer shares the (immutable) bytes; clone to own writable memory.
@@ -241,8 +244,6 @@ def pack(
         raise ValueError(
             f"rollouts must be a JSONL path or a list of dicts, got {type(rollouts).__name__}"
         )
-    import torch
-
     out = []
     for p in _native.pack(source, value, layout, share_prefixes, budget):
         t = {name: _tensor(dt, data) for name, (dt, data) in p["tensors"].items()}
@@ -268,9 +269,9 @@ def pack(
                 rollout_ids=list(p["rollout_ids"]),
                 groups=list(p["groups"]),
                 stats=list(p["stats"]),
-                loss_reward=_tensor("float32", p["loss_reward"]),
-                loss_summary=torch.tensor(p["loss_summary"], dtype=torch.bool),
-                rollout_truncated=torch.tensor(p["rollout_truncated"], dtype=torch.bool),
+                loss_reward=t["loss_reward"],
+                loss_summary=t["loss_summary"],
+                rollout_truncated=t["rollout_truncated"],
                 rollout_fingerprint=t["rollout_fingerprint"],
             )
         )

@@ -882,6 +882,7 @@ fn bad_inputs_are_errors() {
     assert!(bwd(&x, &lse, shape, &p).is_ok());
     let d32 = AttnShape {
         head_dim: 32,
+        v_head_dim: 32,
         ..shape
     };
     let x32 = vec![bf16::from_f32(0.5); 3 * 32];

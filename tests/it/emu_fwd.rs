@@ -370,6 +370,7 @@ fn unsupported_and_bad_inputs_are_errors() {
         &x[..96],
         AttnShape {
             head_dim: 32,
+            v_head_dim: 32,
             ..shape
         },
         mask,

@@ -20,8 +20,8 @@ use serde_json::{json, Value};
 use treeattn::pack::{batch, calls_fingerprint, Layout, Pack};
 use treeattn::rollout::{parse_jsonl, Rollout};
 use treeattn::safetensors::{
-    deserialize, pack_from_tensors, pack_tensors, rollout_tensors, sdcc_rows_from_tensors,
-    serialize, Dtype, Tensor, PACK_FORMAT,
+    deserialize, loss_field_tensors, pack_from_tensors, pack_tensors, rollout_tensors,
+    sdcc_rows_from_tensors, serialize, Dtype, Tensor, PACK_FORMAT,
 };
 
 fn config(cases: u32, seed: u64) -> Config {
@@ -621,6 +621,7 @@ fn pack_file(rs: &[Rollout]) -> PackFile {
     }
     let mut t = pack_tensors(&b.pack, b.sdcc.as_deref(), &base).unwrap();
     t.extend(rollout_tensors(&b.fields));
+    t.extend(loss_field_tensors(&b.loss_fields));
     let meta = BTreeMap::from([("format".to_string(), PACK_FORMAT.to_string())]);
     (t, meta, base, b.pack)
 }
@@ -647,6 +648,7 @@ fn i64s(t: &Tensor) -> Vec<i64> {
             .chunks_exact(8)
             .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as i64)
             .collect(),
+        Dtype::Bool => t.data.iter().map(|&b| b as i64).collect(),
     }
 }
 
@@ -656,6 +658,8 @@ fn with_values(dtype: Dtype, shape: Vec<usize>, v: &[i64]) -> Tensor {
         Dtype::I32 => v.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect(),
         Dtype::F32 => v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
         Dtype::F64 => v.iter().flat_map(|&x| (x as f64).to_le_bytes()).collect(),
+        // Any byte, so a changed value may be no bool at all (2, 255).
+        Dtype::Bool => v.iter().map(|&x| x as u8).collect(),
     };
     Tensor { dtype, shape, data }
 }
@@ -690,7 +694,7 @@ fn change(
     let changed = match kind % 9 {
         0 => {
             // Another dtype, the same values (as far as it holds them).
-            let d = [Dtype::I64, Dtype::I32, Dtype::F32, Dtype::F64][b % 4];
+            let d = [Dtype::I64, Dtype::I32, Dtype::F32, Dtype::F64, Dtype::Bool][b % 5];
             if d == x.dtype {
                 return false; // re-encoding floats through i64 would round them
             }

@@ -8,7 +8,9 @@ use std::time::Instant;
 use clap::{Args, ValueEnum};
 use treeattn::cost::ModelCost;
 use treeattn::pack::{batch, Layout};
-use treeattn::safetensors::{pack_tensors, read_metadata, rollout_tensors, serialize, PACK_FORMAT};
+use treeattn::safetensors::{
+    loss_field_tensors, pack_tensors, read_metadata, rollout_tensors, serialize, PACK_FORMAT,
+};
 use treeattn::{Error, Result};
 
 use crate::args::{emit, nonempty, number, plural};
@@ -47,9 +49,13 @@ Tensors (L tokens, T loss entries):
   loss_offset, loss_rollout, loss_segment [T] int64
   loss_weights                            [T] float32
   loss_logprobs                           [T] float32 (only if every target has one)
+  loss_reward                             [T] float32 (per-token \"rewards\"; NaN: none)
+  loss_summary                            [T] bool (the call is marked \"summary\")
   sdcc_student_rows, sdcc_teacher_rows    [P] int64 (trie layout only)
   rollout_reward                          [R] float32 (NaN: no reward)
   rollout_group                           [R] int64 (index into groups; -1: none)
+  rollout_fingerprint                     [R] int64 (FNV-1a 64 of its calls)
+  rollout_truncated                       [R] bool (marked \"truncated\")
 Mask: query q sees key k iff k <= q < kv_end[k]; position_ids are depths.
 Each pack's line gives its visible pairs and the FLOPs of one training step
 (forward + backward) of a Llama-3-8B-shaped model on it (treeattn::cost).
@@ -171,6 +177,7 @@ pub fn run(a: PackArgs) -> Result<()> {
         progress.say(&format!("writing pack {} of {n}", i + 1));
         let mut tensors = pack_tensors(&b.pack, b.sdcc.as_deref(), &call_base)?;
         tensors.extend(rollout_tensors(&b.fields));
+        tensors.extend(loss_field_tensors(&b.loss_fields));
         let ids: Vec<&str> = b
             .rollouts
             .iter()

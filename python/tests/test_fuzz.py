@@ -1245,14 +1245,6 @@ KNOWN = [
     ("sdcc_forward_kl: meta tensors raise RuntimeError (Tensor.item())",
      lambda: tt.sdcc_forward_kl(torch.zeros(3, 4, device="meta"), torch.zeros(1, dtype=torch.int64, device="meta"),
                                 torch.zeros(1, dtype=torch.int64, device="meta"))),
-    ("sdcc_forward_kl: float64 logits take NaN weights silently (loss 0, zero gradient), negative ones, and "
-     "an infinite one (loss NaN); the float32 path refuses them",
-     lambda: tt.sdcc_forward_kl(torch.randn(2, 5, dtype=torch.float64), torch.tensor([0, 1]), torch.tensor([1, 0]),
-                                weights=torch.tensor([float("nan"), 1.0]))),
-    ("sdcc_forward_kl: float64 logits with a row outside them raise IndexError",
-     lambda: tt.sdcc_forward_kl(torch.randn(2, 5, dtype=torch.float64), torch.tensor([0, 2]), torch.tensor([1, 0]))),
-    ("sdcc_forward_kl: float64 logits read row -1 as the last row (silently)",
-     lambda: tt.sdcc_forward_kl(torch.randn(2, 5, dtype=torch.float64), torch.tensor([0, -1]), torch.tensor([1, 0]))),
     ("rl.gae: a pack that is not a Pack raises AttributeError",
      lambda: rl.gae(None, torch.zeros(1))),
     ("rl.gae: gamma of a non-number type raises TypeError",
@@ -1269,6 +1261,30 @@ KNOWN = [
     ("rl.end_rows: a pack whose loss_rows lie outside it raises IndexError",
      lambda: rl.end_rows(dataclasses.replace(_rl_pack(), loss_rows=_rl_pack().loss_rows * 0 + 100))),
 ]
+
+
+@pytest.mark.parametrize(
+    "student, teacher, weights",
+    [
+        ([0, 1], [1, 0], [float("nan"), 1.0]),
+        ([0, 1], [1, 0], [1.0, float("inf")]),
+        ([0, 1], [1, 0], [1.0, -0.5]),
+        ([0, 2], [1, 0], [1.0, 1.0]),
+        ([0, -1], [1, 0], [1.0, 1.0]),
+        ([0, 1], [1, 0 - 3], [1.0, 1.0]),
+    ],
+)
+def test_sdcc_float64_refuses_what_float32_refuses(student, teacher, weights):
+    # The float64 path gathers rows and applies the weights itself; it once
+    # read row -1 as the last row and took NaN / negative weights silently.
+    logits = torch.randn(2, 5, dtype=torch.float64)
+    errs = []
+    for dt in (torch.float32, torch.float64):
+        with pytest.raises(ValueError) as e:
+            tt.sdcc_forward_kl(logits.to(dt), torch.tensor(student), torch.tensor(teacher),
+                               weights=torch.tensor(weights, dtype=dt))
+        errs.append((type(e.value), str(e.value)))
+    assert errs[0] == errs[1]
 
 
 def _small():

@@ -59,6 +59,7 @@ import torch
 from torch import Tensor
 
 from . import _native
+from ._native import TreeattnError, UnsupportedError
 
 __all__ = [
     "tree_attention", "sdcc_forward_kl", "set_num_threads", "get_num_threads", "cuda_built", "cpu_isa",
@@ -1013,6 +1014,23 @@ def _sdcc_float64(logits: Tensor, s: Tensor, t: Tensor, w: Tensor, tau: float, t
     ``∂loss/∂logits[s_i] += w_i (p_s − p_t) / (tau Σ w)``."""
     rows, vocab = logits.shape
     P = s.numel()
+    # The crate sees only the gathered block and unit weights, so what it
+    # would check on the float32 path is checked here first, with its
+    # errors: rows inside the logits (indexing would read row -1 as the
+    # last), weights finite and >= 0.
+    out_s, out_t = (s < 0) | (s >= rows), (t < 0) | (t >= rows)
+    bad = (out_s | out_t).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        name, r = ("student_rows", s) if bool(out_s[i]) else ("teacher_rows", t)
+        raise ValueError(f"{name}[{i}] = {int(r[i])} is outside the {rows} rows of logits")
+    bad = (~torch.isfinite(w)).nonzero()
+    if bad.numel():
+        raise TreeattnError(f"non-finite value in SDCC weights at index {int(bad[0, 0])}")
+    neg = (w < 0).nonzero()
+    if neg.numel():
+        i = int(neg[0, 0])
+        raise UnsupportedError(f"unsupported: SDCC weight {i} is {float(w[i])} (weights must be >= 0)")
     block = torch.cat([logits[s], logits[t]]).div_(tau).contiguous()
     idx = torch.arange(2 * P, dtype=torch.int64)
     ones = torch.ones(P, dtype=torch.float32)

@@ -17,7 +17,7 @@ against float64 references, GRPO against its definition.
 Every generator is seeded: a failure names the case and reproduces. The
 counts are docs/limits.md's table; inputs that hit the issues listed at the
 end (``KNOWN``, in files this suite does not fix) are not generated, and
-each of those issues has a strict ``xfail`` test of its own below.
+each of those issues is pinned by ``test_known_issues`` below.
 """
 
 import dataclasses
@@ -1229,22 +1229,11 @@ def test_limits_page_gives_these_counts():
 # --------------------------------------------------------------------------
 # Issues the fuzzing found in files this change does not edit
 # (python/treeattn/torch.py; python/treeattn/rl.py outside grpo_advantages):
-# each pinned by a strict xfail, so that fixing one turns its test red here
+# each pinned by test_known_issues, so that fixing one turns its test red here
 # and its entry is removed. The generators above do not produce them.
 
 
 KNOWN = [
-    ("tree_attention: window >= 2**32 raises OverflowError (2**63: RuntimeError from torch's dispatcher)",
-     lambda: tt.tree_attention(*_small(), window=2**32)),
-    ("tree_attention: a non-real scale raises TypeError",
-     lambda: tt.tree_attention(*_small(), scale=1j)),
-    ("tree_attention: meta tensors (all on meta) raise RuntimeError (Tensor.item())",
-     lambda: tt.tree_attention(*[x.to("meta") for x in _small()])),
-    ("tree_attention: a sparse q raises NotImplementedError from the dispatcher",
-     lambda: tt.tree_attention(_small()[0].to_sparse(), *_small()[1:])),
-    ("sdcc_forward_kl: meta tensors raise RuntimeError (Tensor.item())",
-     lambda: tt.sdcc_forward_kl(torch.zeros(3, 4, device="meta"), torch.zeros(1, dtype=torch.int64, device="meta"),
-                                torch.zeros(1, dtype=torch.int64, device="meta"))),
     ("rl.gae: a pack that is not a Pack raises AttributeError",
      lambda: rl.gae(None, torch.zeros(1))),
     ("rl.gae: gamma of a non-number type raises TypeError",
@@ -1287,6 +1276,27 @@ def test_sdcc_float64_refuses_what_float32_refuses(student, teacher, weights):
     assert errs[0] == errs[1]
 
 
+def test_tree_attention_edge_arguments():
+    # Found by the fuzzing: each raised something other than a ValueError.
+    q, k, v, ke = _small()
+    # A window past any depth difference is no window (it overflowed u32).
+    for w in (2**32, 2**63, 2**100):
+        assert torch.equal(tt.tree_attention(q, k, v, ke, window=w), tt.tree_attention(q, k, v, ke))
+    with pytest.raises(ValueError, match="scale = 1j must be a real number"):
+        tt.tree_attention(q, k, v, ke, scale=1j)
+    for name, args in (("q", (q.to_sparse(), k, v, ke)), ("kv_end", (q, k, v, ke.to_sparse()))):
+        with pytest.raises(ValueError, match=f"{name} has layout torch.sparse_coo"):
+            tt.tree_attention(*args)
+    with pytest.raises(ValueError, match="logits has layout torch.sparse_coo"):
+        tt.sdcc_forward_kl(torch.randn(2, 5).to_sparse(), torch.tensor([0]), torch.tensor([1]))
+    # Meta tensors give meta results of the right shapes (no data read).
+    o = tt.tree_attention(*[x.to("meta") for x in (q, k, v, ke)])
+    assert o.device.type == "meta" and o.shape == q.shape
+    loss, kl = tt.sdcc_forward_kl(torch.zeros(3, 4, device="meta"), torch.zeros(1, dtype=torch.int64, device="meta"),
+                                  torch.zeros(1, dtype=torch.int64, device="meta"))
+    assert loss.device.type == "meta" and kl.shape == (1,)
+
+
 def _small():
     return torch.randn(3, 1, 2), torch.randn(3, 1, 2), torch.randn(3, 1, 2), torch.tensor([3, 3, 3])
 
@@ -1296,8 +1306,14 @@ def _rl_pack():
     return p
 
 
-@pytest.mark.xfail(strict=True, reason="known: raises an exception that is not a ValueError (see the test's id)")
 @pytest.mark.parametrize("name, call", KNOWN, ids=[k[0] for k in KNOWN])
 def test_known_issues(name, call):
-    ok, res = outcome(name, call)
-    assert not ok, f"{name}: accepted, giving {res}"
+    # Pinned exactly: still an exception other than a clean ValueError. A
+    # fix (a ValueError, or a result) fails here: remove the entry then.
+    try:
+        res = call()
+    except CLEAN as e:
+        pytest.fail(f"{name}: fixed ({type(e).__name__}: {e}): remove it from KNOWN and docs/limits.md")
+    except Exception:
+        return
+    pytest.fail(f"{name}: accepted, giving {shown(res)}: remove it from KNOWN if that is right")

@@ -972,10 +972,10 @@ def tree_attention(
         rope_base = float(rope_base)
         if not (math.isfinite(rope_base) and rope_base > 1.0):
             raise ValueError(f"tree_attention: rope_base = {rope_base} must be finite and > 1")
-    scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[2])
+    scale = _tt._real("tree_attention: scale", scale) if scale is not None else 1.0 / math.sqrt(q.shape[2])
     if not (math.isfinite(scale) and scale > 0.0):
         raise ValueError(f"tree_attention: scale = {scale} must be finite and > 0")
-    _tt._check_window(window)
+    window = _tt._check_window(window)
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
             math.isfinite(softcap) and softcap > 0

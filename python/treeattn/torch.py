@@ -591,7 +591,7 @@ class TreeMask:
         not exact)."""
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        _check_window(window)
+        window = _check_window(window)
         L = len(self)
         n = -(-L // block_size)
         raw = _native.block_census(_ptr(self._ke32), L, block_size, window)
@@ -609,7 +609,7 @@ class TreeMask:
         reads ``kv_end`` (and with a sliding ``window`` of tree levels, the
         rows' depths: ``depth(q) − depth(k) < window``) for the partial
         blocks; cached per block size and window."""
-        _check_window(window)
+        window = _check_window(window)
         key = (block_size, window)
         if key in self._block_masks:
             return self._block_masks[key]
@@ -723,7 +723,7 @@ def _window_starts(ke32: Tensor, window: int) -> Tensor:
     """``[L]`` int64: each row's first visible key under a sliding window
     (the crate's ``PackMask::window_starts``) of the int32 host ``kv_end``
     ``ke32``."""
-    _check_window(window)
+    window = _check_window(window)
     L = int(ke32.numel())
     if L == 0:
         return torch.zeros(0, dtype=torch.int64)
@@ -731,9 +731,28 @@ def _window_starts(ke32: Tensor, window: int) -> Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64)
 
 
-def _check_window(window: Any) -> None:
+def _check_window(window: Any) -> Optional[int]:
+    """The window as the crate takes it (a u32): a window of 2**32 - 1
+    levels or more lets every key of a pack through, as no window does, so
+    a larger one is taken as 2**32 - 1 (the same attention)."""
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window = {window!r} must be None or an int >= 1 (tree levels)")
+    return None if window is None else min(window, 2**32 - 1)
+
+
+def _check_strided(**tensors: Optional[Tensor]) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.layout != torch.strided:
+            raise ValueError(f"{name} has layout {t.layout}: treeattn takes dense (strided) tensors")
+
+
+def _real(name: str, x: Any) -> float:
+    if isinstance(x, bool) or isinstance(x, complex):
+        raise ValueError(f"{name} = {x!r} must be a real number")
+    try:
+        return float(x)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{name} = {x!r} must be a real number ({e})") from None
 
 
 _flex_compiled: Dict[str, Any] = {}
@@ -854,6 +873,7 @@ def tree_attention(
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if position_ids is not None and not isinstance(position_ids, Tensor):
         raise ValueError(f"position_ids must be a torch.Tensor or None, got {type(position_ids).__name__}")
+    _check_strided(q=q, k=k, v=v, kv_end=kv_end, position_ids=position_ids)
     # Under autocast, attention runs in the autocast dtype, as SDPA does
     # (a model's q, k come out of rotary in float32 while v is bfloat16).
     if q.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(q.device.type):
@@ -908,10 +928,10 @@ def tree_attention(
         raise ValueError("rope_dims is set but rope_base is None")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    scale = float(scale)
+    scale = _real("scale", scale)
     if not (math.isfinite(scale) and scale > 0.0):
         raise ValueError(f"scale = {scale} must be finite and > 0")
-    _check_window(window)
+    window = _check_window(window)
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
             math.isfinite(softcap) and softcap > 0
@@ -921,6 +941,7 @@ def tree_attention(
     if sinks is not None:
         if not isinstance(sinks, Tensor):
             raise ValueError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+        _check_strided(sinks=sinks)
         if sinks.dim() != 1 or sinks.shape[0] != hq:
             raise ValueError(f"sinks must be [Hq] = [{hq}] (one logit per query head), got shape {tuple(sinks.shape)}")
         if not sinks.dtype.is_floating_point:
@@ -1130,6 +1151,7 @@ def sdcc_forward_kl(
     for name, t in (("logits", logits), ("student_rows", student_rows), ("teacher_rows", teacher_rows)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_strided(logits=logits, student_rows=student_rows, teacher_rows=teacher_rows)
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"logits must be [rows, vocab] with vocab > 0, got shape {tuple(logits.shape)}")
     if logits.dtype not in _COMPUTE:
@@ -1153,6 +1175,7 @@ def sdcc_forward_kl(
             raise ValueError(f"weights must be [P] = [{P}], got shape {tuple(weights.shape)}")
         if not weights.dtype.is_floating_point:
             raise ValueError(f"weights has dtype {weights.dtype}: expected a float dtype")
+        _check_strided(weights=weights)
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (math.isfinite(tau) and tau > 0):
         raise ValueError(f"tau = {tau!r} must be finite and > 0")
     device = logits.device

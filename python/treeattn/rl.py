@@ -89,6 +89,25 @@ def end_rows(pack: Any) -> Tensor:
     position_ids[r] + 1`` and ``tokens[c] = label`` (one in every exact
     layout: the trie has one child per token, a replicated branch is a
     chain)."""
+    _check_pack("end_rows", pack, _END_FIELDS)
+    L = int(pack.tokens.shape[0])
+    for name in ("position_ids", "kv_end"):
+        if getattr(pack, name).shape != (L,):
+            raise ValueError(f"end_rows: pack.{name} has shape {tuple(getattr(pack, name).shape)}, expected [{L}]")
+    T = int(pack.loss_rows.shape[0])
+    if pack.loss_labels.shape != (T,) or pack.loss_rollout.shape != (T,):
+        raise ValueError(
+            f"end_rows: pack has {T} loss_rows but loss_labels {tuple(pack.loss_labels.shape)} and "
+            f"loss_rollout {tuple(pack.loss_rollout.shape)}"
+        )
+    if T and (int(pack.loss_rows.min()) < 0 or int(pack.loss_rows.max()) >= L):
+        bad = (pack.loss_rows < 0) | (pack.loss_rows >= L)
+        t = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"end_rows: pack.loss_rows[{t}] = {int(pack.loss_rows[t])} is outside the pack's rows 0..{L - 1}"
+        )
+    if L and (int(pack.kv_end.min()) < 0 or int(pack.kv_end.max()) > L):
+        raise ValueError(f"end_rows: pack.kv_end holds values outside 0..{L}")
     local = pack.loss_rollout_local()
     n = len(pack.rollout_indices)
     out = torch.full((n,), -1, dtype=torch.int64)
@@ -109,6 +128,32 @@ def end_rows(pack: Any) -> Tensor:
                 )
             out[k] = r + 1 + int(hit[0])
     return out
+
+
+_GAE_FIELDS = ("loss_rows", "loss_rollout", "loss_segment", "loss_call", "rollout_reward",
+               "rollout_indices", "rollout_ids", "loss_rollout_local")
+_END_FIELDS = ("tokens", "position_ids", "kv_end", "loss_rows", "loss_labels", "loss_rollout",
+               "rollout_indices", "rollout_ids", "loss_rollout_local")
+
+
+def _check_pack(fn: str, pack: Any, fields: Sequence[str]) -> None:
+    """ValueError unless ``pack`` is a :class:`treeattn.Pack` (or holds its
+    fields: ``fields``, tensors where a Pack has tensors)."""
+    missing = [f for f in fields if not hasattr(pack, f)]
+    if missing:
+        raise ValueError(
+            f"{fn}: pack must be a treeattn.Pack or a treeattn.collate batch, got {type(pack).__name__} "
+            f"(no {', '.join(missing)})"
+        )
+    for f in fields:
+        x = getattr(pack, f)
+        if f.startswith(("loss_", "rollout_reward", "tokens", "position_ids", "kv_end")) and f != "loss_rollout_local":
+            if not isinstance(x, Tensor) or x.dim() != 1:
+                raise ValueError(
+                    f"{fn}: pack.{f} must be a 1-D tensor, got "
+                    f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}"
+                )
+            _readable(f"pack.{f}", x)
 
 
 def _lam(name: str, lam: Union[float, str, None]) -> Tuple[Optional[float], bool]:
@@ -183,8 +228,10 @@ def gae(
     truncated rollout without ``bootstrap``, ``gamma`` / ``lam`` /
     ``critic_lam`` outside ``[0, 1]``, an unknown ``mode`` or ``segments``.
     """
+    _check_pack("gae", pack, _GAE_FIELDS)
     if not isinstance(values, Tensor):
         raise ValueError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    _readable("values", values)
     t = pack.loss_rows.numel()
     if values.dim() != 1 or values.shape[0] != t:
         raise ValueError(
@@ -192,6 +239,9 @@ def gae(
         )
     if not values.dtype.is_floating_point:
         raise ValueError(f"values must be floating point, got {values.dtype}")
+    for name, x in (("gamma", gamma), ("alpha", alpha)):
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise ValueError(f"{name} must be a number, got {reprlib.repr(x)}")
     if mode not in ("exact", "segment", "compaction"):
         raise ValueError(f'mode {mode!r}: expected "exact", "segment" or "compaction"')
     if segments not in ("summary", "junction"):
@@ -490,9 +540,17 @@ def whiten(
     variance needs more).
     """
     single = isinstance(advantages_list, Tensor)
+    if not single and not isinstance(advantages_list, (list, tuple)):
+        raise ValueError(
+            f"advantages_list must be a [T] tensor or a list of them, got {type(advantages_list).__name__}"
+        )
     advs = [advantages_list] if single else list(advantages_list)
     if weights_list is None:
         ws: List[Optional[Tensor]] = [None] * len(advs)
+    elif not isinstance(weights_list, (Tensor, list, tuple)):
+        raise ValueError(
+            f"weights_list must be None, a [T] tensor or a list of them, got {type(weights_list).__name__}"
+        )
     elif isinstance(weights_list, Tensor):
         if not single:
             raise ValueError("weights_list is one tensor but advantages_list a list: give a list of the same length")
@@ -557,6 +615,7 @@ def _vector(name: str, x: Any, n: Optional[int] = None, like: Optional[Tensor] =
     device and in its dtype when given."""
     if not isinstance(x, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    _readable(name, x)
     if x.dim() != 1:
         raise ValueError(f"{name} must be 1-D [T], got shape {tuple(x.shape)}")
     if n is not None and x.shape[0] != n:
@@ -572,6 +631,16 @@ def _vector(name: str, x: Any, n: Optional[int] = None, like: Optional[Tensor] =
             raise ValueError(f"{name} is on {x.device}, logp / values on {like.device}")
         x = x.to(like.dtype)
     return x
+
+
+def _readable(name: str, x: Tensor) -> None:
+    """ValueError unless ``x`` is a dense (strided) tensor with data: a
+    sparse tensor (no ``isfinite`` / indexing by entry) or one on the meta
+    device (shapes only) cannot be read here."""
+    if x.layout != torch.strided:
+        raise ValueError(f"{name} has layout {x.layout}: expected a dense tensor (call .to_dense())")
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (no data): give its values on the CPU or a GPU")
 
 
 def _weights(weights: Any, like: Tensor) -> Tensor:
@@ -590,6 +659,9 @@ def _normalizer(normalizer: Any, w: Tensor) -> Tensor:
     if normalizer is None:
         return w.sum().clamp_min(torch.finfo(w.dtype).tiny)
     if isinstance(normalizer, Tensor):
+        _readable("normalizer", normalizer)
+        if normalizer.is_complex() or normalizer.dtype == torch.bool:
+            raise ValueError(f"normalizer must be a real number, got a {normalizer.dtype} tensor")
         if normalizer.numel() != 1:
             raise ValueError(f"normalizer must be a number or a one-element tensor, got shape {tuple(normalizer.shape)}")
         v = float(normalizer.detach())

@@ -58,12 +58,22 @@ def test_collate_pads_with_unseen_keys_and_keeps_each_pack():
         for name in ("loss_rows", "loss_labels", "loss_weights", "loss_call", "loss_segment"):
             assert torch.equal(b[name][sel], getattr(p, name)), name
         assert torch.equal(b["sdcc_student_rows"][b["sdcc_batch"] == i], p.sdcc_student_rows)
-    # Dicts of pack tensors collate the same; the Collator is collate.
+    # Dicts of pack tensors collate the same but name no rollouts (no
+    # rollout_ids, groups: what rollout_group indexes); the Collator is collate.
     d = treeattn.collate([p.tensors() for p in packs], pad_token_id=5, pad_to_multiple_of=16)
     c = treeattn.Collator(pad_token_id=5, pad_to_multiple_of=16)(packs)
     same = lambda x, y: torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())  # noqa: E731
+    rollout_keys = {"rollout_ids", "rollout_indices", "groups", "rollout_batch", "loss_rollout_local",
+                    "rollout_reward", "rollout_group", "rollout_fingerprint", "rollout_truncated"}
+    assert set(b) - set(d) == rollout_keys and set(d) <= set(b)
+    assert c.keys() == b.keys()
     for name, t in b.items():
-        assert same(d[name], t) and same(c[name], t), name
+        if isinstance(t, list):
+            assert c[name] == t, name
+            continue
+        assert same(c[name], t), name
+        if name in d:
+            assert same(d[name], t), name
 
 
 def test_collate_through_a_dataloader():
@@ -72,7 +82,8 @@ def test_collate_through_a_dataloader():
     (got,) = list(loader)
     want = treeattn.collate(packs)
     assert got.keys() == want.keys()
-    assert all(torch.equal(got[n].nan_to_num(), want[n].nan_to_num()) for n in want)
+    assert all(got[n] == want[n] if isinstance(want[n], list) else torch.equal(got[n].nan_to_num(), want[n].nan_to_num())
+               for n in want)
 
 
 def test_collate_errors():

@@ -678,3 +678,81 @@ def test_grpo_rollout_identity_across_ranks():
             assert x == pytest.approx(want[k], rel=1e-12, abs=1e-12), (rank, k)
         assert isinstance(clash, str) and "'r0' names two different rollouts" in clash, clash
         assert "rank 0 packs[0]" in clash and "rank 1 packs[0]" in clash, clash
+
+
+def test_rl_takes_a_collated_batch_as_its_packs():
+    """Every treeattn.rl function given treeattn.collate's dict returns what
+    it returns for the packs one by one, concatenated: packs of two
+    separate pack() calls (their rollout and call indices overlap), a group
+    spanning them, per-token rewards, truncations, summary calls."""
+    rs1 = [r for r in sample_rollouts(5, extras=True) if r["id"] != "golden"]
+    rs2 = sample_rollouts(6, extras=True)[1:8]
+    for r in rs2:
+        r["id"] = "b-" + r["id"]
+        r["group"] = "g0" if r["id"].startswith("b-grpo") else r["id"]
+    packs = treeattn.pack(rs1, budget=900) + treeattn.pack(rs2)
+    assert len(packs) >= 3 and packs[-1].rollout_indices[0] == 0
+    batch = treeattn.collate(packs, pad_to_multiple_of=64)
+
+    # The rollout fields, with each pack's indices mapped into the batch.
+    assert batch["rollout_ids"] == [i for p in packs for i in p.rollout_ids]
+    assert batch["rollout_batch"].tolist() == [b for b, p in enumerate(packs) for _ in p.rollout_ids]
+    for name in ("rollout_reward", "rollout_truncated", "rollout_fingerprint", "loss_reward", "loss_summary"):
+        want = torch.cat([getattr(p, name) for p in packs])
+        assert torch.equal(batch[name].nan_to_num(), want.nan_to_num()), name
+    names = [p.groups[g] if g >= 0 else None for p in packs for g in p.rollout_group.tolist()]
+    assert [batch["groups"][g] if g >= 0 else None for g in batch["rollout_group"].tolist()] == names
+    local = [p.rollout_ids[k] for p in packs for k in p.loss_rollout_local().tolist()]
+    assert [batch["rollout_ids"][k] for k in batch["loss_rollout_local"].tolist()] == local
+
+    g = torch.Generator().manual_seed(3)
+    values = [torch.randn(p.loss_rows.numel(), generator=g, dtype=torch.float64) for p in packs]
+    boots = [torch.randn(len(p.rollout_ids), generator=g, dtype=torch.float64) for p in packs]
+    rewards = [torch.randn(p.loss_rows.numel(), generator=g, dtype=torch.float64) for p in packs]
+    assert any(bool(p.rollout_truncated.any()) for p in packs) and any(bool(p.loss_summary.any()) for p in packs)
+    for kw in (dict(mode="exact", lam=0.95), dict(mode="segment", lam="adaptive", critic_lam=1.0),
+               dict(mode="compaction", lam=0.9, gamma=0.99, segments="junction"), dict(mode="compaction")):
+        for extra in ({}, {"rewards": True}):
+            rw = (lambda i: rewards[i]) if extra else (lambda i: None)  # noqa: E731
+            alone = [treeattn.rl.gae(p, values[i], bootstrap=boots[i], rewards=rw(i), **kw)
+                     for i, p in enumerate(packs)]
+            got = treeattn.rl.gae(batch, torch.cat(values), bootstrap=torch.cat(boots),
+                                  rewards=torch.cat(rewards) if extra else None, **kw)
+            for j in range(2):
+                assert torch.equal(got[j], torch.cat([a[j] for a in alone])), (kw, extra, j)
+
+    rows = treeattn.rl.end_rows(batch)
+    assert torch.equal(rows, torch.cat([treeattn.rl.end_rows(p) for p in packs]))
+    # The rows index each pack's row of the [B, L] batch.
+    assert torch.equal(batch["input_ids"][batch["rollout_batch"], rows],
+                       torch.cat([p.tokens[treeattn.rl.end_rows(p)] for p in packs]))
+
+    for std in ("sample", "batch"):
+        want = torch.cat(treeattn.rl.grpo_advantages(packs, std=std, dtype=torch.float64))
+        assert torch.equal(treeattn.rl.grpo_advantages(batch, std=std, dtype=torch.float64), want)
+        # A batch beside a pack in one list: one result each, groups matched across.
+        half = treeattn.collate(packs[:-1])
+        a, b = treeattn.rl.grpo_advantages([half, packs[-1]], std=std, dtype=torch.float64)
+        assert torch.equal(torch.cat([a, b]), want)
+
+    adv = torch.cat(treeattn.rl.grpo_advantages(packs, dtype=torch.float64))
+    lp = (torch.cat([p.loss_logprobs for p in packs]).double() + 0.1).requires_grad_(True)
+    n_rollouts = sum(len(p.rollout_ids) for p in packs)
+    kw = dict(agg="seq-mean-token-mean", normalizer=n_rollouts, tis_cap=1.5, clip_high=0.28)
+    loss, stats = treeattn.rl.policy_loss(lp, batch, adv, weights=batch["loss_weights"], rollout_logp=batch,
+                                          pack=batch, **kw)
+    parts, off = [], 0
+    for p in packs:
+        n = p.loss_rows.numel()
+        part, _ = treeattn.rl.policy_loss(lp[off:off + n], p, adv[off:off + n], weights=p.loss_weights,
+                                          rollout_logp=p, pack=p, **kw)
+        parts.append(part)
+        off += n
+    assert float(loss.detach()) == pytest.approx(float(sum(parts).detach()), rel=1e-12)
+
+    with pytest.raises(ValueError, match=r"values has shape \(3,\), expected \[\d+\] .*of the batch"):
+        treeattn.rl.gae(batch, torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"bootstrap has \(2,\), expected \[\d+\]"):
+        treeattn.rl.gae(batch, torch.cat(values), bootstrap=torch.zeros(2))
+    with pytest.raises(ValueError, match="dicts of pack tensors name no rollouts"):
+        treeattn.rl.gae(treeattn.collate([p.tensors() for p in packs]), torch.cat(values))

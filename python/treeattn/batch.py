@@ -11,20 +11,25 @@ HF attention runs the ``B`` packs as one forest (row ``(b, t)`` is row
 Loss entries are concatenated in pack order (each pack's own loss order), and
 ``loss_batch`` names each entry's pack: ``loss_rows`` stay the rows within
 that pack. Per-target tensors a caller computed per pack (advantages, say)
-line up with the batch after ``torch.cat`` in the same order.
+line up with the batch after ``torch.cat`` in the same order. The packs'
+rollouts are concatenated the same way (``rollout_batch`` names each
+rollout's pack), so :mod:`treeattn.rl` takes the dict as it takes a pack.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["collate", "Collator", "LOSS_TENSORS"]
+__all__ = ["collate", "Collator", "unbatch", "LOSS_TENSORS", "ROLLOUT_TENSORS"]
 
 #: Per-loss-entry tensors carried into a batch (when every pack has them).
 LOSS_TENSORS = (
     "loss_rows", "loss_labels", "loss_weights", "loss_call", "loss_offset",
-    "loss_rollout", "loss_segment", "loss_logprobs",
+    "loss_rollout", "loss_segment", "loss_logprobs", "loss_reward", "loss_summary",
 )
+
+#: Per-rollout tensors carried into a batch (when every pack has them).
+ROLLOUT_TENSORS = ("rollout_reward", "rollout_group", "rollout_fingerprint", "rollout_truncated")
 
 _ROW_TENSORS = ("tokens", "position_ids", "kv_end")
 
@@ -51,6 +56,19 @@ def collate(
     ``[P]``. ``model(input_ids=b["input_ids"], position_ids=b["position_ids"],
     kv_end=b["kv_end"])`` runs it; :func:`treeattn.hf.target_logprobs` and
     :func:`treeattn.hf.pack_loss` take the dict in place of a pack.
+
+    The rollouts, when every pack names them (:class:`treeattn.Pack`
+    objects; dicts with ``rollout_ids``, ``rollout_indices`` and ``groups``):
+    ``rollout_ids``, ``rollout_indices`` (lists) and ``rollout_batch``
+    ``[R]`` int64 (each rollout's pack), the packs' rollouts in pack order;
+    ``groups``, every pack's group names once, in order of first
+    appearance, and ``rollout_group`` ``[R]`` indexing it (−1: no group);
+    the :data:`ROLLOUT_TENSORS` every pack has, concatenated; and
+    ``loss_rollout_local`` ``[T]`` int64, each loss entry's rollout as an
+    index into the batch's rollouts (``loss_rollout`` keeps the input
+    index, as in the pack). :mod:`treeattn.rl` (``gae``, ``end_rows``,
+    ``grpo_advantages``, ``policy_loss``) takes the dict as it takes a pack
+    and gives the packs' results one after another.
 
     ``ValueError`` for an empty list, a pack whose tensors are missing or
     of different lengths, or a bad padding option.
@@ -110,6 +128,7 @@ def collate(
         rows = _get(p, "loss_rows")
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
             raise ValueError(f"collate: pack {b} has loss_rows outside 0..{n - 1}")
+    _collate_rollouts(packs, counts, out)
     students = [_get(p, "sdcc_student_rows") for p in packs]
     teachers = [_get(p, "sdcc_teacher_rows") for p in packs]
     if all(isinstance(t, torch.Tensor) for t in students + teachers):
@@ -118,6 +137,135 @@ def collate(
         )
         out["sdcc_student_rows"] = torch.cat(students).to(torch.int64)
         out["sdcc_teacher_rows"] = torch.cat(teachers).to(torch.int64)
+    return out
+
+
+def _collate_rollouts(packs: Sequence[Any], counts: List[int], out: Dict[str, Any]) -> None:
+    """The packs' rollouts into ``out`` (see :func:`collate`), when every
+    pack names them."""
+    import torch
+
+    per = [(_get(p, "rollout_ids"), _get(p, "rollout_indices"), _get(p, "groups")) for p in packs]
+    if not all(isinstance(x, (list, tuple)) for trio in per for x in trio):
+        return
+    names: Dict[str, int] = {}
+    rollout_ids: List[Any] = []
+    rollout_indices: List[Any] = []
+    rollout_batch, rollout_group, local = [], [], []
+    has_local, offset = True, 0
+    for b, (p, (rid, ridx, grp)) in enumerate(zip(packs, per)):
+        R = len(rid)
+        if len(ridx) != R:
+            raise ValueError(f"collate: pack {b} has {R} rollout_ids but {len(ridx)} rollout_indices")
+        rollout_ids += list(rid)
+        rollout_indices += list(ridx)
+        rollout_batch.append(torch.full((R,), b, dtype=torch.int64))
+        g = _get(p, "rollout_group")
+        if not isinstance(g, torch.Tensor) or g.shape != (R,):
+            raise ValueError(f"collate: pack {b} has {R} rollouts but rollout_group of shape "
+                             f"{tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__}")
+        g = g.to(torch.int64)
+        if R and (int(g.min()) < -1 or int(g.max()) >= len(grp)):
+            raise ValueError(f"collate: pack {b}'s rollout_group indexes none of its {len(grp)} groups")
+        remap = torch.tensor([names.setdefault(n, len(names)) for n in grp] + [-1], dtype=torch.int64)
+        rollout_group.append(remap[g])  # -1 indexes the appended -1
+        lr = _get(p, "loss_rollout")
+        if isinstance(lr, torch.Tensor) and lr.shape == (counts[b],):
+            order = torch.tensor(list(ridx), dtype=torch.int64)
+            sorted_idx, perm = torch.sort(order)
+            pos = torch.searchsorted(sorted_idx, lr.to(torch.int64)).clamp_max(max(R - 1, 0))
+            if lr.numel() and (R == 0 or not bool((sorted_idx[pos] == lr).all())):
+                raise ValueError(f"collate: pack {b}'s loss_rollout names a rollout not in its rollout_indices")
+            local.append(perm[pos] + offset if R else lr.to(torch.int64))
+        else:
+            has_local = False
+        offset += R
+    out["rollout_ids"], out["rollout_indices"] = rollout_ids, rollout_indices
+    out["groups"] = list(names)
+    out["rollout_batch"] = torch.cat(rollout_batch)
+    out["rollout_group"] = torch.cat(rollout_group)
+    for name in ROLLOUT_TENSORS:
+        if name == "rollout_group":
+            continue
+        parts = [_get(p, name) for p in packs]
+        if all(isinstance(t, torch.Tensor) for t in parts):
+            for b, (t, trio) in enumerate(zip(parts, per)):
+                if t.shape != (len(trio[0]),):
+                    raise ValueError(
+                        f"collate: pack {b} has {len(trio[0])} rollouts but {name} of shape {tuple(t.shape)}"
+                    )
+            out[name] = torch.cat(parts)
+    if has_local:
+        out["loss_rollout_local"] = torch.cat(local)
+
+
+def unbatch(batch: Dict[str, Any]) -> List[Any]:
+    """The :class:`treeattn.Pack` s of a :func:`collate` batch, one per
+    pack in batch order, as :mod:`treeattn.rl` reads them: the loss
+    entries and rollouts of each pack (``loss_batch`` / ``rollout_batch``),
+    its rows padded to the batch's ``L`` (a padding row is seen by no
+    query, so :func:`treeattn.rl.end_rows` finds the same rows). ``stats``
+    are not carried (empty). ``ValueError`` for a dict that is not such a
+    batch."""
+    import torch
+
+    from . import Pack
+
+    if not isinstance(batch, dict):
+        raise ValueError(f"unbatch takes treeattn.collate's dict, got {type(batch).__name__}")
+    need = ("input_ids", "position_ids", "kv_end", "loss_batch", "rollout_batch", "loss_rows", "loss_labels",
+            "loss_weights", "loss_call", "loss_offset", "loss_rollout", "loss_segment", "loss_logprobs",
+            "rollout_reward", "rollout_group")
+    missing = [n for n in need if not isinstance(batch.get(n), torch.Tensor)]
+    lists = [n for n in ("rollout_ids", "rollout_indices", "groups") if not isinstance(batch.get(n), (list, tuple))]
+    if missing or lists:
+        raise ValueError(
+            f"a batch dict without {', '.join(missing + lists)}: build it with treeattn.collate(packs) "
+            "of treeattn.Pack objects (dicts of pack tensors name no rollouts)"
+        )
+    ids = batch["input_ids"]
+    if ids.dim() != 2 or batch["position_ids"].shape != ids.shape or batch["kv_end"].shape != ids.shape:
+        raise ValueError(
+            f"batch input_ids {tuple(ids.shape)}, position_ids {tuple(batch['position_ids'].shape)}, "
+            f"kv_end {tuple(batch['kv_end'].shape)}: expected three [B, L] tensors"
+        )
+    B = int(ids.shape[0])
+    lb, rb = batch["loss_batch"], batch["rollout_batch"]
+    T, R = int(lb.shape[0]), int(rb.shape[0])
+    for name in [n for n in LOSS_TENSORS if n in batch]:
+        t = batch[name]
+        if not isinstance(t, torch.Tensor) or t.shape != (T,):
+            raise ValueError(f"batch {name} must be [{T}] (one per loss entry, as loss_batch), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    for name in [n for n in ROLLOUT_TENSORS if n in batch]:
+        t = batch[name]
+        if not isinstance(t, torch.Tensor) or t.shape != (R,):
+            raise ValueError(f"batch {name} must be [{R}] (one per rollout, as rollout_batch), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if len(batch["rollout_ids"]) != R or len(batch["rollout_indices"]) != R:
+        raise ValueError(f"batch has {R} rollouts (rollout_batch) but {len(batch['rollout_ids'])} rollout_ids "
+                         f"and {len(batch['rollout_indices'])} rollout_indices")
+    for name, t in (("loss_batch", lb), ("rollout_batch", rb)):
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= B):
+            raise ValueError(f"batch {name} must name a pack 0..{B - 1}")
+    out = []
+    for b in range(B):
+        sel = torch.nonzero(lb == b).flatten()
+        rsel = torch.nonzero(rb == b).flatten().tolist()
+        loss = {n: batch[n][sel] for n in LOSS_TENSORS if n in batch}
+        roll = {n: batch[n][rsel] for n in ROLLOUT_TENSORS if n in batch}
+        sdcc = {}
+        if isinstance(batch.get("sdcc_batch"), torch.Tensor):
+            ssel = batch["sdcc_batch"] == b
+            sdcc = {n: batch[n][ssel] for n in ("sdcc_student_rows", "sdcc_teacher_rows")}
+        out.append(Pack(
+            tokens=ids[b], position_ids=batch["position_ids"][b], kv_end=batch["kv_end"][b],
+            sdcc_student_rows=sdcc.get("sdcc_student_rows"), sdcc_teacher_rows=sdcc.get("sdcc_teacher_rows"),
+            rollout_indices=[batch["rollout_indices"][i] for i in rsel],
+            rollout_ids=[batch["rollout_ids"][i] for i in rsel],
+            groups=list(batch["groups"]),
+            **loss, **roll,
+        ))
     return out
 
 

@@ -88,7 +88,21 @@ def end_rows(pack: Any) -> Tensor:
     label: the row ``c`` with ``r < c < kv_end[r]``, ``position_ids[c] =
     position_ids[r] + 1`` and ``tokens[c] = label`` (one in every exact
     layout: the trie has one child per token, a replicated branch is a
-    chain)."""
+    chain).
+
+    For a :func:`treeattn.collate` batch: ``[R]`` over the batch's
+    rollouts (``rollout_batch`` order), each row within its own pack
+    (``rollout_batch`` names it), as ``loss_rows`` are: the critic's value
+    there is ``V[rollout_batch, end_rows]`` of a ``[B, L]`` output."""
+    if isinstance(pack, dict):
+        from .batch import unbatch
+
+        packs = unbatch(pack)
+        rb = pack["rollout_batch"]
+        out = torch.full((int(rb.shape[0]),), -1, dtype=torch.int64)
+        for b, p in enumerate(packs):
+            out[torch.nonzero(rb == b).flatten()] = end_rows(p)
+        return out
     _check_pack("end_rows", pack, _END_FIELDS)
     L = int(pack.tokens.shape[0])
     for name in ("position_ids", "kv_end"):
@@ -228,6 +242,9 @@ def gae(
     truncated rollout without ``bootstrap``, ``gamma`` / ``lam`` /
     ``critic_lam`` outside ``[0, 1]``, an unknown ``mode`` or ``segments``.
     """
+    if isinstance(pack, dict):
+        return _gae_batch(pack, values, gamma=gamma, lam=lam, alpha=alpha, mode=mode, segments=segments,
+                          critic_lam=critic_lam, rewards=rewards, bootstrap=bootstrap)
     _check_pack("gae", pack, _GAE_FIELDS)
     if not isinstance(values, Tensor):
         raise ValueError(f"values must be a torch.Tensor, got {type(values).__name__}")
@@ -292,6 +309,42 @@ def gae(
     )
     out = (_f64(adv), _f64(ret))
     return tuple(x.to(values.device, values.dtype) for x in out)  # type: ignore[return-value]
+
+
+def _gae_batch(batch: Dict[str, Any], values: Any, *, rewards: Any, bootstrap: Any, **kw: Any) -> Tuple[Tensor, Tensor]:
+    """:func:`gae` of a :func:`treeattn.collate` batch: each pack's
+    :func:`gae` on its entries (``loss_batch``) and rollouts
+    (``rollout_batch``), put back in the batch's order."""
+    from .batch import unbatch
+
+    packs = unbatch(batch)
+    lb, rb = batch["loss_batch"], batch["rollout_batch"]
+    T, R = int(lb.shape[0]), int(rb.shape[0])
+    if not isinstance(values, Tensor):
+        raise ValueError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    _readable("values", values)
+    if values.dim() != 1 or values.shape[0] != T:
+        raise ValueError(
+            f"values has shape {tuple(values.shape)}, expected [{T}] (one per loss entry of the batch)"
+        )
+    if rewards is not None:
+        rewards = _vector("rewards", rewards, T)
+    if bootstrap is not None:
+        if not isinstance(bootstrap, Tensor) or bootstrap.dim() != 1 or bootstrap.shape[0] != R:
+            raise ValueError(
+                f"bootstrap has {tuple(bootstrap.shape) if isinstance(bootstrap, Tensor) else type(bootstrap).__name__}"
+                f", expected [{R}] (one per rollout of the batch, rollout_batch order)"
+            )
+    adv, ret = torch.empty_like(values), torch.empty_like(values)
+    for b, p in enumerate(packs):
+        sel = torch.nonzero(lb == b).flatten().to(values.device)
+        rsel = torch.nonzero(rb == b).flatten()
+        a, r = gae(
+            p, values[sel], rewards=None if rewards is None else rewards[sel.to(rewards.device)],
+            bootstrap=None if bootstrap is None else bootstrap[rsel.to(bootstrap.device)], **kw,
+        )
+        adv[sel], ret[sel] = a, r
+    return adv.detach(), ret.detach()
 
 
 Record = Tuple[str, Optional[str], float, Optional[int], str]
@@ -461,7 +514,19 @@ def grpo_advantages(
     is not ``[R]`` int64.
     """
     single = not isinstance(packs, (list, tuple))
-    plist = [packs] if single else list(packs)
+    given = [packs] if single else list(packs)
+    plist: List[Any] = []
+    spans: List[Tuple[int, int, Optional[Dict[str, Any]]]] = []
+    for x in given:
+        if isinstance(x, dict):
+            from .batch import unbatch
+
+            parts = unbatch(x)
+            spans.append((len(plist), len(plist) + len(parts), x))
+            plist += parts
+        else:
+            spans.append((len(plist), len(plist) + 1, None))
+            plist.append(x)
     if scale not in ("std", "none"):
         raise ValueError(f'scale {reprlib.repr(scale)}: expected "std" or "none"')
     if std not in ("sample", "population", "batch"):
@@ -496,10 +561,20 @@ def grpo_advantages(
         std,
     )
     adv_of = dict(zip(ids, per_rollout))
-    out = []
+    each = []
     for p in plist:
         per = torch.tensor([adv_of[rid] for rid in p.rollout_ids], dtype=torch.float64)
-        out.append(per[p.loss_rollout_local()].to(dtype))
+        each.append(per[p.loss_rollout_local()].to(dtype))
+    out = []
+    for lo, hi, batch in spans:
+        if batch is None:
+            out.append(each[lo])
+            continue
+        lb = batch["loss_batch"]
+        merged = torch.empty(int(lb.shape[0]), dtype=dtype)
+        for b in range(hi - lo):
+            merged[torch.nonzero(lb == b).flatten()] = each[lo + b]
+        out.append(merged)
     return out[0] if single else out
 
 
@@ -700,8 +775,8 @@ _KL = ("k1", "k2", "k3", "low_var_kl")
 def _logp_arg(name: str, x: Any, T: int, like: Tensor) -> Tensor:
     """A ``[T]`` log-prob tensor, or a pack's ``loss_logprobs`` (refused
     when some are missing), detached, on ``like``'s device and dtype."""
-    if hasattr(x, "loss_logprobs") and not isinstance(x, Tensor):
-        pack_lp = x.loss_logprobs
+    if isinstance(x, dict) or (hasattr(x, "loss_logprobs") and not isinstance(x, Tensor)):
+        pack_lp = x.get("loss_logprobs") if isinstance(x, dict) else x.loss_logprobs
         if pack_lp is None or pack_lp.shape != (T,):
             raise ValueError(
                 f"{name} is a pack with {None if pack_lp is None else tuple(pack_lp.shape)} "

@@ -135,6 +135,16 @@ pub fn run(a: PackArgs) -> Result<()> {
             a.out.display()
         )));
     }
+    // `NAME/` or `NAME/.` names a directory: with no directory NAME there,
+    // writing the file NAME instead would replace a link or create a name
+    // the user did not give (`cp` refuses such a path too).
+    let text = a.out.as_os_str().as_encoded_bytes();
+    if text.ends_with(b"/") || text.ends_with(b"/.") || text.ends_with(b"/..") {
+        return Err(Error::Usage(format!(
+            "--out {}: names a directory (a trailing '/'), and there is none; give a file name",
+            a.out.display()
+        )));
+    }
     refuse_input_as_output(Path::new(&input), &a.out)?;
     let mut last = Instant::now();
     let rollouts =

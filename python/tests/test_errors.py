@@ -48,6 +48,14 @@ CASES = [
     ({}, dict(scale=float("inf")), "scale"),
     (dict(kv_end=torch.tensor([6, 3, 3, 6, 6, 6], device="meta")), {}, "kv_end is on meta"),
     (dict(v=torch.randn(L, HKV, D, device="meta")), {}, "v is on meta"),
+    # Hugging Face's layouts name the expected one and the fix.
+    (dict(q=torch.randn(1, HQ, L, D)), {}, "q must be [L, Hq, d] (tokens first), got shape (1, 4, 6, 8) "
+     "(from transformers' [B, H, L, d], take q[0].transpose(0, 1)"),
+    (dict(k=torch.randn(1, HKV, L, D)), {}, "take k[0].transpose(0, 1)"),
+    (dict(q=torch.randn(HQ, L, D), k=torch.randn(HKV, L, D), v=torch.randn(HKV, L, D)), {},
+     "k has 2 tokens, q has 4: q (4, 6, 8) and k (2, 6, 8) must be [L, Hq, d] and [L, Hkv, d] (tokens first); "
+     "they look like [H, L, d] (heads first, L = 6): pass q.transpose(0, 1)"),
+    (dict(kv_end=torch.tensor([[6, 3, 3, 6, 6, 6]])), {}, "a [B, L] batch goes through treeattn.hf's attention"),
 ]
 
 

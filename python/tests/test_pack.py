@@ -158,3 +158,24 @@ def test_bad_arguments():
         treeattn.pack("/nonexistent/rollouts.jsonl")
     with pytest.raises(ValueError):
         treeattn.pack([])
+
+
+def test_reprs_show_sizes_and_dir_shows_the_api():
+    import treeattn.torch as tt
+
+    (p,) = treeattn.pack(SAMPLE)
+    r = repr(p)
+    assert r.startswith("Pack(layout='trie', tokens=1793, targets=662, sdcc_pairs=112, rollouts=22 ['golden', ")
+    assert len(r) < 200 and "tensor" not in r  # the dataclass repr printed 36,847 characters
+    (rep,) = treeattn.pack(SAMPLE, layout="replicated")
+    assert "sdcc_pairs" not in repr(rep) and "tokens=3040" in repr(rep)
+    assert repr(tt.TreeMask(p.kv_end, p.position_ids)) == "TreeMask(L=1793, with position_ids, device=cpu)"
+    assert repr(treeattn.paths(p.kv_end)).startswith("Paths(rows=1793, nodes=")
+    names = set(dir(treeattn))
+    assert set(treeattn.__all__) <= names and "torch" in names  # imported above
+    assert not names & {"json", "os", "reprlib", "sys", "dataclass", "field", "Any", "Dict", "List", "Optional",
+                        "annotations", "PACK_TENSORS"}, names
+    assert all(hasattr(treeattn, n) for n in treeattn.__all__)
+    ns: dict = {}
+    exec("from treeattn import *", ns)
+    assert set(ns) - {"__builtins__"} == set(treeattn.__all__)

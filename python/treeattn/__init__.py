@@ -37,10 +37,12 @@ take). Checks made in Python before the native call raise ``ValueError``.
 
 from __future__ import annotations
 
-import json
-import os
-import reprlib
-from dataclasses import dataclass, field
+import json as _json
+import os as _os
+import reprlib as _reprlib
+import sys as _sys
+from dataclasses import dataclass as _dataclass
+from dataclasses import field as _field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from . import _native
@@ -54,6 +56,15 @@ __all__ = [
     "TreeattnError", "RolloutError", "PackError", "ShapeError", "UnsupportedError",
 ]
 __version__ = _native.__version__
+
+_SUBMODULES = ("batch", "chat", "distributed", "hf", "hybrid", "rl", "torch", "trl")
+
+
+def __dir__() -> List[str]:
+    """The API (``__all__``) and the submodules imported so far: not the
+    names this module imports for itself."""
+    loaded = [m for m in _SUBMODULES if f"{__name__}.{m}" in _sys.modules]
+    return sorted(set(__all__) | set(loaded))
 
 # Names and dtypes of the tensors of a pack, as in the pack files
 # (README "Command line"). loss_logprobs is NaN where a target has none.
@@ -80,7 +91,7 @@ PACK_TENSORS = (
 )
 
 
-@dataclass
+@_dataclass
 class Pack:
     """One pack: ``L`` tokens, ``T`` loss entries, ``P`` SDCC pairs.
 
@@ -138,10 +149,10 @@ class Pack:
     rollout_reward: Any
     rollout_group: Any
     layout: str = "trie"
-    rollout_indices: List[int] = field(default_factory=list)
-    rollout_ids: List[str] = field(default_factory=list)
-    groups: List[str] = field(default_factory=list)
-    stats: List[Dict[str, Any]] = field(default_factory=list)
+    rollout_indices: List[int] = _field(default_factory=list)
+    rollout_ids: List[str] = _field(default_factory=list)
+    groups: List[str] = _field(default_factory=list)
+    stats: List[Dict[str, Any]] = _field(default_factory=list)
     loss_reward: Optional[Any] = None
     loss_summary: Optional[Any] = None
     rollout_truncated: Optional[Any] = None
@@ -149,6 +160,21 @@ class Pack:
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    def __repr__(self) -> str:
+        # Sizes, not tensors (the dataclass repr printed every tensor:
+        # 36,847 characters for the sample pack).
+        def n(x: Any) -> str:
+            return str(int(x.shape[0])) if hasattr(x, "shape") and len(x.shape) else "?"
+
+        ids = self.rollout_ids
+        shown = ", ".join(repr(i) for i in ids[:3]) + (", ..." if len(ids) > 3 else "")
+        sdcc = "" if self.sdcc_student_rows is None else f", sdcc_pairs={n(self.sdcc_student_rows)}"
+        groups = f", groups={len(self.groups)}" if self.groups else ""
+        return (
+            f"Pack(layout={self.layout!r}, tokens={n(self.tokens)}, targets={n(self.loss_rows)}{sdcc}, "
+            f"rollouts={len(ids)} [{shown}]{groups})"
+        )
 
     def loss_rollout_local(self):
         """``[T]`` int64: each loss entry's rollout as an index into this
@@ -182,7 +208,7 @@ def _tensor(dtype: str, data: bytes):
 
 
 def pack(
-    rollouts: Union[str, "os.PathLike[str]", Sequence[Dict[str, Any]]],
+    rollouts: Union[str, "_os.PathLike[str]", Sequence[Dict[str, Any]]],
     layout: str = "trie",
     share_prefixes: bool = True,
     budget: Optional[int] = None,
@@ -205,16 +231,16 @@ def pack(
     unreadable file raises ``OSError``.
     """
     if layout not in ("trie", "replicated"):
-        raise ValueError(f'layout {reprlib.repr(layout)}: expected "trie" or "replicated"')
+        raise ValueError(f'layout {_reprlib.repr(layout)}: expected "trie" or "replicated"')
     if not isinstance(share_prefixes, bool):
-        raise ValueError(f"share_prefixes must be True or False, got {reprlib.repr(share_prefixes)}")
+        raise ValueError(f"share_prefixes must be True or False, got {_reprlib.repr(share_prefixes)}")
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, int):
-            raise ValueError(f"budget must be a positive int or None, got {reprlib.repr(budget)}")
+            raise ValueError(f"budget must be a positive int or None, got {_reprlib.repr(budget)}")
         if not 0 < budget <= 0xFFFFFFFF:
             raise ValueError(f"budget must be in 1..=2^32-1 tokens (a pack indexes its rows in u32), got {budget}")
-    if isinstance(rollouts, (str, os.PathLike)):
-        source, value = "file", os.fspath(rollouts)
+    if isinstance(rollouts, (str, _os.PathLike)):
+        source, value = "file", _os.fspath(rollouts)
     elif isinstance(rollouts, (list, tuple)):
         lines = []
         for i, r in enumerate(rollouts):
@@ -224,11 +250,11 @@ def pack(
                     '{"id": ..., "calls": [...]}'
                 )
             try:
-                lines.append(json.dumps(r, allow_nan=False))
+                lines.append(_json.dumps(r, allow_nan=False))
             except ValueError:
                 # JSON has no NaN / infinity: say where, as the file reader would.
                 raise ValueError(
-                    f"rollouts[{i}] (id {reprlib.repr(r.get('id'))}) holds a NaN or infinity: "
+                    f"rollouts[{i}] (id {_reprlib.repr(r.get('id'))}) holds a NaN or infinity: "
                     "token ids are integers, logprobs must be finite and <= 0, "
                     "and a reward must be finite"
                 ) from None
@@ -237,7 +263,7 @@ def pack(
             except RecursionError:
                 # The crate reads at most 128 levels of JSON anyway.
                 raise ValueError(
-                    f"rollouts[{i}] (id {reprlib.repr(r.get('id'))}) is nested too deeply to be JSON"
+                    f"rollouts[{i}] (id {_reprlib.repr(r.get('id'))}) is nested too deeply to be JSON"
                 ) from None
         source, value = "text", "\n".join(lines)
     else:
@@ -281,7 +307,7 @@ def pack(
 _COST_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
 
 
-@dataclass(frozen=True)
+@_dataclass(frozen=True)
 class ModelCost:
     """The shape of a decoder as far as its FLOPs go (the crate's
     ``treeattn::cost::ModelCost``): ``layers`` N, ``hidden`` H, ``heads`` h,
@@ -386,7 +412,7 @@ def cost(pack: "Pack", model_cost: ModelCost) -> Dict[str, float]:
                                   m.head_dim, m.intermediate, m.vocab))
 
 
-@dataclass
+@_dataclass
 class Paths:
     """The path structure of a pack (Rust ``treeattn::paths``, DESIGN §11);
     all tensors CPU int64.
@@ -413,6 +439,12 @@ class Paths:
 
     def __len__(self) -> int:
         return int(self.parent.shape[0])
+
+    def __repr__(self) -> str:
+        return (
+            f"Paths(rows={int(self.parent.shape[0])}, nodes={int(self.node_start.shape[0])}, "
+            f"levels={max(int(self.level_offsets.shape[0]) - 1, 0)})"
+        )
 
 
 def paths(kv_end: Any) -> Paths:

@@ -797,6 +797,17 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: TreeMask, scale: float, block_s
     return o.transpose(0, 1)
 
 
+
+def _heads_first_hint(q: Tensor, k: Tensor) -> str:
+    """A hint when q and k look like [H, L, d] (heads first, as transformers
+    lays them out after the batch dim): the same length in dim 1."""
+    if q.shape[1] == k.shape[1] and q.shape[0] != k.shape[0]:
+        return (
+            f"; they look like [H, L, d] (heads first, L = {q.shape[1]}): pass q.transpose(0, 1), "
+            "k.transpose(0, 1), v.transpose(0, 1)"
+        )
+    return ""
+
 def tree_attention(
     q: Tensor,
     k: Tensor,
@@ -881,32 +892,48 @@ def tree_attention(
         q, k, v = (t.to(amp) if t.is_floating_point() else t for t in (q, k, v))
     if q.dim() != 3:
         raise ValueError(
-            f"q must be [L, Hq, d], got shape {tuple(q.shape)} (from transformers' [B, H, L, d], "
-            "take q[0].transpose(0, 1))"
+            f"q must be [L, Hq, d] (tokens first), got shape {tuple(q.shape)} (from transformers' "
+            "[B, H, L, d], take q[0].transpose(0, 1); a batch of packs goes through treeattn.hf's attention)"
         )
     if k.dim() != 3:
-        raise ValueError(f"k must be [L, Hkv, d], got shape {tuple(k.shape)}")
+        raise ValueError(
+            f"k must be [L, Hkv, d] (tokens first), got shape {tuple(k.shape)} (from transformers' "
+            "[B, H, L, d], take k[0].transpose(0, 1))"
+        )
     if v.dim() != 3 or v.shape[:2] != k.shape[:2] or v.shape[2] == 0:
         raise ValueError(
-            f"v must be [L, Hkv, dv] with k's L and Hkv {tuple(k.shape[:2])}, got {tuple(v.shape)}"
+            f"v must be [L, Hkv, dv] (tokens first) with k's L and Hkv {tuple(k.shape[:2])}, got {tuple(v.shape)}"
         )
     L, hq, d = q.shape
     if L == 0 or hq == 0 or d == 0:
         raise ValueError(f"q must be non-empty, got shape {tuple(q.shape)}")
     if k.shape[0] != L:
-        raise ValueError(f"k has {k.shape[0]} tokens, q has {L}")
+        raise ValueError(
+            f"k has {k.shape[0]} tokens, q has {L}: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
+            f"[L, Hq, d] and [L, Hkv, d] (tokens first){_heads_first_hint(q, k)}"
+        )
     if k.shape[2] != d:
-        raise ValueError(f"k has head dim {k.shape[2]}, q has {d}")
+        raise ValueError(
+            f"k has head dim {k.shape[2]}, q has {d}: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
+            "[L, Hq, d] and [L, Hkv, d] with one d"
+        )
     hkv = k.shape[1]
     if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"k has {hkv} kv heads, which must divide q's {hq} heads")
+        raise ValueError(
+            f"k has {hkv} kv heads, which must divide q's {hq} heads (q {tuple(q.shape)} is [L, Hq, d], "
+            f"k {tuple(k.shape)} [L, Hkv, d])"
+        )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in _COMPUTE:
             raise ValueError(f"{name} has dtype {t.dtype}: expected float32, float64, bfloat16 or float16")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if kv_end.dim() != 1 or kv_end.shape[0] != L:
-        raise ValueError(f"kv_end must be [L] = [{L}], got shape {tuple(kv_end.shape)}")
+        raise ValueError(
+            f"kv_end must be [L] = [{L}] (L = q.shape[0], q being [L, Hq, d]), got shape {tuple(kv_end.shape)}"
+            + (" (a [B, L] batch goes through treeattn.hf's attention, one pack per call here)"
+               if kv_end.dim() == 2 else "")
+        )
     if kv_end.dtype not in _INT:
         raise ValueError(f"kv_end has dtype {kv_end.dtype}: expected an integer dtype")
     if position_ids is not None:

@@ -75,3 +75,25 @@ def test_page_runs_in_order(page, monkeypatch):
         # A block may start a one-process gloo group (as torchrun would).
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_transformers_range_is_cis_pin():
+    """python/pyproject.toml's extras admit the transformers CI pins (and
+    the one installed here), and say the same range in both extras."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((REPO / "python" / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    specs = {str(Requirement(r).specifier) for name in ("hf", "test") for r in extras[name]
+             if Requirement(r).name == "transformers"}
+    assert len(specs) == 1, specs
+    (spec,) = specs
+    pin = re.search(r"transformers==([0-9.]+)", (REPO / ".ci" / "run").read_text()).group(1)
+    req = Requirement(f"transformers{spec}")
+    assert req.specifier.contains(pin), (spec, pin)
+    assert req.specifier.contains(importlib.metadata.version("transformers")), spec
+    # Not open-ended: an untested minor is not admitted.
+    major, minor = (int(x) for x in pin.split(".")[:2])
+    assert not req.specifier.contains(f"{major}.{minor + 1}.0"), spec

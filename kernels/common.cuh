@@ -117,6 +117,33 @@ __device__ __forceinline__ float ta_exp2(float x) {
 #endif
 }
 
+// 1 / x (rcp.approx.ftz on the GPU: at most 1 ulp off, flushes subnormal
+// results; 1 / inf = 0).
+__device__ __forceinline__ float ta_rcp(float x) {
+#ifdef TA_EMU
+    return 1.f / x;
+#else
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+#endif
+}
+
+// The logit softcap of the attention variants (Gemma 2): a raw score x (the
+// mma's q·k) becomes c · tanh(scale · x / c). Written with one exp2 and one
+// reciprocal: with e = exp2(x · in), in = 2 · scale / c · log2 e (the
+// host's `softcap_in`), r = 1 / (e + 1) is returned and
+//
+//   c · tanh(scale · x / c) = c · (1 − 2r),    1 − tanh² = 4 r (1 − r),
+//
+// both with an absolute error of a few 2^-24 (ex2.approx and rcp.approx
+// are relative 2^-22 / 1 ulp; no cancellation in 4r(1 − r) near |tanh| =
+// 1, where 1 − t·t would cancel). e = inf (x · in >= 128) gives r = 0,
+// the cap +c; e = 0 gives r = 1, −c. The result is in natural units: the
+// kernels then multiply by log2 e (the host passes scale_log2 = log2 e
+// when a softcap is on), never by the softmax scale a second time.
+__device__ __forceinline__ float ta_softcap_r(float x, float in) { return ta_rcp(ta_exp2(x * in) + 1.f); }
+
 // ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16. Lanes 8j..8j+7
 // pass the row addresses (16 bytes each, 16-byte aligned, shared memory) of
 // matrix j; lane t receives in r[j] row t/4, columns 2(t%4) and 2(t%4)+1 of

@@ -13,6 +13,11 @@
 
 #include "common.cuh"
 
+// The variant kernels' extra shared memory: the key starts of the query
+// rows a block holds, one u32 per row (per query buffer), after the plain
+// kernel's layout (kOffStarts = the plain kernel's kSmemBytes, so that the
+// plain kernels keep their layout and size exactly).
+
 template <class E, int D, int BM, int BN>
 struct TaTileTraits {
     using Elem = E;
@@ -58,6 +63,9 @@ struct FwdTraits : TaTileTraits<E, D, 128, 64> {
     static constexpr int kKvEndWords = Base::kBlockN + 4;
     static constexpr int kOffKvEnd = kOffStats + 4 * kMTiles * Base::kThreads * 4;
     static constexpr int kSmemBytes = kOffKvEnd + 2 * kKvEndWords * 4;
+    // The variant kernel (tree_attn_fwd_var_*): the Q tile's key starts.
+    static constexpr int kOffStarts = kSmemBytes;
+    static constexpr int kSmemBytesVar = kOffStarts + Base::kBlockM * 4;
     static_assert(kMTiles == 2, "two 16-row m-tiles per warp");
     static_assert(Base::kBlockN < Base::kThreads, "one kv_end per thread, one more thread for the tile bound");
     static_assert(kOffK % 16 == 0 && kOffV % 16 == 0 && kOffStats % 16 == 0, "aligned regions");
@@ -86,6 +94,9 @@ struct BwdTraits : TaTileTraits<E, D, D == 64 ? 64 : 32, 64> {
     static constexpr int kOffRowStats = kOffDs + kBlockN * kDsStride * 2;
     static constexpr int kOffKvEnd = kOffRowStats + 4 * kBlockM * 4;
     static constexpr int kSmemBytes = kOffKvEnd + kBlockN * 4;
+    // The variant kernels: the key starts of the two query buffers' rows.
+    static constexpr int kOffStarts = kSmemBytes;
+    static constexpr int kSmemBytesVar = kOffStarts + 2 * kBlockM * 4;
     static_assert(kBlockN == 16 * Base::kWarps, "one 16-key slice per warp");
     static_assert(Base::kWarps % (kBlockM / 16) == 0 && (D / 16) % (Base::kWarps / (kBlockM / 16)) == 0,
                   "dQ split of BM x D over the warps");
@@ -104,6 +115,9 @@ struct BwdDqTraits : TaTileTraits<E, D, 64, 64> {
     // staged by cp.async with Q and dO).
     static constexpr int kOffRowStats = 6 * kTileElems * 2;
     static constexpr int kSmemBytes = kOffRowStats + 2 * 64 * 4;
+    // The variant kernel: the query tile's key starts.
+    static constexpr int kOffStarts = kSmemBytes;
+    static constexpr int kSmemBytesVar = kOffStarts + 64 * 4;
     // Blocks per SM the register allocation must leave room for. On sm_90
     // the D = 64 kernel's 55,808 bytes of shared memory allow 4 blocks, and
     // 4 blocks of 128 threads need at most 128 registers each: without the
@@ -183,6 +197,10 @@ struct Bwd2SplitTraits : TaTileTraits<E, D, 64, 128> {
     static_assert(kBlockM == 64 && kBlockM <= kThreads && kBlockN <= kThreads, "tile shape");
     static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
     static_assert(kSmemBytes == 159232, "shared memory: update the Rust plan and the docs");
+    // The variant kernels: the key starts of the two query buffers' rows
+    // (159,744 bytes: still under A100's 166,912 per block).
+    static constexpr int kOffStarts = kSmemBytes;
+    static constexpr int kSmemBytesVar = kOffStarts + 2 * kBlockM * 4;
 };
 
 // Backward main kernel for D = 64 with two key m-tiles per warp and the
@@ -216,4 +234,7 @@ struct Bwd2RoleTraits : TaTileTraits<E, D, 64, 128> {
     static_assert(kBlockM == 64 && kBlockM <= kThreads && kBlockN <= kThreads, "tile shape");
     static_assert(kOffQ % 16 == 0 && kOffDs % 16 == 0 && kOffRowStats % 16 == 0, "aligned regions");
     static_assert(kSmemBytes == 93696, "shared memory: update the Rust plan and the docs");
+    // The variant kernels: the key starts of the two query buffers' rows.
+    static constexpr int kOffStarts = kSmemBytes;
+    static constexpr int kSmemBytesVar = kOffStarts + 2 * kBlockM * 4;
 };

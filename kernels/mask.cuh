@@ -91,3 +91,47 @@ __device__ __forceinline__ uint32_t ta_next_visible_tile(const uint32_t* __restr
     }
     return t_end;
 }
+
+// ---- Key starts (the attention variants' kernels, kVar) ---------------------
+// A sliding window, explicit key starts (context parallelism) and the rows
+// that see no key under attention sinks all come to the kernels as one u32
+// per query row, `key_start[q]`: q sees k iff
+//
+//   key_start[q] <= k <= q < kv_end[k]
+//
+// (the host computes it once per pack and window: `PackMask::
+// window_starts`, one stack walk; a row that sees no key gets q + 1, so
+// that every key is outside its window and the loaders can tell it from
+// the array alone: TA_BLIND_ROW). With the per-64-row bounds `start_tile_
+// min` / `start_tile_max` the tile rules gain: a key tile that ends before
+// every row's start (k1 − 1 < min start) is skipped, and a tile is full
+// only if it also begins at or after every row's start (k0 >= max start).
+
+// Rows per tile of the key starts' bounds (`start_tile_min`,
+// `start_tile_max`: min and max of key_start over rows [64i, 64i + 64),
+// computed by tree_attn_kv_tile_bounds like the key tiles' bounds of
+// kv_end). Query tiles of 128 rows (the forward) span two, of 32 rows (the
+// one-m-tile backward at d 128) half of one (its bounds are then those of
+// the enclosing 64 rows: looser, never wrong).
+constexpr int kTaStartTile = 64;
+
+// Whether query `row` sees no key at all (key_start[row] > row: the host's
+// mark; a row that sees a key sees one at or before itself).
+#define TA_BLIND_ROW(key_start, row) ((key_start)[row] > (row))
+
+// The first query tile at or after tile t (tiles of `bm` rows, bm dividing
+// kTaStartTile) whose rows' smallest key start is at most `k_last` (the
+// last key of the caller's key block): the tiles before it hold no row
+// whose window reaches a key of the block. 0xffffffff when none of the
+// n_tiles does. 32 tiles per ballot, as ta_next_visible_tile;
+// t must be the same in all 32 lanes (block-uniform control flow).
+__device__ __forceinline__ uint32_t ta_next_window_qtile(const uint32_t* __restrict__ start_tile_min, uint32_t t,
+                                                         uint32_t n_tiles, uint32_t bm, uint32_t k_last) {
+    for (; t < n_tiles; t += 32) {
+        const uint32_t i = t + ta_lane();
+        const unsigned ok =
+            __ballot_sync(TA_FULL_MASK, i < n_tiles && start_tile_min[i * bm / kTaStartTile] <= k_last);
+        if (ok) return t + unsigned(__ffs(int(ok))) - 1;
+    }
+    return 0xffffffffu;
+}

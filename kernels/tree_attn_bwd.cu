@@ -191,6 +191,19 @@
 // Rotary is not these kernels' concern: with rotary on, the backends rotate Q
 // and K once into scratch buffers (kernels/rope.cu), run these kernels on
 // them, and rotate the dQ and dK they write back (the transpose rotation).
+//
+// Attention variants (the *_var_* kernels: the same bodies with kVar, and
+// tree_attn_bwd_dsinks): the query rows' key starts (mask.cuh) travel with
+// each query tile into shared memory (kSmemBytesVar); the main kernels'
+// query-tile walk also skips tiles whose rows' windows all start after the
+// key block (ta_next_window_qtile), the dQ kernel's key walk begins at the
+// tile of the smallest start; a softcap recomputes c · tanh(scale · s / c)
+// and scales dS by 1 − tanh² (ta_bwd_var_p; dQ, dK keep the factor
+// `scale`); with sinks P = exp(s − LSE) is unchanged (the LSE holds the
+// sink) and dsinks_h = −Σ_q exp(σ_h − LSE_q) D_q is one block per head in
+// a fixed summation order (deterministic). The d 128 two-m-tile variant
+// kernel has no softcap (tree_attn_bwd_main2_d128.cuh says why): the
+// launch plan runs the one-m-tile one then.
 #include "kernel_traits.cuh"
 #include "mask.cuh"
 #include "tile_load.cuh"
@@ -224,8 +237,23 @@ struct TreeAttnBwdParams {
     uint32_t zero_dq_accum;  // tree_attn_bwd_pre: also zero the accumulator
     uint32_t group_splits;   // the main kernel's gridDim.z; it divides q_heads / kv_heads
     uint32_t reserved;
+    // The attention variants (the *_var_* kernels, tree_attn_bwd_pre and
+    // tree_attn_bwd_dsinks; null / 0 otherwise): per-row key starts and
+    // their per-64-row bounds (mask.cuh), sinks [q_heads] and their
+    // gradient dsinks [q_heads] (element type), the softcap c and 2 · scale
+    // / c · log2 e (ta_softcap_r; 0: none). With a softcap, scale_log2 is
+    // log2 e (the capped scores are already scaled) and scale stays the
+    // softmax scale (dQ, dK carry it: ∂(c·tanh(scale·x/c))/∂x = scale ·
+    // (1 − tanh²)).
+    const uint32_t* key_start;       // [tokens] or null
+    const uint32_t* start_tile_min;  // [ceil(tokens / 64)]
+    const uint32_t* start_tile_max;
+    const uint16_t* sinks;  // [q_heads] or null
+    uint16_t* dsinks;       // [q_heads] or null
+    float softcap_c;
+    float softcap_in;
 };
-static_assert(sizeof(TreeAttnBwdParams) == 160, "TreeAttnBwdParams: update its Rust mirror");
+static_assert(sizeof(TreeAttnBwdParams) == 208, "TreeAttnBwdParams: update its Rust mirror");
 TA_FIELD_AT(TreeAttnBwdParams, q, 0); TA_FIELD_AT(TreeAttnBwdParams, k, 8); TA_FIELD_AT(TreeAttnBwdParams, v, 16);
 TA_FIELD_AT(TreeAttnBwdParams, o, 24); TA_FIELD_AT(TreeAttnBwdParams, d_o, 32);
 TA_FIELD_AT(TreeAttnBwdParams, lse, 40); TA_FIELD_AT(TreeAttnBwdParams, delta, 48);
@@ -238,6 +266,10 @@ TA_FIELD_AT(TreeAttnBwdParams, kv_heads, 128); TA_FIELD_AT(TreeAttnBwdParams, nu
 TA_FIELD_AT(TreeAttnBwdParams, scale, 136); TA_FIELD_AT(TreeAttnBwdParams, scale_log2, 140);
 TA_FIELD_AT(TreeAttnBwdParams, head_dim, 144); TA_FIELD_AT(TreeAttnBwdParams, zero_dq_accum, 148);
 TA_FIELD_AT(TreeAttnBwdParams, group_splits, 152); TA_FIELD_AT(TreeAttnBwdParams, reserved, 156);
+TA_FIELD_AT(TreeAttnBwdParams, key_start, 160); TA_FIELD_AT(TreeAttnBwdParams, start_tile_min, 168);
+TA_FIELD_AT(TreeAttnBwdParams, start_tile_max, 176); TA_FIELD_AT(TreeAttnBwdParams, sinks, 184);
+TA_FIELD_AT(TreeAttnBwdParams, dsinks, 192); TA_FIELD_AT(TreeAttnBwdParams, softcap_c, 200);
+TA_FIELD_AT(TreeAttnBwdParams, softcap_in, 204);
 
 #define TA_LOG2E 1.4426950408889634f
 
@@ -260,6 +292,34 @@ struct TaBlindQuery {
     const float* lse;
     __device__ __forceinline__ bool operator()(uint32_t row) const { return lse[row] == -INFINITY; }
 };
+
+// The variant kernels' blind-row test: with key starts (a window, explicit
+// starts, sinks: then a blind row's LSE is its sink, not −inf) the host's
+// mark TA_BLIND_ROW, else TaBlindQuery's.
+struct TaBlindQueryVar {
+    const float* lse;
+    const uint32_t* key_start;
+    __device__ __forceinline__ bool operator()(uint32_t row) const {
+        return key_start != nullptr ? TA_BLIND_ROW(key_start, row) : lse[row] == -INFINITY;
+    }
+};
+
+// The variants' score -> probability step of the backward, for one element
+// of S (raw scores, the mma's q·k): P = exp2(s'·scale_log2 − lse2) with s'
+// = s, or with a softcap s' = c · tanh(scale · s / c) (then scale_log2 =
+// log2 e) and *fac = 1 − tanh² (the factor dS carries: dS = P ∘ (dP − D)
+// ∘ fac); fac = 1 without. A macro-free inline: used only by the *_var_*
+// kernels (the plain kernels keep their expression in place).
+__device__ __forceinline__ float ta_bwd_var_p(const TreeAttnBwdParams& p, float s, float lse2, float* fac) {
+    if (p.softcap_c > 0.f) {
+        const float r = ta_softcap_r(s, p.softcap_in);
+        s = p.softcap_c - 2.f * p.softcap_c * r;
+        *fac = 4.f * r * (1.f - r);
+    } else {
+        *fac = 1.f;
+    }
+    return ta_exp2(s * p.scale_log2 - lse2);
+}
 
 // acc[n] = A Bᵀ for the warp: A is 16 rows of `a_rows` (row stride RS), B is
 // the N rows of `b_rows`, both [row][D] 16-bit in shared memory; acc is 16 x N
@@ -357,8 +417,11 @@ __device__ __forceinline__ void tree_attn_bwd_pre_body(const TreeAttnBwdParams& 
     const uint32_t row = uint32_t(item / p.q_heads), head = uint32_t(item % p.q_heads);
     const size_t at = ((size_t)row * p.q_heads + head) * D;
     float acc = 0.f;
-    // A row that sees no key has D = 0 whatever dO holds (DESIGN §5).
-    const bool blind = p.lse[(size_t)head * p.tokens + row] == -INFINITY;
+    // A row that sees no key has D = 0 whatever dO holds (DESIGN §5): its
+    // LSE is −inf, or, with key starts (the variants: with sinks a blind
+    // row's LSE is its sink), the host marked it (TA_BLIND_ROW).
+    const bool blind = p.lse[(size_t)head * p.tokens + row] == -INFINITY ||
+                       (p.key_start != nullptr && TA_BLIND_ROW(p.key_start, row));
 #pragma unroll
     for (int j = ta_lane(); j < D && !blind; j += 32)
         acc += ta_to_f32<E>(p.o[at + j]) * ta_to_f32<E>(p.d_o[at + j]);
@@ -369,8 +432,46 @@ __device__ __forceinline__ void tree_attn_bwd_pre_body(const TreeAttnBwdParams& 
         for (int j = ta_lane(); j < D; j += 32) p.dq_accum[at + j] = 0.f;
 }
 
+// ---- dsinks = −Σ_q exp(σ_h − LSE_q) · D_q ------------------------------------
+// One block of 128 threads per query head h, after tree_attn_bwd_pre (D):
+// thread i sums rows i, i + 128, ... in order (f32), then a fixed tree —
+// the warp's butterfly, then the 4 warps' sums in warp order by thread 0 —
+// so the result is bit-identical from run to run (no atomics). Launch:
+// grid (q_heads), 128 threads, kDsinksSmemBytes of dynamic shared memory. A row that
+// sees no key has D = 0 (pre) and adds 0; with sinks every LSE >= σ_h, so
+// each exp2 is at most 1. Written in the element type.
+constexpr int kDsinksSmemBytes = 16;
+template <class E>
+__device__ __forceinline__ void tree_attn_bwd_dsinks_body(const TreeAttnBwdParams& p) {
+    TA_DYNAMIC_SMEM(smem_raw);  // 4 floats (kDsinksSmemBytes)
+    float* const part = reinterpret_cast<float*>(smem_raw);
+    const uint32_t h = blockIdx.x, L = p.tokens;
+    const float s2 = ta_to_f32<E>(p.sinks[h]) * TA_LOG2E;
+    const float* const lse = p.lse + (size_t)h * L;
+    const float* const dlt = p.delta + (size_t)h * L;
+    float acc = 0.f;
+    for (uint32_t row = threadIdx.x; row < L; row += 128) {
+        const float d = dlt[row];
+        if (d != 0.f) acc += ta_exp2(s2 - lse[row] * TA_LOG2E) * d;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(TA_FULL_MASK, acc, o);
+    if (ta_lane() == 0) part[threadIdx.x / 32] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const float sum = ((part[0] + part[1]) + part[2]) + part[3];
+        p.dsinks[h] = uint16_t(ta_pack2<E>(-sum, 0.f) & 0xffffu);
+    }
+}
+
 // ---- dK, dV (and atomic dQ) per key tile ----------------------------------------
-template <class Tr, bool kAtomicDq>
+// kVar: the variant kernels (tree_attn_bwd_main_var_*): key starts (the
+// query-tile walk also skips tiles whose rows' windows all start after the
+// block's last key, the element mask tests k >= key_start[q], full tiles
+// need k0 >= the tile's largest start), a softcap (dS ∘ (1 − tanh²)) and
+// the blind rows of sinks, as the params say. Without kVar none of that
+// code exists (the plain kernels compile as before the variants).
+template <class Tr, bool kAtomicDq, bool kVar = false>
 __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams& p) {
     using E = typename Tr::Elem;
     constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN, RS = Tr::kRowStride;
@@ -419,8 +520,10 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     __syncthreads();
 
     // D = 64: the warp's K and V A fragments stay in registers for the whole
-    // block (2 x 16 registers) instead of an ldmatrix per query tile.
-    constexpr bool kHoistA = D == 64;
+    // block (2 x 16 registers) instead of an ldmatrix per query tile. (Not
+    // in the atomic variant kernel: at 255 registers with them its window
+    // walk spilled 4 bytes on sm_90a; this kernel is not the d 64 default.)
+    constexpr bool kHoistA = D == 64 && !(kVar && kAtomicDq);
     uint32_t ka[kHoistA ? D / 16 : 1][4], va[kHoistA ? D / 16 : 1][4];
     if constexpr (kHoistA) {
         const unsigned mi = lane >> 3, ri = lane & 7;
@@ -451,22 +554,49 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
         for (int o = 16; o > 0; o >>= 1) best = min(best, __shfl_xor_sync(TA_FULL_MASK, best, o));
         return best == 0xffffffffu ? best : best / BM;
     };
-    const uint32_t first_qt = next_qtile(0);
+    // Variants with key starts: the walk also skips the query tiles whose
+    // rows' windows all start after the block's last key (mask.cuh), until
+    // both rules agree on a tile.
+    const bool window = kVar && p.key_start != nullptr;
+    auto next_visit = [&](uint32_t x) {
+        uint32_t t = next_qtile(x);
+        if constexpr (kVar) {
+            if (window) {
+                const uint32_t n_tiles = (L + BM - 1) / BM;
+                while (t != 0xffffffffu) {
+                    const uint32_t w = ta_next_window_qtile(p.start_tile_min, t, n_tiles, BM, k0 + BN - 1);
+                    if (w == t) break;
+                    t = w == 0xffffffffu ? w : next_qtile(w * BM);
+                }
+            }
+        }
+        return t;
+    };
+    const uint32_t first_qt = next_visit(0);
     const uint32_t tile_min = p.tile_kv_min[tile];
 
     // Stages query tile qt of query head `head` into buffer b.
     // (LSE and D rows by 4-byte cp.async in the tile's group; the copying
-    // thread turns LSE into lse2 after its own wait: lse2_in_place.)
+    // thread turns LSE into lse2 after its own wait: lse2_in_place.
+    // Variants with key starts: the rows' starts too.)
     static_assert(BM <= Tr::kThreads, "one row's LSE and D per thread");
+    uint32_t* const sstart = reinterpret_cast<uint32_t*>(smem_raw + (kVar ? Tr::kOffStarts : 0));
     auto stage = [&](uint32_t head, uint32_t qt, int b) {
-        const TaBlindQuery blind{p.lse + (size_t)head * L};
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind);
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind);
+        if constexpr (kVar) {
+            const TaBlindQueryVar blind{p.lse + (size_t)head * L, p.key_start};
+            ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind);
+            ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind);
+        } else {
+            const TaBlindQuery blind{p.lse + (size_t)head * L};
+            ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind);
+            ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind);
+        }
         if (threadIdx.x < BM) {
             const uint32_t row = qt * BM + threadIdx.x;
             const size_t at = (size_t)head * L + (row < L ? row : 0);
             ta_cp_async_4(slse + b * BM + threadIdx.x, p.lse + at, row < L);
             ta_cp_async_4(sdelta + b * BM + threadIdx.x, p.delta + at, row < L);
+            if (kVar && window) ta_cp_async_4(sstart + b * BM + threadIdx.x, p.key_start + (row < L ? row : 0), row < L);
         }
     };
     auto lse2_in_place = [&](uint32_t qt, int b) {
@@ -490,7 +620,7 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     ta_cp_async_commit();
     int buf = 0;
     while (qt != 0xffffffffu) {
-        uint32_t nhead = head, nqt = next_qtile((qt + 1) * BM);
+        uint32_t nhead = head, nqt = next_visit((qt + 1) * BM);
         if (nqt == 0xffffffffu && ++nhead < head_end) nqt = first_qt;
         if (nqt != 0xffffffffu) stage(nhead, nqt, buf ^ 1);
         ta_cp_async_commit();
@@ -503,6 +633,7 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
         const uint16_t* const dob = sdo + buf * Tr::kQElems;
         const float* const lse2 = slse + buf * BM;
         const float* const dlt = sdelta + buf * BM;
+        const uint32_t* const sst = sstart + buf * BM;
 
         // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys and the BM queries.
         float s[kMTiles][4], dp[kMTiles][4];
@@ -516,7 +647,10 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
 
         // Full also needs the whole query tile inside the pack: q1 is not
         // clipped here, and a query tile that runs past the pack is partial.
-        const bool full = TA_TILE_FULL(BN, k0, q0, q0 + BM, tile_min, L) && q0 + BM <= L;
+        // (Variants with key starts: and the tile at or after every row's
+        // start, by the bounds of the kTaStartTile rows holding it.)
+        const bool full = TA_TILE_FULL(BN, k0, q0, q0 + BM, tile_min, L) && q0 + BM <= L &&
+                          (!window || k0 >= p.start_tile_max[q0 / kTaStartTile]);
 #pragma unroll
         for (int n = 0; n < kMTiles; ++n) {
 #pragma unroll
@@ -524,10 +658,18 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
                 const int ql = n * 8 + 2 * c + (i & 1);
                 const uint32_t qrow = q0 + ql;
                 const int r = i >> 1;
-                float pv = ta_exp2(s[n][i] * p.scale_log2 - lse2[ql]);
-                if (!full && !TA_VISIBLE(key[r], key_end[r], qrow)) pv = 0.f;
-                s[n][i] = pv;                         // Pᵀ
-                dp[n][i] = pv * (dp[n][i] - dlt[ql]);  // dSᵀ
+                if constexpr (kVar) {
+                    float fac;
+                    float pv = ta_bwd_var_p(p, s[n][i], lse2[ql], &fac);
+                    if (!full && (!TA_VISIBLE(key[r], key_end[r], qrow) || (window && key[r] < sst[ql]))) pv = 0.f;
+                    s[n][i] = pv;                               // Pᵀ
+                    dp[n][i] = pv * (dp[n][i] - dlt[ql]) * fac;  // dSᵀ
+                } else {
+                    float pv = ta_exp2(s[n][i] * p.scale_log2 - lse2[ql]);
+                    if (!full && !TA_VISIBLE(key[r], key_end[r], qrow)) pv = 0.f;
+                    s[n][i] = pv;                         // Pᵀ
+                    dp[n][i] = pv * (dp[n][i] - dlt[ql]);  // dSᵀ
+                }
             }
         }
 
@@ -996,7 +1138,12 @@ __device__ __forceinline__ void tree_attn_bwd_main2_body(const TreeAttnBwdParams
 }
 
 // ---- deterministic dQ per query tile ---------------------------------------------
-template <class Tr>
+// kVar: the variant kernel (tree_attn_bwd_dq_var_*): key starts (the walk
+// begins at the key tile of the tile's smallest start, full tiles need k0
+// >= its largest, the element mask tests k >= key_start[q]), a softcap (dS
+// ∘ (1 − tanh²): P is needed here only to form dS, so the packed P holds
+// P ∘ (1 − tanh²) and no register is added) and the blind rows of sinks.
+template <class Tr, bool kVar = false>
 __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p) {
     using E = typename Tr::Elem;
     constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN, RS = Tr::kRowStride;
@@ -1019,6 +1166,13 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     const unsigned g = lane >> 2, c = lane & 3;
 
     const uint32_t t_end = min(p.num_key_tiles, (q1 - 1) / BN + 1);
+    // Variants with key starts: the tile's bounds (one kTaStartTile tile).
+    const bool window = kVar && p.key_start != nullptr;
+    uint32_t t_begin = 0;
+    if constexpr (kVar) {
+        static_assert(BM == kTaStartTile, "one start tile per query tile");
+        if (window) t_begin = p.start_tile_min[q0 / kTaStartTile] / BN;
+    }
     // The next key tile with a visible key: the forward's walk (mask.cuh,
     // 32 tiles per ballot). (D = 64 used to keep one dependent load per
     // skipped tile: at the 128 registers of its 4-blocks-per-SM bound,
@@ -1028,21 +1182,30 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
         return ta_next_visible_tile(p.tile_kv_max, t, t_end, q0);
     };
 
-    const TaBlindQuery blind{p.lse + (size_t)head * L};
-    ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head, blind);
-    ta_load_tile<BM, D, RS, Tr::kThreads>(sdo, p.d_o, q0, L, p.q_heads, head, blind);
+    if constexpr (kVar) {
+        const TaBlindQueryVar blind{p.lse + (size_t)head * L, p.key_start};
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head, blind);
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo, p.d_o, q0, L, p.q_heads, head, blind);
+    } else {
+        const TaBlindQuery blind{p.lse + (size_t)head * L};
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head, blind);
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo, p.d_o, q0, L, p.q_heads, head, blind);
+    }
     // The rows' LSE and D join the Q / dO group (4-byte cp.async, rows past
     // the pack zero-filled), as in the main kernels: no dependent global
-    // loads after the first barrier.
+    // loads after the first barrier. (Variants with key starts: the rows'
+    // starts too.)
     static_assert(BM <= Tr::kThreads, "one row's LSE and D per thread");
+    uint32_t* const sstart = reinterpret_cast<uint32_t*>(smem_raw + (kVar ? Tr::kOffStarts : 0));
     if (threadIdx.x < BM) {
         const uint32_t row = q0 + threadIdx.x;
         const size_t at = (size_t)head * L + (row < L ? row : 0);
         ta_cp_async_4(slse + threadIdx.x, p.lse + at, row < L);
         ta_cp_async_4(sdelta + threadIdx.x, p.delta + at, row < L);
+        if (kVar && window) ta_cp_async_4(sstart + threadIdx.x, p.key_start + (row < L ? row : 0), row < L);
     }
     ta_cp_async_commit();
-    uint32_t t = next_tile(0);
+    uint32_t t = next_tile(t_begin);
     if (t < t_end) {
         const TaUnseenKey unseen = ta_unseen_keys(p.kv_end, p.tile_kv_min, t, BN, L);
         ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, t * BN, L, p.kv_heads, kv_head, unseen);
@@ -1088,12 +1251,14 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
         // S = Q Kᵀ, then P rounded to E at once (two 16-bit values a
         // register: 16 registers instead of 32 while dP is computed), then
         // dP = dO Vᵀ and dS = P̃ ∘ (dP − D) with the rounded P̃ (as the
-        // two-m-tile main kernel does).
+        // two-m-tile main kernel does). (Variants with a softcap: P̃ is P ∘
+        // (1 − tanh²) rounded.)
         uint32_t pp[kNTiles][2];
         {
             float s[kNTiles][4];
             ta_bwd_mm_abt<E, D, BN, RS>(s, sq + warp * 16 * RS, kt);
-            const bool full = TA_TILE_FULL(BN, k0, q0, q1, p.tile_kv_min[t], L);
+            const bool full = TA_TILE_FULL(BN, k0, q0, q1, p.tile_kv_min[t], L) &&
+                              (!window || k0 >= p.start_tile_max[q0 / kTaStartTile]);
 #pragma unroll
             for (int n = 0; n < kNTiles; ++n) {
 #pragma unroll
@@ -1102,9 +1267,20 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
                     const uint32_t end = ta_key_end(p.kv_end, col, L);
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
-                        float pv = ta_exp2(s[n][2 * r + j] * p.scale_log2 - lse2[r]);
-                        if (!full && !TA_VISIBLE(col, end, rows[r])) pv = 0.f;
-                        s[n][2 * r + j] = pv;
+                        if constexpr (kVar) {
+                            // P ∘ (1 − tanh²): the dS factor (P itself is
+                            // not needed by dQ).
+                            float fac;
+                            float pv = ta_bwd_var_p(p, s[n][2 * r + j], lse2[r], &fac) * fac;
+                            if (!full &&
+                                (!TA_VISIBLE(col, end, rows[r]) || (window && col < sstart[warp * 16 + g + 8 * r])))
+                                pv = 0.f;
+                            s[n][2 * r + j] = pv;
+                        } else {
+                            float pv = ta_exp2(s[n][2 * r + j] * p.scale_log2 - lse2[r]);
+                            if (!full && !TA_VISIBLE(col, end, rows[r])) pv = 0.f;
+                            s[n][2 * r + j] = pv;
+                        }
                     }
                 }
                 pp[n][0] = ta_pack2<E>(s[n][0], s[n][1]);
@@ -1200,6 +1376,22 @@ __device__ __forceinline__ void tree_attn_bwd_dkv_convert_body(const TreeAttnBwd
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128) tree_attn_bwd_dkv_convert_##SUFFIX(const TreeAttnBwdParams p) { \
         tree_attn_bwd_dkv_convert_body<E, D>(p);                                                                    \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(BwdTraits<E, D>::kThreads)                                        \
+        tree_attn_bwd_main_var_atomic_##SUFFIX(const TreeAttnBwdParams p) {                                         \
+        tree_attn_bwd_main_body<BwdTraits<E, D>, true, true>(p);                                                    \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(BwdTraits<E, D>::kThreads)                                        \
+        tree_attn_bwd_main_var_det_##SUFFIX(const TreeAttnBwdParams p) {                                            \
+        tree_attn_bwd_main_body<BwdTraits<E, D>, false, true>(p);                                                   \
+    }                                                                                                               \
+    extern "C" __global__ void                                                                                      \
+        __launch_bounds__(BwdDqTraits<E, D>::kThreads, BwdDqTraits<E, D>::kMinBlocks)                               \
+        tree_attn_bwd_dq_var_##SUFFIX(const TreeAttnBwdParams p) {                                                  \
+        tree_attn_bwd_dq_body<BwdDqTraits<E, D>, true>(p);                                                          \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) tree_attn_bwd_dsinks_##SUFFIX(const TreeAttnBwdParams p) {    \
+        tree_attn_bwd_dsinks_body<E>(p);                                                                            \
     }
 TA_ATTN_VARIANTS(TA_BWD_KERNELS)
 #undef TA_BWD_KERNELS
@@ -1230,6 +1422,14 @@ TA_BWD2_KERNELS(f16_d64, ta_f16)
     extern "C" __global__ void __launch_bounds__(Bwd2SplitTraits<E, 128>::kThreads)                             \
         tree_attn_bwd_main2_det_##SUFFIX(const TreeAttnBwdParams p) {                                            \
         tree_attn_bwd_main2_d128_body<Bwd2SplitTraits<E, 128>, false>(p);                                        \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(Bwd2SplitTraits<E, 128>::kThreads)                             \
+        tree_attn_bwd_main2_var_atomic_##SUFFIX(const TreeAttnBwdParams p) {                                     \
+        tree_attn_bwd_main2_d128_body<Bwd2SplitTraits<E, 128>, true, 0, true>(p);                                \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(Bwd2SplitTraits<E, 128>::kThreads)                             \
+        tree_attn_bwd_main2_var_det_##SUFFIX(const TreeAttnBwdParams p) {                                        \
+        tree_attn_bwd_main2_d128_body<Bwd2SplitTraits<E, 128>, false, 0, true>(p);                               \
     }
 TA_BWD2_D128_KERNELS(bf16_d128, ta_bf16)
 TA_BWD2_D128_KERNELS(f16_d128, ta_f16)
@@ -1246,6 +1446,14 @@ TA_BWD2_D128_KERNELS(f16_d128, ta_f16)
     extern "C" __global__ void __launch_bounds__(Bwd2RoleTraits<E, 64>::kThreads)                               \
         tree_attn_bwd_main2_det_##SUFFIX(const TreeAttnBwdParams p) {                                            \
         tree_attn_bwd_main2_roles_body<Bwd2RoleTraits<E, 64>, false>(p);                                         \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(Bwd2RoleTraits<E, 64>::kThreads)                               \
+        tree_attn_bwd_main2_var_atomic_##SUFFIX(const TreeAttnBwdParams p) {                                     \
+        tree_attn_bwd_main2_roles_body<Bwd2RoleTraits<E, 64>, true, 0, true>(p);                                 \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(Bwd2RoleTraits<E, 64>::kThreads)                               \
+        tree_attn_bwd_main2_var_det_##SUFFIX(const TreeAttnBwdParams p) {                                        \
+        tree_attn_bwd_main2_roles_body<Bwd2RoleTraits<E, 64>, false, 0, true>(p);                                \
     }
 TA_BWD2_ROLES_KERNELS(bf16_d64, ta_bf16)
 TA_BWD2_ROLES_KERNELS(f16_d64, ta_f16)

@@ -86,9 +86,20 @@
 // controls, tests/it/emu_bwd.rs): 1 drops barrier B (dS before the dK and
 // dQ products that read it from shared memory), 2 swaps the two key
 // m-tiles' K fragments in Sᵀ, 3 drops barrier A (P before role 1 reads it).
+//
+// kVar: the variant kernels (tree_attn_bwd_main2_var_*_d128): key starts
+// (the query-tile walk also skips tiles whose rows' windows all start after
+// the block's last key; the element mask tests k >= key_start[q]; full
+// tiles need k0 >= the tile's largest start) and the blind rows of sinks.
+// No softcap: role 1 reads P from shared memory both for its half of dV
+// (P) and for dS (which needs P ∘ (1 − tanh²)), so a softcap would need a
+// second 18,432-byte P region (177,664 bytes: over A100's 166,912 per
+// block) or recomputing S in role 1; a call with a softcap at d 128 runs
+// the one-m-tile variant kernel instead (the launch plan's choice,
+// `backend::launch::bwd`).
 #pragma once
 
-template <class Tr, bool kAtomicDq, int kFault = 0>
+template <class Tr, bool kAtomicDq, int kFault = 0, bool kVar = false>
 __device__ __forceinline__ void tree_attn_bwd_main2_d128_body(const TreeAttnBwdParams& p) {
     using E = typename Tr::Elem;
     constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN, RS = Tr::kRowStride;
@@ -154,6 +165,25 @@ __device__ __forceinline__ void tree_attn_bwd_main2_d128_body(const TreeAttnBwdP
         for (int o = 16; o > 0; o >>= 1) best = min(best, __shfl_xor_sync(TA_FULL_MASK, best, o));
         return best == 0xffffffffu ? best : best / BM;
     };
+    // Variants with key starts: also skip the query tiles whose rows'
+    // windows all start after the block's last key (mask.cuh), until both
+    // rules agree.
+    const bool window = kVar && p.key_start != nullptr;
+    auto next_visit = [&](uint32_t x) {
+        uint32_t t = next_qtile(x);
+        if constexpr (kVar) {
+            if (window) {
+                const uint32_t n_tiles = (L + BM - 1) / BM;
+                while (t != 0xffffffffu) {
+                    const uint32_t w = ta_next_window_qtile(p.start_tile_min, t, n_tiles, BM, k0 + BN - 1);
+                    if (w == t) break;
+                    t = w == 0xffffffffu ? w : next_qtile(w * BM);
+                }
+            }
+        }
+        return t;
+    };
+    uint32_t* const sstart = reinterpret_cast<uint32_t*>(smem_raw + (kVar ? Tr::kOffStarts : 0));
 
     // Query tile qt of query head `head` -> buffer b: Q, dO (queries that see
     // no key load as zeros) and the rows' LSE and D by cp.async in one group;
@@ -163,16 +193,26 @@ __device__ __forceinline__ void tree_attn_bwd_main2_d128_body(const TreeAttnBwdP
     // (Its addresses are computed from ta_tid_fresh(): per call, not held
     // in registers across the loop, where ptxas spilled them.)
     auto stage = [&](uint32_t head, uint32_t qt, int b) {
-        const TaBlindQuery blind{p.lse + (size_t)head * L};
-        const unsigned tid = ta_tid_fresh();
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind, tid);
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind, tid);
-        if (tid < BM) {
-            const uint32_t row = qt * BM + tid;
-            const size_t at = (size_t)head * L + (row < L ? row : 0);
-            ta_cp_async_4(slse + b * BM + tid, p.lse + at, row < L);
-            ta_cp_async_4(sdelta + b * BM + tid, p.delta + at, row < L);
-        }
+        auto with = [&](auto blind) {
+            const unsigned tid = ta_tid_fresh();
+            ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind, tid);
+            ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind,
+                                                  tid);
+            if (tid < BM) {
+                const uint32_t row = qt * BM + tid;
+                const size_t at = (size_t)head * L + (row < L ? row : 0);
+                ta_cp_async_4(slse + b * BM + tid, p.lse + at, row < L);
+                ta_cp_async_4(sdelta + b * BM + tid, p.delta + at, row < L);
+                if (kVar && window)
+                    ta_cp_async_4(sstart + b * BM + tid, p.key_start + (row < L ? row : 0), row < L);
+            }
+        };
+        // (The variant kernels: TaBlindQueryVar, blind rows by the key
+        // starts' mark.)
+        if constexpr (kVar)
+            with(TaBlindQueryVar{p.lse + (size_t)head * L, p.key_start});
+        else
+            with(TaBlindQuery{p.lse + (size_t)head * L});
     };
     auto lse2_in_place = [&](uint32_t qt, int b) {
         if (threadIdx.x < BM) {
@@ -197,15 +237,15 @@ __device__ __forceinline__ void tree_attn_bwd_main2_d128_body(const TreeAttnBwdP
     const int a_row = kr0 + ri + 8 * (mi & 1), a_col = 8 * (mi >> 1);
     const int col0 = int(role) * DH;  // the warp's first dK, dV column
 
-    uint32_t head = head_begin, qt = next_qtile(0);
+    uint32_t head = head_begin, qt = next_visit(0);
     if (qt != 0xffffffffu) stage(head, qt, 0);
     ta_cp_async_commit();
     int buf = 0;
     while (qt != 0xffffffffu) {
-        uint32_t nhead = head, nqt = next_qtile((qt + 1) * BM);
+        uint32_t nhead = head, nqt = next_visit((qt + 1) * BM);
         // (The first tile again for the next head: the walk from 0 rather
         // than a register held across the loop.)
-        if (nqt == 0xffffffffu && ++nhead < head_end) nqt = next_qtile(0);
+        if (nqt == 0xffffffffu && ++nhead < head_end) nqt = next_visit(0);
         if (nqt != 0xffffffffu) stage(nhead, nqt, buf ^ 1);
         ta_cp_async_commit();
         ta_cp_async_wait<1>();  // tile (head, qt) has landed
@@ -253,7 +293,8 @@ __device__ __forceinline__ void tree_attn_bwd_main2_d128_body(const TreeAttnBwdP
             // Pᵀ = exp2(Sᵀ·c − lse2[q]) (masked), kept in x (f32; rounded to
             // E where it becomes the A fragments of dV += Pᵀ dO) and stored
             // rounded to shared memory, [key][query].
-            const bool full = TA_TILE_FULL(BN, k0, q0, q0 + BM, tile_min, L) && q0 + BM <= L;
+            const bool full = TA_TILE_FULL(BN, k0, q0, q0 + BM, tile_min, L) && q0 + BM <= L &&
+                              (!window || k0 >= p.start_tile_max[q0 / kTaStartTile]);
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -263,7 +304,9 @@ __device__ __forceinline__ void tree_attn_bwd_main2_d128_body(const TreeAttnBwdP
                         const int ql = n * 8 + 2 * c + (i & 1);
                         const int kl = kr0 + m * 16 + g + 8 * (i >> 1);
                         float pv = ta_exp2(x[m][n][i] * p.scale_log2 - lse2[ql]);
-                        if (!full && !TA_VISIBLE(k0 + kl, skv[kl], q0 + ql)) pv = 0.f;
+                        if (!full && (!TA_VISIBLE(k0 + kl, skv[kl], q0 + ql) ||
+                                      (window && k0 + kl < sstart[buf * BM + ql])))
+                            pv = 0.f;
                         x[m][n][i] = pv;
                     }
 #pragma unroll

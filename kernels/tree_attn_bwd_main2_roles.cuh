@@ -79,9 +79,17 @@
 // controls, tests/it/emu_bwd.rs): 1 drops barrier B (dS before the dQ
 // product that reads it from shared memory), 2 swaps the two key m-tiles'
 // K fragments in Sᵀ, 3 drops barrier A (P before role 1 reads it).
+//
+// kVar: the variant kernels (tree_attn_bwd_main2_var_*_d64): key starts
+// (the query-tile walk also skips tiles whose rows' windows all start after
+// the block's last key; the element mask tests k >= key_start[q]; full
+// tiles need k0 >= the tile's largest start), a softcap and the blind rows
+// of sinks, as the params say. The softcap costs no register: role 0 keeps
+// P for dV and stores P ∘ (1 − tanh²) for role 1, which needs P only to
+// form dS (dS = P̃' ∘ (dP − D), P̃' the stored, rounded product).
 #pragma once
 
-template <class Tr, bool kAtomicDq, int kFault = 0>
+template <class Tr, bool kAtomicDq, int kFault = 0, bool kVar = false>
 __device__ __forceinline__ void tree_attn_bwd_main2_roles_body(const TreeAttnBwdParams& p) {
     using E = typename Tr::Elem;
     constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN, RS = Tr::kRowStride;
@@ -146,6 +154,25 @@ __device__ __forceinline__ void tree_attn_bwd_main2_roles_body(const TreeAttnBwd
         for (int o = 16; o > 0; o >>= 1) best = min(best, __shfl_xor_sync(TA_FULL_MASK, best, o));
         return best == 0xffffffffu ? best : best / BM;
     };
+    // Variants with key starts: also skip the query tiles whose rows'
+    // windows all start after the block's last key (mask.cuh), until both
+    // rules agree.
+    const bool window = kVar && p.key_start != nullptr;
+    auto next_visit = [&](uint32_t x) {
+        uint32_t t = next_qtile(x);
+        if constexpr (kVar) {
+            if (window) {
+                const uint32_t n_tiles = (L + BM - 1) / BM;
+                while (t != 0xffffffffu) {
+                    const uint32_t w = ta_next_window_qtile(p.start_tile_min, t, n_tiles, BM, k0 + BN - 1);
+                    if (w == t) break;
+                    t = w == 0xffffffffu ? w : next_qtile(w * BM);
+                }
+            }
+        }
+        return t;
+    };
+    uint32_t* const sstart = reinterpret_cast<uint32_t*>(smem_raw + (kVar ? Tr::kOffStarts : 0));
 
     // Query tile qt of query head `head` -> buffer b: Q, dO (queries that see
     // no key load as zeros) and the rows' LSE and D by cp.async in one group;
@@ -153,16 +180,26 @@ __device__ __forceinline__ void tree_attn_bwd_main2_roles_body(const TreeAttnBwd
     // after its own wait (lse2_in_place), before the barrier that publishes
     // the tile.
     auto stage = [&](uint32_t head, uint32_t qt, int b) {
-        const TaBlindQuery blind{p.lse + (size_t)head * L};
-        const unsigned tid = ta_tid_fresh();
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind, tid);
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind, tid);
-        if (tid < BM) {
-            const uint32_t row = qt * BM + tid;
-            const size_t at = (size_t)head * L + (row < L ? row : 0);
-            ta_cp_async_4(slse + b * BM + tid, p.lse + at, row < L);
-            ta_cp_async_4(sdelta + b * BM + tid, p.delta + at, row < L);
-        }
+        auto with = [&](auto blind) {
+            const unsigned tid = ta_tid_fresh();
+            ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind, tid);
+            ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind,
+                                                  tid);
+            if (tid < BM) {
+                const uint32_t row = qt * BM + tid;
+                const size_t at = (size_t)head * L + (row < L ? row : 0);
+                ta_cp_async_4(slse + b * BM + tid, p.lse + at, row < L);
+                ta_cp_async_4(sdelta + b * BM + tid, p.delta + at, row < L);
+                if (kVar && window)
+                    ta_cp_async_4(sstart + b * BM + tid, p.key_start + (row < L ? row : 0), row < L);
+            }
+        };
+        // (The variant kernels: TaBlindQueryVar, blind rows by the key
+        // starts' mark.)
+        if constexpr (kVar)
+            with(TaBlindQueryVar{p.lse + (size_t)head * L, p.key_start});
+        else
+            with(TaBlindQuery{p.lse + (size_t)head * L});
     };
     auto lse2_in_place = [&](uint32_t qt, int b) {
         if (threadIdx.x < BM) {
@@ -197,7 +234,7 @@ __device__ __forceinline__ void tree_attn_bwd_main2_roles_body(const TreeAttnBwd
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
 
-    uint32_t head = head_begin, qt = next_qtile(0);
+    uint32_t head = head_begin, qt = next_visit(0);
     if (qt != 0xffffffffu) stage(head, qt, 0);
     ta_cp_async_commit();
     int buf = 0;
@@ -207,10 +244,10 @@ __device__ __forceinline__ void tree_attn_bwd_main2_roles_body(const TreeAttnBwd
         // Publishes the tile; every warp is also done with the other
         // buffer and with P / dS of the previous tile.
         __syncthreads();
-        uint32_t nhead = head, nqt = next_qtile((qt + 1) * BM);
+        uint32_t nhead = head, nqt = next_visit((qt + 1) * BM);
         // (The first tile again for the next head: the walk from 0 rather
         // than a register held across the loop.)
-        if (nqt == 0xffffffffu && ++nhead < head_end) nqt = next_qtile(0);
+        if (nqt == 0xffffffffu && ++nhead < head_end) nqt = next_visit(0);
         if (nqt != 0xffffffffu) stage(nhead, nqt, buf ^ 1);
         ta_cp_async_commit();
 
@@ -254,24 +291,48 @@ __device__ __forceinline__ void tree_attn_bwd_main2_roles_body(const TreeAttnBwd
         if (role == 0) {
             // Pᵀ = exp2(Sᵀ·c − lse2[q]) (masked), packed and stored rounded
             // to shared memory, [key][query].
-            const bool full = TA_TILE_FULL(BN, k0, q0, q0 + BM, tile_min, L) && q0 + BM <= L;
+            const bool full = TA_TILE_FULL(BN, k0, q0, q0 + BM, tile_min, L) && q0 + BM <= L &&
+                              (!window || k0 >= p.start_tile_max[q0 / kTaStartTile]);
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
                 for (int n = 0; n < kQTiles; ++n) {
+                    if constexpr (kVar) {
+                        // P for dV (pa), P ∘ (1 − tanh²) for role 1's dS (sp).
+                        float pf[4];
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int ql = n * 8 + 2 * c + (i & 1);
-                        const int kl = kr0 + m * 16 + g + 8 * (i >> 1);
-                        float pv = ta_exp2(x[m][n][i] * p.scale_log2 - lse2[ql]);
-                        if (!full && !TA_VISIBLE(k0 + kl, skv[kl], q0 + ql)) pv = 0.f;
-                        x[m][n][i] = pv;
-                    }
+                        for (int i = 0; i < 4; ++i) {
+                            const int ql = n * 8 + 2 * c + (i & 1);
+                            const int kl = kr0 + m * 16 + g + 8 * (i >> 1);
+                            float fac;
+                            float pv = ta_bwd_var_p(p, x[m][n][i], lse2[ql], &fac);
+                            if (!full && (!TA_VISIBLE(k0 + kl, skv[kl], q0 + ql) ||
+                                          (window && k0 + kl < sstart[buf * BM + ql])))
+                                pv = 0.f;
+                            x[m][n][i] = pv;
+                            pf[i] = pv * fac;
+                        }
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const uint32_t w = ta_pack2<E>(x[m][n][2 * r], x[m][n][2 * r + 1]);
-                        pa[m][n >> 1][2 * (n & 1) + r] = w;
-                        *reinterpret_cast<uint32_t*>(sp + (kr0 + m * 16 + g + 8 * r) * PS + n * 8 + 2 * c) = w;
+                        for (int r = 0; r < 2; ++r) {
+                            pa[m][n >> 1][2 * (n & 1) + r] = ta_pack2<E>(x[m][n][2 * r], x[m][n][2 * r + 1]);
+                            *reinterpret_cast<uint32_t*>(sp + (kr0 + m * 16 + g + 8 * r) * PS + n * 8 + 2 * c) =
+                                ta_pack2<E>(pf[2 * r], pf[2 * r + 1]);
+                        }
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const int ql = n * 8 + 2 * c + (i & 1);
+                            const int kl = kr0 + m * 16 + g + 8 * (i >> 1);
+                            float pv = ta_exp2(x[m][n][i] * p.scale_log2 - lse2[ql]);
+                            if (!full && !TA_VISIBLE(k0 + kl, skv[kl], q0 + ql)) pv = 0.f;
+                            x[m][n][i] = pv;
+                        }
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            const uint32_t w = ta_pack2<E>(x[m][n][2 * r], x[m][n][2 * r + 1]);
+                            pa[m][n >> 1][2 * (n & 1) + r] = w;
+                            *reinterpret_cast<uint32_t*>(sp + (kr0 + m * 16 + g + 8 * r) * PS + n * 8 + 2 * c) = w;
+                        }
                     }
                 }
         }

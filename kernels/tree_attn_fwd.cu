@@ -98,6 +98,18 @@
 // Rotary is not this kernel's concern: with rotary on, the backends rotate Q
 // and K once into scratch buffers (kernels/rope.cu) and launch this kernel on
 // those.
+//
+// Attention variants (tree_attn_fwd_var_*, the same body with kVar): the
+// same tiling plus the query tile's key starts (mask.cuh: q sees k iff
+// key_start[q] <= k <= q < kv_end[k]; a sliding window on the tree,
+// explicit starts, the blind rows of sinks) in shared memory after the
+// plain layout (kSmemBytesVar: + 512 bytes); the key-tile walk begins at
+// the tile of the smallest start of the tile's rows and a tile is full
+// only at or after the largest (per-64-row bounds). A softcap maps each
+// raw score to c · tanh(scale · s / c) before the mask (ta_softcap_r,
+// common.cuh; scale_log2 is then log2 e); sinks join each row's sum at
+// the end (exp(σ_h), no value: O = acc · 2^(m − top) / total, LSE =
+// ln total). The plain kernels compile without any of it.
 #include "kernel_traits.cuh"
 #include "mask.cuh"
 #include "tile_load.cuh"
@@ -117,10 +129,20 @@ struct TreeAttnFwdParams {
     uint32_t q_heads;
     uint32_t kv_heads;
     uint32_t num_key_tiles;
-    float scale_log2;  // softmax_scale · log2(e)
+    float scale_log2;  // softmax_scale · log2(e); log2(e) with a softcap (the capped scores are scaled)
     uint32_t reserved;
+    // The attention variants (read by tree_attn_fwd_var_* only; null / 0
+    // for the plain kernels): per-row key starts and their per-64-row
+    // bounds (mask.cuh), one sink logit per query head, the softcap c and
+    // 2 · scale / c · log2(e) (ta_softcap_r; 0: none).
+    const uint32_t* key_start;       // [tokens] or null
+    const uint32_t* start_tile_min;  // [ceil(tokens / 64)]
+    const uint32_t* start_tile_max;
+    const uint16_t* sinks;  // [q_heads] or null
+    float softcap_c;
+    float softcap_in;
 };
-static_assert(sizeof(TreeAttnFwdParams) == 88, "TreeAttnFwdParams: update its Rust mirror");
+static_assert(sizeof(TreeAttnFwdParams) == 128, "TreeAttnFwdParams: update its Rust mirror");
 TA_FIELD_AT(TreeAttnFwdParams, q, 0); TA_FIELD_AT(TreeAttnFwdParams, k, 8); TA_FIELD_AT(TreeAttnFwdParams, v, 16);
 TA_FIELD_AT(TreeAttnFwdParams, o, 24); TA_FIELD_AT(TreeAttnFwdParams, lse, 32);
 TA_FIELD_AT(TreeAttnFwdParams, kv_end, 40); TA_FIELD_AT(TreeAttnFwdParams, tile_kv_min, 48);
@@ -128,6 +150,9 @@ TA_FIELD_AT(TreeAttnFwdParams, tile_kv_max, 56); TA_FIELD_AT(TreeAttnFwdParams, 
 TA_FIELD_AT(TreeAttnFwdParams, q_heads, 68); TA_FIELD_AT(TreeAttnFwdParams, kv_heads, 72);
 TA_FIELD_AT(TreeAttnFwdParams, num_key_tiles, 76); TA_FIELD_AT(TreeAttnFwdParams, scale_log2, 80);
 TA_FIELD_AT(TreeAttnFwdParams, reserved, 84);
+TA_FIELD_AT(TreeAttnFwdParams, key_start, 88); TA_FIELD_AT(TreeAttnFwdParams, start_tile_min, 96);
+TA_FIELD_AT(TreeAttnFwdParams, start_tile_max, 104); TA_FIELD_AT(TreeAttnFwdParams, sinks, 112);
+TA_FIELD_AT(TreeAttnFwdParams, softcap_c, 120); TA_FIELD_AT(TreeAttnFwdParams, softcap_in, 124);
 
 struct KvTileBoundsParams {
     const uint32_t* kv_end;
@@ -144,7 +169,11 @@ TA_FIELD_AT(KvTileBoundsParams, tile_kv_max, 16); TA_FIELD_AT(KvTileBoundsParams
 TA_FIELD_AT(KvTileBoundsParams, tile, 28); TA_FIELD_AT(KvTileBoundsParams, num_tiles, 32);
 TA_FIELD_AT(KvTileBoundsParams, reserved, 36);
 
-template <class Tr>
+// kVar: the variant kernel (tree_attn_fwd_var_*): key starts (a sliding
+// window, explicit starts, the sinks' blind rows), a softcap and sinks as
+// the params say, each off when null / 0. Without kVar none of that code
+// exists: the plain kernels compile exactly as before the variants.
+template <class Tr, bool kVar = false>
 __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     using E = typename Tr::Elem;
     constexpr int D = Tr::kHeadDim, BM = Tr::kBlockM, BN = Tr::kBlockN, RS = Tr::kRowStride;
@@ -177,6 +206,23 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
 
     // Key tiles that can hold a visible key: k0 <= q1 - 1.
     const uint32_t t_end = min(p.num_key_tiles, (q1 - 1) / BN + 1);
+    // Variants with key starts: the walk begins at the key tile of the
+    // smallest start of the tile's rows (tiles wholly before every row's
+    // window are never visited), and a tile is full only at or after the
+    // largest (kTaStartTile-row bounds; a 128-row tile spans two).
+    uint32_t t_begin = 0, start_max = 0;
+    const bool window = kVar && p.key_start != nullptr;
+    if constexpr (kVar) {
+        static_assert(BM % kTaStartTile == 0, "whole start tiles per query tile");
+        if (window) {
+            uint32_t lo = 0xffffffffu;
+            for (uint32_t i = q0 / kTaStartTile; i * kTaStartTile < q1; ++i) {
+                lo = min(lo, p.start_tile_min[i]);
+                start_max = max(start_max, p.start_tile_max[i]);
+            }
+            t_begin = lo / BN;
+        }
+    }
     // The next key tile with a visible key (mask.cuh: 32 tiles per step).
     auto next_tile = [&](uint32_t t) { return ta_next_visible_tile(p.tile_kv_max, t, t_end, q0); };
 
@@ -194,8 +240,18 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     };
 
     ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
+    // Variants with key starts: the rows' starts join Q's group (rows past
+    // the pack zero-filled: never stored).
+    const uint32_t* const sstart = reinterpret_cast<const uint32_t*>(smem_raw + (kVar ? Tr::kOffStarts : 0));
+    if constexpr (kVar) {
+        static_assert(BM == Tr::kThreads, "one row's start per thread");
+        if (window) {
+            const uint32_t row = q0 + threadIdx.x;
+            ta_cp_async_4(smem_raw + Tr::kOffStarts + 4 * threadIdx.x, p.key_start + (row < L ? row : 0), row < L);
+        }
+    }
     ta_cp_async_commit();
-    uint32_t t = next_tile(0);
+    uint32_t t = next_tile(t_begin);
     if (t < t_end) {
         ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, t * BN, L, p.kv_heads, kv_head);
         ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head,
@@ -295,8 +351,22 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
             }
         }
 
+        if constexpr (kVar) {
+            // Softcap (before the mask: tanh(−inf) would unmask): s = c ·
+            // tanh(scale · s / c), in natural units (scale_log2 = log2 e).
+            if (p.softcap_c > 0.f) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i)
+                            s[mt][n][i] = p.softcap_c - 2.f * p.softcap_c * ta_softcap_r(s[mt][n][i], p.softcap_in);
+            }
+        }
+
         const uint32_t* const kvt = skv + buf * Tr::kKvEndWords;
-        const bool full = TA_TILE_FULL(BN, k0, q0, q1, kvt[BN], L);
+        const bool full = TA_TILE_FULL(BN, k0, q0, q1, kvt[BN], L) && (!kVar || k0 >= start_max);
         if (!full) {  // element mask (mask.cuh; kv_end as ta_key_end gives it)
 #pragma unroll
             for (int n = 0; n < kNTiles; ++n) {
@@ -307,8 +377,12 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                        for (int r = 0; r < 2; ++r)
-                            if (!TA_VISIBLE(col, end, TA_FWD_ROW(mt, r))) s[mt][n][2 * r + j] = -INFINITY;
+                        for (int r = 0; r < 2; ++r) {
+                            bool vis = TA_VISIBLE(col, end, TA_FWD_ROW(mt, r));
+                            // Variants: also at or after the row's key start.
+                            if (kVar && window) vis = vis && col >= sstart[warp * WM + mt * 16 + 8 * r + g];
+                            if (!vis) s[mt][n][2 * r + j] = -INFINITY;
+                        }
                 }
             }
         }
@@ -388,14 +462,43 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float l = ta_quad_sum(TA_ROW_SUM(mt, r));
-            const float inv = l > 0.f ? 1.f / l : 0.f;
+            if constexpr (!kVar) {
+                const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
-            for (int n = 0; n < kDTiles; ++n)
-                *reinterpret_cast<uint32_t*>(sq_warp + (mt * 16 + g + 8 * r) * RS + n * 8 + 2 * c) =
-                    ta_pack2<E>(acc[mt][n][2 * r] * inv, acc[mt][n][2 * r + 1] * inv);
-            if (c == 0 && TA_FWD_ROW(mt, r) < L)
-                p.lse[(size_t)head * L + TA_FWD_ROW(mt, r)] =
-                    l > 0.f ? (TA_ROW_MAX(mt, r) * p.scale_log2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
+                for (int n = 0; n < kDTiles; ++n)
+                    *reinterpret_cast<uint32_t*>(sq_warp + (mt * 16 + g + 8 * r) * RS + n * 8 + 2 * c) =
+                        ta_pack2<E>(acc[mt][n][2 * r] * inv, acc[mt][n][2 * r + 1] * inv);
+                if (c == 0 && TA_FWD_ROW(mt, r) < L)
+                    p.lse[(size_t)head * L + TA_FWD_ROW(mt, r)] =
+                        l > 0.f ? (TA_ROW_MAX(mt, r) * p.scale_log2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
+            } else {
+                // In log2 units: m2 the row's max, l the sum relative to it.
+                const float m2 = TA_ROW_MAX(mt, r) * p.scale_log2;
+                float inv = l > 0.f ? 1.f / l : 0.f;
+                float lse = l > 0.f ? (m2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
+                if (p.sinks != nullptr) {
+                    // Sinks: exp(σ) joins the row's sum with no value,
+                    // relative to the larger of the two references (neither
+                    // term overflows): total = l · 2^(m2 − top) + 2^(σ2 −
+                    // top), O = acc · 2^(m2 − top) / total, LSE = (top +
+                    // log2 total) · ln 2; a row with no visible key: O = 0,
+                    // LSE = σ exactly.
+                    const float sink = ta_to_f32<E>(p.sinks[head]);
+                    if (l > 0.f) {
+                        const float s2 = sink * 1.4426950408889634f, top = fmaxf(m2, s2);
+                        const float a = ta_exp2(m2 - top), total = l * a + ta_exp2(s2 - top);
+                        inv = a / total;
+                        lse = (top + log2f(total)) * 0.69314718055994531f;
+                    } else {
+                        lse = sink;
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < kDTiles; ++n)
+                    *reinterpret_cast<uint32_t*>(sq_warp + (mt * 16 + g + 8 * r) * RS + n * 8 + 2 * c) =
+                        ta_pack2<E>(acc[mt][n][2 * r] * inv, acc[mt][n][2 * r + 1] * inv);
+                if (c == 0 && TA_FWD_ROW(mt, r) < L) p.lse[(size_t)head * L + TA_FWD_ROW(mt, r)] = lse;
+            }
         }
     }
     __syncwarp();
@@ -418,6 +521,10 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     extern "C" __global__ void __launch_bounds__(FwdTraits<E, D>::kThreads)             \
         tree_attn_fwd_##SUFFIX(const TreeAttnFwdParams p) {                              \
         tree_attn_fwd_body<FwdTraits<E, D>>(p);                                          \
+    }                                                                                    \
+    extern "C" __global__ void __launch_bounds__(FwdTraits<E, D>::kThreads)             \
+        tree_attn_fwd_var_##SUFFIX(const TreeAttnFwdParams p) {                          \
+        tree_attn_fwd_body<FwdTraits<E, D>, true>(p);                                    \
     }
 TA_ATTN_VARIANTS(TA_FWD_KERNEL)
 #undef TA_FWD_KERNEL

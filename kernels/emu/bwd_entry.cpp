@@ -67,6 +67,28 @@ extern "C" int ta_emu_bwd2_traits(uint32_t head_dim, uint32_t four_warps, int32_
     });
 }
 
+// Shared memory of the variant kernels for head_dim (C++ kSmemBytesVar):
+// out = {forward, one-m-tile main, two-m-tile main (8 warps), dq}. Returns
+// 0, or 1 for a head dim without kernels.
+extern "C" int ta_emu_var_smem(uint32_t head_dim, int32_t* out) noexcept {
+    return ta_emu::guard_entry("ta_emu_var_smem", nullptr, 0, [&]() -> int {
+        auto fill = [&](auto f, auto m, auto m2, auto q) {
+            out[0] = decltype(f)::kSmemBytesVar;
+            out[1] = decltype(m)::kSmemBytesVar;
+            out[2] = decltype(m2)::kSmemBytesVar;
+            out[3] = decltype(q)::kSmemBytesVar;
+            return 0;
+        };
+        if (head_dim == 64)
+            return fill(FwdTraits<ta_bf16, 64>{}, BwdTraits<ta_bf16, 64>{}, Bwd2RoleTraits<ta_bf16, 64>{},
+                        BwdDqTraits<ta_bf16, 64>{});
+        if (head_dim == 128)
+            return fill(FwdTraits<ta_bf16, 128>{}, BwdTraits<ta_bf16, 128>{}, Bwd2SplitTraits<ta_bf16, 128>{},
+                        BwdDqTraits<ta_bf16, 128>{});
+        return 1;
+    });
+}
+
 // Traits of the backward kernels for head_dim: out = {main block_m, main
 // block_n, main threads, main smem_bytes, dq block_m, dq threads, dq
 // smem_bytes}. Returns 0, or 1 for a head dim without kernels.
@@ -98,8 +120,12 @@ extern "C" int ta_emu_bwd_traits(uint32_t head_dim, int32_t* out) noexcept {
 // tree_attn_bwd_main2_det (D = 64 and 128), 8 / 9 / 10 = tree_attn_bwd_main2_atomic
 // with test-only fault 1 / 2 / 3 (negative controls), 11 / 12 =
 // tree_attn_bwd_main2w4_atomic / _det (D = 64 only), 13 / 14 =
-// tree_attn_bwd_main2w4_atomic with fault 1 / 2. grid_z is the main kernel's
-// group splits (1 for the others).
+// tree_attn_bwd_main2w4_atomic with fault 1 / 2; the attention variants'
+// kernels: 15 / 16 = tree_attn_bwd_main_var_atomic / _det (one m-tile), 17
+// / 18 = tree_attn_bwd_main2_var_atomic / _det (D = 64: the role split, D =
+// 128: the head-dim split, which has no softcap), 19 = tree_attn_bwd_dq_var,
+// 20 = tree_attn_bwd_dsinks. grid_z is the main kernel's group splits (1
+// for the others).
 // dtype: 0 = bf16, 1 = f16. *cp_async_bytes receives the bytes the launch
 // moved with cp.async.
 extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t stage, const TreeAttnBwdParams* p,
@@ -109,7 +135,24 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
                                     size_t err_len) noexcept {
     return ta_emu::guard_entry("ta_emu_tree_attn_bwd", err, err_len, [&]() -> int {
         const dim3 grid(grid_x, grid_y, grid_z), block(block_threads);
-        const bool main_stage = stage == 1 || stage == 2 || (stage >= 6 && stage <= 14);
+        const bool main_stage = stage == 1 || stage == 2 || (stage >= 6 && stage <= 18);
+        // The plain main and dQ kernels ignore the variants' fields: a call
+        // with them must not reach those (pre, the converts and dsinks are
+        // shared by both kinds of call).
+        const bool plain_scores = stage == 1 || stage == 2 || stage == 3 || (stage >= 6 && stage <= 14);
+        if (plain_scores && (p->key_start || p->sinks || p->softcap_c != 0.f)) {
+            snprintf(err, err_len, "stage %u: variant arguments (key starts, sinks, softcap) for a plain kernel",
+                     stage);
+            return 1;
+        }
+        if ((stage == 17 || stage == 18) && head_dim == 128 && p->softcap_c != 0.f) {
+            snprintf(err, err_len, "the d 128 two-m-tile variant kernel computes no softcap (the one-m-tile one does)");
+            return 1;
+        }
+        if (stage == 20 && (!p->sinks || !p->dsinks)) {
+            snprintf(err, err_len, "tree_attn_bwd_dsinks without sinks or dsinks");
+            return 1;
+        }
         if (p->group_splits == 0 || (main_stage ? grid_z != p->group_splits : grid_z != 1) ||
             (p->kv_heads != 0 && (p->q_heads / p->kv_heads) % p->group_splits != 0) ||
             (p->group_splits > 1 && p->dkv_accum == nullptr)) {
@@ -131,10 +174,11 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
                                               {p->d_o, q_bytes, "d_o"},
                                               {p->kv_end, size_t(p->tokens) * 4, "kv_end"},
                                               {p->lse, row_bytes, "lse"},
-                                              {p->delta, row_bytes, "delta"}};
+                                              {p->delta, row_bytes, "delta"},
+                                              {p->key_start, p->key_start ? size_t(p->tokens) * 4 : 0, "key_start"}};
         ta_emu::LaunchIo io;
         io.ranges = ranges;
-        io.num_ranges = 7;
+        io.num_ranges = 8;
         io.cp_async_bytes = cp_async_bytes;
         auto launch = [&](void (*kernel)(const TreeAttnBwdParams)) {
             return ta_emu::launch_kernel<TreeAttnBwdParams>(kernel, *p, grid, block, smem, *config, err, err_len, io);
@@ -166,6 +210,23 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
                     if (check_plan("tree_attn_bwd_dkv_convert", block_threads, smem, 128, 0, err, err_len))      \
                         return 1;                                                                                 \
                     return launch(tree_attn_bwd_dkv_convert_##SUFFIX);                                            \
+                case 15:                                                                                          \
+                case 16:                                                                                          \
+                    if (check_plan("tree_attn_bwd_main_var", block_threads, smem, M::kThreads, M::kSmemBytesVar, \
+                                   err, err_len))                                                                 \
+                        return 1;                                                                                 \
+                    return launch(stage == 15 ? tree_attn_bwd_main_var_atomic_##SUFFIX                            \
+                                              : tree_attn_bwd_main_var_det_##SUFFIX);                             \
+                case 19:                                                                                          \
+                    if (check_plan("tree_attn_bwd_dq_var", block_threads, smem, Q::kThreads, Q::kSmemBytesVar,   \
+                                   err, err_len))                                                                 \
+                        return 1;                                                                                 \
+                    return launch(tree_attn_bwd_dq_var_##SUFFIX);                                                 \
+                case 20:                                                                                          \
+                    if (check_plan("tree_attn_bwd_dsinks", block_threads, smem, 128, kDsinksSmemBytes, err,      \
+                                   err_len))                                                                      \
+                        return 1;                                                                                 \
+                    return launch(tree_attn_bwd_dsinks_##SUFFIX);                                                 \
                 default:                                                                                          \
                     break;                                                                                        \
             }                                                                                                     \
@@ -200,6 +261,19 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
         TA_CASE2(bf16_d64, ta_bf16)
         TA_CASE2(f16_d64, ta_f16)
 #undef TA_CASE2
+#define TA_CASE2_VAR(SUFFIX, E, HD, TR)                                                                          \
+        if (dtype == (E::kIsBf16 ? 0u : 1u) && head_dim == HD && (stage == 17 || stage == 18)) {                   \
+            using M2 = TR<E, HD>;                                                                                  \
+            if (check_plan("tree_attn_bwd_main2_var", block_threads, smem, M2::kThreads, M2::kSmemBytesVar, err,   \
+                           err_len))                                                                               \
+                return 1;                                                                                          \
+            return launch(stage == 17 ? tree_attn_bwd_main2_var_atomic_##SUFFIX : tree_attn_bwd_main2_var_det_##SUFFIX); \
+        }
+        TA_CASE2_VAR(bf16_d64, ta_bf16, 64, Bwd2RoleTraits)
+        TA_CASE2_VAR(f16_d64, ta_f16, 64, Bwd2RoleTraits)
+        TA_CASE2_VAR(bf16_d128, ta_bf16, 128, Bwd2SplitTraits)
+        TA_CASE2_VAR(f16_d128, ta_f16, 128, Bwd2SplitTraits)
+#undef TA_CASE2_VAR
 #define TA_CASE2_D128(SUFFIX, E)                                                                                \
         if (dtype == (E::kIsBf16 ? 0u : 1u) && head_dim == 128 && stage >= 6 && stage <= 10) {                   \
             using M2 = Bwd2SplitTraits<E, 128>;                                                                    \

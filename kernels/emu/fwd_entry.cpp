@@ -8,12 +8,14 @@
 namespace {
 
 template <class Tr>
-int check_plan(unsigned block_threads, size_t smem, uint32_t grid_x, uint32_t tokens, char* err, size_t err_len) {
-    if (block_threads != unsigned(Tr::kThreads) || smem != size_t(Tr::kSmemBytes)) {
+int check_plan(unsigned block_threads, size_t smem, uint32_t grid_x, uint32_t tokens, bool var, char* err,
+               size_t err_len) {
+    const int want_smem = var ? Tr::kSmemBytesVar : Tr::kSmemBytes;
+    if (block_threads != unsigned(Tr::kThreads) || smem != size_t(want_smem)) {
         snprintf(err, err_len,
                  "launch plan (%u threads, %zu bytes of shared memory) does not match the kernel traits (%d threads, "
                  "%d bytes)",
-                 block_threads, smem, Tr::kThreads, Tr::kSmemBytes);
+                 block_threads, smem, Tr::kThreads, want_smem);
         return 1;
     }
     // One block per query tile of kBlockM rows: fewer would leave rows
@@ -51,29 +53,37 @@ extern "C" int ta_emu_fwd_traits(uint32_t head_dim, int32_t* out) noexcept {
     });
 }
 
-extern "C" int ta_emu_tree_attn_fwd(uint32_t dtype, uint32_t head_dim, const TreeAttnFwdParams* p, uint32_t grid_x,
-                                    uint32_t grid_y, uint32_t block_threads, size_t smem, const ta_emu::Config* config,
-                                    uint64_t* cp_async_bytes, char* err,
+// var: 1 runs the variant kernel (tree_attn_fwd_var_*: key starts, softcap,
+// sinks as *p says), 0 the plain one (which must get no variant argument).
+extern "C" int ta_emu_tree_attn_fwd(uint32_t dtype, uint32_t head_dim, uint32_t var, const TreeAttnFwdParams* p,
+                                    uint32_t grid_x, uint32_t grid_y, uint32_t block_threads, size_t smem,
+                                    const ta_emu::Config* config, uint64_t* cp_async_bytes, char* err,
                                     size_t err_len) noexcept {
     return ta_emu::guard_entry("ta_emu_tree_attn_fwd", err, err_len, [&]() -> int {
         const dim3 grid(grid_x, grid_y), block(block_threads);
+        if (!var && (p->key_start || p->sinks || p->softcap_c != 0.f)) {
+            snprintf(err, err_len, "variant arguments (key starts, sinks, softcap) for the plain forward kernel");
+            return 1;
+        }
         const size_t q_bytes = size_t(p->tokens) * p->q_heads * head_dim * 2;
         const size_t kv_bytes = size_t(p->tokens) * p->kv_heads * head_dim * 2;
-        // (kv_end and tile_kv_min: 4-byte cp.async with each K / V tile.)
+        // (kv_end and tile_kv_min: 4-byte cp.async with each K / V tile;
+        // the variant kernel's key starts with the Q tile.)
         const ta_emu::GlobalRange ranges[] = {{p->q, q_bytes, "q"},
                                               {p->k, kv_bytes, "k"},
                                               {p->v, kv_bytes, "v"},
                                               {p->kv_end, size_t(p->tokens) * 4, "kv_end"},
-                                              {p->tile_kv_min, size_t(p->num_key_tiles) * 4, "tile_kv_min"}};
+                                              {p->tile_kv_min, size_t(p->num_key_tiles) * 4, "tile_kv_min"},
+                                              {p->key_start, p->key_start ? size_t(p->tokens) * 4 : 0, "key_start"}};
         ta_emu::LaunchIo io;
         io.ranges = ranges;
-        io.num_ranges = 5;
+        io.num_ranges = 6;
         io.cp_async_bytes = cp_async_bytes;
 #define TA_CASE(SUFFIX, E, HD, DT)                                                                            \
         if (dtype == DT && head_dim == HD) {                                                                     \
-            if (check_plan<FwdTraits<E, HD>>(block_threads, smem, grid_x, p->tokens, err, err_len)) return 1;   \
-            return ta_emu::launch_kernel<TreeAttnFwdParams>(tree_attn_fwd_##SUFFIX, *p, grid, block, smem, *config, \
-                                                            err, err_len, io);                                   \
+            if (check_plan<FwdTraits<E, HD>>(block_threads, smem, grid_x, p->tokens, var, err, err_len)) return 1; \
+            return ta_emu::launch_kernel<TreeAttnFwdParams>(var ? tree_attn_fwd_var_##SUFFIX : tree_attn_fwd_##SUFFIX, \
+                                                            *p, grid, block, smem, *config, err, err_len, io);   \
         }
         TA_ATTN_VARIANTS(TA_CASE)
 #undef TA_CASE

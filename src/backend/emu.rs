@@ -168,7 +168,7 @@ impl<T: KernelElem> AttentionBackend<T> for Emu {
     fn run_forward(&self, call: ForwardCall<'_, '_, Host, T, f32>) -> Result<()> {
         let (args, o, lse) = call.into_parts();
         let kernels = "emulated kernels";
-        launch::check_plain_call(kernels, &args)?;
+        launch::check_kernel_call(kernels, &args)?;
         // As on the GPU (device allocations are 256-byte aligned, views
         // need not be): checked before anything runs, rotary included.
         launch::check_vector_alignment(
@@ -190,7 +190,7 @@ impl<T: KernelElem> AttentionBackend<T> for Emu {
     fn run_backward(&self, call: BackwardCall<'_, '_, '_, Host, T, f32>) -> Result<()> {
         let (args, saved, d_o, grads) = call.into_parts();
         let kernels = "emulated kernels";
-        launch::check_plain_call(kernels, &args)?;
+        launch::check_kernel_call(kernels, &args)?;
         launch::check_vector_alignment(
             "backward kernels",
             args.shape().tokens,
@@ -295,17 +295,54 @@ impl Emu {
     }
 }
 
+/// The variant kernels' key starts of a call on host memory and their
+/// per-64-row bounds (computed by the bounds kernel under the emulator):
+/// `None` when the call needs none ([`launch::kernel_key_starts`]).
+pub(crate) struct HostStarts {
+    pub starts: Vec<u32>,
+    pub tile_min: Vec<u32>,
+    pub tile_max: Vec<u32>,
+}
+
+impl Emu {
+    /// The key starts of `args` for the variant kernels, `None` without a
+    /// window, explicit starts or sinks.
+    pub(crate) fn key_starts<T: KernelElem>(
+        &self,
+        args: &super::AttnArgs<'_, Host, T>,
+    ) -> Result<Option<HostStarts>> {
+        let starts = launch::kernel_key_starts(
+            args.mask(),
+            args.params().window,
+            args.key_starts(),
+            args.sinks().is_some(),
+        )?;
+        let Some(starts) = starts else {
+            return Ok(None);
+        };
+        let (tile_min, tile_max) = self.kv_tile_bounds(&starts, launch::START_TILE as usize)?;
+        Ok(Some(HostStarts {
+            starts,
+            tile_min,
+            tile_max,
+        }))
+    }
+}
+
 /// Tree attention forward on the emulator (the math of
 /// [`AttentionBackend`]) without rotary (`rope::forward` rotates Q and K
 /// first, then calls this): d ∈ {64, 128}; 16-bit inputs, f32 accumulation
-/// and softmax, an f32 LSE. Tensors must start at 16-byte aligned addresses
-/// (as device allocations do; checked by `run_forward`). A non-finite `o` or `lse` (other than `−inf`)
-/// is an [`Error::NonFinite`].
+/// and softmax, an f32 LSE. A call with a sliding window, key starts, a
+/// softcap or sinks runs the variant kernel (`tree_attn_fwd_var_*`).
+/// Tensors must start at 16-byte aligned addresses (as device allocations
+/// do; checked by `run_forward`). A non-finite `o` or `lse` (other than
+/// `−inf`) is an [`Error::NonFinite`].
 fn forward<T: KernelElem>(emu: &Emu, call: ForwardCall<'_, '_, Host, T, f32>) -> Result<()> {
     let (args, o, lse) = call.into_parts();
     let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
     let params = args.params();
     let (traits, plan) = launch::plan_forward(&shape)?;
+    let var = launch::check_kernel_call("emulated kernels", &args)?;
     if shape.tokens == 0 {
         return Ok(());
     }
@@ -315,6 +352,9 @@ fn forward<T: KernelElem>(emu: &Emu, call: ForwardCall<'_, '_, Host, T, f32>) ->
         ));
     }
     let (tile_min, tile_max) = emu.kv_tile_bounds(mask.kv_end(), traits.block_n as usize)?;
+    let starts = if var { emu.key_starts(&args)? } else { None };
+    let (softcap_c, softcap_in) = launch::softcap_args(params);
+    let addr = |x: Option<&Vec<u32>>| x.map_or(0, |x| x.as_ptr() as u64);
     let p = FwdParams {
         q: q.as_ptr() as u64,
         k: k.as_ptr() as u64,
@@ -330,27 +370,46 @@ fn forward<T: KernelElem>(emu: &Emu, call: ForwardCall<'_, '_, Host, T, f32>) ->
         num_key_tiles: tile_min.len() as u32,
         scale_log2: launch::scale_log2(params),
         reserved: 0,
+        key_start: addr(starts.as_ref().map(|s| &s.starts)),
+        start_tile_min: addr(starts.as_ref().map(|s| &s.tile_min)),
+        start_tile_max: addr(starts.as_ref().map(|s| &s.tile_max)),
+        sinks: args.sinks().map_or(0, |s| s.as_ptr() as u64),
+        softcap_c,
+        softcap_in,
+    };
+    let smem = if var {
+        traits.smem_bytes_var()
+    } else {
+        plan.shared_mem_bytes
     };
     let mut err = [0u8; 1024];
     let mut cp_async_bytes = 0u64;
     // SAFETY: all pointers in `p` refer to live slices whose lengths were
-    // checked against `shape` above; the call is synchronous.
+    // checked against `shape` above (the key starts and their bounds are
+    // sized here, the sinks by `AttnArgs::with_sinks`); the call is
+    // synchronous.
     let rc = unsafe {
         ffi::ta_emu_tree_attn_fwd(
             T::DTYPE.code(),
             traits.head_dim,
+            u32::from(var),
             &p,
             plan.grid.0,
             plan.grid.1,
             plan.block.0,
-            plan.shared_mem_bytes as usize,
+            smem as usize,
             &emu.config(),
             &mut cp_async_bytes,
             err.as_mut_ptr(),
             err.len(),
         )
     };
-    emu_result(&traits.kernel_name(T::DTYPE), rc, &err)?;
+    let name = if var {
+        traits.kernel_name_var(T::DTYPE)
+    } else {
+        traits.kernel_name(T::DTYPE)
+    };
+    emu_result(&name, rc, &err)?;
     LAST_FORWARD.with(|s| s.set(Some(LaunchStats { cp_async_bytes })));
     check_result("o", o, false)?;
     check_result("lse", lse, true)
@@ -374,6 +433,18 @@ thread_local! {
 /// (for tests and tuning: e.g. that skipped key tiles are never loaded).
 pub fn last_forward_stats() -> Option<LaunchStats> {
     LAST_FORWARD.with(|s| s.get())
+}
+
+/// The shared memory of the variant kernels for `head_dim` as the C++
+/// traits say (`kSmemBytesVar`): `[forward, one-m-tile backward main,
+/// two-m-tile (8-warp) backward main, dQ]`; `None` when no kernel exists.
+/// Lets tests hold the Rust plans (`smem_bytes_var`,
+/// `main_smem_bytes_var`, `dq_smem_bytes_var`) to the C++ source.
+pub fn variant_smem_bytes(head_dim: u32) -> Option<[u32; 4]> {
+    let mut out = [0i32; 4];
+    // SAFETY: `out` has the 4 slots the function writes.
+    let rc = unsafe { ffi::ta_emu_var_smem(head_dim, out.as_mut_ptr()) };
+    (rc == 0).then(|| out.map(|x| x as u32))
 }
 
 /// The C++ traits of the forward kernel for `head_dim` as the emulator sees

@@ -186,9 +186,19 @@ impl FwdTraits {
             + 2 * rows_per_thread * self.threads * 4
             + 2 * (self.block_n + 4) * 4
     }
+    /// Dynamic shared memory of the variant kernel (`tree_attn_fwd_var_*`):
+    /// [`Self::smem_bytes`] plus the query tile's key starts, one u32 per
+    /// row (C++ `FwdTraits::kSmemBytesVar`).
+    pub fn smem_bytes_var(&self) -> u32 {
+        self.smem_bytes() + self.block_m * 4
+    }
     /// The kernel's symbol for an element type.
     pub fn kernel_name(&self, dtype: Dtype) -> String {
         format!("tree_attn_fwd_{}_d{}", dtype.name(), self.head_dim)
+    }
+    /// The variant kernel's symbol (`tree_attn_fwd_var_{dtype}_d{head_dim}`).
+    pub fn kernel_name_var(&self, dtype: Dtype) -> String {
+        format!("tree_attn_fwd_var_{}_d{}", dtype.name(), self.head_dim)
     }
     /// Number of key tiles of a pack of `tokens` tokens.
     pub fn key_tiles(&self, tokens: usize) -> usize {
@@ -264,6 +274,29 @@ pub fn tile_class(
     }
 }
 
+/// [`tile_class`] for the variant kernel with key starts (a sliding
+/// window): `starts` is `(min, max)` of the key starts over the query
+/// tile's rows. A key tile that ends before every row's start is skipped
+/// (the kernel's walk begins at the key tile of the smallest start), and a
+/// tile is full only if it also begins at or after the largest.
+#[allow(clippy::too_many_arguments)]
+pub fn tile_class_with_starts(
+    traits: &FwdTraits,
+    tokens: usize,
+    q0: usize,
+    k0: usize,
+    kv_min: u32,
+    kv_max: u32,
+    starts: (u32, u32),
+) -> TileClass {
+    let last_key = k0 + traits.block_n as usize - 1;
+    match tile_class(traits, tokens, q0, k0, kv_min, kv_max) {
+        _ if last_key < starts.0 as usize => TileClass::Skip,
+        TileClass::Full if k0 < starts.1 as usize => TileClass::Partial,
+        class => class,
+    }
+}
+
 /// Counts of [`TileClass`] over all (query tile, key tile) pairs of a pack:
 /// `(skipped, full, partial)` — how much of the square the kernel never
 /// touches, and how much it computes without a mask.
@@ -305,36 +338,70 @@ pub fn plan_kv_tile_bounds(num_tiles: usize) -> LaunchPlan {
 /// loads of q, k, v, d_o; the stores of o, dq, dk, dv).
 pub const VECTOR_ALIGN: u64 = 16;
 
-/// `Err(Unsupported)` naming what the kernels do not compute: a value
-/// head dim unlike the query/key head dim (multi-head latent attention), a
-/// sliding window, a logit softcap or attention sinks. Checked before
-/// anything runs, so a variant is an error, never another result; the CPU
-/// backend computes all of them (and torch users have `backend="flex"`).
-pub(crate) fn check_plain_call<M: crate::backend::Memory, T: crate::backend::Element>(
+/// Which kernels a call runs: `Ok(false)` for the plain kernels, `Ok(true)`
+/// for the variant kernels (`*_var_*`: a sliding window, explicit key
+/// starts, a logit softcap or attention sinks), `Err(Unsupported)` naming
+/// what no kernel computes — a value head dim unlike the query/key head
+/// dim (multi-head latent attention): the kernels exist for square heads
+/// of 64 and 128 only (kernels/README.md has the ptxas figures that keep
+/// d 192 / 128 and d 256 out). Checked before anything runs, so an
+/// unsupported call is an error, never another result; the CPU backend
+/// computes it (and torch users have `backend="flex"`).
+pub(crate) fn check_kernel_call<M: crate::backend::Memory, T: crate::backend::Element>(
     kernels: &str,
     args: &crate::backend::AttnArgs<'_, M, T>,
-) -> Result<()> {
+) -> Result<bool> {
     let (shape, params) = (args.shape(), args.params());
-    let what = if !shape.square() {
-        format!(
-            "a value head dim ({}) unlike the query/key head dim ({})",
+    if !shape.square() {
+        return Err(Error::Unsupported(format!(
+            "the {kernels} do not compute a value head dim ({}) unlike the query/key head dim ({}) \
+             (multi-head latent attention): run it on the CPU backend, or with FlexAttention \
+             (treeattn.torch.tree_attention(..., backend=\"flex\"))",
             shape.v_head_dim, shape.head_dim
-        )
-    } else if let Some(w) = params.window {
-        format!("a sliding window ({w})")
-    } else if let Some(c) = params.softcap {
-        format!("a logit softcap ({c})")
-    } else if args.sinks().is_some() {
-        "attention sinks".to_string()
-    } else if args.key_starts().is_some() {
-        "explicit key starts".to_string()
-    } else {
-        return Ok(());
-    };
-    Err(Error::Unsupported(format!(
-        "the {kernels} do not compute {what}: run it on the CPU backend, or with FlexAttention (treeattn.torch.tree_attention(..., backend=\"flex\"))"
-    )))
+        )));
+    }
+    Ok(params.window.is_some()
+        || params.softcap.is_some()
+        || args.sinks().is_some()
+        || args.key_starts().is_some())
 }
+
+/// The per-query-row key starts the variant kernels read (kernels/mask.cuh):
+/// query `q` sees key `k` iff `starts[q] <= k <= q < kv_end[k]`. A sliding
+/// window's [`PackMask::window_starts`](crate::mask::PackMask::window_starts),
+/// or the call's explicit starts, or (sinks alone) zeros — in every case
+/// with each row that sees no key set to `q + 1` (`blind_queries_in`), the
+/// mark by which the backward kernels tell such a row (its LSE is the sink
+/// with sinks, not −inf) and load its Q and dO rows as zeros. `None` when
+/// the call needs none (no window, no explicit starts, no sinks). One
+/// `O(L)` walk or two on the host: the CUDA backend caches the result per
+/// pack and window on the device (the starts of explicit key starts are
+/// uploaded per call).
+pub(crate) fn kernel_key_starts(
+    mask: crate::mask::PackMask<'_>,
+    window: Option<u32>,
+    explicit: Option<&[u32]>,
+    sinks: bool,
+) -> Result<Option<Vec<u32>>> {
+    let mut starts = match (window, explicit) {
+        (Some(w), _) => mask.window_starts(w)?,
+        (None, Some(s)) => s.to_vec(),
+        (None, None) if sinks => vec![0; mask.len()],
+        (None, None) => return Ok(None),
+    };
+    let blind = mask.blind_queries_in(Some(&starts));
+    for (q, (s, b)) in starts.iter_mut().zip(blind).enumerate() {
+        if b {
+            *s = q as u32 + 1;
+        }
+    }
+    Ok(Some(starts))
+}
+
+/// Rows per tile of the key starts' bounds (`start_tile_min` /
+/// `start_tile_max`, C++ `kTaStartTile`): the key tile of the kv_end
+/// bounds, so one bounds kernel serves both.
+pub const START_TILE: u32 = 64;
 
 /// The one alignment check of the attention kernels (forward and backward,
 /// CUDA and emulator), run before any launch: `Err(Error::Shape)` naming
@@ -361,9 +428,27 @@ pub(crate) fn check_vector_alignment(
     }
 }
 
-/// `softmax_scale · log2(e)`, the factor the kernel folds into exp2.
+/// The factor the kernels fold into exp2: `softmax_scale · log2(e)`, or,
+/// with a softcap, `log2(e)` alone — the capped score `c · tanh(scale · s
+/// / c)` is already scaled (scaling it again is the classic mistake a
+/// negative control of tests/it/emu_variants.rs catches).
 pub(crate) fn scale_log2(params: &AttnParams) -> f32 {
-    (params.softmax_scale * std::f64::consts::LOG2_E) as f32
+    match params.softcap {
+        Some(_) => std::f64::consts::LOG2_E as f32,
+        None => (params.softmax_scale * std::f64::consts::LOG2_E) as f32,
+    }
+}
+
+/// The softcap arguments of the variant kernels: `(c, 2 · scale / c ·
+/// log2 e)` (`ta_softcap_r` of kernels/common.cuh), `(0, 0)` without.
+pub(crate) fn softcap_args(params: &AttnParams) -> (f32, f32) {
+    match params.softcap {
+        Some(c) => (
+            c as f32,
+            (2.0 * params.softmax_scale / c * std::f64::consts::LOG2_E) as f32,
+        ),
+        None => (0.0, 0.0),
+    }
 }
 
 /// Mirror of `TreeAttnFwdParams` (kernels/tree_attn_fwd.cu). Pointers are
@@ -385,10 +470,19 @@ pub(crate) struct FwdParams {
     pub num_key_tiles: u32,
     pub scale_log2: f32,
     pub reserved: u32,
+    /// The variants (the `*_var_*` kernel only; 0 otherwise).
+    pub key_start: u64,
+    pub start_tile_min: u64,
+    pub start_tile_max: u64,
+    pub sinks: u64,
+    pub softcap_c: f32,
+    pub softcap_in: f32,
 }
-assert_layout!(FwdParams, 88, {
+assert_layout!(FwdParams, 128, {
     q: 0, k: 8, v: 16, o: 24, lse: 32, kv_end: 40, tile_kv_min: 48, tile_kv_max: 56,
     tokens: 64, q_heads: 68, kv_heads: 72, num_key_tiles: 76, scale_log2: 80, reserved: 84,
+    key_start: 88, start_tile_min: 96, start_tile_max: 104, sinks: 112, softcap_c: 120,
+    softcap_in: 124,
 });
 
 /// Mirror of `KvTileBoundsParams` (kernels/tree_attn_fwd.cu).

@@ -21,6 +21,7 @@ mod emu_fwd;
 mod emu_rope;
 mod emu_sdcc;
 mod emu_shim;
+mod emu_variants;
 mod equivalence;
 mod fuzz_cli;
 mod fuzz_inputs;

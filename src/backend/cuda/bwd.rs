@@ -12,9 +12,9 @@ use cudarc::nvrtc::Ptx;
 
 use super::{config, cuda_err, Device};
 use crate::backend::launch::bwd::{
-    plan_backward_with_kernel, BwdParams, BwdTraits, DqMode, MainKernel,
+    plan_backward_var, plan_backward_with_kernel, BwdParams, BwdTraits, DqMode, MainKernel,
 };
-use crate::backend::launch::{scale_log2, KernelElem, LaunchPlan};
+use crate::backend::launch::{check_kernel_call, scale_log2, softcap_args, KernelElem, LaunchPlan};
 use crate::backend::{BackwardCall, Grads};
 use crate::{Error, Result};
 
@@ -35,6 +35,10 @@ const STAGES: [&str; 6] = [
     "dkv_convert",
 ];
 
+/// The variant kernels' stages (a window or key starts, a softcap, sinks),
+/// in launch order where used: the one-m-tile main kernel, dQ, dsinks.
+const VAR_STAGES: [&str; 4] = ["main_var_atomic", "main_var_det", "dq_var", "dsinks"];
+
 /// The backward kernels, loaded by [`super::CudaBackend::new`].
 #[derive(Clone)]
 pub(crate) struct CudaBackward {
@@ -50,6 +54,12 @@ pub(crate) struct CudaBackward {
     /// `[variant]`: the 4-warp two-m-tile main kernels (`main2w4_atomic`,
     /// `main2w4_det`) where they exist (d 64).
     funcs2w4: Vec<Option<[CudaFunction; 2]>>,
+    /// `[variant][stage]`: the attention variants' kernels, stages as in
+    /// [`VAR_STAGES`].
+    funcs_var: Vec<Vec<CudaFunction>>,
+    /// `[variant]`: the two-m-tile variant main kernels (`main2_var_atomic`,
+    /// `main2_var_det`).
+    funcs2_var: Vec<[CudaFunction; 2]>,
 }
 
 impl CudaBackward {
@@ -63,6 +73,8 @@ impl CudaBackward {
         let mut funcs = Vec::new();
         let mut funcs2 = Vec::new();
         let mut funcs2w4 = Vec::new();
+        let mut funcs_var = Vec::new();
+        let mut funcs2_var = Vec::new();
         let load = |t: &BwdTraits, stage: &str, dtype| -> Result<CudaFunction> {
             let name = t.kernel_name(stage, dtype);
             let f = module
@@ -71,6 +83,8 @@ impl CudaBackward {
             let smem = match stage {
                 "main_atomic" | "main_det" => t.main_smem_bytes(),
                 "dq" => t.dq_smem_bytes(),
+                "main_var_atomic" | "main_var_det" => t.main_smem_bytes_var(),
+                "dq_var" => t.dq_smem_bytes_var(),
                 _ => 0,
             };
             if smem > 48 * 1024 {
@@ -103,6 +117,17 @@ impl CudaBackward {
                 by_stage.push(load(&t, stage, dtype)?);
             }
             funcs.push(by_stage);
+            funcs_var.push(
+                VAR_STAGES
+                    .iter()
+                    .map(|stage| load(&t, stage, dtype))
+                    .collect::<Result<Vec<_>>>()?,
+            );
+            let t2 = BwdTraits::for_kernel(d as usize, MainKernel::TwoMTiles)?;
+            funcs2_var.push([
+                load(&t2, "main_var_atomic", dtype)?,
+                load(&t2, "main_var_det", dtype)?,
+            ]);
         }
         Ok(CudaBackward {
             stream: stream.clone(),
@@ -110,6 +135,8 @@ impl CudaBackward {
             funcs,
             funcs2,
             funcs2w4,
+            funcs_var,
+            funcs2_var,
         })
     }
 
@@ -135,8 +162,18 @@ impl CudaBackward {
         let (q, k, v, shape, pack) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
         let params = args.params();
         let (o, lse) = (saved.o, saved.lse);
-        let Grads { dq, dk, dv, .. } = grads;
-        let (traits, plans) = plan_backward_with_kernel(&shape, kernel)?;
+        let Grads {
+            dq,
+            dk,
+            dv,
+            mut dsinks,
+        } = grads;
+        let var = check_kernel_call("CUDA kernels", &args)?;
+        let (traits, plans) = if var {
+            plan_backward_var(&shape, None, kernel, params.softcap.is_some())?
+        } else {
+            plan_backward_with_kernel(&shape, kernel)?
+        };
         let s = &self.stream;
         if params.check_finite {
             let lse_host = s
@@ -170,6 +207,12 @@ impl CudaBackward {
             )));
         }
         if shape.tokens == 0 {
+            if let Some(ds) = dsinks {
+                // No row: the sum over rows is 0.
+                let zeros = vec![T::from_f32(0.0); ds.len()];
+                s.memcpy_htod(&zeros[..], ds)
+                    .map_err(cuda_err("zeroing dsinks"))?;
+            }
             return Ok(());
         }
         if params.rope.is_some() {
@@ -177,6 +220,17 @@ impl CudaBackward {
                 "internal: rotary reached the rotary-free backward kernels".into(),
             ));
         }
+        let starts = if var {
+            super::starts::device_starts(
+                s,
+                pack,
+                params.window,
+                args.key_starts(),
+                args.sinks().is_some(),
+            )?
+        } else {
+            None
+        };
         // SAFETY (both): every element is written before it is read — delta
         // by tree_attn_bwd_pre, the accumulator by pre (atomic mode) or by
         // tree_attn_bwd_dq (deterministic mode).
@@ -208,6 +262,16 @@ impl CudaBackward {
         let (lo, _g12) = pack.tile_kv_min.device_ptr(s);
         let (hi, _g13) = pack.tile_kv_max.device_ptr(s);
         let (dkvp, _g14) = dkv.device_ptr_mut(s);
+        let st = starts.as_deref().map(|d| {
+            (
+                d.starts.device_ptr(s),
+                d.tile_min.device_ptr(s),
+                d.tile_max.device_ptr(s),
+            )
+        });
+        let sk = args.sinks().map(|x| x.device_ptr(s));
+        let dsk = dsinks.as_mut().map(|x| x.device_ptr_mut(s));
+        let (softcap_c, softcap_in) = softcap_args(params);
         let p = BwdParams {
             q: qp,
             k: kp,
@@ -234,7 +298,17 @@ impl CudaBackward {
             zero_dq_accum: u32::from(mode == DqMode::Atomic),
             group_splits: plans.group_splits,
             reserved: 0,
+            key_start: st.as_ref().map_or(0, |x| x.0 .0),
+            start_tile_min: st.as_ref().map_or(0, |x| x.1 .0),
+            start_tile_max: st.as_ref().map_or(0, |x| x.2 .0),
+            sinks: sk.as_ref().map_or(0, |x| x.0),
+            dsinks: dsk.as_ref().map_or(0, |x| x.0),
+            softcap_c,
+            softcap_in,
         };
+        if var {
+            return self.launch_var::<T>(&p, &traits, &plans, mode, dsk.is_some());
+        }
         let mut stages: Vec<(usize, LaunchPlan)> = match mode {
             DqMode::Atomic => vec![(0, plans.per_row), (1, plans.main), (4, plans.per_row)],
             DqMode::Deterministic => vec![
@@ -277,6 +351,67 @@ impl CudaBackward {
         }
         Ok(())
     }
+
+    /// The launches of a call with attention variants: pre (D), dsinks
+    /// when asked for, the variant main kernel (two m-tiles or one, as
+    /// [`MainKernel::for_variants`] chose), in deterministic mode the
+    /// variant dQ kernel, the dQ conversion and with group splits the dK /
+    /// dV one.
+    fn launch_var<T: KernelElem>(
+        &self,
+        p: &BwdParams,
+        traits: &BwdTraits,
+        plans: &crate::backend::launch::bwd::BwdPlans,
+        mode: DqMode,
+        dsinks: bool,
+    ) -> Result<()> {
+        let variant = crate::backend::launch::variant(T::DTYPE, traits.head_dim)?;
+        let (plain, var) = (&self.funcs[variant], &self.funcs_var[variant]);
+        let det = usize::from(mode == DqMode::Deterministic);
+        let main = match traits.main_kernel {
+            MainKernel::TwoMTiles => &self.funcs2_var[variant][det],
+            MainKernel::OneMTile => &var[det],
+            MainKernel::TwoMTilesFourWarps => {
+                return Err(Error::Unsupported(
+                    "internal: no 4-warp backward main kernel for the attention variants".into(),
+                ))
+            }
+        };
+        let main_name = if det == 1 {
+            "main_var_det"
+        } else {
+            "main_var_atomic"
+        };
+        let mut stages: Vec<(&CudaFunction, &str, LaunchPlan)> =
+            vec![(&plain[0], "pre", plans.per_row)];
+        if dsinks {
+            stages.push((&var[3], "dsinks", plans.dsinks));
+        }
+        stages.push((main, main_name, plans.main));
+        if det == 1 {
+            stages.push((&var[2], "dq_var", plans.dq));
+        }
+        stages.push((&plain[4], "dq_convert", plans.per_row));
+        if plans.group_splits > 1 {
+            stages.push((&plain[5], "dkv_convert", plans.dkv_convert));
+        }
+        let s = &self.stream;
+        for (f, name, plan) in stages {
+            let mut b = s.launch_builder(f);
+            b.arg(p);
+            // SAFETY: every buffer was sized against the call's shape and
+            // pack by `run` (scratch allocated there, the key starts by
+            // `device_starts`, the sinks by `AttnArgs::with_sinks`); the
+            // kernels stay inside them.
+            unsafe { b.launch(config(plan)) }.map_err(|e| {
+                Error::Cuda(format!(
+                    "launching {}: {e}",
+                    traits.kernel_name(name, T::DTYPE)
+                ))
+            })?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -290,7 +425,7 @@ mod tests {
         assert_eq!(&BWD_FATBIN[..4], &[0x50, 0xed, 0x55, 0xba]);
         for &(dtype, d) in crate::backend::launch::ATTN_VARIANTS {
             let t = BwdTraits::for_head_dim(d as usize).unwrap();
-            for stage in STAGES {
+            for stage in STAGES.iter().chain(&VAR_STAGES) {
                 let name = t.kernel_name(stage, dtype);
                 assert!(
                     PTXAS_REPORT.contains(&name),
@@ -304,7 +439,12 @@ mod tests {
                     assert!(kernel == MainKernel::TwoMTilesFourWarps && d != 64);
                     continue;
                 };
-                for stage in ["main_atomic", "main_det"] {
+                let var: &[&str] = if kernel == MainKernel::TwoMTiles {
+                    &["main_var_atomic", "main_var_det"]
+                } else {
+                    &[]
+                };
+                for stage in ["main_atomic", "main_det"].iter().chain(var) {
                     let name = t2.kernel_name(stage, dtype);
                     assert!(
                         name.contains("main2") && PTXAS_REPORT.contains(&name),

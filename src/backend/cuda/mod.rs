@@ -28,6 +28,7 @@ pub mod host;
 pub use cudarc;
 mod rope;
 mod sdcc;
+mod starts;
 
 use bwd::CudaBackward;
 use sdcc::CudaSdcc;
@@ -180,6 +181,8 @@ pub struct CudaBackend {
     _module: Arc<CudaModule>,
     /// Forward kernels in the order of [`launch::ATTN_VARIANTS`].
     fwd: Vec<CudaFunction>,
+    /// The variant kernels (`tree_attn_fwd_var_*`), in the same order.
+    fwd_var: Vec<CudaFunction>,
     kv_bounds: CudaFunction,
     pub(crate) bwd: CudaBackward,
     sdcc: CudaSdcc,
@@ -254,22 +257,26 @@ impl CudaBackend {
             .map_err(cuda_err("shared memory limit"))?;
         let load = |name: &str| module.load_function(name).map_err(cuda_err(name));
         let mut fwd = Vec::new();
+        let mut fwd_var = Vec::new();
         for &(dtype, d) in launch::ATTN_VARIANTS {
             let t = FwdTraits::for_head_dim(d as usize)?;
-            let f = load(&t.kernel_name(dtype))?;
-            if t.smem_bytes() as i32 > optin {
-                return Err(Error::Unsupported(format!(
-                    "{} needs {} bytes of shared memory per block; device {ordinal} allows {optin}",
-                    t.kernel_name(dtype),
-                    t.smem_bytes()
-                )));
+            for (name, smem, into) in [
+                (t.kernel_name(dtype), t.smem_bytes(), &mut fwd),
+                (t.kernel_name_var(dtype), t.smem_bytes_var(), &mut fwd_var),
+            ] {
+                let f = load(&name)?;
+                if smem as i32 > optin {
+                    return Err(Error::Unsupported(format!(
+                        "{name} needs {smem} bytes of shared memory per block; device {ordinal} allows {optin}"
+                    )));
+                }
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(cuda_err("raising the dynamic shared memory limit"))?;
+                into.push(f);
             }
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                t.smem_bytes() as i32,
-            )
-            .map_err(cuda_err("raising the dynamic shared memory limit"))?;
-            fwd.push(f);
         }
         let kv_bounds = load("tree_attn_kv_tile_bounds")?;
         Ok(CudaBackend {
@@ -282,6 +289,7 @@ impl CudaBackend {
             stream,
             _module: module,
             fwd,
+            fwd_var,
             kv_bounds,
         })
     }
@@ -390,6 +398,9 @@ impl CudaBackend {
             position_ids,
             max_position: launch::rope::max_position(mask.position_ids()),
             rope_tables: Default::default(),
+            host_kv_end: mask.kv_end().to_vec(),
+            host_position_ids: mask.position_ids().to_vec(),
+            starts: Default::default(),
             tile_kv_min,
             tile_kv_max,
         })
@@ -446,6 +457,30 @@ impl CudaBackend {
         let (ep, _g5) = pack.kv_end.device_ptr(s);
         let (lo, _g6) = pack.tile_kv_min.device_ptr(s);
         let (hi, _g7) = pack.tile_kv_max.device_ptr(s);
+        // The attention variants: the `_var_` kernel with the key starts
+        // (window, explicit starts, the sinks' blind rows), the sinks and
+        // the softcap.
+        let var = launch::check_kernel_call("CUDA kernels", &args)?;
+        let starts = if var {
+            starts::device_starts(
+                s,
+                pack,
+                params.window,
+                args.key_starts(),
+                args.sinks().is_some(),
+            )?
+        } else {
+            None
+        };
+        let st = starts.as_deref().map(|d| {
+            (
+                d.starts.device_ptr(s),
+                d.tile_min.device_ptr(s),
+                d.tile_max.device_ptr(s),
+            )
+        });
+        let sk = args.sinks().map(|x| x.device_ptr(s));
+        let (softcap_c, softcap_in) = launch::softcap_args(params);
         let p = FwdParams {
             q: qp,
             k: kp,
@@ -461,8 +496,23 @@ impl CudaBackend {
             num_key_tiles: pack.num_tiles as u32,
             scale_log2: launch::scale_log2(params),
             reserved: 0,
+            key_start: st.as_ref().map_or(0, |x| x.0 .0),
+            start_tile_min: st.as_ref().map_or(0, |x| x.1 .0),
+            start_tile_max: st.as_ref().map_or(0, |x| x.2 .0),
+            sinks: sk.as_ref().map_or(0, |x| x.0),
+            softcap_c,
+            softcap_in,
         };
-        let f = &self.fwd[launch::variant(T::DTYPE, traits.head_dim)?];
+        let at = launch::variant(T::DTYPE, traits.head_dim)?;
+        let (f, plan) = if var {
+            let plan = LaunchPlan {
+                shared_mem_bytes: traits.smem_bytes_var(),
+                ..plan
+            };
+            (&self.fwd_var[at], plan)
+        } else {
+            (&self.fwd[at], plan)
+        };
         let mut b = s.launch_builder(f);
         b.arg(&p);
         // SAFETY: every buffer's length was checked against `shape` and the
@@ -480,7 +530,7 @@ impl<T: KernelElem + DeviceRepr> AttentionBackend<T> for CudaBackend {
     fn run_forward(&self, call: ForwardCall<'_, '_, Device, T, f32>) -> Result<()> {
         let (args, o, lse) = call.into_parts();
         let s = &self.stream;
-        launch::check_plain_call("CUDA kernels", &args)?;
+        launch::check_kernel_call("CUDA kernels", &args)?;
         // Before any launch (rotary included): a misaligned view would
         // fault and take the CUDA context down.
         launch::check_vector_alignment(
@@ -532,6 +582,12 @@ pub struct DevicePack {
     max_position: (u32, usize),
     /// Rotary tables per (base, dims), built on first use (`rope.rs`).
     rope_tables: rope::RopeTableCache,
+    /// kv_end and the position ids on the host, for the key starts of the
+    /// attention variants (`starts.rs`: one `O(L)` walk per window).
+    host_kv_end: Vec<u32>,
+    host_position_ids: Vec<u32>,
+    /// The variants' key starts per (window, sinks), built on first use.
+    starts: starts::StartsCache,
     tile_kv_min: CudaSlice<u32>,
     tile_kv_max: CudaSlice<u32>,
 }
@@ -582,10 +638,9 @@ mod tests {
     fn the_fatbin_and_report_are_embedded() {
         // A fatbin starts with its magic 0xBA55ED50 (little endian).
         assert_eq!(&FWD_FATBIN[..4], &[0x50, 0xed, 0x55, 0xba]);
-        let fwd = launch::ATTN_VARIANTS.iter().map(|&(dtype, d)| {
-            FwdTraits::for_head_dim(d as usize)
-                .unwrap()
-                .kernel_name(dtype)
+        let fwd = launch::ATTN_VARIANTS.iter().flat_map(|&(dtype, d)| {
+            let t = FwdTraits::for_head_dim(d as usize).unwrap();
+            [t.kernel_name(dtype), t.kernel_name_var(dtype)]
         });
         for name in fwd.chain(["tree_attn_kv_tile_bounds".to_string()]) {
             assert!(

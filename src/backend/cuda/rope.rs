@@ -250,6 +250,21 @@ fn without_rope(params: &AttnParams) -> AttnParams {
     }
 }
 
+/// `plain` (the rotated Q, K of `args`) with the sinks and explicit key
+/// starts of `args` (a window and a softcap travel in the params).
+fn with_variants_of<'a: 'b, 'b, T: KernelElem + DeviceRepr>(
+    mut plain: AttnArgs<'b, Device, T>,
+    args: &AttnArgs<'a, Device, T>,
+) -> Result<AttnArgs<'b, Device, T>> {
+    if let Some(x) = args.sinks() {
+        plain = plain.with_sinks(x)?;
+    }
+    if let Some(st) = args.key_starts() {
+        plain = plain.with_key_starts(st)?;
+    }
+    Ok(plain)
+}
+
 /// Forward with rotary: Q and K rotated into scratch, then the rotary-free
 /// forward on them. Asynchronous on the backend's stream.
 pub(super) fn forward<T: KernelElem + DeviceRepr>(
@@ -274,6 +289,7 @@ pub(super) fn forward<T: KernelElem + DeviceRepr>(
         args.mask(),
         without_rope(args.params()),
     )?;
+    let plain = with_variants_of(plain, &args)?;
     be.run_forward_kernel(ForwardCall::new(plain, o, lse)?)
 }
 
@@ -290,7 +306,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let (args, saved, d_o, grads) = call.into_parts();
         let s = self.stream();
-        crate::backend::launch::check_plain_call("CUDA kernels", &args)?;
+        crate::backend::launch::check_kernel_call("CUDA kernels", &args)?;
         // Before any launch (rotary included), as the forward does.
         crate::backend::launch::check_vector_alignment(
             "backward kernels",
@@ -310,12 +326,18 @@ impl CudaBackend {
             return self.bwd.run(call, mode, self.main_kernel);
         };
         let (args, saved, d_o, grads) = call.into_parts();
-        let Grads { dq, dk, dv, .. } = grads;
+        let Grads { dq, dk, dv, dsinks } = grads;
         let shape = args.shape();
         plan_backward_with_kernel(&shape, self.main_kernel)?;
         let s = self.stream();
         check_qk(s, &args)?;
         if shape.tokens == 0 {
+            if let Some(ds) = dsinks {
+                // No row: the sum over rows is 0.
+                let zeros = vec![T::from_f32(0.0); ds.len()];
+                s.memcpy_htod(&zeros[..], ds)
+                    .map_err(cuda_err("zeroing dsinks"))?;
+            }
             return Ok(());
         }
         let (tables, q, k) = self.rope.rotate_qk(s, rope, &args)?;
@@ -327,11 +349,12 @@ impl CudaBackend {
             args.mask(),
             without_rope(args.params()),
         )?;
+        let plain = with_variants_of(plain, &args)?;
         let grads = Grads {
             dq: &mut *dq,
             dk: &mut *dk,
             dv,
-            dsinks: None,
+            dsinks,
         };
         self.bwd.run(
             BackwardCall::new(plain, saved, d_o, grads)?,

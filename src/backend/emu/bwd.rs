@@ -1,8 +1,10 @@
 //! Attention backward on the emulator (`kernels/tree_attn_bwd.cu`).
 
 use super::{check_result, emu_result, ffi, Emu, KernelElem};
-use crate::backend::launch::bwd::{plan_backward_with, BwdParams, DqMode, MainKernel};
-use crate::backend::launch::{scale_log2, LaunchPlan};
+use crate::backend::launch::bwd::{
+    plan_backward_var, plan_backward_with, BwdParams, DqMode, MainKernel,
+};
+use crate::backend::launch::{check_kernel_call, scale_log2, softcap_args, LaunchPlan};
 use crate::backend::{BackwardCall, Grads, Host};
 use crate::{Error, Result};
 
@@ -11,7 +13,9 @@ use crate::{Error, Result};
 /// rotates Q and K first and dQ, dK back after), from the forward's `o`, its
 /// f32 `lse` and `d_o`. 16-bit inputs and outputs, f32 accumulation;
 /// `emu.dq_mode` picks how dQ is summed ([`DqMode`]), `emu.group_splits`
-/// may force the main kernel's group splits. A non-finite gradient
+/// may force the main kernel's group splits. A call with a sliding window,
+/// key starts, a softcap or sinks runs the variant kernels (`*_var_*`, and
+/// `tree_attn_bwd_dsinks` for the sinks' gradient). A non-finite gradient
 /// is an [`Error::NonFinite`].
 pub(super) fn backward<T: KernelElem>(
     emu: &Emu,
@@ -21,10 +25,29 @@ pub(super) fn backward<T: KernelElem>(
     let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
     let params = args.params();
     let (o, lse) = (saved.o, saved.lse);
-    let Grads { dq, dk, dv, .. } = grads;
+    let Grads {
+        dq,
+        dk,
+        dv,
+        mut dsinks,
+    } = grads;
     let mode = emu.dq_mode;
-    let (traits, plans) = plan_backward_with(&shape, emu.group_splits, emu.main_kernel)?;
+    let var = check_kernel_call("emulated kernels", &args)?;
+    let (traits, plans) = if var {
+        plan_backward_var(
+            &shape,
+            emu.group_splits,
+            emu.main_kernel,
+            params.softcap.is_some(),
+        )?
+    } else {
+        plan_backward_with(&shape, emu.group_splits, emu.main_kernel)?
+    };
     if shape.tokens == 0 {
+        if let Some(ds) = dsinks {
+            // No row: the sum over rows is 0.
+            ds.fill(T::from_f32(0.0));
+        }
         return Ok(());
     }
     if params.rope.is_some() {
@@ -33,6 +56,10 @@ pub(super) fn backward<T: KernelElem>(
         ));
     }
     let (tile_min, tile_max) = emu.kv_tile_bounds(mask.kv_end(), traits.block_n as usize)?;
+    let starts = if var { emu.key_starts(&args)? } else { None };
+    let (softcap_c, softcap_in) = softcap_args(params);
+    let addr = |x: Option<&Vec<u32>>| x.map_or(0, |x| x.as_ptr() as u64);
+    let dsinks_addr = dsinks.as_mut().map_or(0, |d| d.as_mut_ptr() as u64);
     // Poisoned, so that the kernels, not this allocation, must provide every
     // value (and the accumulator's zeros in atomic mode).
     let mut delta = vec![f32::NAN; shape.q_heads * shape.tokens];
@@ -68,12 +95,29 @@ pub(super) fn backward<T: KernelElem>(
         zero_dq_accum: (mode == DqMode::Atomic) as u32,
         group_splits: plans.group_splits,
         reserved: 0,
+        key_start: addr(starts.as_ref().map(|s| &s.starts)),
+        start_tile_min: addr(starts.as_ref().map(|s| &s.tile_min)),
+        start_tile_max: addr(starts.as_ref().map(|s| &s.tile_max)),
+        sinks: args.sinks().map_or(0, |s| s.as_ptr() as u64),
+        dsinks: dsinks_addr,
+        softcap_c,
+        softcap_in,
     };
     // Stage numbers of kernels/emu/bwd_entry.cpp: the two-m-tile main
     // kernel is 6 (atomic) / 7 (det), 8 / 9 / 10 with a negative control's
     // fault; the 4-warp d 64 one 11 / 12, 13 / 14 with fault 1 / 2.
     let fault = NEGATIVE_CONTROL.with(|f| f.get());
     let (main_atomic, main_det) = match (traits.main_kernel, fault) {
+        // The variant kernels (15 / 16 one m-tile, 17 / 18 two; their
+        // dQ kernel 19): no negative-control faults.
+        (MainKernel::OneMTile, 0) if var => (15, 16),
+        (MainKernel::TwoMTiles, 0) if var => (17, 18),
+        (_, f) if var => {
+            return Err(Error::Unsupported(format!(
+                "negative control {f}: the faults exist in the plain main kernels only (or {:?} with variants)",
+                traits.main_kernel
+            )))
+        }
         (MainKernel::TwoMTiles, 0) => (6, 7),
         (MainKernel::TwoMTiles, f) => (7 + f, 7),
         (MainKernel::TwoMTilesFourWarps, 0) => (11, 12),
@@ -85,21 +129,30 @@ pub(super) fn backward<T: KernelElem>(
         }
         (MainKernel::OneMTile, _) => (1, 2),
     };
+    let (main_atomic_name, main_det_name, dq_stage, dq_name) = if var {
+        ("main_var_atomic", "main_var_det", 19, "dq_var")
+    } else {
+        ("main_atomic", "main_det", 3, "dq")
+    };
     let mut stages: Vec<(u32, &str, LaunchPlan)> = match mode {
         DqMode::Atomic => vec![
             (0, "pre", plans.per_row),
-            (main_atomic, "main_atomic", plans.main),
+            (main_atomic, main_atomic_name, plans.main),
             (4, "dq_convert", plans.per_row),
         ],
         DqMode::Deterministic => vec![
             (0, "pre", plans.per_row),
-            (main_det, "main_det", plans.main),
-            (3, "dq", plans.dq),
+            (main_det, main_det_name, plans.main),
+            (dq_stage, dq_name, plans.dq),
             (4, "dq_convert", plans.per_row),
         ],
     };
     if plans.group_splits > 1 {
         stages.push((5, "dkv_convert", plans.dkv_convert));
+    }
+    if args.sinks().is_some() && dsinks_addr != 0 {
+        // After pre (D), in launch order.
+        stages.insert(1, (20, "dsinks", plans.dsinks));
     }
     let mut stats = BackwardStats::default();
     for &(stage, name, plan) in &stages {
@@ -127,15 +180,19 @@ pub(super) fn backward<T: KernelElem>(
         };
         emu_result(&traits.kernel_name(name, T::DTYPE), rc, &err)?;
         match stage {
-            1 | 2 | 6..=14 => stats.main_cp_async_bytes = bytes,
-            3 => stats.dq_cp_async_bytes = bytes,
+            1 | 2 | 6..=18 => stats.main_cp_async_bytes = bytes,
+            3 | 19 => stats.dq_cp_async_bytes = bytes,
             _ => {}
         }
     }
     LAST_BACKWARD.with(|s| s.set(Some(stats)));
     check_result("dq", dq, false)?;
     check_result("dk", dk, false)?;
-    check_result("dv", dv, false)
+    check_result("dv", dv, false)?;
+    match dsinks {
+        Some(ds) => check_result("dsinks", ds, false),
+        None => Ok(()),
+    }
 }
 
 /// What the kernels of an emulated backward moved with `cp.async` (zero-filled

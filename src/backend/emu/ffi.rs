@@ -28,6 +28,7 @@ extern "C" {
     pub fn ta_emu_tree_attn_fwd(
         dtype: u32,
         head_dim: u32,
+        var: u32,
         p: *const FwdParams,
         grid_x: u32,
         grid_y: u32,
@@ -50,6 +51,7 @@ extern "C" {
     // kernels/emu/bwd_entry.cpp
     pub fn ta_emu_bwd_traits(head_dim: u32, out: *mut i32) -> i32;
     pub fn ta_emu_bwd2_traits(head_dim: u32, four_warps: u32, out: *mut i32) -> i32;
+    pub fn ta_emu_var_smem(head_dim: u32, out: *mut i32) -> i32;
     #[allow(clippy::too_many_arguments)]
     pub fn ta_emu_tree_attn_bwd(
         dtype: u32,

@@ -248,6 +248,21 @@ fn plain_params(params: &AttnParams) -> AttnParams {
     }
 }
 
+/// `plain` (the rotated Q, K of `args`) with the sinks and explicit key
+/// starts of `args` (a window travels in the params).
+fn with_variants_of<'b, T: KernelElem>(
+    mut plain: AttnArgs<'b, Host, T>,
+    args: &AttnArgs<'b, Host, T>,
+) -> Result<AttnArgs<'b, Host, T>> {
+    if let Some(s) = args.sinks() {
+        plain = plain.with_sinks(s)?;
+    }
+    if let Some(st) = args.key_starts() {
+        plain = plain.with_key_starts(st)?;
+    }
+    Ok(plain)
+}
+
 /// Forward with rotary: Q and K rotated by the kernel into scratch, then the
 /// rotary-free forward on them.
 pub(super) fn forward<T: KernelElem>(
@@ -270,6 +285,7 @@ pub(super) fn forward<T: KernelElem>(
         args.mask(),
         plain_params(args.params()),
     )?;
+    let plain = with_variants_of(plain, &args.reborrow())?;
     super::forward(emu, ForwardCall::new(plain, o, lse)?)
 }
 
@@ -283,10 +299,13 @@ pub(super) fn backward<T: KernelElem>(
     call: BackwardCall<'_, '_, '_, Host, T, f32>,
 ) -> Result<()> {
     let (args, saved, d_o, grads) = call.into_parts();
-    let Grads { dq, dk, dv, .. } = grads;
+    let Grads { dq, dk, dv, dsinks } = grads;
     let shape = args.shape();
     plan_backward(&shape)?;
     if shape.tokens == 0 {
+        if let Some(ds) = dsinks {
+            ds.fill(T::from_f32(0.0));
+        }
         return Ok(());
     }
     let (tables, q, k) = rotate_qk(emu, rope, &args)?;
@@ -298,6 +317,7 @@ pub(super) fn backward<T: KernelElem>(
         args.mask(),
         plain_params(args.params()),
     )?;
+    let plain = with_variants_of(plain, &args.reborrow())?;
     let call = BackwardCall::new(
         plain,
         saved,
@@ -306,7 +326,7 @@ pub(super) fn backward<T: KernelElem>(
             dq: &mut *dq,
             dk: &mut *dk,
             dv,
-            dsinks: None,
+            dsinks,
         },
     )?;
     super::bwd::backward(emu, call)?;

@@ -94,6 +94,40 @@ impl MainKernel {
         let _ = head_dim;
         MainKernel::TwoMTiles
     }
+
+    /// The main kernel of a call with attention variants (the `*_var_*`
+    /// kernels: a window or key starts, a softcap, sinks), given the
+    /// caller's choice (`None`: the default). [`Self::TwoMTiles`] and
+    /// [`Self::OneMTile`] have variant kernels; at d 128 the two-m-tile
+    /// one has no softcap (its role-1 warps read P from shared memory both
+    /// for dV and for dS, which needs P ∘ (1 − tanh²): a second P region
+    /// would pass A100's shared memory), so a softcap there runs the
+    /// one-m-tile variant kernel by default. Errors ([`Error::Unsupported`],
+    /// naming the kernels that do): [`Self::TwoMTilesFourWarps`] (no
+    /// variant kernel); [`Self::TwoMTiles`] asked for with a softcap at d
+    /// 128.
+    pub fn for_variants(
+        head_dim: usize,
+        requested: Option<MainKernel>,
+        softcap: bool,
+    ) -> Result<MainKernel> {
+        let split_d128 = head_dim == 128;
+        match requested {
+            None if split_d128 && softcap => Ok(MainKernel::OneMTile),
+            None => Ok(MainKernel::default_for(head_dim)),
+            Some(MainKernel::TwoMTilesFourWarps) => Err(Error::Unsupported(
+                "the 4-warp two-m-tile backward main kernel has no variant kernel (sliding window, key \
+                 starts, softcap, sinks): use MainKernel::TwoMTiles (the default) or MainKernel::OneMTile"
+                    .into(),
+            )),
+            Some(MainKernel::TwoMTiles) if split_d128 && softcap => Err(Error::Unsupported(
+                "the d 128 two-m-tile backward main kernel computes no softcap: use MainKernel::OneMTile \
+                 (what the default picks for a softcap at d 128)"
+                    .into(),
+            )),
+            Some(k) => Ok(k),
+        }
+    }
 }
 
 /// Tiling of the backward kernels for one head dim (the Rust copy of the C++
@@ -176,15 +210,29 @@ impl BwdTraits {
     pub fn dq_smem_bytes(&self) -> u32 {
         6 * self.dq_block_m * self.row_stride() * 2 + 2 * self.dq_block_m * 4
     }
+    /// Shared memory of the main variant kernel (`main_var_*`,
+    /// `main2_var_*`): [`Self::main_smem_bytes`] and the key starts of the
+    /// two query buffers' rows (C++ `kSmemBytesVar`).
+    pub fn main_smem_bytes_var(&self) -> u32 {
+        self.main_smem_bytes() + 2 * self.block_m * 4
+    }
+    /// Shared memory of the dQ variant kernel (`dq_var`):
+    /// [`Self::dq_smem_bytes`] and the query tile's key starts.
+    pub fn dq_smem_bytes_var(&self) -> u32 {
+        self.dq_smem_bytes() + self.dq_block_m * 4
+    }
     /// Symbol of one of the backward kernels (`stage` is `"pre"`,
-    /// `"main_atomic"`, `"main_det"`, `"dq"`, `"dq_convert"` or
-    /// `"dkv_convert"`); the main stages name the traits' main kernel
-    /// (`main2_*` for [`MainKernel::TwoMTiles`], `main2w4_*` for
-    /// [`MainKernel::TwoMTilesFourWarps`]).
+    /// `"main_atomic"`, `"main_det"`, `"dq"`, `"dq_convert"`,
+    /// `"dkv_convert"`, or for the attention variants `"main_var_atomic"`,
+    /// `"main_var_det"`, `"dq_var"`, `"dsinks"`); the main stages name the
+    /// traits' main kernel (`main2_*` for [`MainKernel::TwoMTiles`],
+    /// `main2w4_*` for [`MainKernel::TwoMTilesFourWarps`]).
     pub fn kernel_name(&self, stage: &str, dtype: Dtype) -> String {
         let stage = match (self.main_kernel, stage) {
             (MainKernel::TwoMTiles, "main_atomic") => "main2_atomic",
             (MainKernel::TwoMTiles, "main_det") => "main2_det",
+            (MainKernel::TwoMTiles, "main_var_atomic") => "main2_var_atomic",
+            (MainKernel::TwoMTiles, "main_var_det") => "main2_var_det",
             (MainKernel::TwoMTilesFourWarps, "main_atomic") => "main2w4_atomic",
             (MainKernel::TwoMTilesFourWarps, "main_det") => "main2w4_det",
             _ => stage,
@@ -244,6 +292,9 @@ pub struct BwdPlans {
     /// `tree_attn_bwd_dkv_convert` (run only when `group_splits > 1`): one
     /// warp per (token, kv head).
     pub dkv_convert: LaunchPlan,
+    /// `tree_attn_bwd_dsinks` (run only for a call with sinks that asks for
+    /// their gradient): one block of 128 threads per query head.
+    pub dsinks: LaunchPlan,
     /// z-slices of the main kernel's grid ([`group_splits`]).
     pub group_splits: u32,
 }
@@ -353,8 +404,34 @@ pub fn plan_backward_with(
             block,
             shared_mem_bytes: 0,
         },
+        dsinks: LaunchPlan {
+            grid: (shape.q_heads as u32, 1, 1),
+            block,
+            shared_mem_bytes: DSINKS_SMEM_BYTES,
+        },
         group_splits: splits,
     };
+    Ok((traits, plans))
+}
+
+/// Dynamic shared memory of `tree_attn_bwd_dsinks` (its 4 warps' partial
+/// sums; C++ `kDsinksSmemBytes`).
+pub const DSINKS_SMEM_BYTES: u32 = 16;
+
+/// [`plan_backward_with`] for a call with attention variants (the
+/// `*_var_*` kernels): the main kernel [`MainKernel::for_variants`] picks
+/// from `kernel` and whether there is a softcap, and the main and dQ
+/// kernels' shared memory with their query rows' key starts.
+pub fn plan_backward_var(
+    shape: &AttnShape,
+    splits: Option<u32>,
+    kernel: Option<MainKernel>,
+    softcap: bool,
+) -> Result<(BwdTraits, BwdPlans)> {
+    let kernel = MainKernel::for_variants(shape.head_dim, kernel, softcap)?;
+    let (traits, mut plans) = plan_backward_with(shape, splits, Some(kernel))?;
+    plans.main.shared_mem_bytes = traits.main_smem_bytes_var();
+    plans.dq.shared_mem_bytes = traits.dq_smem_bytes_var();
     Ok((traits, plans))
 }
 
@@ -388,12 +465,22 @@ pub(crate) struct BwdParams {
     pub zero_dq_accum: u32,
     pub group_splits: u32,
     pub reserved: u32,
+    /// The variants (0 for a plain call).
+    pub key_start: u64,
+    pub start_tile_min: u64,
+    pub start_tile_max: u64,
+    pub sinks: u64,
+    pub dsinks: u64,
+    pub softcap_c: f32,
+    pub softcap_in: f32,
 }
-super::assert_layout!(BwdParams, 160, {
+super::assert_layout!(BwdParams, 208, {
     q: 0, k: 8, v: 16, o: 24, d_o: 32, lse: 40, delta: 48, dq_accum: 56, dq: 64, dk: 72,
     dv: 80, kv_end: 88, tile_kv_min: 96, tile_kv_max: 104, dkv_accum: 112, tokens: 120,
     q_heads: 124, kv_heads: 128, num_key_tiles: 132, scale: 136, scale_log2: 140,
-    head_dim: 144, zero_dq_accum: 148, group_splits: 152, reserved: 156,
+    head_dim: 144, zero_dq_accum: 148, group_splits: 152, reserved: 156, key_start: 160,
+    start_tile_min: 168, start_tile_max: 176, sinks: 184, dsinks: 192, softcap_c: 200,
+    softcap_in: 204,
 });
 
 #[cfg(test)]

@@ -103,7 +103,7 @@ pub fn tree_attention_plan(
 /// [`tree_attention_plan`] with attention sinks `[Hq]` (one logit per query
 /// head joining each row's softmax denominator, with no value: gpt-oss),
 /// of q's dtype, differentiable: candle's backward returns their gradient
-/// with dQ, dK, dV. CPU tensors (the CUDA kernels do not compute sinks).
+/// with dQ, dK, dV. CPU tensors (sinks do not reach the CUDA kernels from the candle op yet).
 /// (k and v go to the op as one flat tensor, candle's three-input op
 /// holding q, K‖V and the sinks; candle's autograd splits the gradient
 /// back.)
@@ -370,7 +370,7 @@ impl CustomOp3 for TreeAttention {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         if self.inputs != Inputs::Separate {
             candle_core::bail!(
-                "tree_attention_with_sinks: the CUDA kernels do not compute attention sinks (CPU tensors do)"
+                "tree_attention_with_sinks: sinks do not reach the CUDA kernels from the candle op yet (CPU tensors compute them)"
             )
         }
         let out_shape =

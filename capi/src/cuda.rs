@@ -82,7 +82,8 @@ unsafe fn with_device_call(
     if !crate::sinks_of(c.params).is_null() {
         return Err(crate::Fail(
             crate::TREEATTN_ERR_UNSUPPORTED,
-            "the CUDA kernels do not compute attention sinks (params.sinks): use the host entries"
+            "attention sinks (params.sinks) do not reach the CUDA kernels through the device entries \
+             yet: use the host entries"
                 .into(),
         ));
     }
@@ -147,7 +148,7 @@ where
     if !g.dsinks.is_null() {
         return Err(crate::Fail(
             crate::TREEATTN_ERR_UNSUPPORTED,
-            "the CUDA kernels do not compute attention sinks (dsinks must be null)".into(),
+            "the device entries take no attention sinks yet (dsinks must be null)".into(),
         ));
     }
     with_device_call(device, stream, &c, |be, pack, call| {

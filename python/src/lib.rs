@@ -781,8 +781,9 @@ fn cuda_attention_forward(
 ) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     {
-        // The kernels refuse every variant by name (no sinks reach here:
-        // the wrapper refuses them on CUDA tensors).
+        // A window and a softcap travel in the params; sinks do not reach
+        // here (the wrapper refuses them on CUDA tensors: the crate's
+        // borrowed-pointer entries take none yet).
         let var = Variants {
             v_head_dim,
             window,
@@ -856,8 +857,9 @@ fn cuda_attention_backward(
 ) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     {
-        // The kernels refuse every variant by name (no sinks reach here:
-        // the wrapper refuses them on CUDA tensors).
+        // A window and a softcap travel in the params; sinks do not reach
+        // here (the wrapper refuses them on CUDA tensors: the crate's
+        // borrowed-pointer entries take none yet).
         let var = Variants {
             v_head_dim,
             window,

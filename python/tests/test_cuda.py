@@ -116,6 +116,43 @@ def test_cuda_op_matches_the_cpu_backend(dtype, heads, d, rope, gen):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window, softcap", [(1, None), (7, None), (None, 2.0), (5, 1.5)])
+def test_cuda_window_and_softcap_match_the_cpu_backend(dtype, d, window, softcap, gen):
+    # The variant kernels (proven under the emulator) through torch's CUDA
+    # op: backend="treeattn" must run them, not refuse or route to flex.
+    hq, hkv, L = 8, 2, 300
+    kv_end = random_forest(L, gen, 0.1)
+    x = [torch.randn(L, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv)]
+    d_o = torch.randn(L, hq, d, generator=gen).to(dtype)
+    dev = [t.cuda().requires_grad_() for t in x]
+    cpu = [t.float().requires_grad_() for t in x]
+    o = tt.tree_attention(*dev, kv_end.cuda(), window=window, softcap=softcap, backend="treeattn")
+    o.backward(d_o.cuda())
+    o_ref = tt.tree_attention(*cpu, kv_end, window=window, softcap=softcap)
+    o_ref.backward(d_o.float())
+    o_bound, g_bound = BOUNDS[dtype]
+    assert rel_frobenius(o, o_ref) <= o_bound
+    for name, a, b in zip("qkv", dev, cpu):
+        err = rel_frobenius(a.grad, b.grad)
+        assert err <= g_bound, f"d{name}: {err:.3e} > {g_bound}"
+    # Negative control: the window one wider is another answer.
+    if window is not None:
+        wider = tt.tree_attention(*[t.detach() for t in dev], kv_end.cuda(), window=window + 1,
+                                  softcap=softcap, backend="treeattn")
+        assert rel_frobenius(wider, o_ref) > 2 * o_bound
+
+
+@gpu
+def test_cuda_sinks_are_refused_by_name():
+    q = torch.randn(64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    kv_end = torch.full((64,), 64, device="cuda")
+    with pytest.raises(ValueError, match='backend="flex"'):
+        tt.tree_attention(q, q, q, kv_end, sinks=torch.zeros(2, device="cuda"), backend="treeattn")
+
+
+@gpu
 def test_cuda_op_under_compile_and_opcheck(gen):
     L, d = 64, 64
     kv_end = random_forest(L, gen).cuda()

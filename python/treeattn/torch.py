@@ -315,10 +315,12 @@ def _key_starts(kv_start: Optional[Tensor], L: int) -> Optional[Tensor]:
 
 
 def _no_cuda_sinks(sinks: Optional[Tensor], kv_start: Optional[Tensor] = None) -> None:
+    # The kernels compute both, but the extension's CUDA entries do not
+    # take them yet (the crate's borrowed-pointer entries have no sinks).
     if sinks is not None or kv_start is not None:
         raise ValueError(
-            "the CUDA kernels do not compute attention sinks or explicit key starts: use backend=\"flex\" "
-            "(or \"auto\") on CUDA, or CPU tensors"
+            "attention sinks and explicit key starts do not reach the CUDA kernels from Python yet: use "
+            "backend=\"flex\" (or \"auto\") on CUDA, or CPU tensors"
         )
 
 
@@ -861,9 +863,10 @@ def tree_attention(
     ``block_size``; rotary applied in torch first; the softcap as its
     ``score_mod``, sinks through its LSE; on CPU torch has no FlexAttention
     backward), or ``"auto"``: the crate's kernels where they run (CPU; CUDA
-    when built with them, bfloat16 / float16, head dim 64 or 128, no
-    window, softcap, sinks or other value head dim), else FlexAttention. The
-    CUDA kernels refuse the variants with a ``ValueError`` naming
+    when built with them, bfloat16 / float16, head dim 64 or 128, with or
+    without a window or softcap, no sinks or other value head dim), else
+    FlexAttention. On CUDA, ``backend="treeattn"`` refuses sinks and a
+    value head dim unlike q's with a ``ValueError`` naming
     ``backend="flex"``; the CPU backend computes them all.
     """
     if backend not in ("treeattn", "flex", "auto"):
@@ -977,11 +980,14 @@ def tree_attention(
     for name, t in (("k", k), ("v", v), ("kv_end", kv_end), ("position_ids", position_ids), ("sinks", sinks)):
         if t is not None:
             _check_device(name, t, device)
-    plain = window is None and softcap is None and sinks is None and v.shape[2] == d
+    # What the CUDA kernels compute: plain attention, a window and a softcap
+    # (proven under the emulator); sinks and a value head dim unlike q's run
+    # with FlexAttention there.
+    cuda_kernels = sinks is None and v.shape[2] == d
     if backend == "auto":
         ours = device.type == "cpu" or (
             device.type == "cuda" and cuda_built() and q.dtype in (torch.bfloat16, torch.float16)
-            and d in (64, 128) and plain
+            and d in (64, 128) and cuda_kernels
         )
         backend = "treeattn" if ours else "flex"
     if backend == "flex":
@@ -999,12 +1005,14 @@ def tree_attention(
                 f"q has dtype {q.dtype} on {device}: the CUDA kernels take bfloat16 or float16 "
                 "(cast q, k, v, e.g. q.to(torch.bfloat16); nothing is cast silently)"
             )
-        if not plain:
+        if not cuda_kernels:
             raise ValueError(
-                "the CUDA kernels compute plain softmax attention: a window, softcap, sinks or a value head "
-                f"dim ({v.shape[2]}) unlike q's ({d}) runs with backend=\"flex\" (or \"auto\") on CUDA"
+                "the CUDA kernels take a window and a softcap, not attention sinks or a value head "
+                f"dim ({v.shape[2]}) unlike q's ({d}): these run with backend=\"flex\" (or \"auto\") on CUDA"
             )
-        o, _lse = _attn_fwd(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads, plan)
+        o, _lse = _attn_fwd(
+            q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads, plan, window, softcap
+        )
         return o
     if device.type not in ("cpu", "meta"):
         raise ValueError(f"q is on {device}: treeattn runs on CPU and CUDA tensors")

@@ -57,6 +57,13 @@ pub mod error;
 pub mod gen;
 #[cfg(any(feature = "cuda", feature = "emu"))]
 pub mod gpu_check;
+/// `treeattn gpu-check`: without the `cuda` and `emu` features, only the
+/// backward launch plan and its SM-utilization model ([`gpu_check::plan`],
+/// `gpu-check --plan-only`), which need no kernel.
+#[cfg(not(any(feature = "cuda", feature = "emu")))]
+pub mod gpu_check {
+    pub mod plan;
+}
 pub mod logittree;
 pub mod mask;
 mod matmul;

@@ -543,6 +543,12 @@ pub(super) fn check<D: Target>(
 
 /// Part 2's timing sections (forward + backward against causal and
 /// LogitTree; SDCC fused against unfused), appended to `rep`.
+///
+/// `groups` is one pass of [`timing::TimingSet::passes`], timed with
+/// `reps` rounds per row (at most 20); the SDCC section runs with `sdcc`
+/// (the last pass). Rows go into `tm` as they finish; a row the time limit
+/// does not admit is skipped with a line.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn timings<D: Target>(
     be: &D,
     rng: &mut Rng,
@@ -550,6 +556,9 @@ pub(super) fn timings<D: Target>(
     rep: &mut Report<'_>,
     tm: &mut Timings,
     set: &timing::TimingSet,
+    groups: &[(AttnShape, Vec<timing::Row<'_>>)],
+    reps: usize,
+    sdcc: bool,
 ) -> Result<()> {
     let shape = |tokens, q_heads, kv_heads, head_dim| AttnShape {
         tokens,
@@ -565,7 +574,7 @@ pub(super) fn timings<D: Target>(
     };
     // 3. timing of forward + backward
     let n = set.tokens;
-    let reps = opts.reps.clamp(1, 20);
+    let reps = reps.clamp(1, 20);
     let warm = warmup::<D>(3);
     let _ = writeln!(
         rep,
@@ -587,30 +596,68 @@ pub(super) fn timings<D: Target>(
         "LogitT ms",
         "vs LogitT"
     );
-    let groups = set.groups();
     // Atomic against deterministic dQ on the same inputs, per timed tree
     // pack: (pack, relative Frobenius difference).
     let mut dq_modes: Vec<(String, f64)> = Vec::new();
-    for (sh, rows) in &groups {
+    for (sh, rows) in groups {
         let (d, l) = (sh.head_dim, sh.tokens);
-        let causal = timing::causal_pack(l);
-        let mut c = [Run::<D, half::bf16>::new(be, rng, &causal, *sh, None)?];
-        let causal_ms = time_runs(be, &mut c, DqMode::Atomic, reps)?;
-        drop(c);
         let causal_name = format!("causal {}/{}", sh.q_heads, sh.kv_heads);
-        let id = tm.pack_id("causal", &causal);
-        tm.records.push(TimingRecord {
-            name: causal_name,
-            kind: "forward+backward",
-            pack: id,
-            shape: *sh,
-            rope: None,
-            pairs: causal.mask()?.visible_pairs(),
-            ours_ms: causal_ms,
-            ours_det_ms: None,
-            causal_ms,
-        });
+        let causal_ms = match tm.causal_ms("forward+backward", sh) {
+            Some(ms) => ms,
+            None => {
+                let started = std::time::Instant::now();
+                let what = format!("forward+backward {causal_name} d{d} and its group");
+                if let Err(line) = tm.budget.admit(&what) {
+                    let _ = writeln!(rep, "{line}");
+                    tm.skipped.push(line);
+                    continue;
+                }
+                let causal = timing::causal_pack(l);
+                let mut c = [Run::<D, half::bf16>::new(be, rng, &causal, *sh, None)?];
+                let causal_ms = time_runs(be, &mut c, DqMode::Atomic, reps)?;
+                drop(c);
+                let _ = writeln!(
+                    rep,
+                    "{:<34} {:>4} {:>6} {:>8.1} {:>9.3} {:>9} {:>8} {:>9.3} {:>5} {:>10} {:>9}",
+                    causal_name,
+                    d,
+                    l,
+                    causal.mask()?.visible_pairs() as f64 / 1e6,
+                    causal_ms,
+                    "-",
+                    "-",
+                    causal_ms,
+                    "-",
+                    "-",
+                    "-"
+                );
+                let id = tm.pack_id("causal", &causal);
+                tm.causal.push(("forward+backward", *sh, causal_ms));
+                tm.push(TimingRecord {
+                    name: causal_name,
+                    kind: "forward+backward",
+                    pack: id,
+                    shape: *sh,
+                    rope: None,
+                    pairs: causal.mask()?.visible_pairs(),
+                    ours_ms: causal_ms,
+                    ours_det_ms: None,
+                    causal_ms,
+                })?;
+                tm.budget.took(started.elapsed());
+                causal_ms
+            }
+        };
         for r in rows {
+            let started = std::time::Instant::now();
+            if let Err(line) = tm
+                .budget
+                .admit(&format!("forward+backward {} d{d}", r.label))
+            {
+                let _ = writeln!(rep, "{line}");
+                tm.skipped.push(line);
+                continue;
+            }
             let (name, pack, rope) = (&r.label, r.pack, &r.rope);
             let mut tree = [Run::<D, half::bf16>::new(be, rng, pack, *sh, *rope)?];
             let ms = time_runs(be, &mut tree, DqMode::Atomic, reps)?;
@@ -705,7 +752,7 @@ pub(super) fn timings<D: Target>(
                 );
             }
             let id = tm.pack_id(timing::name_of_pack(name), pack);
-            tm.records.push(TimingRecord {
+            tm.push(TimingRecord {
                 name: name.clone(),
                 kind: "forward+backward",
                 pack: id,
@@ -715,7 +762,8 @@ pub(super) fn timings<D: Target>(
                 ours_ms: ms,
                 ours_det_ms: Some(det_ms),
                 causal_ms,
-            });
+            })?;
+            tm.budget.took(started.elapsed());
         }
     }
 
@@ -737,7 +785,34 @@ pub(super) fn timings<D: Target>(
         if bad.is_empty() { "ok" } else { "FAIL" }
     );
 
-    // 4. SDCC fused vs unfused
+    // 4. SDCC fused vs unfused (the last pass only)
+    if sdcc {
+        if let Err(line) = tm.budget.admit("SDCC timing") {
+            let _ = writeln!(rep, "{line}");
+            tm.skipped.push(line);
+        } else {
+            sdcc_timing(be, rng, opts, rep, n, reps, clock)?;
+        }
+    }
+    if !bad.is_empty() {
+        return Err(Error::Cuda(format!(
+            "gpu-check failed (atomic vs deterministic dQ differ beyond {bound:.0e}: {})",
+            bad.join(", ")
+        )));
+    }
+    Ok(())
+}
+
+/// SDCC fused against unfused at the timing length's pair count.
+fn sdcc_timing<D: Target>(
+    be: &D,
+    rng: &mut Rng,
+    opts: &CheckOptions,
+    rep: &mut Report<'_>,
+    n: usize,
+    reps: usize,
+    clock: &str,
+) -> Result<()> {
     let vocab = opts.sdcc_vocab;
     // 2048 pairs at the default 16k timing tokens (~1.8 MB of traffic per
     // pair at vocab 151,936); fewer for the small sanitizer runs.
@@ -777,12 +852,6 @@ pub(super) fn timings<D: Target>(
         bytes / (fused * 1e-3) / 1e9,
         unfused / fused
     );
-    if !bad.is_empty() {
-        return Err(Error::Cuda(format!(
-            "gpu-check failed (atomic vs deterministic dQ differ beyond {bound:.0e}: {})",
-            bad.join(", ")
-        )));
-    }
     Ok(())
 }
 

@@ -207,48 +207,6 @@ impl Drop for Dump {
     }
 }
 
-/// Writes `files` (name, bytes) into a new directory `dir`, atomically:
-/// into `.NAME.partial-PID` beside it, synced, then renamed; on an error
-/// the partial directory is removed and `dir` does not appear. `dir` must
-/// not exist.
-pub(crate) fn write_dir_atomically(dir: &Path, files: &[(String, Vec<u8>)]) -> Result<PathBuf> {
-    if dir.exists() {
-        return Err(Error::Usage(format!(
-            "{}: exists (the dump never overwrites)",
-            dir.display()
-        )));
-    }
-    let name = dir
-        .file_name()
-        .ok_or_else(|| Error::Usage(format!("{}: not a directory name", dir.display())))?;
-    let partial = dir.with_file_name(format!(
-        ".{}.partial-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let write = || -> Result<()> {
-        std::fs::create_dir_all(&partial).map_err(io(&partial))?;
-        for (f, bytes) in files {
-            write_synced(&partial.join(f), bytes)?;
-        }
-        std::fs::rename(&partial, dir).map_err(io(dir))
-    };
-    match write() {
-        Ok(()) => {
-            if let Some(parent) = dir.parent() {
-                if let Ok(d) = std::fs::File::open(parent) {
-                    let _ = d.sync_all();
-                }
-            }
-            Ok(dir.to_path_buf())
-        }
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&partial);
-            Err(e)
-        }
-    }
-}
-
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     let mut f = std::fs::File::create(path).map_err(io(path))?;

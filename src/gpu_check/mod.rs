@@ -22,8 +22,12 @@
 //!    warm-up, then all repetitions between one pair of CUDA events (on the
 //!    emulator its wall clock, marked as meaningless). FLOPs count visible
 //!    pairs only (4·d per pair per head, DESIGN §7). Then forward + backward
-//!    and SDCC timings (bwd.rs). With `--dump`, the timing packs and our
-//!    times go to `DIR/timing/` afterwards, for the anchor.
+//!    and SDCC timings (bwd.rs). Two passes: first the GRPO pack at d 128
+//!    against causal (forward, forward + backward in both dQ modes, at most
+//!    10 reps), then the rest. With `--dump`, each row's pack and times go
+//!    to `DIR/timing/` as the row finishes (timing.json whole at any
+//!    moment), for the anchor; `--time-limit` skips the rows that would not
+//!    fit (budget.rs).
 //!
 //! `--check-only` stops after 3; `--profile` runs only one forward +
 //! backward for a profiler (timing.rs).
@@ -38,8 +42,10 @@
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
+mod budget;
 mod bwd;
 mod dump;
+pub mod plan;
 mod target;
 mod timing;
 
@@ -119,6 +125,12 @@ pub struct CheckOptions {
     /// Only one forward + backward of one tree pack at the timing length
     /// (d 128), no checks: what a profiler looks at.
     pub profile: bool,
+    /// Seconds the run may take from `started` (`--time-limit`): timing
+    /// rows whose reserve the time left does not cover are skipped
+    /// (budget.rs); `None`: no limit.
+    pub time_limit: Option<f64>,
+    /// When the run started (the process start in the CLI).
+    pub started: std::time::Instant,
 }
 
 impl CheckOptions {
@@ -140,6 +152,8 @@ impl CheckOptions {
                 check_only: false,
                 timing_only: false,
                 profile: false,
+                time_limit: None,
+                started: std::time::Instant::now(),
             },
             CheckBackend::Emu => CheckOptions {
                 backend,
@@ -154,6 +168,8 @@ impl CheckOptions {
                 check_only: false,
                 timing_only: false,
                 profile: false,
+                time_limit: None,
+                started: std::time::Instant::now(),
             },
         }
     }
@@ -598,8 +614,14 @@ fn flow<D: Target>(be: &D, opts: &CheckOptions, rep: &mut Report<'_>) -> Result<
     }
 }
 
-/// The timing sections (timing.rs, bwd.rs), recorded for the anchor in the
-/// dump's `timing/` when there is a dump.
+/// The timing sections (timing.rs, bwd.rs) in two passes
+/// ([`timing::TimingSet::passes`]): first the GRPO pack at d 128 against
+/// causal, forward then forward + backward in both dQ modes, with at most
+/// 10 repetitions; then every other row with `--reps`. With a dump, each
+/// row is written to `DIR/timing/timing.json` as it finishes (whole at any
+/// moment; `"complete": true` once every section ended). Under
+/// `--time-limit` a row starts only while the time left covers its reserve
+/// (budget.rs); the others are skipped with a line.
 fn timings<D: Target>(
     be: &D,
     rng: &mut Rng,
@@ -607,25 +629,42 @@ fn timings<D: Target>(
     rep: &mut Report<'_>,
 ) -> Result<()> {
     let mut tm = Timings::default();
-    let set = timing::TimingSet::new(rng, opts);
-    let r = timing::forward(be, rng, opts, rep, &mut tm, &set)
-        .and_then(|()| bwd::timings(be, rng, opts, rep, &mut tm, &set));
-    // What was timed reaches the dump even when a later section failed.
-    if let (Some(dir), false) = (&opts.dump, tm.records.is_empty()) {
-        match tm.write(dir, D::REAL_TIMING) {
-            Ok(p) => {
-                let _ = writeln!(
-                    rep,
-                    "\ntiming packs and our times: {} (scripts/gpu-anchor.py times PyTorch on them)",
-                    p.display()
-                );
-            }
-            Err(e) => {
-                let _ = writeln!(rep, "\ntiming packs could not be written: {e}");
-            }
-        }
+    tm.budget = budget::Budget::from(opts.started, opts.time_limit);
+    if let Some(dir) = &opts.dump {
+        let p = tm.open(dir, D::REAL_TIMING)?;
+        let _ = writeln!(
+            rep,
+            "\ntiming rows go to {} as each finishes (scripts/gpu-anchor.py times PyTorch on the same packs)",
+            p.join("timing.json").display()
+        );
     }
-    r
+    let set = timing::TimingSet::new(rng, opts);
+    let [first, rest] = set.passes();
+    let first_reps = opts.reps.min(10);
+    let _ = writeln!(
+        rep,
+        "\ntiming, first pass: the rows that matter most (GRPO at d 128 against causal, forward and forward + \
+         backward, both dQ modes; {first_reps} reps)"
+    );
+    timing::forward(be, rng, first_reps, rep, &mut tm, &first)?;
+    bwd::timings(be, rng, opts, rep, &mut tm, &set, &first, first_reps, false)?;
+    let _ = writeln!(
+        rep,
+        "\ntiming, second pass: every other row ({} reps)",
+        opts.reps
+    );
+    timing::forward(be, rng, opts.reps, rep, &mut tm, &rest)?;
+    bwd::timings(be, rng, opts, rep, &mut tm, &set, &rest, opts.reps, true)?;
+    tm.finish()?;
+    if !tm.skipped.is_empty() {
+        let _ = writeln!(
+            rep,
+            "\n{} timing step(s) skipped by --time-limit {:.0} s (listed above and in timing.json)",
+            tm.skipped.len(),
+            opts.time_limit.unwrap_or(0.0)
+        );
+    }
+    Ok(())
 }
 
 // Needs the emulator (feature `emu`: on in `cargo test`).

@@ -18,11 +18,12 @@
 //! and prints them side by side with ours.
 
 use std::fmt::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
-use super::dump::{write_dir_atomically, DumpTensor};
+use super::budget::Budget;
+use super::dump::DumpTensor;
 use super::target::{DevElem, Target};
 use super::{warmup, CheckOptions, Report};
 use crate::backend::launch::bwd::DqMode;
@@ -68,6 +69,16 @@ pub(super) struct Timings {
     pub packs: Vec<(String, MaskBuilder)>,
     /// Every timed row, in report order.
     pub records: Vec<TimingRecord>,
+    /// The causal runs already timed, `(kind, shape, ms)`: the first
+    /// (priority) pass's causal rows serve the later pass's same shape.
+    pub causal: Vec<(&'static str, AttnShape, f64)>,
+    /// The rows the time limit skipped (their report lines).
+    pub skipped: Vec<String>,
+    /// `--time-limit`: which rows may still start.
+    pub budget: Budget,
+    /// `DIR/timing/` once opened, whether times are a GPU's, and how many
+    /// of `packs` are written there.
+    out: Option<(PathBuf, bool, usize)>,
 }
 
 impl Timings {
@@ -85,12 +96,60 @@ impl Timings {
         self.packs.len() - 1
     }
 
-    /// Writes `dir/timing/`: `timing.json` (`format`, `timing` — GPU
-    /// times or the emulator's wall clock —, `records`) and one
-    /// safetensors file per pack (`kv_end`, `position_ids`, I64 `[L]`),
-    /// atomically (the directory appears whole or not at all). Returns its
-    /// path.
-    pub fn write(&self, dir: &Path, real_timing: bool) -> Result<std::path::PathBuf> {
+    /// The causal ms of `kind` at `shape` when a pass already timed it.
+    pub fn causal_ms(&self, kind: &str, shape: &AttnShape) -> Option<f64> {
+        self.causal
+            .iter()
+            .find(|(k, s, _)| *k == kind && s == shape)
+            .map(|c| c.2)
+    }
+
+    /// Starts `dir/timing/` (created; refused when it exists and is not an
+    /// empty directory: the dump never overwrites) with a `timing.json` of
+    /// no record, so that from here on the file is always there and whole.
+    pub fn open(&mut self, dir: &Path, real_timing: bool) -> Result<PathBuf> {
+        let t = dir.join("timing");
+        let used = match std::fs::read_dir(&t) {
+            Ok(mut entries) => entries.next().is_some(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+            Err(_) => true,
+        };
+        if used {
+            return Err(crate::Error::Usage(format!(
+                "{}: exists and is not an empty directory (the dump never overwrites)",
+                t.display()
+            )));
+        }
+        std::fs::create_dir_all(&t)
+            .map_err(|e| crate::Error::Io(format!("{}: {e}", t.display())))?;
+        self.out = Some((t.clone(), real_timing, 0));
+        self.flush(false)?;
+        Ok(t)
+    }
+
+    /// Appends a timed row; with `timing/` open, rewrites `timing.json`
+    /// with it at once (see [`Timings::flush`]).
+    pub fn push(&mut self, record: TimingRecord) -> Result<()> {
+        self.records.push(record);
+        self.flush(false)
+    }
+
+    /// Marks `timing.json` complete (every section ran to its end).
+    pub fn finish(&mut self) -> Result<()> {
+        self.flush(true)
+    }
+
+    /// Writes the packs not yet written (one safetensors file each:
+    /// `kv_end`, `position_ids`, I64 `[L]`), then `timing.json` (`format`,
+    /// `timing` — GPU times or the emulator's wall clock —, `complete`,
+    /// `skipped`, `records`), each to a temporary file renamed over its
+    /// name, the packs first: at any moment `timing.json` is whole and
+    /// every pack it names is there. A run killed mid-way keeps every row
+    /// that finished. Without `timing/` open: nothing.
+    fn flush(&mut self, complete: bool) -> Result<()> {
+        let Some((dir, real_timing, written)) = self.out.clone() else {
+            return Ok(());
+        };
         let records: Vec<_> = self
             .records
             .iter()
@@ -117,23 +176,27 @@ impl Timings {
             "format": TIMING_FORMAT,
             "timing": if real_timing { "gpu" } else { "emulator wall clock (meaningless for a GPU)" },
             "method": "mean per call of all repetitions between one pair of CUDA events, after warm-up",
+            "complete": complete,
+            "skipped": self.skipped,
             "records": records,
         });
-        let mut files: Vec<(String, Vec<u8>)> = Vec::new();
-        for (i, (_, p)) in self.packs.iter().enumerate() {
+        let mut staged = crate::staged::StagedFiles::new();
+        for (i, (_, p)) in self.packs.iter().enumerate().skip(written) {
             let t = [
                 ("kv_end", DumpTensor::index(&p.kv_end)),
                 ("position_ids", DumpTensor::index(&p.position_ids)),
             ];
-            files.push((
-                format!("pack{i:02}.safetensors"),
-                DumpTensor::serialize(&t)?,
-            ));
+            staged.stage(
+                &dir.join(format!("pack{i:02}.safetensors")),
+                &DumpTensor::serialize(&t)?,
+            )?;
         }
         let text = serde_json::to_string_pretty(&head)
             .map_err(|e| crate::Error::Io(format!("timing.json: {e}")))?;
-        files.push(("timing.json".into(), text.into_bytes()));
-        write_dir_atomically(&dir.join("timing"), &files)
+        staged.stage(&dir.join("timing.json"), text.as_bytes())?;
+        staged.commit()?;
+        self.out = Some((dir, real_timing, self.packs.len()));
+        Ok(())
     }
 }
 
@@ -369,6 +432,9 @@ pub(super) struct Row<'p> {
     pub pack: &'p MaskBuilder,
     pub rope: Option<Rope>,
     pub base: bool,
+    /// Whether the forward section checks the row against a float64
+    /// reference on sampled rows (the d 128 rows at the timing heads).
+    pub checked: bool,
 }
 
 impl TimingSet {
@@ -400,6 +466,7 @@ impl TimingSet {
             pack,
             rope,
             base,
+            checked: false,
         };
         let trees = &self.packs[2].1;
         let mut groups = Vec::new();
@@ -417,6 +484,9 @@ impl TimingSet {
             Some(TIMING_ROPE),
             false,
         ));
+        for r in &mut groups[0].1 {
+            r.checked = true;
+        }
         let hq8 = hq.max(8);
         groups.push((
             shape(n, hq8, hq8 / 8, 128),
@@ -437,29 +507,48 @@ impl TimingSet {
                 false,
             )],
         ));
+        groups[2].1[0].checked = hq8 == hq;
+        groups[3].1[0].checked = true;
         groups
+    }
+
+    /// The rows in the order they are timed (issue 39): first the GRPO
+    /// pack at d 128 against causal (the rows that matter most, so that a
+    /// run cut short has them), then every other row of [`Self::groups`].
+    /// The two passes share the d 128 shape; its causal run is timed once
+    /// ([`Timings::causal_ms`]).
+    pub fn passes(&self) -> [Vec<(AttnShape, Vec<Row<'_>>)>; 2] {
+        let mut rest = self.groups();
+        let grpo = &self.packs[1].1;
+        let (first, others): (Vec<Row<'_>>, Vec<Row<'_>>) = std::mem::take(&mut rest[0].1)
+            .into_iter()
+            .partition(|r| std::ptr::eq(r.pack, grpo) && r.rope.is_none());
+        rest[0].1 = others;
+        [vec![(rest[0].0, first)], rest]
     }
 }
 
-/// The forward timing section: its table into `rep`, its rows into `tm`.
+/// The forward timing section on `groups` (a pass of [`TimingSet::passes`])
+/// with `reps` timed launches per row: its table into `rep`, its rows into
+/// `tm` (each written out as it finishes). A row that the time limit does
+/// not admit is skipped with a line; a group whose causal run is not
+/// admitted is skipped whole.
 pub(super) fn forward<D: Target>(
     be: &D,
     rng: &mut Rng,
-    opts: &CheckOptions,
+    reps: usize,
     rep: &mut Report<'_>,
     tm: &mut Timings,
-    set: &TimingSet,
+    groups: &[(AttnShape, Vec<Row<'_>>)],
 ) -> Result<()> {
     let tiles = FwdTraits::for_head_dim(128)?;
     let how = if D::REAL_TIMING {
         format!(
-            "mean of {} launches between one pair of CUDA events after 5 warm-up, rotating input sets > L2",
-            opts.reps
+            "mean of {reps} launches between one pair of CUDA events after 5 warm-up, rotating input sets > L2"
         )
     } else {
         format!(
-            "EMULATOR WALL CLOCK, meaningless for a GPU (mean of {} after 1 warm-up; the layout of the GPU table)",
-            opts.reps
+            "EMULATOR WALL CLOCK, meaningless for a GPU (mean of {reps} after 1 warm-up; the layout of the GPU table)"
         )
     };
     let _ = writeln!(
@@ -482,68 +571,94 @@ pub(super) fn forward<D: Target>(
         "causal ms",
         "pair/caus"
     );
-    let groups = set.groups();
-    for (sh, rows) in &groups {
+    for (sh, rows) in groups {
         let traits = FwdTraits::for_head_dim(sh.head_dim)?;
+        let started = std::time::Instant::now();
+        let causal = causal_pack(sh.tokens);
+        let causal_name = format!("causal {}/{}", sh.q_heads, sh.kv_heads);
+        if tm.causal_ms("forward", sh).is_none() {
+            if let Err(line) = tm.budget.admit(&format!(
+                "forward {causal_name} d{} and its group",
+                sh.head_dim
+            )) {
+                let _ = writeln!(rep, "{line}");
+                tm.skipped.push(line);
+                continue;
+            }
+        }
         let (inputs, host) = timing_inputs::<D, half::bf16>(be, rng, *sh)?;
         let plain = AttnParams::new(sh.head_dim);
-        let causal = causal_pack(sh.tokens);
-        let causal_ms = time_pack(be, &inputs, &causal, *sh, &plain, opts.reps)?;
         let causal_pairs = causal.mask()?.visible_pairs();
-        let mut line =
-            |name: &str, pack: &MaskBuilder, rope: Option<Rope>, ms: f64| -> Result<()> {
-                let pairs = pack.mask()?.visible_pairs();
-                let (skip, full, part) = count_tiles(&pack.kv_end, &traits);
-                let all = (skip + full + part).max(1) as f64;
-                let tflops = 4.0 * sh.head_dim as f64 * sh.q_heads as f64 * pairs as f64
-                    / (ms * 1e-3)
-                    / 1e12;
-                // Throughput per visible pair against causal's (1: as fast per pair).
-                let per_pair = (pairs as f64 / ms) / (causal_pairs as f64 / causal_ms);
-                let _ = writeln!(
-                    rep,
-                    "{:<34} {:>4} {:>6} {:>8.1} {:>6.1} {:>6.1} {:>8.3} {:>8.1} {:>9.3} {:>8.2}",
-                    name,
-                    sh.head_dim,
-                    sh.tokens,
-                    pairs as f64 / 1e6,
-                    100.0 * skip as f64 / all,
-                    100.0 * full as f64 / all,
-                    ms,
-                    tflops,
-                    causal_ms,
-                    per_pair
-                );
-                let id = tm.pack_id(name_of_pack(name), pack);
-                tm.records.push(TimingRecord {
-                    name: name.to_string(),
-                    kind: "forward",
-                    pack: id,
-                    shape: *sh,
-                    rope,
-                    pairs,
-                    ours_ms: ms,
-                    ours_det_ms: None,
-                    causal_ms,
-                });
-                Ok(())
-            };
-        line(
-            &format!("causal {}/{}", sh.q_heads, sh.kv_heads),
-            &causal,
-            None,
-            causal_ms,
-        )?;
+        let line = |tm: &mut Timings,
+                    rep: &mut Report<'_>,
+                    name: &str,
+                    pack: &MaskBuilder,
+                    rope: Option<Rope>,
+                    ms: f64,
+                    causal_ms: f64|
+         -> Result<()> {
+            let pairs = pack.mask()?.visible_pairs();
+            let (skip, full, part) = count_tiles(&pack.kv_end, &traits);
+            let all = (skip + full + part).max(1) as f64;
+            let tflops =
+                4.0 * sh.head_dim as f64 * sh.q_heads as f64 * pairs as f64 / (ms * 1e-3) / 1e12;
+            // Throughput per visible pair against causal's (1: as fast per pair).
+            let per_pair = (pairs as f64 / ms) / (causal_pairs as f64 / causal_ms);
+            let _ = writeln!(
+                rep,
+                "{:<34} {:>4} {:>6} {:>8.1} {:>6.1} {:>6.1} {:>8.3} {:>8.1} {:>9.3} {:>8.2}",
+                name,
+                sh.head_dim,
+                sh.tokens,
+                pairs as f64 / 1e6,
+                100.0 * skip as f64 / all,
+                100.0 * full as f64 / all,
+                ms,
+                tflops,
+                causal_ms,
+                per_pair
+            );
+            let id = tm.pack_id(name_of_pack(name), pack);
+            tm.push(TimingRecord {
+                name: name.to_string(),
+                kind: "forward",
+                pack: id,
+                shape: *sh,
+                rope,
+                pairs,
+                ours_ms: ms,
+                ours_det_ms: None,
+                causal_ms,
+            })
+        };
+        let causal_ms = match tm.causal_ms("forward", sh) {
+            Some(ms) => ms,
+            None => {
+                let ms = time_pack(be, &inputs, &causal, *sh, &plain, reps)?;
+                tm.causal.push(("forward", *sh, ms));
+                line(tm, rep, &causal_name, &causal, None, ms, ms)?;
+                tm.budget.took(started.elapsed());
+                ms
+            }
+        };
         for r in rows {
+            let started = std::time::Instant::now();
+            if let Err(l) = tm
+                .budget
+                .admit(&format!("forward {} d{}", r.label, sh.head_dim))
+            {
+                let _ = writeln!(rep, "{l}");
+                tm.skipped.push(l);
+                continue;
+            }
             let mut params = AttnParams::new(sh.head_dim);
             params.rope = r.rope;
-            let ms = time_pack(be, &inputs, r.pack, *sh, &params, opts.reps)?;
-            line(&r.label, r.pack, r.rope, ms)?;
-        }
-        // The timing packs at d 128 (16k tokens, and the long one: 64k on a
-        // GPU) are also checked: sizes the correctness section never runs.
-        if sh.head_dim == 128 && sh.q_heads == set.q_heads {
-            for r in rows.iter().filter(|r| r.rope.is_none()) {
+            let ms = time_pack(be, &inputs, r.pack, *sh, &params, reps)?;
+            line(tm, rep, &r.label, r.pack, r.rope, ms, causal_ms)?;
+            // The timing packs at d 128 (16k tokens, and the long one: 64k
+            // on a GPU) are also checked: sizes the correctness section
+            // never runs.
+            if sh.head_dim == 128 && r.rope.is_none() && r.checked {
                 let (o_err, lse_err, n) =
                     sampled_rows_check(be, rng, &inputs[0], &host, r.pack, *sh)?;
                 let _ = writeln!(
@@ -552,6 +667,7 @@ pub(super) fn forward<D: Target>(
                     r.label, sh.q_heads
                 );
             }
+            tm.budget.took(started.elapsed());
         }
     }
     Ok(())

@@ -27,6 +27,7 @@ mod fuzz_cli;
 mod fuzz_inputs;
 mod fuzz_structured;
 mod gpu_check_emu;
+mod gpu_check_script;
 mod model;
 mod output_files;
 mod pack_golden;

@@ -156,43 +156,47 @@ logged() {
     fi
     return $s
 }
+# What ncu and compute-sanitizer print when they cannot attach to the GPU
+# (gVisor; a driver without profiling rights).
+CANNOT_ATTACH='Device not supported|LibraryNotLoaded|ERR_NVGPUCTRPERM|not supported on this (device|platform)'
 # tool NAME PATTERN CMD...: runs a tool that attaches to a process (ncu,
-# compute-sanitizer) under the timeout t. It attached when its output holds
-# PATTERN; then a non-zero status is a failure. Without PATTERN the tool
-# could not attach (gVisor: "Device not supported", "LibraryNotLoaded"):
-# reported UNAVAILABLE with its first error line, status 99, not a failure
-# — unless it exited 0 having done nothing (a wrong kernel filter: ours).
+# compute-sanitizer) under the timeout t. Output with one of CANNOT_ATTACH,
+# or a failure without PATTERN (what the tool prints once it attached): the
+# tool could not attach — reported UNAVAILABLE with its first error line,
+# status 99, not a failure. Otherwise it attached: a non-zero status is a
+# failure, and so is status 0 without PATTERN (nothing was checked or
+# profiled: a wrong kernel filter, ours).
 tool() {
-    local name=$1 pat=$2 out s
+    local name=$1 pat=$2 out s why
     shift 2
     out=$(mktemp)
     timeout "$t" "$@" 2>&1 | tee "$out"
     s=${PIPESTATUS[0]}
-    if grep -q -- "$pat" "$out"; then
+    if grep -qE "$CANNOT_ATTACH" "$out" || { [ "$s" -ne 0 ] && ! grep -q -- "$pat" "$out"; }; then
+        why=$(grep -m1 -E "$CANNOT_ATTACH" "$out" || grep -m1 -iE 'error|fail' "$out")
+        why=$(printf '%s' "$why" | cut -c1-160)
         rm -f "$out"
-        if [ "$s" -ne 0 ]; then
-            echo "$name: exit $s"
-            rc=1
-            note "$name" "FAILED (exit $s)"
-        else
-            note "$name" ok
-        fi
-        return "$s"
+        echo "$name: UNAVAILABLE on this machine (exit $s: ${why:-no message}); under gVisor the tool cannot" \
+            "attach to the GPU: not a failure"
+        note "$name" "UNAVAILABLE (${why:-exit $s})"
+        return 99
     fi
-    if [ "$s" -eq 0 ]; then
+    if ! grep -q -- "$pat" "$out"; then
         echo "$name: exited 0 without output matching '$pat' (nothing was checked or profiled)"
         rc=1
         note "$name" "FAILED (did nothing)"
         rm -f "$out"
         return 1
     fi
-    local why
-    why=$(grep -m1 -iE 'not supported|LibraryNotLoaded|ERR_|error|fail' "$out" | cut -c1-160)
     rm -f "$out"
-    echo "$name: UNAVAILABLE on this machine (exit $s before attaching: ${why:-no message}); under gVisor the" \
-        "tool cannot attach to the GPU: not a failure"
-    note "$name" "UNAVAILABLE (${why:-exit $s})"
-    return 99
+    if [ "$s" -ne 0 ]; then
+        echo "$name: exit $s"
+        rc=1
+        note "$name" "FAILED (exit $s)"
+    else
+        note "$name" ok
+    fi
+    return "$s"
 }
 
 DUMP=${GPU_CHECK_DUMP:-$(mktemp -d)/gpu-check-dump}

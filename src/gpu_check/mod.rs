@@ -37,7 +37,8 @@
 //! section is printed (and flushed) as it finishes.
 //!
 //! Compiled with the `cuda` feature (the GPU target) or the `emu` feature
-//! (the emulator target), or both.
+//! (the emulator target), or both; [`plan`] (`--plan-only`: the backward
+//! launch and its predicted SM utilization, no kernel) in every build.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;

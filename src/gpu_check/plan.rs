@@ -613,7 +613,7 @@ impl fmt::Display for PlanReport {
 /// GRPO group of a 1,024-token prompt and 16 responses of 960 (16,384
 /// tokens); `"compaction"`, one compaction rollout (`gen::compaction`,
 /// seed 0) with a 6k window, 3 compactions, a 2–3k system prompt, packed as
-/// a trie (≈14k tokens). What `gpu-check --plan-only --pack @grpo` /
+/// a trie (15,086 tokens). What `gpu-check --plan-only --pack @grpo` /
 /// `@compaction` plan.
 pub fn issue_pack(name: &str) -> Result<MaskBuilder> {
     match name {
@@ -818,16 +818,18 @@ mod tests {
         assert_eq!(bps(MainKernel::TwoMTiles, 128, "dq"), 2);
     }
 
-    /// The issue's figures: a GRPO group and a compaction tree fill the
-    /// GPU poorly with today's launch (the prompt's key tiles carry most of
-    /// the work); a causal pack well. Item 1 of issue 39 must raise the
-    /// first two to 0.85.
+    /// Today's launch, the "before" of issue 39 item 1 (BENCHMARKS.md
+    /// §19): the model reproduces the issue's independent figure for the
+    /// GRPO group (0.32: the prompt's 8 key tiles per kv head carry most of
+    /// the pairs), the compaction tree fills the GPU poorly too, a causal
+    /// pack well. A change of the backward launch (item 1) must update
+    /// these figures here and in BENCHMARKS.md.
     #[test]
     fn todays_launch_underfills_on_trees() {
         let grpo = issue_pack("grpo").unwrap();
         assert_eq!(grpo.len(), 16_384);
         let comp = issue_pack("compaction").unwrap();
-        assert!((12_000..16_000).contains(&comp.len()), "{}", comp.len());
+        assert_eq!(comp.len(), 15_086);
         let util = |p: &MaskBuilder, d| {
             PlanReport::new(
                 &p.kv_end,
@@ -841,12 +843,12 @@ mod tests {
             .utilization()
         };
         for d in [64, 128] {
-            assert!(util(&grpo, d) < 0.5, "{}", util(&grpo, d));
-            assert!(util(&comp, d) < 0.7, "{}", util(&comp, d));
+            assert!((0.30..0.34).contains(&util(&grpo, d)), "{}", util(&grpo, d));
+            assert!((0.6..0.75).contains(&util(&comp, d)), "{}", util(&comp, d));
         }
         let mut causal = MaskBuilder::new();
         causal.push_sequence(16_384);
-        assert!(util(&causal, 128) > 0.85, "{}", util(&causal, 128));
+        assert!(util(&causal, 128) > 0.95, "{}", util(&causal, 128));
     }
 
     #[test]

@@ -89,7 +89,7 @@ fn the_gpu_script_dry_run_on_the_emulator_under_gvisor() {
         &bin,
         "compute-sanitizer",
         &format!(
-            "echo \"$*\" >> {}\necho '========= Error: Target application failed to load: LibraryNotLoaded'\nexit 1",
+            "echo \"$*\" >> {}\necho '========= Error: Target application failed to load: LibraryNotLoaded'\necho '========= ERROR SUMMARY: 1 error'\nexit 1",
             base.join("sanitizer-calls").display()
         ),
     );
@@ -128,6 +128,9 @@ fn the_gpu_script_dry_run_on_the_emulator_under_gvisor() {
         "out of order {order:?}:\n{log}"
     );
     assert!(log.contains("Device not supported"), "{log}");
+    // A sanitizer that reports its own attach failure as an error is
+    // still unavailable, not a finding.
+    assert!(log.contains("compute-sanitizer memcheck: UNAVAILABLE on this machine (exit 1: ========= Error: Target"), "{log}");
     // Once the sanitizer cannot attach, the other tools are not tried.
     assert_eq!(
         log.matches("skipped: compute-sanitizer is unavailable here")

@@ -64,7 +64,7 @@ while the time left covers its reserve (twice the slowest row so far, at least
 --plan-only needs no GPU and no kernel (any build): it prints the backward
 launch the GPU backend would make for --pack FILE (a pack safetensors file
 with kv_end, as `treeattn pack` writes; or @grpo, the GRPO group of issue 39:
-a 1,024-token prompt and 16 responses of 960; or @compaction, a ~14k-token
+a 1,024-token prompt and 16 responses of 960; or @compaction, a 15,086-token
 compaction tree) at --heads / --kv-heads / --head-dim: the main kernel's
 blocks (and, with --dq-mode det, the dQ kernel's) in launch order, each with
 its keys, kv head, the query range it walks and its visible (query, key)

@@ -208,8 +208,10 @@ typedef struct TreeattnParams {
   double softcap;
   /**
    * Attention sinks (gpt-oss): `q_heads` logits of q's element type
-   * joining each row's softmax denominator with no value; null: none.
-   * Their gradient goes to the backward entries' `dsinks`.
+   * joining each row's softmax denominator with no value, in the memory
+   * of the entry's q (host for the host entries, device for the
+   * `treeattn_cuda_*` ones); null: none. Their gradient goes to the
+   * backward entries' `dsinks` (the same memory).
    */
   const void *sinks;
 } TreeattnParams;
@@ -489,8 +491,10 @@ const char *treeattn_status_name(int32_t status);
  * and `o` (like q); `lse` (`[q_heads, tokens]`) is `float`, natural log,
  * `-inf` for a row with no visible key. Head dim 64 or 128. `kv_end` and
  * `position_ids` are the pack's host arrays (`tokens` entries); `params`
- * may be null (defaults). Enqueued on `stream` of device `device`; see the
- * module notes.
+ * may be null (defaults); its window and softcap run on the kernels, and
+ * its `sinks`, when not null, are a device buffer (`q_heads` values of
+ * q's type). Enqueued on `stream` of device `device`; see the module
+ * notes.
  */
 int32_t treeattn_cuda_attention_forward(TreeattnDtype dtype,
                                         int32_t device,
@@ -529,11 +533,13 @@ int32_t treeattn_cuda_attention_forward_mask(TreeattnDtype dtype,
  * `TREEATTN_F16` as for the forward: from the forward's inputs (same
  * shape, pack and params), its `o` and `lse` (`float`) and the output
  * gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k), with
- * respect to the unrotated q and k. Scratch (`4 · tokens · q_heads ·
- * (head_dim + 1)` bytes) is allocated and freed on `stream`. The kernels
- * compute plain attention: a window, softcap, sinks (and so a non-null
- * `dsinks`) or a `v_head_dim` unlike `head_dim` is
- * `TREEATTN_ERR_UNSUPPORTED` (the host entries compute them).
+ * respect to the unrotated q and k, and with sinks in `params` (device,
+ * `q_heads` values of q's type) their gradient into the device buffer
+ * `dsinks` (`q_heads` values of q's type) unless it is null (which it
+ * must be without sinks). Scratch (`4 · tokens · q_heads · (head_dim +
+ * 1)` bytes) is allocated and freed on `stream`. The kernels compute a
+ * window, a softcap and sinks; a `v_head_dim` unlike `head_dim` is
+ * `TREEATTN_ERR_UNSUPPORTED` (the host entries compute it).
  */
 int32_t treeattn_cuda_attention_backward(TreeattnDtype dtype,
                                          int32_t device,

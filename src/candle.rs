@@ -8,7 +8,8 @@
 //! [`AttnParams`] (softmax scale, rotary at the pack's position ids, a
 //! sliding window of tree levels, a logit softcap), and returns O `[L, Hq,
 //! dv]`; [`tree_attention_with_sinks`] adds learnable attention sinks
-//! `[Hq]` (gpt-oss; CPU tensors), whose gradient candle's backward returns. It is a [`CustomOp3`]: the forward runs the CPU
+//! `[Hq]` (gpt-oss), whose gradient candle's backward returns. It is a
+//! [`CustomOp3`]: the forward runs the CPU
 //! backend ([`Cpu::default`], so [`crate::backend::cpu::set_default_threads`]
 //! applies) in f32 or f64, and on bf16 / f16 tensors as they are (widened
 //! exactly, computed in f32, rounded once as stored); the LSE it computes is
@@ -17,7 +18,8 @@
 //! dQ, dK, dV. With the feature `candle-cuda`, CUDA tensors (bf16 / f16,
 //! head dim 64 or 128) run the crate's kernels on candle's device stream
 //! (`cuda_fwd`; the backward runs the device backward with the kept f32
-//! LSE); the kernels are loaded once per CUDA context. f32 / f64 CUDA
+//! LSE), the window, softcap and sinks included; the kernels are loaded
+//! once per CUDA context. f32 / f64 CUDA
 //! tensors are an error (cast them: nothing is cast silently).
 //!
 //! The mask is planned once per pack ([`crate::plan::MaskPlan`]): the op
@@ -103,7 +105,8 @@ pub fn tree_attention_plan(
 /// [`tree_attention_plan`] with attention sinks `[Hq]` (one logit per query
 /// head joining each row's softmax denominator, with no value: gpt-oss),
 /// of q's dtype, differentiable: candle's backward returns their gradient
-/// with dQ, dK, dV. CPU tensors (sinks do not reach the CUDA kernels from the candle op yet).
+/// with dQ, dK, dV. CPU tensors and, with the feature `candle-cuda`, CUDA
+/// tensors (bf16 / f16: the kernels compute the sinks and their gradient).
 /// (k and v go to the op as one flat tensor, candle's three-input op
 /// holding q, K‖V and the sinks; candle's autograd splits the gradient
 /// back.)
@@ -368,11 +371,6 @@ impl CustomOp3 for TreeAttention {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        if self.inputs != Inputs::Separate {
-            candle_core::bail!(
-                "tree_attention_with_sinks: sinks do not reach the CUDA kernels from the candle op yet (CPU tensors compute them)"
-            )
-        }
         let out_shape =
             Shape::from_dims(&[self.shape.tokens, self.shape.q_heads, self.shape.v_head_dim]);
         let (o, lse) = match s1.dtype() {
@@ -449,7 +447,7 @@ mod device {
     use candle_core::{CudaDevice, CudaStorage, Layout, Storage, Tensor};
     use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 
-    use super::{err, Lse, TreeAttention};
+    use super::{err, Inputs, Lse, TreeAttention};
     use crate::backend::cuda::host::RawAttention;
     use crate::backend::cuda::{CudaBackend, DevicePack};
     use crate::backend::launch::KernelElem;
@@ -495,6 +493,31 @@ mod device {
         Ok(ptr)
     }
 
+    /// The addresses of q, k, v and the sinks (0 for none) in the op's
+    /// three inputs: q, k, v; or q, K‖V (k's `k_len` elements, then v's)
+    /// and the sinks.
+    fn addresses<T: CudaDType + DeviceRepr>(
+        op: &TreeAttention,
+        inputs: [(&CudaStorage, &Layout); 3],
+        stream: &CudaStream,
+    ) -> candle_core::Result<[u64; 4]> {
+        let [(qs, ql), (bs, bl), (cs, cl)] = inputs;
+        let q = address::<T>(qs, ql, stream, "q")?;
+        Ok(match op.inputs {
+            Inputs::Separate => [
+                q,
+                address::<T>(bs, bl, stream, "k")?,
+                address::<T>(cs, cl, stream, "v")?,
+                0,
+            ],
+            Inputs::Packed { k_len } => {
+                let kv = address::<T>(bs, bl, stream, "k and v")?;
+                let v = kv + (k_len * std::mem::size_of::<T>()) as u64;
+                [q, kv, v, address::<T>(cs, cl, stream, "sinks")?]
+            }
+        })
+    }
+
     fn out_ptr<T>(s: &mut CudaSlice<T>, stream: &CudaStream) -> u64 {
         let (ptr, _sync) = s.device_ptr_mut(stream);
         ptr
@@ -516,14 +539,15 @@ mod device {
         let be = backend(&stream)?;
         let pack = upload(op, &be)?;
         let s = op.shape;
-        let [q, k, v] = [("q", 0), ("k", 1), ("v", 2)]
-            .map(|(what, i)| address::<T>(inputs[i].0, inputs[i].1, &stream, what));
+        let [q, k, v, sinks] = addresses::<T>(op, inputs, &stream)?;
         let mut o = alloc::<T>(&dev, s.o_len())?;
         let mut lse = alloc::<f32>(&dev, s.lse_len())?;
         let call = RawAttention {
-            q: q?,
-            k: k?,
-            v: v?,
+            q,
+            k,
+            v,
+            sinks,
+            key_starts: None,
             shape: s,
             params: op.params,
         };
@@ -536,7 +560,8 @@ mod device {
         Ok((CudaStorage::wrap_cuda_slice(o, dev), lse))
     }
 
-    /// dQ, dK, dV on the device, from the kept LSE (or a recomputed one).
+    /// The gradients of the op's three inputs on the device (dQ, dK, dV;
+    /// or dQ, dK‖dV, dsinks), from the kept LSE (or a recomputed one).
     pub(super) fn backward(
         op: &TreeAttention,
         t: [&Tensor; 5],
@@ -589,20 +614,28 @@ mod device {
             }
         };
         let guards = [&q, &k, &v, &o, &d_o].map(|x| x.storage_and_layout());
-        let mut ptrs = [0u64; 5];
-        for (i, ((st, l), what)) in guards.iter().zip(["q", "k", "v", "o", "grad"]).enumerate() {
+        let mut cuda = Vec::with_capacity(5);
+        for ((st, l), what) in guards.iter().zip(["q", "k", "v", "o", "grad"]) {
             let Storage::Cuda(cs) = &**st else {
                 candle_core::bail!("tree_attention: {what} is not a CUDA tensor")
             };
-            ptrs[i] = address::<T>(cs, l, &stream, what)?;
+            cuda.push((cs, *l));
         }
+        let [qp, kp, vp, sinks] = addresses::<T>(op, [cuda[0], cuda[1], cuda[2]], &stream)?;
+        let op_ = address::<T>(cuda[3].0, cuda[3].1, &stream, "o")?;
+        let dop = address::<T>(cuda[4].0, cuda[4].1, &stream, "grad")?;
+        // The gradients as the op's inputs hold them: dQ, dK, dV; or dQ,
+        // dK‖dV (one buffer) and dsinks.
+        let [qd, bd, cd] = op.input_dims();
         let mut dq = alloc::<T>(&dev, s.q_len())?;
-        let mut dk = alloc::<T>(&dev, s.kv_len())?;
-        let mut dv = alloc::<T>(&dev, s.v_len())?;
+        let mut db = alloc::<T>(&dev, bd.iter().product())?;
+        let mut dc = alloc::<T>(&dev, cd.iter().product())?;
         let call = RawAttention {
-            q: ptrs[0],
-            k: ptrs[1],
-            v: ptrs[2],
+            q: qp,
+            k: kp,
+            v: vp,
+            sinks,
+            key_starts: None,
             shape: s,
             params: op.params,
         };
@@ -612,21 +645,22 @@ mod device {
         };
         let (a, b, c) = (
             out_ptr(&mut dq, &stream),
-            out_ptr(&mut dk, &stream),
-            out_ptr(&mut dv, &stream),
+            out_ptr(&mut db, &stream),
+            out_ptr(&mut dc, &stream),
         );
+        let (dk, dv, dsinks) = match op.inputs {
+            Inputs::Separate => (b, c, 0),
+            Inputs::Packed { k_len } => (b, b + (k_len * std::mem::size_of::<T>()) as u64, c),
+        };
         // SAFETY: as in `forward`; the storage guards keep the inputs
         // alive for the call, the gradients are fresh buffers.
-        unsafe { be.backward_raw::<T>(&pack, call, ptrs[3], lp, ptrs[4], a, b, c) }.map_err(err)?;
+        unsafe { be.backward_raw::<T>(&pack, call, op_, lp, dop, a, dk, dv, dsinks) }
+            .map_err(err)?;
+        drop(cuda);
         drop(guards);
         // The kernels read the LSE on the stream: free it there, after them.
         drop(lse);
-        let (qd, kvd, vd) = (
-            (s.tokens, s.q_heads, s.head_dim),
-            (s.tokens, s.kv_heads, s.head_dim),
-            (s.tokens, s.kv_heads, s.v_head_dim),
-        );
-        let wrap = |g: CudaSlice<T>, dims: (usize, usize, usize)| {
+        let wrap = |g: CudaSlice<T>, dims: Vec<usize>| {
             Tensor::from_storage(
                 Storage::Cuda(CudaStorage::wrap_cuda_slice(g, dev.clone())),
                 dims,
@@ -634,6 +668,6 @@ mod device {
                 false,
             )
         };
-        Ok([wrap(dq, qd), wrap(dk, kvd), wrap(dv, vd)])
+        Ok([wrap(dq, qd), wrap(db, bd), wrap(dc, cd)])
     }
 }

@@ -12,7 +12,8 @@
 //! The pack's `kv_end` and `position_ids` are host arrays (checked on the
 //! host, then uploaded on the stream with the key-tile bounds computed
 //! there, `8·tokens` bytes and one small kernel per call); every other
-//! buffer is device memory of that context. Attention and its backward
+//! buffer, `params.sinks` and `dsinks` included, is device memory of that
+//! context. Attention and its backward
 //! return once the work is enqueued; SDCC waits for the stream once to read
 //! the per-pair KL.
 
@@ -72,21 +73,13 @@ unsafe fn with_device_call(
     f: impl FnOnce(
         &treeattn::backend::cuda::CudaBackend,
         &treeattn::backend::cuda::DevicePack,
-        treeattn::backend::cuda::host::RawAttention,
+        treeattn::backend::cuda::host::RawAttention<'_>,
     ) -> treeattn::Result<()>,
 ) -> crate::R<()> {
     use treeattn::backend::cuda::host;
     use treeattn::mask::PackMask;
     let shape = shape_of(c.shape)?;
     let params = params_of(c.params, &shape)?;
-    if !crate::sinks_of(c.params).is_null() {
-        return Err(crate::Fail(
-            crate::TREEATTN_ERR_UNSUPPORTED,
-            "attention sinks (params.sinks) do not reach the CUDA kernels through the device entries \
-             yet: use the host entries"
-                .into(),
-        ));
-    }
     for (what, p) in [("q", c.q), ("k", c.k), ("v", c.v)] {
         if p.is_null() {
             return Err(null(what));
@@ -105,10 +98,14 @@ unsafe fn with_device_call(
             std::sync::Arc::new(be.upload_pack(PackMask::new(kv_end, pos)?)?)
         }
     };
+    // The sinks (device, `[q_heads]` of q's type) go to the contract as
+    // they are; the C params have no explicit key starts.
     let call = host::RawAttention {
         q: c.q as u64,
         k: c.k as u64,
         v: c.v as u64,
+        sinks: crate::sinks_of(c.params) as u64,
+        key_starts: None,
         shape,
         params,
     };
@@ -145,12 +142,6 @@ where
     T: treeattn::backend::launch::KernelElem + treeattn::backend::cuda::cudarc::driver::DeviceRepr,
 {
     g.check_null()?;
-    if !g.dsinks.is_null() {
-        return Err(crate::Fail(
-            crate::TREEATTN_ERR_UNSUPPORTED,
-            "the device entries take no attention sinks yet (dsinks must be null)".into(),
-        ));
-    }
     with_device_call(device, stream, &c, |be, pack, call| {
         be.backward_raw::<T>(
             pack,
@@ -161,6 +152,7 @@ where
             g.dq as u64,
             g.dk as u64,
             g.dv as u64,
+            g.dsinks as u64,
         )
     })
 }
@@ -171,8 +163,10 @@ where
 /// and `o` (like q); `lse` (`[q_heads, tokens]`) is `float`, natural log,
 /// `-inf` for a row with no visible key. Head dim 64 or 128. `kv_end` and
 /// `position_ids` are the pack's host arrays (`tokens` entries); `params`
-/// may be null (defaults). Enqueued on `stream` of device `device`; see the
-/// module notes.
+/// may be null (defaults); its window and softcap run on the kernels, and
+/// its `sinks`, when not null, are a device buffer (`q_heads` values of
+/// q's type). Enqueued on `stream` of device `device`; see the module
+/// notes.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn treeattn_cuda_attention_forward(
@@ -282,11 +276,13 @@ unsafe fn device_forward(
 /// `TREEATTN_F16` as for the forward: from the forward's inputs (same
 /// shape, pack and params), its `o` and `lse` (`float`) and the output
 /// gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k), with
-/// respect to the unrotated q and k. Scratch (`4 · tokens · q_heads ·
-/// (head_dim + 1)` bytes) is allocated and freed on `stream`. The kernels
-/// compute plain attention: a window, softcap, sinks (and so a non-null
-/// `dsinks`) or a `v_head_dim` unlike `head_dim` is
-/// `TREEATTN_ERR_UNSUPPORTED` (the host entries compute them).
+/// respect to the unrotated q and k, and with sinks in `params` (device,
+/// `q_heads` values of q's type) their gradient into the device buffer
+/// `dsinks` (`q_heads` values of q's type) unless it is null (which it
+/// must be without sinks). Scratch (`4 · tokens · q_heads · (head_dim +
+/// 1)` bytes) is allocated and freed on `stream`. The kernels compute a
+/// window, a softcap and sinks; a `v_head_dim` unlike `head_dim` is
+/// `TREEATTN_ERR_UNSUPPORTED` (the host entries compute it).
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn treeattn_cuda_attention_backward(

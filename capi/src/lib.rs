@@ -159,8 +159,10 @@ pub struct TreeattnParams {
     /// turns it off.
     pub softcap: f64,
     /// Attention sinks (gpt-oss): `q_heads` logits of q's element type
-    /// joining each row's softmax denominator with no value; null: none.
-    /// Their gradient goes to the backward entries' `dsinks`.
+    /// joining each row's softmax denominator with no value, in the memory
+    /// of the entry's q (host for the host entries, device for the
+    /// `treeattn_cuda_*` ones); null: none. Their gradient goes to the
+    /// backward entries' `dsinks` (the same memory).
     pub sinks: *const c_void,
 }
 

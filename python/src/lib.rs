@@ -641,8 +641,10 @@ mod device {
     /// One attention call on the device.
     ///
     /// Safety: every address is the data of a live contiguous tensor of
-    /// the size the call says, on `device` (host buffers for kv_end and
-    /// position ids, unless a plan is given).
+    /// the size the call says, on `device` (host buffers for kv_end,
+    /// position ids, unless a plan is given, and key starts); `outs` are
+    /// o, lse (forward) or o, lse, grad_out, dq, dk, dv, dsinks (backward;
+    /// dsinks 0 for none).
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn attention(
         forward: bool,
@@ -668,10 +670,18 @@ mod device {
                     .map_err(to_py)?,
             ),
         };
+        // Explicit key starts are a host buffer (the contract uploads them
+        // per call); the sinks stay on the device.
+        let key_starts = match p.key_starts {
+            0 => None,
+            at => Some(slice::<u32>("kv_start", at, s.tokens)?),
+        };
         let a = RawAttention {
             q: p.q as u64,
             k: p.k as u64,
             v: p.v as u64,
+            sinks: p.sinks as u64,
+            key_starts,
             shape: s,
             params: c.params,
         };
@@ -688,10 +698,19 @@ mod device {
                 o(3),
                 o(4),
                 o(5),
+                o(6),
             ),
-            (false, "float16") => {
-                be.backward_raw::<treeattn::half::f16>(&pack, a, o(0), o(1), o(2), o(3), o(4), o(5))
-            }
+            (false, "float16") => be.backward_raw::<treeattn::half::f16>(
+                &pack,
+                a,
+                o(0),
+                o(1),
+                o(2),
+                o(3),
+                o(4),
+                o(5),
+                o(6),
+            ),
             (_, other) => {
                 return Err(PyValueError::new_err(format!(
                     "dtype {other:?}: the CUDA kernels take bfloat16 or float16"
@@ -750,10 +769,12 @@ fn no_cuda_build(what: &str) -> PyErr {
 
 /// Tree attention forward on CUDA tensors (see `treeattn.torch`): q, k, v,
 /// o device addresses (bf16 / f16), lse an f32 device buffer `[q_heads,
-/// tokens]`, kv_end and position_ids host int32 buffers; enqueued on
-/// `stream` (torch's current stream of `device`).
+/// tokens]`, kv_end and position_ids host int32 buffers; `sinks` a device
+/// buffer `[q_heads]` of q's dtype (0: none), `kv_start` a host int32
+/// buffer `[tokens]` read as u32 (0: none); enqueued on `stream` (torch's
+/// current stream of `device`).
 #[pyfunction]
-#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None, v_head_dim=None, window=None, softcap=None))]
+#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None, v_head_dim=None, window=None, softcap=None, sinks=0, kv_start=0))]
 #[allow(clippy::too_many_arguments, unused_variables)]
 fn cuda_attention_forward(
     py: Python<'_>,
@@ -778,12 +799,13 @@ fn cuda_attention_forward(
     v_head_dim: Option<usize>,
     window: Option<u32>,
     softcap: Option<f64>,
+    sinks: usize,
+    kv_start: usize,
 ) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     {
-        // A window and a softcap travel in the params; sinks do not reach
-        // here (the wrapper refuses them on CUDA tensors: the crate's
-        // borrowed-pointer entries take none yet).
+        // A window and a softcap travel in the params; the sinks (a device
+        // buffer) and the key starts (a host buffer) by address.
         let var = Variants {
             v_head_dim,
             window,
@@ -798,8 +820,8 @@ fn cuda_attention_forward(
             v,
             kv_end,
             pos: position_ids,
-            sinks: 0,
-            key_starts: 0,
+            sinks,
+            key_starts: kv_start,
         };
         let dtype = dtype.to_string();
         let plan = plan.map(|pl| pl.0.clone());
@@ -823,9 +845,11 @@ fn cuda_attention_forward(
 }
 
 /// Tree attention backward on CUDA tensors (see `cuda_attention_forward`):
-/// o, grad_out, dq, dk, dv in q's dtype, lse f32.
+/// o, grad_out, dq, dk, dv in q's dtype, lse f32; with sinks, the sinks'
+/// gradient into the device buffer `dsinks` (`[q_heads]`, q's dtype; 0:
+/// not asked for).
 #[pyfunction]
-#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None, v_head_dim=None, window=None, softcap=None))]
+#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None, v_head_dim=None, window=None, softcap=None, sinks=0, dsinks=0, kv_start=0))]
 #[allow(clippy::too_many_arguments, unused_variables)]
 fn cuda_attention_backward(
     py: Python<'_>,
@@ -854,12 +878,15 @@ fn cuda_attention_backward(
     v_head_dim: Option<usize>,
     window: Option<u32>,
     softcap: Option<f64>,
+    sinks: usize,
+    dsinks: usize,
+    kv_start: usize,
 ) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     {
-        // A window and a softcap travel in the params; sinks do not reach
-        // here (the wrapper refuses them on CUDA tensors: the crate's
-        // borrowed-pointer entries take none yet).
+        // A window and a softcap travel in the params; the sinks and their
+        // gradient (device buffers) and the key starts (a host buffer) by
+        // address.
         let var = Variants {
             v_head_dim,
             window,
@@ -874,8 +901,8 @@ fn cuda_attention_backward(
             v,
             kv_end,
             pos: position_ids,
-            sinks: 0,
-            key_starts: 0,
+            sinks,
+            key_starts: kv_start,
         };
         let dtype = dtype.to_string();
         let plan = plan.map(|pl| pl.0.clone());
@@ -889,7 +916,7 @@ fn cuda_attention_backward(
                     c,
                     p,
                     plan.as_deref(),
-                    &[o, lse, grad_out, dq, dk, dv],
+                    &[o, lse, grad_out, dq, dk, dv, dsinks],
                 )
             })
         })

@@ -227,6 +227,8 @@ def cuda_attention_forward(
     v_head_dim: Optional[int] = None,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: int = 0,
+    kv_start: int = 0,
 ) -> None: ...
 def cuda_attention_backward(
     dtype: str,
@@ -254,6 +256,9 @@ def cuda_attention_backward(
     v_head_dim: Optional[int] = None,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: int = 0,
+    dsinks: int = 0,
+    kv_start: int = 0,
 ) -> None: ...
 def cuda_sdcc_forward_kl(
     dtype: str,

@@ -314,31 +314,24 @@ def _key_starts(kv_start: Optional[Tensor], L: int) -> Optional[Tensor]:
     return ks.to(torch.int32).contiguous()
 
 
-def _no_cuda_sinks(sinks: Optional[Tensor], kv_start: Optional[Tensor] = None) -> None:
-    # The kernels compute both, but the extension's CUDA entries do not
-    # take them yet (the crate's borrowed-pointer entries have no sinks).
-    if sinks is not None or kv_start is not None:
-        raise ValueError(
-            "attention sinks and explicit key starts do not reach the CUDA kernels from Python yet: use "
-            "backend=\"flex\" (or \"auto\") on CUDA, or CPU tensors"
-        )
-
-
 @_attn_fwd.register_kernel("cuda")
 def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, plan=0, window=None, softcap=None,
       sinks=None, kv_start=None):
-    _no_cuda_sinks(sinks, kv_start)
     L, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # The sinks stay on the device (q's dtype); explicit key starts go to
+    # the host (the crate uploads them per call).
+    sinks = None if sinks is None else sinks.to(q.dtype).contiguous()
     ke, pos, native = _call_mask(plan, kv_end, position_ids, L, host=True)
+    ks = _key_starts(kv_start, L)
     o = q.new_empty((L, hq, dv))
     lse = torch.empty((hq, L), dtype=torch.float32, device=q.device)
     _native.cuda_attention_forward(
         _CUDA_NAMES.get(q.dtype, str(q.dtype)), q.get_device(), _stream(q),
         _ptr(q), _ptr(k), _ptr(v), _ptr_opt(ke), _ptr_opt(pos), _ptr(o), _ptr(lse),
         L, hq, hkv, d, scale, rope_base, rope_dims, native,
-        v_head_dim=dv, window=window, softcap=softcap,
+        v_head_dim=dv, window=window, softcap=softcap, sinks=_ptr_opt(sinks), kv_start=_ptr_opt(ks),
     )
     return o, lse
 
@@ -346,23 +339,27 @@ def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, plan=
 @_attn_bwd.register_kernel("cuda")
 def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_dims, threads, plan=0, window=None,
       softcap=None, sinks=None, kv_start=None):
-    _no_cuda_sinks(sinks, kv_start)
     L, hq, d = q.shape
     hkv, dv_ = k.shape[1], v.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o, lse = o.contiguous(), lse.to(torch.float32).contiguous()
     grad_out = grad_out.to(q.dtype).contiguous()
+    sinks = None if sinks is None else sinks.to(q.dtype).contiguous()
     ke, pos, native = _call_mask(plan, kv_end, position_ids, L, host=True)
+    ks = _key_starts(kv_start, L)
     f = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     dq, dk, dv = f(q), f(k), f(v)
+    # The sinks' gradient on the device in q's dtype ([0] without sinks).
+    dsinks = q.new_empty((hq if sinks is not None else 0,))
     _native.cuda_attention_backward(
         _CUDA_NAMES.get(q.dtype, str(q.dtype)), q.get_device(), _stream(q),
         _ptr(q), _ptr(k), _ptr(v), _ptr_opt(ke), _ptr_opt(pos), _ptr(o), _ptr(lse), _ptr(grad_out),
         _ptr(dq), _ptr(dk), _ptr(dv),
         L, hq, hkv, d, scale, rope_base, rope_dims, native,
-        v_head_dim=dv_, window=window, softcap=softcap,
+        v_head_dim=dv_, window=window, softcap=softcap, sinks=_ptr_opt(sinks),
+        dsinks=_ptr(dsinks) if sinks is not None else 0, kv_start=_ptr_opt(ks),
     )
-    return dq, dk, dv, q.new_empty((0,))
+    return dq, dk, dv, dsinks
 
 
 _CUDA_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -864,10 +861,10 @@ def tree_attention(
     ``score_mod``, sinks through its LSE; on CPU torch has no FlexAttention
     backward), or ``"auto"``: the crate's kernels where they run (CPU; CUDA
     when built with them, bfloat16 / float16, head dim 64 or 128, with or
-    without a window or softcap, no sinks or other value head dim), else
-    FlexAttention. On CUDA, ``backend="treeattn"`` refuses sinks and a
-    value head dim unlike q's with a ``ValueError`` naming
-    ``backend="flex"``; the CPU backend computes them all.
+    without a window, softcap or sinks, no other value head dim), else
+    FlexAttention. On CUDA, ``backend="treeattn"`` refuses a value head dim
+    unlike q's with a ``ValueError`` naming ``backend="flex"``; the CPU
+    backend computes them all.
     """
     if backend not in ("treeattn", "flex", "auto"):
         raise ValueError(f'backend {backend!r}: expected "treeattn", "flex" or "auto"')
@@ -980,10 +977,10 @@ def tree_attention(
     for name, t in (("k", k), ("v", v), ("kv_end", kv_end), ("position_ids", position_ids), ("sinks", sinks)):
         if t is not None:
             _check_device(name, t, device)
-    # What the CUDA kernels compute: plain attention, a window and a softcap
-    # (proven under the emulator); sinks and a value head dim unlike q's run
+    # What the CUDA kernels compute: plain attention, a window, a softcap and
+    # sinks (proven under the emulator); a value head dim unlike q's runs
     # with FlexAttention there.
-    cuda_kernels = sinks is None and v.shape[2] == d
+    cuda_kernels = v.shape[2] == d
     if backend == "auto":
         ours = device.type == "cpu" or (
             device.type == "cuda" and cuda_built() and q.dtype in (torch.bfloat16, torch.float16)
@@ -1007,11 +1004,11 @@ def tree_attention(
             )
         if not cuda_kernels:
             raise ValueError(
-                "the CUDA kernels take a window and a softcap, not attention sinks or a value head "
-                f"dim ({v.shape[2]}) unlike q's ({d}): these run with backend=\"flex\" (or \"auto\") on CUDA"
+                "the CUDA kernels take a window, a softcap and attention sinks, not a value head "
+                f"dim ({v.shape[2]}) unlike q's ({d}): this runs with backend=\"flex\" (or \"auto\") on CUDA"
             )
         o, _lse = _attn_fwd(
-            q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads, plan, window, softcap
+            q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads, plan, window, softcap, sinks
         )
         return o
     if device.type not in ("cpu", "meta"):

@@ -5,7 +5,8 @@
  *
  * Where a driver and a GPU exist: retains device 0's primary context,
  * creates a stream, allocates and fills bf16 / f16 buffers, runs
- * treeattn_cuda_attention_forward / _backward (TREEATTN_BF16, TREEATTN_F16)
+ * treeattn_cuda_attention_forward / _backward (TREEATTN_BF16, TREEATTN_F16;
+ * plain, then with attention sinks, their gradient and a window)
  * and treeattn_cuda_sdcc_forward_kl (TREEATTN_F32) on that stream, and checks them
  * against the library's CPU entries on the same rounded inputs, with the
  * bounds of treeattn's tolerance table (bf16: O 1e-2, grads 2e-2 relative
@@ -274,6 +275,89 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
   free(got), free(got_lse);
 }
 
+/* Attention sinks (and a window) on the device, dsinks included, against
+ * the CPU entries on the same rounded inputs; negative control: the CPU's
+ * answer without the sinks is another answer. */
+static void sinks_case(int f16, CUstream stream, const uint32_t *kv_end, const uint32_t *pos,
+                       size_t L) {
+  const char *name = f16 ? "f16" : "bf16";
+  const TreeattnDtype dtype = f16 ? TREEATTN_F16 : TREEATTN_BF16;
+  const double o_bound = f16 ? 2e-3 : 1e-2, g_bound = f16 ? 5e-3 : 2e-2;
+  enum { H = 4 };
+  TreeattnShape shape = {L, H, 2, 64, 0};
+  size_t nq = L * H * 64, nk = L * 2 * 64, nl = H * L;
+  size_t n_all = 2 * nq + 2 * nk + H;
+  uint16_t *x16 = malloc(n_all * 2), *g16 = malloc(nq * 2);
+  float *x = malloc(n_all * 4), *o = malloc(nq * 4), *lse = malloc(nl * 4),
+        *plain = malloc(nq * 4), *dq = malloc(nq * 4), *dk = malloc(nk * 4),
+        *dv = malloc(nk * 4), *got = malloc(nq * 4), *got_lse = malloc(nl * 4);
+  float dsinks[H];
+  /* q, k, v, d_o and the sinks, one rounded buffer. */
+  for (size_t i = 0; i < n_all; i++) {
+    float a = i < n_all - H ? (float)sin(0.41 * (double)i + 0.3) : 0.5f * (float)(i % H) - 0.75f;
+    x16[i] = f16 ? to_f16(a) : to_bf16(a);
+    x[i] = f16 ? from_f16(x16[i]) : from_bf16(x16[i]);
+  }
+  const size_t at_k = nq, at_v = nq + nk, at_do = nq + 2 * nk, at_s = 2 * nq + 2 * nk;
+  TreeattnParams host_p = {0.0, 0, 0.0, 0, 3, 0.0, x + at_s};
+  TreeattnParams none_p = {0.0, 0, 0.0, 0, 3, 0.0, NULL};
+  OK(treeattn_attention_forward(TREEATTN_F32, x, x + at_k, x + at_v, shape, kv_end, pos, &host_p,
+                                o, lse));
+  OK(treeattn_attention_forward(TREEATTN_F32, x, x + at_k, x + at_v, shape, kv_end, pos, &none_p,
+                                plain, got_lse));
+  OK(treeattn_attention_backward(TREEATTN_F32, x, x + at_k, x + at_v, shape, kv_end, pos, &host_p,
+                                 o, lse, x + at_do, dq, dk, dv, dsinks));
+
+  CUdeviceptr d_x = upload(x16, n_all * 2);
+  memset(g16, 0xFF, nq * 2);
+  memset(got_lse, 0xFF, nl * 4);
+  CUdeviceptr d_o = upload(g16, nq * 2), d_lse = upload(got_lse, nl * 4);
+  CUdeviceptr gq = upload(g16, nq * 2), gk = upload(g16, nk * 2), gv = upload(g16, nk * 2),
+              gs = upload(g16, H * 2);
+  const uint16_t *dev = (const uint16_t *)(uintptr_t)d_x;
+  TreeattnParams dev_p = {0.0, 0, 0.0, 0, 3, 0.0, dev + at_s};
+  OK(treeattn_cuda_attention_forward(dtype, 0, stream, dev, dev + at_k, dev + at_v, shape, kv_end,
+                                     pos, &dev_p, (void *)d_o, (float *)d_lse));
+  OK(treeattn_cuda_attention_backward(dtype, 0, stream, dev, dev + at_k, dev + at_v, shape, kv_end,
+                                      pos, &dev_p, (void *)d_o, (const float *)d_lse, dev + at_do,
+                                      (void *)gq, (void *)gk, (void *)gv, (void *)gs));
+  CU(cu.stream_sync(stream));
+  CU(cu.dtoh(g16, d_o, nq * 2));
+  CU(cu.dtoh(got_lse, d_lse, nl * 4));
+  for (size_t i = 0; i < nq; i++) got[i] = f16 ? from_f16(g16[i]) : from_bf16(g16[i]);
+  double e_o = rel_frobenius(got, o, nq), e_plain = rel_frobenius(got, plain, nq), e_lse = 0.0;
+  for (size_t i = 0; i < nl; i++) {
+    double e = fabs((double)got_lse[i] - lse[i]);
+    if (!(e <= e_lse)) e_lse = e;
+  }
+  printf("%s sinks + window 3 on the device: O rel %.2e (bound %.0e), LSE abs %.2e; "
+         "against the answer without sinks %.2e\n",
+         name, e_o, o_bound, e_lse, e_plain);
+  CHECK(e_o <= o_bound, "%s sinks O rel error %.3e > %.0e", name, e_o, o_bound);
+  CHECK(e_lse <= 1e-3, "%s sinks LSE abs error %.3e > 1e-3", name, e_lse);
+  CHECK(e_plain > 2 * o_bound, "%s: O with sinks is the answer without them (%.3e)", name,
+        e_plain);
+  struct {
+    const char *what;
+    CUdeviceptr dev;
+    const float *want;
+    size_t n;
+  } grads[] = {{"dq", gq, dq, nq}, {"dk", gk, dk, nk}, {"dv", gv, dv, nk}, {"dsinks", gs, dsinks, H}};
+  for (int g = 0; g < 4; g++) {
+    CU(cu.dtoh(g16, grads[g].dev, grads[g].n * 2));
+    for (size_t i = 0; i < grads[g].n; i++)
+      got[i] = f16 ? from_f16(g16[i]) : from_bf16(g16[i]);
+    double e = rel_frobenius(got, grads[g].want, grads[g].n);
+    printf("%s sinks backward on the device: %s rel %.2e (bound %.0e)\n", name, grads[g].what, e,
+           g_bound);
+    CHECK(e <= g_bound, "%s sinks %s rel error %.3e > %.0e", name, grads[g].what, e, g_bound);
+  }
+  CUdeviceptr bufs[] = {d_x, d_o, d_lse, gq, gk, gv, gs};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) CU(cu.mem_free(bufs[i]));
+  free(x16), free(g16), free(x), free(o), free(lse), free(plain), free(dq), free(dk), free(dv);
+  free(got), free(got_lse);
+}
+
 static void sdcc_case(CUstream stream) {
   enum { ROWS = 6, VOCAB = 1000, PAIRS = 3 };
   static float logits[ROWS * VOCAB], grad[ROWS * VOCAB], got[ROWS * VOCAB];
@@ -357,6 +441,26 @@ int main(int argc, char **argv) {
           "forward with a plan without a GPU -> %d (%s): %s", st, treeattn_status_name(st),
           treeattn_last_error());
     treeattn_mask_destroy(mask);
+    /* Sinks (and their gradient) pass the argument checks and reach the
+     * backend: the failure is the same clean one, about CUDA itself. */
+    TreeattnParams with_sinks = {0.0, 0, 0.0, 0, 0, 0.0, dummy};
+    st = treeattn_cuda_attention_forward(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy, shape, kv_end,
+                                         pos, &with_sinks, dummy, dummy_lse);
+    CHECK(st == TREEATTN_ERR_UNSUPPORTED || st == TREEATTN_ERR_CUDA,
+          "forward with sinks without a GPU -> %d (%s): %s", st, treeattn_status_name(st),
+          treeattn_last_error());
+    CHECK(strstr(treeattn_last_error(), st == TREEATTN_ERR_UNSUPPORTED ? "built without CUDA"
+                                                                      : "CUDA") != NULL,
+          "forward with sinks: %s", treeattn_last_error());
+    st = treeattn_cuda_attention_backward(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy, shape,
+                                          kv_end, pos, &with_sinks, dummy, dummy_lse, dummy, dummy,
+                                          dummy, dummy, dummy);
+    CHECK(st == TREEATTN_ERR_UNSUPPORTED || st == TREEATTN_ERR_CUDA,
+          "backward with sinks and dsinks without a GPU -> %d (%s): %s", st,
+          treeattn_status_name(st), treeattn_last_error());
+    CHECK(strstr(treeattn_last_error(), st == TREEATTN_ERR_UNSUPPORTED ? "built without CUDA"
+                                                                      : "CUDA") != NULL,
+          "backward with sinks: %s", treeattn_last_error());
     treeattn_pack_free(pack);
     if (require) {
       fprintf(stderr, "FAIL: --require-gpu and no usable GPU\n");
@@ -388,6 +492,8 @@ int main(int argc, char **argv) {
   }
   attention_case(0, stream, kv_end, pos, L);
   attention_case(1, stream, kv_end, pos, L);
+  sinks_case(0, stream, kv_end, pos, L);
+  sinks_case(1, stream, kv_end, pos, L);
   sdcc_case(stream);
   CU(cu.stream_sync(stream));
   CU(cu.stream_destroy(stream));

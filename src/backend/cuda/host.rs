@@ -21,7 +21,9 @@
 //! let be = unsafe { host::on_raw_stream(&kernels, raw_stream) }?;
 //! let pack = be.upload_pack(treeattn::mask::PackMask::new(&kv_end, &pos)?)?;
 //! let shape = treeattn::backend::AttnShape { tokens: kv_end.len(), q_heads: 8, kv_heads: 8, head_dim: 128, v_head_dim: 128 };
-//! let call = host::RawAttention { q, k, v, shape, params: treeattn::backend::AttnParams::new(128) };
+//! let params = treeattn::backend::AttnParams::new(128);
+//! // No sinks (0) and no explicit key starts: plain tree attention.
+//! let call = host::RawAttention { q, k, v, sinks: 0, key_starts: None, shape, params };
 //! unsafe { be.forward_raw::<half::bf16>(&pack, call, o, lse) }?;
 //! # Ok(()) }
 //! ```
@@ -88,20 +90,71 @@ impl<T> Drop for Borrowed<T> {
 }
 
 /// Device addresses and sizes of one attention call's inputs, caller-owned.
-/// q is `[tokens, q_heads, head_dim]`, k and v `[tokens, kv_heads,
-/// head_dim]`, contiguous, of the element type the entry is called with.
+/// q is `[tokens, q_heads, head_dim]`, k `[tokens, kv_heads, head_dim]`,
+/// v `[tokens, kv_heads, v_head_dim]`, contiguous, of the element type the
+/// entry is called with; the optional attention sinks are `[q_heads]` of
+/// that type on the device, the optional key starts `[tokens]` on the host
+/// (as [`AttnArgs::with_key_starts`] takes them: uploaded per call).
 #[derive(Clone, Copy, Debug)]
-pub struct RawAttention {
+pub struct RawAttention<'a> {
     /// Address of q.
     pub q: CUdeviceptr,
     /// Address of k.
     pub k: CUdeviceptr,
     /// Address of v.
     pub v: CUdeviceptr,
+    /// Address of the attention sinks (gpt-oss: one logit per query head,
+    /// `[q_heads]` of q's element type; [`AttnArgs::with_sinks`]); 0 for
+    /// none.
+    pub sinks: CUdeviceptr,
+    /// Explicit first visible key per query row, `[tokens]`, on the host
+    /// ([`AttnArgs::with_key_starts`]: context parallelism); `None` for
+    /// none.
+    pub key_starts: Option<&'a [u32]>,
     /// Sizes (validated by [`AttnArgs::new`]).
     pub shape: AttnShape,
-    /// Softmax scale, rotary, finiteness scan.
+    /// Softmax scale, rotary, window, softcap, finiteness scan.
     pub params: AttnParams,
+}
+
+impl<'a> RawAttention<'a> {
+    /// The contract's arguments on the borrowed `q`, `k`, `v` and `sinks`
+    /// (checked there: [`AttnArgs::new`], [`AttnArgs::with_sinks`],
+    /// [`AttnArgs::with_key_starts`]).
+    fn args<'b, T: KernelElem>(
+        &self,
+        pack: &'b DevicePack,
+        q: &'b Borrowed<T>,
+        k: &'b Borrowed<T>,
+        v: &'b Borrowed<T>,
+        sinks: Option<&'b Borrowed<T>>,
+    ) -> Result<AttnArgs<'b, super::Device, T>>
+    where
+        'a: 'b,
+    {
+        let args = AttnArgs::new(&*q.0, &*k.0, &*v.0, self.shape, pack, self.params)?;
+        let args = match sinks {
+            Some(s) => args.with_sinks(&*s.0)?,
+            None => args,
+        };
+        match self.key_starts {
+            Some(starts) => args.with_key_starts(starts),
+            None => Ok(args),
+        }
+    }
+
+    /// The sinks borrowed (`None` for address 0).
+    ///
+    /// Safety: as [`Borrowed::new`] for a nonzero address of `q_heads`
+    /// elements.
+    unsafe fn borrow_sinks<T>(&self, s: &Arc<CudaStream>) -> Result<Option<Borrowed<T>>> {
+        match self.sinks {
+            0 => Ok(None),
+            at => Ok(Some(unsafe {
+                Borrowed::<T>::new(s, "sinks", at, self.shape.q_heads)?
+            })),
+        }
+    }
 }
 
 /// The backend of device `ordinal`, its kernels loaded into the device's
@@ -145,68 +198,76 @@ pub unsafe fn on_raw_stream(kernels: &CudaBackend, stream: CUstream) -> Result<C
 
 impl CudaBackend {
     /// Tree attention forward on caller-owned device memory: writes `o`
-    /// (`[tokens, q_heads, head_dim]`, element `T`) and `lse` (`[q_heads,
+    /// (`[tokens, q_heads, v_head_dim]`, element `T`) and `lse` (`[q_heads,
     /// tokens]`, f32, natural log) on this backend's stream, as
     /// [`AttentionBackend::forward`] does on owned buffers (same checks,
-    /// same errors).
+    /// same errors), with the sinks and key starts of `a` when given.
     ///
     /// # Safety
     /// Every address is a live allocation of this backend's context with
-    /// the elements `a.shape` says (`o` like q, `lse` `q_heads · tokens`
-    /// f32), valid until the enqueued work has run; `o` and `lse` overlap
-    /// nothing else of the call.
+    /// the elements `a.shape` says (`o` `tokens · q_heads · v_head_dim`,
+    /// `lse` `q_heads · tokens` f32, nonzero sinks `q_heads`), valid until
+    /// the enqueued work has run; `o` and `lse` overlap nothing else of the
+    /// call.
     pub unsafe fn forward_raw<T: KernelElem + DeviceRepr>(
         &self,
         pack: &DevicePack,
-        a: RawAttention,
+        a: RawAttention<'_>,
         o: CUdeviceptr,
         lse: CUdeviceptr,
     ) -> Result<()> {
         let s = &self.stream;
         let sh = a.shape;
         sh.validate()?;
-        let (q, k, v) = unsafe {
+        let (q, k, v, sinks) = unsafe {
             (
                 Borrowed::<T>::new(s, "q", a.q, sh.q_len())?,
                 Borrowed::<T>::new(s, "k", a.k, sh.kv_len())?,
                 Borrowed::<T>::new(s, "v", a.v, sh.v_len())?,
+                a.borrow_sinks::<T>(s)?,
             )
         };
         let mut o = unsafe { Borrowed::<T>::new(s, "o", o, sh.o_len())? };
         let mut lse = unsafe { Borrowed::<f32>::new(s, "lse", lse, sh.lse_len())? };
-        let args = AttnArgs::new(&*q.0, &*k.0, &*v.0, sh, pack, a.params)?;
+        let args = a.args(pack, &q, &k, &v, sinks.as_ref())?;
         self.forward(&args, &mut *o.0, &mut *lse.0)
     }
 
     /// Tree attention backward on caller-owned device memory: from the
-    /// forward's inputs `a`, its `o` and `lse` and the output gradient
-    /// `d_o` (like q), writes `dq` (like q), `dk` and `dv` (like k), with
-    /// respect to the unrotated q and k, on this backend's stream (scratch
-    /// is allocated and freed on it), as [`AttentionBackend::backward`].
+    /// forward's inputs `a` (its sinks and key starts included), its `o`
+    /// and `lse` and the output gradient `d_o` (like o), writes `dq` (like
+    /// q), `dk` (like k) and `dv` (like v), with respect to the unrotated q
+    /// and k, and with sinks the sinks' gradient into `dsinks` (`[q_heads]`,
+    /// element `T`) unless it is 0 (which it must be without sinks: the
+    /// contract's [`Error::Shape`]), on this backend's stream (scratch is
+    /// allocated and freed on it), as [`AttentionBackend::backward`].
     ///
     /// # Safety
-    /// As [`Self::forward_raw`]; `d_o` like q; `dq`, `dk`, `dv` overlap
-    /// nothing else of the call.
+    /// As [`Self::forward_raw`]; `d_o` like o; `dq`, `dk`, `dv` and a
+    /// nonzero `dsinks` (`q_heads` elements) overlap nothing else of the
+    /// call.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn backward_raw<T: KernelElem + DeviceRepr>(
         &self,
         pack: &DevicePack,
-        a: RawAttention,
+        a: RawAttention<'_>,
         o: CUdeviceptr,
         lse: CUdeviceptr,
         d_o: CUdeviceptr,
         dq: CUdeviceptr,
         dk: CUdeviceptr,
         dv: CUdeviceptr,
+        dsinks: CUdeviceptr,
     ) -> Result<()> {
         let s = &self.stream;
         let sh = a.shape;
         sh.validate()?;
-        let (q, k, v, o, lse, d_o) = unsafe {
+        let (q, k, v, sinks, o, lse, d_o) = unsafe {
             (
                 Borrowed::<T>::new(s, "q", a.q, sh.q_len())?,
                 Borrowed::<T>::new(s, "k", a.k, sh.kv_len())?,
                 Borrowed::<T>::new(s, "v", a.v, sh.v_len())?,
+                a.borrow_sinks::<T>(s)?,
                 Borrowed::<T>::new(s, "o", o, sh.o_len())?,
                 Borrowed::<f32>::new(s, "lse", lse, sh.lse_len())?,
                 Borrowed::<T>::new(s, "d_o", d_o, sh.o_len())?,
@@ -219,7 +280,11 @@ impl CudaBackend {
                 Borrowed::<T>::new(s, "dv", dv, sh.v_len())?,
             )
         };
-        let args = AttnArgs::new(&*q.0, &*k.0, &*v.0, sh, pack, a.params)?;
+        let mut dsinks = match dsinks {
+            0 => None,
+            at => Some(unsafe { Borrowed::<T>::new(s, "dsinks", at, sh.q_heads)? }),
+        };
+        let args = a.args(pack, &q, &k, &v, sinks.as_ref())?;
         self.backward(
             &args,
             Saved {
@@ -231,7 +296,7 @@ impl CudaBackend {
                 dq: &mut *dq.0,
                 dk: &mut *dk.0,
                 dv: &mut *dv.0,
-                dsinks: None,
+                dsinks: dsinks.as_mut().map(|d| &mut *d.0),
             },
         )
     }

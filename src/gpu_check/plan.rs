@@ -134,7 +134,7 @@ pub fn blocks_per_sm(threads: u32, registers: u32, smem: u32) -> u32 {
     let per_warp = (registers.max(1) * 32).div_ceil(256) * 256;
     let by_regs = SM_REGISTERS / (per_warp * warps);
     let by_threads = SM_THREADS / threads.max(1);
-    by_smem.min(by_regs).min(by_threads).min(SM_BLOCKS).max(1)
+    by_smem.min(by_regs).min(by_threads).clamp(1, SM_BLOCKS)
 }
 
 /// What one kernel's items give on `slots` parallel slots.
@@ -193,7 +193,7 @@ fn validate(kv_end: &[u32], shape: &AttnShape) -> Result<()> {
             kv_end.len()
         )));
     }
-    if shape.kv_heads == 0 || shape.q_heads == 0 || shape.q_heads % shape.kv_heads != 0 {
+    if shape.kv_heads == 0 || shape.q_heads == 0 || !shape.q_heads.is_multiple_of(shape.kv_heads) {
         return Err(Error::Shape(format!(
             "{} query heads are not a multiple of {} kv heads",
             shape.q_heads, shape.kv_heads

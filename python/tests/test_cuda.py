@@ -58,6 +58,16 @@ def test_native_entries_without_cuda_say_how_to_build():
         )
     with pytest.raises(RuntimeError, match="--features cuda"):
         _native.cuda_sdcc_forward_kl("float32", 0, 0, 0, 1, 1, 0, 0, 0, 0, 1.0, 0)
+    # The sinks, their gradient and explicit key starts are arguments of
+    # the device entries too.
+    with pytest.raises(RuntimeError, match="--features cuda"):
+        _native.cuda_attention_forward(
+            "bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, sinks=0, kv_start=0
+        )
+    with pytest.raises(RuntimeError, match="--features cuda"):
+        _native.cuda_attention_backward(
+            "bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, sinks=0, dsinks=0, kv_start=0
+        )
 
 
 @pytest.mark.skipif(
@@ -70,6 +80,13 @@ def test_cuda_build_without_a_gpu_says_so():
     with pytest.raises(RuntimeError, match="no CUDA driver|CUDA device"):
         _native.cuda_attention_forward(
             "bfloat16", 0, 0, 256, 256, 256, ke.data_ptr(), pos.data_ptr(), 256, 256, 1, 1, 1, 64, 0.125
+        )
+    # With sinks and their gradient: the same clean failure (not a refusal).
+    ks = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="no CUDA driver|CUDA device"):
+        _native.cuda_attention_backward(
+            "bfloat16", 0, 0, 256, 256, 256, ke.data_ptr(), pos.data_ptr(), 256, 256, 256, 256, 256, 256,
+            1, 1, 1, 64, 0.125, sinks=256, dsinks=256, kv_start=ks.data_ptr(),
         )
 
 
@@ -145,11 +162,69 @@ def test_cuda_window_and_softcap_match_the_cpu_backend(dtype, d, window, softcap
 
 
 @gpu
-def test_cuda_sinks_are_refused_by_name():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 2.0)])
+def test_cuda_sinks_match_the_cpu_backend(dtype, d, window, softcap, gen):
+    # Sinks through the extension's borrowed-pointer entries: O and dQ, dK,
+    # dV, dsinks against the CPU backend on the same rounded inputs.
+    hq, hkv, L = 8, 2, 300
+    kv_end = random_forest(L, gen, 0.1)
+    x = [torch.randn(L, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv)]
+    d_o = torch.randn(L, hq, d, generator=gen).to(dtype)
+    # float32 learnable sinks (a model's parameter): the op runs them in
+    # q's dtype and returns their gradient in float32.
+    sinks = (torch.randn(hq, generator=gen) * 2).to(dtype).float()
+    dev = [t.cuda().requires_grad_() for t in x]
+    dev_s = sinks.cuda().requires_grad_()
+    cpu = [t.float().requires_grad_() for t in x]
+    cpu_s = sinks.clone().requires_grad_()
+    o = tt.tree_attention(*dev, kv_end.cuda(), window=window, softcap=softcap, sinks=dev_s, backend="treeattn")
+    o.backward(d_o.cuda())
+    o_ref = tt.tree_attention(*cpu, kv_end, window=window, softcap=softcap, sinks=cpu_s)
+    o_ref.backward(d_o.float())
+    o_bound, g_bound = BOUNDS[dtype]
+    assert o.dtype == dtype and dev_s.grad is not None and dev_s.grad.dtype == torch.float32
+    assert rel_frobenius(o, o_ref) <= o_bound
+    for name, a, b in zip(["q", "k", "v", "sinks"], dev + [dev_s], cpu + [cpu_s]):
+        err = rel_frobenius(a.grad, b.grad)
+        assert err <= g_bound, f"d{name}: {err:.3e} > {g_bound}"
+    # "auto" runs the same kernels (not FlexAttention): the same bits.
+    with torch.no_grad():
+        auto = tt.tree_attention(*dev, kv_end.cuda(), window=window, softcap=softcap, sinks=dev_s, backend="auto")
+        assert torch.equal(auto, o)
+        # Negative control: the answer without the sinks is another one.
+        plain = tt.tree_attention(*dev, kv_end.cuda(), window=window, softcap=softcap, backend="treeattn")
+    assert rel_frobenius(plain, o_ref) > 2 * o_bound
+
+
+@gpu
+def test_cuda_explicit_key_starts_are_the_window():
+    # Explicit key starts (context parallelism's) reach the kernels: the
+    # window's own starts give the window's answer, bit for bit; the starts
+    # of a window one wider give another.
+    gen = torch.Generator().manual_seed(7)
+    L, W = 200, 4
+    kv_end = random_forest(L, gen, 0.1)
+    q, k, v = (torch.randn(L, h, 64, generator=gen).to(torch.bfloat16).cuda() for h in (4, 2, 2))
+    mask = tt.TreeMask(kv_end)
+    op = torch.ops.treeattn.tree_attention_fwd
+    win, _ = op(q, k, v, kv_end.cuda(), None, 0.125, None, None, 0, 0, W, None, None, None)
+    st, _ = op(q, k, v, kv_end.cuda(), None, 0.125, None, None, 0, 0, None, None, None,
+               mask.window_starts(W).cuda())
+    assert torch.equal(st, win)
+    wider, _ = op(q, k, v, kv_end.cuda(), None, 0.125, None, None, 0, 0, None, None, None,
+                  mask.window_starts(W + 1).cuda())
+    assert rel_frobenius(wider, win) > 2e-2
+
+
+@gpu
+def test_cuda_value_head_dim_is_refused_by_name():
     q = torch.randn(64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(64, 2, 128, device="cuda", dtype=torch.bfloat16)
     kv_end = torch.full((64,), 64, device="cuda")
     with pytest.raises(ValueError, match='backend="flex"'):
-        tt.tree_attention(q, q, q, kv_end, sinks=torch.zeros(2, device="cuda"), backend="treeattn")
+        tt.tree_attention(q, q, v, kv_end, sinks=torch.zeros(2, device="cuda"), backend="treeattn")
 
 
 @gpu

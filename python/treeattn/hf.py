@@ -383,8 +383,8 @@ def attention(
     else:
         mask = _mask_plan(flat, q.device)
     # "auto": the crate's CPU backend, its CUDA kernels where they run the
-    # call (bf16 / f16, head dim 64 or 128, with or without a window or
-    # softcap), else FlexAttention (a GPU model with sinks, MLA).
+    # call (bf16 / f16, head dim 64 or 128, with or without a window,
+    # softcap or sinks), else FlexAttention (a GPU model with MLA).
     o = tree_attention(q, k, v, mask, scale=scaling, window=window, softcap=softcap, sinks=sinks, backend="auto")
     return o.reshape(B, L, o.shape[1], o.shape[2]), None
 

@@ -12,8 +12,10 @@
 //! (4·d per pair per head, DESIGN §7).
 //!
 //! Every timed row (this file's and bwd.rs's forward + backward rows) is a
-//! [`TimingRecord`]; with `--dump DIR`, [`Timings::write`] puts the packs
-//! and the records in `DIR/timing/` so that `scripts/gpu-anchor.py` times
+//! [`TimingRecord`]; with `--dump DIR`, [`Timings::open`] starts
+//! `DIR/timing/` and [`Timings::push`] writes each row's pack and the
+//! records so far there as the row finishes (timing.json whole at any
+//! moment), so that `scripts/gpu-anchor.py` times
 //! PyTorch (FlexAttention, SDPA causal) on the very same packs and shapes
 //! and prints them side by side with ours.
 

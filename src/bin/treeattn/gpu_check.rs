@@ -42,9 +42,9 @@ a GPU, printed in the same table layout.
 --dump DIR writes every correctness case's pack (kv_end, position ids),
 inputs (q, k, v, dO) and our outputs (O, LSE, dQ, dK, dV) as safetensors plus
 a manifest.json, atomically (DIR must not exist or be empty), before any
-timing; after the timings, DIR/timing/ holds the timing packs and our times
-(timing.json). scripts/gpu-anchor.py DIR runs PyTorch on the same packs and
-prints its times beside ours.
+timing; DIR/timing/ gets each timing row's pack and our times (timing.json)
+as the row finishes. scripts/gpu-anchor.py DIR runs PyTorch on the same packs
+and prints its times beside ours.
 
 --check-only skips the timings, --timing-only the correctness checks (the
 same --seed gives the same packs and inputs: a failure found by a GPU run

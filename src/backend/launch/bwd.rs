@@ -427,6 +427,30 @@ pub fn balanced_main_items(
     items
 }
 
+/// The kernel's item table of a balanced launch (`TreeAttnBwdParams::items`):
+/// 8 words per item, `{key tile, kv head, group split, first query tile,
+/// end query tile, dkv_accum slot, 0, 0}`, slot `split · max chunks +
+/// chunk`; and the slots (`group_splits · max chunks`, the summed
+/// `dkv_slots`). Slots a key tile with fewer chunks leaves unwritten must
+/// hold zeros.
+pub fn balanced_item_table(items: &[MainItem], group_splits: u32) -> (Vec<u32>, u32) {
+    let max_chunks = items.iter().map(|i| i.chunks).max().unwrap_or(1).max(1);
+    let mut t = Vec::with_capacity(items.len() * 8);
+    for i in items {
+        t.extend_from_slice(&[
+            i.key_tile,
+            i.kv_head,
+            i.split,
+            i.qt_begin,
+            i.qt_end,
+            i.split * max_chunks + i.chunk,
+            0,
+            0,
+        ]);
+    }
+    (t, group_splits * max_chunks)
+}
+
 /// The launch plans of one backward call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BwdPlans {
@@ -613,7 +637,8 @@ pub(crate) struct BwdParams {
     pub head_dim: u32,
     pub zero_dq_accum: u32,
     pub group_splits: u32,
-    pub reserved: u32,
+    /// Slots of `dkv_accum` summed by `dkv_convert` (0: `group_splits`).
+    pub dkv_slots: u32,
     /// The variants (0 for a plain call).
     pub key_start: u64,
     pub start_tile_min: u64,
@@ -622,14 +647,17 @@ pub(crate) struct BwdParams {
     pub dsinks: u64,
     pub softcap_c: f32,
     pub softcap_in: f32,
+    /// The balanced main launch's item table (8 words per block; 0: today's
+    /// grid). See [`balanced_item_table`].
+    pub items: u64,
 }
-super::assert_layout!(BwdParams, 208, {
+super::assert_layout!(BwdParams, 216, {
     q: 0, k: 8, v: 16, o: 24, d_o: 32, lse: 40, delta: 48, dq_accum: 56, dq: 64, dk: 72,
     dv: 80, kv_end: 88, tile_kv_min: 96, tile_kv_max: 104, dkv_accum: 112, tokens: 120,
     q_heads: 124, kv_heads: 128, num_key_tiles: 132, scale: 136, scale_log2: 140,
-    head_dim: 144, zero_dq_accum: 148, group_splits: 152, reserved: 156, key_start: 160,
+    head_dim: 144, zero_dq_accum: 148, group_splits: 152, dkv_slots: 156, key_start: 160,
     start_tile_min: 168, start_tile_max: 176, sinks: 184, dsinks: 192, softcap_c: 200,
-    softcap_in: 204,
+    softcap_in: 204, items: 208,
 });
 
 #[cfg(test)]

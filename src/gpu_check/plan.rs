@@ -64,7 +64,9 @@ pub enum Launch {
     /// The balanced launch of issue 39 item 1
     /// ([`balanced_main_items`]): heavy key tiles' query walks cut into
     /// ranges of at most about [`balance_cap`] pairs, the items launched
-    /// heaviest first. The scheduler exists; the kernels do not run it yet.
+    /// heaviest first. The d 128 two-m-tile kernels run it under the
+    /// emulator (`Emu::with_balance_cap`); no backend launches it by default
+    /// yet.
     Balanced,
 }
 
@@ -709,7 +711,7 @@ impl fmt::Display for PlanReport {
              of SMs × blocks/SM slots)",
             match self.launch {
                 Launch::Grid => "",
-                Launch::Balanced => " (balanced launch: query-range items, heaviest first; not run by the kernels yet)",
+                Launch::Balanced => " (balanced launch: query-range items, heaviest first; not the backends' default yet)",
             },
             self.utilization()
         )?;

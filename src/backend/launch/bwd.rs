@@ -279,7 +279,8 @@ pub fn group_splits(key_tiles: u64, kv_heads: u64, group: u32) -> u32 {
 }
 
 /// One work item of the balanced backward main launch (issue 39 item 1,
-/// the scheduler; the kernels do not read it yet): the query tiles
+/// read by the d 128 two-m-tile main kernels through
+/// [`balanced_item_table`], under the emulator only so far): the query tiles
 /// `[qt_begin, qt_end)` (of `block_m` rows) of one (key tile, kv head,
 /// group split). A key tile whose query walk is heavier than the cap of
 /// [`balanced_main_items`] is split into `chunks` consecutive query ranges,

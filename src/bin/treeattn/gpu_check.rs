@@ -145,8 +145,7 @@ pub struct GpuCheckArgs {
     main_kernel: Option<MainKernelArg>,
     /// --plan-only: model the balanced main launch of issue 39 item 1
     /// (heavy key tiles' query walks split into ranges, heaviest first;
-    /// the scheduler only: the kernels do not run it yet) instead of
-    /// today's grid.
+    /// not the backends' default yet) instead of today's grid.
     #[arg(long, requires = "plan_only")]
     balanced: bool,
     /// --plan-only output as one JSON object.

@@ -170,6 +170,11 @@ pub fn with_balance_cap<R>(cap: Option<u64>, f: impl FnOnce() -> R) -> R {
     r
 }
 
+/// The cap of the innermost [`with_balance_cap`] on this thread.
+pub fn balance_cap() -> Option<u64> {
+    BALANCE_CAP.with(|o| o.get())
+}
+
 /// The options of the innermost [`with_options`] on this thread.
 pub fn options() -> EmuOptions {
     OPTIONS.with(|o| o.get())

@@ -254,8 +254,8 @@ struct TreeAttnBwdParams {
     uint16_t* dsinks;       // [q_heads] or null
     float softcap_c;
     float softcap_in;
-    // The balanced main launch (issue 39 item 1; the D = 128 two-m-tile
-    // kernels only, null otherwise): per block (blockIdx.x) 8 words {key
+    // The balanced main launch (issue 39 item 1; the 8-warp two-m-tile
+    // kernels, D = 64 and 128, only; null otherwise): per block (blockIdx.x) 8 words {key
     // tile, kv head, group split, first query tile, end query tile, dkv_accum
     // slot, 0, 0}; the block walks only the query tiles in [first, end) and
     // writes its f32 partial dK (scaled), dV to its slot of dkv_accum.

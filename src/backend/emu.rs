@@ -111,8 +111,8 @@ pub struct Emu {
     /// The backward main kernel: `None` takes [`MainKernel::default_for`]
     /// the head dim, as the CUDA backend does.
     pub main_kernel: Option<MainKernel>,
-    /// The balanced backward main launch (issue 39 item 1; the d 128
-    /// two-m-tile kernel only): `Some(cap)` cuts every key tile's query
+    /// The balanced backward main launch (issue 39 item 1; the 8-warp
+    /// two-m-tile kernels, d 64 and 128, only): `Some(cap)` cuts every key tile's query
     /// walk into ranges of about `cap` pairs × heads
     /// ([`launch::bwd::balanced_main_items`]), heaviest first, partial dK,
     /// dV summed by `dkv_convert`; `None`: today's grid. A tiny cap forces

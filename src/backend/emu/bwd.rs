@@ -70,10 +70,10 @@ pub(super) fn backward<T: KernelElem>(
     let (items, dkv_slots) = match emu.balance_cap {
         None => (Vec::new(), 0),
         Some(cap) => {
-            if traits.main_kernel != MainKernel::TwoMTiles || traits.head_dim != 128 {
+            if traits.main_kernel != MainKernel::TwoMTiles {
                 return Err(Error::Unsupported(format!(
-                    "the balanced backward launch exists for the d 128 two-m-tile main kernel only, not {:?} at d {}",
-                    traits.main_kernel, traits.head_dim
+                    "the balanced backward launch exists for the 8-warp two-m-tile main kernel only, not {:?}",
+                    traits.main_kernel
                 )));
             }
             let group = (shape.q_heads / shape.kv_heads) as u32;

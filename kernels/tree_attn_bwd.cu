@@ -236,7 +236,9 @@ struct TreeAttnBwdParams {
     uint32_t head_dim;
     uint32_t zero_dq_accum;  // tree_attn_bwd_pre: also zero the accumulator
     uint32_t group_splits;   // the main kernel's gridDim.z; it divides q_heads / kv_heads
-    uint32_t reserved;
+    // Slots of dkv_accum summed by tree_attn_bwd_dkv_convert (0: group_splits).
+    // The balanced launch (items non-null): group_splits · max chunks.
+    uint32_t dkv_slots;
     // The attention variants (the *_var_* kernels, tree_attn_bwd_pre and
     // tree_attn_bwd_dsinks; null / 0 otherwise): per-row key starts and
     // their per-64-row bounds (mask.cuh), sinks [q_heads] and their
@@ -252,8 +254,14 @@ struct TreeAttnBwdParams {
     uint16_t* dsinks;       // [q_heads] or null
     float softcap_c;
     float softcap_in;
+    // The balanced main launch (issue 39 item 1; the 8-warp two-m-tile
+    // kernels, D = 64 and 128, only; null otherwise): per block (blockIdx.x) 8 words {key
+    // tile, kv head, group split, first query tile, end query tile, dkv_accum
+    // slot, 0, 0}; the block walks only the query tiles in [first, end) and
+    // writes its f32 partial dK (scaled), dV to its slot of dkv_accum.
+    const uint32_t* items;
 };
-static_assert(sizeof(TreeAttnBwdParams) == 208, "TreeAttnBwdParams: update its Rust mirror");
+static_assert(sizeof(TreeAttnBwdParams) == 216, "TreeAttnBwdParams: update its Rust mirror");
 TA_FIELD_AT(TreeAttnBwdParams, q, 0); TA_FIELD_AT(TreeAttnBwdParams, k, 8); TA_FIELD_AT(TreeAttnBwdParams, v, 16);
 TA_FIELD_AT(TreeAttnBwdParams, o, 24); TA_FIELD_AT(TreeAttnBwdParams, d_o, 32);
 TA_FIELD_AT(TreeAttnBwdParams, lse, 40); TA_FIELD_AT(TreeAttnBwdParams, delta, 48);
@@ -265,11 +273,12 @@ TA_FIELD_AT(TreeAttnBwdParams, tokens, 120); TA_FIELD_AT(TreeAttnBwdParams, q_he
 TA_FIELD_AT(TreeAttnBwdParams, kv_heads, 128); TA_FIELD_AT(TreeAttnBwdParams, num_key_tiles, 132);
 TA_FIELD_AT(TreeAttnBwdParams, scale, 136); TA_FIELD_AT(TreeAttnBwdParams, scale_log2, 140);
 TA_FIELD_AT(TreeAttnBwdParams, head_dim, 144); TA_FIELD_AT(TreeAttnBwdParams, zero_dq_accum, 148);
-TA_FIELD_AT(TreeAttnBwdParams, group_splits, 152); TA_FIELD_AT(TreeAttnBwdParams, reserved, 156);
+TA_FIELD_AT(TreeAttnBwdParams, group_splits, 152); TA_FIELD_AT(TreeAttnBwdParams, dkv_slots, 156);
 TA_FIELD_AT(TreeAttnBwdParams, key_start, 160); TA_FIELD_AT(TreeAttnBwdParams, start_tile_min, 168);
 TA_FIELD_AT(TreeAttnBwdParams, start_tile_max, 176); TA_FIELD_AT(TreeAttnBwdParams, sinks, 184);
 TA_FIELD_AT(TreeAttnBwdParams, dsinks, 192); TA_FIELD_AT(TreeAttnBwdParams, softcap_c, 200);
 TA_FIELD_AT(TreeAttnBwdParams, softcap_in, 204);
+TA_FIELD_AT(TreeAttnBwdParams, items, 208);
 
 #define TA_LOG2E 1.4426950408889634f
 
@@ -1342,7 +1351,8 @@ __device__ __forceinline__ void tree_attn_bwd_dkv_convert_body(const TreeAttnBwd
     float k[8], v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) k[e] = v[e] = 0.f;
-    for (uint32_t s = 0; s < p.group_splits; ++s) {
+    const uint32_t slots = p.dkv_slots ? p.dkv_slots : p.group_splits;
+    for (uint32_t s = 0; s < slots; ++s) {
         const float* const pk = p.dkv_accum + 2 * s * kv_len + at + j;
 #pragma unroll
         for (int e = 0; e < 8; ++e) {

@@ -110,7 +110,11 @@ __device__ __forceinline__ void tree_attn_bwd_main2_roles_body(const TreeAttnBwd
     uint32_t* const skv = reinterpret_cast<uint32_t*>(smem_raw + Tr::kOffKvEnd);
 
     const uint32_t L = p.tokens;
-    const uint32_t tile = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+    // Today's grid (key tile, kv head, split), or the balanced launch's item
+    // blockIdx.x (p.items): the same, a query-tile range and a scratch slot.
+    const uint32_t* const item = p.items ? p.items + (size_t)blockIdx.x * 8 : nullptr;
+    const uint32_t tile = item ? item[0] : blockIdx.x, kv_head = item ? item[1] : blockIdx.y,
+                   split = item ? item[2] : blockIdx.z;
     const uint32_t k0 = tile * BN;
     const uint32_t group = p.q_heads / p.kv_heads;
     const uint32_t per_split = group / p.group_splits;
@@ -159,7 +163,11 @@ __device__ __forceinline__ void tree_attn_bwd_main2_roles_body(const TreeAttnBwd
     // rules agree.
     const bool window = kVar && p.key_start != nullptr;
     auto next_visit = [&](uint32_t x) {
-        uint32_t t = next_qtile(x);
+        // (The item's range is re-read per call from its (cached) row, not
+        // held in registers across the loop.)
+        const uint32_t* const it = p.items ? p.items + (size_t)blockIdx.x * 8 : nullptr;
+        const uint32_t qt_lo = it ? it[3] : 0u, qt_hi = it ? it[4] : 0xffffffffu;
+        uint32_t t = next_qtile(max(x, qt_lo * BM));
         if constexpr (kVar) {
             if (window) {
                 const uint32_t n_tiles = (L + BM - 1) / BM;
@@ -170,7 +178,7 @@ __device__ __forceinline__ void tree_attn_bwd_main2_roles_body(const TreeAttnBwd
                 }
             }
         }
-        return t;
+        return t >= qt_hi ? 0xffffffffu : t;
     };
     uint32_t* const sstart = reinterpret_cast<uint32_t*>(smem_raw + (kVar ? Tr::kOffStarts : 0));
 
@@ -452,11 +460,12 @@ __device__ __forceinline__ void tree_attn_bwd_main2_roles_body(const TreeAttnBwd
 
     // Role 0 holds dV, role 1 dK (scaled on the way out).
     const float osc = role == 0 ? 1.f : p.scale;
-    if (p.group_splits > 1) {
-        // This slice's f32 partial dK (scaled) or dV, summed over the slices
-        // by tree_attn_bwd_dkv_convert.
+    if (p.group_splits > 1 || p.items) {
+        // This slice's (item's) f32 partial dK (scaled) or dV, summed over
+        // the slots by tree_attn_bwd_dkv_convert.
+        const uint32_t slot = p.items ? p.items[(size_t)blockIdx.x * 8 + 5] : split;
         const size_t kv_len = (size_t)L * p.kv_heads * D;
-        float* const out = p.dkv_accum + (size_t)split * 2 * kv_len + (role == 0 ? kv_len : 0);
+        float* const out = p.dkv_accum + (size_t)slot * 2 * kv_len + (role == 0 ? kv_len : 0);
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll

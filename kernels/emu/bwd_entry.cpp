@@ -153,7 +153,15 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
             snprintf(err, err_len, "tree_attn_bwd_dsinks without sinks or dsinks");
             return 1;
         }
-        if (p->group_splits == 0 || (main_stage ? grid_z != p->group_splits : grid_z != 1) ||
+        // The balanced launch's item table: among the main kernels, the
+        // 8-warp two-m-tile ones only (6, 7, 17, 18; D = 64 and 128), with a
+        // scratch for the partials.
+        if (p->items && ((main_stage && !(stage == 6 || stage == 7 || stage == 17 || stage == 18)) ||
+                         !p->dkv_accum || p->dkv_slots == 0)) {
+            snprintf(err, err_len, "stage %u (d %u): a balanced item table where no kernel reads one", stage, head_dim);
+            return 1;
+        }
+        if (p->group_splits == 0 || (main_stage ? grid_z != (p->items ? 1u : p->group_splits) : grid_z != 1) ||
             (p->kv_heads != 0 && (p->q_heads / p->kv_heads) % p->group_splits != 0) ||
             (p->group_splits > 1 && p->dkv_accum == nullptr)) {
             snprintf(err, err_len,

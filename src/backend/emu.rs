@@ -111,6 +111,13 @@ pub struct Emu {
     /// The backward main kernel: `None` takes [`MainKernel::default_for`]
     /// the head dim, as the CUDA backend does.
     pub main_kernel: Option<MainKernel>,
+    /// The balanced backward main launch (issue 39 item 1; the 8-warp
+    /// two-m-tile kernels, d 64 and 128, only): `Some(cap)` cuts every key tile's query
+    /// walk into ranges of about `cap` pairs × heads
+    /// ([`launch::bwd::balanced_main_items`]), heaviest first, partial dK,
+    /// dV summed by `dkv_convert`; `None`: today's grid. A tiny cap forces
+    /// splitting on small packs.
+    pub balance_cap: Option<u64>,
 }
 
 impl Default for Emu {
@@ -128,6 +135,7 @@ impl Emu {
             dq_mode: DqMode::Deterministic,
             group_splits: None,
             main_kernel: None,
+            balance_cap: None,
         }
     }
 
@@ -145,6 +153,15 @@ impl Emu {
     pub fn with_group_splits(self, splits: Option<u32>) -> Emu {
         Emu {
             group_splits: splits,
+            ..self
+        }
+    }
+
+    /// The same emulator with the balanced backward main launch's cap
+    /// (`Some`) or today's grid (`None`).
+    pub fn with_balance_cap(self, cap: Option<u64>) -> Emu {
+        Emu {
+            balance_cap: cap,
             ..self
         }
     }

@@ -43,7 +43,9 @@ use std::fmt;
 
 use serde_json::json;
 
-use crate::backend::launch::bwd::{plan_backward_with, BwdTraits, DqMode, MainKernel};
+use crate::backend::launch::bwd::{
+    balance_cap, balanced_main_items, plan_backward_with, BwdTraits, DqMode, MainKernel,
+};
 use crate::backend::launch::Dtype;
 use crate::backend::AttnShape;
 use crate::gen::MaskBuilder;
@@ -51,6 +53,22 @@ use crate::{Error, Result};
 
 /// SMs of an H100 SXM or H200 (both 132).
 pub const H100_SMS: usize = 132;
+
+/// Which backward main launch a plan models.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Launch {
+    /// Today's: one block per (key tile, kv head, group split), in grid
+    /// order (what the backends launch).
+    #[default]
+    Grid,
+    /// The balanced launch of issue 39 item 1
+    /// ([`balanced_main_items`]): heavy key tiles' query walks cut into
+    /// ranges of at most about [`balance_cap`] pairs, the items launched
+    /// heaviest first. The d 128 two-m-tile kernels run it under the
+    /// emulator (`Emu::with_balance_cap`); no backend launches it by default
+    /// yet.
+    Balanced,
+}
 
 /// Shared memory of one sm_90 SM usable by blocks (228 KiB).
 const SM_SMEM_BYTES: u32 = 228 * 1024;
@@ -256,6 +274,21 @@ fn query_walk(
     }
 }
 
+/// Query tiles in `[qt_begin, qt_end)` holding a query that sees one of
+/// `keys` (the part of the kernel's walk a balanced item visits).
+fn query_walk_tiles(
+    kv_end: &[u32],
+    keys: std::ops::Range<usize>,
+    bm: usize,
+    qt_begin: u32,
+    qt_end: u32,
+) -> u32 {
+    crate::backend::launch::bwd::key_tile_query_pairs(kv_end, keys, bm)
+        .iter()
+        .filter(|&&(t, _)| qt_begin <= t && t < qt_end)
+        .count() as u32
+}
+
 /// The work items of the backward kernels for a pack (`kv_end`) and shape,
 /// in launch order, as [`plan_backward_with`] launches them today: the main
 /// kernel (`kernel`: `None` is the default for the head dim), then, in
@@ -267,6 +300,29 @@ pub fn backward_plan(
     mode: DqMode,
     kernel: Option<MainKernel>,
     blocks_per_sm_override: Option<u32>,
+) -> Result<Vec<KernelPlan>> {
+    backward_plan_for(
+        kv_end,
+        shape,
+        mode,
+        kernel,
+        blocks_per_sm_override,
+        Launch::Grid,
+        H100_SMS,
+    )
+}
+
+/// [`backward_plan`] for the main launch `launch`; `sms` sizes the
+/// balanced launch's cap ([`balance_cap`] over `sms` × the main kernel's
+/// resident blocks).
+pub fn backward_plan_for(
+    kv_end: &[u32],
+    shape: &AttnShape,
+    mode: DqMode,
+    kernel: Option<MainKernel>,
+    blocks_per_sm_override: Option<u32>,
+    launch: Launch,
+    sms: usize,
 ) -> Result<Vec<KernelPlan>> {
     validate(kv_end, shape)?;
     let (t, plans) = plan_backward_with(shape, None, kernel)?;
@@ -288,7 +344,7 @@ pub fn backward_plan(
             (pairs, query_walk(kv_end, r, t.block_m as usize, l))
         })
         .collect();
-    let mut main_items = Vec::with_capacity((gx * gy * gz) as usize);
+    let mut main_items: Vec<WorkItem> = Vec::with_capacity((gx * gy * gz) as usize);
     for _z in 0..gz {
         for y in 0..gy {
             for (x, &(pairs, (q0, q1, walked))) in tiles.iter().enumerate() {
@@ -313,13 +369,48 @@ pub fn backward_plan(
         blocks_per_sm_override.unwrap_or_else(|| blocks_per_sm(threads, regs, smem))
     };
     let main_regs = kernel_registers(t.main_kernel, t.head_dim, "main");
+    let main_bps = bps(plans.main.block.0, main_regs, plans.main.shared_mem_bytes);
+    let mut grid = plans.main.grid;
+    if launch == Launch::Balanced {
+        let total: u64 = main_items.iter().map(|i| i.pairs).sum();
+        let cap = balance_cap(total, (sms.max(1) as u64) * main_bps as u64);
+        let bm = t.block_m as usize;
+        main_items = balanced_main_items(kv_end, t.main_keys, t.block_m, gy, gz, per_split, cap)
+            .into_iter()
+            .map(|i| WorkItem {
+                key_begin: i.key_tile * t.main_keys,
+                key_end: ((i.key_tile as usize + 1) * keys).min(l) as u32,
+                kv_head: i.kv_head,
+                query_begin: if i.qt_begin == i.qt_end {
+                    i.key_tile * t.main_keys
+                } else {
+                    i.qt_begin * t.block_m
+                },
+                query_end: if i.qt_begin == i.qt_end {
+                    i.key_tile * t.main_keys
+                } else {
+                    ((i.qt_end as usize * bm).min(l)) as u32
+                },
+                query_heads: per_split,
+                tiles: query_walk_tiles(
+                    kv_end,
+                    i.key_tile as usize * keys..((i.key_tile as usize + 1) * keys).min(l),
+                    bm,
+                    i.qt_begin,
+                    i.qt_end,
+                ),
+                pairs: i.pairs,
+            })
+            .collect();
+        grid = (main_items.len() as u32, 1, 1);
+    }
     let mut out = vec![KernelPlan {
         name: t.kernel_name(stage, Dtype::Bf16),
-        grid: plans.main.grid,
+        grid,
         threads: plans.main.block.0,
         shared_mem_bytes: plans.main.shared_mem_bytes,
         registers: main_regs,
-        blocks_per_sm: bps(plans.main.block.0, main_regs, plans.main.shared_mem_bytes),
+        blocks_per_sm: main_bps,
         items: main_items,
     }];
     if mode == DqMode::Deterministic {
@@ -425,6 +516,8 @@ pub struct PlanReport {
     pub main_kernel: MainKernel,
     /// Group splits of the main kernel's grid.z.
     pub group_splits: u32,
+    /// The main launch modelled.
+    pub launch: Launch,
     /// Each kernel with its schedule, in launch order.
     pub kernels: Vec<(KernelPlan, Schedule)>,
 }
@@ -439,13 +532,42 @@ impl PlanReport {
         sms: usize,
         blocks_per_sm_override: Option<u32>,
     ) -> Result<PlanReport> {
+        Self::with_launch(
+            kv_end,
+            shape,
+            mode,
+            kernel,
+            sms,
+            blocks_per_sm_override,
+            Launch::Grid,
+        )
+    }
+
+    /// [`Self::new`] for the main launch `launch`.
+    pub fn with_launch(
+        kv_end: &[u32],
+        shape: AttnShape,
+        mode: DqMode,
+        kernel: Option<MainKernel>,
+        sms: usize,
+        blocks_per_sm_override: Option<u32>,
+        launch: Launch,
+    ) -> Result<PlanReport> {
         if sms == 0 {
             return Err(Error::Usage("--sms must be at least 1".into()));
         }
         if blocks_per_sm_override == Some(0) {
             return Err(Error::Usage("--blocks-per-sm must be at least 1".into()));
         }
-        let kernels = backward_plan(kv_end, &shape, mode, kernel, blocks_per_sm_override)?;
+        let kernels = backward_plan_for(
+            kv_end,
+            &shape,
+            mode,
+            kernel,
+            blocks_per_sm_override,
+            launch,
+            sms,
+        )?;
         let (t, plans) = plan_backward_with(&shape, None, kernel)?;
         let kernels = kernels
             .into_iter()
@@ -468,6 +590,7 @@ impl PlanReport {
             dq_mode: mode,
             main_kernel: t.main_kernel,
             group_splits: plans.group_splits,
+            launch,
             kernels,
         })
     }
@@ -514,6 +637,7 @@ impl PlanReport {
             "dq_mode": mode_name(self.dq_mode),
             "main_kernel": kernel_name(self.main_kernel),
             "group_splits": self.group_splits,
+            "launch": match self.launch { Launch::Grid => "grid", Launch::Balanced => "balanced" },
             "blocks_per_sm": self.kernels[0].0.blocks_per_sm,
             "utilization": self.utilization(),
             "kernels": kernels,
@@ -583,8 +707,12 @@ impl fmt::Display for PlanReport {
         }
         writeln!(
             f,
-            "predicted SM utilization of the main kernel: {:.3} (cost ∝ pairs, blocks in launch order on the first free \
+            "predicted SM utilization of the main kernel{}: {:.3} (cost ∝ pairs, blocks in launch order on the first free \
              of SMs × blocks/SM slots)",
+            match self.launch {
+                Launch::Grid => "",
+                Launch::Balanced => " (balanced launch: query-range items, heaviest first; not the backends' default yet)",
+            },
             self.utilization()
         )?;
         for (k, _) in &self.kernels {
@@ -849,6 +977,132 @@ mod tests {
         let mut causal = MaskBuilder::new();
         causal.push_sequence(16_384);
         assert!(util(&causal, 128) > 0.95, "{}", util(&causal, 128));
+    }
+
+    /// The balanced launch (issue 39 item 1's scheduler): on random packs
+    /// its items cover every visible pair once per query head, the ranges
+    /// of one (key tile, kv head, split) are disjoint, consecutive in chunk
+    /// order and cover the key tile's whole walk, no item passes the cap by
+    /// more than one query tile, and the launch is heaviest first.
+    #[test]
+    fn balanced_items_cover_the_walk() {
+        use crate::backend::launch::bwd::key_tile_query_pairs;
+        let mut rng = Rng::new(0x391 ^ std::process::id() as u64);
+        for case in 0..40 {
+            let p = random_pack(&mut rng);
+            let l = p.len();
+            let (hq, hk) = [(4, 1), (4, 2), (8, 1), (2, 2), (6, 3)][case % 5];
+            let d = [64, 128][case % 2];
+            let kernel = [None, Some(MainKernel::OneMTile)][(case / 2) % 2];
+            let sh = shape(l, hq, hk, d);
+            let (t, plans) = plan_backward_with(&sh, None, kernel).unwrap();
+            let group = (hq / hk) as u32;
+            let per_split = group / plans.group_splits;
+            let sms = [1, 3, 8, 132][case % 4];
+            let all = p.mask().unwrap().visible_pairs();
+            let cap = balance_cap(all * hq as u64, sms as u64);
+            let items = balanced_main_items(
+                &p.kv_end,
+                t.main_keys,
+                t.block_m,
+                hk as u32,
+                plans.group_splits,
+                per_split,
+                cap,
+            );
+            assert!(items.windows(2).all(|w| w[0].pairs >= w[1].pairs));
+            assert_eq!(items.iter().map(|i| i.pairs).sum::<u64>(), all * hq as u64);
+            let keys = t.main_keys as usize;
+            let bm = t.block_m as usize;
+            let mut seen = std::collections::BTreeMap::new();
+            for i in &items {
+                seen.entry((i.key_tile, i.kv_head, i.split))
+                    .or_insert_with(Vec::new)
+                    .push(*i);
+            }
+            assert_eq!(
+                seen.len(),
+                l.div_ceil(keys) * hk * plans.group_splits as usize
+            );
+            for ((x, _, _), mut v) in seen {
+                v.sort_by_key(|i| i.chunk);
+                let walk = key_tile_query_pairs(
+                    &p.kv_end,
+                    x as usize * keys..((x as usize + 1) * keys).min(l),
+                    bm,
+                );
+                let heaviest_tile = walk.iter().map(|&(_, n)| n).max().unwrap_or(0);
+                for (c, i) in v.iter().enumerate() {
+                    assert_eq!((i.chunk as usize, i.chunks as usize), (c, v.len()));
+                    let p_range: u64 = walk
+                        .iter()
+                        .filter(|&&(q, _)| i.qt_begin <= q && q < i.qt_end)
+                        .map(|&(_, n)| n)
+                        .sum();
+                    assert_eq!(i.pairs, p_range * per_split as u64, "case {case}");
+                    if c > 0 {
+                        assert!(v[c - 1].qt_end <= i.qt_begin);
+                    }
+                    // Equal shares of the walk: each range within the
+                    // share plus one query tile.
+                    let share =
+                        (walk.iter().map(|&(_, n)| n).sum::<u64>()).div_ceil(v.len() as u64);
+                    assert!(
+                        i.pairs <= (share + heaviest_tile) * per_split as u64,
+                        "case {case}"
+                    );
+                }
+                if let (Some(f), Some(b)) = (walk.first(), walk.last()) {
+                    assert_eq!((v[0].qt_begin, v.last().unwrap().qt_end), (f.0, b.0 + 1));
+                    assert!(
+                        v.len() as u64
+                            <= (v.iter().map(|i| i.pairs).sum::<u64>())
+                                .div_ceil(cap)
+                                .max(1)
+                    );
+                } else {
+                    assert_eq!((v.len(), v[0].pairs), (1, 0));
+                }
+            }
+        }
+    }
+
+    /// Issue 39 item 1's target on the issue's packs at d 64 and 128:
+    /// the balanced launch's predicted main kernel utilization ≥ 0.85
+    /// (today's: 0.318 and 0.688, [`todays_launch_underfills_on_trees`]).
+    #[test]
+    fn balanced_launch_fills_the_gpu() {
+        let mut causal = MaskBuilder::new();
+        causal.push_sequence(16_384);
+        for (name, p) in [
+            ("grpo", issue_pack("grpo").unwrap()),
+            ("compaction", issue_pack("compaction").unwrap()),
+            ("causal", causal),
+        ] {
+            for d in [64, 128] {
+                for mode in [DqMode::Atomic, DqMode::Deterministic] {
+                    let r = PlanReport::with_launch(
+                        &p.kv_end,
+                        shape(p.len(), 16, 4, d),
+                        mode,
+                        None,
+                        H100_SMS,
+                        None,
+                        Launch::Balanced,
+                    )
+                    .unwrap();
+                    let k = &r.kernels[0].0;
+                    eprintln!(
+                        "{name} d {d} {}: {} items, util {:.3}",
+                        mode_name(mode),
+                        k.items.len(),
+                        r.utilization()
+                    );
+                    assert!(r.utilization() >= 0.85, "{name} d {d}: {}", r.utilization());
+                    assert_eq!(k.grid, (k.items.len() as u32, 1, 1));
+                }
+            }
+        }
     }
 
     #[test]

@@ -297,7 +297,7 @@ impl CudaBackward {
             head_dim: traits.head_dim,
             zero_dq_accum: u32::from(mode == DqMode::Atomic),
             group_splits: plans.group_splits,
-            reserved: 0,
+            dkv_slots: 0,
             key_start: st.as_ref().map_or(0, |x| x.0 .0),
             start_tile_min: st.as_ref().map_or(0, |x| x.1 .0),
             start_tile_max: st.as_ref().map_or(0, |x| x.2 .0),
@@ -305,6 +305,7 @@ impl CudaBackward {
             dsinks: dsk.as_ref().map_or(0, |x| x.0),
             softcap_c,
             softcap_in,
+            items: 0,
         };
         if var {
             return self.launch_var::<T>(&p, &traits, &plans, mode, dsk.is_some());

@@ -2,7 +2,8 @@
 
 use super::{check_result, emu_result, ffi, Emu, KernelElem};
 use crate::backend::launch::bwd::{
-    plan_backward_var, plan_backward_with, BwdParams, DqMode, MainKernel,
+    balanced_item_table, balanced_main_items, plan_backward_var, plan_backward_with, BwdParams,
+    DqMode, MainKernel,
 };
 use crate::backend::launch::{check_kernel_call, scale_log2, softcap_args, LaunchPlan};
 use crate::backend::{BackwardCall, Grads, Host};
@@ -33,7 +34,7 @@ pub(super) fn backward<T: KernelElem>(
     } = grads;
     let mode = emu.dq_mode;
     let var = check_kernel_call("emulated kernels", &args)?;
-    let (traits, plans) = if var {
+    let (traits, mut plans) = if var {
         plan_backward_var(
             &shape,
             emu.group_splits,
@@ -64,7 +65,36 @@ pub(super) fn backward<T: KernelElem>(
     // value (and the accumulator's zeros in atomic mode).
     let mut delta = vec![f32::NAN; shape.q_heads * shape.tokens];
     let mut dq_accum = vec![f32::NAN; shape.q_len()];
-    let mut dkv_accum = vec![f32::NAN; plans.dkv_accum_len(&shape)];
+    // The balanced launch: the item table, its grid and slots; the scratch
+    // zero-filled (slots past a key tile's chunks are summed unwritten).
+    let (items, dkv_slots) = match emu.balance_cap {
+        None => (Vec::new(), 0),
+        Some(cap) => {
+            if traits.main_kernel != MainKernel::TwoMTiles {
+                return Err(Error::Unsupported(format!(
+                    "the balanced backward launch exists for the 8-warp two-m-tile main kernel only, not {:?}",
+                    traits.main_kernel
+                )));
+            }
+            let group = (shape.q_heads / shape.kv_heads) as u32;
+            let list = balanced_main_items(
+                mask.kv_end(),
+                traits.main_keys,
+                traits.block_m,
+                shape.kv_heads as u32,
+                plans.group_splits,
+                group / plans.group_splits,
+                cap,
+            );
+            plans.main.grid = (list.len() as u32, 1, 1);
+            balanced_item_table(&list, plans.group_splits)
+        }
+    };
+    let mut dkv_accum = if dkv_slots > 0 {
+        vec![0f32; dkv_slots as usize * 2 * shape.kv_len()]
+    } else {
+        vec![f32::NAN; plans.dkv_accum_len(&shape)]
+    };
     let p = BwdParams {
         q: q.as_ptr() as u64,
         k: k.as_ptr() as u64,
@@ -94,7 +124,7 @@ pub(super) fn backward<T: KernelElem>(
         head_dim: traits.head_dim,
         zero_dq_accum: (mode == DqMode::Atomic) as u32,
         group_splits: plans.group_splits,
-        reserved: 0,
+        dkv_slots,
         key_start: addr(starts.as_ref().map(|s| &s.starts)),
         start_tile_min: addr(starts.as_ref().map(|s| &s.tile_min)),
         start_tile_max: addr(starts.as_ref().map(|s| &s.tile_max)),
@@ -102,6 +132,11 @@ pub(super) fn backward<T: KernelElem>(
         dsinks: dsinks_addr,
         softcap_c,
         softcap_in,
+        items: if items.is_empty() {
+            0
+        } else {
+            items.as_ptr() as u64
+        },
     };
     // Stage numbers of kernels/emu/bwd_entry.cpp: the two-m-tile main
     // kernel is 6 (atomic) / 7 (det), 8 / 9 / 10 with a negative control's
@@ -147,7 +182,7 @@ pub(super) fn backward<T: KernelElem>(
             (4, "dq_convert", plans.per_row),
         ],
     };
-    if plans.group_splits > 1 {
+    if plans.group_splits > 1 || dkv_slots > 0 {
         stages.push((5, "dkv_convert", plans.dkv_convert));
     }
     if args.sinks().is_some() && dsinks_addr != 0 {

@@ -278,6 +278,180 @@ pub fn group_splits(key_tiles: u64, kv_heads: u64, group: u32) -> u32 {
     best
 }
 
+/// One work item of the balanced backward main launch (issue 39 item 1,
+/// read by the d 128 two-m-tile main kernels through
+/// [`balanced_item_table`], under the emulator only so far): the query tiles
+/// `[qt_begin, qt_end)` (of `block_m` rows) of one (key tile, kv head,
+/// group split). A key tile whose query walk is heavier than the cap of
+/// [`balanced_main_items`] is split into `chunks` consecutive query ranges,
+/// chunk `chunk` writing its partial f32 dK / dV to scratch slot `chunk` of
+/// the key tile (summed in chunk order by the convert kernel: the same
+/// order every run, so deterministic mode stays bit-identical run to run).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MainItem {
+    /// Key tile (blockIdx.x of today's grid).
+    pub key_tile: u32,
+    /// kv head (blockIdx.y).
+    pub kv_head: u32,
+    /// Group split (blockIdx.z).
+    pub split: u32,
+    /// First query tile of the range.
+    pub qt_begin: u32,
+    /// End (exclusive) of the range's query tiles.
+    pub qt_end: u32,
+    /// Index of this range among its key tile's.
+    pub chunk: u32,
+    /// Ranges the key tile is split into (1: unsplit).
+    pub chunks: u32,
+    /// Visible (query, key) pairs of the item times its query heads.
+    pub pairs: u64,
+}
+
+/// Items per slot (SMs × resident blocks) the balanced launch aims at: the
+/// cap of an item is `total / (slots · BALANCE_ITEMS_PER_SLOT)` pairs, so
+/// that heavy-first (LPT) assignment ends within about one small item of
+/// the mean.
+pub const BALANCE_ITEMS_PER_SLOT: u64 = 2;
+
+/// The cap on one item's pairs for `total` pairs over `slots` slots
+/// ([`BALANCE_ITEMS_PER_SLOT`]), at least 1.
+pub fn balance_cap(total: u64, slots: u64) -> u64 {
+    total.div_ceil(slots.max(1) * BALANCE_ITEMS_PER_SLOT).max(1)
+}
+
+/// Visible pairs of each query tile of `bm` rows with the keys `keys`:
+/// `(query tile, pairs)` for the tiles with at least one, in order.
+pub fn key_tile_query_pairs(
+    kv_end: &[u32],
+    keys: std::ops::Range<usize>,
+    bm: usize,
+) -> Vec<(u32, u64)> {
+    let l = kv_end.len();
+    let tiles = l.div_ceil(bm.max(1));
+    let mut per = vec![0u64; tiles];
+    for k in keys {
+        let e = (kv_end[k] as usize).min(l);
+        if e <= k {
+            continue;
+        }
+        let (t0, t1) = (k / bm, (e - 1) / bm);
+        for (t, slot) in per.iter_mut().enumerate().take(t1 + 1).skip(t0) {
+            let a = k.max(t * bm);
+            let b = e.min((t + 1) * bm);
+            *slot += (b - a) as u64;
+        }
+    }
+    per.into_iter()
+        .enumerate()
+        .filter(|&(_, n)| n > 0)
+        .map(|(t, n)| (t as u32, n))
+        .collect()
+}
+
+/// The balanced main launch: every (key tile, kv head, group split) of
+/// today's grid, its query walk cut into the fewest consecutive ranges of
+/// query tiles whose pairs (× the split's `per_split` query heads) stay
+/// near `cap` (`ceil(walk / cap)` ranges of about equal pairs; a range is
+/// at least one query tile), then ordered heaviest first (ties: key tile,
+/// kv head, split, chunk), the order the kernel's blockIdx.x would read
+/// them in. FlashAttention-2's backward has one block per key tile and no
+/// split of its query walk; FlashAttention-3's persistent schedulers order
+/// work longest first: this is that order over items cut to size.
+pub fn balanced_main_items(
+    kv_end: &[u32],
+    main_keys: u32,
+    block_m: u32,
+    kv_heads: u32,
+    group_splits: u32,
+    per_split: u32,
+    cap: u64,
+) -> Vec<MainItem> {
+    let l = kv_end.len();
+    let keys = main_keys as usize;
+    let cap = cap.max(1);
+    let mut items = Vec::new();
+    for x in 0..l.div_ceil(keys) {
+        let walk =
+            key_tile_query_pairs(kv_end, x * keys..((x + 1) * keys).min(l), block_m as usize);
+        let total: u64 = walk.iter().map(|&(_, n)| n).sum::<u64>() * per_split as u64;
+        // Ranges of the walk: (first tile, end tile, pairs per head).
+        let mut ranges: Vec<(u32, u32, u64)> = Vec::new();
+        if walk.is_empty() {
+            ranges.push((0, 0, 0));
+        } else {
+            let n = total.div_ceil(cap).clamp(1, walk.len() as u64);
+            let per_head_total = total / per_split.max(1) as u64;
+            let mut acc = 0u64;
+            let mut start = 0usize;
+            for (i, &(_, p)) in walk.iter().enumerate() {
+                acc += p;
+                let c = ranges.len() as u64;
+                // Cut once this range reaches its share of the walk.
+                if c + 1 < n && acc * n >= (c + 1) * per_head_total {
+                    let sum = walk[start..=i].iter().map(|&(_, p)| p).sum();
+                    ranges.push((walk[start].0, walk[i].0 + 1, sum));
+                    start = i + 1;
+                }
+            }
+            if start < walk.len() {
+                let sum = walk[start..].iter().map(|&(_, p)| p).sum();
+                ranges.push((walk[start].0, walk.last().unwrap().0 + 1, sum));
+            }
+        }
+        let chunks = ranges.len() as u32;
+        for split in 0..group_splits {
+            for kv_head in 0..kv_heads {
+                for (c, &(a, b, p)) in ranges.iter().enumerate() {
+                    items.push(MainItem {
+                        key_tile: x as u32,
+                        kv_head,
+                        split,
+                        qt_begin: a,
+                        qt_end: b,
+                        chunk: c as u32,
+                        chunks,
+                        pairs: p * per_split as u64,
+                    });
+                }
+            }
+        }
+    }
+    items.sort_by_key(|i| {
+        (
+            std::cmp::Reverse(i.pairs),
+            i.key_tile,
+            i.kv_head,
+            i.split,
+            i.chunk,
+        )
+    });
+    items
+}
+
+/// The kernel's item table of a balanced launch (`TreeAttnBwdParams::items`):
+/// 8 words per item, `{key tile, kv head, group split, first query tile,
+/// end query tile, dkv_accum slot, 0, 0}`, slot `split · max chunks +
+/// chunk`; and the slots (`group_splits · max chunks`, the summed
+/// `dkv_slots`). Slots a key tile with fewer chunks leaves unwritten must
+/// hold zeros.
+pub fn balanced_item_table(items: &[MainItem], group_splits: u32) -> (Vec<u32>, u32) {
+    let max_chunks = items.iter().map(|i| i.chunks).max().unwrap_or(1).max(1);
+    let mut t = Vec::with_capacity(items.len() * 8);
+    for i in items {
+        t.extend_from_slice(&[
+            i.key_tile,
+            i.kv_head,
+            i.split,
+            i.qt_begin,
+            i.qt_end,
+            i.split * max_chunks + i.chunk,
+            0,
+            0,
+        ]);
+    }
+    (t, group_splits * max_chunks)
+}
+
 /// The launch plans of one backward call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BwdPlans {
@@ -464,7 +638,8 @@ pub(crate) struct BwdParams {
     pub head_dim: u32,
     pub zero_dq_accum: u32,
     pub group_splits: u32,
-    pub reserved: u32,
+    /// Slots of `dkv_accum` summed by `dkv_convert` (0: `group_splits`).
+    pub dkv_slots: u32,
     /// The variants (0 for a plain call).
     pub key_start: u64,
     pub start_tile_min: u64,
@@ -473,14 +648,17 @@ pub(crate) struct BwdParams {
     pub dsinks: u64,
     pub softcap_c: f32,
     pub softcap_in: f32,
+    /// The balanced main launch's item table (8 words per block; 0: today's
+    /// grid). See [`balanced_item_table`].
+    pub items: u64,
 }
-super::assert_layout!(BwdParams, 208, {
+super::assert_layout!(BwdParams, 216, {
     q: 0, k: 8, v: 16, o: 24, d_o: 32, lse: 40, delta: 48, dq_accum: 56, dq: 64, dk: 72,
     dv: 80, kv_end: 88, tile_kv_min: 96, tile_kv_max: 104, dkv_accum: 112, tokens: 120,
     q_heads: 124, kv_heads: 128, num_key_tiles: 132, scale: 136, scale_log2: 140,
-    head_dim: 144, zero_dq_accum: 148, group_splits: 152, reserved: 156, key_start: 160,
+    head_dim: 144, zero_dq_accum: 148, group_splits: 152, dkv_slots: 156, key_start: 160,
     start_tile_min: 168, start_tile_max: 176, sinks: 184, dsinks: 192, softcap_c: 200,
-    softcap_in: 204,
+    softcap_in: 204, items: 208,
 });
 
 #[cfg(test)]

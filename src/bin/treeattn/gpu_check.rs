@@ -143,6 +143,11 @@ pub struct GpuCheckArgs {
     /// Main kernel of --plan-only [default: the backend's for the head dim].
     #[arg(long, value_enum, value_name = "K", requires = "plan_only")]
     main_kernel: Option<MainKernelArg>,
+    /// --plan-only: model the balanced main launch of issue 39 item 1
+    /// (heavy key tiles' query walks split into ranges, heaviest first;
+    /// not the backends' default yet) instead of today's grid.
+    #[arg(long, requires = "plan_only")]
+    balanced: bool,
     /// --plan-only output as one JSON object.
     #[arg(long, requires = "plan_only")]
     json: bool,
@@ -171,7 +176,7 @@ pub enum MainKernelArg {
 /// `--plan-only`: the backward launch plan of a pack (no kernel, any build).
 fn plan_only(a: &GpuCheckArgs) -> Result<()> {
     use treeattn::backend::launch::bwd::{DqMode, MainKernel};
-    use treeattn::gpu_check::plan::{issue_pack, PlanReport, H100_SMS};
+    use treeattn::gpu_check::plan::{issue_pack, Launch, PlanReport, H100_SMS};
     let pack = a.pack.as_deref().ok_or_else(|| {
         Error::Usage("--plan-only needs --pack FILE (or @grpo, @compaction)".into())
     })?;
@@ -222,7 +227,12 @@ fn plan_only(a: &GpuCheckArgs) -> Result<()> {
             u32::try_from(b).map_err(|_| Error::Usage(format!("--blocks-per-sm {b} is too large")))
         })
         .transpose()?;
-    let report = PlanReport::new(&kv_end, shape, mode, kernel, sms, bps)?;
+    let launch = if a.balanced {
+        Launch::Balanced
+    } else {
+        Launch::Grid
+    };
+    let report = PlanReport::with_launch(&kv_end, shape, mode, kernel, sms, bps, launch)?;
     crate::args::emit(&if a.json {
         report.to_json().to_string() + "\n"
     } else {

@@ -157,6 +157,24 @@ pub fn with_group_splits<R>(splits: Option<u32>, f: impl FnOnce() -> R) -> R {
     r
 }
 
+thread_local! {
+    static BALANCE_CAP: Cell<Option<u64>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with the emulated backward's balanced main launch at `cap`
+/// pairs per item (`None`: today's grid) on this thread.
+pub fn with_balance_cap<R>(cap: Option<u64>, f: impl FnOnce() -> R) -> R {
+    let before = BALANCE_CAP.with(|o| o.replace(cap));
+    let r = f();
+    BALANCE_CAP.with(|o| o.set(before));
+    r
+}
+
+/// The cap of the innermost [`with_balance_cap`] on this thread.
+pub fn balance_cap() -> Option<u64> {
+    BALANCE_CAP.with(|o| o.get())
+}
+
 /// The options of the innermost [`with_options`] on this thread.
 pub fn options() -> EmuOptions {
     OPTIONS.with(|o| o.get())
@@ -209,6 +227,7 @@ pub fn emu_backward<T: KernelElem>(
         .with_dq_mode(mode)
         .with_group_splits(GROUP_SPLITS.with(|o| o.get()))
         .with_main_kernel(MAIN_KERNEL.with(|o| o.get()))
+        .with_balance_cap(BALANCE_CAP.with(|o| o.get()))
         .backward_owned(&args, Saved { o, lse }, d_o)
 }
 

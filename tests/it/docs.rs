@@ -5,8 +5,8 @@
 //! - every relative link `](path)` of those pages names a file or folder
 //!   of the repository.
 //!
-//! (The pages' Rust blocks are doctests, src/lib.rs; their tested Python
-//! blocks run in python/tests/test_docs.py.)
+//! (The pages' Rust blocks are doctests, src/lib.rs; their Python blocks
+//! run in page order in python/tests/test_docs.py.)
 
 use std::path::{Path, PathBuf};
 

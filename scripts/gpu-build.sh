@@ -25,7 +25,7 @@ rm -rf "$OUT_DIR.tmp"
 mkdir -p "$OUT_DIR.tmp"
 
 echo "== treeattn CLI and C ABI (release, cuda)"
-CARGO_TARGET_DIR=$T cargo build --release --features cuda --bin treeattn
+CARGO_TARGET_DIR=$T cargo build --release -p treeattn-lab --features cuda --bin treeattn
 CARGO_TARGET_DIR=$T cargo build --release -p treeattn-capi --features cuda
 cp "$T/release/treeattn" "$T/release/libtreeattn_capi.so" "$OUT_DIR.tmp/"
 

@@ -47,10 +47,10 @@
 #
 # The same flow runs on CPU machines first: GPU_CHECK_BACKEND=emu runs every
 # gpu-check above on the SIMT emulator (`--backend emu`, small sizes) — the
-# dry run of tests/it/gpu_check_script.rs, with stand-ins for nvidia-smi,
+# dry run of lab/tests/it/gpu_check_script.rs, with stand-ins for nvidia-smi,
 # ncu and compute-sanitizer — and `treeattn gpu-check --backend emu --dump
 # DIR` then `python3 scripts/gpu-anchor.py DIR` run in .ci/run
-# (tests/it/gpu_check_emu.rs).
+# (lab/tests/it/gpu_check_emu.rs).
 #
 # Environment: TREEATTN_BIN (default target/gpu-carry/treeattn, else
 # target/release/treeattn), GPU_CHECK_ARGS (extra arguments for the

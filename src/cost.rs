@@ -284,45 +284,4 @@ mod tests {
         let e = visible_pairs(&[1, 0]).unwrap_err().to_string();
         assert!(e.contains("kv_end[1] = 0"), "{e}");
     }
-
-    #[test]
-    fn formulas_by_hand() {
-        // Two layers, H 8, 2 q heads, 1 kv head of 4, I 16, V 10.
-        let m = ModelCost {
-            layers: 2,
-            hidden: 8,
-            heads: 2,
-            kv_heads: 1,
-            head_dim: 4,
-            intermediate: 16,
-            vocab: 10,
-        };
-        m.validate().unwrap();
-        // attention: 2 · 2 · 16 = 64 forward per pair, 3.5× with backward.
-        assert_eq!(m.attention_per_pair(), 64.0 * 3.5);
-        // linear: q 64, k 32, v 32, o 64, MLP 3·128 = 576 MACs per layer.
-        assert_eq!(m.linear_per_token(), 2.0 * 2.0 * 576.0 * 3.0);
-        assert_eq!(m.logits_per_row(), 2.0 * 80.0 * 3.0);
-        // The golden pack of DESIGN §4: 16 tokens, 6 loss rows (all distinct).
-        let pack = crate::tree::Tree::build(&[crate::gen::golden()], false)
-            .unwrap()
-            .trie_pack();
-        let c = pack.cost(&m).unwrap();
-        let pairs: u64 = pack
-            .kv_end
-            .iter()
-            .enumerate()
-            .map(|(k, &e)| e as u64 - k as u64)
-            .sum();
-        assert_eq!(c.visible_pairs, pairs);
-        assert_eq!(c.tokens, 16);
-        assert_eq!(c.logit_rows, 6);
-        assert_eq!(c.total, c.attention + c.linear);
-        assert_eq!(
-            c.linear,
-            16.0 * m.linear_per_token() + 6.0 * m.logits_per_row()
-        );
-        let bad = ModelCost { kv_heads: 3, ..m };
-        assert!(bad.validate().unwrap_err().to_string().contains("kv_heads"));
-    }
 }

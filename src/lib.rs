@@ -13,8 +13,8 @@
 //!    mask `kv_end` and depth position ids ([`pack`], [`mask`]),
 //! 4. runs attention forward and backward on that pack, and the fused
 //!    forward-KL of SDCC self-distillation ([`ops`], on the [`backend`]s),
-//! 5. proves by property tests that one packed pass equals LogitTree's K+1
-//!    separate passes ([`logittree`]).
+//! 5. is proven, by property tests, to equal LogitTree's K+1 separate
+//!    passes in one packed pass (the lab's `treeattn_lab::logittree`).
 //!
 //! The mask rule: query `q` may attend to key `k` iff `k <= q < kv_end[k]`.
 //!
@@ -48,31 +48,17 @@
 
 #![warn(missing_docs)]
 pub mod backend;
-pub mod bench;
 #[cfg(feature = "candle")]
 pub mod candle;
 pub mod cost;
-pub mod demo;
 pub mod error;
-pub mod gen;
-#[cfg(any(feature = "cuda", feature = "emu"))]
-pub mod gpu_check;
-/// `treeattn gpu-check`: without the `cuda` and `emu` features, only the
-/// backward launch plan and its SM-utilization model ([`gpu_check::plan`],
-/// `gpu-check --plan-only`), which need no kernel.
-#[cfg(not(any(feature = "cuda", feature = "emu")))]
-pub mod gpu_check {
-    pub mod plan;
-}
-pub mod logittree;
 pub mod mask;
-mod matmul;
-pub mod model;
 pub mod ops;
 pub mod pack;
 pub mod paths;
 pub mod plan;
 pub mod rl;
+#[doc(hidden)]
 pub mod rng;
 pub mod rollout;
 pub mod safetensors;

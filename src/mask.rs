@@ -576,52 +576,6 @@ mod tests {
         assert!(PackMask::new(&[2, 2], &[0]).is_err());
     }
 
-    /// `window_starts` against its definition on random forests with
-    /// padding keys: `q` sees `k` under a window of `w` levels iff `k` is
-    /// visible and `depth(q) − depth(k) < w`, depth counted pair by pair
-    /// (`#{j < t : kv_end[j] > t}`); on a chain it is `q − k < w`.
-    #[test]
-    fn window_starts_follow_the_depth_definition() {
-        let mut rng = crate::gen::Rng::new(3);
-        for case in 0..40 {
-            let p = crate::gen::random_forest(&mut rng, 1 + case % 3, 20 + case * 3, 2, 7);
-            let mut kv_end = p.kv_end.clone();
-            for (k, e) in kv_end.iter_mut().enumerate() {
-                if *e as usize == k + 1 && (k * 7 + case) % 5 == 0 {
-                    *e = k as u32; // a padding key
-                }
-            }
-            let pos = vec![0; kv_end.len()];
-            let m = PackMask::new(&kv_end, &pos).unwrap();
-            assert!(m.is_tree());
-            let l = kv_end.len();
-            let depth: Vec<usize> = (0..l)
-                .map(|t| (0..t).filter(|&j| kv_end[j] as usize > t).count())
-                .collect();
-            for w in [1u32, 2, 5, 40] {
-                let starts = m.window_starts(w).unwrap();
-                for q in 0..l {
-                    for k in 0..=q {
-                        let want = m.visible(q, k) && depth[q] - depth[k] < w as usize;
-                        let got = starts[q] as usize <= k && m.visible(q, k);
-                        assert_eq!(got, want, "case {case}, window {w}, q {q}, k {k}");
-                    }
-                }
-                let blind = m.blind_queries_in(Some(&starts));
-                for (q, &b) in blind.iter().enumerate() {
-                    let sees = (0..=q).any(|k| starts[q] as usize <= k && m.visible(q, k));
-                    assert_eq!(b, !sees, "case {case}, window {w}, row {q}");
-                }
-            }
-        }
-        let chain = PackMask::new(&[9; 9], &[0; 9]).unwrap();
-        assert_eq!(chain.window_starts(3).unwrap(), [0, 0, 0, 1, 2, 3, 4, 5, 6]);
-        assert_eq!(
-            chain.window_starts(1).unwrap(),
-            (0..9).collect::<Vec<u32>>()
-        );
-    }
-
     #[test]
     fn crossing_ranges_are_no_tree() {
         let m = PackMask::new(&[3, 4, 4, 4], &[0; 4]).unwrap();
@@ -676,7 +630,7 @@ mod tests {
 
     #[test]
     fn kv_end_from_positions_inverts_the_depths_of_random_forests() {
-        use crate::gen::Rng;
+        use crate::rng::Rng;
         let mut rng = Rng::new(0x9051);
         for case in 0..300 {
             let l = 1 + rng.range(0, 80);
@@ -740,7 +694,7 @@ mod tests {
 
     #[test]
     fn block_census_is_exact_against_the_dense_mask() {
-        use crate::gen::Rng;
+        use crate::rng::Rng;
         let mut rng = Rng::new(0xb10c);
         for case in 0..200 {
             let l = 1 + rng.range(0, 70);

@@ -1,6 +1,8 @@
-//! SplitMix64, the crate's seedable random generator: the rollout
-//! generators ([`crate::gen`], which re-exports it), the benchmarks' inputs
-//! and the tests' random tensors all draw from it.
+//! SplitMix64, the seedable random generator of the tests' inputs: the
+//! library's unit tests, and the lab's rollout generators
+//! (`treeattn_lab::gen`, which re-exports it) and benchmark inputs. Not part
+//! of the API (hidden from the docs): one generator, so that a seed means
+//! the same inputs in the library's tests and the lab's.
 
 /// SplitMix64: a small, fast, seedable generator (Steele, Lea, Flood 2014).
 #[derive(Clone, Debug)]

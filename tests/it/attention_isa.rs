@@ -20,7 +20,7 @@
 
 use treeattn::backend::cpu::{best_isa, force_isa, isa, CpuFloat, Isa};
 use treeattn::backend::{AttnParams, AttnShape, Rope};
-use treeattn::gen::{MaskBuilder, Rng};
+use treeattn_lab::gen::{MaskBuilder, Rng};
 
 /// Relative Frobenius error of `got` against `want` (finite entries of
 /// `want` only: rows with no visible key have LSE −inf on every path).

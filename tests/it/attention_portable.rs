@@ -11,8 +11,8 @@ use crate::common::calls;
 
 use treeattn::backend::cpu::{gather_counts, tile_counts, uses_avx2_fma, CpuFloat};
 use treeattn::backend::{AttnParams, AttnShape, Rope};
-use treeattn::bench::{dense_attention_backward, dense_attention_forward};
-use treeattn::gen::{MaskBuilder, Rng};
+use treeattn_lab::bench::{dense_attention_backward, dense_attention_forward};
+use treeattn_lab::gen::{MaskBuilder, Rng};
 
 /// Relative Frobenius error of `got` against `want`.
 fn rel(got: &[f32], want: &[f64]) -> f64 {

@@ -28,9 +28,9 @@ use half::{bf16, f16};
 use treeattn::backend::emu::{self, DqMode, EmuOptions, KernelElem, MainKernel};
 use treeattn::backend::launch::bwd::{plan_backward, BwdTraits};
 use treeattn::backend::{tolerance, AttnGrads, AttnParams, AttnShape, Rope};
-use treeattn::gen::{self, Rng};
 use treeattn::mask::PackMask;
 use treeattn::Error;
+use treeattn_lab::gen::{self, Rng};
 
 struct Case {
     shape: AttnShape,
@@ -547,7 +547,7 @@ fn gqa_group_splits_match_the_cpu_and_are_deterministic() {
 #[test]
 fn balanced_launch_matches_the_cpu_and_is_deterministic() {
     let (mut rng, seed) = common::seeded_rng();
-    let mut fan = treeattn::gen::MaskBuilder::new();
+    let mut fan = treeattn_lab::gen::MaskBuilder::new();
     fan.push_fan(200, 3, 70);
     let forest = loop {
         let p = gen::random_forest(&mut rng, 2, 20, 3, 4);

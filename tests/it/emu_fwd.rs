@@ -25,10 +25,10 @@ use crate::common::calls;
 use half::{bf16, f16};
 use treeattn::backend::emu::{self, EmuOptions, KernelElem};
 use treeattn::backend::{tolerance, AttnParams, AttnShape, Rope};
-use treeattn::gen::{self, Rng, Shape};
 use treeattn::mask::PackMask;
 use treeattn::tree::Tree;
 use treeattn::Error;
+use treeattn_lab::gen::{self, Rng, Shape};
 
 /// The reference: the CPU backend (`backend::cpu::attention_forward`) in f64
 /// on the same 16-bit-rounded inputs. Returns (O [tokens, hq, d], LSE [hq, tokens]).

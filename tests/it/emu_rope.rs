@@ -18,8 +18,8 @@ use treeattn::backend::emu::{self, DqMode, Emu, EmuOptions, KernelElem};
 use treeattn::backend::launch::rope::{RopeTables, MAX_ROPE_POSITION, ROPE_THREADS};
 use treeattn::backend::launch::Dtype;
 use treeattn::backend::{tolerance, AttnParams, AttnShape, Rope};
-use treeattn::gen::{self, Rng};
 use treeattn::mask::PackMask;
+use treeattn_lab::gen::{self, Rng};
 
 #[test]
 fn rust_plan_matches_the_kernel_block() {

@@ -26,8 +26,8 @@ use half::{bf16, f16};
 use treeattn::backend::emu::{self, EmuOptions, SdccElem};
 use treeattn::backend::launch::sdcc::{SDCC_SMEM_BYTES, SDCC_THREADS};
 use treeattn::backend::tolerance::SDCC;
-use treeattn::gen::Rng;
 use treeattn::Error;
+use treeattn_lab::gen::Rng;
 
 /// An element type built from f32 (round to nearest).
 trait Elem: SdccElem {

@@ -53,9 +53,9 @@ use treeattn::backend::launch::FwdTraits;
 use treeattn::backend::{
     tolerance, AttentionBackend, AttnArgs, AttnParams, AttnShape, Grads, HostAttention, Saved,
 };
-use treeattn::gen::{self, Rng};
 use treeattn::mask::PackMask;
 use treeattn::Error;
+use treeattn_lab::gen::{self, Rng};
 
 /// What a case adds to plain attention.
 #[derive(Clone, Copy, Debug, Default)]

@@ -3,7 +3,9 @@
 //! binary of its own, each linking the whole crate, the C++ emulator and its
 //! own copies of the generic kernels; one binary compiles and links them
 //! once. Run one module with `cargo test --test it emu_bwd::`, one test with
-//! its path (`cargo test --test it cli::pack_writes_one_exact_file_per_pack`).
+//! its path (`cargo test --test it pack_props::interval_rule_is_trie_ancestry`).
+//! The lab's tests (the CLI, the GPU check, the reference model, LogitTree)
+//! are lab/tests/it.
 //!
 //! Tests that flip process-wide state (the CPU backend's code path) run in a
 //! child process of this binary ([`common::own_process`]).
@@ -13,7 +15,6 @@ mod common;
 mod attention_cpu;
 mod attention_isa;
 mod attention_portable;
-mod cli;
 mod contract;
 mod docs;
 mod emu_bwd;
@@ -22,14 +23,9 @@ mod emu_rope;
 mod emu_sdcc;
 mod emu_shim;
 mod emu_variants;
-mod equivalence;
-mod fuzz_cli;
+mod forests;
 mod fuzz_inputs;
 mod fuzz_structured;
-mod gpu_check_emu;
-mod gpu_check_script;
-mod model;
-mod output_files;
 mod pack_golden;
 mod pack_props;
 mod rollout_errors;

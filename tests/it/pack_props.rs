@@ -10,12 +10,12 @@
 use std::collections::{BTreeSet, HashMap};
 
 use proptest::prelude::*;
-use treeattn::gen::{self, Rng};
 use treeattn::mask::{dense_mask, PackMask, TileClass, TileMap};
 use treeattn::pack::{batch, Layout, Pack};
 use treeattn::rollout::{Call, Rollout};
 use treeattn::safetensors::{deserialize, pack_from_tensors, pack_tensors, serialize};
 use treeattn::tree::{align_blocks, RolloutStats, Tree, MIN_BLOCK};
+use treeattn_lab::gen::{self, Rng};
 
 /// One step of a harness script.
 #[derive(Clone, Debug)]

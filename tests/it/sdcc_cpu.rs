@@ -7,8 +7,8 @@ use crate::common::calls;
 use ndarray::Array2;
 use proptest::prelude::*;
 use treeattn::backend::cpu::CpuFloat;
-use treeattn::gen::Rng;
 use treeattn::{ops, Error};
+use treeattn_lab::gen::Rng;
 
 /// Uniform in `0..n` by modulo, the draw these tests (and the seeds in
 /// sdcc_cpu.proptest-regressions) were written against.

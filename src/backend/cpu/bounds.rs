@@ -24,7 +24,7 @@ pub(crate) struct BlockMasks {
 /// Per key tile, the min and max of `kv_end` over its keys, and over the
 /// finer key groups the micro-kernels' register blocks cover ([`microkernel::NS`]
 /// keys): computed once per call.
-pub(crate) struct KeyTileBounds {
+pub struct KeyTileBounds {
     len: usize,
     min_end: Vec<u32>,
     max_end: Vec<u32>,
@@ -74,7 +74,8 @@ impl WindowBounds {
 }
 
 impl KeyTileBounds {
-    pub(crate) fn new(kv_end: &[u32]) -> Self {
+    /// The bounds of the pack whose interval mask is `kv_end`.
+    pub fn new(kv_end: &[u32]) -> Self {
         let maxes = |n: usize| -> Vec<u32> {
             kv_end
                 .chunks(n)
@@ -256,7 +257,7 @@ impl KeyTileBounds {
     /// Class of the block of queries `[q0, q1)` (a query tile: `q0` a
     /// multiple of `TILE`) against key tile `kt`.
     #[inline]
-    pub(crate) fn classify(&self, q0: usize, q1: usize, kt: usize) -> TileClass {
+    pub fn classify(&self, q0: usize, q1: usize, kt: usize) -> TileClass {
         let k0 = kt * TILE;
         let k1 = (k0 + TILE).min(self.len);
         let class = crate::mask::classify_tile(q0, q1, k0, k1, self.min_end[kt], self.max_end[kt]);

@@ -131,16 +131,16 @@ mod value_dim;
 mod workspace;
 
 pub use crate::mask::TileClass;
+pub use bounds::KeyTileBounds;
 pub use census::{
     block_counts, computed_entries, gather_counts, tile_counts, BlockCounts, GatherCounts,
     TileCounts, BLOCK_KEYS, BLOCK_QUERIES,
 };
 pub use float::{CpuElement, CpuFloat};
-pub use pool::{num_threads, set_default_threads};
+pub use pool::{num_threads, run_parallel, set_default_threads};
 
-pub(crate) use bounds::{BlockMasks, KeyTileBounds};
+pub(crate) use bounds::BlockMasks;
 pub(crate) use checks::check_result;
-pub(crate) use pool::run_parallel;
 
 use super::{AttentionBackend, BackwardCall, ForwardCall, Host, SdccBackend, SdccCall, SdccLoss};
 use crate::Result;

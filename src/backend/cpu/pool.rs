@@ -206,7 +206,7 @@ pub fn num_threads() -> usize {
 /// and the process's pooled workers, [`broadcast`]), pulling items from a shared
 /// queue in order (put expensive items first). Each thread builds its
 /// scratch once with `init`.
-pub(crate) fn run_parallel<W: Send, S>(
+pub fn run_parallel<W: Send, S>(
     work: Vec<W>,
     threads: usize,
     init: impl Fn() -> S + Sync,

@@ -299,7 +299,7 @@ impl CudaBackend {
     /// rotary-free backward runs on them, and dQ, dK are rotated back in
     /// place (gradients with respect to the unrotated q, k). Asynchronous on
     /// the backend's stream.
-    pub(crate) fn backward_with_mode<T: KernelElem + DeviceRepr>(
+    pub fn backward_with_mode<T: KernelElem + DeviceRepr>(
         &self,
         call: BackwardCall<'_, '_, '_, Device, T, f32>,
         mode: DqMode,

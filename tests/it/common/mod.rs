@@ -2,7 +2,7 @@
 //! module of the one test binary).
 
 use treeattn::backend::emu::KernelElem;
-use treeattn::gen::Rng;
+use treeattn_lab::gen::Rng;
 
 /// A fresh generator and its seed: `TREEATTN_SEED` when set (to replay a
 /// failure), otherwise the clock. Tests put the seed in every failure

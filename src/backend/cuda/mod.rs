@@ -302,7 +302,7 @@ impl CudaBackend {
             bwd: CudaBackward::new(&ctx, &stream)?,
             sdcc: CudaSdcc::new(&ctx, &stream)?,
             rope: rope::CudaRope::new(&ctx)?,
-            dq_mode: DqMode::Deterministic,
+            dq_mode: DqMode::default(),
             main_kernel: None,
             ctx,
             stream,
@@ -314,7 +314,8 @@ impl CudaBackend {
     }
 
     /// The same backend with the backward summing dQ as `mode` says
-    /// (deterministic by default).
+    /// (atomic by default, as in FlashAttention: [`DqMode`] says why;
+    /// `with_dq_mode(DqMode::Deterministic)` for a bit-identical dQ).
     pub fn with_dq_mode(self, mode: DqMode) -> Self {
         CudaBackend {
             dq_mode: mode,

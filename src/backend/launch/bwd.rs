@@ -9,7 +9,7 @@
 //! | `tree_attn_bwd_main_{atomic,det}_*` ([`MainKernel::OneMTile`]) | `(key tiles of 64, kv_heads, group splits)` | 128 | 65,792 (d 64) / 75,520 (d 128) |
 //! | `tree_attn_bwd_main2_{atomic,det}_*` ([`MainKernel::TwoMTiles`], the default) | `(key tiles of 128, kv_heads, group splits)` | 256 | 93,696 (d 64) / 159,232 (d 128) |
 //! | `tree_attn_bwd_main2w4_{atomic,det}_*_d64` ([`MainKernel::TwoMTilesFourWarps`], d 64 only) | `(key tiles of 128, kv_heads, group splits)` | 128 | 93,696 |
-//! | `tree_attn_bwd_dq_*` (deterministic only) | `(query tiles of 64, q_heads)` | 128 | 55,808 / 104,960 |
+//! | `tree_attn_bwd_dq_*` (deterministic only) | `(query tiles of 64, q_heads)` | 128 | 56,320 / 105,472 |
 //! | `tree_attn_bwd_dq_convert_*` | `ceil(tokens · q_heads / 4)` | 128 | 0 |
 //! | `tree_attn_bwd_dkv_convert_*` (group splits > 1 only) | `ceil(tokens · kv_heads / 4)` | 128 | 0 |
 //!
@@ -225,9 +225,11 @@ impl BwdTraits {
             + self.main_keys * 4
     }
     /// Shared memory of the deterministic dQ kernel: Q, dO, two buffers
-    /// each of K and V, the query tile's lse2 and D.
+    /// each of K and V, the query tile's lse2 and D, and per K / V buffer
+    /// the key-tile walk's look-ahead window (64 words, C++
+    /// `BwdDqTraits::kOffWindow`).
     pub fn dq_smem_bytes(&self) -> u32 {
-        6 * self.dq_block_m * self.row_stride() * 2 + 2 * self.dq_block_m * 4
+        6 * self.dq_block_m * self.row_stride() * 2 + 2 * self.dq_block_m * 4 + 2 * 64 * 4
     }
     /// Shared memory of the main variant kernel (`main_var_*`,
     /// `main2_var_*`): [`Self::main_smem_bytes`] and the key starts of the
@@ -723,7 +725,7 @@ mod tests {
         assert_eq!(p.per_row.block, (128, 1, 1));
         assert_eq!(p.main.shared_mem_bytes, 159_232);
         assert_eq!(p.dq.grid, (3, 6, 1));
-        assert_eq!(p.dq.shared_mem_bytes, 104_960);
+        assert_eq!(p.dq.shared_mem_bytes, 105_472);
         assert_eq!(p.per_row.grid, (195, 1, 1));
         assert_eq!(
             BwdTraits::for_head_dim(64).unwrap().main_smem_bytes(),

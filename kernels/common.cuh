@@ -250,11 +250,15 @@ __device__ __forceinline__ void ta_cp_async_4(void* smem, const void* gmem, bool
 #endif
 }
 // Closes the group of cp.async issued by this thread since the last commit.
+// The commit and the wait carry a "memory" clobber (as CUTLASS's
+// cp_async_fence / cp_async_wait do): without it the compiler may move an
+// ordinary shared-memory load or store of the tile across them (a read
+// hoisted above the wait sees the bytes before they land).
 __device__ __forceinline__ void ta_cp_async_commit() {
 #ifdef TA_EMU
     ta_emu::cp_async_commit();
 #else
-    asm volatile("cp.async.commit_group;");
+    asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }
 // Waits until at most N of this thread's committed groups (the newest) are
@@ -264,7 +268,7 @@ __device__ __forceinline__ void ta_cp_async_wait() {
 #ifdef TA_EMU
     ta_emu::cp_async_wait(N);
 #else
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
 

@@ -34,8 +34,9 @@ struct TaTileTraits {
 // rows per block, warp w owns rows 32w..32w+31 (two 16-row m-tiles, so every
 // K / V fragment an ldmatrix loads feeds two mma); key tiles of 64.
 // Shared memory, in bytes: Q (its own region: the O tile passes through it in
-// the epilogue) | K[2] | V[2] | row statistics | kv_end[2]: (128 + 4 · 64) ·
-// (D + 8) · 2 + 4096 + 2 · 68 · 4 = 59,936 for D = 64, 109,088 for D = 128
+// the epilogue) | K[2] | V[2] | row statistics | kv_end[2] (each with the
+// walk's look-ahead window): (128 + 4 · 64) · (D + 8) · 2 + 4096 + 2 · 132 · 4
+// = 60,448 for D = 64, 109,600 for D = 128
 // (above 48 KB: the CUDA
 // backend raises the function's dynamic shared-memory limit before
 // launching). The row statistics (running max and partial sum of the
@@ -59,8 +60,11 @@ struct FwdTraits : TaTileTraits<E, D, 128, 64> {
     static constexpr int kOffV = kOffK + 2 * kKvElems * 2;
     static constexpr int kOffStats = kOffV + 2 * kKvElems * 2;
     // Per K / V buffer, the tile's kv_end (BN words) and its tile_kv_min
-    // (one word, padded to 4), staged by cp.async with K and V (issue 26).
-    static constexpr int kKvEndWords = Base::kBlockN + 4;
+    // (one word, padded to 4), staged by cp.async with K and V (issue 26);
+    // then the walk's look-ahead window (issue 39): tile_kv_max of the 32
+    // key tiles after the buffer's, then their tile_kv_min (64 words).
+    static constexpr int kWindowOff = Base::kBlockN + 4;
+    static constexpr int kKvEndWords = kWindowOff + 64;
     static constexpr int kOffKvEnd = kOffStats + 4 * kMTiles * Base::kThreads * 4;
     static constexpr int kSmemBytes = kOffKvEnd + 2 * kKvEndWords * 4;
     // The variant kernel (tree_attn_fwd_var_*): the Q tile's key starts.
@@ -106,24 +110,28 @@ struct BwdTraits : TaTileTraits<E, D, D == 64 ? 64 : 32, 64> {
 // Backward deterministic dQ kernel (tree_attn_bwd.cu): the forward's tile
 // rule on 64-row query tiles (one 16-row m-tile per warp; the forward itself
 // moved to 128-row tiles) and key tiles of 64. Shared memory: Q, dO, K[2],
-// V[2] | lse2, D of the query tile = 55,808 B (D = 64) / 104,960 B (128).
+// V[2] | lse2, D of the query tile | the walk's look-ahead window[2] =
+// 56,320 B (D = 64) / 105,472 B (128).
 template <class E, int D>
 struct BwdDqTraits : TaTileTraits<E, D, 64, 64> {
     using Base = TaTileTraits<E, D, 64, 64>;
     static constexpr int kTileElems = 64 * Base::kRowStride;
     // Q, dO, K[2], V[2], then the query tile's lse2 and D (64 f32 each,
-    // staged by cp.async with Q and dO).
+    // staged by cp.async with Q and dO), then per K / V buffer the key-tile
+    // walk's look-ahead window (tile_kv_max, tile_kv_min of the next 32
+    // key tiles: 64 words; issue 39).
     static constexpr int kOffRowStats = 6 * kTileElems * 2;
-    static constexpr int kSmemBytes = kOffRowStats + 2 * 64 * 4;
+    static constexpr int kOffWindow = kOffRowStats + 2 * 64 * 4;
+    static constexpr int kSmemBytes = kOffWindow + 2 * 64 * 4;
     // The variant kernel: the query tile's key starts.
     static constexpr int kOffStarts = kSmemBytes;
     static constexpr int kSmemBytesVar = kOffStarts + 64 * 4;
     // Blocks per SM the register allocation must leave room for. On sm_90
-    // the D = 64 kernel's 55,808 bytes of shared memory allow 4 blocks, and
+    // the D = 64 kernel's 56,320 bytes of shared memory allow 4 blocks, and
     // 4 blocks of 128 threads need at most 128 registers each: without the
     // bound ptxas takes 156 (3 blocks) since the kernel no longer carries
     // rotary (kernels/rope.cu). sm_80 (164 KB: 2 blocks by shared memory)
-    // and D = 128 (104,960 bytes: 2 blocks) gain nothing from a bound.
+    // and D = 128 (105,472 bytes: 2 blocks) gain nothing from a bound.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static constexpr int kMinBlocks = D == 64 ? 4 : 1;
 #else

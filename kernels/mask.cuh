@@ -76,7 +76,9 @@ __device__ __forceinline__ TaUnseenKey ta_unseen_keys(const uint32_t* kv_end, co
 
 // The first key tile at or after t with a visible key for some query of
 // the query tile [q0, ...) (tile_kv_max[t] > q0), or t_end: the tile walk
-// of the forward and the deterministic dQ kernel. Each warp reads 32 tiles
+// of the forward and the deterministic dQ kernel (their first tile, and
+// the next one after 32 skipped tiles in a row; otherwise they take it from
+// the look-ahead window staged with the current tile, issue 39). Each warp reads 32 tiles
 // per step (one load per lane, a ballot, the lowest set bit), so a run of
 // skipped tiles (a GRPO pack has hundreds in a row) costs one dependent
 // load per 32 tiles instead of one per tile. t and t_end must be the same

@@ -187,6 +187,11 @@
 // registers instead of 32 while dP is computed) and dS = P̃ ∘ (dP − D) uses
 // the rounded P̃, as in the two-m-tile main kernel: that keeps the d 64
 // kernel at its 128-register bound with the ballot tile walk (issue 26).
+// Its walk has the forward's one-tile look-ahead (issue 39): the next 32
+// tiles' tile_kv_max / tile_kv_min land by cp.async with each K / V tile
+// (a 64-word window per buffer), so the next tile and its unseen-key bound
+// are read from shared memory once the current tile has landed (wait_group
+// 0, then the barrier, then the next tile's copies, then the compute).
 //
 // Rotary is not these kernels' concern: with rotary on, the backends rotate Q
 // and K once into scratch buffers (kernels/rope.cu), run these kernels on
@@ -1214,11 +1219,28 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
         if (kVar && window) ta_cp_async_4(sstart + threadIdx.x, p.key_start + (row < L ? row : 0), row < L);
     }
     ta_cp_async_commit();
+    // The walk's one-tile look-ahead (issue 39; the forward's, tree_attn_
+    // fwd.cu): tile_kv_max and tile_kv_min of the 32 key tiles after tile
+    // tt, copied by cp.async in tile tt's group into buffer b's window
+    // (warps 2, 3; tiles at or past t_end zero-filled: never chosen), so
+    // that once tile tt has landed the next tile and its unseen-key bound
+    // are read from shared memory, not by a dependent global load.
+    uint32_t* const swin = reinterpret_cast<uint32_t*>(smem_raw + Tr::kOffWindow);
+    static_assert(Tr::kThreads == 128, "warps 2, 3 stage the window");
+    auto stage_window = [&](uint32_t tt, int b) {
+        if (threadIdx.x >= Tr::kThreads - 64) {
+            const unsigned i = threadIdx.x & 31, hi = (threadIdx.x >> 5) & 1;  // warp 2: min, 3: max
+            const uint32_t j = tt + 1 + i;
+            ta_cp_async_4(swin + b * 64 + (hi ? 0 : 32) + i, (hi ? p.tile_kv_max : p.tile_kv_min) + (j < t_end ? j : 0),
+                          j < t_end);
+        }
+    };
     uint32_t t = next_tile(t_begin);
     if (t < t_end) {
         const TaUnseenKey unseen = ta_unseen_keys(p.kv_end, p.tile_kv_min, t, BN, L);
         ta_load_tile<BN, D, RS, Tr::kThreads>(sk, p.k, t * BN, L, p.kv_heads, kv_head, unseen);
         ta_load_tile<BN, D, RS, Tr::kThreads>(sv, p.v, t * BN, L, p.kv_heads, kv_head, unseen);
+        stage_window(t, 0);
     }
     ta_cp_async_commit();
     ta_cp_async_wait<1>();  // Q, dO, LSE and D have landed
@@ -1242,17 +1264,33 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
 
     int buf = 0;
     while (t < t_end) {
-        const uint32_t tn = next_tile(t + 1);
+        ta_cp_async_wait<0>();  // tile t has landed, with its look-ahead window
+        __syncthreads();
+        // The next tile from tile t's window; global memory only after 32
+        // skipped tiles in a row.
+        uint32_t tn;
+        bool maybe_unseen;
+        {
+            const uint32_t* const win = swin + buf * 64;
+            const unsigned seen = __ballot_sync(TA_FULL_MASK, win[lane] > q0);
+            if (seen) {
+                const unsigned i = unsigned(__ffs(int(seen))) - 1;
+                tn = t + 1 + i;
+                maybe_unseen = win[32 + i] < min((tn + 1) * BN, L);
+            } else {
+                tn = next_tile(t + 33);
+                maybe_unseen = tn < t_end && p.tile_kv_min[tn] < min((tn + 1) * BN, L);
+            }
+        }
         if (tn < t_end) {
-            const TaUnseenKey unseen = ta_unseen_keys(p.kv_end, p.tile_kv_min, tn, BN, L);
+            const TaUnseenKey unseen{p.kv_end, maybe_unseen};
             ta_load_tile<BN, D, RS, Tr::kThreads>(sk + (buf ^ 1) * Tr::kTileElems, p.k, tn * BN, L, p.kv_heads,
                                                       kv_head, unseen);
             ta_load_tile<BN, D, RS, Tr::kThreads>(sv + (buf ^ 1) * Tr::kTileElems, p.v, tn * BN, L, p.kv_heads,
                                                       kv_head, unseen);
+            stage_window(tn, buf ^ 1);
         }
         ta_cp_async_commit();
-        ta_cp_async_wait<1>();  // tile t has landed
-        __syncthreads();
         const uint16_t* const kt = sk + buf * Tr::kTileElems;
         const uint16_t* const vt = sv + buf * Tr::kTileElems;
         const uint32_t k0 = t * BN;

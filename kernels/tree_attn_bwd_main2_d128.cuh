@@ -386,7 +386,11 @@ __device__ __forceinline__ void tree_attn_bwd_main2_d128_body(const TreeAttnBwdP
                     }
                 // pf now holds dSᵀ. The warp's ldmatrix above has read the
                 // words it overwrites (one warp-wide instruction: every
-                // lane's values are in registers).
+                // lane's values are in registers); the __syncwarp makes that
+                // order explicit (memory ordering among the warp's lanes,
+                // and converged lanes under independent thread scheduling)
+                // before any lane stores over a word another lane read.
+                __syncwarp();
 #pragma unroll
                 for (int m = 0; m < 2; ++m)
 #pragma unroll

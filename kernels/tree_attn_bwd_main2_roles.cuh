@@ -383,6 +383,10 @@ __device__ __forceinline__ void tree_attn_bwd_main2_roles_body(const TreeAttnBwd
                             ta_pack2<E>(p0 * (x[m][n][i0] - dlt[ql]), p1 * (x[m][n][i0 + 1] - dlt[ql + 1]));
                     }
                 if (kAtomicDq) {
+                    // Every lane's ldmatrix of this k-step has read before
+                    // any lane stores over those words (explicit ordering
+                    // among the warp's lanes, not left to convergence).
+                    __syncwarp();
 #pragma unroll
                     for (int m = 0; m < 2; ++m)
 #pragma unroll

@@ -19,9 +19,10 @@
 // statistics (4 KiB, below) | kv_end[2] (per K / V buffer, the key tile's
 // kv_end and its tile_kv_min, 68 words, copied by cp.async in the tile's
 // group: the full-tile test and the element mask read shared memory, with
-// no global load left between QKᵀ and the softmax; issue 26): 59,936 bytes
-// for D = 64, 109,088 for D = 128 (above 48 KB: the CUDA backend raises the
-// kernels' limit at load).
+// no global load left between QKᵀ and the softmax; issue 26; then the tile
+// walk's look-ahead window, 64 words, below): 60,448 bytes for D = 64,
+// 109,600 for D = 128 (above 48 KB: the CUDA backend raises the kernels'
+// limit at load).
 // For each key tile:
 //   S (32 x 64 per warp)  = Q Kᵀ : ldmatrix.x4 on K rows gives the B
 //                           fragments (K row-major is Kᵀ column-major), each
@@ -60,17 +61,27 @@
 //
 // Pipeline. cp.async (ta_load_tile, tile_load.cuh): the Q tile in one commit
 // group, then K and V in two buffers each: while tile j is computed, the next
-// non-skipped tile is in flight; one commit group per tile (an empty group
-// when there is no next tile, so wait_group 1 is always right); a barrier
-// after each tile's wait (the tile landed for all threads) and one at the
-// end of its compute (no warp still reads the buffer the next prefetch
+// non-skipped tile is in flight; one commit group per tile. Per tile: wait
+// for its group (wait_group 0) and a barrier (landed for all threads; every
+// warp is past the previous tile, so the other buffer is free), choose the
+// next tile and issue its copies into the other buffer, compute, and a
+// barrier at the end (no warp still reads the buffer the next prefetch
 // overwrites).
 //
 // Tile walk. The loop visits only the key tiles with a visible pair, in
 // order. The next one is found by each warp on its own (all warps find the
-// same): lane i loads tile_kv_max[t + i], __ballot_sync of "visible", and the
-// lowest set bit (__ffs) is the tile; 32 tiles per dependent load, so a
+// same): lane i reads tile_kv_max[t + 1 + i], __ballot_sync of "visible",
+// and the lowest set bit (__ffs) is the tile; 32 tiles per step, so a
 // GRPO-like pack that skips ~225 tiles in a row costs 8 steps, not 225.
+// One-tile look-ahead (issue 39): tile_kv_max and tile_kv_min of the 32
+// tiles after tile t are copied by cp.async in tile t's own group (the
+// window, per K / V buffer), so that when tile t has landed the next tile
+// and its unseen-key bound come from shared memory: no dependent global
+// load (ballot -> tile_kv_min) stands between a tile's wait and the
+// cp.async of the next one. Only after 32 skipped tiles in a row does the
+// walk read global memory (ta_next_visible_tile from tile t + 33). What is
+// left on that path: the per-key kv_end of TaUnseenKey, for a tile whose
+// tile_kv_min lies inside it (a key that may be seen by nobody).
 //
 // Mask. Per key tile t = [k0, k1) the pack precomputes min and max of kv_end
 // over its keys (tree_attn_kv_tile_bounds below). For the query tile
@@ -229,14 +240,24 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
     // Per K / V buffer b: the tile's kv_end (keys past the pack zero-filled:
     // seen by nobody) and its tile_kv_min, copied by cp.async in the tile's
     // group (thread i < BN: key i, thread BN: the bound), so that neither the
-    // full-tile test nor the element mask waits on a global load after QKᵀ.
+    // full-tile test nor the element mask waits on a global load after QKᵀ;
+    // and the look-ahead window of the walk: tile_kv_max and tile_kv_min of
+    // the 32 key tiles after it (warps 2 and 3; tiles at or past t_end
+    // zero-filled: a max of 0 is never > q0, so never chosen).
     uint32_t* const skv = reinterpret_cast<uint32_t*>(smem_raw + Tr::kOffKvEnd);
+    static_assert(Tr::kThreads == 128 && BN + 1 <= Tr::kThreads, "warps 2, 3 stage the window");
     auto stage_bounds = [&](uint32_t tt, int b) {
+        uint32_t* const dst = skv + b * Tr::kKvEndWords;
         const uint32_t key = tt * BN + threadIdx.x;
         if (threadIdx.x < BN)
-            ta_cp_async_4(skv + b * Tr::kKvEndWords + threadIdx.x, p.kv_end + (key < L ? key : 0), key < L);
-        else if (threadIdx.x == BN)
-            ta_cp_async_4(skv + b * Tr::kKvEndWords + BN, p.tile_kv_min + tt, true);
+            ta_cp_async_4(dst + threadIdx.x, p.kv_end + (key < L ? key : 0), key < L);
+        if (threadIdx.x == BN) ta_cp_async_4(dst + BN, p.tile_kv_min + tt, true);
+        if (threadIdx.x >= Tr::kThreads - 64) {
+            const unsigned i = threadIdx.x & 31, hi = (threadIdx.x >> 5) & 1;  // warp 2: min, 3: max
+            const uint32_t j = tt + 1 + i;
+            ta_cp_async_4(dst + Tr::kWindowOff + (hi ? 0 : 32) + i,
+                          (hi ? p.tile_kv_max : p.tile_kv_min) + (j < t_end ? j : 0), j < t_end);
+        }
     };
 
     ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
@@ -306,17 +327,34 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
 
     int buf = 0;
     while (t < t_end) {
-        const uint32_t tn = next_tile(t + 1);
+        ta_cp_async_wait<0>();  // tile t has landed, with its bounds and look-ahead window
+        __syncthreads();
+        // The next tile from tile t's window (shared memory: no global load
+        // on the prefetch path) and whether it may hold a key no query sees
+        // (its tile_kv_min below its end: TaUnseenKey). Only after a run of
+        // 32 skipped tiles does the walk go back to global memory.
+        uint32_t tn;
+        bool maybe_unseen;
+        {
+            const uint32_t* const win = skv + buf * Tr::kKvEndWords + Tr::kWindowOff;
+            const unsigned seen = __ballot_sync(TA_FULL_MASK, win[lane] > q0);
+            if (seen) {
+                const unsigned i = unsigned(__ffs(int(seen))) - 1;
+                tn = t + 1 + i;
+                maybe_unseen = win[32 + i] < min((tn + 1) * BN, L);
+            } else {
+                tn = next_tile(t + 33);
+                maybe_unseen = tn < t_end && p.tile_kv_min[tn] < min((tn + 1) * BN, L);
+            }
+        }
         if (tn < t_end) {
             ta_load_tile<BN, D, RS, Tr::kThreads>(sk + (buf ^ 1) * Tr::kKvElems, p.k, tn * BN, L, p.kv_heads,
                                                   kv_head);
             ta_load_tile<BN, D, RS, Tr::kThreads>(sv + (buf ^ 1) * Tr::kKvElems, p.v, tn * BN, L, p.kv_heads,
-                                                  kv_head, ta_unseen_keys(p.kv_end, p.tile_kv_min, tn, BN, L));
+                                                  kv_head, TaUnseenKey{p.kv_end, maybe_unseen});
             stage_bounds(tn, buf ^ 1);
         }
         ta_cp_async_commit();
-        ta_cp_async_wait<1>();  // tile t has landed
-        __syncthreads();
 
         const uint16_t* const kt = sk + buf * Tr::kKvElems;
         const uint16_t* vt = sv + buf * Tr::kKvElems;

@@ -174,7 +174,8 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
         const size_t q_bytes = size_t(p->tokens) * p->q_heads * head_dim * 2;
         const size_t kv_bytes = size_t(p->tokens) * p->kv_heads * head_dim * 2;
         // (kv_end, LSE and D: the two-m-tile main kernel stages them by
-        // 4-byte cp.async.)
+        // 4-byte cp.async; tile_kv_min / tile_kv_max: the dQ kernel's
+        // look-ahead window.)
         const size_t row_bytes = size_t(p->tokens) * p->q_heads * 4;
         const ta_emu::GlobalRange ranges[] = {{p->q, q_bytes, "q"},
                                               {p->k, kv_bytes, "k"},
@@ -183,10 +184,12 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
                                               {p->kv_end, size_t(p->tokens) * 4, "kv_end"},
                                               {p->lse, row_bytes, "lse"},
                                               {p->delta, row_bytes, "delta"},
+                                              {p->tile_kv_min, size_t(p->num_key_tiles) * 4, "tile_kv_min"},
+                                              {p->tile_kv_max, size_t(p->num_key_tiles) * 4, "tile_kv_max"},
                                               {p->key_start, p->key_start ? size_t(p->tokens) * 4 : 0, "key_start"}};
         ta_emu::LaunchIo io;
         io.ranges = ranges;
-        io.num_ranges = 8;
+        io.num_ranges = 10;
         io.cp_async_bytes = cp_async_bytes;
         auto launch = [&](void (*kernel)(const TreeAttnBwdParams)) {
             return ta_emu::launch_kernel<TreeAttnBwdParams>(kernel, *p, grid, block, smem, *config, err, err_len, io);

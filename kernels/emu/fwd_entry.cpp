@@ -67,17 +67,19 @@ extern "C" int ta_emu_tree_attn_fwd(uint32_t dtype, uint32_t head_dim, uint32_t 
         }
         const size_t q_bytes = size_t(p->tokens) * p->q_heads * head_dim * 2;
         const size_t kv_bytes = size_t(p->tokens) * p->kv_heads * head_dim * 2;
-        // (kv_end and tile_kv_min: 4-byte cp.async with each K / V tile;
+        // (kv_end and tile_kv_min: 4-byte cp.async with each K / V tile, and
+        // the walk's look-ahead window of tile_kv_min / tile_kv_max;
         // the variant kernel's key starts with the Q tile.)
         const ta_emu::GlobalRange ranges[] = {{p->q, q_bytes, "q"},
                                               {p->k, kv_bytes, "k"},
                                               {p->v, kv_bytes, "v"},
                                               {p->kv_end, size_t(p->tokens) * 4, "kv_end"},
                                               {p->tile_kv_min, size_t(p->num_key_tiles) * 4, "tile_kv_min"},
+                                              {p->tile_kv_max, size_t(p->num_key_tiles) * 4, "tile_kv_max"},
                                               {p->key_start, p->key_start ? size_t(p->tokens) * 4 : 0, "key_start"}};
         ta_emu::LaunchIo io;
         io.ranges = ranges;
-        io.num_ranges = 6;
+        io.num_ranges = 7;
         io.cp_async_bytes = cp_async_bytes;
 #define TA_CASE(SUFFIX, E, HD, DT)                                                                            \
         if (dtype == DT && head_dim == HD) {                                                                     \

@@ -121,18 +121,20 @@ pub struct Emu {
 }
 
 impl Default for Emu {
-    /// Default options, deterministic dQ.
+    /// Default options, dQ by atomics ([`DqMode`]'s default, as on CUDA).
     fn default() -> Self {
         Emu::new(EmuOptions::default())
     }
 }
 
 impl Emu {
-    /// An emulator with `options` and deterministic dQ.
+    /// An emulator with `options` and [`DqMode`]'s default (atomic dQ, as
+    /// the CUDA backend); `with_dq_mode(DqMode::Deterministic)` for the
+    /// bit-identical one.
     pub fn new(options: EmuOptions) -> Emu {
         Emu {
             options,
-            dq_mode: DqMode::Deterministic,
+            dq_mode: DqMode::default(),
             group_splits: None,
             main_kernel: None,
             balance_cap: None,

@@ -9,9 +9,10 @@
 //! memory holds the Q tile (the O tile passes through it at the end), two
 //! buffers each of K and V, rows padded by 8 elements, and the online-softmax
 //! row statistics (4 f32 words per row a thread holds: 4 KiB), and per K / V
-//! buffer the key tile's kv_end and bound (68 words):
-//! `(128 + 4 · 64) · (d + 8) · 2 + 4096 + 544` bytes (59,936 for d = 64,
-//! 109,088 for d = 128; above 48 KiB, so the CUDA backend raises each forward kernel's
+//! buffer the key tile's kv_end and bound and the tile walk's look-ahead
+//! window (132 words):
+//! `(128 + 4 · 64) · (d + 8) · 2 + 4096 + 1056` bytes (60,448 for d = 64,
+//! 109,600 for d = 128; above 48 KiB, so the CUDA backend raises each forward kernel's
 //! dynamic shared-memory limit before its first launch).
 
 use super::{AttnParams, AttnShape};
@@ -179,12 +180,14 @@ impl FwdTraits {
     /// elements, then the row max and partial row sum of each of a thread's
     /// `2 · block_m / (16 · warps)` rows in f32 (C++ `FwdTraits::kOffStats`),
     /// then per K / V buffer the tile's kv_end and bound (`block_n + 4`
-    /// words, C++ `FwdTraits::kOffKvEnd`).
+    /// words, C++ `FwdTraits::kOffKvEnd`) and the walk's look-ahead window
+    /// (`tile_kv_max`, `tile_kv_min` of the next 32 key tiles: 64 words,
+    /// C++ `FwdTraits::kWindowOff`).
     pub fn smem_bytes(&self) -> u32 {
         let rows_per_thread = 2 * self.block_m / (16 * (self.threads / 32));
         (self.block_m + 4 * self.block_n) * self.row_stride * 2
             + 2 * rows_per_thread * self.threads * 4
-            + 2 * (self.block_n + 4) * 4
+            + 2 * (self.block_n + 4 + 64) * 4
     }
     /// Dynamic shared memory of the variant kernel (`tree_attn_fwd_var_*`):
     /// [`Self::smem_bytes`] plus the query tile's key starts, one u32 per
@@ -535,8 +538,8 @@ mod tests {
         let (t, plan) = plan_forward(&shape).unwrap();
         assert_eq!(plan.grid, (2, 6, 1));
         assert_eq!(plan.block, (128, 1, 1));
-        assert_eq!(plan.shared_mem_bytes, 109_088);
-        assert_eq!(FwdTraits::for_head_dim(64).unwrap().smem_bytes(), 59_936);
+        assert_eq!(plan.shared_mem_bytes, 109_600);
+        assert_eq!(FwdTraits::for_head_dim(64).unwrap().smem_bytes(), 60_448);
         assert_eq!(t.kernel_name(Dtype::F16), "tree_attn_fwd_f16_d128");
         assert_eq!(plan_kv_tile_bounds(t.key_tiles(130)).grid, (1, 1, 1));
         assert_eq!(plan_kv_tile_bounds(5).grid, (2, 1, 1));

@@ -958,10 +958,12 @@ fn tile_walks_load_only_visible_tiles() {
                 }
             }
             // Per block Q, dO and the rows' LSE and D (4 bytes a row each),
-            // then K, V per loaded key tile.
+            // then K, V and the walk's look-ahead window (the next 32 tiles'
+            // max and min of kv_end, 4-byte cp.async; issue 39) per loaded
+            // key tile.
             let want_dq = s.q_heads as u64
                 * (tokens.div_ceil(64) as u64 * (2 * 64 * d * 2 + 2 * 64 * 4)
-                    + loaded * 2 * 64 * d * 2);
+                    + loaded * (2 * 64 * d * 2 + 64 * 4));
             assert_eq!(stats.dq_cp_async_bytes, want_dq, "{what}: dQ kernel");
         }
     }

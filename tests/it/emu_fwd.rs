@@ -535,8 +535,10 @@ fn skipped_key_tiles_are_never_loaded() {
         }
         let tile_bytes = (bn * head_dim * 2) as u64;
         // Per loaded key tile: K, V, and its kv_end and bound (4-byte
-        // cp.async, issue 26).
-        let bounds_bytes = (bn * 4 + 4) as u64;
+        // cp.async, issue 26), and the walk's look-ahead window (the next 32
+        // tiles' max and min of kv_end, 4-byte cp.async, zero-filled ones
+        // counted too; issue 39).
+        let bounds_bytes = (bn * 4 + 4 + 64 * 4) as u64;
         let want = 3
             * (l.div_ceil(bm) as u64 * (bm * head_dim * 2) as u64
                 + (2 * tile_bytes + bounds_bytes) * loaded_tiles);

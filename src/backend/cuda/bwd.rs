@@ -63,9 +63,10 @@ pub(crate) struct CudaBackward {
 }
 
 impl CudaBackward {
-    /// Loads the embedded backward kernels on `be`'s device and raises their
+    /// Loads the embedded backward kernels on `be`'s device, raises their
     /// dynamic shared memory limits (up to 159,232 bytes: the d 128
-    /// two-m-tile main kernel).
+    /// two-m-tile main kernel) and sets the maximum shared-memory carveout
+    /// on every kernel that uses shared memory.
     pub(crate) fn new(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>) -> Result<Self> {
         let module = ctx
             .load_module(Ptx::from_binary(BWD_FATBIN.to_vec()))
@@ -95,6 +96,9 @@ impl CudaBackward {
                 .map_err(|e| {
                     Error::Cuda(format!("{name}: raising shared memory to {smem}: {e}"))
                 })?;
+            }
+            if smem > 0 {
+                super::prefer_max_shared_carveout(&f, &name)?;
             }
             Ok(f)
         };

@@ -124,6 +124,24 @@ fn cuda_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Cuda(format!("{what}: {e}"))
 }
 
+/// Asks the driver to give `f`'s blocks the largest shared-memory carveout
+/// of the SM's unified L1 / shared storage
+/// (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT` = 100, i.e.
+/// `CU_SHAREDMEM_CARVEOUT_MAX_SHARED`), as FlashAttention and CUTLASS do for
+/// their shared-memory-bound kernels. The attention kernels stage every
+/// tile in shared memory and read global memory only through `cp.async.cg`
+/// (which bypasses L1), so L1 has little to cache for them, and with the
+/// driver's default carveout a second block of a kernel may not fit on an
+/// SM next to the first. A preference, not a guarantee: the driver may
+/// round it to a supported split.
+fn prefer_max_shared_carveout(f: &CudaFunction, name: &str) -> Result<()> {
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        100,
+    )
+    .map_err(|e| Error::Cuda(format!("{name}: setting the shared-memory carveout: {e}")))
+}
+
 fn config(plan: LaunchPlan) -> LaunchConfig {
     LaunchConfig {
         grid_dim: plan.grid,
@@ -275,6 +293,7 @@ impl CudaBackend {
                     smem as i32,
                 )
                 .map_err(cuda_err("raising the dynamic shared memory limit"))?;
+                prefer_max_shared_carveout(&f, &name)?;
                 into.push(f);
             }
         }
@@ -283,7 +302,7 @@ impl CudaBackend {
             bwd: CudaBackward::new(&ctx, &stream)?,
             sdcc: CudaSdcc::new(&ctx, &stream)?,
             rope: rope::CudaRope::new(&ctx)?,
-            dq_mode: DqMode::Deterministic,
+            dq_mode: DqMode::default(),
             main_kernel: None,
             ctx,
             stream,
@@ -295,7 +314,8 @@ impl CudaBackend {
     }
 
     /// The same backend with the backward summing dQ as `mode` says
-    /// (deterministic by default).
+    /// (atomic by default, as in FlashAttention: [`DqMode`] says why;
+    /// `with_dq_mode(DqMode::Deterministic)` for a bit-identical dQ).
     pub fn with_dq_mode(self, mode: DqMode) -> Self {
         CudaBackend {
             dq_mode: mode,

@@ -9,7 +9,7 @@
 //! | `tree_attn_bwd_main_{atomic,det}_*` ([`MainKernel::OneMTile`]) | `(key tiles of 64, kv_heads, group splits)` | 128 | 65,792 (d 64) / 75,520 (d 128) |
 //! | `tree_attn_bwd_main2_{atomic,det}_*` ([`MainKernel::TwoMTiles`], the default) | `(key tiles of 128, kv_heads, group splits)` | 256 | 93,696 (d 64) / 159,232 (d 128) |
 //! | `tree_attn_bwd_main2w4_{atomic,det}_*_d64` ([`MainKernel::TwoMTilesFourWarps`], d 64 only) | `(key tiles of 128, kv_heads, group splits)` | 128 | 93,696 |
-//! | `tree_attn_bwd_dq_*` (deterministic only) | `(query tiles of 64, q_heads)` | 128 | 55,808 / 104,960 |
+//! | `tree_attn_bwd_dq_*` (deterministic only) | `(query tiles of 64, q_heads)` | 128 | 56,320 / 105,472 |
 //! | `tree_attn_bwd_dq_convert_*` | `ceil(tokens · q_heads / 4)` | 128 | 0 |
 //! | `tree_attn_bwd_dkv_convert_*` (group splits > 1 only) | `ceil(tokens · kv_heads / 4)` | 128 | 0 |
 //!
@@ -46,16 +46,35 @@ use crate::backend::AttnShape;
 use crate::{Error, Result};
 
 /// How the backward accumulates dQ.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// The default is [`DqMode::Atomic`], as in FlashAttention-2 and -3, whose
+/// backward adds dQ with `atomicAdd` unless `deterministic=True` is asked
+/// for. Why:
+/// - speed: the deterministic path recomputes S, P, dP, dS in a second
+///   kernel (7 tile matmuls per visible tile pair instead of 5, twice the
+///   exponentials, a second walk over the key tiles), which the static
+///   review of issue 39 puts at 25–35 % more backward time (an estimate
+///   from the instruction counts, not yet a GPU measurement);
+/// - accuracy is the same: atomic dQ differs from the deterministic one
+///   only in the order of its f32 additions, inside the tolerances the
+///   tests hold both modes to against the CPU backend (`backend::tolerance`);
+/// - dK and dV are summed in a fixed order in both modes (no atomics):
+///   only dQ's last bits depend on the mode.
+///
+/// Ask for [`DqMode::Deterministic`] (`with_dq_mode`) where dQ must be
+/// bit-identical from run to run (debugging, reproducibility audits).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DqMode {
     /// Every (key tile, query tile) block adds its share of dQ into an f32
     /// accumulator with `atomicAdd`: 5 tile matmuls per visible tile pair,
     /// summation order (hence the last bits of dQ) varies from run to run.
+    /// The default (see above).
+    #[default]
     Atomic,
     /// A separate kernel per query tile walks the visible key tiles and
     /// recomputes S, P, dP, dS to form dQ in registers: 7 tile matmuls per
     /// visible tile pair (1.4x) and twice the exponentials, no atomics, dQ
-    /// bit-identical across runs.
+    /// bit-identical across runs. The opt-in.
     Deterministic,
 }
 
@@ -206,9 +225,11 @@ impl BwdTraits {
             + self.main_keys * 4
     }
     /// Shared memory of the deterministic dQ kernel: Q, dO, two buffers
-    /// each of K and V, the query tile's lse2 and D.
+    /// each of K and V, the query tile's lse2 and D, and per K / V buffer
+    /// the key-tile walk's look-ahead window (64 words, C++
+    /// `BwdDqTraits::kOffWindow`).
     pub fn dq_smem_bytes(&self) -> u32 {
-        6 * self.dq_block_m * self.row_stride() * 2 + 2 * self.dq_block_m * 4
+        6 * self.dq_block_m * self.row_stride() * 2 + 2 * self.dq_block_m * 4 + 2 * 64 * 4
     }
     /// Shared memory of the main variant kernel (`main_var_*`,
     /// `main2_var_*`): [`Self::main_smem_bytes`] and the key starts of the
@@ -704,7 +725,7 @@ mod tests {
         assert_eq!(p.per_row.block, (128, 1, 1));
         assert_eq!(p.main.shared_mem_bytes, 159_232);
         assert_eq!(p.dq.grid, (3, 6, 1));
-        assert_eq!(p.dq.shared_mem_bytes, 104_960);
+        assert_eq!(p.dq.shared_mem_bytes, 105_472);
         assert_eq!(p.per_row.grid, (195, 1, 1));
         assert_eq!(
             BwdTraits::for_head_dim(64).unwrap().main_smem_bytes(),

@@ -129,7 +129,10 @@ impl ModelCost {
         let fits = (|| {
             self.layers.checked_mul(h)?.checked_mul(4)?.checked_mul(d)?;
             let qo = hidden.checked_mul(h)?.checked_mul(d)?.checked_mul(2)?;
-            let kv = hidden.checked_mul(self.kv_heads)?.checked_mul(d)?.checked_mul(2)?;
+            let kv = hidden
+                .checked_mul(self.kv_heads)?
+                .checked_mul(d)?
+                .checked_mul(2)?;
             let mlp = hidden.checked_mul(self.intermediate)?.checked_mul(3)?;
             let per_layer = qo.checked_add(kv)?.checked_add(mlp)?;
             self.layers.checked_mul(2)?.checked_mul(per_layer)?;

@@ -169,7 +169,9 @@ def balance(
         raise ValueError(f'layout {layout!r}: expected "trie" or "replicated"')
     model_cost = model_cost or ModelCost.llama3_8b()
     if not isinstance(model_cost, ModelCost):
-        raise ValueError(f"model_cost must be a treeattn.ModelCost, got {type(model_cost).__name__}")
+        if objective == "flops":
+            raise ValueError(f"model_cost must be a treeattn.ModelCost, got {type(model_cost).__name__}")
+        model_cost = ModelCost.llama3_8b()  # not read by the token objectives
     source, value = _rollout_source(rollouts)
     # A budget past what any pack reaches is no budget (the crate counts in u64).
     out = _native.balance(source, value, world_size, min(budget, 2**63), model_cost,

@@ -30,6 +30,7 @@ mod gpu_check_emu;
 mod gpu_check_script;
 mod model;
 mod output_files;
+mod pack_balance;
 mod pack_golden;
 mod pack_props;
 mod rollout_errors;

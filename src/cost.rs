@@ -124,6 +124,25 @@ impl ModelCost {
                 self.kv_heads, self.heads
             )));
         }
+        // The per-pair, per-token and per-row counts are u64 products.
+        let (h, d, hidden) = (self.heads, self.head_dim, self.hidden);
+        let fits = (|| {
+            self.layers.checked_mul(h)?.checked_mul(4)?.checked_mul(d)?;
+            let qo = hidden.checked_mul(h)?.checked_mul(d)?.checked_mul(2)?;
+            let kv = hidden
+                .checked_mul(self.kv_heads)?
+                .checked_mul(d)?
+                .checked_mul(2)?;
+            let mlp = hidden.checked_mul(self.intermediate)?.checked_mul(3)?;
+            let per_layer = qo.checked_add(kv)?.checked_add(mlp)?;
+            self.layers.checked_mul(2)?.checked_mul(per_layer)?;
+            hidden.checked_mul(self.vocab)?.checked_mul(2)
+        })();
+        if fits.is_none() {
+            return Err(Error::Usage(format!(
+                "ModelCost {self:?}: its FLOP counts per pair, token or row overflow 64 bits"
+            )));
+        }
         Ok(())
     }
 
@@ -179,6 +198,12 @@ impl Pack {
     }
 }
 
+/// Checks `k <= kv_end[k] <= L` for every key, naming the first that
+/// breaks it.
+pub fn check_kv_end(kv_end: &[u32]) -> Result<()> {
+    visible_pairs(kv_end).map(|_| ())
+}
+
 /// `Σ_k (kv_end[k] − k)`: the visible (query, key) pairs of a pack, after
 /// checking `k <= kv_end[k] <= L` for every key.
 pub fn visible_pairs(kv_end: &[u32]) -> Result<u64> {
@@ -194,6 +219,20 @@ pub fn visible_pairs(kv_end: &[u32]) -> Result<u64> {
         sum += e - k;
     }
     Ok(sum)
+}
+
+/// Per row `t`, its depth in the tree of `kv_end`: the keys before it whose
+/// range holds it, `#{k < t : kv_end[k] > t}` (its ancestors; a pack's
+/// position id), in O(L) — [`visible_keys_per_query`] less the row itself
+/// where it is not a padding key. Assumes a valid `kv_end` (see
+/// [`check_kv_end`]); needs no nesting (crossing ranges count too).
+pub fn depths(kv_end: &[u32]) -> Vec<u64> {
+    visible_keys_per_query(kv_end)
+        .into_iter()
+        .zip(kv_end)
+        .enumerate()
+        .map(|(t, (n, &e))| n - u64::from(e as usize > t))
+        .collect()
 }
 
 /// Per query row `q`, the keys it sees: `#{k <= q : kv_end[k] > q}`
@@ -273,6 +312,10 @@ mod tests {
                 }
                 assert_eq!(visible_pairs(&kv_end).unwrap(), brute, "{kv_end:?}");
                 assert_eq!(visible_keys_per_query(&kv_end), per_query, "{kv_end:?}");
+                let depth: Vec<u64> = (0..len)
+                    .map(|t| (0..t).filter(|&k| kv_end[k] as usize > t).count() as u64)
+                    .collect();
+                assert_eq!(depths(&kv_end), depth, "{kv_end:?}");
             }
         }
     }

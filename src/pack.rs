@@ -30,8 +30,10 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+use crate::cost::ModelCost;
 use crate::mask::PackMask;
 use crate::rollout::Rollout;
+use crate::safetensors::Dtype;
 use crate::tree::{Tree, TrieBuilder};
 use crate::{Error, Result};
 
@@ -788,27 +790,384 @@ pub fn batch(
         room.set(slot, budget_tokens - b.used);
     }
     bins.into_iter()
-        .map(|mut b| {
-            b.members.sort_unstable();
-            let members: Vec<(u32, &Rollout)> = b
-                .members
-                .iter()
-                .map(|&i| (i, &rollouts[i as usize]))
-                .collect();
-            let tree = Tree::build_indexed(&members, share_prefixes)?;
-            let pack = tree.pack(layout);
-            let sdcc = (layout == Layout::Trie).then(|| tree.sdcc_pairs());
-            let fields = RolloutFields::of(rollouts, &b.members);
-            let loss_fields = LossFields::of(rollouts, &pack.loss);
-            Ok(Batch {
-                pack,
-                fields,
-                loss_fields,
-                rollouts: b.members,
-                sdcc,
+        .map(|b| batch_of(rollouts, b.members, share_prefixes, layout))
+        .collect()
+}
+
+/// The one pack of `rollouts[i]` for every `i` of `members` (sorted here),
+/// with loss entries carrying input indices.
+fn batch_of(
+    rollouts: &[Rollout],
+    mut members: Vec<u32>,
+    share_prefixes: bool,
+    layout: Layout,
+) -> Result<Batch> {
+    members.sort_unstable();
+    let indexed: Vec<(u32, &Rollout)> = members
+        .iter()
+        .map(|&i| (i, &rollouts[i as usize]))
+        .collect();
+    let tree = Tree::build_indexed(&indexed, share_prefixes)?;
+    let pack = tree.pack(layout);
+    let sdcc = (layout == Layout::Trie).then(|| tree.sdcc_pairs());
+    let fields = RolloutFields::of(rollouts, &members);
+    let loss_fields = LossFields::of(rollouts, &pack.loss);
+    Ok(Batch {
+        pack,
+        fields,
+        loss_fields,
+        rollouts: members,
+        sdcc,
+    })
+}
+
+/// Tokens of the one pack of `rollouts[i]` for every `i` of `members`
+/// (sorted), without building it: trie nodes, or the sum of the branches.
+fn packed_len(
+    rollouts: &[Rollout],
+    members: &[u32],
+    share_prefixes: bool,
+    layout: Layout,
+) -> Result<usize> {
+    let indexed: Vec<(u32, &Rollout)> = members
+        .iter()
+        .map(|&i| (i, &rollouts[i as usize]))
+        .collect();
+    let tree = Tree::build_indexed(&indexed, share_prefixes)?;
+    Ok(match layout {
+        Layout::Trie => tree.len(),
+        Layout::Replicated => tree.branches().iter().map(|b| b.len as usize).sum(),
+    })
+}
+
+/// The axis of a pack tensor: which count its length is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Axis {
+    /// `L`: one per packed token.
+    Tokens,
+    /// `T`: one per loss entry.
+    Targets,
+    /// `P`: one per SDCC pair.
+    Pairs,
+    /// `R`: one per rollout of the pack.
+    Rollouts,
+}
+
+impl Axis {
+    /// `"L"`, `"T"`, `"P"` or `"R"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Axis::Tokens => "L",
+            Axis::Targets => "T",
+            Axis::Pairs => "P",
+            Axis::Rollouts => "R",
+        }
+    }
+}
+
+/// One tensor of a pack file (and of a Python `treeattn.Pack`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackTensor {
+    /// The tensor's name.
+    pub name: &'static str,
+    /// Its element type.
+    pub dtype: Dtype,
+    /// Its one axis.
+    pub axis: Axis,
+}
+
+const fn spec(name: &'static str, dtype: Dtype, axis: Axis) -> PackTensor {
+    PackTensor { name, dtype, axis }
+}
+
+/// Every tensor a pack may hold, in the order a pack file writes them: the
+/// one statement of the pack schema, which the Python package reads
+/// (`treeattn._native.PACK_SCHEMA`) and the writers
+/// ([`crate::safetensors::pack_tensors`], `rollout_tensors`,
+/// `loss_field_tensors`) are tested against (`tests/it/pack_schema.rs`).
+/// What each holds: the table of [`crate::safetensors`]. Some are absent
+/// from some packs: `loss_logprobs` unless every target has a log-prob, the
+/// SDCC rows outside the trie layout, `loss_reward`, `loss_summary`,
+/// `rollout_fingerprint` and `rollout_truncated` in files of earlier
+/// versions.
+pub const PACK_SCHEMA: &[PackTensor] = &[
+    spec("tokens", Dtype::I64, Axis::Tokens),
+    spec("position_ids", Dtype::I64, Axis::Tokens),
+    spec("kv_end", Dtype::I64, Axis::Tokens),
+    spec("loss_rows", Dtype::I64, Axis::Targets),
+    spec("loss_labels", Dtype::I64, Axis::Targets),
+    spec("loss_call", Dtype::I64, Axis::Targets),
+    spec("loss_offset", Dtype::I64, Axis::Targets),
+    spec("loss_weights", Dtype::F32, Axis::Targets),
+    spec("loss_rollout", Dtype::I64, Axis::Targets),
+    spec("loss_segment", Dtype::I64, Axis::Targets),
+    spec("loss_logprobs", Dtype::F32, Axis::Targets),
+    spec("sdcc_student_rows", Dtype::I64, Axis::Pairs),
+    spec("sdcc_teacher_rows", Dtype::I64, Axis::Pairs),
+    spec("rollout_reward", Dtype::F32, Axis::Rollouts),
+    spec("rollout_group", Dtype::I64, Axis::Rollouts),
+    spec("rollout_fingerprint", Dtype::I64, Axis::Rollouts),
+    spec("rollout_truncated", Dtype::Bool, Axis::Rollouts),
+    spec("loss_reward", Dtype::F32, Axis::Targets),
+    spec("loss_summary", Dtype::Bool, Axis::Targets),
+];
+
+/// What [`balance`] weighs a unit by.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Objective {
+    /// The FLOPs of a training step of this model on the unit's pack
+    /// ([`ModelCost::pack_cost`]'s `total`): exact, the default.
+    Flops(ModelCost),
+    /// The unit's tokens (for comparison).
+    Tokens,
+    /// The unit's tokens squared (for comparison).
+    TokensSquared,
+}
+
+/// One unit of [`balance`]: rollouts that go to one bin together.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Unit {
+    /// Input indices of its rollouts, increasing.
+    pub rollouts: Vec<u32>,
+    /// Tokens of their pack.
+    pub tokens: usize,
+    /// Its weight under the objective.
+    pub weight: f64,
+    /// Its bin, `micro · world_size + rank`.
+    pub bin: usize,
+}
+
+/// The packs of a data-parallel step: `world_size` ranks × `micro_steps`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Balanced {
+    /// Ranks.
+    pub world_size: usize,
+    /// Micro-steps, the same on every rank.
+    pub micro_steps: usize,
+    /// The units in the order they were formed (groups in order of first
+    /// appearance), each with its bin.
+    pub units: Vec<Unit>,
+    /// `bins[micro · world_size + rank]`: the pack of that rank in that
+    /// micro-step, `None` where no unit went (the caller runs an empty pack
+    /// there, so that every rank enters every collective).
+    pub bins: Vec<Option<Batch>>,
+}
+
+impl Balanced {
+    /// The pack of `rank` in micro-step `micro` (`None`: nothing to do).
+    pub fn get(&self, rank: usize, micro: usize) -> Option<&Batch> {
+        self.bins[micro * self.world_size + rank].as_ref()
+    }
+}
+
+/// LPT (longest processing time first) of units of `weights` and `tokens`
+/// onto `world_size × M` bins of at most `budget_tokens` tokens each, M
+/// the fewest micro-steps from `min_micro_steps` on for which every unit
+/// finds room: units by weight descending (ties: tokens descending, then
+/// index), each onto the bin of least load that has room for it (ties: the
+/// lowest bin, i.e. micro-step, then rank); when a unit finds no room, the
+/// whole assignment starts again with one more micro-step. Deterministic.
+/// Returns `(M, bin of each unit)` with bin = `micro · world_size + rank`.
+///
+/// Without the token budget this is Graham's LPT: the heaviest bin is at
+/// most `(4/3 − 1/(3·bins))` times the optimum, and at most the mean load
+/// plus the heaviest unit.
+pub fn lpt(
+    weights: &[f64],
+    tokens: &[usize],
+    world_size: usize,
+    budget_tokens: usize,
+    min_micro_steps: usize,
+) -> Result<(usize, Vec<usize>)> {
+    if weights.len() != tokens.len() {
+        return Err(Error::Shape(format!(
+            "lpt: {} weights for {} units",
+            weights.len(),
+            tokens.len()
+        )));
+    }
+    if world_size == 0 {
+        return Err(Error::Usage("lpt: world_size must be positive".into()));
+    }
+    if let Some(&t) = tokens.iter().max().filter(|&&t| t > budget_tokens) {
+        return Err(Error::Pack(format!(
+            "a unit of {t} tokens does not fit the budget of {budget_tokens}"
+        )));
+    }
+    let mut order: Vec<usize> = (0..weights.len()).collect();
+    order.sort_by(|&a, &b| {
+        weights[b]
+            .partial_cmp(&weights[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(tokens[b].cmp(&tokens[a]))
+            .then(a.cmp(&b))
+    });
+    let mut micro = min_micro_steps.max(1);
+    'grow: loop {
+        let n = world_size * micro;
+        let mut load = vec![0.0f64; n];
+        let mut room = vec![budget_tokens; n];
+        let mut bin = vec![0usize; weights.len()];
+        for &u in &order {
+            let mut best: Option<usize> = None;
+            for b in 0..n {
+                if room[b] >= tokens[u] && best.is_none_or(|c| load[b] < load[c]) {
+                    best = Some(b);
+                }
+            }
+            let Some(b) = best else {
+                micro += 1;
+                continue 'grow;
+            };
+            load[b] += weights[u];
+            room[b] -= tokens[u];
+            bin[u] = b;
+        }
+        return Ok((micro, bin));
+    }
+}
+
+/// Packs `rollouts` for `world_size` data-parallel ranks (DESIGN §10):
+/// every rank the same number of micro-steps, each pack at most
+/// `budget_tokens` tokens, balanced by `objective` (the exact FLOPs of a
+/// training step by default).
+///
+/// Units: with `share_prefixes` the rollouts whose first call has the same
+/// context (a GRPO group's prompt) stay in one pack — split, in input
+/// order, only where together they exceed the budget; else each rollout is
+/// a unit. The units go to `world_size × M` bins by [`lpt`] (M from
+/// `ceil(tokens / (world_size · budget))` up); each bin's rollouts are
+/// packed together as [`batch`] packs one bin (input order; prefixes shared
+/// across units too with `share_prefixes`). A bin no unit went to is
+/// `None`. Deterministic. Loss entries carry input indices.
+///
+/// A rollout that alone exceeds the budget is an [`Error::Pack`] naming it
+/// (context parallelism splits one pack over ranks instead).
+pub fn balance(
+    rollouts: &[Rollout],
+    world_size: usize,
+    budget_tokens: usize,
+    share_prefixes: bool,
+    layout: Layout,
+    objective: Objective,
+) -> Result<Balanced> {
+    if world_size == 0 {
+        return Err(Error::Usage("balance: world_size must be positive".into()));
+    }
+    if budget_tokens == 0 {
+        return Err(Error::Usage(
+            "balance: the token budget per pack must be positive".into(),
+        ));
+    }
+    if rollouts.is_empty() {
+        return Err(Error::Usage("balance: no rollouts".into()));
+    }
+    if let Objective::Flops(m) = &objective {
+        m.validate()?;
+    }
+    // Groups: rollouts with the same first context, in order of first
+    // appearance.
+    let mut groups: Vec<Vec<u32>> = Vec::new();
+    if share_prefixes {
+        let mut index: HashMap<&[u32], usize> = HashMap::new();
+        for (i, r) in rollouts.iter().enumerate() {
+            let key = r.calls().first().map_or(&[][..], |c| &c.context[..]);
+            let g = *index.entry(key).or_insert_with(|| {
+                groups.push(Vec::new());
+                groups.len() - 1
+            });
+            groups[g].push(i as u32);
+        }
+    } else {
+        groups = (0..rollouts.len() as u32).map(|i| vec![i]).collect();
+    }
+    let too_long = |i: u32, n: usize| {
+        Error::Pack(format!(
+            "rollouts[{i}] (id {:?}) packs to {n} tokens, over the budget of {budget_tokens}: give it a larger budget or split it over ranks (treeattn.distributed.shard)",
+            rollouts[i as usize].id()
+        ))
+    };
+    // Each unit's pack; a group over the budget is cut greedily.
+    let mut units: Vec<Batch> = Vec::new();
+    for group in groups {
+        let whole = batch_of(rollouts, group.clone(), share_prefixes, layout)?;
+        if whole.pack.len() <= budget_tokens {
+            units.push(whole);
+            continue;
+        }
+        let mut chunk: Vec<u32> = Vec::new();
+        for i in group {
+            let mut trial = chunk.clone();
+            trial.push(i);
+            let n = packed_len(rollouts, &trial, share_prefixes, layout)?;
+            if n <= budget_tokens {
+                chunk = trial;
+                continue;
+            }
+            if chunk.is_empty() {
+                return Err(too_long(i, n));
+            }
+            units.push(batch_of(rollouts, chunk, share_prefixes, layout)?);
+            chunk = vec![i];
+            let alone = packed_len(rollouts, &chunk, share_prefixes, layout)?;
+            if alone > budget_tokens {
+                return Err(too_long(i, alone));
+            }
+        }
+        units.push(batch_of(rollouts, chunk, share_prefixes, layout)?);
+    }
+    let tokens: Vec<usize> = units.iter().map(|u| u.pack.len()).collect();
+    let weights = units
+        .iter()
+        .map(|u| {
+            let t = u.pack.len() as f64;
+            Ok(match objective {
+                Objective::Flops(m) => m.pack_cost(&u.pack)?.total,
+                Objective::Tokens => t,
+                Objective::TokensSquared => t * t,
             })
         })
-        .collect()
+        .collect::<Result<Vec<f64>>>()?;
+    let total: u128 = tokens.iter().map(|&t| t as u128).sum();
+    let per_step = world_size as u128 * budget_tokens as u128;
+    let min_micro = usize::try_from(total.div_ceil(per_step).max(1)).unwrap_or(usize::MAX);
+    let (micro_steps, bin_of) = lpt(&weights, &tokens, world_size, budget_tokens, min_micro)?;
+    let mut in_bin: Vec<Vec<usize>> = vec![Vec::new(); world_size * micro_steps];
+    for (u, &b) in bin_of.iter().enumerate() {
+        in_bin[b].push(u);
+    }
+    let out_units: Vec<Unit> = units
+        .iter()
+        .zip(&bin_of)
+        .zip(&weights)
+        .map(|((u, &bin), &weight)| Unit {
+            rollouts: u.rollouts.clone(),
+            tokens: u.pack.len(),
+            weight,
+            bin,
+        })
+        .collect();
+    let mut units: Vec<Option<Batch>> = units.into_iter().map(Some).collect();
+    let bins = in_bin
+        .into_iter()
+        .map(|us| match us.as_slice() {
+            [] => Ok(None),
+            [u] => Ok(units[*u].take()),
+            many => {
+                let members: Vec<u32> = many
+                    .iter()
+                    .flat_map(|&u| out_units[u].rollouts.iter().copied())
+                    .collect();
+                batch_of(rollouts, members, share_prefixes, layout).map(Some)
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Balanced {
+        world_size,
+        micro_steps,
+        units: out_units,
+        bins,
+    })
 }
 
 #[cfg(test)]

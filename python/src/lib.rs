@@ -4,8 +4,9 @@
 //! crate's validated argument types (`AttnArgs`, `SdccArgs`, `PackMask`,
 //! rollouts parsed by the crate's own JSONL reader) and calls the crate's
 //! one contract (`AttentionBackend`, `SdccBackend` on `backend::cpu::Cpu`,
-//! `pack::batch`, `safetensors::pack_tensors`). No attention, softmax or
-//! packing logic lives here.
+//! `pack::batch`, `pack::balance`, `cost::ModelCost`,
+//! `safetensors::pack_tensors`). No attention, softmax, packing or cost
+//! logic lives here.
 //!
 //! Tensors cross as raw data pointers of contiguous CPU tensors (the
 //! `treeattn.torch` wrapper checks device, dtype, contiguity and element
@@ -25,16 +26,16 @@ use std::sync::Arc;
 
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyTuple, PyType};
 
 use treeattn::backend::cpu::{Cpu, CpuElement};
 use treeattn::backend::{
     AttentionBackend, AttnArgs, AttnParams, AttnShape, Element, Grads, Host, Rope, Saved, SdccArgs,
     SdccBackend,
 };
-use treeattn::cost::{visible_pairs, ModelCost};
+use treeattn::cost::{check_kv_end, depths, visible_keys_per_query, visible_pairs, ModelCost};
 use treeattn::mask::{BlockCensus, PackMask};
-use treeattn::pack::{batch, Layout};
+use treeattn::pack::{balance as balance_packs, batch, Batch, Layout, Objective, PACK_SCHEMA};
 use treeattn::paths::Paths;
 use treeattn::plan::MaskPlan;
 use treeattn::rl::{
@@ -1034,6 +1035,46 @@ struct PackOut {
     groups: Vec<String>,
 }
 
+/// The tensors of one pack, as `treeattn pack` writes them.
+fn pack_out(b: &Batch, call_base: &[u64]) -> treeattn::Result<PackOut> {
+    let tensors = pack_tensors(&b.pack, b.sdcc.as_deref(), call_base)?
+        .into_iter()
+        .chain(rollout_tensors(&b.fields))
+        .chain(loss_field_tensors(&b.loss_fields))
+        .filter(|(name, _)| name != "loss_logprobs")
+        .map(|(name, t)| (name, dtype_name(t.dtype), t.data))
+        .collect();
+    // Log-probs per target, NaN where a call logged none (the file
+    // writes the tensor only when every target has one).
+    let logprobs = b
+        .pack
+        .loss
+        .iter()
+        .map(|e| e.logprob.unwrap_or(f32::NAN))
+        .collect();
+    Ok(PackOut {
+        tensors,
+        logprobs,
+        rollout_indices: b.rollouts.clone(),
+        groups: b.fields.groups.clone(),
+    })
+}
+
+/// Each rollout's first call's index in the whole input.
+fn call_base(rollouts: &[Rollout]) -> Vec<u64> {
+    let mut base = Vec::with_capacity(rollouts.len());
+    let mut calls = 0u64;
+    for r in rollouts {
+        base.push(calls);
+        calls += r.calls().len() as u64;
+    }
+    base
+}
+
+fn all_stats(rollouts: &[Rollout]) -> treeattn::Result<Vec<RolloutStats>> {
+    rollouts.iter().map(RolloutStats::of).collect()
+}
+
 fn pack_rollouts(
     rollouts: &[Rollout],
     layout: Layout,
@@ -1045,42 +1086,56 @@ fn pack_rollouts(
     }
     let budget = budget.map_or(usize::MAX, |b| usize::try_from(b).unwrap_or(usize::MAX));
     let batches = batch(rollouts, budget, share, layout)?;
-    let mut call_base = Vec::with_capacity(rollouts.len());
-    let mut calls = 0u64;
-    for r in rollouts {
-        call_base.push(calls);
-        calls += r.calls().len() as u64;
-    }
-    let mut out = Vec::with_capacity(batches.len());
-    for b in &batches {
-        // The very tensors `treeattn pack` writes to its files.
-        let tensors = pack_tensors(&b.pack, b.sdcc.as_deref(), &call_base)?
-            .into_iter()
-            .chain(rollout_tensors(&b.fields))
-            .chain(loss_field_tensors(&b.loss_fields))
-            .filter(|(name, _)| name != "loss_logprobs")
-            .map(|(name, t)| (name, dtype_name(t.dtype), t.data))
-            .collect();
-        // Log-probs per target, NaN where a call logged none (the file
-        // writes the tensor only when every target has one).
-        let logprobs = b
-            .pack
-            .loss
-            .iter()
-            .map(|e| e.logprob.unwrap_or(f32::NAN))
-            .collect();
-        out.push(PackOut {
-            tensors,
-            logprobs,
-            rollout_indices: b.rollouts.clone(),
-            groups: b.fields.groups.clone(),
-        });
-    }
-    let stats = rollouts
+    let base = call_base(rollouts);
+    let out = batches
         .iter()
-        .map(RolloutStats::of)
+        .map(|b| pack_out(b, &base))
         .collect::<treeattn::Result<Vec<_>>>()?;
-    Ok((out, stats))
+    Ok((out, all_stats(rollouts)?))
+}
+
+/// Rollouts from JSON Lines text (`source = "text"`) or a file path
+/// (`source = "file"`), read by the crate.
+fn read_rollouts(source: &str, value: &str) -> PyResult<Vec<Rollout>> {
+    match source {
+        "text" => parse_jsonl(value),
+        "file" => read_jsonl_file(std::path::Path::new(value)),
+        other => {
+            return Err(PyValueError::new_err(format!("source {other:?}")));
+        }
+    }
+    .map_err(to_py)
+}
+
+/// One pack as the dict `pack` returns.
+fn pack_dict<'py>(
+    py: Python<'py>,
+    p: &PackOut,
+    ids: &[String],
+    stats: &[RolloutStats],
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let tensors = PyDict::new(py);
+    for (name, dtype, data) in &p.tensors {
+        tensors.set_item(name, (*dtype, PyBytes::new(py, data)))?;
+    }
+    d.set_item("tensors", tensors)?;
+    let lp: Vec<u8> = p.logprobs.iter().flat_map(|x| x.to_le_bytes()).collect();
+    d.set_item("loss_logprobs", PyBytes::new(py, &lp))?;
+    d.set_item("rollout_indices", p.rollout_indices.clone())?;
+    let pack_ids: Vec<&str> = p
+        .rollout_indices
+        .iter()
+        .map(|&r| ids[r as usize].as_str())
+        .collect();
+    d.set_item("rollout_ids", pack_ids)?;
+    d.set_item("groups", p.groups.clone())?;
+    let st = PyList::empty(py);
+    for &r in &p.rollout_indices {
+        st.append(stats_dict(py, &stats[r as usize])?)?;
+    }
+    d.set_item("stats", st)?;
+    Ok(d)
 }
 
 /// Packs rollouts given as JSON Lines text (`source = "text"`) or a file
@@ -1106,14 +1161,7 @@ fn pack<'py>(
     let (source, value) = (source.to_string(), value.to_string());
     let (packs, stats, ids) = py.detach(move || {
         guarded(|| {
-            let rollouts = match source.as_str() {
-                "text" => parse_jsonl(&value),
-                "file" => read_jsonl_file(std::path::Path::new(&value)),
-                other => {
-                    return Err(PyValueError::new_err(format!("source {other:?}")));
-                }
-            }
-            .map_err(to_py)?;
+            let rollouts = read_rollouts(&source, &value)?;
             let (packs, stats) =
                 pack_rollouts(&rollouts, layout, share_prefixes, budget).map_err(to_py)?;
             let ids: Vec<String> = rollouts.iter().map(|r| r.id().to_string()).collect();
@@ -1121,31 +1169,80 @@ fn pack<'py>(
         })
     })?;
     let list = PyList::empty(py);
-    for p in packs {
-        let d = PyDict::new(py);
-        let tensors = PyDict::new(py);
-        for (name, dtype, data) in &p.tensors {
-            tensors.set_item(name, (*dtype, PyBytes::new(py, data)))?;
-        }
-        d.set_item("tensors", tensors)?;
-        let lp: Vec<u8> = p.logprobs.iter().flat_map(|x| x.to_le_bytes()).collect();
-        d.set_item("loss_logprobs", PyBytes::new(py, &lp))?;
-        d.set_item("rollout_indices", p.rollout_indices.clone())?;
-        let pack_ids: Vec<&str> = p
-            .rollout_indices
-            .iter()
-            .map(|&r| ids[r as usize].as_str())
-            .collect();
-        d.set_item("rollout_ids", pack_ids)?;
-        d.set_item("groups", p.groups.clone())?;
-        let st = PyList::empty(py);
-        for &r in &p.rollout_indices {
-            st.append(stats_dict(py, &stats[r as usize])?)?;
-        }
-        d.set_item("stats", st)?;
-        list.append(d)?;
+    for p in &packs {
+        list.append(pack_dict(py, p, &ids, &stats)?)?;
     }
     Ok(list)
+}
+
+/// Packs rollouts (JSON Lines text or a file, as [`pack`]) for
+/// `world_size` data-parallel ranks (`treeattn::pack::balance`): units
+/// (GRPO groups whole with `share_prefixes`) by LPT on `objective`
+/// (`"flops"` of `model_cost`'s model, `"tokens"` or `"l2"`) onto
+/// `world_size × M` bins of at most `budget` tokens. Returns a dict:
+/// `micro_steps` M and `bins` (M · world_size entries, bin `m · world_size
+/// + r`: a pack dict as [`pack`] returns, or `None` where nothing went).
+#[pyfunction]
+#[pyo3(signature = (source, value, world_size, budget, model_cost, share_prefixes=true, layout="trie", objective="flops"))]
+#[allow(clippy::too_many_arguments)]
+fn balance<'py>(
+    py: Python<'py>,
+    source: &str,
+    value: &str,
+    world_size: usize,
+    budget: usize,
+    model_cost: &Bound<'py, PyModelCost>,
+    share_prefixes: bool,
+    layout: &str,
+    objective: &str,
+) -> PyResult<Bound<'py, PyDict>> {
+    let layout = layout_of(layout)?;
+    let objective = match objective {
+        "flops" => Objective::Flops(model_cost.get().0),
+        "tokens" => Objective::Tokens,
+        "l2" => Objective::TokensSquared,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "objective {other:?}: expected \"flops\", \"tokens\" or \"l2\""
+            )))
+        }
+    };
+    let (source, value) = (source.to_string(), value.to_string());
+    let (micro, bins, stats, ids) = py.detach(move || {
+        guarded(|| {
+            let rollouts = read_rollouts(&source, &value)?;
+            let b = balance_packs(
+                &rollouts,
+                world_size,
+                budget,
+                share_prefixes,
+                layout,
+                objective,
+            )
+            .map_err(to_py)?;
+            let base = call_base(&rollouts);
+            let bins = b
+                .bins
+                .iter()
+                .map(|x| x.as_ref().map(|x| pack_out(x, &base)).transpose())
+                .collect::<treeattn::Result<Vec<_>>>()
+                .map_err(to_py)?;
+            let stats = all_stats(&rollouts).map_err(to_py)?;
+            let ids: Vec<String> = rollouts.iter().map(|r| r.id().to_string()).collect();
+            Ok((b.micro_steps, bins, stats, ids))
+        })
+    })?;
+    let list = PyList::empty(py);
+    for p in &bins {
+        match p {
+            Some(p) => list.append(pack_dict(py, p, &ids, &stats)?)?,
+            None => list.append(py.None())?,
+        }
+    }
+    let d = PyDict::new(py);
+    d.set_item("micro_steps", micro)?;
+    d.set_item("bins", list)?;
+    Ok(d)
 }
 
 /// GAE over a pack's targets (`treeattn::rl::Gae::compute`): `rollout`,
@@ -1236,34 +1333,18 @@ fn grpo(rewards: Vec<f64>, groups: Vec<u32>, eps: Option<f64>, std: &str) -> PyR
     guarded(|| grpo_advantages(&rewards, &groups, scale).map_err(to_py))
 }
 
-/// The FLOPs of one training step (forward + backward) of a decoder of the
-/// given shape on a pack (`treeattn::cost`): `kv_end` as little-endian
-/// uint32 bytes, `logit_rows` the distinct loss rows. Returns a dict
-/// `attention`, `linear`, `total`, `visible_pairs`, `tokens`, `logit_rows`.
+/// The FLOPs of one training step (forward + backward) of `model`'s
+/// decoder on a pack (`treeattn::cost`): `kv_end` as little-endian uint32
+/// bytes, `logit_rows` the distinct loss rows. Returns a dict `attention`,
+/// `linear`, `total`, `visible_pairs`, `tokens`, `logit_rows`.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
 fn pack_cost<'py>(
     py: Python<'py>,
     kv_end: &[u8],
     logit_rows: u64,
-    layers: u64,
-    hidden: u64,
-    heads: u64,
-    kv_heads: u64,
-    head_dim: u64,
-    intermediate: u64,
-    vocab: u64,
+    model: &Bound<'py, PyModelCost>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let model = ModelCost {
-        layers,
-        hidden,
-        heads,
-        kv_heads,
-        head_dim,
-        intermediate,
-        vocab,
-    };
-    model.validate().map_err(to_py)?;
+    let model = model.get().0;
     if kv_end.len() % 4 != 0 {
         return Err(PyValueError::new_err(
             "kv_end: byte length is not a multiple of 4",
@@ -1283,6 +1364,299 @@ fn pack_cost<'py>(
     d.set_item("tokens", c.tokens)?;
     d.set_item("logit_rows", c.logit_rows)?;
     Ok(d)
+}
+
+const COST_FIELDS: [&str; 7] = [
+    "layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "intermediate",
+    "vocab",
+];
+
+/// One dimension of a `ModelCost`: a positive `int` (not a `bool`).
+fn cost_dim(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if v.is_instance_of::<PyInt>() && !v.is_instance_of::<PyBool>() {
+        match v.extract::<u64>() {
+            Ok(x) if x > 0 => return Ok(x),
+            Ok(_) => {}
+            Err(_) if v.gt(0)? => {
+                return Err(PyValueError::new_err(format!(
+                    "ModelCost.{name} must be a positive int below 2**64, got {}",
+                    v.repr()?
+                )))
+            }
+            Err(_) => {}
+        }
+    }
+    Err(PyValueError::new_err(format!(
+        "ModelCost.{name} must be a positive int, got {}",
+        v.repr()?
+    )))
+}
+
+/// The shape of a decoder as far as its FLOPs go (the crate's
+/// ``treeattn::cost::ModelCost``): ``layers`` N, ``hidden`` H, ``heads`` h,
+/// ``kv_heads`` g, ``head_dim`` d, ``intermediate`` I (gated MLP), ``vocab`` V.
+///
+/// FLOPs of one training step (forward + backward; a multiply-add is 2):
+///
+/// - attention = visible pairs · N · h · 4d · 3.5 (backward 2.5× forward,
+///   DESIGN §7), visible pairs = Σ_k (kv_end[k] − k);
+/// - linear = 3 · (tokens · N · 2 · (2·H·h·d + 2·H·g·d + 3·H·I)
+///   + logit rows · 2·H·V) (q/o, k/v projections, gate/up/down; the lm_head
+///   at the distinct loss rows only; backward 2× forward);
+/// - total = attention + linear.
+///
+/// Immutable, compared and hashed by its fields. Every dimension must be a
+/// positive ``int`` and ``kv_heads`` divide ``heads`` (``ValueError``).
+#[pyclass(name = "ModelCost", module = "treeattn", frozen, eq, hash)]
+#[derive(Clone, PartialEq)]
+struct PyModelCost(ModelCost);
+
+impl std::hash::Hash for PyModelCost {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.fields().hash(h)
+    }
+}
+
+impl PyModelCost {
+    fn fields(&self) -> [u64; 7] {
+        let m = &self.0;
+        [
+            m.layers,
+            m.hidden,
+            m.heads,
+            m.kv_heads,
+            m.head_dim,
+            m.intermediate,
+            m.vocab,
+        ]
+    }
+}
+
+#[pymethods]
+impl PyModelCost {
+    #[new]
+    #[pyo3(signature = (layers, hidden, heads, kv_heads, head_dim, intermediate, vocab))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        layers: &Bound<'_, PyAny>,
+        hidden: &Bound<'_, PyAny>,
+        heads: &Bound<'_, PyAny>,
+        kv_heads: &Bound<'_, PyAny>,
+        head_dim: &Bound<'_, PyAny>,
+        intermediate: &Bound<'_, PyAny>,
+        vocab: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let m = ModelCost {
+            layers: cost_dim("layers", layers)?,
+            hidden: cost_dim("hidden", hidden)?,
+            heads: cost_dim("heads", heads)?,
+            kv_heads: cost_dim("kv_heads", kv_heads)?,
+            head_dim: cost_dim("head_dim", head_dim)?,
+            intermediate: cost_dim("intermediate", intermediate)?,
+            vocab: cost_dim("vocab", vocab)?,
+        };
+        // The crate's message alone, as the Python class said it.
+        m.validate().map_err(|e| match e {
+            Error::Usage(msg) => TreeattnError::new_err(msg),
+            e => to_py(e),
+        })?;
+        Ok(PyModelCost(m))
+    }
+
+    /// From a Hugging Face config (``LlamaConfig``, ``Qwen2Config``, … or
+    /// a multimodal config with a text config): ``num_hidden_layers``,
+    /// ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``
+    /// (default: the heads), ``head_dim`` (default: hidden / heads),
+    /// ``intermediate_size``, ``vocab_size``.
+    #[classmethod]
+    fn from_config<'py>(
+        cls: &Bound<'py, PyType>,
+        config: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = cls.py();
+        let mut config = config.clone();
+        if config.hasattr("get_text_config")? {
+            config = config.call_method0("get_text_config")?;
+        }
+        // getattr(config, name, None)
+        let get = |name: &str| -> PyResult<Option<Bound<'py, PyAny>>> {
+            match config.getattr(name) {
+                Ok(v) if v.is_none() => Ok(None),
+                Ok(v) => Ok(Some(v)),
+                Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => Ok(None),
+                Err(e) => Err(e),
+            }
+        };
+        let required = [
+            "num_hidden_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+        ];
+        let mut missing = Vec::new();
+        for n in required {
+            if get(n)?.is_none() {
+                missing.push(n);
+            }
+        }
+        if !missing.is_empty() {
+            return Err(PyValueError::new_err(format!(
+                "ModelCost.from_config: the config has no {}",
+                missing.join(", ")
+            )));
+        }
+        let int = py.get_type::<PyInt>();
+        let as_int = |v: Bound<'py, PyAny>| int.call1((v,));
+        let need = |n: &str| get(n).map(|v| v.expect("checked above"));
+        let heads = as_int(need("num_attention_heads")?)?;
+        let kv = match get("num_key_value_heads")? {
+            Some(v) if v.is_truthy()? => v,
+            _ => heads.clone(),
+        };
+        let head_dim = match get("head_dim")? {
+            Some(v) if v.is_truthy()? => v,
+            _ => as_int(need("hidden_size")?)?.floor_div(&heads)?,
+        };
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("layers", as_int(need("num_hidden_layers")?)?)?;
+        kwargs.set_item("hidden", as_int(need("hidden_size")?)?)?;
+        kwargs.set_item("heads", &heads)?;
+        kwargs.set_item("kv_heads", as_int(kv)?)?;
+        kwargs.set_item("head_dim", as_int(head_dim)?)?;
+        kwargs.set_item("intermediate", as_int(need("intermediate_size")?)?)?;
+        kwargs.set_item("vocab", as_int(need("vocab_size")?)?)?;
+        cls.call((), Some(&kwargs))
+    }
+
+    /// Llama-3-8B's shape, the default weighting of :mod:`treeattn.distributed`.
+    #[classmethod]
+    fn llama3_8b(_cls: &Bound<'_, PyType>) -> Self {
+        PyModelCost(ModelCost::LLAMA3_8B)
+    }
+
+    #[getter]
+    fn layers(&self) -> u64 {
+        self.0.layers
+    }
+    #[getter]
+    fn hidden(&self) -> u64 {
+        self.0.hidden
+    }
+    #[getter]
+    fn heads(&self) -> u64 {
+        self.0.heads
+    }
+    #[getter]
+    fn kv_heads(&self) -> u64 {
+        self.0.kv_heads
+    }
+    #[getter]
+    fn head_dim(&self) -> u64 {
+        self.0.head_dim
+    }
+    #[getter]
+    fn intermediate(&self) -> u64 {
+        self.0.intermediate
+    }
+    #[getter]
+    fn vocab(&self) -> u64 {
+        self.0.vocab
+    }
+
+    /// Forward + backward FLOPs of one visible (query, key) pair: N·h·4d·3.5.
+    fn attention_per_pair(&self) -> f64 {
+        self.0.attention_per_pair()
+    }
+
+    /// Forward + backward FLOPs of projections + MLP per token:
+    /// 3 · N · 2 · (2·H·h·d + 2·H·g·d + 3·H·I).
+    fn linear_per_token(&self) -> f64 {
+        self.0.linear_per_token()
+    }
+
+    /// Forward + backward FLOPs of the lm_head at one row: 3 · 2·H·V.
+    fn logits_per_row(&self) -> f64 {
+        self.0.logits_per_row()
+    }
+
+    fn __repr__(&self) -> String {
+        let parts: Vec<String> = COST_FIELDS
+            .iter()
+            .zip(self.fields())
+            .map(|(n, v)| format!("{n}={v}"))
+            .collect();
+        format!("ModelCost({})", parts.join(", "))
+    }
+
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyType>, Bound<'py, PyTuple>)> {
+        let f = slf.get().fields();
+        Ok((slf.get_type(), PyTuple::new(slf.py(), f)?))
+    }
+}
+
+/// Which per-row count of a `kv_end` [`per_row`] computes.
+#[derive(Clone, Copy)]
+enum PerRow {
+    Depths,
+    VisibleKeys,
+}
+
+/// Reads the int64 `kv_end` at `kv_end` (`tokens` values), checks `k <=
+/// kv_end[k] <= L`, and writes the count of each row to the int64 buffer
+/// at `out`.
+///
+/// Safety: the wrapper passes live contiguous int64 CPU tensors of
+/// `tokens` elements; it does not touch them meanwhile.
+fn per_row(py: Python<'_>, kv_end: usize, tokens: usize, out: usize, what: PerRow) -> PyResult<()> {
+    let kv: &[i64] = unsafe { slice("kv_end", kv_end, tokens)? };
+    let out: &mut [i64] = unsafe { slice_mut("out", out, tokens)? };
+    py.detach(|| {
+        guarded(|| {
+            let mut ke = Vec::with_capacity(kv.len());
+            for (k, &e) in kv.iter().enumerate() {
+                ke.push(u32::try_from(e).map_err(|_| {
+                    PackError::new_err(format!(
+                        "kv_end[{k}] = {e} breaks {k} <= kv_end[k] <= L = {}",
+                        kv.len()
+                    ))
+                })?);
+            }
+            check_kv_end(&ke).map_err(to_py)?;
+            let counts = match what {
+                PerRow::Depths => depths(&ke),
+                PerRow::VisibleKeys => visible_keys_per_query(&ke),
+            };
+            for (o, c) in out.iter_mut().zip(counts) {
+                *o = c as i64;
+            }
+            Ok(())
+        })
+    })
+}
+
+/// Each row's depth in the tree of `kv_end` (`treeattn::cost::depths`):
+/// `kv_end` and `out` are addresses of contiguous int64 CPU tensors of
+/// `tokens` elements; a `kv_end` outside `k <= kv_end[k] <= L` is a
+/// `PackError` naming the key.
+#[pyfunction]
+fn tree_depths(py: Python<'_>, kv_end: usize, tokens: usize, out: usize) -> PyResult<()> {
+    per_row(py, kv_end, tokens, out, PerRow::Depths)
+}
+
+/// Each query's visible keys (`treeattn::cost::visible_keys_per_query`),
+/// as [`tree_depths`] takes and writes them.
+#[pyfunction]
+#[pyo3(name = "visible_keys_per_query")]
+fn visible_keys(py: Python<'_>, kv_end: usize, tokens: usize, out: usize) -> PyResult<()> {
+    per_row(py, kv_end, tokens, out, PerRow::VisibleKeys)
 }
 
 /// The path structure of a pack (`treeattn::paths::Paths`): `kv_end` as
@@ -1385,7 +1759,10 @@ fn window_starts<'py>(
             let pos = vec![0u32; kv.len()];
             let mask = PackMask::new(kv, &pos).map_err(to_py)?;
             let starts = mask.window_starts(window).map_err(to_py)?;
-            Ok(starts.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())
+            Ok(starts
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect::<Vec<u8>>())
         })
     })?;
     Ok(PyBytes::new(py, &out))
@@ -1448,6 +1825,16 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(grpo, m)?)?;
     m.add_function(wrap_pyfunction!(summary_segments_of, m)?)?;
     m.add_function(wrap_pyfunction!(pack_cost, m)?)?;
+    m.add_function(wrap_pyfunction!(balance, m)?)?;
+    m.add_function(wrap_pyfunction!(tree_depths, m)?)?;
+    m.add_function(wrap_pyfunction!(visible_keys, m)?)?;
+    m.add_class::<PyModelCost>()?;
+    // The pack schema (`treeattn::pack::PACK_SCHEMA`): (name, dtype, axis).
+    let schema: Vec<(&str, &str, &str)> = PACK_SCHEMA
+        .iter()
+        .map(|t| (t.name, dtype_name(t.dtype), t.axis.name()))
+        .collect();
+    m.add("PACK_SCHEMA", PyTuple::new(m.py(), schema)?)?;
     m.add_function(wrap_pyfunction!(paths, m)?)?;
     m.add_function(wrap_pyfunction!(kv_end_from_positions, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_built, m)?)?;

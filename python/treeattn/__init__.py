@@ -46,7 +46,7 @@ from dataclasses import field as _field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from . import _native
-from ._native import PackError, RolloutError, ShapeError, TreeattnError, UnsupportedError
+from ._native import ModelCost, PackError, RolloutError, ShapeError, TreeattnError, UnsupportedError
 from .batch import Collator, collate
 from .chat import ChatReport, ChatRollouts, from_chat
 
@@ -66,29 +66,11 @@ def __dir__() -> List[str]:
     loaded = [m for m in _SUBMODULES if f"{__name__}.{m}" in _sys.modules]
     return sorted(set(__all__) | set(loaded))
 
-# Names and dtypes of the tensors of a pack, as in the pack files
-# (README "Command line"). loss_logprobs is NaN where a target has none.
-PACK_TENSORS = (
-    "tokens",
-    "position_ids",
-    "kv_end",
-    "loss_rows",
-    "loss_labels",
-    "loss_weights",
-    "loss_call",
-    "loss_offset",
-    "loss_rollout",
-    "loss_segment",
-    "loss_logprobs",
-    "sdcc_student_rows",
-    "sdcc_teacher_rows",
-    "rollout_reward",
-    "rollout_group",
-    "rollout_fingerprint",
-    "loss_reward",
-    "loss_summary",
-    "rollout_truncated",
-)
+# Names of the tensors of a pack, as in the pack files: the crate's
+# pack schema (``treeattn::pack::PACK_SCHEMA``; ``_native.PACK_SCHEMA``
+# has (name, dtype, axis) triples). loss_logprobs is NaN where a target
+# has none.
+PACK_TENSORS = tuple(name for name, _, _ in _native.PACK_SCHEMA)
 
 
 @_dataclass
@@ -239,9 +221,16 @@ def pack(
             raise ValueError(f"budget must be a positive int or None, got {_reprlib.repr(budget)}")
         if not 0 < budget <= 0xFFFFFFFF:
             raise ValueError(f"budget must be in 1..=2^32-1 tokens (a pack indexes its rows in u32), got {budget}")
+    source, value = _rollout_source(rollouts)
+    return [_pack_of(p, layout) for p in _native.pack(source, value, layout, share_prefixes, budget)]
+
+
+def _rollout_source(rollouts: Any):
+    """``(source, value)`` for the native readers: ``("file", path)`` or
+    ``("text", JSON Lines)`` of a list of dicts."""
     if isinstance(rollouts, (str, _os.PathLike)):
-        source, value = "file", _os.fspath(rollouts)
-    elif isinstance(rollouts, (list, tuple)):
+        return "file", _os.fspath(rollouts)
+    if isinstance(rollouts, (list, tuple)):
         lines = []
         for i, r in enumerate(rollouts):
             if not isinstance(r, dict):
@@ -265,134 +254,30 @@ def pack(
                 raise ValueError(
                     f"rollouts[{i}] (id {_reprlib.repr(r.get('id'))}) is nested too deeply to be JSON"
                 ) from None
-        source, value = "text", "\n".join(lines)
-    else:
-        raise ValueError(
-            f"rollouts must be a JSONL path or a list of dicts, got {type(rollouts).__name__}"
-        )
-    out = []
-    for p in _native.pack(source, value, layout, share_prefixes, budget):
-        t = {name: _tensor(dt, data) for name, (dt, data) in p["tensors"].items()}
-        out.append(
-            Pack(
-                tokens=t["tokens"],
-                position_ids=t["position_ids"],
-                kv_end=t["kv_end"],
-                loss_rows=t["loss_rows"],
-                loss_labels=t["loss_labels"],
-                loss_weights=t["loss_weights"],
-                loss_call=t["loss_call"],
-                loss_offset=t["loss_offset"],
-                loss_rollout=t["loss_rollout"],
-                loss_segment=t["loss_segment"],
-                loss_logprobs=_tensor("float32", p["loss_logprobs"]),
-                sdcc_student_rows=t.get("sdcc_student_rows"),
-                sdcc_teacher_rows=t.get("sdcc_teacher_rows"),
-                rollout_reward=t["rollout_reward"],
-                rollout_group=t["rollout_group"],
-                layout=layout,
-                rollout_indices=list(p["rollout_indices"]),
-                rollout_ids=list(p["rollout_ids"]),
-                groups=list(p["groups"]),
-                stats=list(p["stats"]),
-                loss_reward=t["loss_reward"],
-                loss_summary=t["loss_summary"],
-                rollout_truncated=t["rollout_truncated"],
-                rollout_fingerprint=t["rollout_fingerprint"],
-            )
-        )
-    return out
+        return "text", "\n".join(lines)
+    raise ValueError(
+        f"rollouts must be a JSONL path or a list of dicts, got {type(rollouts).__name__}"
+    )
 
 
-_COST_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
-
-
-@_dataclass(frozen=True)
-class ModelCost:
-    """The shape of a decoder as far as its FLOPs go (the crate's
-    ``treeattn::cost::ModelCost``): ``layers`` N, ``hidden`` H, ``heads`` h,
-    ``kv_heads`` g, ``head_dim`` d, ``intermediate`` I (gated MLP), ``vocab`` V.
-
-    FLOPs of one training step (forward + backward; a multiply-add is 2):
-
-    - attention = visible pairs · N · h · 4d · 3.5 (backward 2.5× forward,
-      DESIGN §7), visible pairs = Σ_k (kv_end[k] − k);
-    - linear = 3 · (tokens · N · 2 · (2·H·h·d + 2·H·g·d + 3·H·I)
-      + logit rows · 2·H·V) (q/o, k/v projections, gate/up/down; the lm_head
-      at the distinct loss rows only; backward 2× forward);
-    - total = attention + linear.
-    """
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-
-    def __post_init__(self) -> None:
-        for name in _COST_FIELDS:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"ModelCost.{name} must be a positive int, got {v!r}")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"ModelCost.kv_heads = {self.kv_heads} does not divide heads = {self.heads}")
-
-    @classmethod
-    def from_config(cls, config: Any) -> "ModelCost":
-        """From a Hugging Face config (``LlamaConfig``, ``Qwen2Config``, … or
-        a multimodal config with a text config): ``num_hidden_layers``,
-        ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``
-        (default: the heads), ``head_dim`` (default: hidden / heads),
-        ``intermediate_size``, ``vocab_size``."""
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-        missing = [
-            n for n in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-            if getattr(config, n, None) is None
-        ]
-        if missing:
-            raise ValueError(f"ModelCost.from_config: the config has no {', '.join(missing)}")
-        heads = int(config.num_attention_heads)
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
-        return cls(
-            layers=int(config.num_hidden_layers),
-            hidden=int(config.hidden_size),
-            heads=heads,
-            kv_heads=int(kv),
-            head_dim=int(head_dim),
-            intermediate=int(config.intermediate_size),
-            vocab=int(config.vocab_size),
-        )
-
-    @classmethod
-    def llama3_8b(cls) -> "ModelCost":
-        """Llama-3-8B's shape, the default weighting of :mod:`treeattn.distributed`."""
-        return cls(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
-                   intermediate=14336, vocab=128256)
-
-    def attention_per_pair(self) -> float:
-        """Forward + backward FLOPs of one visible (query, key) pair: N·h·4d·3.5."""
-        return float(self.layers * self.heads * 4 * self.head_dim) * 3.5
-
-    def linear_per_token(self) -> float:
-        """Forward + backward FLOPs of projections + MLP per token:
-        3 · N · 2 · (2·H·h·d + 2·H·g·d + 3·H·I)."""
-        H = self.hidden
-        per_layer = 2 * H * self.heads * self.head_dim + 2 * H * self.kv_heads * self.head_dim + 3 * H * self.intermediate
-        return float(self.layers * 2 * per_layer) * 3.0
-
-    def logits_per_row(self) -> float:
-        """Forward + backward FLOPs of the lm_head at one row: 3 · 2·H·V."""
-        return float(2 * self.hidden * self.vocab) * 3.0
+def _pack_of(p: Dict[str, Any], layout: str) -> Pack:
+    """A :class:`Pack` from one pack dict of the native module."""
+    t = {name: _tensor(dt, data) for name, (dt, data) in p["tensors"].items()}
+    t["loss_logprobs"] = _tensor("float32", p["loss_logprobs"])
+    return Pack(
+        **{name: t.get(name) for name in PACK_TENSORS},
+        layout=layout,
+        rollout_indices=list(p["rollout_indices"]),
+        rollout_ids=list(p["rollout_ids"]),
+        groups=list(p["groups"]),
+        stats=list(p["stats"]),
+    )
 
 
 def cost(pack: "Pack", model_cost: ModelCost) -> Dict[str, float]:
     """FLOPs of one training step (forward + backward) of ``model_cost``'s
     model on ``pack``, computed by the crate (``treeattn::cost``; formulas on
-    :class:`ModelCost`): ``{"attention", "linear", "total", "visible_pairs",
+    :class:`ModelCost`, a native class): ``{"attention", "linear", "total", "visible_pairs",
     "tokens", "logit_rows"}``. A bad ``kv_end`` raises ``ValueError`` naming
     the key."""
     import torch
@@ -407,9 +292,7 @@ def cost(pack: "Pack", model_cost: ModelCost) -> Dict[str, float]:
         raise ValueError("pack.kv_end has values outside 0..2^32-1")
     data = ke.to(torch.int32).contiguous().numpy().tobytes() if ke.numel() else b""
     rows = int(torch.unique(pack.loss_rows).numel()) if pack.loss_rows.numel() else 0
-    m = model_cost
-    return dict(_native.pack_cost(data, rows, m.layers, m.hidden, m.heads, m.kv_heads,
-                                  m.head_dim, m.intermediate, m.vocab))
+    return dict(_native.pack_cost(data, rows, model_cost))
 
 
 @_dataclass

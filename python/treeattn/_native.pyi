@@ -10,7 +10,7 @@ attention (the LSE in float32 for the last two), ``"float32"`` /
 attention, and those or ``"float32"`` for device SDCC.
 """
 
-from typing import Any, Dict, List, Optional, Tuple, final
+from typing import Any, Dict, List, Optional, Tuple, Type, final
 
 __all__ = [
     "attention_forward",
@@ -20,6 +20,11 @@ __all__ = [
     "gae",
     "grpo",
     "pack_cost",
+    "balance",
+    "tree_depths",
+    "visible_keys_per_query",
+    "ModelCost",
+    "PACK_SCHEMA",
     "paths",
     "kv_end_from_positions",
     "block_census",
@@ -39,6 +44,12 @@ __all__ = [
     "UnsupportedError",
 ]
 __version__: str
+
+PACK_SCHEMA: Tuple[Tuple[str, str, str], ...]
+"""The pack schema (``treeattn::pack::PACK_SCHEMA``): ``(name, dtype,
+axis)`` of every tensor a pack may hold, in file order; dtype a torch dtype
+name, axis ``"L"`` (tokens), ``"T"`` (targets), ``"P"`` (SDCC pairs) or
+``"R"`` (rollouts)."""
 
 class TreeattnError(ValueError):
     """Bad input to treeattn: the base of its error classes (a ValueError)."""
@@ -175,19 +186,72 @@ def grpo(rewards: List[float], groups: List[int], eps: Optional[float], std: str
     """GRPO advantages per rollout; ``eps=None``: unscaled; ``std``
     ``"sample"``, ``"population"`` or ``"batch"``."""
 
-def pack_cost(
-    kv_end: bytes,
-    logit_rows: int,
-    layers: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    intermediate: int,
-    vocab: int,
-) -> Dict[str, int]:
+@final
+class ModelCost:
+    """The shape of a decoder as far as its FLOPs go
+    (``treeattn::cost::ModelCost``); immutable, compared and hashed by its
+    fields. Exported as :class:`treeattn.ModelCost`."""
+
+    def __new__(
+        cls,
+        layers: int,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        vocab: int,
+    ) -> ModelCost: ...
+    @classmethod
+    def from_config(cls, config: Any) -> ModelCost: ...
+    @classmethod
+    def llama3_8b(cls) -> ModelCost: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def intermediate(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
+    def attention_per_pair(self) -> float: ...
+    def linear_per_token(self) -> float: ...
+    def logits_per_row(self) -> float: ...
+    def __eq__(self, value: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> Tuple[Type[ModelCost], Tuple[int, ...]]: ...
+
+def pack_cost(kv_end: bytes, logit_rows: int, model: ModelCost) -> Dict[str, float]:
     """FLOPs of a training step on a pack: ``attention``, ``linear``,
     ``total``, ``visible_pairs``, ``tokens``, ``logit_rows``."""
+
+def balance(
+    source: str,
+    value: str,
+    world_size: int,
+    budget: int,
+    model_cost: ModelCost,
+    share_prefixes: bool = True,
+    layout: str = "trie",
+    objective: str = "flops",
+) -> Dict[str, Any]:
+    """``treeattn::pack::balance`` on JSONL text or a file: ``micro_steps``
+    M and ``bins`` (M · world_size, bin ``m · world_size + r``: a pack dict
+    as :func:`pack` returns, or ``None``)."""
+
+def tree_depths(kv_end: int, tokens: int, out: int) -> None:
+    """Each row's depth (``treeattn::cost::depths``) from the int64
+    ``kv_end`` at one address into the int64 buffer at ``out``."""
+
+def visible_keys_per_query(kv_end: int, tokens: int, out: int) -> None:
+    """Each query's visible keys (``treeattn::cost::visible_keys_per_query``),
+    as :func:`tree_depths`."""
 
 def paths(kv_end: bytes) -> Dict[str, bytes]:
     """The path structure of ``kv_end`` (int64 bytes) as int64 bytes per field."""

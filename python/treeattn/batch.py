@@ -22,16 +22,23 @@ from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["collate", "Collator", "unbatch", "LOSS_TENSORS", "ROLLOUT_TENSORS"]
 
+from . import _native
+
+
+def _axis(axis: str) -> tuple:
+    """The pack tensors of one axis, from the crate's pack schema
+    (``treeattn::pack::PACK_SCHEMA``), in its order."""
+    return tuple(name for name, _, a in _native.PACK_SCHEMA if a == axis)
+
+
 #: Per-loss-entry tensors carried into a batch (when every pack has them).
-LOSS_TENSORS = (
-    "loss_rows", "loss_labels", "loss_weights", "loss_call", "loss_offset",
-    "loss_rollout", "loss_segment", "loss_logprobs", "loss_reward", "loss_summary",
-)
+LOSS_TENSORS = _axis("T")
 
 #: Per-rollout tensors carried into a batch (when every pack has them).
-ROLLOUT_TENSORS = ("rollout_reward", "rollout_group", "rollout_fingerprint", "rollout_truncated")
+ROLLOUT_TENSORS = _axis("R")
 
-_ROW_TENSORS = ("tokens", "position_ids", "kv_end")
+_ROW_TENSORS = _axis("L")
+assert _ROW_TENSORS == ("tokens", "position_ids", "kv_end")  # collate reads them in this order
 
 
 def _get(p: Any, name: str) -> Any:

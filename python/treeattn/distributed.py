@@ -32,7 +32,6 @@ No ``[L, L]`` or ``[L_local, L]`` tensor is built anywhere: the mask stays
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import ModelCost, Pack, cost as _cost, pack as _pack
+from . import ModelCost, Pack, _native, _pack_of, _rollout_source, cost as _cost
 from . import torch as _tt
 
 __all__ = [
@@ -65,16 +64,9 @@ __all__ = [
 
 def visible_keys_per_query(kv_end: Tensor) -> Tensor:
     """``[L]`` int64: per query ``q``, the keys it sees, ``#{k <= q :
-    kv_end[k] > q}`` (a difference array, O(L)). Their sum is the pack's
-    visible pairs ``Σ_k (kv_end[k] − k)``."""
-    L = int(kv_end.numel())
-    ke = kv_end.to(torch.int64)
-    idx = torch.arange(L, dtype=torch.int64)
-    live = ke > idx
-    delta = torch.zeros(L + 1, dtype=torch.int64)
-    delta.index_add_(0, idx[live], torch.ones(int(live.sum()), dtype=torch.int64))
-    delta.index_add_(0, ke[live], -torch.ones(int(live.sum()), dtype=torch.int64))
-    return torch.cumsum(delta[:L], 0)
+    kv_end[k] > q}`` (the crate's ``treeattn::cost::visible_keys_per_query``,
+    O(L)). Their sum is the pack's visible pairs ``Σ_k (kv_end[k] − k)``."""
+    return _tt._visible_keys(kv_end)
 
 
 def _row_costs(p: Any, model_cost: ModelCost) -> Tensor:
@@ -131,85 +123,6 @@ def empty_pack(layout: str = "trie", pad_token: int = 0) -> Pack:
     )
 
 
-def _read_rollouts(rollouts: Any) -> List[Dict[str, Any]]:
-    if isinstance(rollouts, (str, os.PathLike)):
-        with open(rollouts) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    if isinstance(rollouts, (list, tuple)):
-        for i, r in enumerate(rollouts):
-            if not isinstance(r, dict):
-                raise ValueError(f"rollouts[{i}] is a {type(r).__name__}, expected a dict")
-        return list(rollouts)
-    raise ValueError(f"rollouts must be a JSONL path or a list of dicts, got {type(rollouts).__name__}")
-
-
-def _units(rollouts: List[Dict[str, Any]], share_prefixes: bool) -> List[List[int]]:
-    """Groups of rollout indices that stay together: with ``share_prefixes``
-    the rollouts whose first call has the same context (a GRPO group's
-    prompt), so that the prompt is stored once; else each rollout alone."""
-    if not share_prefixes:
-        return [[i] for i in range(len(rollouts))]
-    groups: Dict[Tuple[int, ...], List[int]] = {}
-    for i, r in enumerate(rollouts):
-        calls = r.get("calls") or [{}]
-        key = tuple(calls[0].get("context", ()))
-        groups.setdefault(key, []).append(i)
-    return list(groups.values())
-
-
-def _remap(p: Pack, members: List[int], call_base: List[int], rollouts: List[Dict[str, Any]]) -> Pack:
-    """A pack of ``[rollouts[i] for i in members]`` with rollout and call
-    indices of the whole input (the pack numbers them from 0 within itself)."""
-    m = torch.tensor(members, dtype=torch.int64)
-    local_base, acc = [], 0
-    for i in members:
-        local_base.append(acc)
-        acc += len(rollouts[i]["calls"])
-    lb = torch.tensor(local_base, dtype=torch.int64)
-    gb = torch.tensor([call_base[i] for i in members], dtype=torch.int64)
-    r = p.loss_rollout
-    p.loss_call = p.loss_call - lb[r] + gb[r]
-    p.loss_rollout = m[r]
-    p.rollout_indices = [members[i] for i in p.rollout_indices]
-    return p
-
-
-def _pack_members(rollouts, members, layout, share_prefixes, call_base) -> Pack:
-    (p,) = _pack([rollouts[i] for i in members], layout=layout, share_prefixes=share_prefixes)
-    return _remap(p, members, call_base, rollouts)
-
-
-def _assign(costs: List[float], tokens: List[int], world_size: int, budget: int, micro: int) -> Tuple[int, List[int]]:
-    """LPT (longest processing time first) of units onto ``world_size ×
-    micro`` bins of at most ``budget`` tokens: units by cost descending
-    (ties: tokens descending, then index), each onto the bin of least cost
-    that has room (ties: lowest micro-step, then rank); more micro-steps
-    when a unit fits nowhere. Deterministic. Returns (micro-steps, bin of
-    each unit) with bin = micro · world_size + rank."""
-    import numpy as np
-
-    if tokens and max(tokens) > budget:
-        raise ValueError(f"a unit of {max(tokens)} tokens does not fit the budget of {budget}")
-    order = sorted(range(len(costs)), key=lambda u: (-costs[u], -tokens[u], u))
-    while True:
-        load = np.zeros(world_size * micro)
-        room = np.full(world_size * micro, budget, dtype=np.int64)
-        where = [0] * len(costs)
-        ok = True
-        for u in order:
-            cand = np.where(room >= tokens[u], load, np.inf)
-            b = int(np.argmin(cand))
-            if not np.isfinite(cand[b]):
-                ok = False
-                break
-            load[b] += costs[u]
-            room[b] -= tokens[u]
-            where[u] = b
-        if ok:
-            return micro, where
-        micro += 1
-
-
 def balance(
     rollouts: Union[str, "os.PathLike[str]", Sequence[Dict[str, Any]]],
     world_size: int,
@@ -225,7 +138,9 @@ def balance(
     ``shards[rank][micro]``, every rank the same number of micro-steps, each
     pack at most ``budget`` tokens, balanced by the exact cost of a training
     step (:func:`treeattn.cost` with ``model_cost``, default
-    :meth:`ModelCost.llama3_8b`).
+    :meth:`ModelCost.llama3_8b`). The crate's ``treeattn::pack::balance``
+    does the work: one native call reads the rollouts, forms the units,
+    weighs them, assigns them and packs every bin.
 
     Units: with ``share_prefixes`` the rollouts whose first call has the same
     context (a GRPO group) stay in one pack, split in input order only when
@@ -253,73 +168,21 @@ def balance(
     if layout not in ("trie", "replicated"):
         raise ValueError(f'layout {layout!r}: expected "trie" or "replicated"')
     model_cost = model_cost or ModelCost.llama3_8b()
-    rs = _read_rollouts(rollouts)
-    if not rs:
-        raise ValueError("balance: no rollouts")
-    call_base, acc = [], 0
-    for i, r in enumerate(rs):
-        if not isinstance(r.get("calls"), list):
-            raise ValueError(f"rollouts[{i}] (id {r.get('id')!r}) has no list of calls")
-        call_base.append(acc)
-        acc += len(r["calls"])
-
-    units: List[List[int]] = []
-    unit_packs: List[Pack] = []
-    for group in _units(rs, share_prefixes):
-        whole = _pack_members(rs, group, layout, share_prefixes, call_base)
-        if len(whole) <= budget:  # the common case: one pack call per unit
-            units.append(group)
-            unit_packs.append(whole)
-            continue
-        chunk: List[int] = []
-        chunk_pack: Optional[Pack] = None
-        for i in group:
-            trial = _pack_members(rs, chunk + [i], layout, share_prefixes, call_base)
-            if len(trial) <= budget:
-                chunk, chunk_pack = chunk + [i], trial
-                continue
-            if not chunk:
-                raise ValueError(
-                    f"rollouts[{i}] (id {rs[i].get('id')!r}) packs to {len(trial)} tokens, over the "
-                    f"budget of {budget}: give it a larger budget or split it over ranks (treeattn.distributed.shard)"
-                )
-            units.append(chunk)
-            unit_packs.append(chunk_pack)
-            chunk = [i]
-            chunk_pack = _pack_members(rs, chunk, layout, share_prefixes, call_base)
-            if len(chunk_pack) > budget:
-                raise ValueError(
-                    f"rollouts[{i}] (id {rs[i].get('id')!r}) packs to {len(chunk_pack)} tokens, over the "
-                    f"budget of {budget}: give it a larger budget or split it over ranks (treeattn.distributed.shard)"
-                )
-        units.append(chunk)
-        unit_packs.append(chunk_pack)
-
-    tokens = [len(p) for p in unit_packs]
-    if objective == "flops":
-        weights = [_cost(p, model_cost)["total"] for p in unit_packs]
-    elif objective == "tokens":
-        weights = [float(t) for t in tokens]
-    else:
-        weights = [float(t) ** 2 for t in tokens]
-    micro0 = max(1, math.ceil(sum(tokens) / (world_size * budget)))
-    micro, where = _assign(weights, tokens, world_size, budget, micro0)
-
-    bins: List[List[int]] = [[] for _ in range(world_size * micro)]
-    for u, b in enumerate(where):
-        bins[b].append(u)
-    shards: List[List[Pack]] = [[] for _ in range(world_size)]
-    for m in range(micro):
-        for r in range(world_size):
-            us = bins[m * world_size + r]
-            if not us:
-                shards[r].append(empty_pack(layout, pad_token))
-            elif len(us) == 1:
-                shards[r].append(unit_packs[us[0]])
-            else:
-                members = sorted(i for u in us for i in units[u])
-                shards[r].append(_pack_members(rs, members, layout, share_prefixes, call_base))
-    return shards
+    if not isinstance(model_cost, ModelCost):
+        if objective == "flops":
+            raise ValueError(f"model_cost must be a treeattn.ModelCost, got {type(model_cost).__name__}")
+        model_cost = ModelCost.llama3_8b()  # not read by the token objectives
+    source, value = _rollout_source(rollouts)
+    # A budget past what any pack reaches is no budget (the crate counts in u64).
+    out = _native.balance(source, value, world_size, min(budget, 2**63), model_cost,
+                          share_prefixes=share_prefixes, layout=layout, objective=objective)
+    micro = out["micro_steps"]
+    bins = [None if b is None else _pack_of(b, layout) for b in out["bins"]]
+    return [
+        [empty_pack(layout, pad_token) if bins[m * world_size + r] is None else bins[m * world_size + r]
+         for m in range(micro)]
+        for r in range(world_size)
+    ]
 
 
 def balance_report(shards: Sequence[Sequence[Any]], model_cost: Optional[ModelCost] = None) -> Dict[str, Any]:

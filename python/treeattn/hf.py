@@ -116,7 +116,8 @@ def _mask_plan(kv_end: Tensor, device: torch.device) -> TreeMask:
 def tree_depths(kv_end: Tensor) -> Tensor:
     """``[L]`` int64 on ``kv_end``'s device: each row's depth in the tree of
     ``kv_end``, the number of its ancestors ``#{k < t : kv_end[k] > t}``
-    (O(L): each key adds 1 on its subtree's range ``(k, kv_end[k])``)."""
+    (O(L), computed by the crate: ``treeattn::cost::depths``; a ``kv_end``
+    outside ``k <= kv_end[k] <= L`` is a :class:`treeattn.PackError`)."""
     return _depths(kv_end)
 
 

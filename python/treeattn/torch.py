@@ -705,17 +705,31 @@ def _rotate(x: Tensor, pos: Tensor, base: float, dims: int) -> Tensor:
 
 def _depths(kv_end: Tensor) -> Tensor:
     """``[L]`` int64 on ``kv_end``'s device: each row's depth, the number of
-    its ancestors ``#{k < t : kv_end[k] > t}`` (O(L): each key adds 1 on its
-    subtree's range ``(k, kv_end[k])``)."""
-    n = kv_end.shape[0]
-    end = kv_end.to(torch.int64)
-    k = torch.arange(n, device=end.device)
-    inner = end > k + 1
-    diff = torch.zeros(n + 1, dtype=torch.int64, device=end.device)
-    ones = torch.ones_like(k[inner])
-    diff.index_add_(0, (k + 1)[inner], ones)
-    diff.index_add_(0, end[inner], -ones)
-    return diff.cumsum(0)[:n]
+    its ancestors ``#{k < t : kv_end[k] > t}`` (the crate's
+    ``treeattn::cost::depths``, O(L))."""
+    return _per_row(kv_end, _native.tree_depths)
+
+
+def _visible_keys(kv_end: Tensor) -> Tensor:
+    """``[L]`` int64 on ``kv_end``'s device: per query ``q``, the keys it
+    sees, ``#{k <= q : kv_end[k] > q}`` (the crate's
+    ``treeattn::cost::visible_keys_per_query``, O(L))."""
+    return _per_row(kv_end, _native.visible_keys_per_query)
+
+
+def _per_row(kv_end: Tensor, fn: Any) -> Tensor:
+    """One int64 per row of the 1-D ``kv_end``, computed by the native
+    ``fn`` on a host copy; a ``kv_end`` outside ``k <= kv_end[k] <= L`` is a
+    :class:`treeattn.PackError` naming the key."""
+    if kv_end.dim() != 1:
+        raise ValueError(f"kv_end must be 1-D, got shape {tuple(kv_end.shape)}")
+    if kv_end.dtype.is_floating_point or kv_end.dtype == torch.bool:
+        raise ValueError(f"kv_end must hold integers, got {kv_end.dtype}")
+    host = kv_end.detach().to("cpu", torch.int64).contiguous()
+    out = torch.empty(host.shape[0], dtype=torch.int64)
+    if host.numel():
+        fn(_ptr(host), host.numel(), _ptr(out))
+    return out.to(kv_end.device)
 
 
 def _window_starts(ke32: Tensor, window: int) -> Tensor:

@@ -111,4 +111,23 @@ fn formulas_by_hand() {
     );
     let bad = ModelCost { kv_heads: 3, ..m };
     assert!(bad.validate().unwrap_err().to_string().contains("kv_heads"));
+    // Counts that would wrap in u64 are refused, not wrapped.
+    for huge in [
+        ModelCost {
+            vocab: u64::MAX / 2,
+            ..m
+        },
+        ModelCost {
+            layers: 1 << 40,
+            head_dim: 1 << 30,
+            ..m
+        },
+    ] {
+        assert!(huge
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("overflow"));
+    }
+    ModelCost::LLAMA3_8B.validate().unwrap();
 }

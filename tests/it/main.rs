@@ -26,6 +26,7 @@ mod emu_variants;
 mod forests;
 mod fuzz_inputs;
 mod fuzz_structured;
+mod pack_balance;
 mod pack_golden;
 mod pack_props;
 mod rollout_errors;

@@ -94,6 +94,47 @@ __device__ __forceinline__ uint32_t ta_next_visible_tile(const uint32_t* __restr
     return t_end;
 }
 
+// ---- The walk's look-ahead window (issue 39) ---------------------------------
+// The key-tile walks of the forward and the deterministic dQ kernel stage,
+// with key tile tt, a window of 64 words: tile_kv_max of the 32 tiles after
+// tt in win[0, 32) and their tile_kv_min in win[32, 64), copied by cp.async
+// in tile tt's group by the block's last two warps (tiles at or past t_end
+// zero-filled: a max of 0 is never > q0, so never chosen). Once tile tt has
+// landed, the next tile and its unseen-key bound come from shared memory
+// (ta_window_next), not from a dependent global load on the prefetch path.
+template <int kThreads>
+__device__ __forceinline__ void ta_stage_window(uint32_t* win, const uint32_t* tile_kv_max,
+                                                const uint32_t* tile_kv_min, uint32_t tt, uint32_t t_end) {
+    static_assert(kThreads >= 64 && kThreads % 64 == 0, "the last two warps stage the window");
+    if (threadIdx.x >= kThreads - 64) {
+        const unsigned i = threadIdx.x & 31, hi = (threadIdx.x >> 5) & 1;  // the second-to-last warp: min, last: max
+        const uint32_t j = tt + 1 + i;
+        ta_cp_async_4(win + (hi ? 0 : 32) + i, (hi ? tile_kv_max : tile_kv_min) + (j < t_end ? j : 0), j < t_end);
+    }
+}
+
+// The walk's next tile after tile t, from t's landed window `win`: the
+// first of the 32 tiles after t whose tile_kv_max passes q0 (a ballot over
+// shared memory), else, after 32 skipped tiles, ta_next_visible_tile from
+// t + 33 in global memory. `maybe_unseen`: whether the chosen tile may hold
+// a key no query sees (its tile_kv_min below the tile's end; TaUnseenKey).
+// Block-uniform: t, t_end, q0 the same in all lanes.
+__device__ __forceinline__ uint32_t ta_window_next(const uint32_t* win, const uint32_t* __restrict__ tile_kv_max,
+                                                   const uint32_t* __restrict__ tile_kv_min, uint32_t t,
+                                                   uint32_t t_end, uint32_t q0, uint32_t block_n, uint32_t tokens,
+                                                   bool& maybe_unseen) {
+    const unsigned seen = __ballot_sync(TA_FULL_MASK, win[ta_lane()] > q0);
+    if (seen) {
+        const unsigned i = unsigned(__ffs(int(seen))) - 1;
+        const uint32_t tn = t + 1 + i;
+        maybe_unseen = win[32 + i] < min((tn + 1) * block_n, tokens);
+        return tn;
+    }
+    const uint32_t tn = ta_next_visible_tile(tile_kv_max, t + 33, t_end, q0);
+    maybe_unseen = tn < t_end && tile_kv_min[tn] < min((tn + 1) * block_n, tokens);
+    return tn;
+}
+
 // ---- Key starts (the attention variants' kernels, kVar) ---------------------
 // A sliding window, explicit key starts (context parallelism) and the rows
 // that see no key under attention sinks all come to the kernels as one u32

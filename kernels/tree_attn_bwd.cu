@@ -1228,12 +1228,7 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
     uint32_t* const swin = reinterpret_cast<uint32_t*>(smem_raw + Tr::kOffWindow);
     static_assert(Tr::kThreads == 128, "warps 2, 3 stage the window");
     auto stage_window = [&](uint32_t tt, int b) {
-        if (threadIdx.x >= Tr::kThreads - 64) {
-            const unsigned i = threadIdx.x & 31, hi = (threadIdx.x >> 5) & 1;  // warp 2: min, 3: max
-            const uint32_t j = tt + 1 + i;
-            ta_cp_async_4(swin + b * 64 + (hi ? 0 : 32) + i, (hi ? p.tile_kv_max : p.tile_kv_min) + (j < t_end ? j : 0),
-                          j < t_end);
-        }
+        ta_stage_window<Tr::kThreads>(swin + b * 64, p.tile_kv_max, p.tile_kv_min, tt, t_end);
     };
     uint32_t t = next_tile(t_begin);
     if (t < t_end) {
@@ -1268,20 +1263,9 @@ __device__ __forceinline__ void tree_attn_bwd_dq_body(const TreeAttnBwdParams& p
         __syncthreads();
         // The next tile from tile t's window; global memory only after 32
         // skipped tiles in a row.
-        uint32_t tn;
         bool maybe_unseen;
-        {
-            const uint32_t* const win = swin + buf * 64;
-            const unsigned seen = __ballot_sync(TA_FULL_MASK, win[lane] > q0);
-            if (seen) {
-                const unsigned i = unsigned(__ffs(int(seen))) - 1;
-                tn = t + 1 + i;
-                maybe_unseen = win[32 + i] < min((tn + 1) * BN, L);
-            } else {
-                tn = next_tile(t + 33);
-                maybe_unseen = tn < t_end && p.tile_kv_min[tn] < min((tn + 1) * BN, L);
-            }
-        }
+        const uint32_t tn =
+            ta_window_next(swin + buf * 64, p.tile_kv_max, p.tile_kv_min, t, t_end, q0, BN, L, maybe_unseen);
         if (tn < t_end) {
             const TaUnseenKey unseen{p.kv_end, maybe_unseen};
             ta_load_tile<BN, D, RS, Tr::kThreads>(sk + (buf ^ 1) * Tr::kTileElems, p.k, tn * BN, L, p.kv_heads,

@@ -252,12 +252,7 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
         if (threadIdx.x < BN)
             ta_cp_async_4(dst + threadIdx.x, p.kv_end + (key < L ? key : 0), key < L);
         if (threadIdx.x == BN) ta_cp_async_4(dst + BN, p.tile_kv_min + tt, true);
-        if (threadIdx.x >= Tr::kThreads - 64) {
-            const unsigned i = threadIdx.x & 31, hi = (threadIdx.x >> 5) & 1;  // warp 2: min, 3: max
-            const uint32_t j = tt + 1 + i;
-            ta_cp_async_4(dst + Tr::kWindowOff + (hi ? 0 : 32) + i,
-                          (hi ? p.tile_kv_max : p.tile_kv_min) + (j < t_end ? j : 0), j < t_end);
-        }
+        ta_stage_window<Tr::kThreads>(dst + Tr::kWindowOff, p.tile_kv_max, p.tile_kv_min, tt, t_end);
     };
 
     ta_load_tile<BM, D, RS, Tr::kThreads>(sq, p.q, q0, L, p.q_heads, head);
@@ -333,20 +328,9 @@ __device__ __forceinline__ void tree_attn_fwd_body(const TreeAttnFwdParams& p) {
         // on the prefetch path) and whether it may hold a key no query sees
         // (its tile_kv_min below its end: TaUnseenKey). Only after a run of
         // 32 skipped tiles does the walk go back to global memory.
-        uint32_t tn;
         bool maybe_unseen;
-        {
-            const uint32_t* const win = skv + buf * Tr::kKvEndWords + Tr::kWindowOff;
-            const unsigned seen = __ballot_sync(TA_FULL_MASK, win[lane] > q0);
-            if (seen) {
-                const unsigned i = unsigned(__ffs(int(seen))) - 1;
-                tn = t + 1 + i;
-                maybe_unseen = win[32 + i] < min((tn + 1) * BN, L);
-            } else {
-                tn = next_tile(t + 33);
-                maybe_unseen = tn < t_end && p.tile_kv_min[tn] < min((tn + 1) * BN, L);
-            }
-        }
+        const uint32_t tn = ta_window_next(skv + buf * Tr::kKvEndWords + Tr::kWindowOff, p.tile_kv_max,
+                                           p.tile_kv_min, t, t_end, q0, BN, L, maybe_unseen);
         if (tn < t_end) {
             ta_load_tile<BN, D, RS, Tr::kThreads>(sk + (buf ^ 1) * Tr::kKvElems, p.k, tn * BN, L, p.kv_heads,
                                                   kv_head);

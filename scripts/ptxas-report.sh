@@ -9,11 +9,13 @@
 # nvcc is found like build.rs finds it: $TREEATTN_NVCC, $CUDA_HOME/bin/nvcc,
 # nvcc on PATH, then the PyPI compiler (<site-packages>/nvidia/cu13/bin/nvcc).
 # Dynamic shared memory is not in ptxas's numbers: the forward kernels take
-# (128 + 4 * 64) * (d + 8) * 2 + 4096 + 544 bytes at launch (59936 for d=64,
-# 109088 for d=128);
+# (128 + 4 * 64) * (d + 8) * 2 + 4096 + 2 * (64 + 4 + 64) * 4 bytes at launch
+# (the last term: two buffers of a tile's kv_end, its bound and the walk's
+# look-ahead window; 60448 for d=64, 109600 for d=128);
 # the backward main kernels 65792 / 75520 (the two-m-tile main2 kernels
 # 93696 for d64, 159232 for d128; main2w4, d64, 93696), the deterministic dQ kernels
-# 55808 / 104960 (src/backend/launch/bwd.rs), the SDCC kernels 400.
+# 56320 / 105472 (with two look-ahead windows; src/backend/launch/bwd.rs),
+# the SDCC kernels 400.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -39,9 +39,6 @@
 //! rotary, softmax and activation functions are elementwise and left out
 //! (under 1 % at the shapes of interest); so is the embedding lookup.
 
-use std::collections::BTreeSet;
-
-use crate::pack::Pack;
 use crate::{Error, Result};
 
 /// The shape of a decoder, as far as its FLOPs go (a Llama / Qwen / Mistral
@@ -180,21 +177,6 @@ impl ModelCost {
             linear,
             total: attention + linear,
         }
-    }
-
-    /// The cost of one step on `pack` (see the module docs).
-    pub fn pack_cost(&self, pack: &Pack) -> Result<PackCost> {
-        let pairs = visible_pairs(&pack.kv_end)?;
-        let rows = pack.loss.iter().map(|e| e.row).collect::<BTreeSet<_>>();
-        Ok(self.cost(pairs, pack.len() as u64, rows.len() as u64))
-    }
-}
-
-impl Pack {
-    /// The FLOPs of one training step of `model` on this pack
-    /// ([`ModelCost::pack_cost`]).
-    pub fn cost(&self, model: &ModelCost) -> Result<PackCost> {
-        model.pack_cost(self)
     }
 }
 

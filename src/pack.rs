@@ -30,10 +30,9 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use crate::cost::ModelCost;
+use crate::cost::{visible_pairs, ModelCost, PackCost};
 use crate::mask::PackMask;
 use crate::rollout::Rollout;
-use crate::safetensors::Dtype;
 use crate::tree::{Tree, TrieBuilder};
 use crate::{Error, Result};
 
@@ -82,7 +81,24 @@ pub struct Pack {
     pub loss: Vec<LossEntry>,
 }
 
+impl ModelCost {
+    /// The cost of one step on `pack` (the formulas: [`crate::cost`]).
+    /// Here rather than in `cost`, so that the cost model knows nothing of
+    /// packs (no import circle: `pack` uses `cost`, never the reverse).
+    pub fn pack_cost(&self, pack: &Pack) -> Result<PackCost> {
+        let pairs = visible_pairs(&pack.kv_end)?;
+        let rows = pack.loss.iter().map(|e| e.row).collect::<BTreeSet<_>>();
+        Ok(self.cost(pairs, pack.len() as u64, rows.len() as u64))
+    }
+}
+
 impl Pack {
+    /// The FLOPs of one training step of `model` on this pack
+    /// ([`ModelCost::pack_cost`]).
+    pub fn cost(&self, model: &ModelCost) -> Result<PackCost> {
+        model.pack_cost(self)
+    }
+
     /// The attention view: `kv_end` and position ids, checked (the fields
     /// are public, so a pack may have been changed since it was built).
     pub fn mask(&self) -> Result<PackMask<'_>> {
@@ -839,78 +855,6 @@ fn packed_len(
         Layout::Replicated => tree.branches().iter().map(|b| b.len as usize).sum(),
     })
 }
-
-/// The axis of a pack tensor: which count its length is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Axis {
-    /// `L`: one per packed token.
-    Tokens,
-    /// `T`: one per loss entry.
-    Targets,
-    /// `P`: one per SDCC pair.
-    Pairs,
-    /// `R`: one per rollout of the pack.
-    Rollouts,
-}
-
-impl Axis {
-    /// `"L"`, `"T"`, `"P"` or `"R"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Axis::Tokens => "L",
-            Axis::Targets => "T",
-            Axis::Pairs => "P",
-            Axis::Rollouts => "R",
-        }
-    }
-}
-
-/// One tensor of a pack file (and of a Python `treeattn.Pack`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PackTensor {
-    /// The tensor's name.
-    pub name: &'static str,
-    /// Its element type.
-    pub dtype: Dtype,
-    /// Its one axis.
-    pub axis: Axis,
-}
-
-const fn spec(name: &'static str, dtype: Dtype, axis: Axis) -> PackTensor {
-    PackTensor { name, dtype, axis }
-}
-
-/// Every tensor a pack may hold, in the order a pack file writes them: the
-/// one statement of the pack schema, which the Python package reads
-/// (`treeattn._native.PACK_SCHEMA`) and the writers
-/// ([`crate::safetensors::pack_tensors`], `rollout_tensors`,
-/// `loss_field_tensors`) are tested against (`tests/it/pack_schema.rs`).
-/// What each holds: the table of [`crate::safetensors`]. Some are absent
-/// from some packs: `loss_logprobs` unless every target has a log-prob, the
-/// SDCC rows outside the trie layout, `loss_reward`, `loss_summary`,
-/// `rollout_fingerprint` and `rollout_truncated` in files of earlier
-/// versions.
-pub const PACK_SCHEMA: &[PackTensor] = &[
-    spec("tokens", Dtype::I64, Axis::Tokens),
-    spec("position_ids", Dtype::I64, Axis::Tokens),
-    spec("kv_end", Dtype::I64, Axis::Tokens),
-    spec("loss_rows", Dtype::I64, Axis::Targets),
-    spec("loss_labels", Dtype::I64, Axis::Targets),
-    spec("loss_call", Dtype::I64, Axis::Targets),
-    spec("loss_offset", Dtype::I64, Axis::Targets),
-    spec("loss_weights", Dtype::F32, Axis::Targets),
-    spec("loss_rollout", Dtype::I64, Axis::Targets),
-    spec("loss_segment", Dtype::I64, Axis::Targets),
-    spec("loss_logprobs", Dtype::F32, Axis::Targets),
-    spec("sdcc_student_rows", Dtype::I64, Axis::Pairs),
-    spec("sdcc_teacher_rows", Dtype::I64, Axis::Pairs),
-    spec("rollout_reward", Dtype::F32, Axis::Rollouts),
-    spec("rollout_group", Dtype::I64, Axis::Rollouts),
-    spec("rollout_fingerprint", Dtype::I64, Axis::Rollouts),
-    spec("rollout_truncated", Dtype::Bool, Axis::Rollouts),
-    spec("loss_reward", Dtype::F32, Axis::Targets),
-    spec("loss_summary", Dtype::Bool, Axis::Targets),
-];
 
 /// What [`balance`] weighs a unit by.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -64,6 +64,78 @@ pub const PACK_FORMAT: &str = "treeattn-pack-v2";
 pub const PACK_FORMAT_V1: &str = "treeattn-pack-v1";
 use crate::{Error, Result};
 
+/// The axis of a pack tensor: which count its length is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Axis {
+    /// `L`: one per packed token.
+    Tokens,
+    /// `T`: one per loss entry.
+    Targets,
+    /// `P`: one per SDCC pair.
+    Pairs,
+    /// `R`: one per rollout of the pack.
+    Rollouts,
+}
+
+impl Axis {
+    /// `"L"`, `"T"`, `"P"` or `"R"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Axis::Tokens => "L",
+            Axis::Targets => "T",
+            Axis::Pairs => "P",
+            Axis::Rollouts => "R",
+        }
+    }
+}
+
+/// One tensor of a pack file (and of a Python `treeattn.Pack`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackTensor {
+    /// The tensor's name.
+    pub name: &'static str,
+    /// Its element type.
+    pub dtype: Dtype,
+    /// Its one axis.
+    pub axis: Axis,
+}
+
+const fn spec(name: &'static str, dtype: Dtype, axis: Axis) -> PackTensor {
+    PackTensor { name, dtype, axis }
+}
+
+/// Every tensor a pack may hold, in the order a pack file writes them: the
+/// one statement of the pack schema, which the Python package reads
+/// (`treeattn._native.PACK_SCHEMA`) and the writers
+/// ([`pack_tensors`], `rollout_tensors`,
+/// `loss_field_tensors`) are tested against (`tests/it/pack_balance.rs`).
+/// What each holds: the table of this module's docs. Some are absent
+/// from some packs: `loss_logprobs` unless every target has a log-prob, the
+/// SDCC rows outside the trie layout, `loss_reward`, `loss_summary`,
+/// `rollout_fingerprint` and `rollout_truncated` in files of earlier
+/// versions.
+pub const PACK_SCHEMA: &[PackTensor] = &[
+    spec("tokens", Dtype::I64, Axis::Tokens),
+    spec("position_ids", Dtype::I64, Axis::Tokens),
+    spec("kv_end", Dtype::I64, Axis::Tokens),
+    spec("loss_rows", Dtype::I64, Axis::Targets),
+    spec("loss_labels", Dtype::I64, Axis::Targets),
+    spec("loss_call", Dtype::I64, Axis::Targets),
+    spec("loss_offset", Dtype::I64, Axis::Targets),
+    spec("loss_weights", Dtype::F32, Axis::Targets),
+    spec("loss_rollout", Dtype::I64, Axis::Targets),
+    spec("loss_segment", Dtype::I64, Axis::Targets),
+    spec("loss_logprobs", Dtype::F32, Axis::Targets),
+    spec("sdcc_student_rows", Dtype::I64, Axis::Pairs),
+    spec("sdcc_teacher_rows", Dtype::I64, Axis::Pairs),
+    spec("rollout_reward", Dtype::F32, Axis::Rollouts),
+    spec("rollout_group", Dtype::I64, Axis::Rollouts),
+    spec("rollout_fingerprint", Dtype::I64, Axis::Rollouts),
+    spec("rollout_truncated", Dtype::Bool, Axis::Rollouts),
+    spec("loss_reward", Dtype::F32, Axis::Targets),
+    spec("loss_summary", Dtype::Bool, Axis::Targets),
+];
+
 /// Element types this crate writes and reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dtype {

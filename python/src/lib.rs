@@ -35,14 +35,16 @@ use treeattn::backend::{
 };
 use treeattn::cost::{check_kv_end, depths, visible_keys_per_query, visible_pairs, ModelCost};
 use treeattn::mask::{BlockCensus, PackMask};
-use treeattn::pack::{balance as balance_packs, batch, Batch, Layout, Objective, PACK_SCHEMA};
+use treeattn::pack::{balance as balance_packs, batch, Batch, Layout, Objective};
 use treeattn::paths::Paths;
 use treeattn::plan::MaskPlan;
 use treeattn::rl::{
     grpo_advantages, summary_segments, Gae, GaeMode, GrpoScale, GrpoStd, Lambda, Rewards, Targets,
 };
 use treeattn::rollout::{parse_jsonl, read_jsonl_file, Rollout};
-use treeattn::safetensors::{loss_field_tensors, pack_tensors, rollout_tensors, Dtype};
+use treeattn::safetensors::{
+    loss_field_tensors, pack_tensors, rollout_tensors, Dtype, PACK_SCHEMA,
+};
 use treeattn::tree::RolloutStats;
 use treeattn::Error;
 
@@ -1829,7 +1831,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tree_depths, m)?)?;
     m.add_function(wrap_pyfunction!(visible_keys, m)?)?;
     m.add_class::<PyModelCost>()?;
-    // The pack schema (`treeattn::pack::PACK_SCHEMA`): (name, dtype, axis).
+    // The pack schema (`treeattn::safetensors::PACK_SCHEMA`): (name, dtype, axis).
     let schema: Vec<(&str, &str, &str)> = PACK_SCHEMA
         .iter()
         .map(|t| (t.name, dtype_name(t.dtype), t.axis.name()))

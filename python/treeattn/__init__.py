@@ -67,7 +67,7 @@ def __dir__() -> List[str]:
     return sorted(set(__all__) | set(loaded))
 
 # Names of the tensors of a pack, as in the pack files: the crate's
-# pack schema (``treeattn::pack::PACK_SCHEMA``; ``_native.PACK_SCHEMA``
+# pack schema (``treeattn::safetensors::PACK_SCHEMA``; ``_native.PACK_SCHEMA``
 # has (name, dtype, axis) triples). loss_logprobs is NaN where a target
 # has none.
 PACK_TENSORS = tuple(name for name, _, _ in _native.PACK_SCHEMA)

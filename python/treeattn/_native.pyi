@@ -46,7 +46,7 @@ __all__ = [
 __version__: str
 
 PACK_SCHEMA: Tuple[Tuple[str, str, str], ...]
-"""The pack schema (``treeattn::pack::PACK_SCHEMA``): ``(name, dtype,
+"""The pack schema (``treeattn::safetensors::PACK_SCHEMA``): ``(name, dtype,
 axis)`` of every tensor a pack may hold, in file order; dtype a torch dtype
 name, axis ``"L"`` (tokens), ``"T"`` (targets), ``"P"`` (SDCC pairs) or
 ``"R"`` (rollouts)."""

@@ -27,7 +27,7 @@ from . import _native
 
 def _axis(axis: str) -> tuple:
     """The pack tensors of one axis, from the crate's pack schema
-    (``treeattn::pack::PACK_SCHEMA``), in its order."""
+    (``treeattn::safetensors::PACK_SCHEMA``), in its order."""
     return tuple(name for name, _, a in _native.PACK_SCHEMA if a == axis)
 
 

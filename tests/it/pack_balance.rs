@@ -1,14 +1,15 @@
 //! `pack::balance` (data-parallel packing: GRPO groups whole, LPT on exact
 //! cost) and `pack::lpt`, its assignment, over random inputs; and the pack
-//! schema (`pack::PACK_SCHEMA`) against the tensors the writers produce.
+//! schema (`safetensors::PACK_SCHEMA`) against the tensors the writers produce.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
 use treeattn::cost::ModelCost;
-use treeattn::pack::{balance, batch, lpt, Axis, Layout, Objective, PACK_SCHEMA};
+use treeattn::pack::{balance, batch, lpt, Layout, Objective};
 use treeattn::rollout::{Call, Rollout};
 use treeattn::safetensors::{loss_field_tensors, pack_tensors, rollout_tensors};
+use treeattn::safetensors::{Axis, PACK_SCHEMA};
 
 const SMALL: ModelCost = ModelCost {
     layers: 2,

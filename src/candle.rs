@@ -449,7 +449,7 @@ mod device {
 
     use super::{err, Inputs, Lse, TreeAttention};
     use crate::backend::cuda::host::RawAttention;
-    use crate::backend::cuda::{CudaBackend, DevicePack};
+    use crate::backend::cuda::{CudaBackend, DevicePack, DqMode};
     use crate::backend::launch::KernelElem;
 
     /// The kernels for `stream`'s context (loaded once per context),
@@ -654,8 +654,10 @@ mod device {
         };
         // SAFETY: as in `forward`; the storage guards keep the inputs
         // alive for the call, the gradients are fresh buffers.
-        unsafe { be.backward_raw::<T>(&pack, call, op_, lp, dop, a, dk, dv, dsinks) }
-            .map_err(err)?;
+        unsafe {
+            be.backward_raw::<T>(&pack, call, op_, lp, dop, a, dk, dv, dsinks, DqMode::Atomic)
+        }
+        .map_err(err)?;
         drop(cuda);
         drop(guards);
         // The kernels read the LSE on the stream: free it there, after them.

@@ -153,6 +153,7 @@ where
             g.dk as u64,
             g.dv as u64,
             g.dsinks as u64,
+            treeattn::backend::cuda::DqMode::Atomic,
         )
     })
 }

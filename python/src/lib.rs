@@ -699,6 +699,7 @@ mod device {
                 o(4),
                 o(5),
                 o(6),
+                treeattn::backend::cuda::DqMode::Atomic,
             ),
             (false, "float16") => be.backward_raw::<treeattn::half::f16>(
                 &pack,
@@ -710,6 +711,7 @@ mod device {
                 o(4),
                 o(5),
                 o(6),
+                treeattn::backend::cuda::DqMode::Atomic,
             ),
             (_, other) => {
                 return Err(PyValueError::new_err(format!(

@@ -175,7 +175,8 @@ typedef struct TreeattnShape {
 
 /**
  * Parameters of an attention call; a null pointer means the defaults
- * (`1 / sqrt(head_dim)`, no rotary, no finiteness scan).
+ * (`1 / sqrt(head_dim)`, no rotary, no finiteness scan, atomic dQ on the
+ * device), and so does a zero-initialised struct.
  */
 typedef struct TreeattnParams {
   /**
@@ -214,6 +215,18 @@ typedef struct TreeattnParams {
    * backward entries' `dsinks` (the same memory).
    */
   const void *sinks;
+  /**
+   * `1`: the device backward (`treeattn_cuda_attention_backward*`)
+   * sums dQ deterministically (a separate kernel, no atomics: dQ
+   * bit-identical from run to run, more backward time); `0`, the
+   * default of a zero-initialised struct, as in FlashAttention: dQ by
+   * atomic adds (faster; its last bits vary from run to run, within the
+   * kernels' tolerances). dK, dV and dsinks are deterministic either
+   * way. Every other value is `TREEATTN_ERR_UNSUPPORTED`. The host
+   * entries are deterministic anyway: they accept it and it changes
+   * nothing there (nor in any forward).
+   */
+  int32_t deterministic;
 } TreeattnParams;
 
 /**
@@ -539,7 +552,10 @@ int32_t treeattn_cuda_attention_forward_mask(TreeattnDtype dtype,
  * must be without sinks). Scratch (`4 · tokens · q_heads · (head_dim +
  * 1)` bytes) is allocated and freed on `stream`. The kernels compute a
  * window, a softcap and sinks; a `v_head_dim` unlike `head_dim` is
- * `TREEATTN_ERR_UNSUPPORTED` (the host entries compute it).
+ * `TREEATTN_ERR_UNSUPPORTED` (the host entries compute it). dQ is summed
+ * with atomic adds unless `params->deterministic` is 1 (then by the
+ * deterministic kernel: bit-identical from run to run); dK, dV and
+ * `dsinks` are deterministic either way.
  */
 int32_t treeattn_cuda_attention_backward(TreeattnDtype dtype,
                                          int32_t device,

@@ -20,7 +20,11 @@
 //! (`cuda_fwd`; the backward runs the device backward with the kept f32
 //! LSE), the window, softcap and sinks included; the kernels are loaded
 //! once per CUDA context. f32 / f64 CUDA
-//! tensors are an error (cast them: nothing is cast silently).
+//! tensors are an error (cast them: nothing is cast silently). The CUDA
+//! backward sums dQ with atomic adds (as FlashAttention-2/3) unless
+//! [`TreeAttentionOptions::deterministic`] asks for the deterministic dQ
+//! kernel ([`tree_attention_with`]); on the CPU the op is deterministic
+//! either way.
 //!
 //! The mask is planned once per pack ([`crate::plan::MaskPlan`]): the op
 //! keeps the plan for its backward, [`tree_attention`] reuses the plan of
@@ -97,9 +101,7 @@ pub fn tree_attention_plan(
     plan: &Arc<MaskPlan>,
     params: &AttnParams,
 ) -> candle_core::Result<Tensor> {
-    let op = TreeAttention::new(q, k, v, plan, params, Inputs::Separate)?;
-    q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+    tree_attention_with(q, k, v, None, plan, params, TreeAttentionOptions::default())
 }
 
 /// [`tree_attention_plan`] with attention sinks `[Hq]` (one logit per query
@@ -118,8 +120,72 @@ pub fn tree_attention_with_sinks(
     plan: &Arc<MaskPlan>,
     params: &AttnParams,
 ) -> candle_core::Result<Tensor> {
+    tree_attention_with(
+        q,
+        k,
+        v,
+        Some(sinks),
+        plan,
+        params,
+        TreeAttentionOptions::default(),
+    )
+}
+
+/// What the op takes beyond the contract's [`AttnParams`]
+/// ([`tree_attention_with`]); the default is what the other entries use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TreeAttentionOptions {
+    /// On CUDA tensors, the backward sums dQ with the deterministic kernel
+    /// (no atomics: dQ bit-identical from run to run, more backward time;
+    /// [`crate::backend::launch::bwd::DqMode::Deterministic`]) instead of
+    /// atomic adds (`false`, the default, as FlashAttention's
+    /// `deterministic=False`: faster, the last bits of dQ vary from run to
+    /// run within the kernels' tolerances). dK, dV and the sinks' gradient
+    /// are deterministic either way, and so is everything on the CPU, where
+    /// it changes nothing.
+    pub deterministic: bool,
+}
+
+/// The one entry behind [`tree_attention_plan`] and
+/// [`tree_attention_with_sinks`]: q, k, v on the pack's `plan`, with
+/// attention sinks `[Hq]` when given (differentiable, as
+/// [`tree_attention_with_sinks`]), and `options` (the CUDA backward's dQ
+/// mode). Errors as theirs.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use treeattn::backend::AttnParams;
+/// use treeattn::candle::{plan_for, tree_attention_with, TreeAttentionOptions};
+/// use treeattn::mask::PackMask;
+///
+/// let (kv_end, pos) = ([3u32, 2, 3], [0u32, 1, 1]);
+/// let plan = plan_for(PackMask::new(&kv_end, &pos)?);
+/// let q = Tensor::randn(0f32, 1.0, (3, 2, 4), &Device::Cpu)?;
+/// let kv = Tensor::randn(0f32, 1.0, (3, 1, 4), &Device::Cpu)?;
+/// let det = TreeAttentionOptions { deterministic: true };
+/// let o = tree_attention_with(&q, &kv, &kv, None, &plan, &AttnParams::new(4), det)?;
+/// assert_eq!(o.dims(), &[3, 2, 4]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn tree_attention_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    sinks: Option<&Tensor>,
+    plan: &Arc<MaskPlan>,
+    params: &AttnParams,
+    options: TreeAttentionOptions,
+) -> candle_core::Result<Tensor> {
+    let Some(sinks) = sinks else {
+        let mut op = TreeAttention::new(q, k, v, plan, params, Inputs::Separate)?;
+        op.options = options;
+        return q
+            .contiguous()?
+            .apply_op3(&k.contiguous()?, &v.contiguous()?, op);
+    };
     let k_len = k.elem_count();
-    let op = TreeAttention::new(q, k, v, plan, params, Inputs::Packed { k_len })?;
+    let mut op = TreeAttention::new(q, k, v, plan, params, Inputs::Packed { k_len })?;
+    op.options = options;
     if sinks.dims() != [op.shape.q_heads] || sinks.dtype() != q.dtype() {
         return Err(err(crate::Error::Shape(format!(
             "sinks are {:?} {:?}, expected [{}] of q's dtype {:?} (one logit per query head)",
@@ -191,6 +257,7 @@ impl TreeAttention {
             shape,
             params: *params,
             inputs,
+            options: TreeAttentionOptions::default(),
             lse: Mutex::new(None),
         })
     }
@@ -220,13 +287,14 @@ enum Inputs {
 }
 
 /// The op: the pack's plan (shared; candle keeps the op until the
-/// backward), the sizes, the parameters, what its inputs hold and the
-/// forward's LSE.
+/// backward), the sizes, the parameters, what its inputs hold, the
+/// options and the forward's LSE.
 struct TreeAttention {
     plan: Arc<MaskPlan>,
     shape: AttnShape,
     params: AttnParams,
     inputs: Inputs,
+    options: TreeAttentionOptions,
     lse: Mutex<Option<Lse>>,
 }
 
@@ -449,7 +517,7 @@ mod device {
 
     use super::{err, Inputs, Lse, TreeAttention};
     use crate::backend::cuda::host::RawAttention;
-    use crate::backend::cuda::{CudaBackend, DevicePack};
+    use crate::backend::cuda::{CudaBackend, DevicePack, DqMode};
     use crate::backend::launch::KernelElem;
 
     /// The kernels for `stream`'s context (loaded once per context),
@@ -652,9 +720,13 @@ mod device {
             Inputs::Separate => (b, c, 0),
             Inputs::Packed { k_len } => (b, b + (k_len * std::mem::size_of::<T>()) as u64, c),
         };
+        let mode = match op.options.deterministic {
+            true => DqMode::Deterministic,
+            false => DqMode::Atomic,
+        };
         // SAFETY: as in `forward`; the storage guards keep the inputs
         // alive for the call, the gradients are fresh buffers.
-        unsafe { be.backward_raw::<T>(&pack, call, op_, lp, dop, a, dk, dv, dsinks) }
+        unsafe { be.backward_raw::<T>(&pack, call, op_, lp, dop, a, dk, dv, dsinks, mode) }
             .map_err(err)?;
         drop(cuda);
         drop(guards);

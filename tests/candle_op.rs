@@ -556,3 +556,143 @@ fn the_mask_plan_is_built_once_per_pack_and_reused() -> R<()> {
     }
     Ok(())
 }
+
+/// `tree_attention_with(…, TreeAttentionOptions { deterministic })`: on
+/// CPU tensors (deterministic anyway) the option changes nothing, bit for
+/// bit, with and without sinks; the default options are those of
+/// `tree_attention_plan` / `tree_attention_with_sinks`.
+#[test]
+fn deterministic_option_changes_nothing_on_cpu() -> R<()> {
+    use treeattn::candle::{
+        plan_for, tree_attention_plan, tree_attention_with, TreeAttentionOptions,
+    };
+    assert!(!TreeAttentionOptions::default().deterministic);
+    let tree = Tree::build(&[golden(), stack_pop()], true).unwrap();
+    let pack = tree.trie_pack();
+    let plan = plan_for(pack.mask().unwrap());
+    let (l, hq, hkv, d) = (pack.len(), 4, 2, 8);
+    let mut params = AttnParams::new(d);
+    params.window = Some(3);
+    params.softcap = Some(2.0);
+    for dtype in [DType::F32, DType::BF16] {
+        let mut rng = Rng::new(5);
+        let [q, k, v] = [hq, hkv, hkv].map(|h| random(&mut rng, &[l, h, d], dtype).unwrap());
+        let sinks = random(&mut rng, &[hq], dtype)?;
+        let w = random(&mut rng, &[l, hq, d], dtype)?;
+        for with_sinks in [false, true] {
+            let run = |options: Option<TreeAttentionOptions>| -> R<Vec<Vec<f32>>> {
+                let vars = [&q, &k, &v, &sinks].map(|t| Var::from_tensor(t).unwrap());
+                let s = with_sinks.then_some(vars[3].as_tensor());
+                let o = match options {
+                    Some(opt) => {
+                        tree_attention_with(&vars[0], &vars[1], &vars[2], s, &plan, &params, opt)?
+                    }
+                    None if with_sinks => treeattn::candle::tree_attention_with_sinks(
+                        &vars[0], &vars[1], &vars[2], &vars[3], &plan, &params,
+                    )?,
+                    None => tree_attention_plan(&vars[0], &vars[1], &vars[2], &plan, &params)?,
+                };
+                let g = (&o * &w)?.sum_all()?.backward()?;
+                let mut out = vec![o.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?];
+                for (i, x) in vars.iter().enumerate() {
+                    if i < 3 || with_sinks {
+                        let gx = g.get(x).unwrap();
+                        out.push(gx.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+                    }
+                }
+                Ok(out)
+            };
+            let plain = run(None)?;
+            let atomic = run(Some(TreeAttentionOptions::default()))?;
+            let det = run(Some(TreeAttentionOptions {
+                deterministic: true,
+            }))?;
+            let bits = |x: &Vec<Vec<f32>>| -> Vec<Vec<u32>> {
+                x.iter()
+                    .map(|v| v.iter().map(|f| f.to_bits()).collect())
+                    .collect()
+            };
+            assert_eq!(bits(&plain), bits(&atomic), "{dtype:?} sinks {with_sinks}");
+            assert_eq!(bits(&plain), bits(&det), "{dtype:?} sinks {with_sinks}");
+        }
+    }
+    Ok(())
+}
+
+/// With a GPU (feature `candle-cuda`): two backward runs with
+/// `deterministic: true` give bit-identical dQ, dK, dV (and dsinks), within
+/// the tolerance of the CPU op; skipped without a CUDA device.
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn cuda_deterministic_backward_is_bit_identical() -> R<()> {
+    use treeattn::candle::{plan_for, tree_attention_with, TreeAttentionOptions};
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipped: no CUDA device ({e})");
+            return Ok(());
+        }
+    };
+    let tree = Tree::build(&[golden(), stack_pop()], true).unwrap();
+    let pack = tree.trie_pack();
+    let plan = plan_for(pack.mask().unwrap());
+    let (l, hq, hkv, d) = (pack.len(), 8, 2, 64);
+    let params = AttnParams::new(d);
+    let tol = treeattn::backend::tolerance::attention(treeattn::backend::launch::Dtype::Bf16);
+    let mut rng = Rng::new(3);
+    let [q, k, v, w] =
+        [hq, hkv, hkv, hq].map(|h| random(&mut rng, &[l, h, d], DType::BF16).unwrap());
+    let sinks = random(&mut rng, &[hq], DType::BF16)?;
+    let det = TreeAttentionOptions {
+        deterministic: true,
+    };
+    let run = |dev: &Device, opt: TreeAttentionOptions| -> R<Vec<Tensor>> {
+        let vars = [&q, &k, &v, &sinks].map(|t| {
+            let t = if dev.is_cuda() {
+                t.clone()
+            } else {
+                t.to_dtype(DType::F32).unwrap()
+            };
+            Var::from_tensor(&t.to_device(dev).unwrap()).unwrap()
+        });
+        let o = tree_attention_with(
+            &vars[0],
+            &vars[1],
+            &vars[2],
+            Some(vars[3].as_tensor()),
+            &plan,
+            &params,
+            opt,
+        )?;
+        let g = (&o * w.to_dtype(o.dtype())?.to_device(dev)?)?
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .backward()?;
+        Ok(vars.iter().map(|x| g.get(x).unwrap().clone()).collect())
+    };
+    let a = run(&gpu, det)?;
+    let b = run(&gpu, det)?;
+    let reference = run(&Device::Cpu, TreeAttentionOptions::default())?;
+    for (i, name) in ["dq", "dk", "dv", "dsinks"].iter().enumerate() {
+        let bits = |t: &Tensor| {
+            t.to_device(&Device::Cpu)
+                .and_then(|t| t.to_dtype(DType::F32))
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
+                .unwrap()
+                .iter()
+                .map(|f| f.to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            bits(&a[i]),
+            bits(&b[i]),
+            "{name} differs between two deterministic runs"
+        );
+        if i < 3 {
+            let e = rel_frobenius(&a[i], &reference[i]);
+            assert!(e <= tol.grad_rel, "{name}: {e:e}");
+        }
+    }
+    Ok(())
+}

@@ -70,7 +70,7 @@ int main(void) {
   TreeattnParams params = {/* softmax_scale: 0 = 1/sqrt(d) */ 0.0, /* rope_dims */ 16,
                            /* rope_base */ 10000.0, /* check_finite */ 1,
                            /* window: 0 = none */ 0, /* softcap: 0 = none */ 0.0,
-                           /* sinks */ NULL};
+                           /* sinks */ NULL, /* deterministic: 0 = atomic dQ */ 0};
   TRY(treeattn_attention_forward(TREEATTN_F32, q, k, v, shape, kv_end, pos, &params, o, lse));
   TRY(treeattn_attention_backward(TREEATTN_F32, q, k, v, shape, kv_end, pos, &params, o, lse,
                                   d_o, dq, dk, dv, NULL));

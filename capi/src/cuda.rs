@@ -142,6 +142,11 @@ where
     T: treeattn::backend::launch::KernelElem + treeattn::backend::cuda::cudarc::driver::DeviceRepr,
 {
     g.check_null()?;
+    use treeattn::backend::cuda::DqMode;
+    let mode = match crate::deterministic_of(c.params)? {
+        true => DqMode::Deterministic,
+        false => DqMode::Atomic,
+    };
     with_device_call(device, stream, &c, |be, pack, call| {
         be.backward_raw::<T>(
             pack,
@@ -153,6 +158,7 @@ where
             g.dk as u64,
             g.dv as u64,
             g.dsinks as u64,
+            mode,
         )
     })
 }
@@ -282,7 +288,10 @@ unsafe fn device_forward(
 /// must be without sinks). Scratch (`4 · tokens · q_heads · (head_dim +
 /// 1)` bytes) is allocated and freed on `stream`. The kernels compute a
 /// window, a softcap and sinks; a `v_head_dim` unlike `head_dim` is
-/// `TREEATTN_ERR_UNSUPPORTED` (the host entries compute it).
+/// `TREEATTN_ERR_UNSUPPORTED` (the host entries compute it). dQ is summed
+/// with atomic adds unless `params->deterministic` is 1 (then by the
+/// deterministic kernel: bit-identical from run to run); dK, dV and
+/// `dsinks` are deterministic either way.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn treeattn_cuda_attention_backward(

@@ -138,7 +138,8 @@ pub struct TreeattnShape {
 }
 
 /// Parameters of an attention call; a null pointer means the defaults
-/// (`1 / sqrt(head_dim)`, no rotary, no finiteness scan).
+/// (`1 / sqrt(head_dim)`, no rotary, no finiteness scan, atomic dQ on the
+/// device), and so does a zero-initialised struct.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct TreeattnParams {
@@ -164,6 +165,16 @@ pub struct TreeattnParams {
     /// `treeattn_cuda_*` ones); null: none. Their gradient goes to the
     /// backward entries' `dsinks` (the same memory).
     pub sinks: *const c_void,
+    /// `1`: the device backward (`treeattn_cuda_attention_backward*`)
+    /// sums dQ deterministically (a separate kernel, no atomics: dQ
+    /// bit-identical from run to run, more backward time); `0`, the
+    /// default of a zero-initialised struct, as in FlashAttention: dQ by
+    /// atomic adds (faster; its last bits vary from run to run, within the
+    /// kernels' tolerances). dK, dV and dsinks are deterministic either
+    /// way. Every other value is `TREEATTN_ERR_UNSUPPORTED`. The host
+    /// entries are deterministic anyway: they accept it and it changes
+    /// nothing there (nor in any forward).
+    pub deterministic: i32,
 }
 
 /// Result of an SDCC call.
@@ -577,9 +588,26 @@ unsafe fn params_of(p: *const TreeattnParams, shape: &AttnShape) -> R<AttnParams
         params.check_finite = p.check_finite != 0;
         params.window = (p.window != 0).then_some(p.window);
         params.softcap = (p.softcap != 0.0).then_some(p.softcap);
+        deterministic_of(p)?;
     }
     params.validate(shape)?;
     Ok(params)
+}
+
+/// The params' `deterministic` flag (null params: atomic, `false`);
+/// anything but 0 or 1 is refused.
+unsafe fn deterministic_of(p: *const TreeattnParams) -> R<bool> {
+    match p.as_ref().map_or(0, |p| p.deterministic) {
+        0 => Ok(false),
+        1 => Ok(true),
+        other => Err(Fail(
+            TREEATTN_ERR_UNSUPPORTED,
+            format!(
+                "params.deterministic = {other}: expected 0 (atomic dQ, the default) or 1 \
+                 (deterministic dQ)"
+            ),
+        )),
+    }
 }
 
 /// The sinks pointer of a call's params (null params or pointer: none).

@@ -647,10 +647,11 @@ mod device {
     /// the size the call says, on `device` (host buffers for kv_end,
     /// position ids, unless a plan is given, and key starts); `outs` are
     /// o, lse (forward) or o, lse, grad_out, dq, dk, dv, dsinks (backward;
-    /// dsinks 0 for none).
+    /// dsinks 0 for none); `deterministic` picks the backward's dQ mode.
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn attention(
         forward: bool,
+        deterministic: bool,
         dtype: &str,
         device: usize,
         stream: usize,
@@ -689,6 +690,12 @@ mod device {
             params: c.params,
         };
         let o = |i: usize| outs[i] as u64;
+        use treeattn::backend::cuda::DqMode;
+        let mode = if deterministic {
+            DqMode::Deterministic
+        } else {
+            DqMode::Atomic
+        };
         let r = match (forward, dtype) {
             (true, "bfloat16") => be.forward_raw::<treeattn::half::bf16>(&pack, a, o(0), o(1)),
             (true, "float16") => be.forward_raw::<treeattn::half::f16>(&pack, a, o(0), o(1)),
@@ -702,6 +709,7 @@ mod device {
                 o(4),
                 o(5),
                 o(6),
+                mode,
             ),
             (false, "float16") => be.backward_raw::<treeattn::half::f16>(
                 &pack,
@@ -713,6 +721,7 @@ mod device {
                 o(4),
                 o(5),
                 o(6),
+                mode,
             ),
             (_, other) => {
                 return Err(PyValueError::new_err(format!(
@@ -832,6 +841,7 @@ fn cuda_attention_forward(
             guarded(|| unsafe {
                 device::attention(
                     true,
+                    false,
                     &dtype,
                     device,
                     stream,
@@ -850,9 +860,10 @@ fn cuda_attention_forward(
 /// Tree attention backward on CUDA tensors (see `cuda_attention_forward`):
 /// o, grad_out, dq, dk, dv in q's dtype, lse f32; with sinks, the sinks'
 /// gradient into the device buffer `dsinks` (`[q_heads]`, q's dtype; 0:
-/// not asked for).
+/// not asked for). `deterministic`: dQ by the deterministic kernel
+/// (bit-identical run to run) instead of atomic adds (the default).
 #[pyfunction]
-#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None, v_head_dim=None, window=None, softcap=None, sinks=0, dsinks=0, kv_start=0))]
+#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None, v_head_dim=None, window=None, softcap=None, sinks=0, dsinks=0, kv_start=0, deterministic=false))]
 #[allow(clippy::too_many_arguments, unused_variables)]
 fn cuda_attention_backward(
     py: Python<'_>,
@@ -884,6 +895,7 @@ fn cuda_attention_backward(
     sinks: usize,
     dsinks: usize,
     kv_start: usize,
+    deterministic: bool,
 ) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     {
@@ -913,6 +925,7 @@ fn cuda_attention_backward(
             guarded(|| unsafe {
                 device::attention(
                     false,
+                    deterministic,
                     &dtype,
                     device,
                     stream,

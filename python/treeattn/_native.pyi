@@ -323,6 +323,7 @@ def cuda_attention_backward(
     sinks: int = 0,
     dsinks: int = 0,
     kv_start: int = 0,
+    deterministic: bool = False,
 ) -> None: ...
 def cuda_sdcc_forward_kl(
     dtype: str,

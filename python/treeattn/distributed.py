@@ -605,7 +605,8 @@ class _ContextParallelAttention(torch.autograd.Function):
     gradient is ``−Σ exp(σ − LSE) · D`` over this rank's rows."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, s, scale, rope_base, group, chunk, window, softcap):  # noqa: D401
+    def forward(ctx, q, k, v, sinks, s, scale, rope_base, group, chunk, window, softcap,  # noqa: D401
+                deterministic=False):
         n, hkv, d = k.shape
         dv = v.shape[2]
         kv = torch.cat([k.reshape(n, hkv * d), v.reshape(n, hkv * dv)], 1)
@@ -666,6 +667,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         ctx.save_for_backward(qc, kc, vc, gk, gv, o, lse, sc)
         ctx.calls = calls
         ctx.s, ctx.params, ctx.dtype = s, (scale, rope_base, group, softcap), q.dtype
+        ctx.deterministic = deterministic
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
         return o.to(q.dtype)
 
@@ -694,7 +696,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                 l_ = torch.cat([lse.new_zeros((lse.shape[0], c)), lse], 1)
                 g_ = torch.cat([g.new_zeros((c,) + tuple(g.shape[1:])), g], 0)
             dq_, dk_, dv_p, _ = _tt._attn_bwd(q_, k_, v_, ke, pos, o_, l_, g_, scale, rope_base, None,
-                                              _tt._threads, 0, None, softcap, None, st)
+                                              _tt._threads, 0, None, softcap, None, st, ctx.deterministic)
             dq += dq_[c:]
             if c == 0:
                 dk += dk_
@@ -714,7 +716,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             dsinks = -(torch.exp(sc[:, None] - lse) * D).sum(1)
             dsinks = dsinks.to(ctx.sinks_dtype)
         t = ctx.dtype
-        return dq.to(t), dk.to(t), dv.to(t), dsinks, None, None, None, None, None, None, None
+        return dq.to(t), dk.to(t), dv.to(t), dsinks, None, None, None, None, None, None, None, None
 
 
 def _shard_window_starts(s: Shard, window: int) -> Tensor:
@@ -780,6 +782,7 @@ def tree_attention(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     sinks: Optional[Tensor] = None,
+    deterministic: bool = False,
 ) -> Tensor:
     """Context-parallel tree attention, differentiable: ``q`` ``[L_local,
     Hq, d]``, ``k`` ``[L_local, Hkv, d]``, ``v`` ``[L_local, Hkv, dv]`` of
@@ -807,7 +810,12 @@ def tree_attention(
     rotary inside the op at the pack's positions (``position_ids``, if
     given, must be the shard's).
     ``group``: default ``shard.group``. Bytes moved: ``shard.stats``.
+    ``deterministic``: as for :func:`treeattn.torch.tree_attention` (each
+    part's CUDA backward sums dQ without atomics; the parts' sum is in a
+    fixed order either way).
     """
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"tree_attention: deterministic = {deterministic!r}: expected a bool (True or False)")
     if not isinstance(shard, Shard):
         raise ValueError(f"tree_attention: shard must be a treeattn.distributed.Shard, got {type(shard).__name__}")
     n = len(shard)
@@ -857,7 +865,8 @@ def tree_attention(
         chunk = max(128, len(shard) // 4)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise ValueError(f"tree_attention: chunk must be a positive int, got {chunk!r}")
-    return _ContextParallelAttention.apply(q, k, v, sinks, shard, scale, rope_base, group, chunk, window, softcap)
+    return _ContextParallelAttention.apply(q, k, v, sinks, shard, scale, rope_base, group, chunk, window, softcap,
+                                           deterministic)
 
 
 def sdcc_kl(logits: Tensor, shard: Shard, *, tau: float = 1.0, group: Optional[Any] = None) -> Tuple[Tensor, Tensor]:

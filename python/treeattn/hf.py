@@ -177,7 +177,25 @@ _INERT_KWARGS = frozenset({
     "past_key_values", "past_key_value", "layer_idx", "is_causal", "position_embeddings",
     "output_router_logits", "num_items_in_batch",
 })
-_HANDLED_KWARGS = frozenset({"kv_end", "treeattn_shard", "position_ids", "sliding_window", "softcap", "s_aux"})
+_HANDLED_KWARGS = frozenset({
+    "kv_end", "treeattn_shard", "position_ids", "sliding_window", "softcap", "s_aux", "deterministic",
+})
+
+
+def _deterministic(kwargs: Dict[str, Any]) -> bool:
+    """Whether the backward must give a bit-identical dQ (the CUDA
+    kernels' deterministic dQ; CPU is deterministic anyway): the call's
+    ``deterministic`` keyword when given (as transformers' flash attention
+    reads it), else ``torch.are_deterministic_algorithms_enabled()`` (where
+    transformers' flash attention reads ``FLASH_ATTENTION_DETERMINISTIC``:
+    ``torch.use_deterministic_algorithms(True)`` is torch's switch for the
+    same wish)."""
+    d = kwargs.get("deterministic")
+    if d is None:
+        return bool(torch.are_deterministic_algorithms_enabled())
+    if not isinstance(d, bool):
+        raise ValueError(f"deterministic = {d!r}: expected a bool (True or False) or None")
+    return d
 
 
 def _variants(module: Any, kwargs: Dict[str, Any]) -> Tuple[Optional[int], Optional[float], Optional[Tensor]]:
@@ -307,10 +325,16 @@ def attention(
     Qwen2 with ``use_sliding_window``: a window of tree levels, which on a
     chain is transformers' ``q − k < W``), ``softcap`` (Gemma 2's
     ``attn_logit_softcapping``) and ``s_aux`` (gpt-oss's sinks); any other
-    keyword that would change the math is a ``ValueError`` naming it."""
+    keyword that would change the math is a ``ValueError`` naming it.
+
+    ``deterministic`` (a model-call keyword, as for transformers' flash
+    attention; default ``torch.are_deterministic_algorithms_enabled()``)
+    asks the CUDA backward for a bit-identical dQ
+    (:func:`treeattn.torch.tree_attention`'s ``deterministic``)."""
     global _attention_calls
     _attention_calls += 1
     window, softcap, sinks = _variants(module, kwargs)
+    deterministic = _deterministic(kwargs)
     if type(module).__module__ in _POSITIONS_FROM_PACKED_ORDER:
         raise ValueError(
             f"{type(module).__name__}: this decoder embeds the positions 0 … L−1 of the packed order itself and "
@@ -323,7 +347,8 @@ def attention(
         if pattern is not None:
             # No depth test here: every rank must take the same decision.
             _refuse_mask_only(module, *pattern, None)
-        return _shard_attention(query, key, value, attention_mask, scaling, dropout, shard, window, softcap, sinks)
+        return _shard_attention(query, key, value, attention_mask, scaling, dropout, shard, window, softcap, sinks,
+                                deterministic)
     kv_end = kwargs.get("kv_end")
     if kv_end is None:
         raise ValueError(
@@ -386,7 +411,8 @@ def attention(
     # "auto": the crate's CPU backend, its CUDA kernels where they run the
     # call (bf16 / f16, head dim 64 or 128, with or without a window,
     # softcap or sinks), else FlexAttention (a GPU model with MLA).
-    o = tree_attention(q, k, v, mask, scale=scaling, window=window, softcap=softcap, sinks=sinks, backend="auto")
+    o = tree_attention(q, k, v, mask, scale=scaling, window=window, softcap=softcap, sinks=sinks, backend="auto",
+                       deterministic=deterministic)
     return o.reshape(B, L, o.shape[1], o.shape[2]), None
 
 
@@ -437,7 +463,7 @@ def _forest(kv_end: Tensor, position_ids: Optional[Tensor]) -> Tuple[Tensor, Opt
 
 
 def _shard_attention(query, key, value, attention_mask, scaling, dropout, shard, window=None, softcap=None,
-                     sinks=None):
+                     sinks=None, deterministic=False):
     """The context-parallel branch of :func:`attention`
     (:func:`treeattn.distributed.tree_attention` on this rank's rows)."""
     from .distributed import tree_attention as cp_attention
@@ -453,7 +479,8 @@ def _shard_attention(query, key, value, attention_mask, scaling, dropout, shard,
             "treeattn attention got a mask from transformers: register the mask function too (treeattn.hf.register())"
         )
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    return cp_attention(q, k, v, shard, scale=scaling, window=window, softcap=softcap, sinks=sinks)[None], None
+    return cp_attention(q, k, v, shard, scale=scaling, window=window, softcap=softcap, sinks=sinks,
+                        deterministic=deterministic)[None], None
 
 
 def shard_logprobs(model: Any, shard: Any) -> Tensor:

@@ -183,7 +183,10 @@ def _attn_fwd(
     softcap: Optional[float] = None,
     sinks: Optional[Tensor] = None,
     kv_start: Optional[Tensor] = None,
+    deterministic: bool = False,
 ) -> Tuple[Tensor, Tensor]:
+    # ``deterministic`` only travels to the backward (see _attn_setup); the
+    # CPU backward is deterministic whatever it says.
     L, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -202,7 +205,7 @@ def _attn_fwd(
 
 @_attn_fwd.register_fake
 def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, plan=0, window=None, softcap=None,
-      sinks=None, kv_start=None):
+      sinks=None, kv_start=None, deterministic=False):
     L, hq, _ = q.shape
     return q.new_empty((L, hq, v.shape[2])), q.new_empty((hq, L), dtype=_lse_dtype(q))
 
@@ -226,7 +229,9 @@ def _attn_bwd(
     softcap: Optional[float] = None,
     sinks: Optional[Tensor] = None,
     kv_start: Optional[Tensor] = None,
+    deterministic: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    # The CPU backward is deterministic whatever ``deterministic`` says.
     L, hq, d = q.shape
     hkv, dv_ = k.shape[1], v.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -249,7 +254,7 @@ def _attn_bwd(
 
 @_attn_bwd.register_fake
 def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_dims, threads, plan=0, window=None,
-      softcap=None, sinks=None, kv_start=None):
+      softcap=None, sinks=None, kv_start=None, deterministic=False):
     f = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     return f(q), f(k), f(v), q.new_empty((q.shape[1] if sinks is not None else 0,))
 
@@ -316,7 +321,7 @@ def _key_starts(kv_start: Optional[Tensor], L: int) -> Optional[Tensor]:
 
 @_attn_fwd.register_kernel("cuda")
 def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, plan=0, window=None, softcap=None,
-      sinks=None, kv_start=None):
+      sinks=None, kv_start=None, deterministic=False):
     L, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -338,7 +343,7 @@ def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, plan=
 
 @_attn_bwd.register_kernel("cuda")
 def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_dims, threads, plan=0, window=None,
-      softcap=None, sinks=None, kv_start=None):
+      softcap=None, sinks=None, kv_start=None, deterministic=False):
     L, hq, d = q.shape
     hkv, dv_ = k.shape[1], v.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -358,6 +363,7 @@ def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_di
         L, hq, hkv, d, scale, rope_base, rope_dims, native,
         v_head_dim=dv_, window=window, softcap=softcap, sinks=_ptr_opt(sinks),
         dsinks=_ptr(dsinks) if sinks is not None else 0, kv_start=_ptr_opt(ks),
+        deterministic=bool(deterministic),
     )
     return dq, dk, dv, dsinks
 
@@ -382,10 +388,12 @@ def cpu_isa() -> str:
 
 def _attn_setup(ctx, inputs, output):
     q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, *rest = inputs
-    plan, window, softcap, sinks, kv_start = (list(rest) + [0, None, None, None, None][len(rest):])[:5]
+    plan, window, softcap, sinks, kv_start, deterministic = (
+        list(rest) + [0, None, None, None, None, False][len(rest):]
+    )[:6]
     o, lse = output
     ctx.save_for_backward(q, k, v, kv_end, position_ids, o, lse, sinks, kv_start)
-    ctx.params = (scale, rope_base, rope_dims, threads, plan, window, softcap)
+    ctx.params = (scale, rope_base, rope_dims, threads, plan, window, softcap, deterministic)
     # The plan stays alive until the backward has used it.
     ctx.plan_ref = _PLANS.get(plan) if plan else None
     ctx.mark_non_differentiable(lse)
@@ -393,15 +401,15 @@ def _attn_setup(ctx, inputs, output):
 
 def _attn_backward(ctx, grad_o, grad_lse):
     q, k, v, kv_end, position_ids, o, lse, sinks, kv_start = ctx.saved_tensors
-    scale, rope_base, rope_dims, threads, plan, window, softcap = ctx.params
+    scale, rope_base, rope_dims, threads, plan, window, softcap, deterministic = ctx.params
     if grad_o is None:
         grad_o = torch.zeros_like(o)
     dq, dk, dv, dsinks = _attn_bwd(
         q, k, v, kv_end, position_ids, o, lse, grad_o, scale, rope_base, rope_dims, threads, plan,
-        window, softcap, sinks, kv_start,
+        window, softcap, sinks, kv_start, deterministic,
     )
     dsinks = None if sinks is None else dsinks.to(sinks.dtype)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, None, None
 
 
 _attn_fwd.register_autograd(_attn_backward, setup_context=_attn_setup)
@@ -836,6 +844,7 @@ def tree_attention(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     sinks: Optional[Tensor] = None,
+    deterministic: bool = False,
 ) -> Tensor:
     """Exact attention on a packed tree: query ``q`` sees key ``k`` iff
     ``k <= q < kv_end[k]``.
@@ -879,9 +888,22 @@ def tree_attention(
     FlexAttention. On CUDA, ``backend="treeattn"`` refuses a value head dim
     unlike q's with a ``ValueError`` naming ``backend="flex"``; the CPU
     backend computes them all.
+
+    ``deterministic`` (bool, FlashAttention's name and default): on CUDA
+    the backward sums dQ with atomic adds by default (as FlashAttention-2
+    and -3: faster; the last bits of dQ vary from run to run, within the
+    tolerances the kernels are held to); ``deterministic=True`` runs the
+    deterministic dQ kernel instead (bit-identical dQ run to run, more
+    backward time: docs/gpu.md). dK, dV and the sinks' gradient are
+    deterministic either way, and so is everything on the CPU backend,
+    where the flag is accepted and changes nothing (nor does it change the
+    forward, or ``backend="flex"``). Anything but a bool is a
+    ``ValueError``.
     """
     if backend not in ("treeattn", "flex", "auto"):
         raise ValueError(f'backend {backend!r}: expected "treeattn", "flex" or "auto"')
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic = {deterministic!r}: expected a bool (True or False)")
     mask: Optional[TreeMask] = None
     plan = 0
     if isinstance(kv_end, TreeMask):
@@ -1022,13 +1044,15 @@ def tree_attention(
                 f"dim ({v.shape[2]}) unlike q's ({d}): this runs with backend=\"flex\" (or \"auto\") on CUDA"
             )
         o, _lse = _attn_fwd(
-            q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads, plan, window, softcap, sinks
+            q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads, plan, window, softcap, sinks,
+            None, deterministic,
         )
         return o
     if device.type not in ("cpu", "meta"):
         raise ValueError(f"q is on {device}: treeattn runs on CPU and CUDA tensors")
     o, _lse = _attn_fwd(
-        q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads, plan, window, softcap, sinks
+        q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, _threads, plan, window, softcap, sinks,
+        None, deterministic,
     )
     return o
 

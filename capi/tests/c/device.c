@@ -268,6 +268,33 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
            g_bound);
     CHECK(e <= g_bound, "%s %s rel error %.3e > %.0e", name, grads[g].what, e, g_bound);
   }
+  /* params.deterministic = 1: two runs give bit-identical dq, dk, dv,
+   * within the same bounds of the CPU's. */
+  {
+    TreeattnParams det = {0.0, 0, 0.0, 0, 0, 0.0, NULL, 1};
+    uint16_t *first = malloc(nq * 2);
+    for (int run = 0; run < 2; run++) {
+      OK(treeattn_cuda_attention_backward(dtype, 0, stream, (void *)dq_, (void *)dk_, (void *)dv_,
+                                          shape, kv_end, pos, &det, (void *)d_o,
+                                          (const float *)d_lse, (void *)ddo, (void *)gq,
+                                          (void *)gk, (void *)gv, NULL));
+      CU(cu.stream_sync(stream));
+      for (int g = 0; g < 3; g++) {
+        CU(cu.dtoh(g16, grads[g].dev, grads[g].n * 2));
+        for (size_t i = 0; i < grads[g].n; i++)
+          got[i] = f16 ? from_f16(g16[i]) : from_bf16(g16[i]);
+        double e = rel_frobenius(got, grads[g].want, grads[g].n);
+        CHECK(e <= g_bound, "%s deterministic %s rel error %.3e > %.0e", name, grads[g].what, e,
+              g_bound);
+        if (g == 0 && run == 0) memcpy(first, g16, nq * 2);
+        if (g == 0 && run == 1)
+          CHECK(memcmp(first, g16, nq * 2) == 0, "%s deterministic dq differs between two runs",
+                name);
+      }
+    }
+    printf("%s backward on the device, deterministic dq: bit-identical over two runs\n", name);
+    free(first);
+  }
   CUdeviceptr bufs[] = {dq_, dk_, dv_, ddo, d_o, d_lse, gq, gk, gv};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) CU(cu.mem_free(bufs[i]));
   free(q16), free(k16), free(v16), free(do16), free(o16), free(g16);
@@ -299,8 +326,8 @@ static void sinks_case(int f16, CUstream stream, const uint32_t *kv_end, const u
     x[i] = f16 ? from_f16(x16[i]) : from_bf16(x16[i]);
   }
   const size_t at_k = nq, at_v = nq + nk, at_do = nq + 2 * nk, at_s = 2 * nq + 2 * nk;
-  TreeattnParams host_p = {0.0, 0, 0.0, 0, 3, 0.0, x + at_s};
-  TreeattnParams none_p = {0.0, 0, 0.0, 0, 3, 0.0, NULL};
+  TreeattnParams host_p = {0.0, 0, 0.0, 0, 3, 0.0, x + at_s, 0};
+  TreeattnParams none_p = {0.0, 0, 0.0, 0, 3, 0.0, NULL, 0};
   OK(treeattn_attention_forward(TREEATTN_F32, x, x + at_k, x + at_v, shape, kv_end, pos, &host_p,
                                 o, lse));
   OK(treeattn_attention_forward(TREEATTN_F32, x, x + at_k, x + at_v, shape, kv_end, pos, &none_p,
@@ -315,7 +342,7 @@ static void sinks_case(int f16, CUstream stream, const uint32_t *kv_end, const u
   CUdeviceptr gq = upload(g16, nq * 2), gk = upload(g16, nk * 2), gv = upload(g16, nk * 2),
               gs = upload(g16, H * 2);
   const uint16_t *dev = (const uint16_t *)(uintptr_t)d_x;
-  TreeattnParams dev_p = {0.0, 0, 0.0, 0, 3, 0.0, dev + at_s};
+  TreeattnParams dev_p = {0.0, 0, 0.0, 0, 3, 0.0, dev + at_s, 0};
   OK(treeattn_cuda_attention_forward(dtype, 0, stream, dev, dev + at_k, dev + at_v, shape, kv_end,
                                      pos, &dev_p, (void *)d_o, (float *)d_lse));
   OK(treeattn_cuda_attention_backward(dtype, 0, stream, dev, dev + at_k, dev + at_v, shape, kv_end,
@@ -443,7 +470,7 @@ int main(int argc, char **argv) {
     treeattn_mask_destroy(mask);
     /* Sinks (and their gradient) pass the argument checks and reach the
      * backend: the failure is the same clean one, about CUDA itself. */
-    TreeattnParams with_sinks = {0.0, 0, 0.0, 0, 0, 0.0, dummy};
+    TreeattnParams with_sinks = {0.0, 0, 0.0, 0, 0, 0.0, dummy, 0};
     st = treeattn_cuda_attention_forward(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy, shape, kv_end,
                                          pos, &with_sinks, dummy, dummy_lse);
     CHECK(st == TREEATTN_ERR_UNSUPPORTED || st == TREEATTN_ERR_CUDA,
@@ -461,6 +488,27 @@ int main(int argc, char **argv) {
     CHECK(strstr(treeattn_last_error(), st == TREEATTN_ERR_UNSUPPORTED ? "built without CUDA"
                                                                       : "CUDA") != NULL,
           "backward with sinks: %s", treeattn_last_error());
+    /* params.deterministic = 1 reaches the backend too (the same clean
+     * failure); 2 is refused by a library built with CUDA before any CUDA
+     * work (one built without says so first). */
+    TreeattnParams det = {0.0, 0, 0.0, 0, 0, 0.0, NULL, 1};
+    st = treeattn_cuda_attention_backward(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy, shape,
+                                          kv_end, pos, &det, dummy, dummy_lse, dummy, dummy,
+                                          dummy, dummy, NULL);
+    CHECK(st == TREEATTN_ERR_UNSUPPORTED || st == TREEATTN_ERR_CUDA,
+          "deterministic backward without a GPU -> %d (%s): %s", st, treeattn_status_name(st),
+          treeattn_last_error());
+    CHECK(strstr(treeattn_last_error(), st == TREEATTN_ERR_UNSUPPORTED ? "built without CUDA"
+                                                                      : "CUDA") != NULL,
+          "deterministic backward: %s", treeattn_last_error());
+    int built = st == TREEATTN_ERR_CUDA;
+    TreeattnParams bad_det = {0.0, 0, 0.0, 0, 0, 0.0, NULL, 2};
+    st = treeattn_cuda_attention_backward(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy, shape,
+                                          kv_end, pos, &bad_det, dummy, dummy_lse, dummy, dummy,
+                                          dummy, dummy, NULL);
+    CHECK(st == TREEATTN_ERR_UNSUPPORTED &&
+              strstr(treeattn_last_error(), built ? "deterministic" : "built without CUDA") != NULL,
+          "deterministic = 2 -> %d (%s): %s", st, treeattn_status_name(st), treeattn_last_error());
     treeattn_pack_free(pack);
     if (require) {
       fprintf(stderr, "FAIL: --require-gpu and no usable GPU\n");

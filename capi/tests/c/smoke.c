@@ -237,7 +237,7 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < nv; i++) vv[i] = sin((double)i * 0.71);
     for (size_t i = 0; i < no; i++) vdo[i] = cos((double)i * 0.29);
     double sinks[4] = {-1.5, -0.5, 0.5, 1.5};
-    TreeattnParams var = {0.0, 0, 0.0, 0, 2, 3.0, sinks};
+    TreeattnParams var = {0.0, 0, 0.0, 0, 2, 3.0, sinks, 0};
     double *vo = malloc(no * sizeof(double)), *vlse = malloc(hq * L * sizeof(double));
     double *vdq = malloc(nq * sizeof(double)), *vdk = malloc(nkv * sizeof(double)),
            *vdv = malloc(nv * sizeof(double)), dsinks[4];
@@ -266,7 +266,7 @@ int main(int argc, char **argv) {
     FAILS(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, o, lse,
                                       d_o, dq, dk, dv, dsinks),
           TREEATTN_ERR_SHAPE, "without attention sinks");
-    TreeattnParams zero_window = {0.0, 0, 0.0, 0, 0, -1.0, NULL};
+    TreeattnParams zero_window = {0.0, 0, 0.0, 0, 0, -1.0, NULL, 0};
     FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &zero_window, o,
                                      lse),
           TREEATTN_ERR_UNSUPPORTED, "softcap");
@@ -282,6 +282,38 @@ int main(int argc, char **argv) {
   CHECK(max_abs_diff(dq, rdq, nq) <= 1e-12, "f64 dq vs reference %g", max_abs_diff(dq, rdq, nq));
   CHECK(max_abs_diff(dk, rdk, nkv) <= 1e-12, "f64 dk vs reference %g", max_abs_diff(dk, rdk, nkv));
   CHECK(max_abs_diff(dv, rdv, nkv) <= 1e-12, "f64 dv vs reference %g", max_abs_diff(dv, rdv, nkv));
+
+  /* params.deterministic: 1 is accepted by the host entries and changes
+   * nothing there (the CPU backend is deterministic); anything but 0 or 1
+   * is refused, by every entry that takes the params. */
+  {
+    TreeattnParams det = {0.0, 0, 0.0, 0, 0, 0.0, NULL, 1};
+    CHECK(det.deterministic == 1, "the last field is deterministic");
+    TreeattnParams zeroed;
+    memset(&zeroed, 0, sizeof zeroed);
+    CHECK(zeroed.deterministic == 0, "zero-initialised params are atomic (0)");
+    double *o2 = malloc(nq * sizeof(double)), *lse2 = malloc(hq * L * sizeof(double)),
+           *dq2 = malloc(nq * sizeof(double)), *dk2 = malloc(nkv * sizeof(double)),
+           *dv2 = malloc(nkv * sizeof(double));
+    OK(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &det, o2, lse2));
+    OK(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &det, o2, lse2, d_o,
+                                   dq2, dk2, dv2, NULL));
+    CHECK(memcmp(o2, o, nq * sizeof(double)) == 0, "deterministic: o differs on the host");
+    CHECK(memcmp(dq2, dq, nq * sizeof(double)) == 0, "deterministic: dq differs on the host");
+    CHECK(memcmp(dk2, dk, nkv * sizeof(double)) == 0, "deterministic: dk differs on the host");
+    CHECK(memcmp(dv2, dv, nkv * sizeof(double)) == 0, "deterministic: dv differs on the host");
+    int32_t bad_values[] = {2, -1, 255};
+    for (size_t i = 0; i < sizeof bad_values / sizeof bad_values[0]; i++) {
+      TreeattnParams bad_det = {0.0, 0, 0.0, 0, 0, 0.0, NULL, bad_values[i]};
+      FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &bad_det, o2,
+                                       lse2),
+            TREEATTN_ERR_UNSUPPORTED, "deterministic");
+      FAILS(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &bad_det, o2,
+                                        lse2, d_o, dq2, dk2, dv2, NULL),
+            TREEATTN_ERR_UNSUPPORTED, "deterministic");
+    }
+    free(o2), free(lse2), free(dq2), free(dk2), free(dv2);
+  }
 
   /* the same calls through a mask plan built once: bit-identical results */
   {
@@ -429,10 +461,10 @@ int main(int argc, char **argv) {
         TREEATTN_ERR_PACK, "kv_end");
   FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, q, lse),
         TREEATTN_ERR_SHAPE, "overlaps");
-  TreeattnParams rope = {0.0, 3, 10000.0, 0, 0, 0.0, NULL};
+  TreeattnParams rope = {0.0, 3, 10000.0, 0, 0, 0.0, NULL, 0};
   FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &rope, o, lse),
         TREEATTN_ERR_UNSUPPORTED, "rotary");
-  TreeattnParams finite = {0.0, 0, 0.0, 1, 0, 0.0, NULL};
+  TreeattnParams finite = {0.0, 0, 0.0, 1, 0, 0.0, NULL, 0};
   q[5] = NAN;
   FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &finite, o, lse),
         TREEATTN_ERR_NON_FINITE, "q");

@@ -35,12 +35,12 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 
-use super::{open_context, CudaBackend, DevicePack};
+use super::{open_context, CudaBackend, DevicePack, DqMode};
 use crate::backend::launch::sdcc::SdccElem;
 use crate::backend::launch::KernelElem;
 use crate::backend::{
-    AttentionBackend, AttnArgs, AttnParams, AttnShape, Grads, Saved, SdccArgs, SdccBackend,
-    SdccLoss,
+    AttentionBackend, AttnArgs, AttnParams, AttnShape, BackwardCall, Grads, Saved, SdccArgs,
+    SdccBackend, SdccLoss,
 };
 use crate::{Error, Result};
 
@@ -242,6 +242,15 @@ impl CudaBackend {
     /// contract's [`Error::Shape`]), on this backend's stream (scratch is
     /// allocated and freed on it), as [`AttentionBackend::backward`].
     ///
+    /// `mode` says how dQ is summed, for this call (the backend's own
+    /// [`CudaBackend::with_dq_mode`] is not read here: a host binding
+    /// passes its caller's choice every call): [`DqMode::Atomic`], the
+    /// default of the bindings as of FlashAttention, or
+    /// [`DqMode::Deterministic`] for a dQ bit-identical from run to run
+    /// (Python's `deterministic=True`, the C params' `deterministic`,
+    /// candle's `TreeAttentionOptions`). dK, dV and dsinks are
+    /// deterministic in both modes.
+    ///
     /// # Safety
     /// As [`Self::forward_raw`]; `d_o` like o; `dq`, `dk`, `dv` and a
     /// nonzero `dsinks` (`q_heads` elements) overlap nothing else of the
@@ -258,6 +267,7 @@ impl CudaBackend {
         dk: CUdeviceptr,
         dv: CUdeviceptr,
         dsinks: CUdeviceptr,
+        mode: DqMode,
     ) -> Result<()> {
         let s = &self.stream;
         let sh = a.shape;
@@ -285,8 +295,10 @@ impl CudaBackend {
             at => Some(unsafe { Borrowed::<T>::new(s, "dsinks", at, sh.q_heads)? }),
         };
         let args = a.args(pack, &q, &k, &v, sinks.as_ref())?;
-        self.backward(
-            &args,
+        // The contract's checks (`BackwardCall::new`, as
+        // `AttentionBackend::backward`), then the one backward with `mode`.
+        let call = BackwardCall::new(
+            args,
             Saved {
                 o: &*o.0,
                 lse: &*lse.0,
@@ -298,7 +310,8 @@ impl CudaBackend {
                 dv: &mut *dv.0,
                 dsinks: dsinks.as_mut().map(|d| &mut *d.0),
             },
-        )
+        )?;
+        self.backward_with_mode(call, mode)
     }
 
     /// The fused SDCC forward KL on caller-owned device logits: student

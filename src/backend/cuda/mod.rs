@@ -315,7 +315,9 @@ impl CudaBackend {
 
     /// The same backend with the backward summing dQ as `mode` says
     /// (atomic by default, as in FlashAttention: [`DqMode`] says why;
-    /// `with_dq_mode(DqMode::Deterministic)` for a bit-identical dQ).
+    /// `with_dq_mode(DqMode::Deterministic)` for a bit-identical dQ). The
+    /// borrowed-pointer entry [`Self::backward_raw`] takes the mode per
+    /// call instead (the bindings pass their caller's `deterministic`).
     pub fn with_dq_mode(self, mode: DqMode) -> Self {
         CudaBackend {
             dq_mode: mode,

@@ -5,11 +5,11 @@ the same inputs, CPU:
 
   naive     what a user writes: ``logits = h @ W.T`` (in W's dtype), then
             ``log_softmax(logits.float())`` and a gather; autograd backward;
-  treeattn  ``treeattn.hf._HeadLogprob`` — the autograd function that
+  treeattn  ``treeattn.head._HeadLogprob`` — the autograd function that
             ``target_logprobs`` / ``pack_loss`` call inside the HF model's
             forward on the hidden states at the loss rows
             (``_chunked_logprobs``), ``chunk`` rows at a time (default
-            ``treeattn.hf.default_chunk(V)``), logits recomputed in backward,
+            ``treeattn.head.default_chunk(V)``), logits recomputed in backward,
             a 16-bit ∂W summed per vocabulary slice in float32 and rounded
             once. Called directly, without the model around it: the HF path
             adds the body's forward and a one-row probe of the model's logits,
@@ -129,10 +129,10 @@ def run_naive(h, W, y, args):
 
 
 def run_treeattn(h, W, y, args):
-    import treeattn.hf as hf
+    import treeattn.head as head
 
-    chunk = args.get("chunk") or hf.default_chunk(W.shape[0])
-    lp, _ent = hf._HeadLogprob.apply(h, W, None, y, chunk, hf._Post(1.0, None), False)
+    chunk = args.get("chunk") or head.default_chunk(W.shape[0])
+    lp, _ent = head._HeadLogprob.apply(h, W, None, y, chunk, head._Post(1.0, None), False)
     return lp, lp.sum()
 
 
@@ -378,9 +378,9 @@ def main():
             os.remove(os.path.join(tmp, f))
         os.rmdir(tmp)
 
-    import treeattn.hf
+    import treeattn.head
 
-    chunk = a.chunk or treeattn.hf.default_chunk(a.vocab)
+    chunk = a.chunk or treeattn.head.default_chunk(a.vocab)
     print(f"\nV = {a.vocab}, H = {a.hidden}, torch {torch.__version__}, {a.threads} threads, "
           f"treeattn chunk {chunk} rows, median of {a.reps} after a warm-up")
     print("| T | weights | method | fwd+bwd wall, s (median; min–max) | CPU, s | peak extra, MiB (median; max) "

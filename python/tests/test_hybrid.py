@@ -44,6 +44,7 @@ transformers = pytest.importorskip("transformers")
 import treeattn  # noqa: E402
 import treeattn.hf  # noqa: E402
 import treeattn.hybrid as hybrid  # noqa: E402
+import treeattn.recurrent as recurrent  # noqa: E402
 from conftest import rel_err  # noqa: E402
 
 VOCAB = 96
@@ -110,8 +111,8 @@ def naive_ops(parent, q, k, v, g, beta, x, dt, A, B, C, cx, w, b):
     """The three recurrences token by token along each row's path."""
     n, H = v.shape[:2]
     rep = H // q.shape[1]
-    qn = hybrid._l2norm(q.repeat_interleave(rep, 1)) * q.shape[-1] ** -0.5
-    kn = hybrid._l2norm(k.repeat_interleave(rep, 1))
+    qn = recurrent._l2norm(q.repeat_interleave(rep, 1)) * q.shape[-1] ** -0.5
+    kn = recurrent._l2norm(k.repeat_interleave(rep, 1))
     Br, Cr = B.repeat_interleave(H // B.shape[1], 1), C.repeat_interleave(H // C.shape[1], 1)
     K = w.shape[1]
     o, y, conv = [], [], []

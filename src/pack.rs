@@ -904,6 +904,10 @@ impl Balanced {
     }
 }
 
+/// The most ranks [`lpt`] and [`balance`] take (2^20): past it a request is
+/// taken for a mistake rather than allocated.
+pub const MAX_RANKS: usize = 1 << 20;
+
 /// LPT (longest processing time first) of units of `weights` and `tokens`
 /// onto `world_size × M` bins of at most `budget_tokens` tokens each, M
 /// the fewest micro-steps from `min_micro_steps` on for which every unit
@@ -930,8 +934,20 @@ pub fn lpt(
             tokens.len()
         )));
     }
-    if world_size == 0 {
-        return Err(Error::Usage("lpt: world_size must be positive".into()));
+    if world_size == 0 || world_size > MAX_RANKS {
+        return Err(Error::Usage(format!(
+            "lpt: world_size = {world_size}, expected 1 to {MAX_RANKS}"
+        )));
+    }
+    // A NaN or negative weight would order and place units silently wrong.
+    if let Some((u, w)) = weights
+        .iter()
+        .enumerate()
+        .find(|(_, w)| !(w.is_finite() && **w >= 0.0))
+    {
+        return Err(Error::Usage(format!(
+            "lpt: weights[{u}] = {w}: weights must be finite and non-negative"
+        )));
     }
     if let Some(&t) = tokens.iter().max().filter(|&&t| t > budget_tokens) {
         return Err(Error::Pack(format!(
@@ -995,8 +1011,10 @@ pub fn balance(
     layout: Layout,
     objective: Objective,
 ) -> Result<Balanced> {
-    if world_size == 0 {
-        return Err(Error::Usage("balance: world_size must be positive".into()));
+    if world_size == 0 || world_size > MAX_RANKS {
+        return Err(Error::Usage(format!(
+            "balance: world_size = {world_size}, expected 1 to {MAX_RANKS}"
+        )));
     }
     if budget_tokens == 0 {
         return Err(Error::Usage(

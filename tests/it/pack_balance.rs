@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
 use treeattn::cost::ModelCost;
-use treeattn::pack::{balance, batch, lpt, Layout, Objective};
+use treeattn::pack::{balance, batch, lpt, Layout, Objective, MAX_RANKS};
 use treeattn::rollout::{Call, Rollout};
 use treeattn::safetensors::{loss_field_tensors, pack_tensors, rollout_tensors};
 use treeattn::safetensors::{Axis, PACK_SCHEMA};
@@ -302,4 +302,26 @@ fn the_pack_schema_is_what_the_writers_write() {
         };
         assert_eq!(t.shape, vec![len], "{name}");
     }
+}
+
+/// Weights that are not finite and non-negative, and rank counts out of
+/// range, are errors naming them, never a silent placement.
+#[test]
+fn lpt_refuses_bad_weights_and_rank_counts() {
+    let tokens = [3usize, 4, 5];
+    for bad in [f64::NAN, -1.0, f64::INFINITY] {
+        let e = lpt(&[1.0, bad, 2.0], &tokens, 2, 10, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("weights[1]"), "{e}");
+    }
+    for world in [0, MAX_RANKS + 1] {
+        let e = lpt(&[1.0, 1.0, 1.0], &tokens, world, 10, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("world_size"), "{e}");
+    }
+    // The control: the same call with good weights places every unit.
+    let (micro, bins) = lpt(&[1.0, 0.0, 2.0], &tokens, 2, 10, 1).unwrap();
+    assert_eq!((micro, bins.len()), (1, 3));
 }

@@ -20,7 +20,7 @@ mod bwd;
 mod ffi;
 mod rope;
 mod sdcc;
-pub use super::launch::bwd::{DqMode, MainKernel};
+pub use super::launch::bwd::{BwdBalance, DqMode, MainKernel};
 pub use super::launch::sdcc::SdccElem;
 pub use bwd::{
     backward2_kernel_traits, backward_kernel_traits, last_backward_stats, with_negative_control,
@@ -111,13 +111,14 @@ pub struct Emu {
     /// The backward main kernel: `None` takes [`MainKernel::default_for`]
     /// the head dim, as the CUDA backend does.
     pub main_kernel: Option<MainKernel>,
-    /// The balanced backward main launch (issue 39 item 1; the 8-warp
-    /// two-m-tile kernels, d 64 and 128, only): `Some(cap)` cuts every key tile's query
-    /// walk into ranges of about `cap` pairs × heads
-    /// ([`launch::bwd::balanced_main_items`]), heaviest first, partial dK,
-    /// dV summed by `dkv_convert`; `None`: today's grid. A tiny cap forces
-    /// splitting on small packs.
-    pub balance_cap: Option<u64>,
+    /// The backward main launch's layout: the grid
+    /// ([`launch::bwd::BwdBalance::Grid`], the default, as on CUDA) or the
+    /// balanced launch (issue 39 item 1; the 8-warp two-m-tile kernels, d
+    /// 64 and 128): every key tile's query walk cut into ranges of about a
+    /// cap of pairs × heads ([`launch::bwd::balanced_main_items`]),
+    /// heaviest first, partial dK, dV summed by `dkv_convert`. A tiny
+    /// [`launch::bwd::BwdBalance::Cap`] forces splitting on small packs.
+    pub balance: launch::bwd::BwdBalance,
 }
 
 impl Default for Emu {
@@ -137,7 +138,7 @@ impl Emu {
             dq_mode: DqMode::default(),
             group_splits: None,
             main_kernel: None,
-            balance_cap: None,
+            balance: launch::bwd::BwdBalance::Grid,
         }
     }
 
@@ -160,12 +161,16 @@ impl Emu {
     }
 
     /// The same emulator with the balanced backward main launch's cap
-    /// (`Some`) or today's grid (`None`).
+    /// (`Some`: [`launch::bwd::BwdBalance::Cap`]) or the grid (`None`).
     pub fn with_balance_cap(self, cap: Option<u64>) -> Emu {
-        Emu {
-            balance_cap: cap,
-            ..self
-        }
+        self.with_balance(cap.map_or(launch::bwd::BwdBalance::Grid, launch::bwd::BwdBalance::Cap))
+    }
+
+    /// The same emulator with the backward main launch laid out as
+    /// `balance` says (the CUDA backend's balanced launch is
+    /// [`launch::bwd::BwdBalance::Slots`] over its SMs).
+    pub fn with_balance(self, balance: launch::bwd::BwdBalance) -> Emu {
+        Emu { balance, ..self }
     }
 
     /// The same emulator with dQ summed as `mode` says.

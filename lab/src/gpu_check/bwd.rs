@@ -69,6 +69,16 @@ fn rel_err<T: KernelElem>(what: &str, got: &[T], want: &[f32]) -> Result<f64> {
     Ok((num / den.max(f64::MIN_POSITIVE)).sqrt())
 }
 
+/// Which backward a correctness row runs: the default, the balanced main
+/// launch, or a main kernel kept selectable until timed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Variant {
+    Default,
+    Balanced,
+    OneMTile,
+    FourWarps,
+}
+
 /// One backward case: returns the relative errors of the kernel forward's O
 /// (same params, rotary included) and of dQ, dK, dV.
 #[allow(clippy::too_many_arguments)]
@@ -443,37 +453,32 @@ pub(super) fn check<D: Target>(
     // The cases again with the one-m-tile main kernel and, at d 64, the
     // 4-warp two-m-tile one (kept selectable until timed against the
     // two-m-tile default; not dumped).
+    // And every case with the balanced main launch (issue 39 item 1: the
+    // default kernel's query walks cut into ranges, heaviest first).
     let one = be.with_main_kernel(Some(MainKernel::OneMTile));
     let four = be.with_main_kernel(Some(MainKernel::TwoMTilesFourWarps));
-    let runs: Vec<(Option<MainKernel>, String, usize)> = (0..cases.len())
-        .map(|i| (None, cases[i].0.clone(), i))
-        .chain((0..cases.len()).map(|i| {
-            (
-                Some(MainKernel::OneMTile),
-                format!("{} one-m-tile", cases[i].0),
-                i,
-            )
-        }))
+    let balanced = be.with_balanced();
+    let runs: Vec<(Variant, String, usize)> = (0..cases.len())
+        .map(|i| (Variant::Default, cases[i].0.clone(), i))
+        .chain((0..cases.len()).map(|i| (Variant::Balanced, format!("{} balanced", cases[i].0), i)))
+        .chain(
+            (0..cases.len()).map(|i| (Variant::OneMTile, format!("{} one-m-tile", cases[i].0), i)),
+        )
         .chain(
             (0..cases.len())
                 .filter(|&i| cases[i].2.head_dim == 64)
-                .map(|i| {
-                    (
-                        Some(MainKernel::TwoMTilesFourWarps),
-                        format!("{} 4-warp", cases[i].0),
-                        i,
-                    )
-                }),
+                .map(|i| (Variant::FourWarps, format!("{} 4-warp", cases[i].0), i)),
         )
         .collect();
-    for (kernel, name, i) in &runs {
-        let be = match kernel {
-            None => be,
-            Some(MainKernel::OneMTile) => &one,
-            Some(_) => &four,
+    for (variant, name, i) in &runs {
+        let be = match variant {
+            Variant::Default => be,
+            Variant::Balanced => &balanced,
+            Variant::OneMTile => &one,
+            Variant::FourWarps => &four,
         };
         let (_, pack, sh, rp, mode, bf) = &cases[*i];
-        let dump = if kernel.is_some() {
+        let dump = if *variant != Variant::Default {
             None
         } else {
             dump.as_deref_mut()
@@ -642,6 +647,7 @@ pub(super) fn timings<D: Target>(
                     pairs: causal.mask()?.visible_pairs(),
                     ours_ms: causal_ms,
                     ours_det_ms: None,
+                    ours_balanced_ms: None,
                     causal_ms,
                 })?;
                 tm.budget.took(started.elapsed());
@@ -678,6 +684,12 @@ pub(super) fn timings<D: Target>(
             let one_ms = (
                 time_runs(&one, &mut tree, DqMode::Atomic, reps)?,
                 time_runs(&one, &mut tree, DqMode::Deterministic, reps)?,
+            );
+            // The balanced main launch (issue 39 item 1), both dQ modes.
+            let bal = be.with_balanced();
+            let balanced_ms = (
+                time_runs(&bal, &mut tree, DqMode::Atomic, reps)?,
+                time_runs(&bal, &mut tree, DqMode::Deterministic, reps)?,
             );
             // d 64: and with the 4-warp two-m-tile kernel (the d 64
             // default before the 8-warp one).
@@ -742,6 +754,14 @@ pub(super) fn timings<D: Target>(
                 ms / a,
                 det_ms / b
             );
+            let (a, b) = balanced_ms;
+            let _ = writeln!(
+                rep,
+                "  \u{2514} balanced main launch: ms atomic {a:.3}, ms det {b:.3} (time grid / balanced: \
+                 {:.2}x, {:.2}x; above 1: balanced faster)",
+                ms / a,
+                det_ms / b
+            );
             if let Some((a, b)) = four_ms {
                 let _ = writeln!(
                     rep,
@@ -761,6 +781,7 @@ pub(super) fn timings<D: Target>(
                 pairs,
                 ours_ms: ms,
                 ours_det_ms: Some(det_ms),
+                ours_balanced_ms: Some(balanced_ms),
                 causal_ms,
             })?;
             tm.budget.took(started.elapsed());

@@ -57,6 +57,14 @@ pub(crate) trait Target {
     fn with_main_kernel(&self, kernel: Option<MainKernel>) -> Self
     where
         Self: Sized;
+    /// The same target with the backward's balanced main launch (issue 39
+    /// item 1): on CUDA `CudaBackend::with_balanced_backward`, its slots
+    /// this device's SMs × resident blocks; on the emulator
+    /// `BwdBalance::Slots(132)`, an H100's SMs, which cuts the prompt of
+    /// the small emulated packs into many ranges.
+    fn with_balanced(&self) -> Self
+    where
+        Self: Sized;
     /// A copy of `x` in the target's memory.
     fn up<T: DevElem>(&self, x: &[T]) -> Result<Self::Buf<T>>;
     /// A host copy of `x`.
@@ -143,6 +151,13 @@ mod emu_target {
         fn with_main_kernel(&self, kernel: Option<MainKernel>) -> Self {
             EmuTarget {
                 emu: self.emu.with_main_kernel(kernel),
+            }
+        }
+        fn with_balanced(&self) -> Self {
+            EmuTarget {
+                emu: self
+                    .emu
+                    .with_balance(treeattn::backend::emu::BwdBalance::Slots(132)),
             }
         }
         fn describe(&self) -> Result<String> {
@@ -284,6 +299,11 @@ mod cuda_target {
         fn with_main_kernel(&self, kernel: Option<MainKernel>) -> Self {
             CudaTarget {
                 be: self.be.clone().with_main_kernel(kernel),
+            }
+        }
+        fn with_balanced(&self) -> Self {
+            CudaTarget {
+                be: self.be.clone().with_balanced_backward(true),
             }
         }
         fn describe(&self) -> Result<String> {

@@ -58,6 +58,9 @@ pub(super) struct TimingRecord {
     pub ours_ms: f64,
     /// Forward + backward with the deterministic dQ.
     pub ours_det_ms: Option<f64>,
+    /// Forward + backward with the balanced main launch: (atomic dQ,
+    /// deterministic dQ).
+    pub ours_balanced_ms: Option<(f64, f64)>,
     /// Our milliseconds per call on a causal pack of the same length and
     /// shape, in the same run.
     pub causal_ms: f64,
@@ -169,6 +172,8 @@ impl Timings {
                     "pairs": r.pairs,
                     "ours_ms": r.ours_ms,
                     "ours_det_ms": r.ours_det_ms,
+                    "ours_balanced_ms": r.ours_balanced_ms.map(|b| b.0),
+                    "ours_balanced_det_ms": r.ours_balanced_ms.map(|b| b.1),
                     "ours_causal_ms": r.causal_ms,
                 })
             })
@@ -629,6 +634,7 @@ pub(super) fn forward<D: Target>(
                 pairs,
                 ours_ms: ms,
                 ours_det_ms: None,
+                ours_balanced_ms: None,
                 causal_ms,
             })
         };

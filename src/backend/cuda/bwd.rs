@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
     PushKernelArg,
@@ -12,9 +12,9 @@ use cudarc::nvrtc::Ptx;
 
 use super::{config, cuda_err, Device};
 use crate::backend::launch::bwd::{
-    plan_backward_var, plan_backward_with_kernel, BwdParams, BwdTraits, DqMode, MainKernel,
+    BwdBalance, BwdOptions, BwdParams, BwdProgram, BwdStage, BwdTraits, DqMode, MainKernel,
 };
-use crate::backend::launch::{check_kernel_call, scale_log2, softcap_args, KernelElem, LaunchPlan};
+use crate::backend::launch::KernelElem;
 use crate::backend::{BackwardCall, Grads};
 use crate::{Error, Result};
 
@@ -60,6 +60,8 @@ pub(crate) struct CudaBackward {
     /// `[variant]`: the two-m-tile variant main kernels (`main2_var_atomic`,
     /// `main2_var_det`).
     funcs2_var: Vec<[CudaFunction; 2]>,
+    /// The device's multiprocessors (the balanced launch's slots).
+    sms: u32,
 }
 
 impl CudaBackward {
@@ -133,7 +135,11 @@ impl CudaBackward {
                 load(&t2, "main_var_det", dtype)?,
             ]);
         }
+        let sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda_err("multiprocessor count"))?;
         Ok(CudaBackward {
+            sms: sms.max(1) as u32,
             stream: stream.clone(),
             _module: module,
             funcs,
@@ -144,13 +150,57 @@ impl CudaBackward {
         })
     }
 
+    /// The loaded kernel of `stage` in `prog` for `variant` (an index
+    /// into [`ATTN_VARIANTS`](crate::backend::launch::ATTN_VARIANTS)).
+    fn function(
+        &self,
+        prog: &BwdProgram,
+        stage: BwdStage,
+        variant: usize,
+    ) -> Result<&CudaFunction> {
+        let det = usize::from(prog.mode == DqMode::Deterministic);
+        let (plain, var) = (&self.funcs[variant], &self.funcs_var[variant]);
+        let missing = |what: &str| {
+            Error::Unsupported(format!(
+                "internal: no {what} backward main kernel for this call ({:?}, variants {})",
+                prog.traits.main_kernel, prog.variants
+            ))
+        };
+        Ok(match (stage, prog.variants) {
+            (BwdStage::Pre, _) => &plain[0],
+            (BwdStage::Dsinks, _) => &var[3],
+            (BwdStage::Main, false) => match prog.traits.main_kernel {
+                MainKernel::OneMTile => &plain[1 + det],
+                MainKernel::TwoMTiles => &self.funcs2[variant]
+                    .as_ref()
+                    .ok_or_else(|| missing("two-m-tile"))?[det],
+                MainKernel::TwoMTilesFourWarps => &self.funcs2w4[variant]
+                    .as_ref()
+                    .ok_or_else(|| missing("4-warp"))?[det],
+            },
+            (BwdStage::Main, true) => match prog.traits.main_kernel {
+                MainKernel::OneMTile => &var[det],
+                MainKernel::TwoMTiles => &self.funcs2_var[variant][det],
+                MainKernel::TwoMTilesFourWarps => return Err(missing("4-warp variant")),
+            },
+            (BwdStage::Dq, false) => &plain[3],
+            (BwdStage::Dq, true) => &var[2],
+            (BwdStage::DqConvert, _) => &plain[4],
+            (BwdStage::DkvConvert, _) => &plain[5],
+        })
+    }
+
     /// Tree attention backward on the device (the math of
     /// [`crate::backend::AttentionBackend`]): from the forward's `o` and
-    /// `lse` (f32) and `d_o`, writes every element of dq, dk, dv. Scratch (D
-    /// and the f32 dQ accumulator, `4 · tokens · q_heads · (d + 1)` bytes,
-    /// plus, when the plan splits the GQA group over grid.z, the f32 dK / dV
-    /// partials, `8 · splits · tokens · kv_heads · d` bytes) is allocated on
-    /// the stream per call. No rotary here
+    /// `lse` (f32) and `d_o`, writes every element of dq, dk, dv. The
+    /// launches, the scratch and the item table are the [`BwdProgram`]'s
+    /// (the emulator executes the same one): D and the f32 dQ accumulator,
+    /// `4 · tokens · q_heads · (d + 1)` bytes, plus, with group splits or a
+    /// balanced launch, the f32 dK / dV partials, `8 · slots · tokens ·
+    /// kv_heads · d` bytes, allocated on the stream per call. `balanced`
+    /// runs the balanced main launch ([`BwdBalance::Slots`] over this
+    /// device's SMs × the main kernel's resident blocks) where the main
+    /// kernel reads an item table. No rotary here
     /// (`CudaBackend::backward_with_mode` rotates around this call).
     /// Asynchronous on the backend's stream. A NaN or `+inf` in `lse`
     /// makes the gradients of its row NaN (never a silent 0);
@@ -161,6 +211,7 @@ impl CudaBackward {
         call: BackwardCall<'_, '_, '_, Device, T, f32>,
         mode: DqMode,
         kernel: Option<MainKernel>,
+        balanced: bool,
     ) -> Result<()> {
         let (args, saved, d_o, grads) = call.into_parts();
         let (q, k, v, shape, pack) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
@@ -172,12 +223,14 @@ impl CudaBackward {
             dv,
             mut dsinks,
         } = grads;
-        let var = check_kernel_call("CUDA kernels", &args)?;
-        let (traits, plans) = if var {
-            plan_backward_var(&shape, None, kernel, params.softcap.is_some())?
-        } else {
-            plan_backward_with_kernel(&shape, kernel)?
+        let mut opts = BwdOptions {
+            mode,
+            kernel,
+            ..BwdOptions::default()
         };
+        let with_dsinks = dsinks.is_some();
+        let mut prog =
+            BwdProgram::new("CUDA kernels", &args, &pack.host_kv_end, with_dsinks, opts)?;
         let s = &self.stream;
         if params.check_finite {
             let lse_host = s
@@ -204,13 +257,13 @@ impl CudaBackward {
                 }
             }
         }
-        if pack.tile != traits.block_n {
+        if pack.tile != prog.traits.block_n {
             return Err(Error::Pack(format!(
                 "pack tile bounds are for tiles of {} keys, the backward uses {}",
-                pack.tile, traits.block_n
+                pack.tile, prog.traits.block_n
             )));
         }
-        if shape.tokens == 0 {
+        if prog.stages.is_empty() {
             if let Some(ds) = dsinks {
                 // No row: the sum over rows is 0.
                 let zeros = vec![T::from_f32(0.0); ds.len()];
@@ -219,12 +272,21 @@ impl CudaBackward {
             }
             return Ok(());
         }
-        if params.rope.is_some() {
-            return Err(Error::Unsupported(
-                "internal: rotary reached the rotary-free backward kernels".into(),
-            ));
+        let variant = crate::backend::launch::variant(T::DTYPE, prog.traits.head_dim)?;
+        if balanced && prog.traits.main_kernel == MainKernel::TwoMTiles {
+            let main = prog.plans.main;
+            let per_sm = self
+                .function(&prog, BwdStage::Main, variant)?
+                .occupancy_max_active_blocks_per_multiprocessor(
+                    main.block.0,
+                    main.shared_mem_bytes as usize,
+                    None,
+                )
+                .map_err(cuda_err("the backward main kernel's occupancy"))?;
+            opts.balance = BwdBalance::Slots(self.sms as u64 * per_sm.max(1) as u64);
+            prog = BwdProgram::new("CUDA kernels", &args, &pack.host_kv_end, with_dsinks, opts)?;
         }
-        let starts = if var {
+        let starts = if prog.variants {
             super::starts::device_starts(
                 s,
                 pack,
@@ -238,18 +300,31 @@ impl CudaBackward {
         // SAFETY (both): every element is written before it is read — delta
         // by tree_attn_bwd_pre, the accumulator by pre (atomic mode) or by
         // tree_attn_bwd_dq (deterministic mode).
-        let mut delta = unsafe { s.alloc::<f32>(shape.q_heads * shape.tokens) }
-            .map_err(cuda_err("allocating D"))?;
-        let mut acc = unsafe { s.alloc::<f32>(shape.q_len()) }
+        let mut delta =
+            unsafe { s.alloc::<f32>(prog.delta_len) }.map_err(cuda_err("allocating D"))?;
+        let mut acc = unsafe { s.alloc::<f32>(prog.dq_accum_len) }
             .map_err(cuda_err("allocating the dQ accumulator"))?;
-        // SAFETY: with group splits > 1 every element is written by the main
-        // kernel's z-slices (each writes its slice for every key row < tokens
-        // of its kv head) before tree_attn_bwd_dkv_convert reads it. With
-        // one split it is never touched: a 1-element placeholder, null to the
-        // kernels.
-        let split = plans.group_splits > 1;
-        let mut dkv = unsafe { s.alloc::<f32>(plans.dkv_accum_len(&shape).max(1)) }
-            .map_err(cuda_err("allocating the dK / dV partials"))?;
+        // The partials: zeroed where the program says so (a balanced
+        // launch); otherwise every element is written by the main kernel's
+        // z-slices (each writes its slice for every key row < tokens of its
+        // kv head) before tree_attn_bwd_dkv_convert reads it. Without
+        // partials a 1-element placeholder, null to the kernels.
+        let dkv_len = prog.dkv_accum_len.max(1);
+        let mut dkv = if prog.dkv_zeroed {
+            s.alloc_zeros::<f32>(dkv_len)
+        } else {
+            // SAFETY: as said above.
+            unsafe { s.alloc::<f32>(dkv_len) }
+        }
+        .map_err(cuda_err("allocating the dK / dV partials"))?;
+        let items = if prog.items.is_empty() {
+            None
+        } else {
+            Some(
+                s.clone_htod(&prog.items)
+                    .map_err(cuda_err("uploading the backward's item table"))?,
+            )
+        };
 
         let (qp, _g0) = q.device_ptr(s);
         let (kp, _g1) = k.device_ptr(s);
@@ -266,6 +341,7 @@ impl CudaBackward {
         let (lo, _g12) = pack.tile_kv_min.device_ptr(s);
         let (hi, _g13) = pack.tile_kv_max.device_ptr(s);
         let (dkvp, _g14) = dkv.device_ptr_mut(s);
+        let it = items.as_ref().map(|x| x.device_ptr(s));
         let st = starts.as_deref().map(|d| {
             (
                 d.starts.device_ptr(s),
@@ -275,7 +351,6 @@ impl CudaBackward {
         });
         let sk = args.sinks().map(|x| x.device_ptr(s));
         let dsk = dsinks.as_mut().map(|x| x.device_ptr_mut(s));
-        let (softcap_c, softcap_in) = softcap_args(params);
         let p = BwdParams {
             q: qp,
             k: kp,
@@ -291,127 +366,29 @@ impl CudaBackward {
             kv_end: ep,
             tile_kv_min: lo,
             tile_kv_max: hi,
-            dkv_accum: if split { dkvp } else { 0 },
-            tokens: shape.tokens as u32,
-            q_heads: shape.q_heads as u32,
-            kv_heads: shape.kv_heads as u32,
-            num_key_tiles: pack.num_tiles as u32,
-            scale: params.softmax_scale as f32,
-            scale_log2: scale_log2(params),
-            head_dim: traits.head_dim,
-            zero_dq_accum: u32::from(mode == DqMode::Atomic),
-            group_splits: plans.group_splits,
-            dkv_slots: 0,
+            dkv_accum: if prog.dkv_accum_len > 0 { dkvp } else { 0 },
             key_start: st.as_ref().map_or(0, |x| x.0 .0),
             start_tile_min: st.as_ref().map_or(0, |x| x.1 .0),
             start_tile_max: st.as_ref().map_or(0, |x| x.2 .0),
             sinks: sk.as_ref().map_or(0, |x| x.0),
             dsinks: dsk.as_ref().map_or(0, |x| x.0),
-            softcap_c,
-            softcap_in,
-            items: 0,
+            items: it.as_ref().map_or(0, |x| x.0),
+            ..prog.params(&shape, params)
         };
-        if var {
-            return self.launch_var::<T>(&p, &traits, &plans, mode, dsk.is_some());
-        }
-        let mut stages: Vec<(usize, LaunchPlan)> = match mode {
-            DqMode::Atomic => vec![(0, plans.per_row), (1, plans.main), (4, plans.per_row)],
-            DqMode::Deterministic => vec![
-                (0, plans.per_row),
-                (2, plans.main),
-                (3, plans.dq),
-                (4, plans.per_row),
-            ],
-        };
-        if split {
-            stages.push((5, plans.dkv_convert));
-        }
-        let variant = crate::backend::launch::variant(T::DTYPE, traits.head_dim)?;
-        let by_stage = &self.funcs[variant];
-        for &(stage, plan) in &stages {
-            let two = match traits.main_kernel {
-                MainKernel::TwoMTiles => Some(&self.funcs2[variant]),
-                MainKernel::TwoMTilesFourWarps => Some(&self.funcs2w4[variant]),
-                MainKernel::OneMTile => None,
-            };
-            let f = match (two, stage) {
-                (Some(Some(two)), 1 | 2) => &two[stage - 1],
-                (Some(None), 1 | 2) => {
-                    return Err(Error::Unsupported(
-                        "internal: no two-m-tile backward main kernel for this variant".into(),
-                    ))
-                }
-                _ => &by_stage[stage],
-            };
+        for &(stage, plan) in &prog.stages {
+            let f = self.function(&prog, stage, variant)?;
             let mut b = s.launch_builder(f);
             b.arg(&p);
-            // SAFETY: every buffer was sized against `shape` and the pack
-            // above (scratch allocated here); the kernels stay inside them.
-            unsafe { b.launch(config(plan)) }.map_err(|e| {
-                Error::Cuda(format!(
-                    "launching {}: {e}",
-                    traits.kernel_name(STAGES[stage], T::DTYPE)
-                ))
-            })?;
-        }
-        Ok(())
-    }
-
-    /// The launches of a call with attention variants: pre (D), dsinks
-    /// when asked for, the variant main kernel (two m-tiles or one, as
-    /// [`MainKernel::for_variants`] chose), in deterministic mode the
-    /// variant dQ kernel, the dQ conversion and with group splits the dK /
-    /// dV one.
-    fn launch_var<T: KernelElem>(
-        &self,
-        p: &BwdParams,
-        traits: &BwdTraits,
-        plans: &crate::backend::launch::bwd::BwdPlans,
-        mode: DqMode,
-        dsinks: bool,
-    ) -> Result<()> {
-        let variant = crate::backend::launch::variant(T::DTYPE, traits.head_dim)?;
-        let (plain, var) = (&self.funcs[variant], &self.funcs_var[variant]);
-        let det = usize::from(mode == DqMode::Deterministic);
-        let main = match traits.main_kernel {
-            MainKernel::TwoMTiles => &self.funcs2_var[variant][det],
-            MainKernel::OneMTile => &var[det],
-            MainKernel::TwoMTilesFourWarps => {
-                return Err(Error::Unsupported(
-                    "internal: no 4-warp backward main kernel for the attention variants".into(),
-                ))
-            }
-        };
-        let main_name = if det == 1 {
-            "main_var_det"
-        } else {
-            "main_var_atomic"
-        };
-        let mut stages: Vec<(&CudaFunction, &str, LaunchPlan)> =
-            vec![(&plain[0], "pre", plans.per_row)];
-        if dsinks {
-            stages.push((&var[3], "dsinks", plans.dsinks));
-        }
-        stages.push((main, main_name, plans.main));
-        if det == 1 {
-            stages.push((&var[2], "dq_var", plans.dq));
-        }
-        stages.push((&plain[4], "dq_convert", plans.per_row));
-        if plans.group_splits > 1 {
-            stages.push((&plain[5], "dkv_convert", plans.dkv_convert));
-        }
-        let s = &self.stream;
-        for (f, name, plan) in stages {
-            let mut b = s.launch_builder(f);
-            b.arg(p);
             // SAFETY: every buffer was sized against the call's shape and
-            // pack by `run` (scratch allocated there, the key starts by
-            // `device_starts`, the sinks by `AttnArgs::with_sinks`); the
+            // pack (`AttnArgs`, `BackwardCall`), the scratch and the item
+            // table from the program here, the key starts by
+            // `device_starts`, the sinks by `AttnArgs::with_sinks`; the
             // kernels stay inside them.
             unsafe { b.launch(config(plan)) }.map_err(|e| {
                 Error::Cuda(format!(
                     "launching {}: {e}",
-                    traits.kernel_name(name, T::DTYPE)
+                    prog.traits
+                        .kernel_name(stage.name(prog.mode, prog.variants), T::DTYPE)
                 ))
             })?;
         }

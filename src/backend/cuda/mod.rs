@@ -208,6 +208,8 @@ pub struct CudaBackend {
     dq_mode: DqMode,
     /// The backward main kernel (`None`: the head dim's default).
     pub(crate) main_kernel: Option<MainKernel>,
+    /// The balanced backward main launch ([`Self::with_balanced_backward`]).
+    pub(crate) balanced_backward: bool,
 }
 
 impl CudaBackend {
@@ -304,6 +306,7 @@ impl CudaBackend {
             rope: rope::CudaRope::new(&ctx)?,
             dq_mode: DqMode::default(),
             main_kernel: None,
+            balanced_backward: false,
             ctx,
             stream,
             _module: module,
@@ -331,6 +334,25 @@ impl CudaBackend {
     pub fn with_main_kernel(self, kernel: Option<MainKernel>) -> Self {
         CudaBackend {
             main_kernel: kernel,
+            ..self
+        }
+    }
+
+    /// The same backend with the backward's balanced main launch on or off
+    /// (off by default until a GPU has timed it; `treeattn gpu-check` times
+    /// both). On, every key tile whose query walk holds more than `Σ pairs /
+    /// (2 · slots)` pairs × heads (slots: this device's SMs × the main
+    /// kernel's resident blocks) is cut into consecutive query ranges,
+    /// launched heaviest first, each range writing f32 partial dK / dV
+    /// summed in a fixed order ([`launch::bwd::balanced_main_items`]; the
+    /// result is bit-identical run to run in deterministic mode). It costs
+    /// a host walk of the pack per call and `8 · slots · tokens · kv_heads
+    /// · d` bytes of zeroed scratch, where slots is the most ranges of one
+    /// key tile. Only the 8-warp [`MainKernel::TwoMTiles`] kernels read an
+    /// item table; other main kernels run their grid.
+    pub fn with_balanced_backward(self, on: bool) -> Self {
+        CudaBackend {
+            balanced_backward: on,
             ..self
         }
     }

@@ -323,7 +323,9 @@ impl CudaBackend {
         )?;
         let call = BackwardCall::new(args, saved, d_o, grads)?;
         let Some(rope) = call.args().params().rope else {
-            return self.bwd.run(call, mode, self.main_kernel);
+            return self
+                .bwd
+                .run(call, mode, self.main_kernel, self.balanced_backward);
         };
         let (args, saved, d_o, grads) = call.into_parts();
         let Grads { dq, dk, dv, dsinks } = grads;
@@ -360,6 +362,7 @@ impl CudaBackend {
             BackwardCall::new(plain, saved, d_o, grads)?,
             mode,
             self.main_kernel,
+            self.balanced_backward,
         )?;
         let (pack, d) = (args.mask(), shape.head_dim);
         self.rope

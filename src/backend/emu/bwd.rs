@@ -2,10 +2,8 @@
 
 use super::{check_result, emu_result, ffi, Emu, KernelElem};
 use crate::backend::launch::bwd::{
-    balanced_item_table, balanced_main_items, plan_backward_var, plan_backward_with, BwdParams,
-    DqMode, MainKernel,
+    BwdOptions, BwdParams, BwdProgram, BwdStage, DqMode, MainKernel,
 };
-use crate::backend::launch::{check_kernel_call, scale_log2, softcap_args, LaunchPlan};
 use crate::backend::{BackwardCall, Grads, Host};
 use crate::{Error, Result};
 
@@ -23,85 +21,56 @@ pub(super) fn backward<T: KernelElem>(
     call: BackwardCall<'_, '_, '_, Host, T, f32>,
 ) -> Result<()> {
     let (args, saved, d_o, grads) = call.into_parts();
-    let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
-    let params = args.params();
-    let (o, lse) = (saved.o, saved.lse);
     let Grads {
         dq,
         dk,
         dv,
         mut dsinks,
     } = grads;
-    let mode = emu.dq_mode;
-    let var = check_kernel_call("emulated kernels", &args)?;
-    let (traits, mut plans) = if var {
-        plan_backward_var(
-            &shape,
-            emu.group_splits,
-            emu.main_kernel,
-            params.softcap.is_some(),
-        )?
-    } else {
-        plan_backward_with(&shape, emu.group_splits, emu.main_kernel)?
+    let mask = args.mask();
+    let opts = BwdOptions {
+        mode: emu.dq_mode,
+        splits: emu.group_splits,
+        kernel: emu.main_kernel,
+        balance: emu.balance,
     };
-    if shape.tokens == 0 {
+    let prog = BwdProgram::new(
+        "emulated kernels",
+        &args,
+        mask.kv_end(),
+        dsinks.is_some(),
+        opts,
+    )?;
+    let (shape, traits) = (args.shape(), prog.traits);
+    if prog.stages.is_empty() {
         if let Some(ds) = dsinks {
             // No row: the sum over rows is 0.
             ds.fill(T::from_f32(0.0));
         }
         return Ok(());
     }
-    if params.rope.is_some() {
-        return Err(Error::Unsupported(
-            "internal: rotary reached the rotary-free backward kernels".into(),
-        ));
-    }
     let (tile_min, tile_max) = emu.kv_tile_bounds(mask.kv_end(), traits.block_n as usize)?;
-    let starts = if var { emu.key_starts(&args)? } else { None };
-    let (softcap_c, softcap_in) = softcap_args(params);
-    let addr = |x: Option<&Vec<u32>>| x.map_or(0, |x| x.as_ptr() as u64);
-    let dsinks_addr = dsinks.as_mut().map_or(0, |d| d.as_mut_ptr() as u64);
-    // Poisoned, so that the kernels, not this allocation, must provide every
-    // value (and the accumulator's zeros in atomic mode).
-    let mut delta = vec![f32::NAN; shape.q_heads * shape.tokens];
-    let mut dq_accum = vec![f32::NAN; shape.q_len()];
-    // The balanced launch: the item table, its grid and slots; the scratch
-    // zero-filled (slots past a key tile's chunks are summed unwritten).
-    let (items, dkv_slots) = match emu.balance_cap {
-        None => (Vec::new(), 0),
-        Some(cap) => {
-            if traits.main_kernel != MainKernel::TwoMTiles {
-                return Err(Error::Unsupported(format!(
-                    "the balanced backward launch exists for the 8-warp two-m-tile main kernel only, not {:?}",
-                    traits.main_kernel
-                )));
-            }
-            let group = (shape.q_heads / shape.kv_heads) as u32;
-            let list = balanced_main_items(
-                mask.kv_end(),
-                traits.main_keys,
-                traits.block_m,
-                shape.kv_heads as u32,
-                plans.group_splits,
-                group / plans.group_splits,
-                cap,
-            );
-            plans.main.grid = (list.len() as u32, 1, 1);
-            balanced_item_table(&list, plans.group_splits)
-        }
-    };
-    let mut dkv_accum = if dkv_slots > 0 {
-        vec![0f32; dkv_slots as usize * 2 * shape.kv_len()]
+    let starts = if prog.variants {
+        emu.key_starts(&args)?
     } else {
-        vec![f32::NAN; plans.dkv_accum_len(&shape)]
+        None
     };
+    let addr = |x: Option<&Vec<u32>>| x.map_or(0, |x| x.as_ptr() as u64);
+    // Poisoned, so that the kernels, not this allocation, must provide every
+    // value (and the accumulator's zeros in atomic mode); the partials
+    // zeroed where the program says so.
+    let mut delta = vec![f32::NAN; prog.delta_len];
+    let mut dq_accum = vec![f32::NAN; prog.dq_accum_len];
+    let fill = if prog.dkv_zeroed { 0.0 } else { f32::NAN };
+    let mut dkv_accum = vec![fill; prog.dkv_accum_len];
+    let nonempty = |len: usize, p: u64| if len == 0 { 0 } else { p };
     let p = BwdParams {
-        q: q.as_ptr() as u64,
-        k: k.as_ptr() as u64,
-        v: v.as_ptr() as u64,
-        o: o.as_ptr() as u64,
+        q: args.q().as_ptr() as u64,
+        k: args.k().as_ptr() as u64,
+        v: args.v().as_ptr() as u64,
+        o: saved.o.as_ptr() as u64,
         d_o: d_o.as_ptr() as u64,
-        lse: lse.as_ptr() as u64,
+        lse: saved.lse.as_ptr() as u64,
         delta: delta.as_mut_ptr() as u64,
         dq_accum: dq_accum.as_mut_ptr() as u64,
         dq: dq.as_mut_ptr() as u64,
@@ -110,47 +79,82 @@ pub(super) fn backward<T: KernelElem>(
         kv_end: mask.kv_end().as_ptr() as u64,
         tile_kv_min: tile_min.as_ptr() as u64,
         tile_kv_max: tile_max.as_ptr() as u64,
-        dkv_accum: if dkv_accum.is_empty() {
-            0
-        } else {
-            dkv_accum.as_mut_ptr() as u64
-        },
-        tokens: shape.tokens as u32,
-        q_heads: shape.q_heads as u32,
-        kv_heads: shape.kv_heads as u32,
-        num_key_tiles: tile_min.len() as u32,
-        scale: params.softmax_scale as f32,
-        scale_log2: scale_log2(params),
-        head_dim: traits.head_dim,
-        zero_dq_accum: (mode == DqMode::Atomic) as u32,
-        group_splits: plans.group_splits,
-        dkv_slots,
+        dkv_accum: nonempty(dkv_accum.len(), dkv_accum.as_mut_ptr() as u64),
         key_start: addr(starts.as_ref().map(|s| &s.starts)),
         start_tile_min: addr(starts.as_ref().map(|s| &s.tile_min)),
         start_tile_max: addr(starts.as_ref().map(|s| &s.tile_max)),
         sinks: args.sinks().map_or(0, |s| s.as_ptr() as u64),
-        dsinks: dsinks_addr,
-        softcap_c,
-        softcap_in,
-        items: if items.is_empty() {
-            0
-        } else {
-            items.as_ptr() as u64
-        },
+        dsinks: dsinks.as_mut().map_or(0, |d| d.as_mut_ptr() as u64),
+        items: nonempty(prog.items.len(), prog.items.as_ptr() as u64),
+        ..prog.params(&shape, args.params())
     };
-    // Stage numbers of kernels/emu/bwd_entry.cpp: the two-m-tile main
-    // kernel is 6 (atomic) / 7 (det), 8 / 9 / 10 with a negative control's
-    // fault; the 4-warp d 64 one 11 / 12, 13 / 14 with fault 1 / 2.
     let fault = NEGATIVE_CONTROL.with(|f| f.get());
-    let (main_atomic, main_det) = match (traits.main_kernel, fault) {
-        // The variant kernels (15 / 16 one m-tile, 17 / 18 two; their
-        // dQ kernel 19): no negative-control faults.
-        (MainKernel::OneMTile, 0) if var => (15, 16),
-        (MainKernel::TwoMTiles, 0) if var => (17, 18),
-        (_, f) if var => {
+    let main_stage = main_stage(traits.main_kernel, prog.variants, prog.mode, fault)?;
+    let mut stats = BackwardStats::default();
+    for &(stage, plan) in &prog.stages {
+        // Stage numbers of kernels/emu/bwd_entry.cpp.
+        let number = match (stage, prog.variants) {
+            (BwdStage::Pre, _) => 0,
+            (BwdStage::Main, _) => main_stage,
+            (BwdStage::Dq, false) => 3,
+            (BwdStage::Dq, true) => 19,
+            (BwdStage::DqConvert, _) => 4,
+            (BwdStage::DkvConvert, _) => 5,
+            (BwdStage::Dsinks, _) => 20,
+        };
+        let mut err = [0u8; 1024];
+        let mut bytes = 0u64;
+        // SAFETY: every pointer in `p` refers to a live slice whose length was
+        // checked against `shape` by `AttnArgs` / `BackwardCall` (delta,
+        // the accumulators, the tile bounds and the item table are sized
+        // here from the program); the call is synchronous.
+        let rc = unsafe {
+            ffi::ta_emu_tree_attn_bwd(
+                T::DTYPE.code(),
+                traits.head_dim,
+                number,
+                &p,
+                plan.grid.0,
+                plan.grid.1,
+                plan.grid.2,
+                plan.block.0,
+                plan.shared_mem_bytes as usize,
+                &emu.config(),
+                &mut bytes,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        let name = stage.name(prog.mode, prog.variants);
+        emu_result(&traits.kernel_name(name, T::DTYPE), rc, &err)?;
+        match stage {
+            BwdStage::Main => stats.main_cp_async_bytes = bytes,
+            BwdStage::Dq => stats.dq_cp_async_bytes = bytes,
+            _ => {}
+        }
+    }
+    LAST_BACKWARD.with(|s| s.set(Some(stats)));
+    check_result("dq", dq, false)?;
+    check_result("dk", dk, false)?;
+    check_result("dv", dv, false)?;
+    match dsinks {
+        Some(ds) => check_result("dsinks", ds, false),
+        None => Ok(()),
+    }
+}
+
+/// The emulator's stage number (kernels/emu/bwd_entry.cpp) of the main
+/// kernel: the two-m-tile kernel 6 (atomic) / 7 (det), 8 / 9 / 10 with a
+/// negative control's fault; the 4-warp d 64 one 11 / 12, 13 / 14 with
+/// fault 1 / 2; the one-m-tile one 1 / 2; the variant kernels 15 / 16 (one
+/// m-tile) and 17 / 18 (two), with no faults.
+fn main_stage(kernel: MainKernel, variants: bool, mode: DqMode, fault: u32) -> Result<u32> {
+    let (atomic, det) = match (kernel, fault) {
+        (MainKernel::OneMTile, 0) if variants => (15, 16),
+        (MainKernel::TwoMTiles, 0) if variants => (17, 18),
+        (_, f) if variants => {
             return Err(Error::Unsupported(format!(
-                "negative control {f}: the faults exist in the plain main kernels only (or {:?} with variants)",
-                traits.main_kernel
+                "negative control {f}: the faults exist in the plain main kernels only (or {kernel:?} with variants)"
             )))
         }
         (MainKernel::TwoMTiles, 0) => (6, 7),
@@ -164,70 +168,10 @@ pub(super) fn backward<T: KernelElem>(
         }
         (MainKernel::OneMTile, _) => (1, 2),
     };
-    let (main_atomic_name, main_det_name, dq_stage, dq_name) = if var {
-        ("main_var_atomic", "main_var_det", 19, "dq_var")
-    } else {
-        ("main_atomic", "main_det", 3, "dq")
-    };
-    let mut stages: Vec<(u32, &str, LaunchPlan)> = match mode {
-        DqMode::Atomic => vec![
-            (0, "pre", plans.per_row),
-            (main_atomic, main_atomic_name, plans.main),
-            (4, "dq_convert", plans.per_row),
-        ],
-        DqMode::Deterministic => vec![
-            (0, "pre", plans.per_row),
-            (main_det, main_det_name, plans.main),
-            (dq_stage, dq_name, plans.dq),
-            (4, "dq_convert", plans.per_row),
-        ],
-    };
-    if plans.group_splits > 1 || dkv_slots > 0 {
-        stages.push((5, "dkv_convert", plans.dkv_convert));
-    }
-    if args.sinks().is_some() && dsinks_addr != 0 {
-        // After pre (D), in launch order.
-        stages.insert(1, (20, "dsinks", plans.dsinks));
-    }
-    let mut stats = BackwardStats::default();
-    for &(stage, name, plan) in &stages {
-        let mut err = [0u8; 1024];
-        let mut bytes = 0u64;
-        // SAFETY: every pointer in `p` refers to a live slice whose length was
-        // checked against `shape` above (delta, dq_accum, dkv_accum and the
-        // tile bounds are sized here); the call is synchronous.
-        let rc = unsafe {
-            ffi::ta_emu_tree_attn_bwd(
-                T::DTYPE.code(),
-                traits.head_dim,
-                stage,
-                &p,
-                plan.grid.0,
-                plan.grid.1,
-                plan.grid.2,
-                plan.block.0,
-                plan.shared_mem_bytes as usize,
-                &emu.config(),
-                &mut bytes,
-                err.as_mut_ptr(),
-                err.len(),
-            )
-        };
-        emu_result(&traits.kernel_name(name, T::DTYPE), rc, &err)?;
-        match stage {
-            1 | 2 | 6..=18 => stats.main_cp_async_bytes = bytes,
-            3 | 19 => stats.dq_cp_async_bytes = bytes,
-            _ => {}
-        }
-    }
-    LAST_BACKWARD.with(|s| s.set(Some(stats)));
-    check_result("dq", dq, false)?;
-    check_result("dk", dk, false)?;
-    check_result("dv", dv, false)?;
-    match dsinks {
-        Some(ds) => check_result("dsinks", ds, false),
-        None => Ok(()),
-    }
+    Ok(match mode {
+        DqMode::Atomic => atomic,
+        DqMode::Deterministic => det,
+    })
 }
 
 /// What the kernels of an emulated backward moved with `cp.async` (zero-filled

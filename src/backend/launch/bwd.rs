@@ -630,6 +630,268 @@ pub fn plan_backward_var(
     Ok((traits, plans))
 }
 
+/// How a backward call lays out its main kernel's blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BwdBalance {
+    /// One block per (key tile, kv head, group split): the grid of
+    /// [`BwdPlans::main`].
+    #[default]
+    Grid,
+    /// The balanced launch ([`balanced_main_items`]) with this cap on an
+    /// item's pairs × heads. An error for a main kernel that reads no item
+    /// table (only the 8-warp [`MainKernel::TwoMTiles`] kernels do). Tests
+    /// use a tiny cap to split small packs.
+    Cap(u64),
+    /// The balanced launch over `slots` resident blocks (SMs × the main
+    /// kernel's blocks per SM): the cap of [`balance_cap`] over the call's
+    /// visible pairs × query heads. A main kernel that reads no item table
+    /// runs [`Self::Grid`].
+    Slots(u64),
+}
+
+/// What a backend chose for one backward call (the rest comes from the
+/// call).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct BwdOptions {
+    pub mode: DqMode,
+    /// Forced group splits (`None`: [`group_splits`]).
+    pub splits: Option<u32>,
+    /// The main kernel (`None`: [`MainKernel::default_for`], or
+    /// [`MainKernel::for_variants`] with variants).
+    pub kernel: Option<MainKernel>,
+    pub balance: BwdBalance,
+}
+
+/// One kernel launch of a backward call; the backend maps it to its kernel
+/// from [`BwdProgram::traits`]' main kernel, [`BwdProgram::variants`] and
+/// [`BwdProgram::mode`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BwdStage {
+    /// `tree_attn_bwd_pre`: D = rowsum(dO ∘ O), and the zeroed dQ
+    /// accumulator in atomic mode.
+    Pre,
+    /// `tree_attn_bwd_dsinks`: the sinks' gradient.
+    Dsinks,
+    /// The main kernel (dK, dV; dQ too in atomic mode).
+    Main,
+    /// `tree_attn_bwd_dq` (deterministic mode).
+    Dq,
+    /// `tree_attn_bwd_dq_convert`.
+    DqConvert,
+    /// `tree_attn_bwd_dkv_convert`: the f32 partials of group splits or of
+    /// a balanced launch summed into dK, dV.
+    DkvConvert,
+}
+
+impl BwdStage {
+    /// The stage's name in [`BwdTraits::kernel_name`] (`variants`: the
+    /// call runs the `*_var_*` kernels).
+    pub(crate) fn name(self, mode: DqMode, variants: bool) -> &'static str {
+        let det = mode == DqMode::Deterministic;
+        match (self, variants, det) {
+            (BwdStage::Pre, ..) => "pre",
+            (BwdStage::Dsinks, ..) => "dsinks",
+            (BwdStage::Main, false, false) => "main_atomic",
+            (BwdStage::Main, false, true) => "main_det",
+            (BwdStage::Main, true, false) => "main_var_atomic",
+            (BwdStage::Main, true, true) => "main_var_det",
+            (BwdStage::Dq, false, _) => "dq",
+            (BwdStage::Dq, true, _) => "dq_var",
+            (BwdStage::DqConvert, ..) => "dq_convert",
+            (BwdStage::DkvConvert, ..) => "dkv_convert",
+        }
+    }
+}
+
+/// One backward call sequenced once for every backend that runs the
+/// kernels (the emulator and CUDA execute it; neither decides the order,
+/// the scratch or the item table itself): the plans, the launches in order,
+/// the scratch each needs and how it must start, the balanced launch's
+/// item table.
+#[derive(Clone, Debug)]
+pub(crate) struct BwdProgram {
+    pub traits: BwdTraits,
+    pub plans: BwdPlans,
+    pub mode: DqMode,
+    /// The call has attention variants: the `*_var_*` kernels run.
+    pub variants: bool,
+    /// The launches in order; empty for an empty pack (then only a
+    /// requested dsinks is zeroed: no row, the sum over rows is 0).
+    pub stages: Vec<(BwdStage, LaunchPlan)>,
+    /// f32 elements of D (written by `pre` before anything reads it).
+    pub delta_len: usize,
+    /// f32 elements of the dQ accumulator (zeroed by `pre` in atomic mode,
+    /// written by the dQ kernel in deterministic mode).
+    pub dq_accum_len: usize,
+    /// f32 elements of the dK / dV partials (0: none, the address is 0).
+    pub dkv_accum_len: usize,
+    /// The partials must start zeroed: a balanced launch sums every slot
+    /// of a key tile, and a key tile cut into fewer ranges than the most
+    /// leaves its last slots unwritten. Otherwise every element is written
+    /// before it is read.
+    pub dkv_zeroed: bool,
+    /// The balanced launch's item table ([`balanced_item_table`]; empty:
+    /// the grid). Uploaded by the backend, its address in
+    /// [`BwdParams::items`].
+    pub items: Vec<u32>,
+    /// [`BwdParams::dkv_slots`].
+    pub dkv_slots: u32,
+}
+
+impl BwdProgram {
+    /// The program of a backward call on the kernels (`kernels`, e.g. "CUDA
+    /// kernels", names them in errors) over a pack whose kv_end is
+    /// `kv_end` (on the host: the balanced launch's items are cut from
+    /// it), with or without the sinks' gradient.
+    ///
+    /// Errors: a call the kernels do not compute
+    /// ([`super::check_kernel_call`]), rotary (rotated around the backward
+    /// by the backend), a plan past the hardware's limits, a balanced
+    /// [`BwdBalance::Cap`] on a main kernel with no item table.
+    pub(crate) fn new<M: crate::backend::Memory, T: crate::backend::Element>(
+        kernels: &str,
+        args: &crate::backend::AttnArgs<'_, M, T>,
+        kv_end: &[u32],
+        dsinks: bool,
+        opts: BwdOptions,
+    ) -> Result<BwdProgram> {
+        let variants = super::check_kernel_call(kernels, args)?;
+        let (shape, params) = (args.shape(), args.params());
+        if params.rope.is_some() {
+            return Err(Error::Unsupported(
+                "internal: rotary reached the rotary-free backward kernels".into(),
+            ));
+        }
+        if kv_end.len() != shape.tokens {
+            return Err(Error::Pack(format!(
+                "internal: a kv_end of {} keys for a call of {} tokens",
+                kv_end.len(),
+                shape.tokens
+            )));
+        }
+        let (traits, mut plans) = if variants {
+            plan_backward_var(&shape, opts.splits, opts.kernel, params.softcap.is_some())?
+        } else {
+            plan_backward_with(&shape, opts.splits, opts.kernel)?
+        };
+        let mode = opts.mode;
+        let mut program = BwdProgram {
+            traits,
+            plans,
+            mode,
+            variants,
+            stages: Vec::new(),
+            delta_len: shape.q_heads * shape.tokens,
+            dq_accum_len: shape.q_len(),
+            dkv_accum_len: plans.dkv_accum_len(&shape),
+            dkv_zeroed: false,
+            items: Vec::new(),
+            dkv_slots: 0,
+        };
+        if shape.tokens == 0 {
+            return Ok(program);
+        }
+        let two = traits.main_kernel == MainKernel::TwoMTiles;
+        let cap = match opts.balance {
+            BwdBalance::Grid => None,
+            BwdBalance::Cap(_) if !two => {
+                return Err(Error::Unsupported(format!(
+                    "the balanced backward launch exists for the 8-warp two-m-tile main kernel only, not {:?}",
+                    traits.main_kernel
+                )))
+            }
+            BwdBalance::Cap(cap) => Some(cap),
+            BwdBalance::Slots(_) if !two => None,
+            BwdBalance::Slots(slots) => {
+                let pairs: u64 = kv_end
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &e)| (e as u64).saturating_sub(k as u64))
+                    .sum();
+                Some(balance_cap(pairs * shape.q_heads as u64, slots))
+            }
+        };
+        if let Some(cap) = cap {
+            let group = (shape.q_heads / shape.kv_heads) as u32;
+            let list = balanced_main_items(
+                kv_end,
+                traits.main_keys,
+                traits.block_m,
+                shape.kv_heads as u32,
+                plans.group_splits,
+                group / plans.group_splits,
+                cap,
+            );
+            plans.main.grid = (list.len() as u32, 1, 1);
+            let (items, slots) = balanced_item_table(&list, plans.group_splits);
+            program.plans = plans;
+            program.items = items;
+            program.dkv_slots = slots;
+            program.dkv_accum_len = slots as usize * 2 * shape.kv_len();
+            program.dkv_zeroed = true;
+        }
+        let mut stages = vec![(BwdStage::Pre, plans.per_row)];
+        if dsinks && args.sinks().is_some() {
+            stages.push((BwdStage::Dsinks, plans.dsinks));
+        }
+        stages.push((BwdStage::Main, plans.main));
+        if mode == DqMode::Deterministic {
+            stages.push((BwdStage::Dq, plans.dq));
+        }
+        stages.push((BwdStage::DqConvert, plans.per_row));
+        if program.dkv_accum_len > 0 {
+            stages.push((BwdStage::DkvConvert, plans.dkv_convert));
+        }
+        program.stages = stages;
+        Ok(program)
+    }
+
+    /// The call's scalars in the kernels' argument struct; every address 0
+    /// (the backend sets the ones it has).
+    pub(crate) fn params(
+        &self,
+        shape: &AttnShape,
+        params: &crate::backend::AttnParams,
+    ) -> BwdParams {
+        let (softcap_c, softcap_in) = super::softcap_args(params);
+        BwdParams {
+            q: 0,
+            k: 0,
+            v: 0,
+            o: 0,
+            d_o: 0,
+            lse: 0,
+            delta: 0,
+            dq_accum: 0,
+            dq: 0,
+            dk: 0,
+            dv: 0,
+            kv_end: 0,
+            tile_kv_min: 0,
+            tile_kv_max: 0,
+            dkv_accum: 0,
+            tokens: shape.tokens as u32,
+            q_heads: shape.q_heads as u32,
+            kv_heads: shape.kv_heads as u32,
+            num_key_tiles: shape.tokens.div_ceil(self.traits.block_n as usize) as u32,
+            scale: params.softmax_scale as f32,
+            scale_log2: super::scale_log2(params),
+            head_dim: self.traits.head_dim,
+            zero_dq_accum: u32::from(self.mode == DqMode::Atomic),
+            group_splits: self.plans.group_splits,
+            dkv_slots: self.dkv_slots,
+            key_start: 0,
+            start_tile_min: 0,
+            start_tile_max: 0,
+            sinks: 0,
+            dsinks: 0,
+            softcap_c,
+            softcap_in,
+            items: 0,
+        }
+    }
+}
+
 /// Mirror of `TreeAttnBwdParams` (kernels/tree_attn_bwd.cu). Pointers are
 /// device addresses (CUDA) or host addresses (emulator).
 #[repr(C)]
@@ -685,6 +947,199 @@ super::assert_layout!(BwdParams, 216, {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The program of a call on the tree `kv_end` (positions 0..): 4 / 2
+    /// heads at d 128, bf16.
+    fn program(kv_end: &[u32], sinks: bool, softcap: bool, opts: BwdOptions) -> Result<BwdProgram> {
+        use crate::backend::{AttnArgs, AttnParams, Host};
+        let l = kv_end.len();
+        let shape = AttnShape::new(l, 4, 2, 128);
+        let pos: Vec<u32> = (0..l as u32).collect();
+        let mask = crate::mask::PackMask::new(kv_end, &pos)?;
+        let zeros = vec![half::bf16::ZERO; shape.q_len().max(4)];
+        let params = AttnParams {
+            softcap: softcap.then_some(30.0),
+            ..AttnParams::new(128)
+        };
+        let args = AttnArgs::<Host, half::bf16>::new(
+            &zeros[..shape.q_len()],
+            &zeros[..shape.kv_len()],
+            &zeros[..shape.kv_len()],
+            shape,
+            mask,
+            params,
+        )?;
+        let args = if sinks {
+            args.with_sinks(&zeros[..4])?
+        } else {
+            args
+        };
+        BwdProgram::new("test kernels", &args, kv_end, sinks, opts)
+    }
+
+    fn stages(p: &BwdProgram) -> Vec<BwdStage> {
+        p.stages.iter().map(|s| s.0).collect()
+    }
+
+    /// A GRPO-like fan: a prompt of `prompt` keys seen by `n` branches of
+    /// `each`.
+    fn fan(prompt: usize, n: usize, each: usize) -> Vec<u32> {
+        let l = prompt + n * each;
+        let mut e: Vec<u32> = vec![l as u32; prompt];
+        for b in 0..n {
+            let end = (prompt + (b + 1) * each) as u32;
+            e.extend(std::iter::repeat_n(end, each));
+        }
+        e
+    }
+
+    #[test]
+    fn a_program_sequences_the_launches_once() {
+        use BwdStage::*;
+        let tree = fan(256, 3, 200);
+        // One group split (the rule would split so small a pack).
+        let atomic = BwdOptions {
+            splits: Some(1),
+            ..BwdOptions::default()
+        };
+        let det = BwdOptions {
+            mode: DqMode::Deterministic,
+            ..atomic
+        };
+        let p = program(&tree, false, false, atomic).unwrap();
+        assert_eq!(stages(&p), [Pre, Main, DqConvert]);
+        assert!(!p.variants && p.items.is_empty() && p.dkv_accum_len == 0);
+        assert_eq!(
+            p.params(
+                &AttnShape::new(856, 4, 2, 128),
+                &crate::backend::AttnParams::new(128)
+            )
+            .zero_dq_accum,
+            1
+        );
+        let p = program(&tree, false, false, det).unwrap();
+        assert_eq!(stages(&p), [Pre, Main, Dq, DqConvert]);
+        // Sinks: the variant kernels, dsinks after pre.
+        let p = program(&tree, true, false, det).unwrap();
+        assert!(p.variants);
+        assert_eq!(stages(&p), [Pre, Dsinks, Main, Dq, DqConvert]);
+        assert_eq!(Main.name(p.mode, p.variants), "main_var_det");
+        assert_eq!(Dq.name(p.mode, p.variants), "dq_var");
+        // Forced splits: partials, summed by dkv_convert, never zeroed.
+        let split = BwdOptions {
+            splits: Some(2),
+            ..atomic
+        };
+        let p = program(&tree, false, false, split).unwrap();
+        assert_eq!(stages(&p), [Pre, Main, DqConvert, DkvConvert]);
+        assert_eq!(p.dkv_accum_len, 2 * 2 * tree.len() * 2 * 128);
+        assert!(!p.dkv_zeroed);
+        // An empty pack: nothing to launch.
+        assert!(program(&[], true, false, det).unwrap().stages.is_empty());
+    }
+
+    #[test]
+    fn a_balanced_program_cuts_the_prompt_and_zeroes_its_partials() {
+        let tree = fan(512, 8, 256);
+        let l = tree.len();
+        let one_split = BwdOptions {
+            splits: Some(1),
+            ..BwdOptions::default()
+        };
+        let grid = program(&tree, false, false, one_split).unwrap();
+        let balanced = BwdOptions {
+            balance: BwdBalance::Slots(64),
+            ..one_split
+        };
+        let p = program(&tree, false, false, balanced).unwrap();
+        assert_eq!(
+            stages(&p),
+            [
+                BwdStage::Pre,
+                BwdStage::Main,
+                BwdStage::DqConvert,
+                BwdStage::DkvConvert
+            ]
+        );
+        // More items than the grid's blocks: the prompt's key tiles are cut.
+        let blocks = grid.plans.main.grid.0 * grid.plans.main.grid.1 * grid.plans.main.grid.2;
+        assert!(
+            p.plans.main.grid.0 > blocks,
+            "{:?} vs {blocks}",
+            p.plans.main
+        );
+        assert_eq!(p.plans.main.grid.1 * p.plans.main.grid.2, 1);
+        assert_eq!(p.items.len(), 8 * p.plans.main.grid.0 as usize);
+        assert!(p.dkv_slots > 1 && p.dkv_zeroed);
+        assert_eq!(p.dkv_accum_len, p.dkv_slots as usize * 2 * l * 2 * 128);
+        assert_eq!(
+            p.params(
+                &AttnShape::new(l, 4, 2, 128),
+                &crate::backend::AttnParams::new(128)
+            )
+            .dkv_slots,
+            p.dkv_slots
+        );
+        // The cap follows the slots: Σ pairs × heads / (2 · slots).
+        let pairs: u64 = tree
+            .iter()
+            .enumerate()
+            .map(|(k, &e)| e as u64 - k as u64)
+            .sum();
+        let cap = BwdOptions {
+            balance: BwdBalance::Cap(balance_cap(pairs * 4, 64)),
+            ..one_split
+        };
+        assert_eq!(program(&tree, false, false, cap).unwrap().items, p.items);
+        // The one-m-tile kernel reads no table: Slots runs its grid, an
+        // explicit cap is an error naming the kernel.
+        let one = BwdOptions {
+            kernel: Some(MainKernel::OneMTile),
+            ..balanced
+        };
+        let p = program(&tree, false, false, one).unwrap();
+        assert!(p.items.is_empty() && !p.dkv_zeroed && p.dkv_slots == 0);
+        let e = program(
+            &tree,
+            false,
+            false,
+            BwdOptions {
+                balance: BwdBalance::Cap(1),
+                ..one
+            },
+        )
+        .unwrap_err();
+        assert!(format!("{e}").contains("OneMTile"), "{e}");
+        // A softcap at d 128 picks the one-m-tile variant kernel: the grid.
+        let p = program(&tree, false, true, balanced).unwrap();
+        assert!(p.variants && p.items.is_empty());
+    }
+
+    #[test]
+    fn a_program_refuses_rotary_and_a_foreign_kv_end() {
+        use crate::backend::{AttnArgs, AttnParams, Host, Rope};
+        let kv_end = vec![4u32; 4];
+        let pos = [0u32, 1, 2, 3];
+        let shape = AttnShape::new(4, 1, 1, 64);
+        let mask = crate::mask::PackMask::new(&kv_end, &pos).unwrap();
+        let z = vec![half::f16::ZERO; 4 * 64];
+        let rope = AttnParams {
+            rope: Some(Rope {
+                base: 10_000.0,
+                dims: 64,
+            }),
+            ..AttnParams::new(64)
+        };
+        let args = AttnArgs::<Host, half::f16>::new(&z, &z, &z, shape, mask, rope).unwrap();
+        let e = BwdProgram::new("k", &args, &kv_end, false, BwdOptions::default()).unwrap_err();
+        assert!(format!("{e}").contains("rotary"), "{e}");
+        let args =
+            AttnArgs::<Host, half::f16>::new(&z, &z, &z, shape, mask, AttnParams::new(64)).unwrap();
+        assert!(BwdProgram::new("k", &args, &kv_end, false, BwdOptions::default()).is_ok());
+        let e =
+            BwdProgram::new("k", &args, &kv_end[..3], false, BwdOptions::default()).unwrap_err();
+        assert!(format!("{e}").contains("kv_end of 3 keys"), "{e}");
+    }
 
     #[test]
     fn plans() {

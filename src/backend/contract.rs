@@ -152,6 +152,15 @@ pub trait Memory: 'static {
     /// be read from the host without a stream; `None` otherwise (device
     /// memory is scanned by its backend).
     fn find<T: Element>(x: &Self::Ref<'_, T>, bad: impl Fn(f64) -> bool) -> Option<usize>;
+    /// `x` borrowed for a shorter lifetime (a generic [`Memory`]'s
+    /// reference types are invariant in their lifetime; every memory's are
+    /// references, so this is a reborrow).
+    fn shorten<'a: 'b, 'b, T: Element>(x: Self::Ref<'a, T>) -> Self::Ref<'b, T>;
+    /// A mask borrowed for a shorter lifetime (see [`Memory::shorten`]).
+    fn shorten_mask<'a: 'b, 'b>(mask: Self::Mask<'a>) -> Self::Mask<'b>;
+    /// A tensor the backend writes, reborrowed for `'b` (to hand it to an
+    /// inner call and write it again after).
+    fn reborrow_mut<'b, T: Element>(x: &'b mut Self::Mut<'_, T>) -> Self::Mut<'b, T>;
 }
 
 /// Host memory: Rust slices (CPU backend, emulator).
@@ -173,6 +182,15 @@ impl Memory for Host {
     }
     fn find<T: Element>(x: &&[T], bad: impl Fn(f64) -> bool) -> Option<usize> {
         x.iter().position(|e| bad(e.to_f64()))
+    }
+    fn shorten<'a: 'b, 'b, T: Element>(x: &'a [T]) -> &'b [T] {
+        x
+    }
+    fn shorten_mask<'a: 'b, 'b>(mask: PackMask<'a>) -> PackMask<'b> {
+        mask
+    }
+    fn reborrow_mut<'b, T: Element>(x: &'b mut &mut [T]) -> &'b mut [T] {
+        x
     }
 }
 
@@ -371,22 +389,22 @@ impl<'a, M: Memory, T: Element> AttnArgs<'a, M, T> {
     }
 }
 
-impl<'a, T: Element> AttnArgs<'a, Host, T> {
+impl<'a, M: Memory, T: Element> AttnArgs<'a, M, T> {
     /// The same arguments borrowed for a shorter lifetime (argument types
-    /// of a generic [`Memory`] are invariant in their lifetime; host slices
-    /// are not).
-    pub fn reborrow<'b>(&self) -> AttnArgs<'b, Host, T>
+    /// of a generic [`Memory`] are invariant in their lifetime:
+    /// [`Memory::shorten`]).
+    pub fn reborrow<'b>(&self) -> AttnArgs<'b, M, T>
     where
         'a: 'b,
     {
         AttnArgs {
-            q: self.q,
-            k: self.k,
-            v: self.v,
-            sinks: self.sinks,
+            q: M::shorten(self.q),
+            k: M::shorten(self.k),
+            v: M::shorten(self.v),
+            sinks: self.sinks.map(M::shorten),
             key_starts: self.key_starts,
             shape: self.shape,
-            mask: self.mask,
+            mask: M::shorten_mask(self.mask),
             params: self.params,
         }
     }
@@ -427,16 +445,16 @@ pub struct Saved<'i, M: Memory, T: Element, L: Element> {
     pub lse: M::Ref<'i, L>,
 }
 
-impl<'i, T: Element, L: Element> Saved<'i, Host, T, L> {
+impl<'i, M: Memory, T: Element, L: Element> Saved<'i, M, T, L> {
     /// The same state borrowed for a shorter lifetime (see
     /// [`AttnArgs::reborrow`]).
-    pub fn reborrow<'b>(&self) -> Saved<'b, Host, T, L>
+    pub fn reborrow<'b>(&self) -> Saved<'b, M, T, L>
     where
         'i: 'b,
     {
         Saved {
-            o: self.o,
-            lse: self.lse,
+            o: M::shorten(self.o),
+            lse: M::shorten(self.lse),
         }
     }
 }

@@ -207,7 +207,7 @@ impl<T: KernelElem> AttentionBackend<T> for Emu {
         )?;
         let call = ForwardCall::new(args, o, lse)?;
         match call.args().params().rope {
-            Some(r) => rope::forward(self, r, call),
+            Some(r) => launch::rope::forward_rotary(self, r, call),
             None => forward(self, call),
         }
     }
@@ -230,7 +230,7 @@ impl<T: KernelElem> AttentionBackend<T> for Emu {
         )?;
         let call = BackwardCall::new(args, saved, d_o, grads)?;
         match call.args().params().rope {
-            Some(r) => rope::backward(self, r, call),
+            Some(r) => launch::rope::backward_rotary(self, r, call),
             None => bwd::backward(self, call),
         }
     }

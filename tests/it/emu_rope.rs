@@ -246,3 +246,72 @@ fn attention_with_rotary_gqa_matches_the_cpu() {
         attention_case::<f16>(&mut rng, seed, d, d / 2, modes[1 - i], all[2 * i + 1]);
     }
 }
+
+/// With `check_finite`, a rotation that overflows the element type is an
+/// error naming the rotated tensor, in the forward and the backward (the
+/// rotary sequence of `launch::rope`, which the CUDA backend runs too,
+/// scans the rotated copies): f16 q and k of 60,000 in every lane
+/// (finite), whose first pair at position 1 turns by 1 rad. Control: the
+/// same calls on 1s pass.
+#[test]
+fn a_rotation_that_overflows_is_named_with_check_finite() {
+    let (l, d) = (2usize, 64usize);
+    let kv_end = vec![2u32, 2];
+    let pos = vec![0u32, 1];
+    let mask = PackMask::new(&kv_end, &pos).unwrap();
+    let shape = AttnShape::new(l, 1, 1, d);
+    // θ_0 = base^0 = 1 for the first pair: the angle at position 1 is 1
+    // rad, which rotates (a, a) to (a (cos 1 − sin 1), a (cos 1 + sin 1)):
+    // 1.3818 a, past 65,504 for a = 60,000.
+    let params = AttnParams {
+        rope: Some(Rope {
+            base: 10_000.0,
+            dims: d,
+        }),
+        check_finite: true,
+        ..AttnParams::new(d)
+    };
+    let big = vec![f16::from_f32(60_000.0); l * d];
+    let ones = vec![f16::from_f32(1.0); l * d];
+    let e = calls::emu_forward(&big, &ones, &ones, shape, mask, &params).unwrap_err();
+    assert!(
+        matches!(&e, treeattn::Error::NonFinite { what, index } if what == "q" && *index >= d),
+        "{e:?}"
+    );
+    let e = calls::emu_forward(&ones, &big, &ones, shape, mask, &params).unwrap_err();
+    assert!(
+        matches!(&e, treeattn::Error::NonFinite { what, .. } if what == "k"),
+        "{e:?}"
+    );
+    let out = calls::emu_forward(&ones, &ones, &ones, shape, mask, &params).unwrap();
+    let e = calls::emu_backward(
+        &big,
+        &ones,
+        &ones,
+        &out.o,
+        &out.lse,
+        &ones,
+        shape,
+        mask,
+        &params,
+        DqMode::Atomic,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&e, treeattn::Error::NonFinite { what, .. } if what == "q"),
+        "{e:?}"
+    );
+    calls::emu_backward(
+        &ones,
+        &ones,
+        &ones,
+        &out.o,
+        &out.lse,
+        &ones,
+        shape,
+        mask,
+        &params,
+        DqMode::Atomic,
+    )
+    .unwrap();
+}

@@ -106,6 +106,15 @@ impl Memory for Device {
     fn find<T: Element>(_: &&CudaSlice<T>, _: impl Fn(f64) -> bool) -> Option<usize> {
         None
     }
+    fn shorten<'a: 'b, 'b, T: Element>(x: &'a CudaSlice<T>) -> &'b CudaSlice<T> {
+        x
+    }
+    fn shorten_mask<'a: 'b, 'b>(mask: &'a DevicePack) -> &'b DevicePack {
+        mask
+    }
+    fn reborrow_mut<'b, T: Element>(x: &'b mut &mut CudaSlice<T>) -> &'b mut CudaSlice<T> {
+        x
+    }
 }
 
 /// The fatbin built from `kernels/tree_attn_fwd.cu` by build.rs.

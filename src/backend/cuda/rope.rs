@@ -20,13 +20,14 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::{config, cuda_err, CudaBackend, Device, DevicePack};
-use crate::backend::launch::bwd::{plan_backward_with_kernel, DqMode};
+use crate::backend::launch::bwd::DqMode;
+use crate::backend::launch::rope::{backward_rotary, forward_rotary, RotaryHost};
 use crate::backend::launch::rope::{
     check_max_position, plan_rope_apply, plan_rope_table, rope_kernel_name, RopeApplyParams,
     RopeTableParams,
 };
-use crate::backend::launch::{plan_forward, KernelElem};
-use crate::backend::{AttnArgs, AttnParams, BackwardCall, ForwardCall, Grads, Rope};
+use crate::backend::launch::KernelElem;
+use crate::backend::{AttnArgs, BackwardCall, ForwardCall, Rope};
 use crate::{Error, Result};
 
 /// The fatbin built from `kernels/rope.cu` by build.rs.
@@ -176,34 +177,6 @@ impl CudaRope {
         Ok(())
     }
 
-    /// Scratch copies of the call's q and k, rotated, and the tables.
-    #[allow(clippy::type_complexity)]
-    fn rotate_qk<T: KernelElem + DeviceRepr>(
-        &self,
-        stream: &Arc<CudaStream>,
-        rope: Rope,
-        args: &AttnArgs<'_, Device, T>,
-    ) -> Result<(Arc<DeviceRopeTables>, CudaSlice<T>, CudaSlice<T>)> {
-        let (shape, pack) = (args.shape(), args.mask());
-        let tables = self.tables(stream, pack, rope)?;
-        // SAFETY (both): every element is written by the rotary kernel
-        // (rotated pairs and pass-through lanes alike) before it is read.
-        let mut q = unsafe { stream.alloc::<T>(shape.q_len()) }
-            .map_err(cuda_err("allocating rotated q"))?;
-        let mut k = unsafe { stream.alloc::<T>(shape.kv_len()) }
-            .map_err(cuda_err("allocating rotated k"))?;
-        let d = shape.head_dim;
-        for (src, dst, heads) in [
-            (args.q(), &mut q, shape.q_heads),
-            (args.k(), &mut k, shape.kv_heads),
-        ] {
-            let (x, _gx) = src.device_ptr(stream);
-            let (y, _gy) = dst.device_ptr_mut(stream);
-            self.launch::<T>(stream, &tables, pack, x, y, heads, d, false)?;
-        }
-        Ok((tables, q, k))
-    }
-
     /// Rotates a gradient (`dq` or `dk`) back in place.
     fn rotate_back<T: KernelElem + DeviceRepr>(
         &self,
@@ -243,62 +216,106 @@ fn check_qk<T: KernelElem + DeviceRepr>(
     Ok(())
 }
 
-fn without_rope(params: &AttnParams) -> AttnParams {
-    AttnParams {
-        rope: None,
-        ..*params
+/// The CUDA side of the rotary sequence of [`crate::backend::launch::rope`]
+/// (which the emulator runs too): the backend and the backward's dQ mode.
+struct CudaRotary<'a> {
+    be: &'a CudaBackend,
+    mode: DqMode,
+}
+
+impl<T: KernelElem + DeviceRepr> RotaryHost<T> for CudaRotary<'_> {
+    type M = Device;
+    type Tables = Arc<DeviceRopeTables>;
+    type Rotated = CudaSlice<T>;
+
+    fn tables(&self, rope: Rope, mask: &DevicePack) -> Result<Arc<DeviceRopeTables>> {
+        self.be.rope.tables(self.be.stream(), mask, rope)
+    }
+    fn rotate(
+        &self,
+        tables: &Arc<DeviceRopeTables>,
+        mask: &DevicePack,
+        x: &CudaSlice<T>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<CudaSlice<T>> {
+        let s = self.be.stream();
+        // SAFETY: every element is written by the rotary kernel (rotated
+        // pairs and pass-through lanes alike) before it is read.
+        let mut y =
+            unsafe { s.alloc::<T>(x.len()) }.map_err(cuda_err("allocating a rotated copy"))?;
+        {
+            let (xp, _gx) = x.device_ptr(s);
+            let (yp, _gy) = y.device_ptr_mut(s);
+            self.be
+                .rope
+                .launch::<T>(s, tables, mask, xp, yp, heads, head_dim, false)?;
+        }
+        Ok(y)
+    }
+    fn view(r: &CudaSlice<T>) -> &CudaSlice<T> {
+        r
+    }
+    fn rotate_back(
+        &self,
+        tables: &Arc<DeviceRopeTables>,
+        mask: &DevicePack,
+        g: &mut CudaSlice<T>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        self.be
+            .rope
+            .rotate_back(self.be.stream(), tables, mask, g, heads, head_dim)
+    }
+    fn zero(&self, x: &mut CudaSlice<T>) -> Result<()> {
+        let zeros = vec![T::from_f32(0.0); x.len()];
+        self.be
+            .stream()
+            .memcpy_htod(&zeros[..], x)
+            .map_err(cuda_err("zeroing dsinks"))
+    }
+    fn check_qk(&self, args: &AttnArgs<'_, Device, T>) -> Result<()> {
+        check_qk(self.be.stream(), args)
+    }
+    fn forward_plain(&self, call: ForwardCall<'_, '_, Device, T, f32>) -> Result<()> {
+        self.be.run_forward_kernel(call)
+    }
+    fn backward_plain(&self, call: BackwardCall<'_, '_, '_, Device, T, f32>) -> Result<()> {
+        self.be.bwd.run(
+            call,
+            self.mode,
+            self.be.main_kernel,
+            self.be.balanced_backward,
+        )
+    }
+    fn check_grads(&self, _: &mut CudaSlice<T>, _: &mut CudaSlice<T>) -> Result<()> {
+        Ok(())
     }
 }
 
-/// `plain` (the rotated Q, K of `args`) with the sinks and explicit key
-/// starts of `args` (a window and a softcap travel in the params).
-fn with_variants_of<'a: 'b, 'b, T: KernelElem + DeviceRepr>(
-    mut plain: AttnArgs<'b, Device, T>,
-    args: &AttnArgs<'a, Device, T>,
-) -> Result<AttnArgs<'b, Device, T>> {
-    if let Some(x) = args.sinks() {
-        plain = plain.with_sinks(x)?;
-    }
-    if let Some(st) = args.key_starts() {
-        plain = plain.with_key_starts(st)?;
-    }
-    Ok(plain)
-}
-
-/// Forward with rotary: Q and K rotated into scratch, then the rotary-free
-/// forward on them. Asynchronous on the backend's stream.
+/// Forward with rotary ([`forward_rotary`]: Q and K rotated into scratch,
+/// then the rotary-free forward on them). Asynchronous on the backend's
+/// stream.
 pub(super) fn forward<T: KernelElem + DeviceRepr>(
     be: &CudaBackend,
     rope: Rope,
     call: ForwardCall<'_, '_, Device, T, f32>,
 ) -> Result<()> {
-    let (args, o, lse) = call.into_parts();
-    let shape = args.shape();
-    plan_forward(&shape)?;
-    let s = be.stream();
-    check_qk(s, &args)?;
-    if shape.tokens == 0 {
-        return Ok(());
-    }
-    let (_tables, q, k) = be.rope.rotate_qk(s, rope, &args)?;
-    let plain = AttnArgs::<Device, T>::new(
-        &q,
-        &k,
-        args.v(),
-        shape,
-        args.mask(),
-        without_rope(args.params()),
-    )?;
-    let plain = with_variants_of(plain, &args)?;
-    be.run_forward_kernel(ForwardCall::new(plain, o, lse)?)
+    let host = CudaRotary {
+        be,
+        mode: be.dq_mode,
+    };
+    forward_rotary(&host, rope, call)
 }
 
 impl CudaBackend {
     /// The attention backward with dQ summed as `mode` says, rotary
     /// included: with `params.rope`, Q and K are rotated into scratch, the
     /// rotary-free backward runs on them, and dQ, dK are rotated back in
-    /// place (gradients with respect to the unrotated q, k). Asynchronous on
-    /// the backend's stream.
+    /// place (gradients with respect to the unrotated q, k;
+    /// [`backward_rotary`], the sequence the emulator runs too).
+    /// Asynchronous on the backend's stream.
     pub fn backward_with_mode<T: KernelElem + DeviceRepr>(
         &self,
         call: BackwardCall<'_, '_, '_, Device, T, f32>,
@@ -322,53 +339,11 @@ impl CudaBackend {
             ],
         )?;
         let call = BackwardCall::new(args, saved, d_o, grads)?;
-        let Some(rope) = call.args().params().rope else {
-            return self
-                .bwd
-                .run(call, mode, self.main_kernel, self.balanced_backward);
-        };
-        let (args, saved, d_o, grads) = call.into_parts();
-        let Grads { dq, dk, dv, dsinks } = grads;
-        let shape = args.shape();
-        plan_backward_with_kernel(&shape, self.main_kernel)?;
-        let s = self.stream();
-        check_qk(s, &args)?;
-        if shape.tokens == 0 {
-            if let Some(ds) = dsinks {
-                // No row: the sum over rows is 0.
-                let zeros = vec![T::from_f32(0.0); ds.len()];
-                s.memcpy_htod(&zeros[..], ds)
-                    .map_err(cuda_err("zeroing dsinks"))?;
-            }
-            return Ok(());
+        let host = CudaRotary { be: self, mode };
+        match call.args().params().rope {
+            Some(rope) => backward_rotary(&host, rope, call),
+            None => RotaryHost::<T>::backward_plain(&host, call),
         }
-        let (tables, q, k) = self.rope.rotate_qk(s, rope, &args)?;
-        let plain = AttnArgs::<Device, T>::new(
-            &q,
-            &k,
-            args.v(),
-            shape,
-            args.mask(),
-            without_rope(args.params()),
-        )?;
-        let plain = with_variants_of(plain, &args)?;
-        let grads = Grads {
-            dq: &mut *dq,
-            dk: &mut *dk,
-            dv,
-            dsinks,
-        };
-        self.bwd.run(
-            BackwardCall::new(plain, saved, d_o, grads)?,
-            mode,
-            self.main_kernel,
-            self.balanced_backward,
-        )?;
-        let (pack, d) = (args.mask(), shape.head_dim);
-        self.rope
-            .rotate_back(s, &tables, pack, dq, shape.q_heads, d)?;
-        self.rope
-            .rotate_back(s, &tables, pack, dk, shape.kv_heads, d)
     }
 }
 

@@ -7,16 +7,16 @@
 use super::{check_result, emu_result, ffi, Emu, KernelElem};
 use crate::backend::launch::rope::{
     check_max_position, max_position, plan_rope_apply, plan_rope_table, RopeApplyParams,
-    RopeTableParams, RopeTables,
+    RopeTableParams, RopeTables, RotaryHost,
 };
-use crate::backend::launch::{bwd::plan_backward, plan_forward};
-use crate::backend::{AttnArgs, AttnParams, BackwardCall, ForwardCall, Grads, Host, Rope};
+use crate::backend::{AttnArgs, BackwardCall, ForwardCall, Host, Rope};
+use crate::mask::PackMask;
 use crate::Result;
 
 /// A buffer of `len` elements of `T` starting on a 16-byte boundary (the
 /// attention kernels move rows in 16-byte vectors, as device allocations
 /// allow).
-struct Aligned<T> {
+pub(crate) struct Aligned<T> {
     words: Vec<u128>,
     len: usize,
     _t: std::marker::PhantomData<T>,
@@ -201,140 +201,73 @@ pub fn rope_kernel_threads() -> u32 {
     unsafe { ffi::ta_emu_rope_threads() as u32 }
 }
 
-/// Scratch copies of q and k rotated by `rope`, and the tables.
-fn rotate_qk<T: KernelElem>(
-    emu: &Emu,
-    rope: Rope,
-    args: &AttnArgs<'_, Host, T>,
-) -> Result<(RopeTables, Aligned<T>, Aligned<T>)> {
-    let (shape, pos) = (args.shape(), args.mask().position_ids());
-    let tables = emu.rope_tables(rope, pos)?;
-    let mut q = Aligned::<T>::zeroed(shape.q_len());
-    let mut k = Aligned::<T>::zeroed(shape.kv_len());
-    let (qs, ks) = (q.as_mut_slice(), k.as_mut_slice());
-    let d = shape.head_dim;
-    emu.rope_launch(
-        &tables,
-        pos,
-        args.q().as_ptr(),
-        qs.as_mut_ptr(),
-        qs.len(),
-        shape.q_heads,
-        d,
-        false,
-    )?;
-    emu.rope_launch(
-        &tables,
-        pos,
-        args.k().as_ptr(),
-        ks.as_mut_ptr(),
-        ks.len(),
-        shape.kv_heads,
-        d,
-        false,
-    )?;
-    Ok((tables, q, k))
-}
+/// The emulator's side of the rotary sequence of
+/// [`crate::backend::launch::rope`] (which the CUDA backend runs too):
+/// tables and rotations by the emulated kernels, scratch in 16-byte aligned
+/// host buffers.
+impl<T: KernelElem> RotaryHost<T> for Emu {
+    type M = Host;
+    type Tables = RopeTables;
+    type Rotated = Aligned<T>;
 
-/// The parameters of the rotary-free call on rotated inputs: no rotary, and
-/// no second finiteness scan (the caller's inputs were scanned when its
-/// arguments were built; a rotation that overflows shows in the results'
-/// check).
-fn plain_params(params: &AttnParams) -> AttnParams {
-    AttnParams {
-        rope: None,
-        check_finite: false,
-        ..*params
+    fn tables(&self, rope: Rope, mask: PackMask<'_>) -> Result<RopeTables> {
+        self.rope_tables(rope, mask.position_ids())
     }
-}
-
-/// `plain` (the rotated Q, K of `args`) with the sinks and explicit key
-/// starts of `args` (a window travels in the params).
-fn with_variants_of<'b, T: KernelElem>(
-    mut plain: AttnArgs<'b, Host, T>,
-    args: &AttnArgs<'b, Host, T>,
-) -> Result<AttnArgs<'b, Host, T>> {
-    if let Some(s) = args.sinks() {
-        plain = plain.with_sinks(s)?;
+    fn rotate(
+        &self,
+        tables: &RopeTables,
+        mask: PackMask<'_>,
+        x: &[T],
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<Aligned<T>> {
+        // Zeroed, not poisoned: the kernel writes every element (rotated
+        // pairs and pass-through lanes), which the results' checks and the
+        // rotary tests prove.
+        let mut y = Aligned::<T>::zeroed(x.len());
+        let ys = y.as_mut_slice();
+        self.rope_launch(
+            tables,
+            mask.position_ids(),
+            x.as_ptr(),
+            ys.as_mut_ptr(),
+            ys.len(),
+            heads,
+            head_dim,
+            false,
+        )?;
+        Ok(y)
     }
-    if let Some(st) = args.key_starts() {
-        plain = plain.with_key_starts(st)?;
+    fn view(r: &Aligned<T>) -> &[T] {
+        r.as_slice()
     }
-    Ok(plain)
-}
-
-/// Forward with rotary: Q and K rotated by the kernel into scratch, then the
-/// rotary-free forward on them.
-pub(super) fn forward<T: KernelElem>(
-    emu: &Emu,
-    rope: Rope,
-    call: ForwardCall<'_, '_, Host, T, f32>,
-) -> Result<()> {
-    let (args, o, lse) = call.into_parts();
-    let shape = args.shape();
-    plan_forward(&shape)?;
-    if shape.tokens == 0 {
-        return Ok(());
+    fn rotate_back(
+        &self,
+        tables: &RopeTables,
+        mask: PackMask<'_>,
+        g: &mut [T],
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        self.rope_rotate_in_place(tables, mask.position_ids(), g, heads, head_dim, true)
     }
-    let (_tables, q, k) = rotate_qk(emu, rope, &args)?;
-    let plain = AttnArgs::<Host, T>::new(
-        q.as_slice(),
-        k.as_slice(),
-        args.v(),
-        shape,
-        args.mask(),
-        plain_params(args.params()),
-    )?;
-    let plain = with_variants_of(plain, &args.reborrow())?;
-    super::forward(emu, ForwardCall::new(plain, o, lse)?)
-}
-
-/// Backward with rotary: Q and K rotated into scratch, the rotary-free
-/// backward on them (dQ, dK with respect to the rotated inputs), then dQ and
-/// dK rotated back in place (the transpose rotation): gradients with respect
-/// to the unrotated q and k, as the contract says.
-pub(super) fn backward<T: KernelElem>(
-    emu: &Emu,
-    rope: Rope,
-    call: BackwardCall<'_, '_, '_, Host, T, f32>,
-) -> Result<()> {
-    let (args, saved, d_o, grads) = call.into_parts();
-    let Grads { dq, dk, dv, dsinks } = grads;
-    let shape = args.shape();
-    plan_backward(&shape)?;
-    if shape.tokens == 0 {
-        if let Some(ds) = dsinks {
-            ds.fill(T::from_f32(0.0));
-        }
-        return Ok(());
+    fn zero(&self, x: &mut [T]) -> Result<()> {
+        x.fill(T::from_f32(0.0));
+        Ok(())
     }
-    let (tables, q, k) = rotate_qk(emu, rope, &args)?;
-    let plain = AttnArgs::<Host, T>::new(
-        q.as_slice(),
-        k.as_slice(),
-        args.v(),
-        shape,
-        args.mask(),
-        plain_params(args.params()),
-    )?;
-    let plain = with_variants_of(plain, &args.reborrow())?;
-    let call = BackwardCall::new(
-        plain,
-        saved,
-        d_o,
-        Grads {
-            dq: &mut *dq,
-            dk: &mut *dk,
-            dv,
-            dsinks,
-        },
-    )?;
-    super::bwd::backward(emu, call)?;
-    let (pos, d) = (args.mask().position_ids(), shape.head_dim);
-    emu.rope_rotate_in_place(&tables, pos, dq, shape.q_heads, d, true)?;
-    emu.rope_rotate_in_place(&tables, pos, dk, shape.kv_heads, d, true)?;
-    check_result("dq", dq, false)?;
-    check_result("dk", dk, false)
+    fn check_qk(&self, _: &AttnArgs<'_, Host, T>) -> Result<()> {
+        Ok(())
+    }
+    fn forward_plain(&self, call: ForwardCall<'_, '_, Host, T, f32>) -> Result<()> {
+        super::forward(self, call)
+    }
+    fn backward_plain(&self, call: BackwardCall<'_, '_, '_, Host, T, f32>) -> Result<()> {
+        super::bwd::backward(self, call)
+    }
+    fn check_grads(&self, dq: &mut [T], dk: &mut [T]) -> Result<()> {
+        check_result("dq", dq, false)?;
+        check_result("dk", dk, false)
+    }
 }
 
 #[cfg(test)]

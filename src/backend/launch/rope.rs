@@ -5,8 +5,8 @@
 //! the per-position cos / sin tables they read ([`RopeTables`] is the host
 //! reference of those tables).
 
-use super::LaunchPlan;
-use crate::backend::Rope;
+use super::{KernelElem, LaunchPlan};
+use crate::backend::{AttnArgs, AttnParams, BackwardCall, ForwardCall, Grads, Memory, Rope};
 use crate::{Error, Result};
 
 /// Largest position id the rotary tables are built for (tables are
@@ -164,6 +164,184 @@ pub(crate) struct RopeApplyParams {
 super::assert_layout!(RopeApplyParams, 56, {
     x: 0, y: 8, pos: 16, cos: 24, sin: 32, tokens: 40, heads: 44, half: 48, inverse: 52,
 });
+
+/// What a backend running the rotary kernels provides, so that rotary
+/// around its rotary-free attention kernels is sequenced once
+/// ([`forward_rotary`], [`backward_rotary`]); the emulator and CUDA
+/// implement it, and neither orders the steps itself.
+pub(crate) trait RotaryHost<T: KernelElem> {
+    /// Where the call's tensors live.
+    type M: Memory;
+    /// A pack's cos / sin tables for one rotary setting.
+    type Tables;
+    /// A rotated scratch copy of q or k.
+    type Rotated;
+    /// The tables of `rope` over the mask's position ids (built, or from a
+    /// cache).
+    fn tables(&self, rope: Rope, mask: <Self::M as Memory>::Mask<'_>) -> Result<Self::Tables>;
+    /// `x` (`[tokens, heads, head_dim]`) rotated into scratch.
+    fn rotate(
+        &self,
+        tables: &Self::Tables,
+        mask: <Self::M as Memory>::Mask<'_>,
+        x: <Self::M as Memory>::Ref<'_, T>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<Self::Rotated>;
+    /// A rotated copy as an input of the rotary-free call.
+    fn view(r: &Self::Rotated) -> <Self::M as Memory>::Ref<'_, T>;
+    /// A gradient (dQ or dK) rotated back in place (the transpose
+    /// rotation).
+    fn rotate_back(
+        &self,
+        tables: &Self::Tables,
+        mask: <Self::M as Memory>::Mask<'_>,
+        g: <Self::M as Memory>::Mut<'_, T>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()>;
+    /// Every element of `x` set to 0.
+    fn zero(&self, x: <Self::M as Memory>::Mut<'_, T>) -> Result<()>;
+    /// With `params.check_finite`, the caller's q and k scanned before they
+    /// are rotated, so that an error names the input element. (Host
+    /// memory was scanned when the arguments were built: nothing to do.)
+    fn check_qk(&self, args: &AttnArgs<'_, Self::M, T>) -> Result<()>;
+    /// The rotary-free forward.
+    fn forward_plain(&self, call: ForwardCall<'_, '_, Self::M, T, f32>) -> Result<()>;
+    /// The rotary-free backward.
+    fn backward_plain(&self, call: BackwardCall<'_, '_, '_, Self::M, T, f32>) -> Result<()>;
+    /// dQ, dK once rotated back: the emulator checks them (a non-finite
+    /// gradient is an `Err`); the asynchronous CUDA backend does not.
+    fn check_grads(
+        &self,
+        dq: <Self::M as Memory>::Mut<'_, T>,
+        dk: <Self::M as Memory>::Mut<'_, T>,
+    ) -> Result<()>;
+}
+
+/// The rotary-free call's parameters: the caller's, without rotary. A
+/// `check_finite` call scans the rotated copies again (a rotation that
+/// overflows the element type is an error naming q or k).
+fn without_rope(params: &AttnParams) -> AttnParams {
+    AttnParams {
+        rope: None,
+        ..*params
+    }
+}
+
+/// `plain` (the rotated Q, K of `args`) with the sinks and explicit key
+/// starts of `args` (a window and a softcap travel in the params).
+fn with_variants_of<'b, M: Memory, T: KernelElem>(
+    mut plain: AttnArgs<'b, M, T>,
+    args: &AttnArgs<'b, M, T>,
+) -> Result<AttnArgs<'b, M, T>> {
+    if let Some(s) = args.sinks() {
+        plain = plain.with_sinks(s)?;
+    }
+    if let Some(st) = args.key_starts() {
+        plain = plain.with_key_starts(st)?;
+    }
+    Ok(plain)
+}
+
+/// Forward with rotary, on any [`RotaryHost`]: q and k scanned (with
+/// `check_finite`), rotated into scratch by the rotary kernel, then the
+/// rotary-free forward on them.
+pub(crate) fn forward_rotary<R: RotaryHost<T>, T: KernelElem>(
+    host: &R,
+    rope: Rope,
+    call: ForwardCall<'_, '_, R::M, T, f32>,
+) -> Result<()> {
+    let (args, o, lse) = call.into_parts();
+    let shape = args.shape();
+    super::plan_forward(&shape)?;
+    host.check_qk(&args)?;
+    if shape.tokens == 0 {
+        return Ok(());
+    }
+    let (mask, d) = (args.mask(), shape.head_dim);
+    let tables = host.tables(rope, mask)?;
+    let q = host.rotate(&tables, mask, args.q(), shape.q_heads, d)?;
+    let k = host.rotate(&tables, mask, args.k(), shape.kv_heads, d)?;
+    let args = args.reborrow();
+    let plain = AttnArgs::new(
+        R::view(&q),
+        R::view(&k),
+        args.v(),
+        shape,
+        args.mask(),
+        without_rope(args.params()),
+    )?;
+    let plain = with_variants_of(plain, &args)?;
+    let call = ForwardCall::new(plain, o, lse)?;
+    host.forward_plain(call)
+}
+
+/// Backward with rotary, on any [`RotaryHost`]: q and k scanned (with
+/// `check_finite`), rotated into scratch, the rotary-free backward on them
+/// (dQ, dK with respect to the rotated inputs), then dQ and dK rotated back
+/// in place (the transpose rotation): gradients with respect to the
+/// unrotated q and k, as the contract says. An empty pack only zeroes a
+/// requested dsinks (no row: the sum over rows is 0).
+pub(crate) fn backward_rotary<R: RotaryHost<T>, T: KernelElem>(
+    host: &R,
+    rope: Rope,
+    call: BackwardCall<'_, '_, '_, R::M, T, f32>,
+) -> Result<()> {
+    let (args, saved, d_o, grads) = call.into_parts();
+    let Grads {
+        mut dq,
+        mut dk,
+        mut dv,
+        mut dsinks,
+    } = grads;
+    let shape = args.shape();
+    super::bwd::plan_backward(&shape)?;
+    host.check_qk(&args)?;
+    if shape.tokens == 0 {
+        return match dsinks {
+            Some(ds) => host.zero(ds),
+            None => Ok(()),
+        };
+    }
+    let (mask, d) = (args.mask(), shape.head_dim);
+    let tables = host.tables(rope, mask)?;
+    let q = host.rotate(&tables, mask, args.q(), shape.q_heads, d)?;
+    let k = host.rotate(&tables, mask, args.k(), shape.kv_heads, d)?;
+    {
+        let args = args.reborrow();
+        let plain = AttnArgs::new(
+            R::view(&q),
+            R::view(&k),
+            args.v(),
+            shape,
+            args.mask(),
+            without_rope(args.params()),
+        )?;
+        let plain = with_variants_of(plain, &args)?;
+        // Every tensor reborrowed for this inner call (the memory's
+        // types are invariant in their lifetime): dQ and dK are written
+        // again after it.
+        let grads = Grads {
+            dq: R::M::reborrow_mut(&mut dq),
+            dk: R::M::reborrow_mut(&mut dk),
+            dv: R::M::reborrow_mut(&mut dv),
+            dsinks: dsinks.as_mut().map(|x| R::M::reborrow_mut(x)),
+        };
+        let d_o = <R::M as Memory>::shorten(d_o);
+        let call = BackwardCall::new(plain, saved.reborrow(), d_o, grads)?;
+        host.backward_plain(call)?;
+    }
+    host.rotate_back(&tables, mask, R::M::reborrow_mut(&mut dq), shape.q_heads, d)?;
+    host.rotate_back(
+        &tables,
+        mask,
+        R::M::reborrow_mut(&mut dk),
+        shape.kv_heads,
+        d,
+    )?;
+    host.check_grads(dq, dk)
+}
 
 #[cfg(test)]
 mod tests {

@@ -10,9 +10,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::{config, cuda_err, Device};
-use crate::backend::launch::sdcc::{
-    merge_row_status, plan_sdcc, status_error, vec8, SdccElem, SdccParams,
-};
+use crate::backend::launch::sdcc::{plan_sdcc, SdccAddrs, SdccElem, SdccParams, SdccPlan};
 use crate::backend::{SdccCall, SdccLoss};
 use crate::{Error, Result};
 
@@ -79,41 +77,28 @@ impl CudaSdcc {
         let (args, grad) = call.into_parts();
         let plan = plan_sdcc(&args)?;
         let (student, teacher, vocab) = (args.student(), args.teacher(), args.vocab());
-        let (pairs, weights, temperature) = (args.pairs(), args.weights(), args.temperature());
+        let (pairs, weights) = (args.pairs(), args.weights());
         let s = &self.stream;
-        // Zero the rows the kernel does not store: all of them when it adds.
-        let mut row = 0;
-        while row < plan.student_rows {
-            let zero = |r: usize| !plan.used[r] || plan.accumulate;
-            if !zero(row) {
-                row += 1;
-                continue;
-            }
-            let start = row;
-            while row < plan.student_rows && zero(row) {
-                row += 1;
-            }
-            let mut view = grad.slice_mut(start * vocab..row * vocab);
+        for rows in plan.zero_rows() {
+            let mut view = grad.slice_mut(rows.start * vocab..rows.end * vocab);
             s.memset_zeros(&mut view)
                 .map_err(cuda_err("zeroing gradient rows"))?;
         }
         if pairs.is_empty() {
-            return Ok(SdccLoss::from_per_pair(Vec::new(), weights));
+            return SdccPlan::finish(&args, Vec::new(), &[]);
         }
-        let flat: Vec<u32> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
         let dpairs = s
-            .clone_htod(&flat)
+            .clone_htod(&SdccPlan::flat_pairs(pairs))
             .map_err(cuda_err("uploading SDCC pairs"))?;
         let dweights = s
             .clone_htod(weights)
             .map_err(cuda_err("uploading SDCC weights"))?;
         let mut kl = s
-            .alloc_zeros::<f64>(pairs.len())
+            .clone_htod(&vec![SdccPlan::KL_POISON; pairs.len()])
             .map_err(cuda_err("allocating per-pair KL"))?;
         let mut status = s
-            .alloc_zeros::<u32>(pairs.len())
+            .clone_htod(&vec![SdccPlan::STATUS_POISON; pairs.len()])
             .map_err(cuda_err("allocating status words"))?;
-        let tau = temperature as f64;
         {
             let (sp, _g0) = student.device_ptr(s);
             let (tp, _g1) = teacher.device_ptr(s);
@@ -122,27 +107,22 @@ impl CudaSdcc {
             let (gp, _g4) = grad.device_ptr_mut(s);
             let (kp, _g5) = kl.device_ptr_mut(s);
             let (stp, _g6) = status.device_ptr_mut(s);
-            let p = SdccParams {
-                student: sp,
-                teacher: tp,
-                pairs: pp,
-                weights: wp,
-                grad: gp,
-                kl: kp,
-                status: stp,
-                vocab: vocab as u64,
-                num_pairs: pairs.len() as u32,
-                inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
-                inv_tau: (1.0 / tau) as f32,
-                accumulate: u32::from(plan.accumulate),
-                vec8: vec8(vocab, [sp, tp, gp]),
-                logp: 0,
-                row_status: 0,
-            };
+            let p = plan.params(
+                &args,
+                SdccAddrs {
+                    student: sp,
+                    teacher: tp,
+                    pairs: pp,
+                    weights: wp,
+                    grad: gp,
+                    kl: kp,
+                    status: stp,
+                },
+            );
             let mut b = s.launch_builder(&self.funcs[T::CODE as usize]);
             b.arg(&p);
             // SAFETY: pairs were range-checked against both logits by
-            // plan_sdcc; the gradient has the student's length; kl and
+            // SdccArgs; the gradient has the student's length; kl and
             // status hold one element per pair.
             unsafe { b.launch(config(plan.launch)) }
                 .map_err(|e| Error::Cuda(format!("launching sdcc_kl_{}: {e}", T::NAME)))?;
@@ -153,8 +133,7 @@ impl CudaSdcc {
         let status = s
             .clone_dtoh(&status)
             .map_err(cuda_err("downloading status words"))?;
-        status_error(&status, pairs, vocab)?;
-        Ok(SdccLoss::from_per_pair(per_pair, weights))
+        SdccPlan::finish(&args, per_pair, &status)
     }
 
     /// The unfused baseline of [`Self::run`] (log-softmax of each side into
@@ -168,32 +147,30 @@ impl CudaSdcc {
         let (args, grad) = call.into_parts();
         let plan = plan_sdcc(&args)?;
         let (student, teacher, vocab) = (args.student(), args.teacher(), args.vocab());
-        let (pairs, weights, temperature) = (args.pairs(), args.weights(), args.temperature());
+        let (pairs, weights) = (args.pairs(), args.weights());
         let s = &self.stream;
         s.memset_zeros(grad)
             .map_err(cuda_err("zeroing the gradient"))?;
         if pairs.is_empty() {
-            return Ok(SdccLoss::from_per_pair(Vec::new(), weights));
+            return SdccPlan::finish(&args, Vec::new(), &[]);
         }
         let n = pairs.len();
-        let flat: Vec<u32> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
         let dpairs = s
-            .clone_htod(&flat)
+            .clone_htod(&SdccPlan::flat_pairs(pairs))
             .map_err(cuda_err("uploading SDCC pairs"))?;
         let dweights = s
             .clone_htod(weights)
             .map_err(cuda_err("uploading SDCC weights"))?;
         let mut kl = s
-            .alloc_zeros::<f64>(n)
+            .clone_htod(&vec![SdccPlan::KL_POISON; n])
             .map_err(cuda_err("allocating per-pair KL"))?;
         let mut row_status = s
-            .alloc_zeros::<u32>(2 * n)
+            .clone_htod(&vec![SdccPlan::STATUS_POISON; 2 * n])
             .map_err(cuda_err("allocating status words"))?;
         // SAFETY: every element is written by sdcc_unfused_log_softmax before
         // sdcc_unfused_kl reads it.
         let mut logp = unsafe { s.alloc::<f32>(2 * n * vocab) }
             .map_err(cuda_err("allocating log-probabilities"))?;
-        let tau = temperature as f64;
         {
             let (sp, _g0) = student.device_ptr(s);
             let (tp, _g1) = teacher.device_ptr(s);
@@ -203,7 +180,7 @@ impl CudaSdcc {
             let (kp, _g5) = kl.device_ptr_mut(s);
             let (lp, _g6) = logp.device_ptr_mut(s);
             let (rp, _g7) = row_status.device_ptr_mut(s);
-            let p = SdccParams {
+            let addrs = SdccAddrs {
                 student: sp,
                 teacher: tp,
                 pairs: pp,
@@ -211,15 +188,8 @@ impl CudaSdcc {
                 grad: gp,
                 kl: kp,
                 status: 0,
-                vocab: vocab as u64,
-                num_pairs: n as u32,
-                inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
-                inv_tau: (1.0 / tau) as f32,
-                accumulate: u32::from(plan.accumulate),
-                vec8: 0,
-                logp: lp,
-                row_status: rp,
             };
+            let p = plan.unfused_params(&args, addrs, lp, rp);
             let [ls, klp] = plan.unfused_launches();
             for (f, l) in [
                 (&self.unfused_log_softmax[T::CODE as usize], ls),
@@ -227,7 +197,7 @@ impl CudaSdcc {
             ] {
                 let mut b = s.launch_builder(f);
                 b.arg(&p);
-                // SAFETY: pairs range-checked by plan_sdcc; logp holds 2 ·
+                // SAFETY: pairs range-checked by SdccArgs; logp holds 2 ·
                 // pairs rows, row_status 2 · pairs words, kl one per pair; the
                 // gradient has the student's length and is zeroed.
                 unsafe { b.launch(config(l)) }.map_err(|e| {
@@ -241,7 +211,6 @@ impl CudaSdcc {
         let row_status = s
             .clone_dtoh(&row_status)
             .map_err(cuda_err("downloading status words"))?;
-        status_error(&merge_row_status(&row_status), pairs, vocab)?;
-        Ok(SdccLoss::from_per_pair(per_pair, weights))
+        SdccPlan::finish_unfused(&args, per_pair, &row_status)
     }
 }

@@ -1,9 +1,7 @@
 //! SDCC forward-KL on the emulator (`kernels/sdcc_kl.cu`).
 
 use super::{emu_result, ffi, Emu};
-use crate::backend::launch::sdcc::{
-    merge_row_status, plan_sdcc, status_error, vec8, SdccElem, SdccParams,
-};
+use crate::backend::launch::sdcc::{plan_sdcc, SdccAddrs, SdccElem, SdccPlan};
 use crate::backend::{Host, SdccArgs, SdccCall, SdccLoss, SdccOut};
 use crate::Result;
 
@@ -20,51 +18,32 @@ pub(super) fn sdcc_forward_kl<T: SdccElem>(
     let (args, grad) = call.into_parts();
     let plan = plan_sdcc(&args)?;
     let (student, teacher, vocab) = (args.student(), args.teacher(), args.vocab());
-    let (pairs, weights, temperature) = (args.pairs(), args.weights(), args.temperature());
-    // Rows no pair writes are 0; with repeated rows the kernel adds into
-    // zeros. Rows written exactly once keep whatever they held until the
-    // kernel stores them.
-    for (row, &used) in grad.chunks_mut(vocab).zip(&plan.used) {
-        if !used || plan.accumulate {
-            row.fill(0.0);
-        }
+    for rows in plan.zero_rows() {
+        grad[rows.start * vocab..rows.end * vocab].fill(0.0);
     }
-    if pairs.is_empty() {
-        return Ok(SdccLoss::from_per_pair(Vec::new(), weights));
+    if args.pairs().is_empty() {
+        return SdccPlan::finish(&args, Vec::new(), &[]);
     }
-    let flat: Vec<u32> = pairs.iter().flat_map(|&(s, t)| [s, t]).collect();
-    let mut kl = vec![f64::NAN; pairs.len()];
-    let mut status = vec![u32::MAX; pairs.len()];
-    let tau = temperature as f64;
-    let p = SdccParams {
-        student: student.as_ptr() as u64,
-        teacher: teacher.as_ptr() as u64,
-        pairs: flat.as_ptr() as u64,
-        weights: weights.as_ptr() as u64,
-        grad: grad.as_mut_ptr() as u64,
-        kl: kl.as_mut_ptr() as u64,
-        status: status.as_mut_ptr() as u64,
-        vocab: vocab as u64,
-        num_pairs: pairs.len() as u32,
-        inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
-        inv_tau: (1.0 / tau) as f32,
-        accumulate: plan.accumulate as u32,
-        vec8: vec8(
-            vocab,
-            [
-                student.as_ptr() as u64,
-                teacher.as_ptr() as u64,
-                grad.as_ptr() as u64,
-            ],
-        ),
-        logp: 0,
-        row_status: 0,
-    };
+    let flat = SdccPlan::flat_pairs(args.pairs());
+    let mut kl = vec![SdccPlan::KL_POISON; args.pairs().len()];
+    let mut status = vec![SdccPlan::STATUS_POISON; args.pairs().len()];
+    let p = plan.params(
+        &args,
+        SdccAddrs {
+            student: student.as_ptr() as u64,
+            teacher: teacher.as_ptr() as u64,
+            pairs: flat.as_ptr() as u64,
+            weights: args.weights().as_ptr() as u64,
+            grad: grad.as_mut_ptr() as u64,
+            kl: kl.as_mut_ptr() as u64,
+            status: status.as_mut_ptr() as u64,
+        },
+    );
     let mut err = [0u8; 1024];
     let l = plan.launch;
     // SAFETY: every pointer in `p` refers to a live slice sized by
-    // `plan_sdcc` and the checks above (pairs in range of both logits); the
-    // call is synchronous.
+    // `plan_sdcc` and the checks of `SdccArgs` (pairs in range of both
+    // logits); the call is synchronous.
     let rc = unsafe {
         ffi::ta_emu_sdcc_kl(
             T::CODE,
@@ -78,8 +57,7 @@ pub(super) fn sdcc_forward_kl<T: SdccElem>(
         )
     };
     emu_result(&format!("sdcc_kl_{}", T::NAME), rc, &err)?;
-    status_error(&status, pairs, vocab)?;
-    Ok(SdccLoss::from_per_pair(kl, weights))
+    SdccPlan::finish(&args, kl, &status)
 }
 
 /// The C++ block size and shared memory of the SDCC kernel, `(threads,
@@ -103,37 +81,32 @@ impl Emu {
     ) -> Result<SdccOut<f32>> {
         let plan = plan_sdcc(args)?;
         let (student, teacher, vocab) = (args.student(), args.teacher(), args.vocab());
-        let (pairs, weights, temperature) = (args.pairs(), args.weights(), args.temperature());
         let mut grad = vec![0f32; student.len()];
-        let n = pairs.len();
+        let n = args.pairs().len();
         if n == 0 {
             return Ok(SdccOut {
-                loss: SdccLoss::from_per_pair(Vec::new(), weights),
+                loss: SdccPlan::finish(args, Vec::new(), &[])?,
                 grad_student: grad,
             });
         }
-        let flat: Vec<u32> = pairs.iter().flat_map(|&(s, t)| [s, t]).collect();
-        let mut kl = vec![f64::NAN; n];
+        let flat = SdccPlan::flat_pairs(args.pairs());
+        let mut kl = vec![SdccPlan::KL_POISON; n];
         let mut logp = vec![f32::NAN; 2 * n * vocab];
-        let mut row_status = vec![u32::MAX; 2 * n];
-        let tau = temperature as f64;
-        let p = SdccParams {
-            student: student.as_ptr() as u64,
-            teacher: teacher.as_ptr() as u64,
-            pairs: flat.as_ptr() as u64,
-            weights: weights.as_ptr() as u64,
-            grad: grad.as_mut_ptr() as u64,
-            kl: kl.as_mut_ptr() as u64,
-            status: 0,
-            vocab: vocab as u64,
-            num_pairs: n as u32,
-            inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
-            inv_tau: (1.0 / tau) as f32,
-            accumulate: plan.accumulate as u32,
-            vec8: 0,
-            logp: logp.as_mut_ptr() as u64,
-            row_status: row_status.as_mut_ptr() as u64,
-        };
+        let mut row_status = vec![SdccPlan::STATUS_POISON; 2 * n];
+        let p = plan.unfused_params(
+            args,
+            SdccAddrs {
+                student: student.as_ptr() as u64,
+                teacher: teacher.as_ptr() as u64,
+                pairs: flat.as_ptr() as u64,
+                weights: args.weights().as_ptr() as u64,
+                grad: grad.as_mut_ptr() as u64,
+                kl: kl.as_mut_ptr() as u64,
+                status: 0,
+            },
+            logp.as_mut_ptr() as u64,
+            row_status.as_mut_ptr() as u64,
+        );
         for (stage, l) in plan.unfused_launches().into_iter().enumerate() {
             let mut err = [0u8; 1024];
             // SAFETY: as in `sdcc_forward_kl_into`, plus `logp` and `row_status`
@@ -155,9 +128,8 @@ impl Emu {
             };
             emu_result("sdcc_unfused", rc, &err)?;
         }
-        status_error(&merge_row_status(&row_status), pairs, vocab)?;
         Ok(SdccOut {
-            loss: SdccLoss::from_per_pair(kl, weights),
+            loss: SdccPlan::finish_unfused(args, kl, &row_status)?,
             grad_student: grad,
         })
     }

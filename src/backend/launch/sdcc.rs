@@ -3,7 +3,7 @@
 //! (student row, teacher row) pair, 336 bytes of dynamic shared memory.
 
 use super::LaunchPlan;
-use crate::backend::{Element, Memory, SdccArgs};
+use crate::backend::{Element, Memory, SdccArgs, SdccLoss};
 use crate::{Error, Result};
 
 mod sealed {
@@ -105,10 +105,136 @@ impl SdccPlan {
     }
 }
 
+/// Where one fused SDCC launch reads and writes (device or host addresses).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct SdccAddrs {
+    pub student: u64,
+    pub teacher: u64,
+    /// The pairs as [`SdccPlan::flat_pairs`] lays them out.
+    pub pairs: u64,
+    pub weights: u64,
+    pub grad: u64,
+    /// f64 per pair, poisoned with [`SdccPlan::KL_POISON`].
+    pub kl: u64,
+    /// One word per pair, poisoned with [`SdccPlan::STATUS_POISON`].
+    pub status: u64,
+}
+
+/// One SDCC call sequenced once for the emulator and CUDA (each only
+/// allocates, uploads and launches): which gradient rows to zero first,
+/// the pairs' layout, the kernel's arguments, the poison of the per-pair
+/// outputs, and the result read back.
+impl SdccPlan {
+    /// What the per-pair KL holds before the kernel writes it: NaN, so that
+    /// a pair the kernel skipped cannot pass for a KL of 0.
+    pub(crate) const KL_POISON: f64 = f64::NAN;
+    /// What the per-pair status words hold before the kernel writes them
+    /// (every bit set: [`status_error`] reports such a pair as not
+    /// processed by the kernel).
+    pub(crate) const STATUS_POISON: u32 = u32::MAX;
+
+    /// The runs of gradient rows (`[start, end)` in student rows) to zero
+    /// before the launch: the rows no pair names (the kernel does not store
+    /// them), and all rows when some row is named by several pairs (the
+    /// kernel adds into zeros). The others keep what they held until the
+    /// kernel stores them.
+    pub(crate) fn zero_rows(&self) -> Vec<std::ops::Range<usize>> {
+        let zero = |r: usize| !self.used[r] || self.accumulate;
+        let mut runs = Vec::new();
+        let mut row = 0;
+        while row < self.student_rows {
+            if !zero(row) {
+                row += 1;
+                continue;
+            }
+            let start = row;
+            while row < self.student_rows && zero(row) {
+                row += 1;
+            }
+            runs.push(start..row);
+        }
+        runs
+    }
+
+    /// The pairs as the kernel reads them: `[student row, teacher row]` per
+    /// pair, flat.
+    pub(crate) fn flat_pairs(pairs: &[(u32, u32)]) -> Vec<u32> {
+        pairs.iter().flat_map(|&(s, t)| [s, t]).collect()
+    }
+
+    /// The fused kernel's arguments for `args` at `addrs`.
+    pub(crate) fn params<M: Memory, T: Element>(
+        &self,
+        args: &SdccArgs<'_, M, T>,
+        addrs: SdccAddrs,
+    ) -> SdccParams {
+        let (vocab, tau) = (args.vocab(), args.temperature() as f64);
+        SdccParams {
+            student: addrs.student,
+            teacher: addrs.teacher,
+            pairs: addrs.pairs,
+            weights: addrs.weights,
+            grad: addrs.grad,
+            kl: addrs.kl,
+            status: addrs.status,
+            vocab: vocab as u64,
+            num_pairs: args.pairs().len() as u32,
+            inv_tau_log2: (std::f64::consts::LOG2_E / tau) as f32,
+            inv_tau: (1.0 / tau) as f32,
+            accumulate: u32::from(self.accumulate),
+            vec8: vec8(vocab, [addrs.student, addrs.teacher, addrs.grad]),
+            logp: 0,
+            row_status: 0,
+        }
+    }
+
+    /// The unfused baseline's arguments (both of its kernels): `addrs`
+    /// with no status words (`addrs.status` unused) and the scratch of
+    /// `[2, pairs, vocab]` log-probabilities at `logp` and `[2, pairs]` row
+    /// status words at `row_status` (poisoned with
+    /// [`Self::STATUS_POISON`]); the gradient zeroed whole first.
+    pub(crate) fn unfused_params<M: Memory, T: Element>(
+        &self,
+        args: &SdccArgs<'_, M, T>,
+        addrs: SdccAddrs,
+        logp: u64,
+        row_status: u64,
+    ) -> SdccParams {
+        SdccParams {
+            status: 0,
+            vec8: 0,
+            logp,
+            row_status,
+            ..self.params(args, addrs)
+        }
+    }
+
+    /// [`Self::finish`] for the unfused baseline's per-row status words.
+    pub(crate) fn finish_unfused<M: Memory, T: Element>(
+        args: &SdccArgs<'_, M, T>,
+        kl: Vec<f64>,
+        row_status: &[u32],
+    ) -> Result<SdccLoss> {
+        Self::finish(args, kl, &merge_row_status(row_status))
+    }
+
+    /// The call's loss from the per-pair KL and status words the kernel
+    /// wrote: the error of the lowest bad pair ([`status_error`]), else
+    /// [`SdccLoss::from_per_pair`].
+    pub(crate) fn finish<M: Memory, T: Element>(
+        args: &SdccArgs<'_, M, T>,
+        kl: Vec<f64>,
+        status: &[u32],
+    ) -> Result<SdccLoss> {
+        status_error(status, args.pairs(), args.vocab())?;
+        Ok(SdccLoss::from_per_pair(kl, args.weights()))
+    }
+}
+
 /// Per-pair status words from the unfused baseline's per-row words
 /// (`[student rows of the pairs, teacher rows of the pairs]`, student bits):
 /// teacher-row bits move to the teacher positions.
-pub(crate) fn merge_row_status(row_status: &[u32]) -> Vec<u32> {
+fn merge_row_status(row_status: &[u32]) -> Vec<u32> {
     let (student, teacher) = row_status.split_at(row_status.len() / 2);
     student
         .iter()
@@ -129,7 +255,7 @@ pub(crate) fn merge_row_status(row_status: &[u32]) -> Vec<u32> {
 }
 
 /// The error for the lowest pair whose status word is not 0, if any.
-pub(crate) fn status_error(status: &[u32], pairs: &[(u32, u32)], vocab: usize) -> Result<()> {
+fn status_error(status: &[u32], pairs: &[(u32, u32)], vocab: usize) -> Result<()> {
     let Some(i) = status.iter().position(|&s| s != 0) else {
         return Ok(());
     };
@@ -188,3 +314,44 @@ super::assert_layout!(SdccParams, 104, {
     num_pairs: 64, inv_tau_log2: 68, inv_tau: 72, accumulate: 76, vec8: 80, logp: 88,
     row_status: 96,
 });
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(used: &[bool], accumulate: bool) -> SdccPlan {
+        SdccPlan {
+            launch: LaunchPlan {
+                grid: (1, 1, 1),
+                block: (SDCC_THREADS, 1, 1),
+                shared_mem_bytes: SDCC_SMEM_BYTES,
+            },
+            student_rows: used.len(),
+            accumulate,
+            used: used.to_vec(),
+        }
+    }
+
+    /// The rows zeroed before a launch: the unused ones in runs, or every
+    /// row when the kernel adds.
+    #[test]
+    fn zero_rows_are_the_unused_runs_or_all_when_the_kernel_adds() {
+        let used = [false, true, true, false, false, true, false];
+        assert_eq!(plan(&used, false).zero_rows(), [0..1, 3..5, 6..7]);
+        assert_eq!(plan(&used, true).zero_rows(), [0..7]);
+        assert!(plan(&[true, true], false).zero_rows().is_empty());
+        assert!(plan(&[], false).zero_rows().is_empty());
+        assert_eq!(SdccPlan::flat_pairs(&[(3, 1), (0, 2)]), [3, 1, 0, 2]);
+    }
+
+    /// A status word left at its poison is an error, never a pass.
+    #[test]
+    fn an_unwritten_status_word_is_an_error() {
+        let e = status_error(&[0, SdccPlan::STATUS_POISON], &[(0, 0), (1, 1)], 4).unwrap_err();
+        assert!(format!("{e}").contains("SDCC pair 1"), "{e}");
+        assert!(status_error(&[0, 0], &[(0, 0), (1, 1)], 4).is_ok());
+        // The unfused baseline's row words, poisoned: also an error.
+        let rows = [0, 0, SdccPlan::STATUS_POISON, 0];
+        assert!(status_error(&merge_row_status(&rows), &[(0, 0), (1, 1)], 4).is_err());
+    }
+}

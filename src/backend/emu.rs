@@ -363,76 +363,57 @@ impl Emu {
 /// `−inf`) is an [`Error::NonFinite`].
 fn forward<T: KernelElem>(emu: &Emu, call: ForwardCall<'_, '_, Host, T, f32>) -> Result<()> {
     let (args, o, lse) = call.into_parts();
-    let (q, k, v, shape, mask) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
-    let params = args.params();
-    let (traits, plan) = launch::plan_forward(&shape)?;
-    let var = launch::check_kernel_call("emulated kernels", &args)?;
-    if shape.tokens == 0 {
+    let (shape, mask) = (args.shape(), args.mask());
+    let prog = launch::FwdProgram::new("emulated kernels", &args)?;
+    if prog.empty {
         return Ok(());
     }
-    if params.rope.is_some() {
-        return Err(Error::Unsupported(
-            "internal: rotary reached the rotary-free forward kernel".into(),
-        ));
-    }
+    let (traits, plan) = (prog.traits, prog.plan);
     let (tile_min, tile_max) = emu.kv_tile_bounds(mask.kv_end(), traits.block_n as usize)?;
-    let starts = if var { emu.key_starts(&args)? } else { None };
-    let (softcap_c, softcap_in) = launch::softcap_args(params);
+    let starts = if prog.variants {
+        emu.key_starts(&args)?
+    } else {
+        None
+    };
     let addr = |x: Option<&Vec<u32>>| x.map_or(0, |x| x.as_ptr() as u64);
     let p = FwdParams {
-        q: q.as_ptr() as u64,
-        k: k.as_ptr() as u64,
-        v: v.as_ptr() as u64,
+        q: args.q().as_ptr() as u64,
+        k: args.k().as_ptr() as u64,
+        v: args.v().as_ptr() as u64,
         o: o.as_mut_ptr() as u64,
         lse: lse.as_mut_ptr() as u64,
         kv_end: mask.kv_end().as_ptr() as u64,
         tile_kv_min: tile_min.as_ptr() as u64,
         tile_kv_max: tile_max.as_ptr() as u64,
-        tokens: shape.tokens as u32,
-        q_heads: shape.q_heads as u32,
-        kv_heads: shape.kv_heads as u32,
-        num_key_tiles: tile_min.len() as u32,
-        scale_log2: launch::scale_log2(params),
-        reserved: 0,
         key_start: addr(starts.as_ref().map(|s| &s.starts)),
         start_tile_min: addr(starts.as_ref().map(|s| &s.tile_min)),
         start_tile_max: addr(starts.as_ref().map(|s| &s.tile_max)),
         sinks: args.sinks().map_or(0, |s| s.as_ptr() as u64),
-        softcap_c,
-        softcap_in,
-    };
-    let smem = if var {
-        traits.smem_bytes_var()
-    } else {
-        plan.shared_mem_bytes
+        ..prog.params(&shape, args.params())
     };
     let mut err = [0u8; 1024];
     let mut cp_async_bytes = 0u64;
     // SAFETY: all pointers in `p` refer to live slices whose lengths were
-    // checked against `shape` above (the key starts and their bounds are
-    // sized here, the sinks by `AttnArgs::with_sinks`); the call is
-    // synchronous.
+    // checked against `shape` by `AttnArgs` / `ForwardCall` (the key starts
+    // and their bounds are sized here, the sinks by `AttnArgs::with_sinks`);
+    // the call is synchronous.
     let rc = unsafe {
         ffi::ta_emu_tree_attn_fwd(
             T::DTYPE.code(),
             traits.head_dim,
-            u32::from(var),
+            u32::from(prog.variants),
             &p,
             plan.grid.0,
             plan.grid.1,
             plan.block.0,
-            smem as usize,
+            plan.shared_mem_bytes as usize,
             &emu.config(),
             &mut cp_async_bytes,
             err.as_mut_ptr(),
             err.len(),
         )
     };
-    let name = if var {
-        traits.kernel_name_var(T::DTYPE)
-    } else {
-        traits.kernel_name(T::DTYPE)
-    };
+    let name = prog.kernel_name(T::DTYPE);
     emu_result(&name, rc, &err)?;
     LAST_FORWARD.with(|s| s.set(Some(LaunchStats { cp_async_bytes })));
     check_result("o", o, false)?;

@@ -454,6 +454,88 @@ pub(crate) fn softcap_args(params: &AttnParams) -> (f32, f32) {
     }
 }
 
+/// One forward call sequenced once for the emulator and CUDA (each only
+/// provides the addresses and launches): the kernel (plain or `*_var_*`),
+/// its launch plan and shared memory, and the call's scalar arguments.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FwdProgram {
+    pub traits: FwdTraits,
+    /// The one launch (the variant kernel's shared memory with variants).
+    pub plan: LaunchPlan,
+    /// The call has attention variants: `tree_attn_fwd_var_*` runs, with
+    /// the key starts.
+    pub variants: bool,
+    /// An empty pack: nothing to launch.
+    pub empty: bool,
+}
+
+impl FwdProgram {
+    /// The program of a forward call on the kernels (`kernels` names them
+    /// in errors). Errors: a call they do not compute
+    /// ([`check_kernel_call`]), a head dim with no kernel, a plan past the
+    /// hardware's limits, rotary (rotated around the forward by
+    /// `rope::forward_rotary`).
+    pub(crate) fn new<M: crate::backend::Memory, T: crate::backend::Element>(
+        kernels: &str,
+        args: &crate::backend::AttnArgs<'_, M, T>,
+    ) -> Result<FwdProgram> {
+        let shape = args.shape();
+        let (traits, mut plan) = plan_forward(&shape)?;
+        let variants = check_kernel_call(kernels, args)?;
+        if args.params().rope.is_some() {
+            return Err(Error::Unsupported(
+                "internal: rotary reached the rotary-free forward kernel".into(),
+            ));
+        }
+        if variants {
+            plan.shared_mem_bytes = traits.smem_bytes_var();
+        }
+        Ok(FwdProgram {
+            traits,
+            plan,
+            variants,
+            empty: shape.tokens == 0,
+        })
+    }
+
+    /// The kernel's name for `dtype`.
+    pub(crate) fn kernel_name(&self, dtype: Dtype) -> String {
+        if self.variants {
+            self.traits.kernel_name_var(dtype)
+        } else {
+            self.traits.kernel_name(dtype)
+        }
+    }
+
+    /// The call's scalars in the kernel's argument struct; every address 0
+    /// (the backend sets the ones it has).
+    pub(crate) fn params(&self, shape: &AttnShape, params: &AttnParams) -> FwdParams {
+        let (softcap_c, softcap_in) = softcap_args(params);
+        FwdParams {
+            q: 0,
+            k: 0,
+            v: 0,
+            o: 0,
+            lse: 0,
+            kv_end: 0,
+            tile_kv_min: 0,
+            tile_kv_max: 0,
+            tokens: shape.tokens as u32,
+            q_heads: shape.q_heads as u32,
+            kv_heads: shape.kv_heads as u32,
+            num_key_tiles: shape.tokens.div_ceil(self.traits.block_n as usize) as u32,
+            scale_log2: scale_log2(params),
+            reserved: 0,
+            key_start: 0,
+            start_tile_min: 0,
+            start_tile_max: 0,
+            sinks: 0,
+            softcap_c,
+            softcap_in,
+        }
+    }
+}
+
 /// Mirror of `TreeAttnFwdParams` (kernels/tree_attn_fwd.cu). Pointers are
 /// device addresses (CUDA) or host addresses (emulator).
 #[repr(C)]

@@ -443,7 +443,6 @@ impl CudaBackend {
         Ok(DevicePack {
             tokens,
             tile,
-            num_tiles: tiles,
             fingerprint: mask.fingerprint(),
             visible_pairs: mask.visible_pairs(),
             is_tree: mask.is_tree(),
@@ -472,11 +471,11 @@ impl CudaBackend {
         let (args, o, lse) = call.into_parts();
         let (q, k, v, shape, pack) = (args.q(), args.k(), args.v(), args.shape(), args.mask());
         let params = args.params();
-        let (traits, plan) = launch::plan_forward(&shape)?;
-        if pack.tile != traits.block_n {
+        let prog = launch::FwdProgram::new("CUDA kernels", &args)?;
+        if pack.tile != prog.traits.block_n {
             return Err(Error::Pack(format!(
                 "pack tile bounds are for tiles of {} keys, the kernel uses {}",
-                pack.tile, traits.block_n
+                pack.tile, prog.traits.block_n
             )));
         }
         if params.check_finite {
@@ -493,28 +492,13 @@ impl CudaBackend {
                 }
             }
         }
-        if shape.tokens == 0 {
+        if prog.empty {
             return Ok(());
         }
-        if params.rope.is_some() {
-            return Err(Error::Unsupported(
-                "internal: rotary reached the rotary-free forward kernel".into(),
-            ));
-        }
         let s = &self.stream;
-        let (qp, _g0) = q.device_ptr(s);
-        let (kp, _g1) = k.device_ptr(s);
-        let (vp, _g2) = v.device_ptr(s);
-        let (op, _g3) = o.device_ptr_mut(s);
-        let (lp, _g4) = lse.device_ptr_mut(s);
-        let (ep, _g5) = pack.kv_end.device_ptr(s);
-        let (lo, _g6) = pack.tile_kv_min.device_ptr(s);
-        let (hi, _g7) = pack.tile_kv_max.device_ptr(s);
-        // The attention variants: the `_var_` kernel with the key starts
-        // (window, explicit starts, the sinks' blind rows), the sinks and
-        // the softcap.
-        let var = launch::check_kernel_call("CUDA kernels", &args)?;
-        let starts = if var {
+        // The attention variants: the key starts (window, explicit starts,
+        // the sinks' blind rows), the sinks; the softcap is a scalar.
+        let starts = if prog.variants {
             starts::device_starts(
                 s,
                 pack,
@@ -525,6 +509,14 @@ impl CudaBackend {
         } else {
             None
         };
+        let (qp, _g0) = q.device_ptr(s);
+        let (kp, _g1) = k.device_ptr(s);
+        let (vp, _g2) = v.device_ptr(s);
+        let (op, _g3) = o.device_ptr_mut(s);
+        let (lp, _g4) = lse.device_ptr_mut(s);
+        let (ep, _g5) = pack.kv_end.device_ptr(s);
+        let (lo, _g6) = pack.tile_kv_min.device_ptr(s);
+        let (hi, _g7) = pack.tile_kv_max.device_ptr(s);
         let st = starts.as_deref().map(|d| {
             (
                 d.starts.device_ptr(s),
@@ -533,7 +525,6 @@ impl CudaBackend {
             )
         });
         let sk = args.sinks().map(|x| x.device_ptr(s));
-        let (softcap_c, softcap_in) = launch::softcap_args(params);
         let p = FwdParams {
             q: qp,
             k: kp,
@@ -543,36 +534,25 @@ impl CudaBackend {
             kv_end: ep,
             tile_kv_min: lo,
             tile_kv_max: hi,
-            tokens: shape.tokens as u32,
-            q_heads: shape.q_heads as u32,
-            kv_heads: shape.kv_heads as u32,
-            num_key_tiles: pack.num_tiles as u32,
-            scale_log2: launch::scale_log2(params),
-            reserved: 0,
             key_start: st.as_ref().map_or(0, |x| x.0 .0),
             start_tile_min: st.as_ref().map_or(0, |x| x.1 .0),
             start_tile_max: st.as_ref().map_or(0, |x| x.2 .0),
             sinks: sk.as_ref().map_or(0, |x| x.0),
-            softcap_c,
-            softcap_in,
+            ..prog.params(&shape, params)
         };
-        let at = launch::variant(T::DTYPE, traits.head_dim)?;
-        let (f, plan) = if var {
-            let plan = LaunchPlan {
-                shared_mem_bytes: traits.smem_bytes_var(),
-                ..plan
-            };
-            (&self.fwd_var[at], plan)
+        let at = launch::variant(T::DTYPE, prog.traits.head_dim)?;
+        let f = if prog.variants {
+            &self.fwd_var[at]
         } else {
-            (&self.fwd[at], plan)
+            &self.fwd[at]
         };
         let mut b = s.launch_builder(f);
         b.arg(&p);
         // SAFETY: every buffer's length was checked against `shape` and the
-        // pack above; the kernel stays inside them (rows and keys past
-        // `tokens` are neither loaded nor stored).
-        unsafe { b.launch(config(plan)) }
-            .map_err(cuda_err("launching the tree attention forward"))?;
+        // pack (`AttnArgs`, `ForwardCall`); the kernel stays inside them
+        // (rows and keys past `tokens` are neither loaded nor stored).
+        unsafe { b.launch(config(prog.plan)) }
+            .map_err(|e| Error::Cuda(format!("launching {}: {e}", prog.kernel_name(T::DTYPE))))?;
         Ok(())
     }
 }
@@ -623,7 +603,6 @@ impl<T: SdccElem + DeviceRepr> SdccBackend<T> for CudaBackend {
 pub struct DevicePack {
     tokens: usize,
     tile: u32,
-    num_tiles: usize,
     fingerprint: u64,
     visible_pairs: u64,
     /// [`PackMask::is_tree`] of the uploaded pack.

@@ -244,6 +244,39 @@ fn with_variants_of<'b, M: Memory, T: KernelElem>(
     Ok(plain)
 }
 
+/// The tables of `rope` over the call's pack and the call's q and k rotated
+/// into scratch by them.
+fn rotate_qk<R: RotaryHost<T>, T: KernelElem>(
+    host: &R,
+    rope: Rope,
+    args: &AttnArgs<'_, R::M, T>,
+) -> Result<(R::Tables, R::Rotated, R::Rotated)> {
+    let (shape, mask) = (args.shape(), args.mask());
+    let tables = host.tables(rope, mask)?;
+    let d = shape.head_dim;
+    let q = host.rotate(&tables, mask, args.q(), shape.q_heads, d)?;
+    let k = host.rotate(&tables, mask, args.k(), shape.kv_heads, d)?;
+    Ok((tables, q, k))
+}
+
+/// The rotary-free call's arguments: the rotated `q`, `k`, the rest of
+/// `args` (v, the pack, the variants) and its parameters without rotary.
+fn plain_args<'b, R: RotaryHost<T>, T: KernelElem>(
+    args: &AttnArgs<'b, R::M, T>,
+    q: &'b R::Rotated,
+    k: &'b R::Rotated,
+) -> Result<AttnArgs<'b, R::M, T>> {
+    let plain = AttnArgs::new(
+        R::view(q),
+        R::view(k),
+        args.v(),
+        args.shape(),
+        args.mask(),
+        without_rope(args.params()),
+    )?;
+    with_variants_of(plain, args)
+}
+
 /// Forward with rotary, on any [`RotaryHost`]: q and k scanned (with
 /// `check_finite`), rotated into scratch by the rotary kernel, then the
 /// rotary-free forward on them.
@@ -259,21 +292,8 @@ pub(crate) fn forward_rotary<R: RotaryHost<T>, T: KernelElem>(
     if shape.tokens == 0 {
         return Ok(());
     }
-    let (mask, d) = (args.mask(), shape.head_dim);
-    let tables = host.tables(rope, mask)?;
-    let q = host.rotate(&tables, mask, args.q(), shape.q_heads, d)?;
-    let k = host.rotate(&tables, mask, args.k(), shape.kv_heads, d)?;
-    let args = args.reborrow();
-    let plain = AttnArgs::new(
-        R::view(&q),
-        R::view(&k),
-        args.v(),
-        shape,
-        args.mask(),
-        without_rope(args.params()),
-    )?;
-    let plain = with_variants_of(plain, &args)?;
-    let call = ForwardCall::new(plain, o, lse)?;
+    let (_tables, q, k) = rotate_qk(host, rope, &args)?;
+    let call = ForwardCall::new(plain_args::<R, T>(&args.reborrow(), &q, &k)?, o, lse)?;
     host.forward_plain(call)
 }
 
@@ -305,20 +325,9 @@ pub(crate) fn backward_rotary<R: RotaryHost<T>, T: KernelElem>(
         };
     }
     let (mask, d) = (args.mask(), shape.head_dim);
-    let tables = host.tables(rope, mask)?;
-    let q = host.rotate(&tables, mask, args.q(), shape.q_heads, d)?;
-    let k = host.rotate(&tables, mask, args.k(), shape.kv_heads, d)?;
+    let (tables, q, k) = rotate_qk(host, rope, &args)?;
     {
-        let args = args.reborrow();
-        let plain = AttnArgs::new(
-            R::view(&q),
-            R::view(&k),
-            args.v(),
-            shape,
-            args.mask(),
-            without_rope(args.params()),
-        )?;
-        let plain = with_variants_of(plain, &args)?;
+        let plain = plain_args::<R, T>(&args.reborrow(), &q, &k)?;
         // Every tensor reborrowed for this inner call (the memory's
         // types are invariant in their lifetime): dQ and dK are written
         // again after it.

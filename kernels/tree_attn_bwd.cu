@@ -242,7 +242,7 @@ struct TreeAttnBwdParams {
     uint32_t zero_dq_accum;  // tree_attn_bwd_pre: also zero the accumulator
     uint32_t group_splits;   // the main kernel's gridDim.z; it divides q_heads / kv_heads
     // Slots of dkv_accum summed by tree_attn_bwd_dkv_convert (0: group_splits).
-    // The balanced launch (items non-null): group_splits · max chunks.
+    // The balanced launch (items non-null): its regions (see tile_regions).
     uint32_t dkv_slots;
     // The attention variants (the *_var_* kernels, tree_attn_bwd_pre and
     // tree_attn_bwd_dsinks; null / 0 otherwise): per-row key starts and
@@ -260,13 +260,23 @@ struct TreeAttnBwdParams {
     float softcap_c;
     float softcap_in;
     // The balanced main launch (issue 39 item 1; the 8-warp two-m-tile
-    // kernels, D = 64 and 128, only; null otherwise): per block (blockIdx.x) 8 words {key
-    // tile, kv head, group split, first query tile, end query tile, dkv_accum
-    // slot, 0, 0}; the block walks only the query tiles in [first, end) and
-    // writes its f32 partial dK (scaled), dV to its slot of dkv_accum.
+    // kernels, D = 64 and 128, only; null otherwise): per block (blockIdx.x)
+    // 8 words {key tile, kv head, group split, first query tile, end query
+    // tile, region, 0, 0}; the block walks only the query tiles in [first,
+    // end). A key tile whose walk is cut into ranges (or, with group
+    // splits, every one) gets one region of dkv_accum per (split, range):
+    // a [2, kTaBalancedKeys, D] f32 tile, dK (scaled) then dV of its keys,
+    // which the item writes whole; the others (region kTaNoRegion) store
+    // dK, dV themselves, as today's grid does. Only cut key tiles take
+    // scratch.
     const uint32_t* items;
+    // The balanced launch: per (key tile, kv head) two words {first
+    // region, regions}, the regions tree_attn_bwd_dkv_convert sums in
+    // order into that tile's dK, dV (0 regions: stored by the main kernel,
+    // not touched).
+    const uint32_t* tile_regions;
 };
-static_assert(sizeof(TreeAttnBwdParams) == 216, "TreeAttnBwdParams: update its Rust mirror");
+static_assert(sizeof(TreeAttnBwdParams) == 224, "TreeAttnBwdParams: update its Rust mirror");
 TA_FIELD_AT(TreeAttnBwdParams, q, 0); TA_FIELD_AT(TreeAttnBwdParams, k, 8); TA_FIELD_AT(TreeAttnBwdParams, v, 16);
 TA_FIELD_AT(TreeAttnBwdParams, o, 24); TA_FIELD_AT(TreeAttnBwdParams, d_o, 32);
 TA_FIELD_AT(TreeAttnBwdParams, lse, 40); TA_FIELD_AT(TreeAttnBwdParams, delta, 48);
@@ -283,7 +293,12 @@ TA_FIELD_AT(TreeAttnBwdParams, key_start, 160); TA_FIELD_AT(TreeAttnBwdParams, s
 TA_FIELD_AT(TreeAttnBwdParams, start_tile_max, 176); TA_FIELD_AT(TreeAttnBwdParams, sinks, 184);
 TA_FIELD_AT(TreeAttnBwdParams, dsinks, 192); TA_FIELD_AT(TreeAttnBwdParams, softcap_c, 200);
 TA_FIELD_AT(TreeAttnBwdParams, softcap_in, 204);
-TA_FIELD_AT(TreeAttnBwdParams, items, 208);
+TA_FIELD_AT(TreeAttnBwdParams, items, 208); TA_FIELD_AT(TreeAttnBwdParams, tile_regions, 216);
+
+// The balanced launch's key tile (the 8-warp two-m-tile kernels' BN) and
+// the region of an item that stores dK, dV itself.
+constexpr uint32_t kTaBalancedKeys = 128;
+constexpr uint32_t kTaNoRegion = 0xffffffffu;
 
 #define TA_LOG2E 1.4426950408889634f
 
@@ -1373,13 +1388,32 @@ __device__ __forceinline__ void tree_attn_bwd_dkv_convert_body(const TreeAttnBwd
     float k[8], v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) k[e] = v[e] = 0.f;
-    const uint32_t slots = p.dkv_slots ? p.dkv_slots : p.group_splits;
-    for (uint32_t s = 0; s < slots; ++s) {
-        const float* const pk = p.dkv_accum + 2 * s * kv_len + at + j;
+    if (p.items) {
+        // The balanced launch: the regions of this row's key tile, in
+        // region order (the same every run); none: stored by the main kernel.
+        const uint32_t row = uint32_t(item / p.kv_heads), kv_head = uint32_t(item % p.kv_heads);
+        const uint32_t tile = row / kTaBalancedKeys;
+        const uint32_t* const rt = p.tile_regions + 2 * ((size_t)tile * p.kv_heads + kv_head);
+        const uint32_t first = rt[0], regions = rt[1];
+        if (regions == 0) return;
+        const size_t half = (size_t)kTaBalancedKeys * D;
+        for (uint32_t r = first; r < first + regions; ++r) {
+            const float* const pk = p.dkv_accum + 2 * r * half + (size_t)(row - tile * kTaBalancedKeys) * D + j;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            k[e] += pk[e];
-            v[e] += pk[kv_len + e];
+            for (int e = 0; e < 8; ++e) {
+                k[e] += pk[e];
+                v[e] += pk[half + e];
+            }
+        }
+    } else {
+        const uint32_t slots = p.dkv_slots ? p.dkv_slots : p.group_splits;
+        for (uint32_t s = 0; s < slots; ++s) {
+            const float* const pk = p.dkv_accum + 2 * s * kv_len + at + j;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                k[e] += pk[e];
+                v[e] += pk[kv_len + e];
+            }
         }
     }
     ta_bwd_store8<E>(p.dk + at + j, k);

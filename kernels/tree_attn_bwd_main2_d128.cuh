@@ -479,20 +479,25 @@ __device__ __forceinline__ void tree_attn_bwd_main2_d128_body(const TreeAttnBwdP
         buf ^= 1;
     }
 
-    if (p.group_splits > 1 || p.items) {
-        const uint32_t slot = p.items ? p.items[(size_t)blockIdx.x * 8 + 5] : split;
-        // This slice's (item's) f32 partial dK (scaled) and dV, summed over
-        // the slots by tree_attn_bwd_dkv_convert.
-        const size_t kv_len = (size_t)L * p.kv_heads * D;
-        float* const pk = p.dkv_accum + (size_t)slot * 2 * kv_len;
-        float* const pv = pk + kv_len;
+    static_assert(BN == kTaBalancedKeys, "a balanced launch's region is one key tile");
+    const uint32_t region = p.items ? p.items[(size_t)blockIdx.x * 8 + 5] : kTaNoRegion;
+    if (p.items ? region != kTaNoRegion : p.group_splits > 1) {
+        // This slice's (item's) f32 partial dK (scaled) and dV, summed by
+        // tree_attn_bwd_dkv_convert: slot `split` of [splits, 2, L,
+        // kv_heads, D], or the item's region, [2, BN, D] for keys k0...
+        const size_t half = p.items ? (size_t)BN * D : (size_t)L * p.kv_heads * D;
+        const size_t row_stride = p.items ? (size_t)D : (size_t)p.kv_heads * D;
+        float* const pk = p.dkv_accum + (size_t)(p.items ? region : split) * 2 * half +
+                          (p.items ? 0 : (size_t)kv_head * D);
+        float* const pv = pk + half;
+        const uint32_t row0 = p.items ? k0 : 0u;
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const uint32_t key = k0 + kr0 + m * 16 + g + 8 * r;
                 if (key >= L) continue;
-                const size_t at = ((size_t)key * p.kv_heads + kv_head) * D + col0;
+                const size_t at = (size_t)(key - row0) * row_stride + col0;
 #pragma unroll
                 for (int n = 0; n < kDTiles; ++n) {
                     const size_t e = at + n * 8 + 2 * c;

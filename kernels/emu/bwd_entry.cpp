@@ -156,8 +156,11 @@ extern "C" int ta_emu_tree_attn_bwd(uint32_t dtype, uint32_t head_dim, uint32_t 
         // The balanced launch's item table: among the main kernels, the
         // 8-warp two-m-tile ones only (6, 7, 17, 18; D = 64 and 128), with a
         // scratch for the partials.
+        // Regions of scratch where a key tile is cut (dkv_slots of them, none
+        // when no tile is: then no scratch and no dK / dV conversion).
         if (p->items && ((main_stage && !(stage == 6 || stage == 7 || stage == 17 || stage == 18)) ||
-                         !p->dkv_accum || p->dkv_slots == 0)) {
+                         !p->tile_regions || (p->dkv_accum == nullptr) != (p->dkv_slots == 0) ||
+                         (stage == 5 && p->dkv_slots == 0))) {
             snprintf(err, err_len, "stage %u (d %u): a balanced item table where no kernel reads one", stage, head_dim);
             return 1;
         }

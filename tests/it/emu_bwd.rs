@@ -538,7 +538,11 @@ fn gqa_group_splits_match_the_cpu_and_are_deterministic() {
 /// kernels, d 64 and 128): a
 /// tiny cap cuts every key tile's query walk into ranges (one query tile
 /// each where the cap is 1), launched heaviest first from the item table,
-/// partial dK, dV summed by `dkv_convert`. On a shared-prefix fan and a
+/// each range's partial dK, dV in a region of scratch of its own (poisoned
+/// with NaN: every region must be written whole), summed by `dkv_convert`;
+/// a middling cap cuts some key tiles and leaves the others' items storing
+/// dK, dV themselves; a huge one cuts none (no scratch, no conversion).
+/// On a shared-prefix fan and a
 /// random forest, with GQA (4:1, group splits 1 and 2) and MHA: matches
 /// the CPU backward in both dQ modes, stays within tolerance of today's
 /// grid (the f32 partials are summed in another order: not the same
@@ -568,6 +572,9 @@ fn balanced_launch_matches_the_cpu_and_is_deterministic() {
             (4usize, 1usize, 1u32, 1u64),
             (4, 1, 2, 5_000),
             (2, 2, 1, 3_000),
+            // No key tile cut: every item stores dK, dV itself (no scratch,
+            // no dkv_convert), in the balanced order.
+            (2, 1, 1, u64::MAX / 4),
         ]
         .iter()
         .enumerate()

@@ -276,7 +276,6 @@ mod cuda_target {
     use treeattn::backend::cuda::cudarc::driver::CudaSlice;
     use treeattn::backend::cuda::{CudaBackend, Device, DevicePack};
     use treeattn::backend::{AttentionBackend, BackwardCall, Grads, Saved, SdccBackend};
-    use treeattn::Error;
 
     fn cerr(
         what: &'static str,

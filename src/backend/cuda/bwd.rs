@@ -195,9 +195,10 @@ impl CudaBackward {
     /// `lse` (f32) and `d_o`, writes every element of dq, dk, dv. The
     /// launches, the scratch and the item table are the [`BwdProgram`]'s
     /// (the emulator executes the same one): D and the f32 dQ accumulator,
-    /// `4 · tokens · q_heads · (d + 1)` bytes, plus, with group splits or a
-    /// balanced launch, the f32 dK / dV partials, `8 · slots · tokens ·
-    /// kv_heads · d` bytes, allocated on the stream per call. `balanced`
+    /// `4 · tokens · q_heads · (d + 1)` bytes, plus the f32 dK / dV
+    /// partials, with group splits `8 · splits · tokens · kv_heads · d`
+    /// bytes, in a balanced launch `8 · 128 · d` bytes per region (one per
+    /// (split, range) of a cut key tile), allocated on the stream per call. `balanced`
     /// runs the balanced main launch ([`BwdBalance::Slots`] over this
     /// device's SMs × the main kernel's resident blocks) where the main
     /// kernel reads an item table. No rotary here
@@ -304,19 +305,13 @@ impl CudaBackward {
             unsafe { s.alloc::<f32>(prog.delta_len) }.map_err(cuda_err("allocating D"))?;
         let mut acc = unsafe { s.alloc::<f32>(prog.dq_accum_len) }
             .map_err(cuda_err("allocating the dQ accumulator"))?;
-        // The partials: zeroed where the program says so (a balanced
-        // launch); otherwise every element is written by the main kernel's
-        // z-slices (each writes its slice for every key row < tokens of its
-        // kv head) before tree_attn_bwd_dkv_convert reads it. Without
+        // SAFETY: every element the kernels read is written first (the
+        // program's rule: each group split's z-slice writes its slot for
+        // every key row < tokens of its kv head, each balanced item its whole
+        // region) before tree_attn_bwd_dkv_convert reads it. Without
         // partials a 1-element placeholder, null to the kernels.
-        let dkv_len = prog.dkv_accum_len.max(1);
-        let mut dkv = if prog.dkv_zeroed {
-            s.alloc_zeros::<f32>(dkv_len)
-        } else {
-            // SAFETY: as said above.
-            unsafe { s.alloc::<f32>(dkv_len) }
-        }
-        .map_err(cuda_err("allocating the dK / dV partials"))?;
+        let mut dkv = unsafe { s.alloc::<f32>(prog.dkv_accum_len.max(1)) }
+            .map_err(cuda_err("allocating the dK / dV partials"))?;
         let items = if prog.items.is_empty() {
             None
         } else {
@@ -373,6 +368,7 @@ impl CudaBackward {
             sinks: sk.as_ref().map_or(0, |x| x.0),
             dsinks: dsk.as_ref().map_or(0, |x| x.0),
             items: it.as_ref().map_or(0, |x| x.0),
+            tile_regions: it.as_ref().map_or(0, |x| x.0 + 4 * prog.regions_at as u64),
             ..prog.params(&shape, params)
         };
         for &(stage, plan) in &prog.stages {

@@ -57,12 +57,10 @@ pub(super) fn backward<T: KernelElem>(
     };
     let addr = |x: Option<&Vec<u32>>| x.map_or(0, |x| x.as_ptr() as u64);
     // Poisoned, so that the kernels, not this allocation, must provide every
-    // value (and the accumulator's zeros in atomic mode); the partials
-    // zeroed where the program says so.
+    // value (and the accumulator's zeros in atomic mode).
     let mut delta = vec![f32::NAN; prog.delta_len];
     let mut dq_accum = vec![f32::NAN; prog.dq_accum_len];
-    let fill = if prog.dkv_zeroed { 0.0 } else { f32::NAN };
-    let mut dkv_accum = vec![fill; prog.dkv_accum_len];
+    let mut dkv_accum = vec![f32::NAN; prog.dkv_accum_len];
     let nonempty = |len: usize, p: u64| if len == 0 { 0 } else { p };
     let p = BwdParams {
         q: args.q().as_ptr() as u64,
@@ -86,6 +84,10 @@ pub(super) fn backward<T: KernelElem>(
         sinks: args.sinks().map_or(0, |s| s.as_ptr() as u64),
         dsinks: dsinks.as_mut().map_or(0, |d| d.as_mut_ptr() as u64),
         items: nonempty(prog.items.len(), prog.items.as_ptr() as u64),
+        tile_regions: nonempty(
+            prog.items.len(),
+            prog.items[prog.regions_at..].as_ptr() as u64,
+        ),
         ..prog.params(&shape, args.params())
     };
     let fault = NEGATIVE_CONTROL.with(|f| f.get());

@@ -300,14 +300,15 @@ pub fn group_splits(key_tiles: u64, kv_heads: u64, group: u32) -> u32 {
 }
 
 /// One work item of the balanced backward main launch (issue 39 item 1,
-/// read by the d 128 two-m-tile main kernels through
-/// [`balanced_item_table`], under the emulator only so far): the query tiles
+/// read by the 8-warp two-m-tile main kernels through
+/// [`balanced_item_table`]): the query tiles
 /// `[qt_begin, qt_end)` (of `block_m` rows) of one (key tile, kv head,
 /// group split). A key tile whose query walk is heavier than the cap of
 /// [`balanced_main_items`] is split into `chunks` consecutive query ranges,
-/// chunk `chunk` writing its partial f32 dK / dV to scratch slot `chunk` of
-/// the key tile (summed in chunk order by the convert kernel: the same
-/// order every run, so deterministic mode stays bit-identical run to run).
+/// chunk `chunk` writing its partial f32 dK / dV to a region of scratch of
+/// its own ([`balanced_item_table`]; summed in region order by the convert
+/// kernel: the same order every run, so deterministic mode stays
+/// bit-identical run to run).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MainItem {
     /// Key tile (blockIdx.x of today's grid).
@@ -449,28 +450,70 @@ pub fn balanced_main_items(
     items
 }
 
-/// The kernel's item table of a balanced launch (`TreeAttnBwdParams::items`):
-/// 8 words per item, `{key tile, kv head, group split, first query tile,
-/// end query tile, dkv_accum slot, 0, 0}`, slot `split · max chunks +
-/// chunk`; and the slots (`group_splits · max chunks`, the summed
-/// `dkv_slots`). Slots a key tile with fewer chunks leaves unwritten must
-/// hold zeros.
-pub fn balanced_item_table(items: &[MainItem], group_splits: u32) -> (Vec<u32>, u32) {
-    let max_chunks = items.iter().map(|i| i.chunks).max().unwrap_or(1).max(1);
+/// The tables of a balanced launch, as the kernels read them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BalancedTables {
+    /// `TreeAttnBwdParams::items`: 8 words per item, `{key tile, kv head,
+    /// group split, first query tile, end query tile, region, 0, 0}`, the
+    /// region `u32::MAX` where the item stores dK, dV itself.
+    pub items: Vec<u32>,
+    /// `TreeAttnBwdParams::tile_regions`: per (key tile, kv head), key
+    /// tile major, `{first region, regions}`.
+    pub tile_regions: Vec<u32>,
+    /// Regions in all (`dkv_slots`): `[2, key tile keys, D]` f32 tiles of
+    /// scratch.
+    pub regions: u32,
+}
+
+/// The tables of a balanced launch over `key_tiles` × `kv_heads` (key
+/// tiles of the main kernel's keys): a key tile cut into `chunks > 1`
+/// ranges, or any key tile when the group is split, gets `group_splits ·
+/// chunks` consecutive regions of scratch, one per (split, range) in that
+/// order, which every item writes whole and `dkv_convert` sums in region
+/// order (the same order every run: deterministic mode stays
+/// bit-identical); the other key tiles' items store dK, dV themselves and
+/// take no scratch.
+pub fn balanced_item_table(
+    items: &[MainItem],
+    group_splits: u32,
+    key_tiles: u32,
+    kv_heads: u32,
+) -> BalancedTables {
+    let mut chunks = vec![1u32; key_tiles as usize];
+    for i in items {
+        chunks[i.key_tile as usize] = i.chunks;
+    }
+    let mut tile_regions = Vec::with_capacity(2 * (key_tiles * kv_heads) as usize);
+    let mut regions = 0u32;
+    for &c in &chunks {
+        let n = if c == 1 && group_splits == 1 {
+            0
+        } else {
+            group_splits * c
+        };
+        for _ in 0..kv_heads {
+            tile_regions.extend_from_slice(&[regions, n]);
+            regions += n;
+        }
+    }
     let mut t = Vec::with_capacity(items.len() * 8);
     for i in items {
+        let at = 2 * (i.key_tile * kv_heads + i.kv_head) as usize;
+        let (first, n) = (tile_regions[at], tile_regions[at + 1]);
+        let region = if n == 0 {
+            u32::MAX
+        } else {
+            first + i.split * i.chunks + i.chunk
+        };
         t.extend_from_slice(&[
-            i.key_tile,
-            i.kv_head,
-            i.split,
-            i.qt_begin,
-            i.qt_end,
-            i.split * max_chunks + i.chunk,
-            0,
-            0,
+            i.key_tile, i.kv_head, i.split, i.qt_begin, i.qt_end, region, 0, 0,
         ]);
     }
-    (t, group_splits * max_chunks)
+    BalancedTables {
+        items: t,
+        tile_regions,
+        regions,
+    }
 }
 
 /// The launch plans of one backward call.
@@ -724,16 +767,18 @@ pub(crate) struct BwdProgram {
     /// written by the dQ kernel in deterministic mode).
     pub dq_accum_len: usize,
     /// f32 elements of the dK / dV partials (0: none, the address is 0).
+    /// Every element a kernel reads is written before (group splits: each
+    /// z-slice writes its slot for every key; a balanced launch: each item
+    /// its whole region).
     pub dkv_accum_len: usize,
-    /// The partials must start zeroed: a balanced launch sums every slot
-    /// of a key tile, and a key tile cut into fewer ranges than the most
-    /// leaves its last slots unwritten. Otherwise every element is written
-    /// before it is read.
-    pub dkv_zeroed: bool,
-    /// The balanced launch's item table ([`balanced_item_table`]; empty:
-    /// the grid). Uploaded by the backend, its address in
-    /// [`BwdParams::items`].
+    /// The balanced launch's tables ([`balanced_item_table`]; empty: the
+    /// grid): the item table, then at word [`Self::regions_at`] the tile
+    /// regions. Uploaded by the backend as one buffer, its address in
+    /// [`BwdParams::items`] and that plus `4 · regions_at` bytes in
+    /// [`BwdParams::tile_regions`].
     pub items: Vec<u32>,
+    /// Where the tile regions start in [`Self::items`] (words).
+    pub regions_at: usize,
     /// [`BwdParams::dkv_slots`].
     pub dkv_slots: u32,
 }
@@ -784,8 +829,8 @@ impl BwdProgram {
             delta_len: shape.q_heads * shape.tokens,
             dq_accum_len: shape.q_len(),
             dkv_accum_len: plans.dkv_accum_len(&shape),
-            dkv_zeroed: false,
             items: Vec::new(),
+            regions_at: 0,
             dkv_slots: 0,
         };
         if shape.tokens == 0 {
@@ -823,12 +868,15 @@ impl BwdProgram {
                 cap,
             );
             plans.main.grid = (list.len() as u32, 1, 1);
-            let (items, slots) = balanced_item_table(&list, plans.group_splits);
+            let key_tiles = shape.tokens.div_ceil(traits.main_keys as usize) as u32;
+            let t =
+                balanced_item_table(&list, plans.group_splits, key_tiles, shape.kv_heads as u32);
             program.plans = plans;
-            program.items = items;
-            program.dkv_slots = slots;
-            program.dkv_accum_len = slots as usize * 2 * shape.kv_len();
-            program.dkv_zeroed = true;
+            program.regions_at = t.items.len();
+            program.items = [t.items, t.tile_regions].concat();
+            program.dkv_slots = t.regions;
+            program.dkv_accum_len =
+                t.regions as usize * 2 * traits.main_keys as usize * shape.head_dim;
         }
         let mut stages = vec![(BwdStage::Pre, plans.per_row)];
         if dsinks && args.sinks().is_some() {
@@ -888,6 +936,7 @@ impl BwdProgram {
             softcap_c,
             softcap_in,
             items: 0,
+            tile_regions: 0,
         }
     }
 }
@@ -934,14 +983,16 @@ pub(crate) struct BwdParams {
     /// The balanced main launch's item table (8 words per block; 0: today's
     /// grid). See [`balanced_item_table`].
     pub items: u64,
+    /// The balanced launch's regions per (key tile, kv head).
+    pub tile_regions: u64,
 }
-super::assert_layout!(BwdParams, 216, {
+super::assert_layout!(BwdParams, 224, {
     q: 0, k: 8, v: 16, o: 24, d_o: 32, lse: 40, delta: 48, dq_accum: 56, dq: 64, dk: 72,
     dv: 80, kv_end: 88, tile_kv_min: 96, tile_kv_max: 104, dkv_accum: 112, tokens: 120,
     q_heads: 124, kv_heads: 128, num_key_tiles: 132, scale: 136, scale_log2: 140,
     head_dim: 144, zero_dq_accum: 148, group_splits: 152, dkv_slots: 156, key_start: 160,
     start_tile_min: 168, start_tile_max: 176, sinks: 184, dsinks: 192, softcap_c: 200,
-    softcap_in: 204, items: 208,
+    softcap_in: 204, items: 208, tile_regions: 216,
 });
 
 #[cfg(test)]
@@ -1025,7 +1076,7 @@ mod tests {
         assert_eq!(stages(&p), [Pre, Dsinks, Main, Dq, DqConvert]);
         assert_eq!(Main.name(p.mode, p.variants), "main_var_det");
         assert_eq!(Dq.name(p.mode, p.variants), "dq_var");
-        // Forced splits: partials, summed by dkv_convert, never zeroed.
+        // Forced splits: partials, summed by dkv_convert.
         let split = BwdOptions {
             splits: Some(2),
             ..atomic
@@ -1033,13 +1084,12 @@ mod tests {
         let p = program(&tree, false, false, split).unwrap();
         assert_eq!(stages(&p), [Pre, Main, DqConvert, DkvConvert]);
         assert_eq!(p.dkv_accum_len, 2 * 2 * tree.len() * 2 * 128);
-        assert!(!p.dkv_zeroed);
         // An empty pack: nothing to launch.
         assert!(program(&[], true, false, det).unwrap().stages.is_empty());
     }
 
     #[test]
-    fn a_balanced_program_cuts_the_prompt_and_zeroes_its_partials() {
+    fn a_balanced_program_cuts_the_prompt_and_gives_only_it_scratch() {
         let tree = fan(512, 8, 256);
         let l = tree.len();
         let one_split = BwdOptions {
@@ -1069,9 +1119,32 @@ mod tests {
             p.plans.main
         );
         assert_eq!(p.plans.main.grid.1 * p.plans.main.grid.2, 1);
-        assert_eq!(p.items.len(), 8 * p.plans.main.grid.0 as usize);
-        assert!(p.dkv_slots > 1 && p.dkv_zeroed);
-        assert_eq!(p.dkv_accum_len, p.dkv_slots as usize * 2 * l * 2 * 128);
+        let n_items = p.plans.main.grid.0 as usize;
+        assert_eq!(p.regions_at, 8 * n_items);
+        // 20 key tiles of 128 × 2 kv heads, two words each.
+        assert_eq!(p.items.len(), 8 * n_items + 2 * 20 * 2);
+        // Scratch only for the cut key tiles: one [2, 128, d] region per
+        // range; the uncut tiles' items store dK, dV themselves.
+        let (items, regions) = p.items.split_at(p.regions_at);
+        let cut: Vec<u32> = regions.chunks(2).map(|r| r[1]).collect();
+        assert!(cut.contains(&0) && cut.iter().any(|&n| n > 1), "{cut:?}");
+        assert_eq!(p.dkv_slots, cut.iter().sum::<u32>());
+        assert_eq!(p.dkv_accum_len, p.dkv_slots as usize * 2 * 128 * 128);
+        // Every region is some item's, exactly once; an item without one
+        // belongs to an uncut key tile.
+        let mut owner = vec![0u32; p.dkv_slots as usize];
+        for it in items.chunks(8) {
+            let (tile, kv_head, region) = (it[0], it[1], it[5]);
+            let at = 2 * (tile * 2 + kv_head) as usize;
+            let (first, n) = (regions[at], regions[at + 1]);
+            if region == u32::MAX {
+                assert_eq!(n, 0);
+            } else {
+                assert!((first..first + n).contains(&region));
+                owner[region as usize] += 1;
+            }
+        }
+        assert!(owner.iter().all(|&o| o == 1), "{owner:?}");
         assert_eq!(
             p.params(
                 &AttnShape::new(l, 4, 2, 128),
@@ -1098,7 +1171,7 @@ mod tests {
             ..balanced
         };
         let p = program(&tree, false, false, one).unwrap();
-        assert!(p.items.is_empty() && !p.dkv_zeroed && p.dkv_slots == 0);
+        assert!(p.items.is_empty() && p.dkv_slots == 0);
         let e = program(
             &tree,
             false,

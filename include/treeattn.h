@@ -120,15 +120,16 @@
 #define TREEATTN_PACK_LOSS_LOGPROB 1
 
 /**
- * A pack's mask plan (opaque): `kv_end` and the position ids validated
- * once, with their key-tile bounds, built by [`treeattn_mask_create`] and
- * freed by [`treeattn_mask_destroy`]. The `*_mask` attention entries take
+ * A pack's mask plan (opaque; the crate's `MaskPlan`, Python's
+ * `treeattn.torch.MaskPlan`: one name in every language): `kv_end` and
+ * the position ids validated once, with their key-tile bounds, built by [`treeattn_mask_plan_create`] and
+ * freed by [`treeattn_mask_plan_destroy`]. The `*_mask` attention entries take
  * it in place of the two arrays: no call checks the mask again, and the
  * device entries upload it once per device (by their first call, on that
  * call's stream) and then copy nothing and synchronize nothing. It may be
  * shared by threads; destroy it after the last call that uses it has run.
  */
-typedef struct TreeattnMask TreeattnMask;
+typedef struct TreeattnMaskPlan TreeattnMaskPlan;
 
 /**
  * A packed conditioning tree (opaque): built by [`treeattn_pack_build`],
@@ -228,6 +229,12 @@ typedef struct TreeattnParams {
    */
   int32_t deterministic;
 } TreeattnParams;
+
+/**
+ * The former name of [`TreeattnMaskPlan`], kept so that code written
+ * against it keeps compiling.
+ */
+typedef struct TreeattnMaskPlan TreeattnMask;
 
 /**
  * Result of an SDCC call.
@@ -376,7 +383,7 @@ int32_t treeattn_attention_forward(TreeattnDtype dtype,
 
 /**
  * [`treeattn_attention_forward`] with the pack's plan `mask` (from
- * [`treeattn_mask_create`], of `shape.tokens` tokens) in place of its
+ * [`treeattn_mask_plan_create`], of `shape.tokens` tokens) in place of its
  * `kv_end` and `position_ids`: the mask is not checked again.
  */
 int32_t treeattn_attention_forward_mask(TreeattnDtype dtype,
@@ -384,7 +391,7 @@ int32_t treeattn_attention_forward_mask(TreeattnDtype dtype,
                                         const void *k,
                                         const void *v,
                                         struct TreeattnShape shape,
-                                        const struct TreeattnMask *mask,
+                                        const struct TreeattnMaskPlan *mask,
                                         const struct TreeattnParams *params,
                                         void *o,
                                         void *lse);
@@ -424,7 +431,7 @@ int32_t treeattn_attention_backward_mask(TreeattnDtype dtype,
                                          const void *k,
                                          const void *v,
                                          struct TreeattnShape shape,
-                                         const struct TreeattnMask *mask,
+                                         const struct TreeattnMaskPlan *mask,
                                          const struct TreeattnParams *params,
                                          const void *o,
                                          const void *lse,
@@ -435,22 +442,35 @@ int32_t treeattn_attention_backward_mask(TreeattnDtype dtype,
                                          void *dsinks);
 
 /**
- * Builds the plan of a pack's mask ([`TreeattnMask`]) from its `kv_end`
+ * Builds the plan of a pack's mask ([`TreeattnMaskPlan`]) from its `kv_end`
  * and `position_ids` (`tokens` entries each, host memory, copied;
  * `position_ids` may be null: all zeros, for calls without rotary) into
  * `*out`. Errors: `TREEATTN_ERR_PACK` for a `kv_end` outside
  * `k <= kv_end[k] <= tokens` (the message names the key), null pointers.
  */
-int32_t treeattn_mask_create(const uint32_t *kv_end,
-                             const uint32_t *position_ids,
-                             size_t tokens,
-                             struct TreeattnMask **out);
+int32_t treeattn_mask_plan_create(const uint32_t *kv_end,
+                                  const uint32_t *position_ids,
+                                  size_t tokens,
+                                  struct TreeattnMaskPlan **out);
 
 /**
  * Frees a mask plan (null is allowed and does nothing). No call may be
  * using it, on the host or still queued on a device stream.
  */
-void treeattn_mask_destroy(struct TreeattnMask *mask);
+void treeattn_mask_plan_destroy(struct TreeattnMaskPlan *mask);
+
+/**
+ * The former name of [`treeattn_mask_plan_create`] (the same function).
+ */
+int32_t treeattn_mask_create(const uint32_t *kv_end,
+                             const uint32_t *position_ids,
+                             size_t tokens,
+                             TreeattnMask **out);
+
+/**
+ * The former name of [`treeattn_mask_plan_destroy`] (the same function).
+ */
+void treeattn_mask_destroy(TreeattnMask *mask);
 
 /**
  * Writes the `kv_end` of a pre-order layout whose position ids are depths
@@ -524,7 +544,7 @@ int32_t treeattn_cuda_attention_forward(TreeattnDtype dtype,
 
 /**
  * [`treeattn_cuda_attention_forward`] with the pack's plan `mask` (from
- * `treeattn_mask_create`, of `shape.tokens` tokens) in place of its
+ * `treeattn_mask_plan_create`, of `shape.tokens` tokens) in place of its
  * `kv_end` and `position_ids`: the plan is uploaded to `device` by its
  * first device call (on that call's stream) and reused by every later
  * one — no host-to-device copy, no synchronization.
@@ -536,7 +556,7 @@ int32_t treeattn_cuda_attention_forward_mask(TreeattnDtype dtype,
                                              const void *k,
                                              const void *v,
                                              struct TreeattnShape shape,
-                                             const struct TreeattnMask *mask,
+                                             const struct TreeattnMaskPlan *mask,
                                              const struct TreeattnParams *params,
                                              void *o,
                                              float *lse);
@@ -587,7 +607,7 @@ int32_t treeattn_cuda_attention_backward_mask(TreeattnDtype dtype,
                                               const void *k,
                                               const void *v,
                                               struct TreeattnShape shape,
-                                              const struct TreeattnMask *mask,
+                                              const struct TreeattnMaskPlan *mask,
                                               const struct TreeattnParams *params,
                                               const void *o,
                                               const float *lse,

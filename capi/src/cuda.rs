@@ -20,7 +20,7 @@
 use std::ffi::c_void;
 
 use crate::{
-    check_dtype, guard, AttnCall, AttnGrads, Fail, TreeattnDtype, TreeattnMask, TreeattnParams,
+    check_dtype, guard, AttnCall, AttnGrads, Fail, TreeattnDtype, TreeattnMaskPlan, TreeattnParams,
 };
 #[cfg(feature = "cuda")]
 use crate::{null, params_of, shape_of, slice};
@@ -211,7 +211,7 @@ pub unsafe extern "C" fn treeattn_cuda_attention_forward(
 }
 
 /// [`treeattn_cuda_attention_forward`] with the pack's plan `mask` (from
-/// `treeattn_mask_create`, of `shape.tokens` tokens) in place of its
+/// `treeattn_mask_plan_create`, of `shape.tokens` tokens) in place of its
 /// `kv_end` and `position_ids`: the plan is uploaded to `device` by its
 /// first device call (on that call's stream) and reused by every later
 /// one — no host-to-device copy, no synchronization.
@@ -225,7 +225,7 @@ pub unsafe extern "C" fn treeattn_cuda_attention_forward_mask(
     k: *const c_void,
     v: *const c_void,
     shape: TreeattnShape,
-    mask: *const TreeattnMask,
+    mask: *const TreeattnMaskPlan,
     params: *const TreeattnParams,
     o: *mut c_void,
     lse: *mut f32,
@@ -355,7 +355,7 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward_mask(
     k: *const c_void,
     v: *const c_void,
     shape: TreeattnShape,
-    mask: *const TreeattnMask,
+    mask: *const TreeattnMaskPlan,
     params: *const TreeattnParams,
     o: *const c_void,
     lse: *const f32,

@@ -109,14 +109,15 @@ pub struct TreeattnPack {
     f32s: [Vec<f32>; 2],
 }
 
-/// A pack's mask plan (opaque): `kv_end` and the position ids validated
-/// once, with their key-tile bounds, built by [`treeattn_mask_create`] and
-/// freed by [`treeattn_mask_destroy`]. The `*_mask` attention entries take
+/// A pack's mask plan (opaque; the crate's `MaskPlan`, Python's
+/// `treeattn.torch.MaskPlan`: one name in every language): `kv_end` and
+/// the position ids validated once, with their key-tile bounds, built by [`treeattn_mask_plan_create`] and
+/// freed by [`treeattn_mask_plan_destroy`]. The `*_mask` attention entries take
 /// it in place of the two arrays: no call checks the mask again, and the
 /// device entries upload it once per device (by their first call, on that
 /// call's stream) and then copy nothing and synchronize nothing. It may be
 /// shared by threads; destroy it after the last call that uses it has run.
-pub struct TreeattnMask {
+pub struct TreeattnMaskPlan {
     plan: MaskPlan,
 }
 
@@ -642,13 +643,13 @@ struct AttnCall {
     kv_end: *const u32,
     position_ids: *const u32,
     /// Non-null: the pack's plan, in place of `kv_end` / `position_ids`.
-    mask: *const TreeattnMask,
+    mask: *const TreeattnMaskPlan,
     params: *const TreeattnParams,
 }
 
 /// The plan of a call made with one (null: none), checked against the
 /// call's token count.
-unsafe fn call_plan<'a>(mask: *const TreeattnMask, tokens: usize) -> R<Option<&'a MaskPlan>> {
+unsafe fn call_plan<'a>(mask: *const TreeattnMaskPlan, tokens: usize) -> R<Option<&'a MaskPlan>> {
     if mask.is_null() {
         return Ok(None);
     }
@@ -898,7 +899,7 @@ pub unsafe extern "C" fn treeattn_attention_forward(
 }
 
 /// [`treeattn_attention_forward`] with the pack's plan `mask` (from
-/// [`treeattn_mask_create`], of `shape.tokens` tokens) in place of its
+/// [`treeattn_mask_plan_create`], of `shape.tokens` tokens) in place of its
 /// `kv_end` and `position_ids`: the mask is not checked again.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
@@ -908,7 +909,7 @@ pub unsafe extern "C" fn treeattn_attention_forward_mask(
     k: *const c_void,
     v: *const c_void,
     shape: TreeattnShape,
-    mask: *const TreeattnMask,
+    mask: *const TreeattnMaskPlan,
     params: *const TreeattnParams,
     o: *mut c_void,
     lse: *mut c_void,
@@ -1006,7 +1007,7 @@ pub unsafe extern "C" fn treeattn_attention_backward_mask(
     k: *const c_void,
     v: *const c_void,
     shape: TreeattnShape,
-    mask: *const TreeattnMask,
+    mask: *const TreeattnMaskPlan,
     params: *const TreeattnParams,
     o: *const c_void,
     lse: *const c_void,
@@ -1053,17 +1054,17 @@ unsafe fn host_backward(entry: &str, dtype: TreeattnDtype, c: AttnCall, g: AttnG
     })
 }
 
-/// Builds the plan of a pack's mask ([`TreeattnMask`]) from its `kv_end`
+/// Builds the plan of a pack's mask ([`TreeattnMaskPlan`]) from its `kv_end`
 /// and `position_ids` (`tokens` entries each, host memory, copied;
 /// `position_ids` may be null: all zeros, for calls without rotary) into
 /// `*out`. Errors: `TREEATTN_ERR_PACK` for a `kv_end` outside
 /// `k <= kv_end[k] <= tokens` (the message names the key), null pointers.
 #[no_mangle]
-pub unsafe extern "C" fn treeattn_mask_create(
+pub unsafe extern "C" fn treeattn_mask_plan_create(
     kv_end: *const u32,
     position_ids: *const u32,
     tokens: usize,
-    out: *mut *mut TreeattnMask,
+    out: *mut *mut TreeattnMaskPlan,
 ) -> i32 {
     guard(|| {
         if out.is_null() {
@@ -1082,7 +1083,7 @@ pub unsafe extern "C" fn treeattn_mask_create(
             slice("position_ids", position_ids, tokens)?
         };
         let plan = MaskPlan::new(kv_end, pos)?;
-        *out = Box::into_raw(Box::new(TreeattnMask { plan }));
+        *out = Box::into_raw(Box::new(TreeattnMaskPlan { plan }));
         Ok(())
     })
 }
@@ -1090,10 +1091,31 @@ pub unsafe extern "C" fn treeattn_mask_create(
 /// Frees a mask plan (null is allowed and does nothing). No call may be
 /// using it, on the host or still queued on a device stream.
 #[no_mangle]
-pub unsafe extern "C" fn treeattn_mask_destroy(mask: *mut TreeattnMask) {
+pub unsafe extern "C" fn treeattn_mask_plan_destroy(mask: *mut TreeattnMaskPlan) {
     if !mask.is_null() {
         let _ = catch_unwind(AssertUnwindSafe(|| drop(Box::from_raw(mask))));
     }
+}
+
+/// The former name of [`TreeattnMaskPlan`], kept so that code written
+/// against it keeps compiling.
+pub type TreeattnMask = TreeattnMaskPlan;
+
+/// The former name of [`treeattn_mask_plan_create`] (the same function).
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_mask_create(
+    kv_end: *const u32,
+    position_ids: *const u32,
+    tokens: usize,
+    out: *mut *mut TreeattnMask,
+) -> i32 {
+    treeattn_mask_plan_create(kv_end, position_ids, tokens, out)
+}
+
+/// The former name of [`treeattn_mask_plan_destroy`] (the same function).
+#[no_mangle]
+pub unsafe extern "C" fn treeattn_mask_destroy(mask: *mut TreeattnMask) {
+    treeattn_mask_plan_destroy(mask)
 }
 
 /// Writes the `kv_end` of a pre-order layout whose position ids are depths

@@ -1,4 +1,4 @@
-"""FlexAttention BlockMask of a tree pack: treeattn's TreeMask.block_mask
+"""FlexAttention BlockMask of a tree pack: treeattn's MaskPlan.block_mask
 (the crate's block census, O(L + n²)) against create_block_mask (mask_mod
 evaluated per pair), on the same kv_end, same process, interleaved.
 
@@ -40,7 +40,7 @@ def main():
     a = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, block {a.block}, "
           f"create_block_mask _compile={a.compile}")
-    print("| L | TreeMask.block_mask, s | create_block_mask, s | ratio | index memory, MiB |")
+    print("| L | MaskPlan.block_mask, s | create_block_mask, s | ratio | index memory, MiB |")
     print("|---|---|---|---|---|")
     for L in (int(x) for x in a.tokens.split(",")):
         kv = fan(L)
@@ -53,7 +53,7 @@ def main():
         ref = None
         for _ in range(a.reps):
             t0 = time.perf_counter()
-            bm = tt.TreeMask(kv).block_mask(a.block)
+            bm = tt.MaskPlan(kv).block_mask(a.block)
             ours.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             try:

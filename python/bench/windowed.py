@@ -73,7 +73,7 @@ def main():
     ab = _attention_bench()
     kv_end = ab.make_pack("compaction", args.tokens)
     L, H, d, W = kv_end.shape[0], args.heads, args.head_dim, args.window
-    mask = tt.TreeMask(kv_end)
+    mask = tt.MaskPlan(kv_end)
     dense_w = dense_window_mask(mask, W)
     pairs_tree = ab.visible_pairs(kv_end)
     pairs_window = int(dense_w.sum())

@@ -207,7 +207,7 @@ def test_cuda_explicit_key_starts_are_the_window():
     L, W = 200, 4
     kv_end = random_forest(L, gen, 0.1)
     q, k, v = (torch.randn(L, h, 64, generator=gen).to(torch.bfloat16).cuda() for h in (4, 2, 2))
-    mask = tt.TreeMask(kv_end)
+    mask = tt.MaskPlan(kv_end)
     op = torch.ops.treeattn.tree_attention_fwd
     win, _ = op(q, k, v, kv_end.cuda(), None, 0.125, None, None, 0, 0, W, None, None, None)
     st, _ = op(q, k, v, kv_end.cuda(), None, 0.125, None, None, 0, 0, None, None, None,

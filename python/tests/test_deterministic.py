@@ -68,7 +68,7 @@ def test_deterministic_changes_nothing_on_cpu(dtype, variants, gen):
 
 def test_deterministic_with_sinks_and_a_mask_plan_changes_nothing_on_cpu(gen):
     x, kv_end, pos, d_o = _inputs(gen)
-    mask = tt.TreeMask(kv_end, pos)
+    mask = tt.MaskPlan(kv_end, pos)
     sinks = torch.randn(4, generator=gen)
     outs = []
     for det in (False, True):

@@ -1,4 +1,4 @@
-"""TreeMask.from_positions: the mask of a pre-order layout whose position
+"""MaskPlan.from_positions: the mask of a pre-order layout whose position
 ids are depths (issue 38) — every treeattn pack, and Hugging Face's
 padding-free packed batches (a forest of chains)."""
 
@@ -21,7 +21,7 @@ def test_the_golden_pack_and_every_sample_pack_come_back_from_their_positions():
         for layout in ("trie", "replicated"):
             for share in (True, False):
                 for p in treeattn.pack(rollouts, layout=layout, share_prefixes=share, budget=1000):
-                    m = tt.TreeMask.from_positions(p.position_ids)
+                    m = tt.MaskPlan.from_positions(p.position_ids)
                     assert torch.equal(m.kv_end, p.kv_end), (layout, share)
                     assert torch.equal(m.position_ids, p.position_ids)
 
@@ -30,35 +30,35 @@ def test_random_forests_and_the_rule_as_written(gen):
     for L in (1, 2, 7, 64, 200):
         for _ in range(5):
             kv = random_forest(L, gen)
-            depth = tt.TreeMask(kv).depths()
-            m = tt.TreeMask.from_positions(depth)
+            depth = tt.MaskPlan(kv).depths()
+            m = tt.MaskPlan.from_positions(depth)
             assert torch.equal(m.kv_end, kv)
             assert m.kv_end.tolist() == rule(depth.tolist())
-            assert torch.equal(m.dense(), tt.TreeMask(kv).dense())
+            assert torch.equal(m.dense(), tt.MaskPlan(kv).dense())
 
 
 def test_batch_dim_of_one_and_device():
-    m = tt.TreeMask.from_positions(torch.tensor([[0, 1, 1, 0]], dtype=torch.int32))
+    m = tt.MaskPlan.from_positions(torch.tensor([[0, 1, 1, 0]], dtype=torch.int32))
     assert m.kv_end.tolist() == [3, 2, 3, 4] and m.position_ids.tolist() == [0, 1, 1, 0]
-    assert len(tt.TreeMask.from_positions(torch.zeros(0, dtype=torch.int64))) == 0
+    assert len(tt.MaskPlan.from_positions(torch.zeros(0, dtype=torch.int64))) == 0
 
 
 def test_what_is_no_pre_order_is_refused_naming_the_row():
     with pytest.raises(ValueError, match=r"position_ids\[0\] = 3: the first row must be a root"):
-        tt.TreeMask.from_positions(torch.tensor([3, 4, 5]))  # an offset chunk, not a tree
+        tt.MaskPlan.from_positions(torch.tensor([3, 4, 5]))  # an offset chunk, not a tree
     with pytest.raises(ValueError, match=r"position_ids\[3\] = 3 after position_ids\[2\] = 1"):
-        tt.TreeMask.from_positions(torch.tensor([0, 1, 1, 3]))
+        tt.MaskPlan.from_positions(torch.tensor([0, 1, 1, 3]))
     with pytest.raises(ValueError, match=r"position_ids\[1\] = -1 is outside"):
-        tt.TreeMask.from_positions(torch.tensor([0, -1]))
+        tt.MaskPlan.from_positions(torch.tensor([0, -1]))
     with pytest.raises(ValueError, match=r"\[L\] or \[1, L\]"):
-        tt.TreeMask.from_positions(torch.zeros(2, 3, dtype=torch.int64))
+        tt.MaskPlan.from_positions(torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="integer"):
-        tt.TreeMask.from_positions(torch.zeros(3))
+        tt.MaskPlan.from_positions(torch.zeros(3))
     with pytest.raises(ValueError, match="integer"):
-        tt.TreeMask.from_positions([0, 1, 2])
+        tt.MaskPlan.from_positions([0, 1, 2])
     # PackError is a ValueError subclass of treeattn's own.
     with pytest.raises(treeattn.PackError):
-        tt.TreeMask.from_positions(torch.tensor([0, 2]))
+        tt.MaskPlan.from_positions(torch.tensor([0, 2]))
 
 
 def test_hf_padding_free_batches_are_forests_of_chains():
@@ -71,7 +71,7 @@ def test_hf_padding_free_batches_are_forests_of_chains():
     batch = transformers.DataCollatorWithFlattening(return_tensors="pt")(features)
     pos = batch["position_ids"]
     assert pos.shape == (1, sum(lengths))
-    m = tt.TreeMask.from_positions(pos)
+    m = tt.MaskPlan.from_positions(pos)
     ends = torch.tensor(lengths).cumsum(0)
     expect = torch.repeat_interleave(ends, torch.tensor(lengths))
     assert torch.equal(m.kv_end, expect)  # kv_end = end of own sequence

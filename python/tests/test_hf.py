@@ -163,11 +163,11 @@ def test_one_mask_plan_per_forward(setup):
     with treeattn.torch.count_mask_work() as n:
         ref = run()
     assert n == {"plan_builds": 1, "validations": 1}, n
-    # A TreeMask given by the caller is used as it is.
+    # A MaskPlan given by the caller is used as it is.
     with treeattn.torch.count_mask_work() as n:
         given = model(
             input_ids=pack.tokens[None], position_ids=pack.position_ids[None],
-            kv_end=treeattn.torch.TreeMask(kv_end),
+            kv_end=treeattn.torch.MaskPlan(kv_end),
         ).logits
     assert n == {"plan_builds": 1, "validations": 1}, n
     assert torch.equal(given, ref)

@@ -1,4 +1,4 @@
-"""TreeMask: the mask validated once, and its exact forms for other kernels:
+"""MaskPlan: the mask validated once, and its exact forms for other kernels:
 FlexAttention's BlockMask (from the crate's block census, against
 create_block_mask's), FlashMask's startend_row_indices, TRL's tin / tout;
 backend="flex" against the crate's op."""
@@ -41,7 +41,7 @@ def rows_as_sets(num, idx):
 def test_block_census_equals_create_block_mask(block, gen):
     for kv in masks(gen):
         L = kv.shape[0]
-        m = tt.TreeMask(kv)
+        m = tt.MaskPlan(kv)
         kv_pad = torch.cat([kv, torch.zeros(block, dtype=kv.dtype)])
 
         def mod(b, h, q, k):
@@ -62,7 +62,7 @@ def test_block_census_equals_create_block_mask(block, gen):
 
 def test_flashmask_and_tin_tout_are_the_tree_mask(gen):
     for kv in masks(gen):
-        m = tt.TreeMask(kv)
+        m = tt.MaskPlan(kv)
         L = len(m)
         q, k = torch.meshgrid(torch.arange(L), torch.arange(L), indexing="ij")
         lts = m.flashmask()[0, 0, :, 0]
@@ -85,7 +85,7 @@ def test_flex_with_our_block_mask_equals_our_op(gen):
     for kv, heads in ((random_forest(300, gen, padding=0.05), (4, 2)), (fan(70, 4, 50), (2, 2))):
         L = kv.shape[0]
         pos = depths(kv)
-        m = tt.TreeMask(kv, pos)
+        m = tt.MaskPlan(kv, pos)
         q = torch.randn(L, heads[0], 16)
         k, v = (torch.randn(L, heads[1], 16) for _ in range(2))
         ours = tt.tree_attention(q, k, v, m)
@@ -95,7 +95,7 @@ def test_flex_with_our_block_mask_equals_our_op(gen):
         rot_flex = tt.tree_attention(q, k, v, m, rope_base=10000.0, backend="flex", block_size=32)
         assert rel_err(rot_flex, rot) <= 1e-5
         # Negative control: the plain causal block mask gives another O.
-        causal = tt.tree_attention(q, k, v, tt.TreeMask(torch.full((L,), L)), backend="flex", block_size=32)
+        causal = tt.tree_attention(q, k, v, tt.MaskPlan(torch.full((L,), L)), backend="flex", block_size=32)
         assert rel_err(causal, ours) > 1e-3
     # "auto" on CPU is the crate's op.
     assert torch.equal(tt.tree_attention(q, k, v, m, backend="auto"), tt.tree_attention(q, k, v, m))
@@ -103,22 +103,22 @@ def test_flex_with_our_block_mask_equals_our_op(gen):
 
 def test_tree_mask_validates_once_and_refuses_bad_input():
     (p,) = treeattn.pack(GOLDEN)
-    m = tt.TreeMask(p.kv_end, p.position_ids)
+    m = tt.MaskPlan(p.kv_end, p.position_ids)
     assert len(m) == 16 and m.kv_end.dtype == torch.int64
     with pytest.raises(ValueError, match=r"kv_end\[1\] = 0"):
-        tt.TreeMask(torch.tensor([2, 0]))
+        tt.MaskPlan(torch.tensor([2, 0]))
     with pytest.raises(ValueError, match="1-D integer"):
-        tt.TreeMask(torch.tensor([[2, 2]]))
+        tt.MaskPlan(torch.tensor([[2, 2]]))
     with pytest.raises(ValueError, match="1-D integer"):
-        tt.TreeMask(torch.tensor([2.0, 2.0]))
+        tt.MaskPlan(torch.tensor([2.0, 2.0]))
     with pytest.raises(ValueError, match="position_ids has 3 entries"):
-        tt.TreeMask(torch.tensor([2, 2]), torch.tensor([0, 1, 2]))
+        tt.MaskPlan(torch.tensor([2, 2]), torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="block_size"):
         m.block_census(0)
     q = torch.randn(16, 2, 8)
     with pytest.raises(ValueError, match="backend"):
         tt.tree_attention(q, q, q, m, backend="fast")
-    # The TreeMask's position ids drive rotary when none are given.
+    # The MaskPlan's position ids drive rotary when none are given.
     a = tt.tree_attention(q, q, q, m, rope_base=500.0)
     b = tt.tree_attention(q, q, q, p.kv_end, position_ids=p.position_ids, rope_base=500.0)
     assert torch.equal(a, b)
@@ -126,7 +126,7 @@ def test_tree_mask_validates_once_and_refuses_bad_input():
 
 def test_magi_ranges_cover_exactly_the_tree_mask(gen):
     for kv in list(masks(gen)) + [torch.tensor([2, 1]), torch.tensor([4, 2, 2, 3, 4]), random_forest(90, gen, padding=0.3)]:
-        m = tt.TreeMask(kv)
+        m = tt.MaskPlan(kv)
         L = len(m)
         qr, kr, types = m.magi_ranges()
         dense = torch.zeros(L, L, dtype=torch.int64)
@@ -142,16 +142,16 @@ def test_magi_ranges_cover_exactly_the_tree_mask(gen):
 
 
 def test_tree_mask_plan_is_reused_and_equals_the_per_call_path(gen):
-    """A TreeMask's plan is validated once (at construction) and then used
+    """A MaskPlan's plan is validated once (at construction) and then used
     by every call, forward and backward, with the same results as a bare
     kv_end (bit for bit: the same crate code on the same mask). Position
     ids other than the mask's take the per-call path; a plan whose
-    TreeMask is gone is never looked up (its id is dead)."""
+    MaskPlan is gone is never looked up (its id is dead)."""
     (p,) = treeattn.pack(GOLDEN)
     kv = random_forest(90, gen, padding=0.1)
     pos = depths(kv)
     with tt.count_mask_work() as n:
-        m = tt.TreeMask(kv, pos)
+        m = tt.MaskPlan(kv, pos)
     assert n == {"plan_builds": 1, "validations": 1}, n
     assert m._native.fingerprint != 0 and len(m._native) == 90 and m._native.device_copies == 0
     q = torch.randn(90, 4, 16, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -181,7 +181,7 @@ def test_tree_mask_plan_is_reused_and_equals_the_per_call_path(gen):
         x = torch.zeros(90, 1, 8)
         treeattn._native.attention_forward(
             "float32", x.data_ptr(), x.data_ptr(), x.data_ptr(), 0, 0, x.data_ptr(),
-            torch.zeros(90).data_ptr(), 90, 1, 1, 8, 1.0, plan=tt.TreeMask(p.kv_end)._native,
+            torch.zeros(90).data_ptr(), 90, 1, 1, 8, 1.0, plan=tt.MaskPlan(p.kv_end)._native,
         )
     pid = m._plan_id
     del m, ours, a, x, y

@@ -169,7 +169,7 @@ def test_reprs_show_sizes_and_dir_shows_the_api():
     assert len(r) < 200 and "tensor" not in r  # the dataclass repr printed 36,847 characters
     (rep,) = treeattn.pack(SAMPLE, layout="replicated")
     assert "sdcc_pairs" not in repr(rep) and "tokens=3040" in repr(rep)
-    assert repr(tt.TreeMask(p.kv_end, p.position_ids)) == "TreeMask(L=1793, with position_ids, device=cpu)"
+    assert repr(tt.MaskPlan(p.kv_end, p.position_ids)) == "MaskPlan(L=1793, with position_ids, device=cpu)"
     assert repr(treeattn.paths(p.kv_end)).startswith("Paths(rows=1793, nodes=")
     names = set(dir(treeattn))
     assert set(treeattn.__all__) <= names and "torch" in names  # imported above

@@ -183,7 +183,7 @@ def test_every_trained_token_equals_its_sample_alone(setup):
     # The mask: TRL's paths exactly, and the same as the depths give.
     m = treeattn.trl.tree_mask(packed["tree_kv_index"], packed["tree_cu_seqlens_q"], packed["tree_cu_seqlens_k"],
                                packed["position_ids"])
-    assert torch.equal(m.kv_end, tt.TreeMask.from_positions(packed["position_ids"]).kv_end)
+    assert torch.equal(m.kv_end, tt.MaskPlan.from_positions(packed["position_ids"]).kv_end)
     visible = m.dense()
     cq, ck, kv = packed["tree_cu_seqlens_q"].tolist(), packed["tree_cu_seqlens_k"].tolist(), packed["tree_kv_index"]
     trl_dense = torch.zeros(L, L, dtype=torch.bool)

@@ -220,7 +220,7 @@ def test_per_row_counts_equal_the_twins_on_random_forests():
             kv = random_forest(L, gen, padding=padding)
             assert torch.equal(D.visible_keys_per_query(kv), old_visible_keys_per_query(kv))
             assert torch.equal(treeattn.hf.tree_depths(kv), old_depths(kv))
-            assert torch.equal(tt.TreeMask(kv).depths(), old_depths(kv))
+            assert torch.equal(tt.MaskPlan(kv).depths(), old_depths(kv))
             # int32 in, int64 out, like the twins
             assert torch.equal(treeattn.hf.tree_depths(kv.to(torch.int32)), old_depths(kv))
     # A valid kv_end that is no tree (crossing ranges): the same counts.

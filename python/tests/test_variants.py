@@ -198,7 +198,7 @@ def test_flex_backend_computes_the_same_forward(gen):
     CPU: forward only, and without the LSE sinks need there: refused)."""
     q, k, v, kv_end, sinks = make(gen, 200, 4, 2, 16, 16, dtype=torch.float32, sinks=True)
     q, k, v, sinks = (t.detach() for t in (q, k, v, sinks))
-    mask = tt.TreeMask(kv_end)
+    mask = tt.MaskPlan(kv_end)
     for kw in [dict(window=7), dict(softcap=1.5), dict(window=3, softcap=2.0)]:
         ours = tt.tree_attention(q, k, v, mask, **kw)
         flex = tt.tree_attention(q, k, v, mask, backend="flex", block_size=64, **kw)
@@ -209,12 +209,12 @@ def test_flex_backend_computes_the_same_forward(gen):
 
 def test_windowed_block_census_is_sound(gen):
     kv_end = random_forest(300, gen, padding=0.05)
-    m = tt.TreeMask(kv_end)
+    m = tt.MaskPlan(kv_end)
     dep = m.depths()
     assert torch.equal(dep, depths(kv_end))
     for w in (1, 4, 30):
         idx = torch.arange(300)
-        dense = tt.TreeMask(kv_end).dense() & (dep[:, None] - dep[None, :] < w)
+        dense = tt.MaskPlan(kv_end).dense() & (dep[:, None] - dep[None, :] < w)
         num, ind, fnum, find = m.block_census(32, window=w)
         plain = m.block_census(32)
         assert int(num.sum() + fnum.sum()) <= int(plain[0].sum() + plain[2].sum())

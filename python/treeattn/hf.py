@@ -75,7 +75,7 @@ from torch import Tensor
 # The chunked head ops live in treeattn/head.py (the op layer); CHUNK_ELEMENTS
 # and default_chunk stay importable from here, where they were.
 from .head import CHUNK_ELEMENTS, _head_logits, _HeadLogprob, _HeadSdcc, _Post, default_chunk  # noqa: F401
-from .torch import TreeMask, _depths, tree_attention
+from .torch import MaskPlan, _depths, tree_attention
 
 __all__ = [
     "register", "attention", "target_logprobs", "pack_loss", "values", "default_chunk",
@@ -91,13 +91,13 @@ _CHECK_POSITIONS = True
 # tensors' versions, so that the other layers of the same forward skip the
 # check, and a new or modified tensor is checked again.
 _checked: Optional[Tuple[Any, Any, int, int]] = None
-# The mask plan (TreeMask) of the forest kv_end seen last (_forest: the same
+# The mask plan (MaskPlan) of the forest kv_end seen last (_forest: the same
 # tensor in every layer of a forward): a weak reference to it, its version
 # and the device; built by the first attention layer of a forward and reused
 # by every other layer (and by a later forward on the same, unmodified
 # tensor). A new tensor, an in-place change (its version moves) or another
 # device builds a new one.
-_plan: Optional[Tuple[Any, int, Any, TreeMask]] = None
+_plan: Optional[Tuple[Any, int, Any, MaskPlan]] = None
 # Calls of :func:`attention` so far: the scoring functions check that a
 # forward reached it (a model whose attention bypasses transformers'
 # attention interface would otherwise score the pack with plain causal
@@ -105,13 +105,13 @@ _plan: Optional[Tuple[Any, int, Any, TreeMask]] = None
 _attention_calls = 0
 
 
-def _mask_plan(kv_end: Tensor, device: torch.device) -> TreeMask:
+def _mask_plan(kv_end: Tensor, device: torch.device) -> MaskPlan:
     """The plan of ``kv_end`` on ``device``, built once per tensor."""
     global _plan
     c = _plan
     if c is not None and c[0]() is kv_end and c[1] == kv_end._version and c[2] == device:
         return c[3]
-    m = TreeMask(kv_end, device=device)
+    m = MaskPlan(kv_end, device=device)
     _plan = (weakref.ref(kv_end), kv_end._version, device, m)
     return m
 
@@ -360,8 +360,8 @@ def attention(
             "arguments to its attention function — its decoder layer drops them, as Nemotron's and StableLM's "
             "do in transformers 5.24 — and cannot run on a tree pack)"
         )
-    given: Optional[TreeMask] = None
-    if isinstance(kv_end, TreeMask):
+    given: Optional[MaskPlan] = None
+    if isinstance(kv_end, MaskPlan):
         given, kv_end = kv_end, kv_end.kv_end
     if not isinstance(kv_end, Tensor):
         raise ValueError(f"kv_end must be a torch.Tensor, got {type(kv_end).__name__}")
@@ -383,7 +383,7 @@ def attention(
         )
     B, L = int(query.shape[0]), int(query.shape[2])
     if given is not None and B != 1:
-        raise ValueError(f"a TreeMask is one pack's mask, got a batch of {B}: pass treeattn.collate's kv_end [B, L]")
+        raise ValueError(f"a MaskPlan is one pack's mask, got a batch of {B}: pass treeattn.collate's kv_end [B, L]")
     shape2 = (1,) + tuple(kv_end.shape) if kv_end.dim() == 1 else tuple(kv_end.shape)
     if shape2 != (B, L):
         raise ValueError(

@@ -32,7 +32,7 @@ stream with torch's device pointers (the kernels are loaded once per device
 into its primary context, torch's; no context or stream is created). With a
 bare ``kv_end`` tensor the pack's ``kv_end`` / ``position_ids`` are read on
 the host (copied there if they live on the GPU: a stream synchronization)
-and uploaded per call; with a :class:`TreeMask` they are validated once and
+and uploaded per call; with a :class:`MaskPlan` they are validated once and
 uploaded by its first CUDA call, and every later call (every layer) copies
 nothing and synchronizes nothing. :func:`count_mask_work` counts the
 copies. float32 / float64 CUDA inputs
@@ -63,7 +63,7 @@ from ._native import TreeattnError, UnsupportedError
 
 __all__ = [
     "tree_attention", "sdcc_forward_kl", "set_num_threads", "get_num_threads", "cuda_built", "cpu_isa",
-    "TreeMask", "count_mask_work",
+    "MaskPlan", "TreeMask", "count_mask_work",
 ]
 
 _threads = 0  # 0: the crate's default (TREEATTN_THREADS or all cores)
@@ -116,7 +116,7 @@ def _count(what: str) -> None:
 @contextlib.contextmanager
 def count_mask_work() -> Iterator[Dict[str, int]]:
     """Debug mode: counts, while the ``with`` block runs, what the package
-    does with a pack's mask — ``"plan_builds"`` (:class:`TreeMask` built),
+    does with a pack's mask — ``"plan_builds"`` (:class:`MaskPlan` built),
     ``"validations"`` (``kv_end`` / ``position_ids`` checked and converted
     for the crate: once per plan, or once per call with a bare ``kv_end``)
     and ``"host_copies"`` (mask data copied from a device to the host: a
@@ -280,10 +280,10 @@ def _host(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.cpu()
 
 
-# Live TreeMasks by plan id: the ops take the id (an int, which custom ops
+# Live MaskPlans by plan id: the ops take the id (an int, which custom ops
 # and torch.compile pass through) and find the plan here; a plan that is
-# gone (its TreeMask collected) falls back to the kv_end tensor.
-_PLANS: "weakref.WeakValueDictionary[int, TreeMask]" = weakref.WeakValueDictionary()
+# gone (its MaskPlan collected) falls back to the kv_end tensor.
+_PLANS: "weakref.WeakValueDictionary[int, MaskPlan]" = weakref.WeakValueDictionary()
 _PLAN_IDS = itertools.count(1)
 
 
@@ -291,7 +291,7 @@ def _call_mask(
     plan: int, kv_end: Tensor, position_ids: Optional[Tensor], L: int, *, host: bool
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Any]]:
     """The mask of one op call: ``(None, None, native plan)`` when ``plan``
-    names a live TreeMask of ``L`` tokens (nothing checked, copied or
+    names a live MaskPlan of ``L`` tokens (nothing checked, copied or
     uploaded again), else kv_end / position_ids validated as int32 host
     buffers (copied there first when ``host`` says they may be on a
     device)."""
@@ -433,7 +433,7 @@ def _no_cuda(what: str) -> None:
 # the mask of a pack, validated once, and its forms for other kernels
 
 
-class TreeMask:
+class MaskPlan:
     """The mask of one pack — ``kv_end`` (query ``q`` sees key ``k`` iff
     ``k <= q < kv_end[k]``) and its position ids — validated once, for every
     attention call and layer of a forward, and converted for the kernels
@@ -442,7 +442,7 @@ class TreeMask:
     ``kv_end``, ``position_ids``: ``[L]`` integer tensors (``position_ids``
     optional: needed for rotary). ``device``: where the int64 copies live
     (default: ``kv_end``'s); int32 host copies (read as u32 by the crate)
-    are kept too. Pass a ``TreeMask`` wherever :func:`tree_attention` takes
+    are kept too. Pass a ``MaskPlan`` wherever :func:`tree_attention` takes
     ``kv_end``.
 
     Interop, each exact (tested against the dense mask):
@@ -496,7 +496,7 @@ class TreeMask:
         self._block_masks: Dict[Tuple[int, Optional[int]], Any] = {}
 
     @classmethod
-    def from_positions(cls, position_ids: Tensor, *, device: Any = None) -> "TreeMask":
+    def from_positions(cls, position_ids: Tensor, *, device: Any = None) -> "MaskPlan":
         """The mask of a pre-order layout whose position ids are depths —
         a treeattn pack, TRL's tree rows, Hugging Face's padding-free packed
         batches (positions restarting at 0: a forest of chains) — with
@@ -535,8 +535,8 @@ class TreeMask:
     def _fresh(self) -> None:
         if self._current_versions() != self._versions:
             raise ValueError(
-                "this TreeMask's kv_end or position_ids was modified in place after the mask was built: "
-                "its validated plan would no longer match them; build a new TreeMask for the new mask"
+                "this MaskPlan's kv_end or position_ids was modified in place after the mask was built: "
+                "its validated plan would no longer match them; build a new MaskPlan for the new mask"
             )
 
     @property
@@ -559,7 +559,7 @@ class TreeMask:
 
     def __repr__(self) -> str:
         pos = "with" if self._position_ids is not None else "without"
-        return f"TreeMask(L={len(self)}, {pos} position_ids, device={self._kv_end.device})"
+        return f"MaskPlan(L={len(self)}, {pos} position_ids, device={self._kv_end.device})"
 
     def dense(self) -> Tensor:
         """The ``[L, L]`` boolean mask (``O(L²)``: for checks and small packs)."""
@@ -697,6 +697,12 @@ class TreeMask:
         return torch.arange(len(self), device=self.kv_end.device), self.kv_end.clone()
 
 
+#: The former name of :class:`MaskPlan` (the crate's ``MaskPlan``, C's
+#: ``TreeattnMaskPlan``: one name in every language); kept so that code
+#: written against it keeps working.
+TreeMask = MaskPlan
+
+
 def _rotate(x: Tensor, pos: Tensor, base: float, dims: int) -> Tensor:
     """Llama rotate-half rotary of ``x`` ``[L, H, d]`` at ``pos`` ``[L]`` over
     the first ``dims`` lanes, computed in float32 or better."""
@@ -779,7 +785,7 @@ def _real(name: str, x: Any) -> float:
 _flex_compiled: Dict[str, Any] = {}
 
 
-def _flex(q: Tensor, k: Tensor, v: Tensor, mask: TreeMask, scale: float, block_size: int,
+def _flex(q: Tensor, k: Tensor, v: Tensor, mask: MaskPlan, scale: float, block_size: int,
           window: Optional[int] = None, softcap: Optional[float] = None,
           sinks: Optional[Tensor] = None) -> Tensor:
     """FlexAttention (compiled) with the mask's BlockMask; q ``[L, Hq, d]``.
@@ -833,7 +839,7 @@ def tree_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    kv_end: Union[Tensor, TreeMask],
+    kv_end: Union[Tensor, MaskPlan],
     *,
     scale: Optional[float] = None,
     position_ids: Optional[Tensor] = None,
@@ -866,7 +872,7 @@ def tree_attention(
 
     - ``window`` (int >= 1): a sliding window of tree levels — key ``k`` is
       visible to ``q`` only if also ``depth(q) − depth(k) < window``, depth
-      = the row's number of ancestors (:meth:`TreeMask.depths`, a pack's
+      = the row's number of ancestors (:meth:`MaskPlan.depths`, a pack's
       position id). On a chain it is transformers' ``sliding_window``
       (``q − k < window``); on a tree the distance is along the query's own
       branch, not in the pack's row order.
@@ -876,10 +882,10 @@ def tree_attention(
       per query head added to each row's softmax denominator with no value
       (gpt-oss): ``O = Σ e^{s_k} v_k / (Σ e^{s_k} + e^{sink})``.
 
-    ``kv_end`` may be a :class:`TreeMask` (validated once; its position ids
+    ``kv_end`` may be a :class:`MaskPlan` (validated once; its position ids
     are used when ``position_ids`` is not given). ``backend``:
     ``"treeattn"`` (the crate's CPU backend or CUDA kernels), ``"flex"``
-    (FlexAttention, compiled, with :meth:`TreeMask.block_mask` of
+    (FlexAttention, compiled, with :meth:`MaskPlan.block_mask` of
     ``block_size``; rotary applied in torch first; the softcap as its
     ``score_mod``, sinks through its LSE; on CPU torch has no FlexAttention
     backward), or ``"auto"``: the crate's kernels where they run (CPU; CUDA
@@ -904,9 +910,9 @@ def tree_attention(
         raise ValueError(f'backend {backend!r}: expected "treeattn", "flex" or "auto"')
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic = {deterministic!r}: expected a bool (True or False)")
-    mask: Optional[TreeMask] = None
+    mask: Optional[MaskPlan] = None
     plan = 0
-    if isinstance(kv_end, TreeMask):
+    if isinstance(kv_end, MaskPlan):
         mask = kv_end
         kv_end = mask.kv_end
         if position_ids is None:
@@ -1025,7 +1031,7 @@ def tree_attention(
         backend = "treeattn" if ours else "flex"
     if backend == "flex":
         if mask is None:
-            mask = TreeMask(kv_end, position_ids)
+            mask = MaskPlan(kv_end, position_ids)
         if rope_base is not None:
             q = _rotate(q, position_ids, rope_base, rope_dims)
             k = _rotate(k, position_ids, rope_base, rope_dims)

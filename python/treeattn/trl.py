@@ -45,7 +45,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .torch import TreeMask
+from .torch import MaskPlan
 
 __all__ = ["register", "attention", "tree_mask", "TRL_VERSION"]
 
@@ -56,7 +56,7 @@ _TREE_KWARGS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k", "tree
 
 # The mask built last: weak references to TRL's three tree tensors with their
 # versions and the device, so the other layers of a forward reuse it.
-_last: Optional[Tuple[Any, Any, Any, Tuple[int, int, int], Any, TreeMask]] = None
+_last: Optional[Tuple[Any, Any, Any, Tuple[int, int, int], Any, MaskPlan]] = None
 
 
 def _ints(name: str, t: Any) -> Tensor:
@@ -74,8 +74,8 @@ def tree_mask(
     *,
     length: Optional[int] = None,
     device: Any = None,
-) -> TreeMask:
-    """The :class:`treeattn.torch.TreeMask` of one TRL tree row (the
+) -> MaskPlan:
+    """The :class:`treeattn.torch.MaskPlan` of one TRL tree row (the
     ``TreeRow.pack()`` arrays, or those ``compute_loss`` hands the model).
 
     TRL's segments are ``[cu_q[s], cu_q[s+1])`` in pre-order and segment
@@ -83,7 +83,7 @@ def tree_mask(
     its ancestors' rows, root first, then its own. So row ``cu_q[s]``'s
     parent is the path's last row before the segment's own (none at a root)
     and every other row's parent is the row before it; ``kv_end`` follows
-    from the depths (:meth:`TreeMask.from_positions`). Then checked, in
+    from the depths (:meth:`MaskPlan.from_positions`). Then checked, in
     ``O(rows + path entries)``: the segments tile ``0 .. L``, every path
     ends with its own segment and is a chain of parents from a root (so it
     holds exactly the keys ``kv_end`` gives the segment's queries), and each
@@ -167,7 +167,7 @@ def tree_mask(
             r = int(bad.nonzero()[0, 0])
             raise ValueError(f"TRL tree row: position_ids[{r}] = {int(pos[r])}, but row {r} is at depth "
                              f"{int(depth[r])} of the row's tree")
-    mask = TreeMask.from_positions(depth, device=dev)
+    mask = MaskPlan.from_positions(depth, device=dev)
     # Pre-order: each row's parent is the last row before it one level up,
     # which is the parent kv_end encodes.
     from . import paths
@@ -179,7 +179,7 @@ def tree_mask(
     return mask
 
 
-def _mask_of(kwargs: dict, L: int, device: Any) -> TreeMask:
+def _mask_of(kwargs: dict, L: int, device: Any) -> MaskPlan:
     """:func:`tree_mask` of the model call's TRL arrays, built once per forward."""
     global _last
     kv, cq, ck = kwargs["tree_kv_index"], kwargs["tree_cu_seqlens_q"], kwargs["tree_cu_seqlens_k"]
@@ -221,7 +221,7 @@ def attention(
     """The attention function registered under TRL's ``TREE_ATTENTION``:
     TRL's tree arrays (``tree_kv_index``, ``tree_cu_seqlens_q`` /
     ``tree_cu_seqlens_k``; ``tree_max_seqlen_q`` / ``tree_max_seqlen_k``
-    are not needed) become the row's :class:`TreeMask` (:func:`tree_mask`,
+    are not needed) become the row's :class:`MaskPlan` (:func:`tree_mask`,
     once per forward), and :func:`treeattn.hf.attention` runs the layer with
     it — which also checks that the model's ``position_ids`` are the row's
     depths. ``query`` ``[1, Hq, L, d]`` (TRL's rows are batch 1)."""

@@ -216,8 +216,8 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
   /* The same forward through a mask plan, twice (two "layers": the second
    * reuses the plan's device copy): bit-identical O and LSE. */
   {
-    TreeattnMask *mask = NULL;
-    OK(treeattn_mask_create(kv_end, pos, L, &mask));
+    TreeattnMaskPlan *mask = NULL;
+    OK(treeattn_mask_plan_create(kv_end, pos, L, &mask));
     uint16_t *o_plan = malloc(nq * 2);
     float *lse_plan = malloc(nl * 4);
     for (int layer = 0; layer < 2; layer++) {
@@ -236,7 +236,7 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
       CHECK(memcmp(lse_plan, got_lse, nl * 4) == 0, "%s LSE through the plan (call %d) differs",
             name, layer);
     }
-    treeattn_mask_destroy(mask);
+    treeattn_mask_plan_destroy(mask);
     free(o_plan);
     free(lse_plan);
     CU(cu.htod(d_o, o16, nq * 2));
@@ -460,14 +460,14 @@ int main(int argc, char **argv) {
           "message: %s", treeattn_last_error());
     printf("no GPU here: the device entries fail cleanly (%s: %s)\n", treeattn_status_name(st),
            treeattn_last_error());
-    TreeattnMask *mask = NULL;
-    OK(treeattn_mask_create(kv_end, pos, L, &mask));
+    TreeattnMaskPlan *mask = NULL;
+    OK(treeattn_mask_plan_create(kv_end, pos, L, &mask));
     st = treeattn_cuda_attention_forward_mask(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy, shape,
                                               mask, NULL, dummy, dummy_lse);
     CHECK(st == TREEATTN_ERR_UNSUPPORTED || st == TREEATTN_ERR_CUDA,
           "forward with a plan without a GPU -> %d (%s): %s", st, treeattn_status_name(st),
           treeattn_last_error());
-    treeattn_mask_destroy(mask);
+    treeattn_mask_plan_destroy(mask);
     /* Sinks (and their gradient) pass the argument checks and reach the
      * backend: the failure is the same clean one, about CUDA itself. */
     TreeattnParams with_sinks = {0.0, 0, 0.0, 0, 0, 0.0, dummy, 0};

@@ -317,8 +317,8 @@ int main(int argc, char **argv) {
 
   /* the same calls through a mask plan built once: bit-identical results */
   {
-    TreeattnMask *mask = NULL;
-    OK(treeattn_mask_create(kv_end, pos, L, &mask));
+    TreeattnMaskPlan *mask = NULL;
+    OK(treeattn_mask_plan_create(kv_end, pos, L, &mask));
     double *o2 = malloc(nq * sizeof(double)), *lse2 = malloc(hq * L * sizeof(double));
     double *dq2 = malloc(nq * sizeof(double)), *dk2 = malloc(nkv * sizeof(double)),
            *dv2 = malloc(nkv * sizeof(double));
@@ -337,13 +337,18 @@ int main(int argc, char **argv) {
           TREEATTN_ERR_SHAPE, "plan of a pack of 16 tokens");
     FAILS(treeattn_attention_forward_mask(TREEATTN_F64, q, k, v, shape, NULL, NULL, o2, lse2),
           TREEATTN_ERR_NULL, "`mask`");
-    treeattn_mask_destroy(mask);
-    treeattn_mask_destroy(NULL);
+    treeattn_mask_plan_destroy(mask);
+    treeattn_mask_plan_destroy(NULL);
     const uint32_t bad_kv[3] = {3, 0, 3};
-    TreeattnMask *none = (TreeattnMask *)1;
-    FAILS(treeattn_mask_create(bad_kv, NULL, 3, &none), TREEATTN_ERR_PACK, "kv_end[1] = 0");
-    CHECK(none == NULL, "a failed treeattn_mask_create leaves *out non-null");
-    FAILS(treeattn_mask_create(bad_kv, NULL, 3, NULL), TREEATTN_ERR_NULL, "`out`");
+    TreeattnMaskPlan *none = (TreeattnMaskPlan *)1;
+    FAILS(treeattn_mask_plan_create(bad_kv, NULL, 3, &none), TREEATTN_ERR_PACK, "kv_end[1] = 0");
+    CHECK(none == NULL, "a failed treeattn_mask_plan_create leaves *out non-null");
+    FAILS(treeattn_mask_plan_create(bad_kv, NULL, 3, NULL), TREEATTN_ERR_NULL, "`out`");
+    /* The former names, kept: the same type and functions. */
+    TreeattnMask *old_name = NULL;
+    OK(treeattn_mask_create(kv_end, pos, L, &old_name));
+    OK(treeattn_attention_forward_mask(TREEATTN_F64, q, k, v, shape, old_name, NULL, o2, lse2));
+    treeattn_mask_destroy(old_name);
     free(o2); free(lse2); free(dq2); free(dk2); free(dv2);
   }
 

@@ -8,8 +8,9 @@
 //! is the same, for treeattn's mask).
 //!
 //! A plan owns its data (no borrow of the caller's buffers), so hosts can
-//! keep it behind a handle: the Python `TreeMask`, the C ABI's
-//! `treeattn_mask_create`, the candle op's per-pack cache.
+//! keep it behind a handle under the same name: the Python
+//! `treeattn.torch.MaskPlan`, the C ABI's `TreeattnMaskPlan`
+//! (`treeattn_mask_plan_create`), the candle op's per-pack cache.
 
 use crate::mask::PackMask;
 use crate::Result;

@@ -46,6 +46,9 @@ pub enum Error {
     Cuda(String),
     /// Bad command-line usage.
     Usage(String),
+    /// A null pointer where a buffer of elements was required (the raw
+    /// entries of [`crate::ffi`]): names the buffer.
+    Null(String),
 }
 
 impl fmt::Display for Error {
@@ -70,6 +73,7 @@ impl fmt::Display for Error {
             Error::Io(m) => write!(f, "i/o error: {m}"),
             Error::Cuda(m) => write!(f, "cuda: {m}"),
             Error::Usage(m) => write!(f, "usage: {m}"),
+            Error::Null(m) => write!(f, "null pointer: {m}"),
         }
     }
 }

@@ -52,6 +52,7 @@ pub mod backend;
 pub mod candle;
 pub mod cost;
 pub mod error;
+pub mod ffi;
 pub mod mask;
 pub mod ops;
 pub mod pack;

@@ -1,17 +1,19 @@
 //! `treeattn._native`: the PyO3 adapter of the treeattn crate for Python.
 //!
 //! Thin by design: every function here turns Python arguments into the
-//! crate's validated argument types (`AttnArgs`, `SdccArgs`, `PackMask`,
-//! rollouts parsed by the crate's own JSONL reader) and calls the crate's
-//! one contract (`AttentionBackend`, `SdccBackend` on `backend::cpu::Cpu`,
-//! `pack::batch`, `pack::balance`, `cost::ModelCost`,
-//! `safetensors::pack_tensors`). No attention, softmax, packing or cost
-//! logic lives here.
+//! crate's argument types and calls the crate. Attention and SDCC go
+//! through the crate's raw layer (`treeattn::ffi`, shared with the C ABI:
+//! pointer checks, dtype dispatch, the mask plan, the contract's checks,
+//! on the CPU backend or the caller's CUDA stream); packing, balancing,
+//! RL and cost through `pack::batch`, `pack::balance`, `rl`,
+//! `cost::ModelCost` and `safetensors::pack_tensors`. No attention,
+//! softmax, packing or cost logic lives here.
 //!
-//! Tensors cross as raw data pointers of contiguous CPU tensors (the
+//! Tensors cross as raw data pointers of contiguous tensors (the
 //! `treeattn.torch` wrapper checks device, dtype, contiguity and element
-//! counts before it calls in; this module checks null and alignment again),
-//! so nothing is copied; the computation runs with the GIL released.
+//! counts before it calls in; the raw layer checks null, alignment and
+//! overlaps again), so nothing is copied; the computation runs with the GIL
+//! released.
 //!
 //! Errors: the crate's `Error` becomes, for bad input, one of treeattn's
 //! exception classes, all subclasses of `ValueError` (`TreeattnError` and
@@ -28,11 +30,9 @@ use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyTuple, PyType};
 
-use treeattn::backend::cpu::{Cpu, CpuElement};
-use treeattn::backend::{
-    AttentionBackend, AttnArgs, AttnParams, AttnShape, Element, Grads, Host, Rope, Saved, SdccArgs,
-    SdccBackend,
-};
+use treeattn::backend::cpu::Cpu;
+use treeattn::backend::{AttnParams, AttnShape, Rope};
+use treeattn::ffi;
 use treeattn::cost::{check_kv_end, depths, visible_keys_per_query, visible_pairs, ModelCost};
 use treeattn::mask::{BlockCensus, PackMask};
 use treeattn::pack::{balance as balance_packs, batch, Batch, Layout, Objective};
@@ -87,7 +87,7 @@ fn to_py(e: Error) -> PyErr {
         Error::Pack(_) => PackError::new_err(msg),
         Error::Shape(_) => ShapeError::new_err(msg),
         Error::Unsupported(_) => UnsupportedError::new_err(msg),
-        Error::NonFinite { .. } | Error::Usage(_) => TreeattnError::new_err(msg),
+        Error::NonFinite { .. } | Error::Usage(_) | Error::Null(_) => TreeattnError::new_err(msg),
         Error::Io(_) => PyOSError::new_err(msg),
         Error::Cuda(_) => PyRuntimeError::new_err(msg),
     }
@@ -112,41 +112,21 @@ fn guarded<R>(f: impl FnOnce() -> PyResult<R>) -> PyResult<R> {
 }
 
 /// A read-only host slice of `len` elements at address `ptr` (from
-/// `tensor.data_ptr()`). Null or misaligned addresses are refused; an empty
-/// slice never touches `ptr`.
+/// `tensor.data_ptr()`), checked by the crate's raw layer
+/// ([`ffi::host_slice`]: null, alignment, overflow); an empty slice never
+/// touches `ptr`.
 ///
 /// Safety: the caller (the Python wrapper) guarantees that `ptr` is the
 /// data of a live contiguous CPU tensor of at least `len` elements of type
 /// `T`, not written while the slice lives.
 unsafe fn slice<'a, T>(what: &str, ptr: usize, len: usize) -> PyResult<&'a [T]> {
-    if len == 0 {
-        return Ok(&[]);
-    }
-    check_ptr::<T>(what, ptr)?;
-    Ok(std::slice::from_raw_parts(ptr as *const T, len))
+    ffi::host_slice(what, ptr, len).map_err(to_py)
 }
 
 /// A writable host slice; see [`slice`]. Safety: also, nothing else reads
 /// or writes that memory while the slice lives.
 unsafe fn slice_mut<'a, T>(what: &str, ptr: usize, len: usize) -> PyResult<&'a mut [T]> {
-    if len == 0 {
-        return Ok(&mut []);
-    }
-    check_ptr::<T>(what, ptr)?;
-    Ok(std::slice::from_raw_parts_mut(ptr as *mut T, len))
-}
-
-fn check_ptr<T>(what: &str, ptr: usize) -> PyResult<()> {
-    if ptr == 0 {
-        return Err(PyValueError::new_err(format!("{what}: null data pointer")));
-    }
-    if ptr % std::mem::align_of::<T>() != 0 {
-        return Err(PyValueError::new_err(format!(
-            "{what}: data pointer {ptr:#x} is not aligned to {} bytes",
-            std::mem::align_of::<T>()
-        )));
-    }
-    Ok(())
+    ffi::host_slice_mut(what, ptr, len).map_err(to_py)
 }
 
 /// The shape and parameters of one attention call, as the wrapper gives them.
@@ -212,6 +192,33 @@ struct Ptrs {
     key_starts: usize,
 }
 
+/// The call as the crate's raw layer takes it (`ffi::RawAttention`): the
+/// plan's mask when one is given, else the buffers'.
+fn raw_call<'a>(
+    dtype: &str,
+    c: Call,
+    p: Ptrs,
+    plan: Option<&'a MaskPlan>,
+) -> PyResult<ffi::RawAttention<'a>> {
+    Ok(ffi::RawAttention {
+        dtype: ffi::Dtype::from_name(dtype).map_err(to_py)?,
+        q: p.q,
+        k: p.k,
+        v: p.v,
+        mask: match plan {
+            Some(plan) => ffi::RawMask::Plan(plan),
+            None => ffi::RawMask::Arrays {
+                kv_end: p.kv_end,
+                position_ids: p.pos,
+            },
+        },
+        sinks: p.sinks,
+        key_starts: p.key_starts,
+        shape: c.shape,
+        params: c.params,
+    })
+}
+
 /// `treeattn._native.MaskPlan`: a pack's mask validated once
 /// ([`treeattn::plan::MaskPlan`]), passed as `plan=` to the attention
 /// entries in place of the kv_end / position id buffers, so that no call
@@ -254,130 +261,12 @@ impl PyMaskPlan {
     }
 }
 
-/// The mask of a call: the plan's, else the buffers' (validated here).
-///
-/// Safety: with no plan, `p.kv_end` and `p.pos` as for [`slice`].
-unsafe fn call_mask<'a>(
-    plan: Option<&'a MaskPlan>,
-    p: Ptrs,
-    tokens: usize,
-) -> PyResult<PackMask<'a>> {
-    match plan {
-        Some(plan) if plan.len() != tokens => Err(ShapeError::new_err(format!(
-            "the mask plan is for {} tokens, the call has {tokens}",
-            plan.len()
-        ))),
-        Some(plan) => Ok(plan.mask()),
-        None => {
-            let kv_end = slice::<u32>("kv_end", p.kv_end, tokens)?;
-            let pos = slice::<u32>("position_ids", p.pos, tokens)?;
-            PackMask::new(kv_end, pos).map_err(to_py)
-        }
-    }
-}
-
 fn cpu(threads: usize) -> Cpu {
     if threads == 0 {
         Cpu::default()
     } else {
         Cpu::with_threads(threads)
     }
-}
-
-/// The validated arguments of a host call: q, k, v, the mask (the plan's
-/// or the buffers'), the sinks if given.
-///
-/// Safety: see [`slice`] for every address.
-unsafe fn host_args<'a, T: CpuElement>(
-    c: Call,
-    p: Ptrs,
-    plan: Option<&'a MaskPlan>,
-) -> PyResult<AttnArgs<'a, Host, T>> {
-    let s = c.shape;
-    let mask = call_mask(plan, p, s.tokens)?;
-    let args = AttnArgs::<Host, T>::new(
-        slice("q", p.q, s.q_len())?,
-        slice("k", p.k, s.kv_len())?,
-        slice("v", p.v, s.v_len())?,
-        s,
-        mask,
-        c.params,
-    )
-    .map_err(to_py)?;
-    let args = match p.sinks {
-        0 => args,
-        at => args
-            .with_sinks(slice("sinks", at, s.q_heads)?)
-            .map_err(to_py)?,
-    };
-    match p.key_starts {
-        0 => Ok(args),
-        at => args
-            .with_key_starts(slice("kv_start", at, s.tokens)?)
-            .map_err(to_py),
-    }
-}
-
-/// Forward of element type `T` into the caller's `o` and `lse`.
-///
-/// Safety: see [`slice`] for every address.
-unsafe fn forward_t<T: CpuElement>(
-    c: Call,
-    p: Ptrs,
-    plan: Option<&MaskPlan>,
-    o: usize,
-    lse: usize,
-    threads: usize,
-) -> PyResult<()> {
-    let s = c.shape;
-    let args = host_args::<T>(c, p, plan)?;
-    let o = slice_mut::<T>("o", o, s.o_len())?;
-    let lse = slice_mut::<T::Compute>("lse", lse, s.lse_len())?;
-    cpu(threads).forward(&args, o, lse).map_err(to_py)
-}
-
-/// Backward of element type `T` into the caller's `dq`, `dk`, `dv`.
-///
-/// Safety: see [`slice`] for every address.
-#[allow(clippy::too_many_arguments)]
-unsafe fn backward_t<T: CpuElement>(
-    c: Call,
-    p: Ptrs,
-    plan: Option<&MaskPlan>,
-    o: usize,
-    lse: usize,
-    d_o: usize,
-    dq: usize,
-    dk: usize,
-    dv: usize,
-    dsinks: usize,
-    threads: usize,
-) -> PyResult<()> {
-    let s = c.shape;
-    let args = host_args::<T>(c, p, plan)?;
-    let saved = Saved {
-        o: slice::<T>("o", o, s.o_len())?,
-        lse: slice::<T::Compute>("lse", lse, s.lse_len())?,
-    };
-    let d_o = slice::<T>("grad_out", d_o, s.o_len())?;
-    let grads = Grads {
-        dq: slice_mut::<T>("dq", dq, s.q_len())?,
-        dk: slice_mut::<T>("dk", dk, s.kv_len())?,
-        dv: slice_mut::<T>("dv", dv, s.v_len())?,
-        dsinks: match dsinks {
-            0 => None,
-            at => Some(slice_mut::<T>("dsinks", at, s.q_heads)?),
-        },
-    };
-    cpu(threads)
-        .backward(&args, saved, d_o, grads)
-        .map_err(to_py)
-}
-
-fn dtype_error(dtype: &str) -> PyErr {
-    PyValueError::new_err(format!(
-        "dtype {dtype:?}: the CPU backend takes float32, float64, bfloat16 or float16"
-    ))
 }
 
 /// Tree attention forward on contiguous CPU buffers (see `treeattn.torch`).
@@ -429,15 +318,11 @@ fn attention_forward(
     let dtype = dtype.to_string();
     let plan = plan.map(|pl| pl.0.clone());
     py.detach(move || {
-        let plan = plan.as_deref();
-        guarded(|| unsafe {
-            match dtype.as_str() {
-                "float32" => forward_t::<f32>(c, p, plan, o, lse, threads),
-                "float64" => forward_t::<f64>(c, p, plan, o, lse, threads),
-                "bfloat16" => forward_t::<treeattn::half::bf16>(c, p, plan, o, lse, threads),
-                "float16" => forward_t::<treeattn::half::f16>(c, p, plan, o, lse, threads),
-                other => Err(dtype_error(other)),
-            }
+        guarded(|| {
+            let a = raw_call(&dtype, c, p, plan.as_deref())?;
+            // SAFETY: the wrapper passes live contiguous CPU tensors of
+            // the sizes the call says.
+            unsafe { ffi::attention_forward(&cpu(threads), &a, o, lse) }.map_err(to_py)
         })
     })
 }
@@ -493,63 +378,55 @@ fn attention_backward(
         sinks,
         key_starts: kv_start,
     };
-    let g = (o, lse, grad_out, dq, dk, dv, dsinks);
+    let g = ffi::RawGrads {
+        o,
+        lse,
+        d_o: grad_out,
+        dq,
+        dk,
+        dv,
+        dsinks,
+    };
     let dtype = dtype.to_string();
     let plan = plan.map(|pl| pl.0.clone());
     py.detach(move || {
-        let plan = plan.as_deref();
-        let (o, lse, grad_out, dq, dk, dv, dsinks) = g;
-        guarded(|| unsafe {
-            match dtype.as_str() {
-                "float32" => {
-                    backward_t::<f32>(c, p, plan, o, lse, grad_out, dq, dk, dv, dsinks, threads)
-                }
-                "float64" => {
-                    backward_t::<f64>(c, p, plan, o, lse, grad_out, dq, dk, dv, dsinks, threads)
-                }
-                "bfloat16" => backward_t::<treeattn::half::bf16>(
-                    c, p, plan, o, lse, grad_out, dq, dk, dv, dsinks, threads,
-                ),
-                "float16" => backward_t::<treeattn::half::f16>(
-                    c, p, plan, o, lse, grad_out, dq, dk, dv, dsinks, threads,
-                ),
-                other => Err(dtype_error(other)),
-            }
+        guarded(|| {
+            let a = raw_call(&dtype, c, p, plan.as_deref())?;
+            // SAFETY: as for `attention_forward`.
+            unsafe { ffi::attention_backward(&cpu(threads), &a, &g) }.map_err(to_py)
         })
     })
 }
 
-/// SDCC forward KL of element type `T`: student and teacher rows both index
-/// `logits`; the gradient of `Σ w·KL` goes to `grad` (like `logits`).
-///
-/// Safety: see [`slice`] for every address.
+/// The SDCC call of the wrapper: student and teacher rows both index
+/// `logits` (`rows × vocab`); the pairs are two int64 columns.
 #[allow(clippy::too_many_arguments)]
-unsafe fn sdcc_t<T: Element>(
+fn raw_sdcc(
+    dtype: &str,
     logits: usize,
     rows: usize,
     vocab: usize,
-    student: usize,
-    teacher: usize,
+    student_rows: usize,
+    teacher_rows: usize,
     pairs: usize,
     weights: usize,
     tau: f32,
-    grad: usize,
-    threads: usize,
-) -> PyResult<(f64, f64, Vec<f64>)>
-where
-    Cpu: SdccBackend<T, Memory = Host, Grad = T>,
-{
-    let n = rows.checked_mul(vocab).ok_or_else(|| {
-        PyValueError::new_err(format!("logits: {rows} x {vocab} elements overflow"))
-    })?;
-    let logits = slice::<T>("logits", logits, n)?;
-    let pair_list = host_pairs(student, teacher, pairs, rows)?;
-    let weights = slice::<f32>("weights", weights, pairs)?;
-    let args =
-        SdccArgs::<Host, T>::new(logits, logits, vocab, &pair_list, weights, tau).map_err(to_py)?;
-    let grad = slice_mut::<T>("grad", grad, n)?;
-    let loss = cpu(threads).sdcc_forward_kl(&args, grad).map_err(to_py)?;
-    Ok((loss.loss_sum, loss.loss_mean, loss.per_pair))
+) -> PyResult<ffi::RawSdcc> {
+    Ok(ffi::RawSdcc {
+        dtype: ffi::Dtype::from_name(dtype).map_err(to_py)?,
+        student: logits,
+        student_rows: rows,
+        teacher: logits,
+        teacher_rows: rows,
+        vocab,
+        pairs: ffi::RawPairs::Columns {
+            student: student_rows,
+            teacher: teacher_rows,
+        },
+        n_pairs: pairs,
+        weights,
+        temperature: tau,
+    })
 }
 
 /// SDCC forward KL on contiguous CPU buffers (see `treeattn.torch`):
@@ -571,36 +448,22 @@ fn sdcc_forward_kl(
     grad: usize,
     threads: usize,
 ) -> PyResult<(f64, f64, Vec<f64>)> {
-    let dtype = dtype.to_string();
+    let c = raw_sdcc(
+        dtype,
+        logits,
+        rows,
+        vocab,
+        student_rows,
+        teacher_rows,
+        pairs,
+        weights,
+        tau,
+    )?;
     py.detach(move || {
-        guarded(|| unsafe {
-            match dtype.as_str() {
-                "float32" => sdcc_t::<f32>(
-                    logits,
-                    rows,
-                    vocab,
-                    student_rows,
-                    teacher_rows,
-                    pairs,
-                    weights,
-                    tau,
-                    grad,
-                    threads,
-                ),
-                "float64" => sdcc_t::<f64>(
-                    logits,
-                    rows,
-                    vocab,
-                    student_rows,
-                    teacher_rows,
-                    pairs,
-                    weights,
-                    tau,
-                    grad,
-                    threads,
-                ),
-                other => Err(dtype_error(other)),
-            }
+        guarded(|| {
+            // SAFETY: as for `attention_forward`.
+            let loss = unsafe { ffi::sdcc_forward_kl(&cpu(threads), &c, grad) }.map_err(to_py)?;
+            Ok((loss.loss_sum, loss.loss_mean, loss.per_pair))
         })
     })
 }
@@ -619,156 +482,6 @@ fn cpu_isa() -> &'static str {
     treeattn::backend::cpu::isa().name()
 }
 
-/// Device entries: torch's CUDA tensors (bf16 / f16 attention; bf16, f16,
-/// f32 SDCC logits) on torch's current stream, through the crate's
-/// borrowed-pointer entries (`backend::cuda::host`): the kernels are
-/// loaded once per device into its primary context (torch's), no context
-/// or stream is created, nothing is copied. The pack's `kv_end` and
-/// position ids come as host buffers (checked there, uploaded on the
-/// stream per call) or as a `MaskPlan` (its device copy, uploaded by its
-/// first call and then reused: no copy, no synchronization).
-#[cfg(feature = "cuda")]
-mod device {
-    use super::*;
-    use treeattn::backend::cuda::host::{self, RawAttention};
-    use treeattn::backend::cuda::CudaBackend;
-
-    /// The kernels of `device` launching on torch's stream `stream`.
-    ///
-    /// Safety: `stream` is a live stream of that device's primary context.
-    unsafe fn backend(device: usize, stream: usize) -> treeattn::Result<CudaBackend> {
-        let kernels = host::primary(device)?;
-        host::on_raw_stream(&kernels, stream as _)
-    }
-
-    /// One attention call on the device.
-    ///
-    /// Safety: every address is the data of a live contiguous tensor of
-    /// the size the call says, on `device` (host buffers for kv_end,
-    /// position ids, unless a plan is given, and key starts); `outs` are
-    /// o, lse (forward) or o, lse, grad_out, dq, dk, dv, dsinks (backward;
-    /// dsinks 0 for none); `deterministic` picks the backward's dQ mode.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn attention(
-        forward: bool,
-        deterministic: bool,
-        dtype: &str,
-        device: usize,
-        stream: usize,
-        c: Call,
-        p: Ptrs,
-        plan: Option<&MaskPlan>,
-        outs: &[usize],
-    ) -> PyResult<()> {
-        let s = c.shape;
-        let be = backend(device, stream).map_err(to_py)?;
-        // With a plan: its device copy (uploaded by its first call, then
-        // shared: no copy, no synchronization). Without: uploaded per call.
-        let pack = match plan {
-            Some(plan) => {
-                call_mask(Some(plan), p, s.tokens)?;
-                plan.on_device(&be).map_err(to_py)?
-            }
-            None => std::sync::Arc::new(
-                be.upload_pack(call_mask(None, p, s.tokens)?)
-                    .map_err(to_py)?,
-            ),
-        };
-        // Explicit key starts are a host buffer (the contract uploads them
-        // per call); the sinks stay on the device.
-        let key_starts = match p.key_starts {
-            0 => None,
-            at => Some(slice::<u32>("kv_start", at, s.tokens)?),
-        };
-        let a = RawAttention {
-            q: p.q as u64,
-            k: p.k as u64,
-            v: p.v as u64,
-            sinks: p.sinks as u64,
-            key_starts,
-            shape: s,
-            params: c.params,
-        };
-        let o = |i: usize| outs[i] as u64;
-        use treeattn::backend::cuda::DqMode;
-        let mode = if deterministic {
-            DqMode::Deterministic
-        } else {
-            DqMode::Atomic
-        };
-        let r = match (forward, dtype) {
-            (true, "bfloat16") => be.forward_raw::<treeattn::half::bf16>(&pack, a, o(0), o(1)),
-            (true, "float16") => be.forward_raw::<treeattn::half::f16>(&pack, a, o(0), o(1)),
-            (false, "bfloat16") => be.backward_raw::<treeattn::half::bf16>(
-                &pack,
-                a,
-                o(0),
-                o(1),
-                o(2),
-                o(3),
-                o(4),
-                o(5),
-                o(6),
-                mode,
-            ),
-            (false, "float16") => be.backward_raw::<treeattn::half::f16>(
-                &pack,
-                a,
-                o(0),
-                o(1),
-                o(2),
-                o(3),
-                o(4),
-                o(5),
-                o(6),
-                mode,
-            ),
-            (_, other) => {
-                return Err(PyValueError::new_err(format!(
-                    "dtype {other:?}: the CUDA kernels take bfloat16 or float16"
-                )))
-            }
-        };
-        r.map_err(to_py)
-    }
-
-    /// SDCC on device logits; pairs and weights on the host.
-    ///
-    /// Safety: as [`attention`]; `grad` is an f32 device buffer like logits.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn sdcc(
-        dtype: &str,
-        device: usize,
-        stream: usize,
-        logits: usize,
-        rows: usize,
-        vocab: usize,
-        pairs: &[(u32, u32)],
-        weights: &[f32],
-        tau: f32,
-        grad: usize,
-    ) -> PyResult<(f64, f64, Vec<f64>)> {
-        let be = backend(device, stream).map_err(to_py)?;
-        let (l, g) = (logits as u64, grad as u64);
-        let loss = match dtype {
-            "bfloat16" => {
-                be.sdcc_raw::<treeattn::half::bf16>(l, rows, l, rows, vocab, pairs, weights, tau, g)
-            }
-            "float16" => {
-                be.sdcc_raw::<treeattn::half::f16>(l, rows, l, rows, vocab, pairs, weights, tau, g)
-            }
-            "float32" => be.sdcc_raw::<f32>(l, rows, l, rows, vocab, pairs, weights, tau, g),
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "dtype {other:?}: the CUDA SDCC kernel takes bfloat16, float16 or float32"
-                )))
-            }
-        }
-        .map_err(to_py)?;
-        Ok((loss.loss_sum, loss.loss_mean, loss.per_pair))
-    }
-}
-
 #[cfg(not(feature = "cuda"))]
 fn no_cuda_build(what: &str) -> PyErr {
     PyRuntimeError::new_err(format!(
@@ -784,7 +497,11 @@ fn no_cuda_build(what: &str) -> PyErr {
 /// tokens]`, kv_end and position_ids host int32 buffers; `sinks` a device
 /// buffer `[q_heads]` of q's dtype (0: none), `kv_start` a host int32
 /// buffer `[tokens]` read as u32 (0: none); enqueued on `stream` (torch's
-/// current stream of `device`).
+/// current stream of `device`) through the crate's device entries
+/// (`treeattn::ffi::cuda_attention_forward`): the kernels are loaded once
+/// per device into its primary context (torch's), no context or stream is
+/// created, nothing is copied but the mask (a `MaskPlan`'s device copy is
+/// uploaded by its first call, then reused).
 #[pyfunction]
 #[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None, v_head_dim=None, window=None, softcap=None, sinks=0, kv_start=0))]
 #[allow(clippy::too_many_arguments, unused_variables)]
@@ -816,8 +533,6 @@ fn cuda_attention_forward(
 ) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     {
-        // A window and a softcap travel in the params; the sinks (a device
-        // buffer) and the key starts (a host buffer) by address.
         let var = Variants {
             v_head_dim,
             window,
@@ -838,18 +553,13 @@ fn cuda_attention_forward(
         let dtype = dtype.to_string();
         let plan = plan.map(|pl| pl.0.clone());
         py.detach(move || {
-            guarded(|| unsafe {
-                device::attention(
-                    true,
-                    false,
-                    &dtype,
-                    device,
-                    stream,
-                    c,
-                    p,
-                    plan.as_deref(),
-                    &[o, lse],
-                )
+            guarded(|| {
+                let a = raw_call(&dtype, c, p, plan.as_deref())?;
+                // SAFETY: the wrapper passes torch's current stream of
+                // `device` and live contiguous tensors of the call's sizes
+                // (device for q, k, v, o, lse, sinks; host for the mask
+                // and key starts).
+                unsafe { ffi::cuda_attention_forward(device, stream, &a, o, lse) }.map_err(to_py)
             })
         })
     }
@@ -899,9 +609,7 @@ fn cuda_attention_backward(
 ) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     {
-        // A window and a softcap travel in the params; the sinks and their
-        // gradient (device buffers) and the key starts (a host buffer) by
-        // address.
+        use treeattn::backend::cuda::DqMode;
         let var = Variants {
             v_head_dim,
             window,
@@ -919,21 +627,28 @@ fn cuda_attention_backward(
             sinks,
             key_starts: kv_start,
         };
+        let g = ffi::RawGrads {
+            o,
+            lse,
+            d_o: grad_out,
+            dq,
+            dk,
+            dv,
+            dsinks,
+        };
+        let mode = if deterministic {
+            DqMode::Deterministic
+        } else {
+            DqMode::Atomic
+        };
         let dtype = dtype.to_string();
         let plan = plan.map(|pl| pl.0.clone());
         py.detach(move || {
-            guarded(|| unsafe {
-                device::attention(
-                    false,
-                    deterministic,
-                    &dtype,
-                    device,
-                    stream,
-                    c,
-                    p,
-                    plan.as_deref(),
-                    &[o, lse, grad_out, dq, dk, dv, dsinks],
-                )
+            guarded(|| {
+                let a = raw_call(&dtype, c, p, plan.as_deref())?;
+                // SAFETY: as for `cuda_attention_forward`.
+                unsafe { ffi::cuda_attention_backward(device, stream, &a, &g, mode) }
+                    .map_err(to_py)
             })
         })
     }
@@ -965,44 +680,29 @@ fn cuda_sdcc_forward_kl(
 ) -> PyResult<(f64, f64, Vec<f64>)> {
     #[cfg(feature = "cuda")]
     {
-        let dtype = dtype.to_string();
+        let c = raw_sdcc(
+            dtype,
+            logits,
+            rows,
+            vocab,
+            student_rows,
+            teacher_rows,
+            pairs,
+            weights,
+            tau,
+        )?;
         py.detach(move || {
-            guarded(|| unsafe {
-                let pair_list = host_pairs(student_rows, teacher_rows, pairs, rows)?;
-                let w = slice::<f32>("weights", weights, pairs)?;
-                device::sdcc(
-                    &dtype, device, stream, logits, rows, vocab, &pair_list, w, tau, grad,
-                )
+            guarded(|| {
+                // SAFETY: as for `cuda_attention_forward` (pairs and
+                // weights on the host).
+                let loss = unsafe { ffi::cuda_sdcc_forward_kl(device, stream, &c, grad) }
+                    .map_err(to_py)?;
+                Ok((loss.loss_sum, loss.loss_mean, loss.per_pair))
             })
         })
     }
     #[cfg(not(feature = "cuda"))]
     Err(no_cuda_build("sdcc_forward_kl"))
-}
-
-/// Student / teacher rows (host int64) as checked `(u32, u32)` pairs.
-///
-/// Safety: see [`slice`].
-unsafe fn host_pairs(
-    student: usize,
-    teacher: usize,
-    pairs: usize,
-    rows: usize,
-) -> PyResult<Vec<(u32, u32)>> {
-    let s = slice::<i64>("student_rows", student, pairs)?;
-    let t = slice::<i64>("teacher_rows", teacher, pairs)?;
-    let mut pair_list = Vec::with_capacity(pairs);
-    for (i, (&a, &b)) in s.iter().zip(t).enumerate() {
-        for (what, r) in [("student_rows", a), ("teacher_rows", b)] {
-            if r < 0 || r as u64 >= rows as u64 {
-                return Err(PyValueError::new_err(format!(
-                    "{what}[{i}] = {r} is outside the {rows} rows of logits"
-                )));
-            }
-        }
-        pair_list.push((a as u32, b as u32));
-    }
-    Ok(pair_list)
 }
 
 fn layout_of(name: &str) -> PyResult<Layout> {
@@ -1360,7 +1060,7 @@ fn pack_cost<'py>(
     model: &Bound<'py, PyModelCost>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let model = model.get().0;
-    if kv_end.len() % 4 != 0 {
+    if !kv_end.len().is_multiple_of(4) {
         return Err(PyValueError::new_err(
             "kv_end: byte length is not a multiple of 4",
         ));
@@ -1680,7 +1380,7 @@ fn visible_keys(py: Python<'_>, kv_end: usize, tokens: usize, out: usize) -> PyR
 /// `node_level`, `level_offsets`, `level_nodes`).
 #[pyfunction]
 fn paths<'py>(py: Python<'py>, kv_end: &[u8]) -> PyResult<Bound<'py, PyDict>> {
-    if kv_end.len() % 8 != 0 {
+    if !kv_end.len().is_multiple_of(8) {
         return Err(PyValueError::new_err(format!(
             "kv_end: {} bytes is not a whole number of int64 values",
             kv_end.len()
@@ -1727,7 +1427,7 @@ fn kv_end_from_positions<'py>(
     py: Python<'py>,
     position_ids: &[u8],
 ) -> PyResult<Bound<'py, PyBytes>> {
-    if position_ids.len() % 8 != 0 {
+    if !position_ids.len().is_multiple_of(8) {
         return Err(PyValueError::new_err(format!(
             "position_ids: {} bytes is not a whole number of int64 values",
             position_ids.len()

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from . import _native
-from ._native import TreeattnError, UnsupportedError
+from ._native import PackError, TreeattnError, UnsupportedError
 
 __all__ = [
     "tree_attention", "sdcc_forward_kl", "set_num_threads", "get_num_threads", "cuda_built", "cpu_isa",
@@ -1120,7 +1120,7 @@ def _sdcc_float64(logits: Tensor, s: Tensor, t: Tensor, w: Tensor, tau: float, t
     if bad.numel():
         i = int(bad[0, 0])
         name, r = ("student_rows", s) if bool(out_s[i]) else ("teacher_rows", t)
-        raise ValueError(f"{name}[{i}] = {int(r[i])} is outside the {rows} rows of logits")
+        raise PackError(f"invalid pack: {name}[{i}] = {int(r[i])} is outside the {rows} rows of its logits")
     bad = (~torch.isfinite(w)).nonzero()
     if bad.numel():
         raise TreeattnError(f"non-finite value in SDCC weights at index {int(bad[0, 0])}")

@@ -366,9 +366,14 @@ int32_t treeattn_pack_f32(const struct TreeattnPack *pack,
  * kv_heads, head_dim]`, v `[tokens, kv_heads, v_head_dim]`. Writes `o`
  * (`[tokens, q_heads, v_head_dim]`) and `lse` (`[q_heads, tokens]`,
  * natural log; `-inf` for a row with no visible key, the sink's logit
- * with sinks). `kv_end` and `position_ids` have `tokens` entries (a pack's
- * arrays); `params` may be null (defaults): its `window`, `softcap` and
- * `sinks` select the attention variants (all computed on the CPU).
+ * with sinks).
+ *
+ * The mask is the pack's `kv_end` and `position_ids` (`tokens` entries
+ * each, host memory, checked per call) with a null `mask`, or the pack's
+ * plan `mask` (from [`treeattn_mask_plan_create`], of `shape.tokens`
+ * tokens: not checked again) with null `kv_end` and `position_ids`.
+ * `params` may be null (defaults): its `window`, `softcap` and `sinks`
+ * select the attention variants (all computed on the CPU).
  */
 int32_t treeattn_attention_forward(TreeattnDtype dtype,
                                    const void *q,
@@ -377,34 +382,21 @@ int32_t treeattn_attention_forward(TreeattnDtype dtype,
                                    struct TreeattnShape shape,
                                    const uint32_t *kv_end,
                                    const uint32_t *position_ids,
+                                   const struct TreeattnMaskPlan *mask,
                                    const struct TreeattnParams *params,
                                    void *o,
                                    void *lse);
 
 /**
- * [`treeattn_attention_forward`] with the pack's plan `mask` (from
- * [`treeattn_mask_plan_create`], of `shape.tokens` tokens) in place of its
- * `kv_end` and `position_ids`: the mask is not checked again.
- */
-int32_t treeattn_attention_forward_mask(TreeattnDtype dtype,
-                                        const void *q,
-                                        const void *k,
-                                        const void *v,
-                                        struct TreeattnShape shape,
-                                        const struct TreeattnMaskPlan *mask,
-                                        const struct TreeattnParams *params,
-                                        void *o,
-                                        void *lse);
-
-/**
  * Tree attention backward on host memory, `dtype` `TREEATTN_F32` or
  * `TREEATTN_F64` (every buffer of that type), or `TREEATTN_BF16` or
- * `TREEATTN_F16` (every buffer but the `float` lse): from the forward's inputs
- * (same shape, mask and params), its `o` and `lse`, and the output
+ * `TREEATTN_F16` (every buffer but the `float` lse): from the forward's
+ * inputs (same shape, mask and params), its `o` and `lse`, and the output
  * gradient `d_o` (like o), writes `dq` (like q), `dk` (like k), `dv`
  * (like v), with respect to the unrotated q and k, and with sinks in
  * `params` the sinks' gradient into `dsinks` (`q_heads` values of q's
- * type) unless it is null (which it must be without sinks).
+ * type) unless it is null (which it must be without sinks). The mask is
+ * given as for [`treeattn_attention_forward`].
  */
 int32_t treeattn_attention_backward(TreeattnDtype dtype,
                                     const void *q,
@@ -413,6 +405,7 @@ int32_t treeattn_attention_backward(TreeattnDtype dtype,
                                     struct TreeattnShape shape,
                                     const uint32_t *kv_end,
                                     const uint32_t *position_ids,
+                                    const struct TreeattnMaskPlan *mask,
                                     const struct TreeattnParams *params,
                                     const void *o,
                                     const void *lse,
@@ -421,25 +414,6 @@ int32_t treeattn_attention_backward(TreeattnDtype dtype,
                                     void *dk,
                                     void *dv,
                                     void *dsinks);
-
-/**
- * [`treeattn_attention_backward`] with the pack's plan `mask` in place of
- * its `kv_end` and `position_ids` (as [`treeattn_attention_forward_mask`]).
- */
-int32_t treeattn_attention_backward_mask(TreeattnDtype dtype,
-                                         const void *q,
-                                         const void *k,
-                                         const void *v,
-                                         struct TreeattnShape shape,
-                                         const struct TreeattnMaskPlan *mask,
-                                         const struct TreeattnParams *params,
-                                         const void *o,
-                                         const void *lse,
-                                         const void *d_o,
-                                         void *dq,
-                                         void *dk,
-                                         void *dv,
-                                         void *dsinks);
 
 /**
  * Builds the plan of a pack's mask ([`TreeattnMaskPlan`]) from its `kv_end`
@@ -522,12 +496,16 @@ const char *treeattn_status_name(int32_t status);
  * (`__nv_bfloat16`) or `TREEATTN_F16` (`__half`) is the element type of
  * q `[tokens, q_heads, head_dim]`, k and v `[tokens, kv_heads, head_dim]`
  * and `o` (like q); `lse` (`[q_heads, tokens]`) is `float`, natural log,
- * `-inf` for a row with no visible key. Head dim 64 or 128. `kv_end` and
- * `position_ids` are the pack's host arrays (`tokens` entries); `params`
- * may be null (defaults); its window and softcap run on the kernels, and
- * its `sinks`, when not null, are a device buffer (`q_heads` values of
- * q's type). Enqueued on `stream` of device `device`; see the module
- * notes.
+ * `-inf` for a row with no visible key. Head dim 64 or 128. The mask is
+ * the pack's host arrays `kv_end` and `position_ids` (`tokens` entries)
+ * with a null `mask`, or its plan `mask` (from
+ * `treeattn_mask_plan_create`, of `shape.tokens` tokens) with null arrays:
+ * the plan is uploaded to `device` by its first device call (on that
+ * call's stream) and reused by every later one — no host-to-device copy,
+ * no synchronization. `params` may be null (defaults); its window and
+ * softcap run on the kernels, and its `sinks`, when not null, are a
+ * device buffer (`q_heads` values of q's type). Enqueued on `stream` of
+ * device `device`; see the module notes.
  */
 int32_t treeattn_cuda_attention_forward(TreeattnDtype dtype,
                                         int32_t device,
@@ -538,33 +516,15 @@ int32_t treeattn_cuda_attention_forward(TreeattnDtype dtype,
                                         struct TreeattnShape shape,
                                         const uint32_t *kv_end,
                                         const uint32_t *position_ids,
+                                        const struct TreeattnMaskPlan *mask,
                                         const struct TreeattnParams *params,
                                         void *o,
                                         float *lse);
 
 /**
- * [`treeattn_cuda_attention_forward`] with the pack's plan `mask` (from
- * `treeattn_mask_plan_create`, of `shape.tokens` tokens) in place of its
- * `kv_end` and `position_ids`: the plan is uploaded to `device` by its
- * first device call (on that call's stream) and reused by every later
- * one — no host-to-device copy, no synchronization.
- */
-int32_t treeattn_cuda_attention_forward_mask(TreeattnDtype dtype,
-                                             int32_t device,
-                                             void *stream,
-                                             const void *q,
-                                             const void *k,
-                                             const void *v,
-                                             struct TreeattnShape shape,
-                                             const struct TreeattnMaskPlan *mask,
-                                             const struct TreeattnParams *params,
-                                             void *o,
-                                             float *lse);
-
-/**
  * Tree attention backward on device memory, `dtype` `TREEATTN_BF16` or
  * `TREEATTN_F16` as for the forward: from the forward's inputs (same
- * shape, pack and params), its `o` and `lse` (`float`) and the output
+ * shape, mask and params), its `o` and `lse` (`float`) and the output
  * gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k), with
  * respect to the unrotated q and k, and with sinks in `params` (device,
  * `q_heads` values of q's type) their gradient into the device buffer
@@ -586,6 +546,7 @@ int32_t treeattn_cuda_attention_backward(TreeattnDtype dtype,
                                          struct TreeattnShape shape,
                                          const uint32_t *kv_end,
                                          const uint32_t *position_ids,
+                                         const struct TreeattnMaskPlan *mask,
                                          const struct TreeattnParams *params,
                                          const void *o,
                                          const float *lse,
@@ -594,28 +555,6 @@ int32_t treeattn_cuda_attention_backward(TreeattnDtype dtype,
                                          void *dk,
                                          void *dv,
                                          void *dsinks);
-
-/**
- * [`treeattn_cuda_attention_backward`] with the pack's plan `mask` in
- * place of its `kv_end` and `position_ids` (as
- * [`treeattn_cuda_attention_forward_mask`]).
- */
-int32_t treeattn_cuda_attention_backward_mask(TreeattnDtype dtype,
-                                              int32_t device,
-                                              void *stream,
-                                              const void *q,
-                                              const void *k,
-                                              const void *v,
-                                              struct TreeattnShape shape,
-                                              const struct TreeattnMaskPlan *mask,
-                                              const struct TreeattnParams *params,
-                                              const void *o,
-                                              const float *lse,
-                                              const void *d_o,
-                                              void *dq,
-                                              void *dk,
-                                              void *dv,
-                                              void *dsinks);
 
 /**
  * The fused SDCC forward KL on device logits. `dtype` `TREEATTN_BF16`,

@@ -71,9 +71,11 @@ int main(void) {
                            /* rope_base */ 10000.0, /* check_finite */ 1,
                            /* window: 0 = none */ 0, /* softcap: 0 = none */ 0.0,
                            /* sinks */ NULL, /* deterministic: 0 = atomic dQ */ 0};
-  TRY(treeattn_attention_forward(TREEATTN_F32, q, k, v, shape, kv_end, pos, &params, o, lse));
-  TRY(treeattn_attention_backward(TREEATTN_F32, q, k, v, shape, kv_end, pos, &params, o, lse,
-                                  d_o, dq, dk, dv, NULL));
+  /* The mask: the pack's arrays (and no mask plan, NULL). */
+  TRY(treeattn_attention_forward(TREEATTN_F32, q, k, v, shape, kv_end, pos, NULL, &params, o,
+                                 lse));
+  TRY(treeattn_attention_backward(TREEATTN_F32, q, k, v, shape, kv_end, pos, NULL, &params, o,
+                                  lse, d_o, dq, dk, dv, NULL));
   double so = 0.0, sg = 0.0;
   for (size_t i = 0; i < nq; i++) so += o[i], sg += fabs(dq[i]);
   for (size_t i = 0; i < nkv; i++) sg += fabs(dk[i]) + fabs(dv[i]);
@@ -81,7 +83,8 @@ int main(void) {
 
   /* Bad input is an error code and a message, never a crash. */
   TreeattnShape ragged = {L, 3, 2, 16, 0};
-  int32_t st = treeattn_attention_forward(TREEATTN_F32, q, k, v, ragged, kv_end, pos, NULL, o, lse);
+  int32_t st =
+      treeattn_attention_forward(TREEATTN_F32, q, k, v, ragged, kv_end, pos, NULL, NULL, o, lse);
   printf("3 query heads over 2 kv heads: %s (%s)\n", treeattn_status_name(st), treeattn_last_error());
 
   free(q), free(o), free(d_o), free(dq), free(k), free(v), free(dk), free(dv), free(lse);

@@ -11,168 +11,67 @@
 //! device's primary context, the one the CUDA runtime uses) and no stream.
 //! The pack's `kv_end` and `position_ids` are host arrays (checked on the
 //! host, then uploaded on the stream with the key-tile bounds computed
-//! there, `8·tokens` bytes and one small kernel per call); every other
-//! buffer, `params.sinks` and `dsinks` included, is device memory of that
-//! context. Attention and its backward
-//! return once the work is enqueued; SDCC waits for the stream once to read
-//! the per-pair KL.
+//! there, `8·tokens` bytes and one small kernel per call) or a mask plan
+//! (uploaded by its first device call, then reused); every other buffer,
+//! `params.sinks` and `dsinks` included, is device memory of that context.
+//! Attention and its backward return once the work is enqueued; SDCC waits
+//! for the stream once to read the per-pair KL.
+//!
+//! Each entry turns its arguments into the crate's raw call
+//! (`treeattn::ffi`) and runs `treeattn::ffi::cuda_*`: the checks, the
+//! dtype dispatch and the mask plan are the crate's, as for the host
+//! entries.
 
 use std::ffi::c_void;
 
+use treeattn::ffi;
+
 use crate::{
-    check_dtype, guard, AttnCall, AttnGrads, Fail, TreeattnDtype, TreeattnMaskPlan, TreeattnParams,
+    guard, raw_grads, AttnCall, Fail, SdccCall, TreeattnDtype, TreeattnMaskPlan, TreeattnParams,
+    TreeattnSdccLoss, TreeattnShape, R,
 };
+
+/// The device ordinal `device` as the crate takes it.
 #[cfg(feature = "cuda")]
-use crate::{null, params_of, shape_of, slice};
-use crate::{TreeattnSdccLoss, TreeattnShape, TREEATTN_BF16, TREEATTN_F16, TREEATTN_F32};
-
-/// The element types of the device attention entries (the kernels').
-const ATTENTION_DTYPES: [TreeattnDtype; 2] = [TREEATTN_BF16, TREEATTN_F16];
-/// The logits' element types of the device SDCC entry.
-const SDCC_DTYPES: [TreeattnDtype; 3] = [TREEATTN_BF16, TREEATTN_F16, TREEATTN_F32];
-
-/// Treeattn was built without the `cuda` feature.
-#[cfg(not(feature = "cuda"))]
-fn no_cuda(what: &str) -> Fail {
-    Fail(
-        crate::TREEATTN_ERR_UNSUPPORTED,
-        format!(
-            "{what}: this treeattn library was built without CUDA \
-             (build it with `cargo build --release -p treeattn-capi --features cuda`)"
-        ),
-    )
-}
-
-/// Kernels of `device` on `stream` (checked as an ordinal).
-///
-/// Safety: `stream` is null or a live stream of `device`'s primary context
-/// (what the entries' callers promise).
-#[cfg(feature = "cuda")]
-unsafe fn device_backend(
-    device: i32,
-    stream: *mut c_void,
-) -> crate::R<treeattn::backend::cuda::CudaBackend> {
-    use treeattn::backend::cuda::host;
-    let ordinal = usize::try_from(device).map_err(|_| {
+fn ordinal(device: i32) -> R<usize> {
+    usize::try_from(device).map_err(|_| {
         Fail(
             crate::TREEATTN_ERR_SHAPE,
             format!("device {device} is not a device ordinal"),
         )
-    })?;
-    let kernels = host::primary(ordinal)?;
-    Ok(host::on_raw_stream(&kernels, stream.cast())?)
-}
-
-/// Kernels of `device` on `stream`, the validated call and the pack uploaded
-/// there, then `f`.
-#[cfg(feature = "cuda")]
-unsafe fn with_device_call(
-    device: i32,
-    stream: *mut c_void,
-    c: &AttnCall,
-    f: impl FnOnce(
-        &treeattn::backend::cuda::CudaBackend,
-        &treeattn::backend::cuda::DevicePack,
-        treeattn::backend::cuda::host::RawAttention<'_>,
-    ) -> treeattn::Result<()>,
-) -> crate::R<()> {
-    use treeattn::backend::cuda::host;
-    use treeattn::mask::PackMask;
-    let shape = shape_of(c.shape)?;
-    let params = params_of(c.params, &shape)?;
-    for (what, p) in [("q", c.q), ("k", c.k), ("v", c.v)] {
-        if p.is_null() {
-            return Err(null(what));
-        }
-    }
-    let plan = crate::call_plan(c.mask, shape.tokens)?;
-    let be = device_backend(device, stream)?;
-    // With a plan: its device copy (uploaded by its first call on this
-    // device, then shared: no copy, no synchronization). Without: the
-    // arrays checked and uploaded per call.
-    let pack = match plan {
-        Some(plan) => plan.on_device(&be)?,
-        None => {
-            let kv_end = slice("kv_end", c.kv_end, shape.tokens)?;
-            let pos = slice("position_ids", c.position_ids, shape.tokens)?;
-            std::sync::Arc::new(be.upload_pack(PackMask::new(kv_end, pos)?)?)
-        }
-    };
-    // The sinks (device, `[q_heads]` of q's type) go to the contract as
-    // they are; the C params have no explicit key starts.
-    let call = host::RawAttention {
-        q: c.q as u64,
-        k: c.k as u64,
-        v: c.v as u64,
-        sinks: crate::sinks_of(c.params) as u64,
-        key_starts: None,
-        shape,
-        params,
-    };
-    f(&be, &pack, call)?;
-    Ok(())
-}
-
-#[cfg(feature = "cuda")]
-unsafe fn forward<T>(
-    device: i32,
-    stream: *mut c_void,
-    c: AttnCall,
-    o: *mut c_void,
-    lse: *mut f32,
-) -> crate::R<()>
-where
-    T: treeattn::backend::launch::KernelElem + treeattn::backend::cuda::cudarc::driver::DeviceRepr,
-{
-    if o.is_null() {
-        return Err(null("o"));
-    }
-    if lse.is_null() {
-        return Err(null("lse"));
-    }
-    with_device_call(device, stream, &c, |be, pack, call| {
-        be.forward_raw::<T>(pack, call, o as u64, lse as u64)
     })
 }
 
-/// `g.lse` is `float` here, whatever the element type.
-#[cfg(feature = "cuda")]
-unsafe fn backward<T>(device: i32, stream: *mut c_void, c: AttnCall, g: AttnGrads) -> crate::R<()>
-where
-    T: treeattn::backend::launch::KernelElem + treeattn::backend::cuda::cudarc::driver::DeviceRepr,
-{
-    g.check_null()?;
-    use treeattn::backend::cuda::DqMode;
-    let mode = match crate::deterministic_of(c.params)? {
-        true => DqMode::Deterministic,
-        false => DqMode::Atomic,
-    };
-    with_device_call(device, stream, &c, |be, pack, call| {
-        be.backward_raw::<T>(
-            pack,
-            call,
-            g.o as u64,
-            g.lse as u64,
-            g.d_o as u64,
-            g.dq as u64,
-            g.dk as u64,
-            g.dv as u64,
-            g.dsinks as u64,
-            mode,
-        )
-    })
+/// `Err` for a dtype `takes` does not hold (as the crate's entries check
+/// it first, so a library without CUDA answers in the same order), then
+/// `Err(TREEATTN_ERR_UNSUPPORTED)`: this library was built without the
+/// `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+fn no_cuda(entry: &str, what: &str, dtype: TreeattnDtype, takes: &[ffi::Dtype]) -> R<()> {
+    ffi::check_dtype(what, crate::dtype_of(dtype)?, takes)?;
+    Err(Fail(
+        crate::TREEATTN_ERR_UNSUPPORTED,
+        format!(
+            "{entry}: this treeattn library was built without CUDA \
+             (build it with `cargo build --release -p treeattn-capi --features cuda`)"
+        ),
+    ))
 }
 
 /// Tree attention forward on device memory. `dtype` `TREEATTN_BF16`
 /// (`__nv_bfloat16`) or `TREEATTN_F16` (`__half`) is the element type of
 /// q `[tokens, q_heads, head_dim]`, k and v `[tokens, kv_heads, head_dim]`
 /// and `o` (like q); `lse` (`[q_heads, tokens]`) is `float`, natural log,
-/// `-inf` for a row with no visible key. Head dim 64 or 128. `kv_end` and
-/// `position_ids` are the pack's host arrays (`tokens` entries); `params`
-/// may be null (defaults); its window and softcap run on the kernels, and
-/// its `sinks`, when not null, are a device buffer (`q_heads` values of
-/// q's type). Enqueued on `stream` of device `device`; see the module
-/// notes.
+/// `-inf` for a row with no visible key. Head dim 64 or 128. The mask is
+/// the pack's host arrays `kv_end` and `position_ids` (`tokens` entries)
+/// with a null `mask`, or its plan `mask` (from
+/// `treeattn_mask_plan_create`, of `shape.tokens` tokens) with null arrays:
+/// the plan is uploaded to `device` by its first device call (on that
+/// call's stream) and reused by every later one — no host-to-device copy,
+/// no synchronization. `params` may be null (defaults); its window and
+/// softcap run on the kernels, and its `sinks`, when not null, are a
+/// device buffer (`q_heads` values of q's type). Enqueued on `stream` of
+/// device `device`; see the module notes.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn treeattn_cuda_attention_forward(
@@ -185,102 +84,46 @@ pub unsafe extern "C" fn treeattn_cuda_attention_forward(
     shape: TreeattnShape,
     kv_end: *const u32,
     position_ids: *const u32,
+    mask: *const TreeattnMaskPlan,
     params: *const TreeattnParams,
     o: *mut c_void,
     lse: *mut f32,
 ) -> i32 {
     let c = AttnCall {
+        dtype,
         q,
         k,
         v,
         shape,
         kv_end,
         position_ids,
-        mask: std::ptr::null(),
-        params,
-    };
-    device_forward(
-        "treeattn_cuda_attention_forward",
-        dtype,
-        device,
-        stream,
-        c,
-        o,
-        lse,
-    )
-}
-
-/// [`treeattn_cuda_attention_forward`] with the pack's plan `mask` (from
-/// `treeattn_mask_plan_create`, of `shape.tokens` tokens) in place of its
-/// `kv_end` and `position_ids`: the plan is uploaded to `device` by its
-/// first device call (on that call's stream) and reused by every later
-/// one — no host-to-device copy, no synchronization.
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn treeattn_cuda_attention_forward_mask(
-    dtype: TreeattnDtype,
-    device: i32,
-    stream: *mut c_void,
-    q: *const c_void,
-    k: *const c_void,
-    v: *const c_void,
-    shape: TreeattnShape,
-    mask: *const TreeattnMaskPlan,
-    params: *const TreeattnParams,
-    o: *mut c_void,
-    lse: *mut f32,
-) -> i32 {
-    if mask.is_null() {
-        return guard(|| Err(crate::null("mask")));
-    }
-    let c = AttnCall {
-        q,
-        k,
-        v,
-        shape,
-        kv_end: std::ptr::null(),
-        position_ids: std::ptr::null(),
         mask,
         params,
     };
-    device_forward(
-        "treeattn_cuda_attention_forward_mask",
-        dtype,
-        device,
-        stream,
-        c,
-        o,
-        lse,
-    )
-}
-
-unsafe fn device_forward(
-    entry: &'static str,
-    dtype: TreeattnDtype,
-    device: i32,
-    stream: *mut c_void,
-    c: AttnCall,
-    o: *mut c_void,
-    lse: *mut f32,
-) -> i32 {
     guard(|| {
-        check_dtype(entry, dtype, &ATTENTION_DTYPES)?;
         #[cfg(feature = "cuda")]
-        return match dtype {
-            TREEATTN_BF16 => forward::<treeattn::half::bf16>(device, stream, c, o, lse),
-            _ => forward::<treeattn::half::f16>(device, stream, c, o, lse),
-        };
+        {
+            let a = c.raw()?;
+            let (device, stream) = (ordinal(device)?, stream as usize);
+            ffi::cuda_attention_forward(device, stream, &a, o as usize, lse as usize)?;
+            Ok(())
+        }
         #[cfg(not(feature = "cuda"))]
         {
             let _ = (device, stream, c, o, lse);
-            Err(no_cuda(entry))
+            no_cuda(
+                "treeattn_cuda_attention_forward",
+                "CUDA attention",
+                dtype,
+                ffi::CUDA_ATTENTION_DTYPES,
+            )
         }
     })
 }
 
 /// Tree attention backward on device memory, `dtype` `TREEATTN_BF16` or
 /// `TREEATTN_F16` as for the forward: from the forward's inputs (same
-/// shape, pack and params), its `o` and `lse` (`float`) and the output
+/// shape, mask and params), its `o` and `lse` (`float`) and the output
 /// gradient `d_o` (like q), writes `dq` (like q), `dk`, `dv` (like k), with
 /// respect to the unrotated q and k, and with sinks in `params` (device,
 /// `q_heads` values of q's type) their gradient into the device buffer
@@ -304,57 +147,6 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward(
     shape: TreeattnShape,
     kv_end: *const u32,
     position_ids: *const u32,
-    params: *const TreeattnParams,
-    o: *const c_void,
-    lse: *const f32,
-    d_o: *const c_void,
-    dq: *mut c_void,
-    dk: *mut c_void,
-    dv: *mut c_void,
-    dsinks: *mut c_void,
-) -> i32 {
-    let c = AttnCall {
-        q,
-        k,
-        v,
-        shape,
-        kv_end,
-        position_ids,
-        mask: std::ptr::null(),
-        params,
-    };
-    let g = AttnGrads {
-        o,
-        lse: lse.cast(),
-        d_o,
-        dq,
-        dk,
-        dv,
-        dsinks,
-    };
-    device_backward(
-        "treeattn_cuda_attention_backward",
-        dtype,
-        device,
-        stream,
-        c,
-        g,
-    )
-}
-
-/// [`treeattn_cuda_attention_backward`] with the pack's plan `mask` in
-/// place of its `kv_end` and `position_ids` (as
-/// [`treeattn_cuda_attention_forward_mask`]).
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn treeattn_cuda_attention_backward_mask(
-    dtype: TreeattnDtype,
-    device: i32,
-    stream: *mut c_void,
-    q: *const c_void,
-    k: *const c_void,
-    v: *const c_void,
-    shape: TreeattnShape,
     mask: *const TreeattnMaskPlan,
     params: *const TreeattnParams,
     o: *const c_void,
@@ -365,92 +157,42 @@ pub unsafe extern "C" fn treeattn_cuda_attention_backward_mask(
     dv: *mut c_void,
     dsinks: *mut c_void,
 ) -> i32 {
-    if mask.is_null() {
-        return guard(|| Err(crate::null("mask")));
-    }
     let c = AttnCall {
+        dtype,
         q,
         k,
         v,
         shape,
-        kv_end: std::ptr::null(),
-        position_ids: std::ptr::null(),
+        kv_end,
+        position_ids,
         mask,
         params,
     };
-    let g = AttnGrads {
-        o,
-        lse: lse.cast(),
-        d_o,
-        dq,
-        dk,
-        dv,
-        dsinks,
-    };
-    device_backward(
-        "treeattn_cuda_attention_backward_mask",
-        dtype,
-        device,
-        stream,
-        c,
-        g,
-    )
-}
-
-unsafe fn device_backward(
-    entry: &'static str,
-    dtype: TreeattnDtype,
-    device: i32,
-    stream: *mut c_void,
-    c: AttnCall,
-    g: AttnGrads,
-) -> i32 {
+    let g = raw_grads(o, lse.cast(), d_o, dq, dk, dv, dsinks);
     guard(|| {
-        check_dtype(entry, dtype, &ATTENTION_DTYPES)?;
         #[cfg(feature = "cuda")]
-        return match dtype {
-            TREEATTN_BF16 => backward::<treeattn::half::bf16>(device, stream, c, g),
-            _ => backward::<treeattn::half::f16>(device, stream, c, g),
-        };
+        {
+            use treeattn::backend::cuda::DqMode;
+            let a = c.raw()?;
+            let mode = match crate::deterministic_of(params)? {
+                true => DqMode::Deterministic,
+                false => DqMode::Atomic,
+            };
+            let (device, stream) = (ordinal(device)?, stream as usize);
+            ffi::cuda_attention_backward(device, stream, &a, &g, mode)?;
+            Ok(())
+        }
         #[cfg(not(feature = "cuda"))]
         {
             let _ = (device, stream, c, g);
-            Err(no_cuda(entry))
+            no_cuda(
+                "treeattn_cuda_attention_backward",
+                "CUDA attention",
+                dtype,
+                ffi::CUDA_ATTENTION_DTYPES,
+            )
         }
     })
-}
-
-#[cfg(feature = "cuda")]
-unsafe fn sdcc<T>(device: i32, stream: *mut c_void, c: crate::SdccCall) -> crate::R<()>
-where
-    T: treeattn::backend::launch::sdcc::SdccElem
-        + treeattn::backend::cuda::cudarc::driver::DeviceRepr,
-{
-    for (what, p) in [
-        ("student", c.student),
-        ("teacher", c.teacher),
-        ("grad_student", c.grad_student as _),
-    ] {
-        if p.is_null() {
-            return Err(null(what));
-        }
-    }
-    let h = c.host()?;
-    let pairs = h.pairs();
-    let be = device_backend(device, stream)?;
-    let out = be.sdcc_raw::<T>(
-        c.student as u64,
-        c.student_rows,
-        c.teacher as u64,
-        c.teacher_rows,
-        c.vocab,
-        &pairs,
-        h.weights,
-        c.temperature,
-        c.grad_student as u64,
-    )?;
-    crate::write_sdcc(&out, c.loss, h.per_pair);
-    Ok(())
 }
 
 /// The fused SDCC forward KL on device logits. `dtype` `TREEATTN_BF16`,
@@ -481,8 +223,8 @@ pub unsafe extern "C" fn treeattn_cuda_sdcc_forward_kl(
     loss: *mut TreeattnSdccLoss,
     per_pair: *mut f64,
 ) -> i32 {
-    const ENTRY: &str = "treeattn_cuda_sdcc_forward_kl";
-    let c = crate::SdccCall {
+    let c = SdccCall {
+        dtype,
         student,
         student_rows,
         teacher,
@@ -497,17 +239,22 @@ pub unsafe extern "C" fn treeattn_cuda_sdcc_forward_kl(
         per_pair,
     };
     guard(|| {
-        check_dtype(ENTRY, dtype, &SDCC_DTYPES)?;
         #[cfg(feature = "cuda")]
-        return match dtype {
-            TREEATTN_BF16 => sdcc::<treeattn::half::bf16>(device, stream, c),
-            TREEATTN_F16 => sdcc::<treeattn::half::f16>(device, stream, c),
-            _ => sdcc::<f32>(device, stream, c),
-        };
+        {
+            let raw = c.raw()?;
+            let (device, stream) = (ordinal(device)?, stream as usize);
+            let out = ffi::cuda_sdcc_forward_kl(device, stream, &raw, c.grad_student as usize)?;
+            c.write(&out)
+        }
         #[cfg(not(feature = "cuda"))]
         {
             let _ = (device, stream, c);
-            Err(no_cuda(ENTRY))
+            no_cuda(
+                "treeattn_cuda_sdcc_forward_kl",
+                "CUDA SDCC",
+                dtype,
+                ffi::CUDA_SDCC_DTYPES,
+            )
         }
     })
 }

@@ -25,12 +25,9 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use treeattn::backend::cpu::{self, Cpu, CpuElement, CpuFloat};
-use treeattn::backend::{
-    AttentionBackend, AttnArgs, AttnParams, AttnShape, Element, Grads, Rope, Saved, SdccArgs,
-    SdccBackend,
-};
-use treeattn::mask::PackMask;
+use treeattn::backend::cpu::{self, Cpu};
+use treeattn::backend::{AttnParams, AttnShape, Rope};
+use treeattn::ffi;
 use treeattn::pack::{Pack, SdccPair};
 use treeattn::plan::MaskPlan;
 use treeattn::rollout::{Call, Rollout};
@@ -204,6 +201,7 @@ impl From<Error> for Fail {
             Error::Unsupported(_) => TREEATTN_ERR_UNSUPPORTED,
             Error::NonFinite { .. } => TREEATTN_ERR_NON_FINITE,
             Error::Cuda(_) => TREEATTN_ERR_CUDA,
+            Error::Null(_) => TREEATTN_ERR_NULL,
             _ => TREEATTN_ERR_OTHER,
         };
         Fail(code, e.to_string())
@@ -242,77 +240,15 @@ fn null(what: &str) -> Fail {
     Fail(TREEATTN_ERR_NULL, format!("`{what}` is a null pointer"))
 }
 
-/// `len` elements at `p`: null only with `len == 0`, aligned for `T`.
+/// `len` elements at `p`: null only with `len == 0`, aligned for `T`
+/// ([`ffi::host_slice`]).
 unsafe fn slice<'a, T>(what: &str, p: *const T, len: usize) -> R<&'a [T]> {
-    if p.is_null() {
-        return if len == 0 { Ok(&[]) } else { Err(null(what)) };
-    }
-    check_ptr(
-        what,
-        p as usize,
-        len,
-        std::mem::size_of::<T>(),
-        std::mem::align_of::<T>(),
-    )?;
-    Ok(std::slice::from_raw_parts(p, len))
+    Ok(ffi::host_slice(what, p as usize, len)?)
 }
 
-/// As [`slice()`], writable.
+/// As [`slice()`], writable ([`ffi::host_slice_mut`]).
 unsafe fn slice_mut<'a, T>(what: &str, p: *mut T, len: usize) -> R<&'a mut [T]> {
-    if p.is_null() {
-        return if len == 0 {
-            Ok(&mut [])
-        } else {
-            Err(null(what))
-        };
-    }
-    check_ptr(
-        what,
-        p as usize,
-        len,
-        std::mem::size_of::<T>(),
-        std::mem::align_of::<T>(),
-    )?;
-    Ok(std::slice::from_raw_parts_mut(p, len))
-}
-
-fn check_ptr(what: &str, addr: usize, len: usize, size: usize, align: usize) -> R<()> {
-    if !addr.is_multiple_of(align) {
-        return Err(Fail(
-            TREEATTN_ERR_SHAPE,
-            format!("`{what}` = {addr:#x} is not aligned to {align} bytes"),
-        ));
-    }
-    match len.checked_mul(size) {
-        Some(bytes) if bytes <= isize::MAX as usize && addr.checked_add(bytes).is_some() => Ok(()),
-        _ => Err(Fail(
-            TREEATTN_ERR_SHAPE,
-            format!("`{what}`: {len} elements overflow the address space"),
-        )),
-    }
-}
-
-/// Byte range of a named buffer, for the overlap check.
-fn range<T>(what: &'static str, s: &[T]) -> (&'static str, usize, usize) {
-    let a = s.as_ptr() as usize;
-    (what, a, a + std::mem::size_of_val(s))
-}
-
-/// `Err` when an output overlaps another output or an input (the outputs
-/// are written while the inputs are read: Rust's `&mut` must be unique).
-fn no_overlap(outputs: &[(&str, usize, usize)], inputs: &[(&str, usize, usize)]) -> R<()> {
-    for (i, &(name, a0, a1)) in outputs.iter().enumerate() {
-        let others = outputs[i + 1..].iter().chain(inputs);
-        for &(other, b0, b1) in others {
-            if a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1 {
-                return Err(Fail(
-                    TREEATTN_ERR_SHAPE,
-                    format!("output `{name}` overlaps `{other}`"),
-                ));
-            }
-        }
-    }
-    Ok(())
+    Ok(ffi::host_slice_mut(what, p as usize, len)?)
 }
 
 /// The version of this library (`"0.1.0"`), a static NUL-terminated string.
@@ -611,253 +547,99 @@ unsafe fn deterministic_of(p: *const TreeattnParams) -> R<bool> {
     }
 }
 
-/// The sinks pointer of a call's params (null params or pointer: none).
-unsafe fn sinks_of(p: *const TreeattnParams) -> *const c_void {
-    p.as_ref().map_or(std::ptr::null(), |p| p.sinks)
-}
-
-/// The inputs shared by forward and backward, as host slices.
-struct Inputs<'a, T> {
-    q: &'a [T],
-    k: &'a [T],
-    v: &'a [T],
-    kv_end: &'a [u32],
-    pos: &'a [u32],
-    /// Attention sinks, `[q_heads]`.
-    sinks: Option<&'a [T]>,
-    /// The call's mask plan, when it came with one (then `kv_end` and
-    /// `pos` are the plan's).
-    plan: Option<&'a MaskPlan>,
-    shape: AttnShape,
-    params: AttnParams,
+/// A [`TreeattnDtype`] as the crate's [`ffi::Dtype`]; a value that is none
+/// of the constants is `TREEATTN_ERR_UNSUPPORTED`.
+fn dtype_of(dtype: TreeattnDtype) -> R<ffi::Dtype> {
+    Ok(match dtype {
+        TREEATTN_F32 => ffi::Dtype::F32,
+        TREEATTN_F64 => ffi::Dtype::F64,
+        TREEATTN_BF16 => ffi::Dtype::Bf16,
+        TREEATTN_F16 => ffi::Dtype::F16,
+        other => {
+            return Err(Fail(
+                TREEATTN_ERR_UNSUPPORTED,
+                format!(
+                    "dtype {other} is not a TreeattnDtype (TREEATTN_F32, TREEATTN_F64, \
+                     TREEATTN_BF16 or TREEATTN_F16)"
+                ),
+            ))
+        }
+    })
 }
 
 /// The inputs of an attention call as C gives them: q, k, v on the host or
-/// the device (by entry), the pack's arrays and the params on the host.
+/// the device (by entry), the pack's arrays or plan and the params on the
+/// host.
 #[derive(Clone, Copy)]
 struct AttnCall {
+    dtype: TreeattnDtype,
     q: *const c_void,
     k: *const c_void,
     v: *const c_void,
     shape: TreeattnShape,
     kv_end: *const u32,
     position_ids: *const u32,
-    /// Non-null: the pack's plan, in place of `kv_end` / `position_ids`.
     mask: *const TreeattnMaskPlan,
     params: *const TreeattnParams,
 }
 
-/// The plan of a call made with one (null: none), checked against the
-/// call's token count.
-unsafe fn call_plan<'a>(mask: *const TreeattnMaskPlan, tokens: usize) -> R<Option<&'a MaskPlan>> {
-    if mask.is_null() {
-        return Ok(None);
+impl AttnCall {
+    /// The call as the crate's raw layer takes it: shape and params
+    /// validated, the mask the plan (then `kv_end` and `position_ids` must
+    /// be null) or the arrays, the sinks from the params.
+    unsafe fn raw<'a>(&self) -> R<ffi::RawAttention<'a>> {
+        let shape = shape_of(self.shape)?;
+        let params = params_of(self.params, &shape)?;
+        let mask = match self.mask.as_ref() {
+            None => ffi::RawMask::Arrays {
+                kv_end: self.kv_end as usize,
+                position_ids: self.position_ids as usize,
+            },
+            Some(_) if !self.kv_end.is_null() || !self.position_ids.is_null() => {
+                return Err(Fail(
+                    TREEATTN_ERR_PACK,
+                    "both a mask plan and kv_end / position_ids were given: pass the plan \
+                     with null arrays, or the arrays with a null plan"
+                        .into(),
+                ))
+            }
+            Some(m) => ffi::RawMask::Plan(&m.plan),
+        };
+        Ok(ffi::RawAttention {
+            dtype: dtype_of(self.dtype)?,
+            q: self.q as usize,
+            k: self.k as usize,
+            v: self.v as usize,
+            mask,
+            sinks: self.params.as_ref().map_or(0, |p| p.sinks as usize),
+            key_starts: 0,
+            shape,
+            params,
+        })
     }
-    let plan = &(*mask).plan;
-    if plan.len() != tokens {
-        return Err(Fail(
-            TREEATTN_ERR_SHAPE,
-            format!(
-                "`mask` is the plan of a pack of {} tokens, the call has {tokens}",
-                plan.len()
-            ),
-        ));
-    }
-    Ok(Some(plan))
 }
 
-/// What a backward call adds to its [`AttnCall`]: the forward's `o` and
-/// `lse`, the output gradient `d_o`, and the gradients it writes.
-struct AttnGrads {
+/// The buffers a backward call adds: the forward's `o` and `lse`, the
+/// output gradient `d_o`, and the gradients it writes (`dsinks` may be
+/// null: not asked for).
+fn raw_grads(
     o: *const c_void,
     lse: *const c_void,
     d_o: *const c_void,
     dq: *mut c_void,
     dk: *mut c_void,
     dv: *mut c_void,
-    /// The sinks' gradient (`[q_heads]`, q's type); null: not asked for.
     dsinks: *mut c_void,
-}
-
-impl AttnGrads {
-    /// `Err(TREEATTN_ERR_NULL)` naming the first null pointer.
-    fn check_null(&self) -> R<()> {
-        for (what, p) in [
-            ("o", self.o),
-            ("lse", self.lse),
-            ("d_o", self.d_o),
-            ("dq", self.dq as _),
-            ("dk", self.dk as _),
-            ("dv", self.dv as _),
-        ] {
-            if p.is_null() {
-                return Err(null(what));
-            }
-        }
-        Ok(())
+) -> ffi::RawGrads {
+    ffi::RawGrads {
+        o: o as usize,
+        lse: lse as usize,
+        d_o: d_o as usize,
+        dq: dq as usize,
+        dk: dk as usize,
+        dv: dv as usize,
+        dsinks: dsinks as usize,
     }
-}
-
-impl<'a, T> Inputs<'a, T> {
-    unsafe fn new(c: &AttnCall) -> R<Self> {
-        let AttnCall {
-            q,
-            k,
-            v,
-            shape,
-            kv_end,
-            position_ids,
-            mask,
-            params,
-        } = *c;
-        // Validated (sizes > 0, no overflow) before any length is used.
-        let shape = shape_of(shape)?;
-        let params_ptr = params;
-        let params = params_of(params, &shape)?;
-        let nonnull = |what, p: *const u8| if p.is_null() { Err(null(what)) } else { Ok(()) };
-        nonnull("q", q as _)?;
-        nonnull("k", k as _)?;
-        nonnull("v", v as _)?;
-        let plan = call_plan(mask, shape.tokens)?;
-        let (kv_end, pos) = match plan {
-            Some(plan) => (plan.mask().kv_end(), plan.mask().position_ids()),
-            None => {
-                nonnull("kv_end", kv_end as _)?;
-                nonnull("position_ids", position_ids as _)?;
-                (
-                    slice("kv_end", kv_end, shape.tokens)?,
-                    slice("position_ids", position_ids, shape.tokens)?,
-                )
-            }
-        };
-        let sinks = sinks_of(params_ptr);
-        Ok(Inputs {
-            q: slice("q", q.cast::<T>(), shape.q_len())?,
-            k: slice("k", k.cast::<T>(), shape.kv_len())?,
-            v: slice("v", v.cast::<T>(), shape.v_len())?,
-            kv_end,
-            pos,
-            sinks: if sinks.is_null() {
-                None
-            } else {
-                Some(slice("sinks", sinks.cast::<T>(), shape.q_heads)?)
-            },
-            plan,
-            shape,
-            params,
-        })
-    }
-    fn ranges(&self) -> Vec<(&'static str, usize, usize)> {
-        let mut r = vec![
-            range("q", self.q),
-            range("k", self.k),
-            range("v", self.v),
-            range("kv_end", self.kv_end),
-            range("position_ids", self.pos),
-        ];
-        if let Some(sinks) = self.sinks {
-            r.push(range("sinks", sinks));
-        }
-        r
-    }
-    fn args(&self) -> R<AttnArgs<'a, treeattn::backend::Host, T>>
-    where
-        T: Element,
-    {
-        let mask = match self.plan {
-            Some(plan) => plan.mask(),
-            None => PackMask::new(self.kv_end, self.pos)?,
-        };
-        let args = AttnArgs::new(self.q, self.k, self.v, self.shape, mask, self.params)?;
-        Ok(match self.sinks {
-            Some(sinks) => args.with_sinks(sinks)?,
-            None => args,
-        })
-    }
-}
-
-/// `Err(TREEATTN_ERR_UNSUPPORTED)` naming `dtype` unless `entry` takes it
-/// (one of `takes`).
-fn check_dtype(entry: &str, dtype: TreeattnDtype, takes: &[TreeattnDtype]) -> R<()> {
-    if takes.contains(&dtype) {
-        return Ok(());
-    }
-    let takes: Vec<&str> = takes.iter().filter_map(|&d| dtype_name(d)).collect();
-    let what = match dtype_name(dtype) {
-        Some(name) => name.to_string(),
-        None => format!("{dtype} (not a TreeattnDtype)"),
-    };
-    Err(Fail(
-        TREEATTN_ERR_UNSUPPORTED,
-        format!(
-            "{entry}: dtype {what} is not supported; it takes {}",
-            takes.join(", ")
-        ),
-    ))
-}
-
-/// The name of a dtype constant, `None` for a value that is none of them.
-fn dtype_name(dtype: TreeattnDtype) -> Option<&'static str> {
-    Some(match dtype {
-        TREEATTN_F32 => "TREEATTN_F32",
-        TREEATTN_F64 => "TREEATTN_F64",
-        TREEATTN_BF16 => "TREEATTN_BF16",
-        TREEATTN_F16 => "TREEATTN_F16",
-        _ => return None,
-    })
-}
-
-/// The element types of the host SDCC entry (the CPU backend's compute
-/// types).
-const HOST_DTYPES: [TreeattnDtype; 2] = [TREEATTN_F32, TREEATTN_F64];
-/// The element types of the host attention entries: the CPU backend's
-/// compute types, and bf16 / f16 computed in f32.
-const HOST_ATTENTION_DTYPES: [TreeattnDtype; 4] =
-    [TREEATTN_F32, TREEATTN_F64, TREEATTN_BF16, TREEATTN_F16];
-
-unsafe fn forward<T: CpuElement>(c: AttnCall, o: *mut c_void, lse: *mut c_void) -> R<()> {
-    let inputs = Inputs::<T>::new(&c)?;
-    let s = inputs.shape;
-    if o.is_null() {
-        return Err(null("o"));
-    }
-    if lse.is_null() {
-        return Err(null("lse"));
-    }
-    let o = slice_mut("o", o.cast::<T>(), s.o_len())?;
-    let lse = slice_mut("lse", lse.cast::<T::Compute>(), s.lse_len())?;
-    no_overlap(&[range("o", o), range("lse", lse)], &inputs.ranges())?;
-    let args = inputs.args()?;
-    Cpu::default().forward(&args, o, lse)?;
-    Ok(())
-}
-
-unsafe fn backward<T: CpuElement>(c: AttnCall, g: AttnGrads) -> R<()> {
-    let inputs = Inputs::<T>::new(&c)?;
-    let s = inputs.shape;
-    g.check_null()?;
-    let o = slice("o", g.o.cast::<T>(), s.o_len())?;
-    let lse = slice("lse", g.lse.cast::<T::Compute>(), s.lse_len())?;
-    let d_o = slice("d_o", g.d_o.cast::<T>(), s.o_len())?;
-    let dq = slice_mut("dq", g.dq.cast::<T>(), s.q_len())?;
-    let dk = slice_mut("dk", g.dk.cast::<T>(), s.kv_len())?;
-    let dv = slice_mut("dv", g.dv.cast::<T>(), s.v_len())?;
-    let dsinks = if g.dsinks.is_null() {
-        None
-    } else {
-        Some(slice_mut("dsinks", g.dsinks.cast::<T>(), s.q_heads)?)
-    };
-    let mut ins = inputs.ranges();
-    ins.extend([range("o", o), range("lse", lse), range("d_o", d_o)]);
-    let mut outs = vec![range("dq", dq), range("dk", dk), range("dv", dv)];
-    if let Some(ds) = &dsinks {
-        outs.push(range("dsinks", ds));
-    }
-    no_overlap(&outs, &ins)?;
-    let args = inputs.args()?;
-    let grads = Grads { dq, dk, dv, dsinks };
-    Cpu::default().backward(&args, Saved { o, lse }, d_o, grads)?;
-    Ok(())
 }
 
 /// Tree attention forward on host memory, on the CPU backend. `dtype`
@@ -868,9 +650,14 @@ unsafe fn backward<T: CpuElement>(c: AttnCall, g: AttnGrads) -> R<()> {
 /// kv_heads, head_dim]`, v `[tokens, kv_heads, v_head_dim]`. Writes `o`
 /// (`[tokens, q_heads, v_head_dim]`) and `lse` (`[q_heads, tokens]`,
 /// natural log; `-inf` for a row with no visible key, the sink's logit
-/// with sinks). `kv_end` and `position_ids` have `tokens` entries (a pack's
-/// arrays); `params` may be null (defaults): its `window`, `softcap` and
-/// `sinks` select the attention variants (all computed on the CPU).
+/// with sinks).
+///
+/// The mask is the pack's `kv_end` and `position_ids` (`tokens` entries
+/// each, host memory, checked per call) with a null `mask`, or the pack's
+/// plan `mask` (from [`treeattn_mask_plan_create`], of `shape.tokens`
+/// tokens: not checked again) with null `kv_end` and `position_ids`.
+/// `params` may be null (defaults): its `window`, `softcap` and `sinks`
+/// select the attention variants (all computed on the CPU).
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn treeattn_attention_forward(
@@ -881,81 +668,38 @@ pub unsafe extern "C" fn treeattn_attention_forward(
     shape: TreeattnShape,
     kv_end: *const u32,
     position_ids: *const u32,
+    mask: *const TreeattnMaskPlan,
     params: *const TreeattnParams,
     o: *mut c_void,
     lse: *mut c_void,
 ) -> i32 {
     let c = AttnCall {
+        dtype,
         q,
         k,
         v,
         shape,
         kv_end,
         position_ids,
-        mask: std::ptr::null(),
-        params,
-    };
-    host_forward("treeattn_attention_forward", dtype, c, o, lse)
-}
-
-/// [`treeattn_attention_forward`] with the pack's plan `mask` (from
-/// [`treeattn_mask_plan_create`], of `shape.tokens` tokens) in place of its
-/// `kv_end` and `position_ids`: the mask is not checked again.
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn treeattn_attention_forward_mask(
-    dtype: TreeattnDtype,
-    q: *const c_void,
-    k: *const c_void,
-    v: *const c_void,
-    shape: TreeattnShape,
-    mask: *const TreeattnMaskPlan,
-    params: *const TreeattnParams,
-    o: *mut c_void,
-    lse: *mut c_void,
-) -> i32 {
-    if mask.is_null() {
-        return guard(|| Err(null("mask")));
-    }
-    let c = AttnCall {
-        q,
-        k,
-        v,
-        shape,
-        kv_end: std::ptr::null(),
-        position_ids: std::ptr::null(),
         mask,
         params,
     };
-    host_forward("treeattn_attention_forward_mask", dtype, c, o, lse)
-}
-
-unsafe fn host_forward(
-    entry: &str,
-    dtype: TreeattnDtype,
-    c: AttnCall,
-    o: *mut c_void,
-    lse: *mut c_void,
-) -> i32 {
     guard(|| {
-        check_dtype(entry, dtype, &HOST_ATTENTION_DTYPES)?;
-        match dtype {
-            TREEATTN_F32 => forward::<f32>(c, o, lse),
-            TREEATTN_BF16 => forward::<treeattn::half::bf16>(c, o, lse),
-            TREEATTN_F16 => forward::<treeattn::half::f16>(c, o, lse),
-            _ => forward::<f64>(c, o, lse),
-        }
+        let a = c.raw()?;
+        ffi::attention_forward(&Cpu::default(), &a, o as usize, lse as usize)?;
+        Ok(())
     })
 }
 
 /// Tree attention backward on host memory, `dtype` `TREEATTN_F32` or
 /// `TREEATTN_F64` (every buffer of that type), or `TREEATTN_BF16` or
-/// `TREEATTN_F16` (every buffer but the `float` lse): from the forward's inputs
-/// (same shape, mask and params), its `o` and `lse`, and the output
+/// `TREEATTN_F16` (every buffer but the `float` lse): from the forward's
+/// inputs (same shape, mask and params), its `o` and `lse`, and the output
 /// gradient `d_o` (like o), writes `dq` (like q), `dk` (like k), `dv`
 /// (like v), with respect to the unrotated q and k, and with sinks in
 /// `params` the sinks' gradient into `dsinks` (`q_heads` values of q's
-/// type) unless it is null (which it must be without sinks).
+/// type) unless it is null (which it must be without sinks). The mask is
+/// given as for [`treeattn_attention_forward`].
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn treeattn_attention_backward(
@@ -966,47 +710,6 @@ pub unsafe extern "C" fn treeattn_attention_backward(
     shape: TreeattnShape,
     kv_end: *const u32,
     position_ids: *const u32,
-    params: *const TreeattnParams,
-    o: *const c_void,
-    lse: *const c_void,
-    d_o: *const c_void,
-    dq: *mut c_void,
-    dk: *mut c_void,
-    dv: *mut c_void,
-    dsinks: *mut c_void,
-) -> i32 {
-    let c = AttnCall {
-        q,
-        k,
-        v,
-        shape,
-        kv_end,
-        position_ids,
-        mask: std::ptr::null(),
-        params,
-    };
-    let g = AttnGrads {
-        o,
-        lse,
-        d_o,
-        dq,
-        dk,
-        dv,
-        dsinks,
-    };
-    host_backward("treeattn_attention_backward", dtype, c, g)
-}
-
-/// [`treeattn_attention_backward`] with the pack's plan `mask` in place of
-/// its `kv_end` and `position_ids` (as [`treeattn_attention_forward_mask`]).
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn treeattn_attention_backward_mask(
-    dtype: TreeattnDtype,
-    q: *const c_void,
-    k: *const c_void,
-    v: *const c_void,
-    shape: TreeattnShape,
     mask: *const TreeattnMaskPlan,
     params: *const TreeattnParams,
     o: *const c_void,
@@ -1017,40 +720,22 @@ pub unsafe extern "C" fn treeattn_attention_backward_mask(
     dv: *mut c_void,
     dsinks: *mut c_void,
 ) -> i32 {
-    if mask.is_null() {
-        return guard(|| Err(null("mask")));
-    }
     let c = AttnCall {
+        dtype,
         q,
         k,
         v,
         shape,
-        kv_end: std::ptr::null(),
-        position_ids: std::ptr::null(),
+        kv_end,
+        position_ids,
         mask,
         params,
     };
-    let g = AttnGrads {
-        o,
-        lse,
-        d_o,
-        dq,
-        dk,
-        dv,
-        dsinks,
-    };
-    host_backward("treeattn_attention_backward_mask", dtype, c, g)
-}
-
-unsafe fn host_backward(entry: &str, dtype: TreeattnDtype, c: AttnCall, g: AttnGrads) -> i32 {
+    let g = raw_grads(o, lse, d_o, dq, dk, dv, dsinks);
     guard(|| {
-        check_dtype(entry, dtype, &HOST_ATTENTION_DTYPES)?;
-        match dtype {
-            TREEATTN_F32 => backward::<f32>(c, g),
-            TREEATTN_BF16 => backward::<treeattn::half::bf16>(c, g),
-            TREEATTN_F16 => backward::<treeattn::half::f16>(c, g),
-            _ => backward::<f64>(c, g),
-        }
+        let a = c.raw()?;
+        ffi::attention_backward(&Cpu::default(), &a, &g)?;
+        Ok(())
     })
 }
 
@@ -1136,7 +821,7 @@ pub unsafe extern "C" fn treeattn_kv_end_from_positions(
     guard(|| {
         let pos = slice("position_ids", position_ids, tokens)?;
         let out = slice_mut("kv_end", kv_end, tokens)?;
-        no_overlap(&[range("kv_end", out)], &[range("position_ids", pos)])?;
+        ffi::check_no_overlap(("kv_end", &*out), ("position_ids", pos))?;
         let ends = treeattn::mask::kv_end_from_positions(pos)?;
         out.copy_from_slice(&ends);
         Ok(())
@@ -1146,6 +831,7 @@ pub unsafe extern "C" fn treeattn_kv_end_from_positions(
 /// The arguments of an SDCC call as C gives them, host or device logits
 /// (`pairs`, `weights`, `loss` and `per_pair` are host memory either way).
 struct SdccCall {
+    dtype: TreeattnDtype,
     student: *const c_void,
     student_rows: usize,
     teacher: *const c_void,
@@ -1160,92 +846,39 @@ struct SdccCall {
     per_pair: *mut f64,
 }
 
-/// The host arrays of an SDCC call, checked: the flat pairs (`2·n_pairs`),
-/// the weights and, when given, `per_pair`.
-struct SdccHost<'a> {
-    flat: &'a [u32],
-    weights: &'a [f32],
-    per_pair: Option<&'a mut [f64]>,
-}
-
-impl SdccHost<'_> {
-    /// The pairs as (student row, teacher row).
-    fn pairs(&self) -> Vec<(u32, u32)> {
-        self.flat.chunks_exact(2).map(|p| (p[0], p[1])).collect()
-    }
-}
-
 impl SdccCall {
-    /// The host arrays, checked (and `loss` not null).
-    unsafe fn host<'a>(&self) -> R<SdccHost<'a>> {
-        let n2 = self
-            .n_pairs
-            .checked_mul(2)
-            .ok_or_else(|| Fail(TREEATTN_ERR_SHAPE, "n_pairs overflows".into()))?;
+    /// The call as the crate's raw layer takes it (`loss` checked not
+    /// null first: nothing runs when the result has nowhere to go).
+    fn raw(&self) -> R<ffi::RawSdcc> {
         if self.loss.is_null() {
             return Err(null("loss"));
         }
-        Ok(SdccHost {
-            flat: slice("pairs", self.pairs, n2)?,
-            weights: slice("weights", self.weights, self.n_pairs)?,
-            per_pair: if self.per_pair.is_null() {
-                None
-            } else {
-                Some(slice_mut("per_pair", self.per_pair, self.n_pairs)?)
-            },
+        Ok(ffi::RawSdcc {
+            dtype: dtype_of(self.dtype)?,
+            student: self.student as usize,
+            student_rows: self.student_rows,
+            teacher: self.teacher as usize,
+            teacher_rows: self.teacher_rows,
+            vocab: self.vocab,
+            pairs: ffi::RawPairs::Interleaved(self.pairs as usize),
+            n_pairs: self.n_pairs,
+            weights: self.weights as usize,
+            temperature: self.temperature,
         })
     }
-}
 
-unsafe fn sdcc<T: CpuFloat>(c: SdccCall) -> R<()> {
-    let elems = |rows: usize, what: &str| {
-        rows.checked_mul(c.vocab)
-            .ok_or_else(|| Fail(TREEATTN_ERR_SHAPE, format!("{what}_rows · vocab overflows")))
-    };
-    let (ns, nt) = (
-        elems(c.student_rows, "student")?,
-        elems(c.teacher_rows, "teacher")?,
-    );
-    let h = c.host()?;
-    let student = slice("student", c.student.cast::<T>(), ns)?;
-    let teacher = slice("teacher", c.teacher.cast::<T>(), nt)?;
-    let grad = slice_mut("grad_student", c.grad_student.cast::<T>(), ns)?;
-    let mut outs = vec![range("grad_student", grad)];
-    if let Some(p) = &h.per_pair {
-        outs.push(range("per_pair", p));
+    /// An SDCC result into the caller's `*loss` and, when not null,
+    /// `per_pair` (`n_pairs` entries).
+    unsafe fn write(&self, out: &treeattn::backend::SdccLoss) -> R<()> {
+        if !self.per_pair.is_null() {
+            slice_mut("per_pair", self.per_pair, self.n_pairs)?.copy_from_slice(&out.per_pair);
+        }
+        *self.loss = TreeattnSdccLoss {
+            loss_sum: out.loss_sum,
+            loss_mean: out.loss_mean,
+        };
+        Ok(())
     }
-    let loss = c.loss as usize;
-    outs.push(("loss", loss, loss + std::mem::size_of::<TreeattnSdccLoss>()));
-    no_overlap(
-        &outs,
-        &[
-            range("student", student),
-            range("teacher", teacher),
-            range("pairs", h.flat),
-            range("weights", h.weights),
-        ],
-    )?;
-    let pairs = h.pairs();
-    let args = SdccArgs::new(student, teacher, c.vocab, &pairs, h.weights, c.temperature)?;
-    let out = Cpu::default().sdcc_forward_kl(&args, grad)?;
-    write_sdcc(&out, c.loss, h.per_pair);
-    Ok(())
-}
-
-/// An SDCC result into the caller's `*loss` and, when given, `per_pair`
-/// (checked non-null and of `n_pairs` entries by the caller).
-unsafe fn write_sdcc(
-    out: &treeattn::backend::SdccLoss,
-    loss: *mut TreeattnSdccLoss,
-    per_pair: Option<&mut [f64]>,
-) {
-    if let Some(p) = per_pair {
-        p.copy_from_slice(&out.per_pair);
-    }
-    *loss = TreeattnSdccLoss {
-        loss_sum: out.loss_sum,
-        loss_mean: out.loss_mean,
-    };
 }
 
 /// The fused SDCC forward KL on host memory. `dtype` `TREEATTN_F32` or
@@ -1274,6 +907,7 @@ pub unsafe extern "C" fn treeattn_sdcc_forward_kl(
     per_pair: *mut f64,
 ) -> i32 {
     let c = SdccCall {
+        dtype,
         student,
         student_rows,
         teacher,
@@ -1288,11 +922,8 @@ pub unsafe extern "C" fn treeattn_sdcc_forward_kl(
         per_pair,
     };
     guard(|| {
-        check_dtype("treeattn_sdcc_forward_kl", dtype, &HOST_DTYPES)?;
-        match dtype {
-            TREEATTN_F32 => sdcc::<f32>(c),
-            _ => sdcc::<f64>(c),
-        }
+        let out = ffi::sdcc_forward_kl(&Cpu::default(), &c.raw()?, c.grad_student as usize)?;
+        c.write(&out)
     })
 }
 

@@ -189,7 +189,7 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
     k[i] = f16 ? from_f16(k16[i]) : from_bf16(k16[i]);
     v[i] = f16 ? from_f16(v16[i]) : from_bf16(v16[i]);
   }
-  OK(treeattn_attention_forward(TREEATTN_F32, q, k, v, shape, kv_end, pos, NULL, o, lse));
+  OK(treeattn_attention_forward(TREEATTN_F32, q, k, v, shape, kv_end, pos, NULL, NULL, o, lse));
 
   CUdeviceptr dq_ = upload(q16, nq * 2), dk_ = upload(k16, nk * 2),
               dv_ = upload(v16, nk * 2), ddo = upload(do16, nq * 2);
@@ -198,7 +198,7 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
   memset(got_lse, 0xFF, nl * 4);
   CUdeviceptr d_o = upload(o16, nq * 2), d_lse = upload(got_lse, nl * 4);
   OK(treeattn_cuda_attention_forward(dtype, 0, stream, (void *)dq_, (void *)dk_, (void *)dv_,
-                                     shape, kv_end, pos, NULL, (void *)d_o, (float *)d_lse));
+                                     shape, kv_end, pos, NULL, NULL, (void *)d_o, (float *)d_lse));
   CU(cu.stream_sync(stream));
   CU(cu.dtoh(o16, d_o, nq * 2));
   CU(cu.dtoh(got_lse, d_lse, nl * 4));
@@ -225,8 +225,8 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
       memset(lse_plan, 0xFF, nl * 4);
       CU(cu.htod(d_o, o_plan, nq * 2));
       CU(cu.htod(d_lse, lse_plan, nl * 4));
-      OK(treeattn_cuda_attention_forward_mask(dtype, 0, stream, (void *)dq_, (void *)dk_,
-                                              (void *)dv_, shape, mask, NULL, (void *)d_o,
+      OK(treeattn_cuda_attention_forward(dtype, 0, stream, (void *)dq_, (void *)dk_,
+                                              (void *)dv_, shape, NULL, NULL, mask, NULL, (void *)d_o,
                                               (float *)d_lse));
       CU(cu.stream_sync(stream));
       CU(cu.dtoh(o_plan, d_o, nq * 2));
@@ -245,12 +245,12 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
 
   /* Backward from the device's own O and LSE; the reference from the
    * CPU's (both within the forward bounds of each other). */
-  OK(treeattn_attention_backward(TREEATTN_F32, q, k, v, shape, kv_end, pos, NULL, o, lse,
+  OK(treeattn_attention_backward(TREEATTN_F32, q, k, v, shape, kv_end, pos, NULL, NULL, o, lse,
                                  dout, dq, dk, dv, NULL));
   memset(g16, 0xFF, nq * 2);
   CUdeviceptr gq = upload(g16, nq * 2), gk = upload(g16, nk * 2), gv = upload(g16, nk * 2);
   OK(treeattn_cuda_attention_backward(dtype, 0, stream, (void *)dq_, (void *)dk_, (void *)dv_,
-                                      shape, kv_end, pos, NULL, (void *)d_o, (const float *)d_lse,
+                                      shape, kv_end, pos, NULL, NULL, (void *)d_o, (const float *)d_lse,
                                       (void *)ddo, (void *)gq, (void *)gk, (void *)gv, NULL));
   CU(cu.stream_sync(stream));
   struct {
@@ -275,7 +275,7 @@ static void attention_case(int f16, CUstream stream, const uint32_t *kv_end,
     uint16_t *first = malloc(nq * 2);
     for (int run = 0; run < 2; run++) {
       OK(treeattn_cuda_attention_backward(dtype, 0, stream, (void *)dq_, (void *)dk_, (void *)dv_,
-                                          shape, kv_end, pos, &det, (void *)d_o,
+                                          shape, kv_end, pos, NULL, &det, (void *)d_o,
                                           (const float *)d_lse, (void *)ddo, (void *)gq,
                                           (void *)gk, (void *)gv, NULL));
       CU(cu.stream_sync(stream));
@@ -328,11 +328,11 @@ static void sinks_case(int f16, CUstream stream, const uint32_t *kv_end, const u
   const size_t at_k = nq, at_v = nq + nk, at_do = nq + 2 * nk, at_s = 2 * nq + 2 * nk;
   TreeattnParams host_p = {0.0, 0, 0.0, 0, 3, 0.0, x + at_s, 0};
   TreeattnParams none_p = {0.0, 0, 0.0, 0, 3, 0.0, NULL, 0};
-  OK(treeattn_attention_forward(TREEATTN_F32, x, x + at_k, x + at_v, shape, kv_end, pos, &host_p,
+  OK(treeattn_attention_forward(TREEATTN_F32, x, x + at_k, x + at_v, shape, kv_end, pos, NULL, &host_p,
                                 o, lse));
-  OK(treeattn_attention_forward(TREEATTN_F32, x, x + at_k, x + at_v, shape, kv_end, pos, &none_p,
+  OK(treeattn_attention_forward(TREEATTN_F32, x, x + at_k, x + at_v, shape, kv_end, pos, NULL, &none_p,
                                 plain, got_lse));
-  OK(treeattn_attention_backward(TREEATTN_F32, x, x + at_k, x + at_v, shape, kv_end, pos, &host_p,
+  OK(treeattn_attention_backward(TREEATTN_F32, x, x + at_k, x + at_v, shape, kv_end, pos, NULL, &host_p,
                                  o, lse, x + at_do, dq, dk, dv, dsinks));
 
   CUdeviceptr d_x = upload(x16, n_all * 2);
@@ -344,9 +344,9 @@ static void sinks_case(int f16, CUstream stream, const uint32_t *kv_end, const u
   const uint16_t *dev = (const uint16_t *)(uintptr_t)d_x;
   TreeattnParams dev_p = {0.0, 0, 0.0, 0, 3, 0.0, dev + at_s, 0};
   OK(treeattn_cuda_attention_forward(dtype, 0, stream, dev, dev + at_k, dev + at_v, shape, kv_end,
-                                     pos, &dev_p, (void *)d_o, (float *)d_lse));
+                                     pos, NULL, &dev_p, (void *)d_o, (float *)d_lse));
   OK(treeattn_cuda_attention_backward(dtype, 0, stream, dev, dev + at_k, dev + at_v, shape, kv_end,
-                                      pos, &dev_p, (void *)d_o, (const float *)d_lse, dev + at_do,
+                                      pos, NULL, &dev_p, (void *)d_o, (const float *)d_lse, dev + at_do,
                                       (void *)gq, (void *)gk, (void *)gv, (void *)gs));
   CU(cu.stream_sync(stream));
   CU(cu.dtoh(g16, d_o, nq * 2));
@@ -424,24 +424,25 @@ int main(int argc, char **argv) {
   OK(treeattn_pack_u32(pack, TREEATTN_PACK_POSITION_IDS, &pos, &n));
   TreeattnShape shape = {L, 4, 2, 64, 0};
   {
-    /* A dtype an entry does not take: TREEATTN_ERR_UNSUPPORTED naming it, in
+    /* A dtype an entry does not take: TREEATTN_ERR_UNSUPPORTED naming it (by
+     * the crate's name of the type: float64 for TREEATTN_F64), in
      * every build, before any CUDA work (the pointers are never read). */
     char dummy[16];
     float dummy_lse[4];
     int32_t st = treeattn_cuda_attention_forward(TREEATTN_F64, 0, NULL, dummy, dummy, dummy,
-                                                 shape, kv_end, pos, NULL, dummy, dummy_lse);
-    CHECK(st == TREEATTN_ERR_UNSUPPORTED && strstr(treeattn_last_error(), "TREEATTN_F64"),
+                                                 shape, kv_end, pos, NULL, NULL, dummy, dummy_lse);
+    CHECK(st == TREEATTN_ERR_UNSUPPORTED && strstr(treeattn_last_error(), "float64"),
           "f64 device attention -> %d: %s", st, treeattn_last_error());
     st = treeattn_cuda_attention_forward(TREEATTN_F32, 0, NULL, dummy, dummy, dummy, shape,
-                                         kv_end, pos, NULL, dummy, dummy_lse);
-    CHECK(st == TREEATTN_ERR_UNSUPPORTED && strstr(treeattn_last_error(), "TREEATTN_F32"),
+                                         kv_end, pos, NULL, NULL, dummy, dummy_lse);
+    CHECK(st == TREEATTN_ERR_UNSUPPORTED && strstr(treeattn_last_error(), "float32"),
           "f32 device attention -> %d: %s", st, treeattn_last_error());
     TreeattnSdccLoss loss;
     const uint32_t pair[2] = {0, 0};
     const float weight = 1.0f;
     st = treeattn_cuda_sdcc_forward_kl(TREEATTN_F64, 0, NULL, dummy, 1, dummy, 1, 1, pair,
                                        &weight, 1, 1.0f, dummy_lse, &loss, NULL);
-    CHECK(st == TREEATTN_ERR_UNSUPPORTED && strstr(treeattn_last_error(), "TREEATTN_F64"),
+    CHECK(st == TREEATTN_ERR_UNSUPPORTED && strstr(treeattn_last_error(), "float64"),
           "f64 device SDCC -> %d: %s", st, treeattn_last_error());
   }
   int dev_count = 0;
@@ -451,7 +452,7 @@ int main(int argc, char **argv) {
     char dummy[16];
     float dummy_lse[4];
     int32_t st = treeattn_cuda_attention_forward(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy,
-                                                 shape, kv_end, pos, NULL, dummy, dummy_lse);
+                                                 shape, kv_end, pos, NULL, NULL, dummy, dummy_lse);
     CHECK(st == TREEATTN_ERR_UNSUPPORTED || st == TREEATTN_ERR_CUDA,
           "forward without a GPU -> %d (%s): %s", st, treeattn_status_name(st),
           treeattn_last_error());
@@ -462,7 +463,7 @@ int main(int argc, char **argv) {
            treeattn_last_error());
     TreeattnMaskPlan *mask = NULL;
     OK(treeattn_mask_plan_create(kv_end, pos, L, &mask));
-    st = treeattn_cuda_attention_forward_mask(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy, shape,
+    st = treeattn_cuda_attention_forward(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy, shape, NULL, NULL,
                                               mask, NULL, dummy, dummy_lse);
     CHECK(st == TREEATTN_ERR_UNSUPPORTED || st == TREEATTN_ERR_CUDA,
           "forward with a plan without a GPU -> %d (%s): %s", st, treeattn_status_name(st),
@@ -472,7 +473,7 @@ int main(int argc, char **argv) {
      * backend: the failure is the same clean one, about CUDA itself. */
     TreeattnParams with_sinks = {0.0, 0, 0.0, 0, 0, 0.0, dummy, 0};
     st = treeattn_cuda_attention_forward(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy, shape, kv_end,
-                                         pos, &with_sinks, dummy, dummy_lse);
+                                         pos, NULL, &with_sinks, dummy, dummy_lse);
     CHECK(st == TREEATTN_ERR_UNSUPPORTED || st == TREEATTN_ERR_CUDA,
           "forward with sinks without a GPU -> %d (%s): %s", st, treeattn_status_name(st),
           treeattn_last_error());
@@ -480,7 +481,7 @@ int main(int argc, char **argv) {
                                                                       : "CUDA") != NULL,
           "forward with sinks: %s", treeattn_last_error());
     st = treeattn_cuda_attention_backward(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy, shape,
-                                          kv_end, pos, &with_sinks, dummy, dummy_lse, dummy, dummy,
+                                          kv_end, pos, NULL, &with_sinks, dummy, dummy_lse, dummy, dummy,
                                           dummy, dummy, dummy);
     CHECK(st == TREEATTN_ERR_UNSUPPORTED || st == TREEATTN_ERR_CUDA,
           "backward with sinks and dsinks without a GPU -> %d (%s): %s", st,
@@ -493,7 +494,7 @@ int main(int argc, char **argv) {
      * work (one built without says so first). */
     TreeattnParams det = {0.0, 0, 0.0, 0, 0, 0.0, NULL, 1};
     st = treeattn_cuda_attention_backward(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy, shape,
-                                          kv_end, pos, &det, dummy, dummy_lse, dummy, dummy,
+                                          kv_end, pos, NULL, &det, dummy, dummy_lse, dummy, dummy,
                                           dummy, dummy, NULL);
     CHECK(st == TREEATTN_ERR_UNSUPPORTED || st == TREEATTN_ERR_CUDA,
           "deterministic backward without a GPU -> %d (%s): %s", st, treeattn_status_name(st),
@@ -504,7 +505,7 @@ int main(int argc, char **argv) {
     int built = st == TREEATTN_ERR_CUDA;
     TreeattnParams bad_det = {0.0, 0, 0.0, 0, 0, 0.0, NULL, 2};
     st = treeattn_cuda_attention_backward(TREEATTN_BF16, 0, NULL, dummy, dummy, dummy, shape,
-                                          kv_end, pos, &bad_det, dummy, dummy_lse, dummy, dummy,
+                                          kv_end, pos, NULL, &bad_det, dummy, dummy_lse, dummy, dummy,
                                           dummy, dummy, NULL);
     CHECK(st == TREEATTN_ERR_UNSUPPORTED &&
               strstr(treeattn_last_error(), built ? "deterministic" : "built without CUDA") != NULL,
@@ -531,7 +532,7 @@ int main(int argc, char **argv) {
     float dummy_lse[4];
     TreeattnShape empty = {0, 4, 2, 64, 0};
     int32_t st = treeattn_cuda_attention_forward(TREEATTN_BF16, 0, stream, dummy, dummy, dummy,
-                                                 empty, kv_end, pos, NULL, dummy, dummy_lse);
+                                                 empty, kv_end, pos, NULL, NULL, dummy, dummy_lse);
     if (st == TREEATTN_ERR_UNSUPPORTED) {
       printf("the library was built without CUDA: %s\n", treeattn_last_error());
       treeattn_pack_free(pack);

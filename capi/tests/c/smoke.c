@@ -200,8 +200,8 @@ int main(int argc, char **argv) {
   double *o = malloc(nq * sizeof(double)), *lse = malloc(hq * L * sizeof(double));
   double *dq = malloc(nq * sizeof(double)), *dk = malloc(nkv * sizeof(double)),
          *dv = malloc(nkv * sizeof(double));
-  OK(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, o, lse));
-  OK(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, o, lse,
+  OK(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, NULL, o, lse));
+  OK(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, NULL, o, lse,
                                  d_o, dq, dk, dv, NULL));
 
   /* against the Rust API's result */
@@ -241,8 +241,8 @@ int main(int argc, char **argv) {
     double *vo = malloc(no * sizeof(double)), *vlse = malloc(hq * L * sizeof(double));
     double *vdq = malloc(nq * sizeof(double)), *vdk = malloc(nkv * sizeof(double)),
            *vdv = malloc(nv * sizeof(double)), dsinks[4];
-    OK(treeattn_attention_forward(TREEATTN_F64, q, k, vv, vshape, kv_end, pos, &var, vo, vlse));
-    OK(treeattn_attention_backward(TREEATTN_F64, q, k, vv, vshape, kv_end, pos, &var, vo, vlse,
+    OK(treeattn_attention_forward(TREEATTN_F64, q, k, vv, vshape, kv_end, pos, NULL, &var, vo, vlse));
+    OK(treeattn_attention_backward(TREEATTN_F64, q, k, vv, vshape, kv_end, pos, NULL, &var, vo, vlse,
                                    vdo, vdq, vdk, vdv, dsinks));
     double *varrays[] = {vo, vdq, vdk, vdv, dsinks};
     size_t vlens[] = {no, nq, nkv, nv, 4};
@@ -261,13 +261,13 @@ int main(int argc, char **argv) {
       CHECK(worst <= 1e-12, "%s differs from the Rust API's by %g", vnames[a], worst);
     }
     /* sinks without asking for their gradient; dsinks without sinks: refused */
-    OK(treeattn_attention_backward(TREEATTN_F64, q, k, vv, vshape, kv_end, pos, &var, vo, vlse,
+    OK(treeattn_attention_backward(TREEATTN_F64, q, k, vv, vshape, kv_end, pos, NULL, &var, vo, vlse,
                                    vdo, vdq, vdk, vdv, NULL));
-    FAILS(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, o, lse,
+    FAILS(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, NULL, o, lse,
                                       d_o, dq, dk, dv, dsinks),
           TREEATTN_ERR_SHAPE, "without attention sinks");
     TreeattnParams zero_window = {0.0, 0, 0.0, 0, 0, -1.0, NULL, 0};
-    FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &zero_window, o,
+    FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, &zero_window, o,
                                      lse),
           TREEATTN_ERR_UNSUPPORTED, "softcap");
     free(vv), free(vdo), free(vo), free(vlse), free(vdq), free(vdk), free(vdv);
@@ -295,8 +295,8 @@ int main(int argc, char **argv) {
     double *o2 = malloc(nq * sizeof(double)), *lse2 = malloc(hq * L * sizeof(double)),
            *dq2 = malloc(nq * sizeof(double)), *dk2 = malloc(nkv * sizeof(double)),
            *dv2 = malloc(nkv * sizeof(double));
-    OK(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &det, o2, lse2));
-    OK(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &det, o2, lse2, d_o,
+    OK(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, &det, o2, lse2));
+    OK(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, &det, o2, lse2, d_o,
                                    dq2, dk2, dv2, NULL));
     CHECK(memcmp(o2, o, nq * sizeof(double)) == 0, "deterministic: o differs on the host");
     CHECK(memcmp(dq2, dq, nq * sizeof(double)) == 0, "deterministic: dq differs on the host");
@@ -305,10 +305,10 @@ int main(int argc, char **argv) {
     int32_t bad_values[] = {2, -1, 255};
     for (size_t i = 0; i < sizeof bad_values / sizeof bad_values[0]; i++) {
       TreeattnParams bad_det = {0.0, 0, 0.0, 0, 0, 0.0, NULL, bad_values[i]};
-      FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &bad_det, o2,
+      FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, &bad_det, o2,
                                        lse2),
             TREEATTN_ERR_UNSUPPORTED, "deterministic");
-      FAILS(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &bad_det, o2,
+      FAILS(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, &bad_det, o2,
                                         lse2, d_o, dq2, dk2, dv2, NULL),
             TREEATTN_ERR_UNSUPPORTED, "deterministic");
     }
@@ -323,9 +323,9 @@ int main(int argc, char **argv) {
     double *dq2 = malloc(nq * sizeof(double)), *dk2 = malloc(nkv * sizeof(double)),
            *dv2 = malloc(nkv * sizeof(double));
     for (int layer = 0; layer < 2; layer++) {
-      OK(treeattn_attention_forward_mask(TREEATTN_F64, q, k, v, shape, mask, NULL, o2, lse2));
-      OK(treeattn_attention_backward_mask(TREEATTN_F64, q, k, v, shape, mask, NULL, o2, lse2,
-                                          d_o, dq2, dk2, dv2, NULL));
+      OK(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, NULL, NULL, mask, NULL, o2, lse2));
+      OK(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, NULL, NULL, mask, NULL, o2,
+                                     lse2, d_o, dq2, dk2, dv2, NULL));
       CHECK(memcmp(o, o2, nq * sizeof(double)) == 0, "o through the plan differs");
       CHECK(memcmp(lse, lse2, hq * L * sizeof(double)) == 0, "lse through the plan differs");
       CHECK(memcmp(dq, dq2, nq * sizeof(double)) == 0, "dq through the plan differs");
@@ -333,10 +333,16 @@ int main(int argc, char **argv) {
       CHECK(memcmp(dv, dv2, nkv * sizeof(double)) == 0, "dv through the plan differs");
     }
     TreeattnShape shorter = {L - 1, hq, hkv, d, 0};
-    FAILS(treeattn_attention_forward_mask(TREEATTN_F64, q, k, v, shorter, mask, NULL, o2, lse2),
-          TREEATTN_ERR_SHAPE, "plan of a pack of 16 tokens");
-    FAILS(treeattn_attention_forward_mask(TREEATTN_F64, q, k, v, shape, NULL, NULL, o2, lse2),
-          TREEATTN_ERR_NULL, "`mask`");
+    FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shorter, NULL, NULL, mask, NULL, o2, lse2),
+          TREEATTN_ERR_SHAPE, "mask plan is for 16 tokens");
+    /* No plan and no arrays: the arrays are missing; a plan and arrays:
+     * ambiguous, refused. */
+    FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, NULL, NULL, NULL, NULL, o2,
+                                     lse2),
+          TREEATTN_ERR_NULL, "`kv_end`");
+    FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, mask, NULL, o2,
+                                     lse2),
+          TREEATTN_ERR_PACK, "both a mask plan");
     treeattn_mask_plan_destroy(mask);
     treeattn_mask_plan_destroy(NULL);
     const uint32_t bad_kv[3] = {3, 0, 3};
@@ -347,7 +353,7 @@ int main(int argc, char **argv) {
     /* The former names, kept: the same type and functions. */
     TreeattnMask *old_name = NULL;
     OK(treeattn_mask_create(kv_end, pos, L, &old_name));
-    OK(treeattn_attention_forward_mask(TREEATTN_F64, q, k, v, shape, old_name, NULL, o2, lse2));
+    OK(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, NULL, NULL, old_name, NULL, o2, lse2));
     treeattn_mask_destroy(old_name);
     free(o2); free(lse2); free(dq2); free(dk2); free(dv2);
   }
@@ -364,7 +370,7 @@ int main(int argc, char **argv) {
   size_t threads = 0;
   OK(treeattn_get_threads(&threads));
   CHECK(threads == 1, "threads %zu after treeattn_set_threads(1)", threads);
-  OK(treeattn_attention_forward(TREEATTN_F32, qf, kf, vf, shape, kv_end, pos, NULL, of, lsef));
+  OK(treeattn_attention_forward(TREEATTN_F32, qf, kf, vf, shape, kv_end, pos, NULL, NULL, of, lsef));
   OK(treeattn_set_threads(0));
   double worst = 0.0;
   for (size_t i = 0; i < nq; i++) {
@@ -395,9 +401,9 @@ int main(int argc, char **argv) {
       kw[i] = float_of_bf16(kb[i]);
       vw[i] = float_of_bf16(vb[i]);
     }
-    OK(treeattn_attention_forward(TREEATTN_BF16, qb, kb, vb, shape, kv_end, pos, NULL, ob,
+    OK(treeattn_attention_forward(TREEATTN_BF16, qb, kb, vb, shape, kv_end, pos, NULL, NULL, ob,
                                   lseb));
-    OK(treeattn_attention_forward(TREEATTN_F32, qw, kw, vw, shape, kv_end, pos, NULL, ow,
+    OK(treeattn_attention_forward(TREEATTN_F32, qw, kw, vw, shape, kv_end, pos, NULL, NULL, ow,
                                   lsew));
     size_t bad = 0, rounded = 0;
     for (size_t i = 0; i < nq; i++) {
@@ -409,9 +415,9 @@ int main(int argc, char **argv) {
     CHECK(rounded > 0, "bf16 o: no value was rounded (the check above proves nothing)");
     /* the backward from the bf16 o: the f32 backward from the widened o */
     for (size_t i = 0; i < nq; i++) ow[i] = float_of_bf16(ob[i]);
-    OK(treeattn_attention_backward(TREEATTN_BF16, qb, kb, vb, shape, kv_end, pos, NULL, ob,
+    OK(treeattn_attention_backward(TREEATTN_BF16, qb, kb, vb, shape, kv_end, pos, NULL, NULL, ob,
                                    lseb, dob, dqb, dkb, dvb, NULL));
-    OK(treeattn_attention_backward(TREEATTN_F32, qw, kw, vw, shape, kv_end, pos, NULL, ow,
+    OK(treeattn_attention_backward(TREEATTN_F32, qw, kw, vw, shape, kv_end, pos, NULL, NULL, ow,
                                    lsew, dow, dqw, dkw, dvw, NULL));
     bad = 0;
     for (size_t i = 0; i < nq; i++) bad += dqb[i] != bf16_of(dqw[i]);
@@ -452,29 +458,29 @@ int main(int argc, char **argv) {
   CHECK(fabs(loss.loss_mean - want_sum / 3.5) <= 1e-12, "loss_mean %g", loss.loss_mean);
 
   /* --- bad input: a status code and a message, never a crash --------- */
-  FAILS(treeattn_attention_forward(TREEATTN_F64, NULL, k, v, shape, kv_end, pos, NULL, o, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, NULL, k, v, shape, kv_end, pos, NULL, NULL, o, lse),
         TREEATTN_ERR_NULL, "`q`");
-  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, NULL, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, NULL, NULL, lse),
         TREEATTN_ERR_NULL, "`o`");
   TreeattnShape bad_heads = {L, 3, 2, d, 0};
-  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, bad_heads, kv_end, pos, NULL, o, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, bad_heads, kv_end, pos, NULL, NULL, o, lse),
         TREEATTN_ERR_SHAPE, "kv_heads");
   uint32_t bad_kv_end[16];
   memcpy(bad_kv_end, kv_end, sizeof bad_kv_end);
   bad_kv_end[3] = 2; /* key 3 visible to no query, below itself */
-  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, bad_kv_end, pos, NULL, o, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, bad_kv_end, pos, NULL, NULL, o, lse),
         TREEATTN_ERR_PACK, "kv_end");
-  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, q, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, NULL, q, lse),
         TREEATTN_ERR_SHAPE, "overlaps");
   TreeattnParams rope = {0.0, 3, 10000.0, 0, 0, 0.0, NULL, 0};
-  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &rope, o, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, &rope, o, lse),
         TREEATTN_ERR_UNSUPPORTED, "rotary");
   TreeattnParams finite = {0.0, 0, 0.0, 1, 0, 0.0, NULL, 0};
   q[5] = NAN;
-  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, &finite, o, lse),
+  FAILS(treeattn_attention_forward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, &finite, o, lse),
         TREEATTN_ERR_NON_FINITE, "q");
   q[5] = 0.0;
-  FAILS(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, o, lse,
+  FAILS(treeattn_attention_backward(TREEATTN_F64, q, k, v, shape, kv_end, pos, NULL, NULL, o, lse,
                                     d_o, dq, dk, NULL, NULL),
         TREEATTN_ERR_NULL, "`dv`");
   TreeattnPack *bad = (TreeattnPack *)&failures;
@@ -501,13 +507,13 @@ int main(int argc, char **argv) {
   /* a dtype the host entries do not take, and a value that is no dtype */
   FAILS(treeattn_sdcc_forward_kl(TREEATTN_BF16, logits, rows, logits, rows, vocab, pairs,
                                  weights, 3, 1.0f, grad, &loss, NULL),
-        TREEATTN_ERR_UNSUPPORTED, "TREEATTN_BF16");
-  FAILS(treeattn_attention_backward((TreeattnDtype)7, q, k, v, shape, kv_end, pos, NULL, o, lse,
-                                    d_o, dq, dk, dv, NULL),
-        TREEATTN_ERR_UNSUPPORTED, "7 (not a TreeattnDtype)");
+        TREEATTN_ERR_UNSUPPORTED, "dtype bfloat16 is not supported");
+  FAILS(treeattn_attention_backward((TreeattnDtype)7, q, k, v, shape, kv_end, pos, NULL, NULL, o,
+                                    lse, d_o, dq, dk, dv, NULL),
+        TREEATTN_ERR_UNSUPPORTED, "dtype 7 is not a TreeattnDtype");
   FAILS(treeattn_sdcc_forward_kl((TreeattnDtype)42, logits, rows, logits, rows, vocab, pairs,
                                  weights, 3, 1.0f, grad, &loss, NULL),
-        TREEATTN_ERR_UNSUPPORTED, "42 (not a TreeattnDtype)");
+        TREEATTN_ERR_UNSUPPORTED, "dtype 42 is not a TreeattnDtype");
   CHECK(strcmp(treeattn_status_name(TREEATTN_ERR_PACK), "pack") == 0, "status name");
 
   treeattn_pack_free(pack);

@@ -269,9 +269,46 @@ fn cpu(threads: usize) -> Cpu {
     }
 }
 
-/// Tree attention forward on contiguous CPU buffers (see `treeattn.torch`).
+/// Where a call runs: `device = None`, on the host on the CPU backend
+/// (`threads`, 0 for the default); `device = n`, on CUDA device `n` on
+/// torch's stream `stream` (a `cudaStream_t` address).
+#[derive(Clone, Copy)]
+enum Place {
+    Host {
+        threads: usize,
+    },
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Cuda {
+        device: usize,
+        stream: usize,
+    },
+}
+
+impl Place {
+    /// `what`'s place, refused on a build without the kernels.
+    fn of(what: &str, device: Option<usize>, stream: usize, threads: usize) -> PyResult<Place> {
+        // One of the two is unused in each build.
+        let _ = (what, stream);
+        match device {
+            None => Ok(Place::Host { threads }),
+            #[cfg(feature = "cuda")]
+            Some(device) => Ok(Place::Cuda { device, stream }),
+            #[cfg(not(feature = "cuda"))]
+            Some(_) => Err(no_cuda_build(what)),
+        }
+    }
+}
+
+/// Tree attention forward (see `treeattn.torch`) on contiguous buffers: on
+/// the host (`device = None`; every buffer CPU memory) or on CUDA device
+/// `device` on torch's stream `stream` (q, k, v, o, lse and the sinks
+/// device memory, bf16 / f16 with an f32 lse; kv_end, position_ids and
+/// kv_start host int32 buffers; nothing is copied but the mask, and a
+/// `MaskPlan`'s device copy is uploaded by its first call, then reused).
+/// `sinks` `[q_heads]` of q's dtype (0: none), `kv_start` `[tokens]` read
+/// as u32 (0: none).
 #[pyfunction]
-#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0, plan=None, v_head_dim=None, window=None, softcap=None, sinks=0, kv_start=0))]
+#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0, plan=None, v_head_dim=None, window=None, softcap=None, sinks=0, kv_start=0, device=None, stream=0))]
 #[allow(clippy::too_many_arguments)]
 fn attention_forward(
     py: Python<'_>,
@@ -297,7 +334,10 @@ fn attention_forward(
     softcap: Option<f64>,
     sinks: usize,
     kv_start: usize,
+    device: Option<usize>,
+    stream: usize,
 ) -> PyResult<()> {
+    let place = Place::of("tree_attention", device, stream, threads)?;
     let var = Variants {
         v_head_dim,
         window,
@@ -320,17 +360,34 @@ fn attention_forward(
     py.detach(move || {
         guarded(|| {
             let a = raw_call(&dtype, c, p, plan.as_deref())?;
-            // SAFETY: the wrapper passes live contiguous CPU tensors of
-            // the sizes the call says.
-            unsafe { ffi::attention_forward(&cpu(threads), &a, o, lse) }.map_err(to_py)
+            // SAFETY: the wrapper passes live contiguous tensors of the
+            // sizes the call says, in the memory `place` says (torch's
+            // current stream of that device).
+            unsafe {
+                match place {
+                    Place::Host { threads } => ffi::attention_forward(&cpu(threads), &a, o, lse),
+                    #[cfg(feature = "cuda")]
+                    Place::Cuda { device, stream } => {
+                        ffi::cuda_attention_forward(device, stream, &a, o, lse)
+                    }
+                    #[cfg(not(feature = "cuda"))]
+                    Place::Cuda { .. } => unreachable!("refused by Place::of"),
+                }
+            }
+            .map_err(to_py)
         })
     })
 }
 
-/// Tree attention backward on contiguous CPU buffers (see `treeattn.torch`).
+/// Tree attention backward (see `attention_forward`): o, grad_out, dq,
+/// dk, dv like q, lse as the forward wrote it; with sinks, their gradient
+/// into `dsinks` (`[q_heads]`, q's dtype; 0: not asked for). On CUDA,
+/// `deterministic` sums dQ by the deterministic kernel (bit-identical run
+/// to run) instead of atomic adds (the default); the host backward is
+/// deterministic either way.
 #[pyfunction]
-#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0, plan=None, v_head_dim=None, window=None, softcap=None, sinks=0, dsinks=0, kv_start=0))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (dtype, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, threads=0, plan=None, v_head_dim=None, window=None, softcap=None, sinks=0, dsinks=0, kv_start=0, deterministic=false, device=None, stream=0))]
+#[allow(clippy::too_many_arguments, unused_variables)]
 fn attention_backward(
     py: Python<'_>,
     dtype: &str,
@@ -360,7 +417,11 @@ fn attention_backward(
     sinks: usize,
     dsinks: usize,
     kv_start: usize,
+    deterministic: bool,
+    device: Option<usize>,
+    stream: usize,
 ) -> PyResult<()> {
+    let place = Place::of("tree_attention", device, stream, threads)?;
     let var = Variants {
         v_head_dim,
         window,
@@ -393,46 +454,37 @@ fn attention_backward(
         guarded(|| {
             let a = raw_call(&dtype, c, p, plan.as_deref())?;
             // SAFETY: as for `attention_forward`.
-            unsafe { ffi::attention_backward(&cpu(threads), &a, &g) }.map_err(to_py)
+            unsafe {
+                match place {
+                    Place::Host { threads } => ffi::attention_backward(&cpu(threads), &a, &g),
+                    #[cfg(feature = "cuda")]
+                    Place::Cuda { device, stream } => {
+                        use treeattn::backend::cuda::DqMode;
+                        let mode = if deterministic {
+                            DqMode::Deterministic
+                        } else {
+                            DqMode::Atomic
+                        };
+                        ffi::cuda_attention_backward(device, stream, &a, &g, mode)
+                    }
+                    #[cfg(not(feature = "cuda"))]
+                    Place::Cuda { .. } => unreachable!("refused by Place::of"),
+                }
+            }
+            .map_err(to_py)
         })
     })
 }
 
-/// The SDCC call of the wrapper: student and teacher rows both index
-/// `logits` (`rows × vocab`); the pairs are two int64 columns.
-#[allow(clippy::too_many_arguments)]
-fn raw_sdcc(
-    dtype: &str,
-    logits: usize,
-    rows: usize,
-    vocab: usize,
-    student_rows: usize,
-    teacher_rows: usize,
-    pairs: usize,
-    weights: usize,
-    tau: f32,
-) -> PyResult<ffi::RawSdcc> {
-    Ok(ffi::RawSdcc {
-        dtype: ffi::Dtype::from_name(dtype).map_err(to_py)?,
-        student: logits,
-        student_rows: rows,
-        teacher: logits,
-        teacher_rows: rows,
-        vocab,
-        pairs: ffi::RawPairs::Columns {
-            student: student_rows,
-            teacher: teacher_rows,
-        },
-        n_pairs: pairs,
-        weights,
-        temperature: tau,
-    })
-}
-
-/// SDCC forward KL on contiguous CPU buffers (see `treeattn.torch`):
-/// returns `(loss_sum, loss_mean, kl_per_pair)`.
+/// SDCC forward KL (see `treeattn.torch`): student and teacher rows (two
+/// int64 host columns of `pairs` entries) both index `logits` (`rows ×
+/// vocab`), one f32 host weight each; the gradient of `Σ w·KL` goes to
+/// `grad` (like `logits` on the host; f32 on CUDA). On the host
+/// (`device = None`) or on CUDA device `device` on torch's stream `stream`
+/// (logits and grad device memory; waits for the stream once). Returns
+/// `(loss_sum, loss_mean, kl_per_pair)`.
 #[pyfunction]
-#[pyo3(signature = (dtype, logits, rows, vocab, student_rows, teacher_rows, pairs, weights, tau, grad, threads=0))]
+#[pyo3(signature = (dtype, logits, rows, vocab, student_rows, teacher_rows, pairs, weights, tau, grad, threads=0, device=None, stream=0))]
 #[allow(clippy::too_many_arguments)]
 fn sdcc_forward_kl(
     py: Python<'_>,
@@ -447,29 +499,47 @@ fn sdcc_forward_kl(
     tau: f32,
     grad: usize,
     threads: usize,
+    device: Option<usize>,
+    stream: usize,
 ) -> PyResult<(f64, f64, Vec<f64>)> {
-    let c = raw_sdcc(
-        dtype,
-        logits,
-        rows,
+    let place = Place::of("sdcc_forward_kl", device, stream, threads)?;
+    let c = ffi::RawSdcc {
+        dtype: ffi::Dtype::from_name(dtype).map_err(to_py)?,
+        student: logits,
+        student_rows: rows,
+        teacher: logits,
+        teacher_rows: rows,
         vocab,
-        student_rows,
-        teacher_rows,
-        pairs,
+        pairs: ffi::RawPairs::Columns {
+            student: student_rows,
+            teacher: teacher_rows,
+        },
+        n_pairs: pairs,
         weights,
-        tau,
-    )?;
+        temperature: tau,
+    };
     py.detach(move || {
         guarded(|| {
             // SAFETY: as for `attention_forward`.
-            let loss = unsafe { ffi::sdcc_forward_kl(&cpu(threads), &c, grad) }.map_err(to_py)?;
+            let loss = unsafe {
+                match place {
+                    Place::Host { threads } => ffi::sdcc_forward_kl(&cpu(threads), &c, grad),
+                    #[cfg(feature = "cuda")]
+                    Place::Cuda { device, stream } => {
+                        ffi::cuda_sdcc_forward_kl(device, stream, &c, grad)
+                    }
+                    #[cfg(not(feature = "cuda"))]
+                    Place::Cuda { .. } => unreachable!("refused by Place::of"),
+                }
+            }
+            .map_err(to_py)?;
             Ok((loss.loss_sum, loss.loss_mean, loss.per_pair))
         })
     })
 }
 
 /// Whether this extension was built with the crate's `cuda` feature (the
-/// device entries below then run the kernels; otherwise they raise).
+/// entries then run the kernels for `device = n`; otherwise they raise).
 #[pyfunction]
 fn cuda_built() -> bool {
     cfg!(feature = "cuda")
@@ -490,219 +560,6 @@ fn no_cuda_build(what: &str) -> PyErr {
          MATURIN_PEP517_ARGS=\"--features cuda\" pip install ./python, nvcc 13 on PATH or in \
          TREEATTN_NVCC), or move the tensors to the CPU"
     ))
-}
-
-/// Tree attention forward on CUDA tensors (see `treeattn.torch`): q, k, v,
-/// o device addresses (bf16 / f16), lse an f32 device buffer `[q_heads,
-/// tokens]`, kv_end and position_ids host int32 buffers; `sinks` a device
-/// buffer `[q_heads]` of q's dtype (0: none), `kv_start` a host int32
-/// buffer `[tokens]` read as u32 (0: none); enqueued on `stream` (torch's
-/// current stream of `device`) through the crate's device entries
-/// (`treeattn::ffi::cuda_attention_forward`): the kernels are loaded once
-/// per device into its primary context (torch's), no context or stream is
-/// created, nothing is copied but the mask (a `MaskPlan`'s device copy is
-/// uploaded by its first call, then reused).
-#[pyfunction]
-#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None, v_head_dim=None, window=None, softcap=None, sinks=0, kv_start=0))]
-#[allow(clippy::too_many_arguments, unused_variables)]
-fn cuda_attention_forward(
-    py: Python<'_>,
-    dtype: &str,
-    device: usize,
-    stream: usize,
-    q: usize,
-    k: usize,
-    v: usize,
-    kv_end: usize,
-    position_ids: usize,
-    o: usize,
-    lse: usize,
-    tokens: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    scale: f64,
-    rope_base: Option<f64>,
-    rope_dims: Option<usize>,
-    plan: Option<&PyMaskPlan>,
-    v_head_dim: Option<usize>,
-    window: Option<u32>,
-    softcap: Option<f64>,
-    sinks: usize,
-    kv_start: usize,
-) -> PyResult<()> {
-    #[cfg(feature = "cuda")]
-    {
-        let var = Variants {
-            v_head_dim,
-            window,
-            softcap,
-        };
-        let c = attn_call(
-            tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims, var,
-        );
-        let p = Ptrs {
-            q,
-            k,
-            v,
-            kv_end,
-            pos: position_ids,
-            sinks,
-            key_starts: kv_start,
-        };
-        let dtype = dtype.to_string();
-        let plan = plan.map(|pl| pl.0.clone());
-        py.detach(move || {
-            guarded(|| {
-                let a = raw_call(&dtype, c, p, plan.as_deref())?;
-                // SAFETY: the wrapper passes torch's current stream of
-                // `device` and live contiguous tensors of the call's sizes
-                // (device for q, k, v, o, lse, sinks; host for the mask
-                // and key starts).
-                unsafe { ffi::cuda_attention_forward(device, stream, &a, o, lse) }.map_err(to_py)
-            })
-        })
-    }
-    #[cfg(not(feature = "cuda"))]
-    Err(no_cuda_build("tree_attention"))
-}
-
-/// Tree attention backward on CUDA tensors (see `cuda_attention_forward`):
-/// o, grad_out, dq, dk, dv in q's dtype, lse f32; with sinks, the sinks'
-/// gradient into the device buffer `dsinks` (`[q_heads]`, q's dtype; 0:
-/// not asked for). `deterministic`: dQ by the deterministic kernel
-/// (bit-identical run to run) instead of atomic adds (the default).
-#[pyfunction]
-#[pyo3(signature = (dtype, device, stream, q, k, v, kv_end, position_ids, o, lse, grad_out, dq, dk, dv, tokens, q_heads, kv_heads, head_dim, scale, rope_base=None, rope_dims=None, plan=None, v_head_dim=None, window=None, softcap=None, sinks=0, dsinks=0, kv_start=0, deterministic=false))]
-#[allow(clippy::too_many_arguments, unused_variables)]
-fn cuda_attention_backward(
-    py: Python<'_>,
-    dtype: &str,
-    device: usize,
-    stream: usize,
-    q: usize,
-    k: usize,
-    v: usize,
-    kv_end: usize,
-    position_ids: usize,
-    o: usize,
-    lse: usize,
-    grad_out: usize,
-    dq: usize,
-    dk: usize,
-    dv: usize,
-    tokens: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    scale: f64,
-    rope_base: Option<f64>,
-    rope_dims: Option<usize>,
-    plan: Option<&PyMaskPlan>,
-    v_head_dim: Option<usize>,
-    window: Option<u32>,
-    softcap: Option<f64>,
-    sinks: usize,
-    dsinks: usize,
-    kv_start: usize,
-    deterministic: bool,
-) -> PyResult<()> {
-    #[cfg(feature = "cuda")]
-    {
-        use treeattn::backend::cuda::DqMode;
-        let var = Variants {
-            v_head_dim,
-            window,
-            softcap,
-        };
-        let c = attn_call(
-            tokens, q_heads, kv_heads, head_dim, scale, rope_base, rope_dims, var,
-        );
-        let p = Ptrs {
-            q,
-            k,
-            v,
-            kv_end,
-            pos: position_ids,
-            sinks,
-            key_starts: kv_start,
-        };
-        let g = ffi::RawGrads {
-            o,
-            lse,
-            d_o: grad_out,
-            dq,
-            dk,
-            dv,
-            dsinks,
-        };
-        let mode = if deterministic {
-            DqMode::Deterministic
-        } else {
-            DqMode::Atomic
-        };
-        let dtype = dtype.to_string();
-        let plan = plan.map(|pl| pl.0.clone());
-        py.detach(move || {
-            guarded(|| {
-                let a = raw_call(&dtype, c, p, plan.as_deref())?;
-                // SAFETY: as for `cuda_attention_forward`.
-                unsafe { ffi::cuda_attention_backward(device, stream, &a, &g, mode) }
-                    .map_err(to_py)
-            })
-        })
-    }
-    #[cfg(not(feature = "cuda"))]
-    Err(no_cuda_build("tree_attention"))
-}
-
-/// SDCC forward KL on CUDA logits (see `treeattn.torch`): pairs (int64
-/// student / teacher rows) and f32 weights on the host, the f32 gradient
-/// of `Σ w·KL` into the device buffer `grad`; returns `(loss_sum,
-/// loss_mean, kl_per_pair)` (waits for the stream once).
-#[pyfunction]
-#[pyo3(signature = (dtype, device, stream, logits, rows, vocab, student_rows, teacher_rows, pairs, weights, tau, grad))]
-#[allow(clippy::too_many_arguments, unused_variables)]
-fn cuda_sdcc_forward_kl(
-    py: Python<'_>,
-    dtype: &str,
-    device: usize,
-    stream: usize,
-    logits: usize,
-    rows: usize,
-    vocab: usize,
-    student_rows: usize,
-    teacher_rows: usize,
-    pairs: usize,
-    weights: usize,
-    tau: f32,
-    grad: usize,
-) -> PyResult<(f64, f64, Vec<f64>)> {
-    #[cfg(feature = "cuda")]
-    {
-        let c = raw_sdcc(
-            dtype,
-            logits,
-            rows,
-            vocab,
-            student_rows,
-            teacher_rows,
-            pairs,
-            weights,
-            tau,
-        )?;
-        py.detach(move || {
-            guarded(|| {
-                // SAFETY: as for `cuda_attention_forward` (pairs and
-                // weights on the host).
-                let loss = unsafe { ffi::cuda_sdcc_forward_kl(device, stream, &c, grad) }
-                    .map_err(to_py)?;
-                Ok((loss.loss_sum, loss.loss_mean, loss.per_pair))
-            })
-        })
-    }
-    #[cfg(not(feature = "cuda"))]
-    Err(no_cuda_build("sdcc_forward_kl"))
 }
 
 fn layout_of(name: &str) -> PyResult<Layout> {
@@ -1554,9 +1411,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kv_end_from_positions, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_built, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_isa, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_attention_forward, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_attention_backward, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_sdcc_forward_kl, m)?)?;
     m.add_class::<PyMaskPlan>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     let py = m.py();

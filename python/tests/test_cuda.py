@@ -50,23 +50,26 @@ def test_cuda_built_is_a_bool():
 
 @pytest.mark.skipif(tt.cuda_built(), reason="this build has the CUDA kernels")
 def test_native_entries_without_cuda_say_how_to_build():
+    # A device (device=n) on a build without the kernels: refused before
+    # any address is read.
     with pytest.raises(RuntimeError, match="--features cuda"):
-        _native.cuda_attention_forward("bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125)
+        _native.attention_forward("bfloat16", 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, device=0)
     with pytest.raises(RuntimeError, match="--features cuda"):
-        _native.cuda_attention_backward(
-            "bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125
+        _native.attention_backward(
+            "bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, device=0, stream=0
         )
     with pytest.raises(RuntimeError, match="--features cuda"):
-        _native.cuda_sdcc_forward_kl("float32", 0, 0, 0, 1, 1, 0, 0, 0, 0, 1.0, 0)
+        _native.sdcc_forward_kl("float32", 0, 1, 1, 0, 0, 0, 0, 1.0, 0, device=0)
     # The sinks, their gradient and explicit key starts are arguments of
-    # the device entries too.
+    # the device calls too.
     with pytest.raises(RuntimeError, match="--features cuda"):
-        _native.cuda_attention_forward(
-            "bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, sinks=0, kv_start=0
+        _native.attention_forward(
+            "bfloat16", 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, sinks=0, kv_start=0, device=0
         )
     with pytest.raises(RuntimeError, match="--features cuda"):
-        _native.cuda_attention_backward(
-            "bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, sinks=0, dsinks=0, kv_start=0
+        _native.attention_backward(
+            "bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, sinks=0, dsinks=0, kv_start=0,
+            device=0,
         )
 
 
@@ -78,15 +81,16 @@ def test_cuda_build_without_a_gpu_says_so():
     # are never touched: the backend fails before any launch.
     ke, pos = torch.tensor([1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="no CUDA driver|CUDA device"):
-        _native.cuda_attention_forward(
-            "bfloat16", 0, 0, 256, 256, 256, ke.data_ptr(), pos.data_ptr(), 256, 256, 1, 1, 1, 64, 0.125
+        _native.attention_forward(
+            "bfloat16", 256, 256, 256, ke.data_ptr(), pos.data_ptr(), 256, 256, 1, 1, 1, 64, 0.125,
+            device=0, stream=0,
         )
     # With sinks and their gradient: the same clean failure (not a refusal).
     ks = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="no CUDA driver|CUDA device"):
-        _native.cuda_attention_backward(
-            "bfloat16", 0, 0, 256, 256, 256, ke.data_ptr(), pos.data_ptr(), 256, 256, 256, 256, 256, 256,
-            1, 1, 1, 64, 0.125, sinks=256, dsinks=256, kv_start=ks.data_ptr(),
+        _native.attention_backward(
+            "bfloat16", 256, 256, 256, ke.data_ptr(), pos.data_ptr(), 256, 256, 256, 256, 256, 256,
+            1, 1, 1, 64, 0.125, sinks=256, dsinks=256, kv_start=ks.data_ptr(), device=0, stream=0,
         )
 
 

@@ -112,16 +112,18 @@ def test_the_ops_take_deterministic_and_pass_opcheck(gen):
 
 @pytest.mark.skipif(tt.cuda_built(), reason="this build has the CUDA kernels")
 def test_the_native_backward_takes_deterministic():
-    # A keyword of the device backward entry in every build (a build
-    # without the kernels raises, after accepting it).
+    # A keyword of the backward entry in every build (a build without the
+    # kernels raises for a device, after accepting it).
     for det in (False, True):
         with pytest.raises(RuntimeError, match="--features cuda"):
-            _native.cuda_attention_backward(
-                "bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, deterministic=det
+            _native.attention_backward(
+                "bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, deterministic=det,
+                device=0, stream=0,
             )
     with pytest.raises(TypeError):
-        _native.cuda_attention_backward(
-            "bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, deterministic="yes"
+        _native.attention_backward(
+            "bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, deterministic="yes",
+            device=0,
         )
 
 

@@ -32,9 +32,6 @@ __all__ = [
     "summary_segments_of",
     "cuda_built",
     "cpu_isa",
-    "cuda_attention_forward",
-    "cuda_attention_backward",
-    "cuda_sdcc_forward_kl",
     "MaskPlan",
     "__version__",
     "TreeattnError",
@@ -103,6 +100,8 @@ def attention_forward(
     softcap: Optional[float] = None,
     sinks: int = 0,
     kv_start: int = 0,
+    device: Optional[int] = None,
+    stream: int = 0,
 ) -> None: ...
 def attention_backward(
     dtype: str,
@@ -132,6 +131,9 @@ def attention_backward(
     sinks: int = 0,
     dsinks: int = 0,
     kv_start: int = 0,
+    deterministic: bool = False,
+    device: Optional[int] = None,
+    stream: int = 0,
 ) -> None: ...
 def sdcc_forward_kl(
     dtype: str,
@@ -145,8 +147,11 @@ def sdcc_forward_kl(
     tau: float,
     grad: int,
     threads: int = 0,
+    device: Optional[int] = None,
+    stream: int = 0,
 ) -> Tuple[float, float, List[float]]:
-    """Returns ``(loss_sum, loss_mean, per_pair_kl)``."""
+    """Returns ``(loss_sum, loss_mean, per_pair_kl)``; on a device, waits
+    for ``stream``."""
 
 def pack(
     source: str,
@@ -269,74 +274,4 @@ def block_census(kv_end: int, tokens: int, block: int, window: Optional[int] = N
 
 def cuda_built() -> bool: ...
 def cpu_isa() -> str: ...
-def cuda_attention_forward(
-    dtype: str,
-    device: int,
-    stream: int,
-    q: int,
-    k: int,
-    v: int,
-    kv_end: int,
-    position_ids: int,
-    o: int,
-    lse: int,
-    tokens: int,
-    q_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    scale: float,
-    rope_base: Optional[float] = None,
-    rope_dims: Optional[int] = None,
-    plan: Optional[MaskPlan] = None,
-    v_head_dim: Optional[int] = None,
-    window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    sinks: int = 0,
-    kv_start: int = 0,
-) -> None: ...
-def cuda_attention_backward(
-    dtype: str,
-    device: int,
-    stream: int,
-    q: int,
-    k: int,
-    v: int,
-    kv_end: int,
-    position_ids: int,
-    o: int,
-    lse: int,
-    grad_out: int,
-    dq: int,
-    dk: int,
-    dv: int,
-    tokens: int,
-    q_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    scale: float,
-    rope_base: Optional[float] = None,
-    rope_dims: Optional[int] = None,
-    plan: Optional[MaskPlan] = None,
-    v_head_dim: Optional[int] = None,
-    window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    sinks: int = 0,
-    dsinks: int = 0,
-    kv_start: int = 0,
-    deterministic: bool = False,
-) -> None: ...
-def cuda_sdcc_forward_kl(
-    dtype: str,
-    device: int,
-    stream: int,
-    logits: int,
-    rows: int,
-    vocab: int,
-    student_rows: int,
-    teacher_rows: int,
-    pairs: int,
-    weights: int,
-    tau: float,
-    grad: int,
-) -> Tuple[float, float, List[float]]:
-    """Returns ``(loss_sum, loss_mean, per_pair_kl)``; waits for ``stream``."""
+

@@ -332,11 +332,12 @@ def _(q, k, v, kv_end, position_ids, scale, rope_base, rope_dims, threads, plan=
     ks = _key_starts(kv_start, L)
     o = q.new_empty((L, hq, dv))
     lse = torch.empty((hq, L), dtype=torch.float32, device=q.device)
-    _native.cuda_attention_forward(
-        _CUDA_NAMES.get(q.dtype, str(q.dtype)), q.get_device(), _stream(q),
+    _native.attention_forward(
+        _CUDA_NAMES.get(q.dtype, str(q.dtype)),
         _ptr(q), _ptr(k), _ptr(v), _ptr_opt(ke), _ptr_opt(pos), _ptr(o), _ptr(lse),
-        L, hq, hkv, d, scale, rope_base, rope_dims, native,
+        L, hq, hkv, d, scale, rope_base, rope_dims, 0, native,
         v_head_dim=dv, window=window, softcap=softcap, sinks=_ptr_opt(sinks), kv_start=_ptr_opt(ks),
+        device=q.get_device(), stream=_stream(q),
     )
     return o, lse
 
@@ -356,14 +357,14 @@ def _(q, k, v, kv_end, position_ids, o, lse, grad_out, scale, rope_base, rope_di
     dq, dk, dv = f(q), f(k), f(v)
     # The sinks' gradient on the device in q's dtype ([0] without sinks).
     dsinks = q.new_empty((hq if sinks is not None else 0,))
-    _native.cuda_attention_backward(
-        _CUDA_NAMES.get(q.dtype, str(q.dtype)), q.get_device(), _stream(q),
+    _native.attention_backward(
+        _CUDA_NAMES.get(q.dtype, str(q.dtype)),
         _ptr(q), _ptr(k), _ptr(v), _ptr_opt(ke), _ptr_opt(pos), _ptr(o), _ptr(lse), _ptr(grad_out),
         _ptr(dq), _ptr(dk), _ptr(dv),
-        L, hq, hkv, d, scale, rope_base, rope_dims, native,
+        L, hq, hkv, d, scale, rope_base, rope_dims, 0, native,
         v_head_dim=dv_, window=window, softcap=softcap, sinks=_ptr_opt(sinks),
         dsinks=_ptr(dsinks) if sinks is not None else 0, kv_start=_ptr_opt(ks),
-        deterministic=bool(deterministic),
+        deterministic=bool(deterministic), device=q.get_device(), stream=_stream(q),
     )
     return dq, dk, dv, dsinks
 
@@ -1164,9 +1165,10 @@ def _(logits, student_rows, teacher_rows, weights, tau, threads):
     t = teacher_rows.to("cpu", torch.int64).contiguous()
     w = weights.to("cpu", torch.float32).contiguous()
     grad = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
-    _loss_sum, loss_mean, per_pair = _native.cuda_sdcc_forward_kl(
-        _CUDA_NAMES.get(logits.dtype, str(logits.dtype)), logits.get_device(), _stream(logits),
+    _loss_sum, loss_mean, per_pair = _native.sdcc_forward_kl(
+        _CUDA_NAMES.get(logits.dtype, str(logits.dtype)),
         _ptr(logits), rows, vocab, _ptr(s), _ptr(t), s.numel(), _ptr(w), tau, _ptr(grad),
+        device=logits.get_device(), stream=_stream(logits),
     )
     wsum = float(w.to(torch.float64).clamp_min(0).sum())
     if wsum > 0:

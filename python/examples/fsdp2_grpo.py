@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import pathlib
-import socket
 import tempfile
 
 import torch
@@ -72,9 +71,9 @@ def step_loss(model, pack, adv, old, normalizer):
 
 
 def run(rank, world, args, out):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(args.port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=args.init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     try:
         treeattn.hf.register()
         from torch.distributed.device_mesh import init_device_mesh
@@ -147,10 +146,9 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        args.port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
+        # The ranks meet at a file store (one machine): no TCP port to pick.
+        args.init = "file://" + os.path.join(tmp, "rendezvous")
         out = os.path.join(tmp, "rank0.pt")
         mp.spawn(run, args=(args.world, args, out), nprocs=args.world, join=True)
         total, grads, after = torch.load(out)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import socket
 import traceback
 
 import pytest
@@ -118,18 +117,16 @@ def tiny_llama():
 # spawning
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(tmp_path):
+    """A file store for the process group: no TCP port to pick, so no race
+    with another process taking a port between its choice and its bind."""
+    return f"file://{tmp_path / 'rendezvous'}"
 
 
-def _entry(rank, fn, port, errdir):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _entry(rank, fn, init, errdir):
     torch.set_num_threads(1)
     tt.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=TIMEOUT)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD, timeout=TIMEOUT)
     try:
         fn(rank)
     except BaseException:
@@ -144,7 +141,7 @@ def _spawn(fn, tmp_path):
     """Runs fn(rank) on WORLD gloo processes; a failure shows each failing
     rank's traceback."""
     try:
-        mp.spawn(_entry, args=(fn, _free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+        mp.spawn(_entry, args=(fn, _rendezvous(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)
     except Exception as e:
         msgs = sorted(p.read_text() for p in tmp_path.glob("rank*.txt"))
         raise AssertionError("\n".join(msgs) or str(e)) from None

@@ -540,12 +540,12 @@ def test_whiten_errors_name_the_argument():
 # many processes
 
 
-def _rl_rank(rank, world, port, rollouts, advs, out):
+def _rl_rank(rank, world, init, rollouts, advs, out):
     import datetime
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         mine = [r for i, r in enumerate(rollouts) if i % world == rank]
@@ -575,13 +575,11 @@ def per_rollout(packs, std):
     return out
 
 
-def test_grpo_and_whiten_distributed_equal_one_process():
+def test_grpo_and_whiten_distributed_equal_one_process(tmp_path):
     """Two gloo ranks, each holding half of every group and half of the
     advantage tensors: the gathered GRPO statistics (group std and batch
     std) and the all-reduced whitening give what one process holding all
     gives."""
-    import socket
-
     import torch.multiprocessing as mp
 
     rs = [r for r in sample_rollouts(seed=11) if r["id"].startswith("grpo")]
@@ -590,12 +588,11 @@ def test_grpo_and_whiten_distributed_equal_one_process():
     g = torch.Generator().manual_seed(3)
     advs = [torch.randn(n, generator=g, dtype=torch.float64) for n in (4, 7, 2, 5)]
     want_w = treeattn.rl.whiten(advs)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # A file store: no TCP port to pick, so no race for it.
+    init = f"file://{tmp_path / 'rendezvous'}"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rl_rank, args=(r, 2, port, rs, advs, q)) for r in range(2)]
+    procs = [ctx.Process(target=_rl_rank, args=(r, 2, init, rs, advs, q)) for r in range(2)]
     for p in procs:
         p.start()
     got = {}
@@ -620,14 +617,14 @@ def test_grpo_and_whiten_distributed_equal_one_process():
     assert (alone_w[0] - want_w[0]).abs().max() > 1e-3
 
 
-def _identity_rank(rank, port, held, out):
+def _identity_rank(rank, init, held, out):
     """Rank `rank` of 2 holds the rollouts `held[phase][rank]` in each
     phase; reports per phase {id: advantage} or the ValueError's text."""
     import datetime
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=init, rank=rank,
                             world_size=2, timeout=datetime.timedelta(seconds=60))
     try:
         res = []
@@ -644,12 +641,10 @@ def _identity_rank(rank, port, held, out):
         dist.destroy_process_group()
 
 
-def test_grpo_rollout_identity_across_ranks():
+def test_grpo_rollout_identity_across_ranks(tmp_path):
     """distributed=True: the same rollout on both ranks (as under context
     parallelism) counts once; one id on two different rollouts of two ranks
     is refused on every rank, naming the id and the ranks."""
-    import socket
-
     import torch.multiprocessing as mp
 
     a = group_file(["r0", "r1", "r2"], [1.0, 0.0, 1.0], 1)
@@ -658,12 +653,10 @@ def test_grpo_rollout_identity_across_ranks():
         [a, [a[0], other[1]]],  # r0 on both ranks, the same rollout
         [a, other],             # r0 on both ranks, two rollouts
     ]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    init = f"file://{tmp_path / 'rendezvous'}"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_identity_rank, args=(r, port, held, q)) for r in range(2)]
+    procs = [ctx.Process(target=_identity_rank, args=(r, init, held, q)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=120) for _ in procs)

@@ -16,7 +16,6 @@ one rank as in the single process); compiled and checkpointed runs ≤ 1e-12.
 import datetime
 import math
 import os
-import socket
 import traceback
 
 import pytest
@@ -94,17 +93,15 @@ def single_process_reference():
 # spawning (as test_distributed.py: gloo on 127.0.0.1, a timeout everywhere)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(tmp_path):
+    """A file store for the process group: no TCP port to pick, so no race
+    with another process taking a port between its choice and its bind."""
+    return f"file://{tmp_path / 'rendezvous'}"
 
 
-def _entry(rank, fn, port, errdir, ref):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _entry(rank, fn, init, errdir, ref):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=TIMEOUT)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD, timeout=TIMEOUT)
     try:
         fn(rank, ref)
     except BaseException:
@@ -117,7 +114,7 @@ def _entry(rank, fn, port, errdir, ref):
 
 def _spawn(fn, tmp_path, ref):
     try:
-        mp.spawn(_entry, args=(fn, _free_port(), str(tmp_path), ref), nprocs=WORLD, join=True)
+        mp.spawn(_entry, args=(fn, _rendezvous(tmp_path), str(tmp_path), ref), nprocs=WORLD, join=True)
     except Exception as e:
         msgs = sorted(p.read_text() for p in tmp_path.glob("rank*.txt"))
         raise AssertionError("\n".join(msgs) or str(e)) from None

@@ -317,6 +317,9 @@ __device__ __forceinline__ float ta_bwd_lse2(float l, bool in_pack) {
 // The tile loader's skip (tile_load.cuh) for Q and dO rows: a query that sees
 // no key (LSE = −inf) is loaded as zeros, so that what its rows hold never
 // reaches dK or dV through 0 · NaN (DESIGN §5); `lse` is the head's row.
+// The deterministic dQ kernel's one load of its query tile; the main
+// kernels, which stage a query tile per step, zero such rows after the
+// copy instead (ta_zero_query_row).
 struct TaBlindQuery {
     const float* lse;
     __device__ __forceinline__ bool operator()(uint32_t row) const { return lse[row] == -INFINITY; }
@@ -332,6 +335,26 @@ struct TaBlindQueryVar {
         return key_start != nullptr ? TA_BLIND_ROW(key_start, row) : lse[row] == -INFINITY;
     }
 };
+
+// The backward main kernels' blind rows (issue 39): a query row that sees
+// no key is copied with its tile like any other — its copy no longer waits
+// on a global load of its LSE (TaBlindQuery) before it can issue — and the
+// thread that staged the row's LSE, knowing it blind after its own wait,
+// zeroes the row's Q and dO in shared memory after the barrier that
+// publishes the tile (__syncthreads_or tells every thread whether the tile
+// has one; a second barrier follows only then, so a tile without blind rows
+// — nearly all of them — costs one barrier as before). The result is the
+// skip's: what a blind row holds never reaches dK or dV through 0 · NaN
+// (DESIGN §5). `q`, `d_o`: the tile's buffers; `r` the row in the tile.
+template <int D, int RS>
+__device__ __forceinline__ void ta_zero_query_row(uint16_t* q, uint16_t* d_o, unsigned r) {
+    const ta_vec16 z{0u, 0u, 0u, 0u};
+#pragma unroll 1
+    for (int c = 0; c < D; c += 8) {
+        *reinterpret_cast<ta_vec16*>(q + r * RS + c) = z;
+        *reinterpret_cast<ta_vec16*>(d_o + r * RS + c) = z;
+    }
+}
 
 // The variants' score -> probability step of the backward, for one element
 // of S (raw scores, the mma's q·k): P = exp2(s'·scale_log2 − lse2) with s'
@@ -611,15 +634,9 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
     static_assert(BM <= Tr::kThreads, "one row's LSE and D per thread");
     uint32_t* const sstart = reinterpret_cast<uint32_t*>(smem_raw + (kVar ? Tr::kOffStarts : 0));
     auto stage = [&](uint32_t head, uint32_t qt, int b) {
-        if constexpr (kVar) {
-            const TaBlindQueryVar blind{p.lse + (size_t)head * L, p.key_start};
-            ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind);
-            ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind);
-        } else {
-            const TaBlindQuery blind{p.lse + (size_t)head * L};
-            ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind);
-            ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind);
-        }
+        // Every row inside the pack, blind ones too (ta_zero_query_row).
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head);
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head);
         if (threadIdx.x < BM) {
             const uint32_t row = qt * BM + threadIdx.x;
             const size_t at = (size_t)head * L + (row < L ? row : 0);
@@ -628,13 +645,21 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
             if (kVar && window) ta_cp_async_4(sstart + b * BM + threadIdx.x, p.key_start + (row < L ? row : 0), row < L);
         }
     };
-    auto lse2_in_place = [&](uint32_t qt, int b) {
+    // Returns whether the row is blind (inside the pack, no visible key:
+    // LSE −inf, or with key starts the host's mark, TA_BLIND_ROW).
+    auto lse2_in_place = [&](uint32_t qt, int b) -> bool {
+        bool blind = false;
         if (threadIdx.x < BM) {
             const uint32_t row = qt * BM + threadIdx.x;
             float* const x = slse + b * BM + threadIdx.x;
             const float l = *x;
+            if (kVar && window)
+                blind = row < L && sstart[b * BM + threadIdx.x] > row;
+            else
+                blind = row < L && l == -INFINITY;
             *x = row >= L || l == -INFINITY ? INFINITY : l < INFINITY ? l * TA_LOG2E : NAN;
         }
+        return blind;
     };
 
     float dk[kDTiles][4], dv[kDTiles][4];
@@ -654,8 +679,12 @@ __device__ __forceinline__ void tree_attn_bwd_main_body(const TreeAttnBwdParams&
         if (nqt != 0xffffffffu) stage(nhead, nqt, buf ^ 1);
         ta_cp_async_commit();
         ta_cp_async_wait<1>();  // tile (head, qt) has landed
-        lse2_in_place(qt, buf);
-        __syncthreads();
+        // Publishes the tile; one with a blind row zeroes it, then again.
+        const bool blind = lse2_in_place(qt, buf);
+        if (__syncthreads_or(blind)) {
+            if (blind) ta_zero_query_row<D, RS>(sq + buf * Tr::kQElems, sdo + buf * Tr::kQElems, threadIdx.x);
+            __syncthreads();
+        }
 
         const uint32_t q0 = qt * BM;
         const uint16_t* const qb = sq + buf * Tr::kQElems;
@@ -884,10 +913,10 @@ __device__ __forceinline__ void tree_attn_bwd_main2_body(const TreeAttnBwdParams
     // (lse2_in_place), before the barrier that publishes the tile.
     static_assert(BM <= Tr::kThreads, "one row's LSE and D per thread");
     auto stage = [&](uint32_t head, uint32_t qt, int b) {
-        // Queries that see no key load as zeros (DESIGN §5).
-        const TaBlindQuery blind{p.lse + (size_t)head * L};
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind);
-        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind);
+        // Every row inside the pack; blind ones are zeroed after the
+        // barrier (ta_zero_query_row, DESIGN §5).
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head);
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head);
         if (threadIdx.x < BM) {
             const uint32_t row = qt * BM + threadIdx.x;
             const size_t at = (size_t)head * L + (row < L ? row : 0);
@@ -896,14 +925,18 @@ __device__ __forceinline__ void tree_attn_bwd_main2_body(const TreeAttnBwdParams
         }
     };
     // LSE -> lse2 (ta_bwd_lse2's rule) for the row this thread staged into
-    // buffer b, once its copies have landed (after its own wait).
-    auto lse2_in_place = [&](uint32_t qt, int b) {
+    // buffer b, once its copies have landed (after its own wait); returns
+    // whether the row is blind (inside the pack, LSE −inf).
+    auto lse2_in_place = [&](uint32_t qt, int b) -> bool {
+        bool blind = false;
         if (threadIdx.x < BM) {
             const uint32_t row = qt * BM + threadIdx.x;
             float* const x = slse + b * BM + threadIdx.x;
             const float l = *x;
+            blind = row < L && l == -INFINITY;
             *x = row >= L || l == -INFINITY ? INFINITY : l < INFINITY ? l * TA_LOG2E : NAN;
         }
+        return blind;
     };
 
     // dK, dV of the warp's 32 keys: [m-tile][n-tile][4], 2 · 2 · D / 8 · 4
@@ -926,8 +959,12 @@ __device__ __forceinline__ void tree_attn_bwd_main2_body(const TreeAttnBwdParams
         if (nqt != 0xffffffffu) stage(nhead, nqt, buf ^ 1);
         ta_cp_async_commit();
         ta_cp_async_wait<1>();  // tile (head, qt) has landed
-        lse2_in_place(qt, buf);
-        __syncthreads();
+        // Publishes the tile; one with a blind row zeroes it, then again.
+        const bool blind = lse2_in_place(qt, buf);
+        if (__syncthreads_or(blind)) {
+            if (blind) ta_zero_query_row<D, RS>(sq + buf * Tr::kQElems, sdo + buf * Tr::kQElems, threadIdx.x);
+            __syncthreads();
+        }
 
         const uint32_t q0 = qt * BM;
         const uint16_t* const qb = sq + buf * Tr::kQElems;

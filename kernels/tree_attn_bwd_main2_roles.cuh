@@ -182,40 +182,41 @@ __device__ __forceinline__ void tree_attn_bwd_main2_roles_body(const TreeAttnBwd
     };
     uint32_t* const sstart = reinterpret_cast<uint32_t*>(smem_raw + (kVar ? Tr::kOffStarts : 0));
 
-    // Query tile qt of query head `head` -> buffer b: Q, dO (queries that see
-    // no key load as zeros) and the rows' LSE and D by cp.async in one group;
+    // Query tile qt of query head `head` -> buffer b: Q, dO (every row inside
+    // the pack; blind ones are zeroed after the barrier, ta_zero_query_row)
+    // and the rows' LSE and D by cp.async in one group;
     // the LSE lands raw and the thread that copied it turns it into lse2
     // after its own wait (lse2_in_place), before the barrier that publishes
     // the tile.
     auto stage = [&](uint32_t head, uint32_t qt, int b) {
-        auto with = [&](auto blind) {
-            const unsigned tid = ta_tid_fresh();
-            ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, blind, tid);
-            ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, blind,
-                                                  tid);
-            if (tid < BM) {
-                const uint32_t row = qt * BM + tid;
-                const size_t at = (size_t)head * L + (row < L ? row : 0);
-                ta_cp_async_4(slse + b * BM + tid, p.lse + at, row < L);
-                ta_cp_async_4(sdelta + b * BM + tid, p.delta + at, row < L);
-                if (kVar && window)
-                    ta_cp_async_4(sstart + b * BM + tid, p.key_start + (row < L ? row : 0), row < L);
-            }
-        };
-        // (The variant kernels: TaBlindQueryVar, blind rows by the key
-        // starts' mark.)
-        if constexpr (kVar)
-            with(TaBlindQueryVar{p.lse + (size_t)head * L, p.key_start});
-        else
-            with(TaBlindQuery{p.lse + (size_t)head * L});
+        const unsigned tid = ta_tid_fresh();
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sq + b * Tr::kQElems, p.q, qt * BM, L, p.q_heads, head, TaLoadAll{}, tid);
+        ta_load_tile<BM, D, RS, Tr::kThreads>(sdo + b * Tr::kQElems, p.d_o, qt * BM, L, p.q_heads, head, TaLoadAll{},
+                                              tid);
+        if (tid < BM) {
+            const uint32_t row = qt * BM + tid;
+            const size_t at = (size_t)head * L + (row < L ? row : 0);
+            ta_cp_async_4(slse + b * BM + tid, p.lse + at, row < L);
+            ta_cp_async_4(sdelta + b * BM + tid, p.delta + at, row < L);
+            if (kVar && window)
+                ta_cp_async_4(sstart + b * BM + tid, p.key_start + (row < L ? row : 0), row < L);
+        }
     };
-    auto lse2_in_place = [&](uint32_t qt, int b) {
+    // Returns whether the row is blind (inside the pack, no visible key:
+    // LSE −inf, or with key starts the host's mark, TA_BLIND_ROW).
+    auto lse2_in_place = [&](uint32_t qt, int b) -> bool {
+        bool blind = false;
         if (threadIdx.x < BM) {
             const uint32_t row = qt * BM + threadIdx.x;
             float* const x = slse + b * BM + threadIdx.x;
             const float l = *x;
+            if (kVar && window)
+                blind = row < L && sstart[b * BM + threadIdx.x] > row;
+            else
+                blind = row < L && l == -INFINITY;
             *x = row >= L || l == -INFINITY ? INFINITY : l < INFINITY ? l * TA_LOG2E : NAN;
         }
+        return blind;
     };
 
     // Row of the warp's 16-key m-tile m that lane passes to ldmatrix (A
@@ -248,10 +249,14 @@ __device__ __forceinline__ void tree_attn_bwd_main2_roles_body(const TreeAttnBwd
     int buf = 0;
     while (qt != 0xffffffffu) {
         ta_cp_async_wait<0>();  // tile (head, qt) has landed
-        lse2_in_place(qt, buf);
+        const bool blind = lse2_in_place(qt, buf);
         // Publishes the tile; every warp is also done with the other
-        // buffer and with P / dS of the previous tile.
-        __syncthreads();
+        // buffer and with P / dS of the previous tile. A tile with a blind
+        // row zeroes it, then waits again.
+        if (__syncthreads_or(blind)) {
+            if (blind) ta_zero_query_row<D, RS>(sq + buf * Tr::kQElems, sdo + buf * Tr::kQElems, threadIdx.x);
+            __syncthreads();
+        }
         uint32_t nhead = head, nqt = next_visit((qt + 1) * BM);
         // (The first tile again for the next head: the walk from 0 rather
         // than a register held across the loop.)

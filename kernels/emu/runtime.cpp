@@ -94,6 +94,11 @@ struct Block {
     unsigned char* smem = nullptr;
     std::string error;
     uint64_t cp_async_bytes = 0;  // over every block this worker ran
+    // __syncthreads_or: the predicates of the barrier being filled, and the
+    // result of the last one released (read by each thread right after its
+    // release, before it can reach the next barrier).
+    int bar_or = 0;
+    int bar_or_result = 0;
 #if TA_EMU_ASM_SWITCH
     void* main_sp = nullptr;
 #else
@@ -279,6 +284,13 @@ void syncthreads() {
     Fiber* f = g_cur;
     f->st = St::WaitBar;
     to_scheduler(f);
+}
+
+int syncthreads_or(int pred) {
+    Block& b = *g_cur->block;
+    if (pred) b.bar_or = 1;
+    syncthreads();
+    return b.bar_or_result;
 }
 
 // Deposits `in`, waits for the other 31 lanes, lets `fn` compute, returns with
@@ -636,6 +648,9 @@ static bool run_block(Block& b) {
                 b.error = buf;
                 return false;
             }
+            // Released: every live thread is at this barrier.
+            b.bar_or_result = b.bar_or;
+            b.bar_or = 0;
             for (Fiber& f : b.fibers) f.st = St::Runnable;
             continue;
         }

@@ -4,6 +4,7 @@
 // What a kernel may use (and nothing else from CUDA):
 //   threadIdx, blockIdx, blockDim, gridDim        (dim3, per fiber / per block)
 //   __syncthreads()                                (block barrier; divergence is an error)
+//   __syncthreads_or(pred)                         (the barrier, returning whether any thread's pred is nonzero)
 //   __syncwarp(mask)                               (warp convergence point)
 //   __shfl_sync / __shfl_xor_sync / __shfl_up_sync / __shfl_down_sync   (4- and 8-byte types)
 //   __ballot_sync / __any_sync / __all_sync
@@ -55,6 +56,7 @@ unsigned char* dynamic_smem();
 [[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
 void syncthreads();
+int syncthreads_or(int pred);
 
 // cp.async model: the source is read at issue; the destination is written
 // when a cp.async.wait_group retires the copy's group (the latest moment), so
@@ -100,6 +102,7 @@ uint16_t f32_to_f16(float f);
 #define TA_DYNAMIC_SMEM(name) unsigned char* name = ::ta_emu::dynamic_smem()
 
 inline void __syncthreads() { ::ta_emu::syncthreads(); }
+inline int __syncthreads_or(int pred) { return ::ta_emu::syncthreads_or(pred); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) { ::ta_emu::syncwarp(mask); }
 [[noreturn]] inline void __trap() { ::ta_emu::fail("__trap() called"); }
 

@@ -200,10 +200,21 @@ __global__ void throws(const SelfTestParams p) {
     __syncthreads();
 }
 
+// __syncthreads_or, three barriers in a row: thread t writes out[3t ..
+// 3t + 3] = the results with predicates (t == arg), 0 and (t == last
+// thread), so every thread of every block must read (arg < blockDim.x), 0,
+// 1: a result that leaks from one barrier into the next shows.
+__global__ void syncthreads_or_k(const SelfTestParams p) {
+    uint32_t* out = static_cast<uint32_t*>(p.out) + 3 * (blockIdx.x * blockDim.x + threadIdx.x);
+    out[0] = uint32_t(__syncthreads_or(int(threadIdx.x == p.arg)));
+    out[1] = uint32_t(__syncthreads_or(0));
+    out[2] = uint32_t(__syncthreads_or(int(threadIdx.x + 1 == blockDim.x)));
+}
+
 using SelfTestKernel = void (*)(const SelfTestParams);
 const SelfTestKernel kKernels[] = {ldmatrix_dump,   mma_chain,       shuffles, divergent_barrier, partial_mask,
                                    not_converged,   poison_read,     cp_async_groups, uneven_barriers,
-                                   missing_barrier, atomics,         throws};
+                                   missing_barrier, atomics,         throws,          syncthreads_or_k};
 constexpr uint32_t kNumKernels = sizeof kKernels / sizeof kKernels[0];
 
 }  // namespace

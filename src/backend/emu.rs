@@ -492,7 +492,8 @@ pub mod shim_selftest {
         MissingBarrier = 9,
         Atomics = 10,
         Throws = 11,
-        ThrowOnHost = 12,
+        SyncthreadsOr = 12,
+        ThrowOnHost = 13,
     }
 
     /// Launches a self-test kernel on `grid` blocks of `block` threads with

@@ -490,6 +490,37 @@ fn cp_async_outside_the_inputs_is_an_error() {
 }
 
 #[test]
+fn syncthreads_or_tells_every_thread_of_its_barrier_only() {
+    // 3 blocks of 96 threads under every schedule: barrier 1's predicate is
+    // one thread's (or none's), barrier 2's nobody's, barrier 3's the last
+    // thread's; each result is its own barrier's, in every thread.
+    let (blocks, threads) = (3u32, 96u32);
+    for opts in EmuOptions::all() {
+        for arg in [0u32, 37, 95, 96] {
+            let mut out = vec![0xffu8; (blocks * threads * 3 * 4) as usize];
+            // SAFETY: the kernel writes 3 u32 per thread.
+            calls::with_options(opts, || unsafe {
+                run(
+                    calls::options(),
+                    Kernel::SyncthreadsOr,
+                    &[],
+                    &mut out,
+                    arg,
+                    blocks,
+                    threads,
+                    0,
+                )
+            })
+            .unwrap();
+            let want = [u32::from(arg < threads), 0, 1];
+            for (t, got) in bytes_to_u32s(&out).chunks(3).enumerate() {
+                assert_eq!(got, want, "{opts:?} arg {arg} thread {t}");
+            }
+        }
+    }
+}
+
+#[test]
 fn atomics_are_atomic_across_blocks_and_threads() {
     // 24 blocks of 96 threads on two OS threads: lost updates would show.
     let (blocks, threads) = (24u32, 96u32);

@@ -285,11 +285,19 @@ enum Place {
 }
 
 impl Place {
-    /// `what`'s place, refused on a build without the kernels.
+    /// `what`'s place, refused on a build without the kernels. A stream
+    /// without a device, or CPU threads with one, is refused rather than
+    /// dropped.
     fn of(what: &str, device: Option<usize>, stream: usize, threads: usize) -> PyResult<Place> {
         // One of the two is unused in each build.
         let _ = (what, stream);
         match device {
+            None if stream != 0 => Err(PyValueError::new_err(format!(
+                "{what}: stream={stream:#x} without a device: a stream is for a CUDA call (device=n)"
+            ))),
+            Some(device) if threads != 0 => Err(PyValueError::new_err(format!(
+                "{what}: threads={threads} with device={device}: threads are the CPU backend's"
+            ))),
             None => Ok(Place::Host { threads }),
             #[cfg(feature = "cuda")]
             Some(device) => Ok(Place::Cuda { device, stream }),

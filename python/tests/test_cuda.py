@@ -73,6 +73,19 @@ def test_native_entries_without_cuda_say_how_to_build():
         )
 
 
+def test_native_entries_refuse_what_their_place_does_not_take():
+    # A stream without a device, CPU threads with one: refused, not dropped
+    # (before any address is read, in every build).
+    with pytest.raises(ValueError, match="without a device"):
+        _native.attention_forward("float32", 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, stream=5)
+    with pytest.raises(ValueError, match="without a device"):
+        _native.sdcc_forward_kl("float32", 0, 1, 1, 0, 0, 0, 0, 1.0, 0, stream=5)
+    with pytest.raises(ValueError, match="threads are the CPU backend's"):
+        _native.attention_backward(
+            "bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 64, 0.125, threads=2, device=0
+        )
+
+
 @pytest.mark.skipif(
     not tt.cuda_built() or torch.cuda.is_available(), reason="a cuda build on a machine without a GPU"
 )
